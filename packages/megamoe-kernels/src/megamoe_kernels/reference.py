@@ -1,0 +1,87 @@
+"""Pure-torch oracles for every kernel: fp32 accumulation, any device, no CuTe DSL.
+
+Shape legend: M rows of an expert batch (its capacity), E experts, H hidden size,
+I intermediate size. An expert batch is sorted expert-major and packed tight: expert e owns rows
+[expert_offsets[e], expert_offsets[e + 1]); rows past expert_offsets[E] are not data.
+
+The oracles read `expert_offsets` on the host (a sync), which is fine for an oracle and is why
+they are never on a hot path. Rows past the valid count come back as zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, computed in fp32."""
+    gate = gate.float()
+    return gate * torch.sigmoid(gate) * up.float()
+
+
+def _expert_row_ranges(expert_offsets: torch.Tensor) -> list[tuple[int, int, int]]:
+    offsets = expert_offsets.tolist()
+    return [
+        (expert, offsets[expert], offsets[expert + 1])
+        for expert in range(len(offsets) - 1)
+        if offsets[expert + 1] > offsets[expert]
+    ]
+
+
+def gate_up_swiglu_reference(
+    rows_MH: torch.Tensor, expert_offsets: torch.Tensor, w13_E2IH: torch.Tensor
+) -> torch.Tensor:
+    """silu(x Wg^T) * (x Wu^T) per expert; `w13_E2IH` holds gate rows [0, I) then up rows [I, 2I)."""
+    intermediate = w13_E2IH.shape[1] // 2
+    out_MI = torch.zeros(rows_MH.shape[0], intermediate, dtype=torch.float32, device=rows_MH.device)
+    for expert, start, end in _expert_row_ranges(expert_offsets):
+        gate_up = rows_MH[start:end].float() @ w13_E2IH[expert].float().t()
+        out_MI[start:end] = swiglu(gate_up[:, :intermediate], gate_up[:, intermediate:])
+    return out_MI
+
+
+def down_reference(
+    hidden_MI: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w2_EHI: torch.Tensor,
+    row_scale_M: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x W2^T per expert, each row optionally multiplied by `row_scale_M` (its routing weight)."""
+    out_MH = torch.zeros(
+        hidden_MI.shape[0], w2_EHI.shape[1], dtype=torch.float32, device=hidden_MI.device
+    )
+    for expert, start, end in _expert_row_ranges(expert_offsets):
+        out_MH[start:end] = hidden_MI[start:end].float() @ w2_EHI[expert].float().t()
+    if row_scale_M is not None:
+        out_MH *= row_scale_M.float().unsqueeze(-1)
+    return out_MH
+
+
+def expert_mlp_reference(
+    rows_MH: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w13_E2IH: torch.Tensor,
+    w2_EHI: torch.Tensor,
+    row_scale_M: torch.Tensor | None = None,
+    *,
+    round_intermediate_to: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The whole expert MLP, fp32 throughout.
+
+    `round_intermediate_to` rounds the SwiGLU output to a dtype before the down GEMM, as a kernel
+    that stores the intermediate in bf16 does; None keeps it in fp32 (the exact oracle).
+    """
+    hidden_MI = gate_up_swiglu_reference(rows_MH, expert_offsets, w13_E2IH)
+    if round_intermediate_to is not None:
+        hidden_MI = hidden_MI.to(round_intermediate_to)
+    return down_reference(hidden_MI, expert_offsets, w2_EHI, row_scale_M)
+
+
+def relative_l2_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| in float64; NaN anywhere gives NaN (never passes a bound)."""
+    actual64 = actual.detach().double()
+    expected64 = expected.detach().double()
+    denominator = expected64.norm()
+    if denominator == 0:
+        return float((actual64 - expected64).norm())
+    return float((actual64 - expected64).norm() / denominator)

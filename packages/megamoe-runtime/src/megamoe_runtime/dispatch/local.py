@@ -1,0 +1,155 @@
+"""Dispatch and combine on one GPU: sort the (token, expert) pairs expert-major.
+
+Shape legend: T tokens, K experts per token, H hidden size, E experts, M batch capacity.
+Everything stays on the device: counts by scatter-add, offsets by cumsum, a stable sort for a
+deterministic row order. The only host-side checks read shapes, never data, unless `check_ids`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megamoe_runtime.expert_batch import ExpertBatch
+
+
+@dataclass(frozen=True)
+class LocalHandle:
+    """What combine needs: where each (token, k) pair's row went, and its routing weight."""
+
+    row_of_pair_TK: torch.Tensor
+    topk_weights_TK: torch.Tensor
+    output_dtype: torch.dtype
+
+
+class LocalDispatcher:
+    """Dispatcher for one GPU holding all `num_experts` experts.
+
+    `capacity` fixes the batch's row count (>= tokens x top_k) so shapes never change between
+    calls, which CUDA-graph replay needs; None sizes each batch to exactly tokens x top_k.
+    `check_ids` validates expert ids on every call, which costs a host sync; callers whose ids come
+    from the router (always in range) turn it off.
+    """
+
+    def __init__(self, num_experts: int, *, capacity: int | None = None, check_ids: bool = True):
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        if capacity is not None and capacity < 0:
+            raise ValueError(f"capacity must be >= 0 or None, got {capacity}")
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts
+        self.capacity = capacity
+        self.check_ids = check_ids
+
+    def dispatch(
+        self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor
+    ) -> tuple[ExpertBatch, LocalHandle]:
+        validate_dispatch_inputs(x_TH, topk_ids_TK, topk_weights_TK)
+        tokens, top_k = topk_ids_TK.shape
+        num_pairs = tokens * top_k
+        capacity = num_pairs if self.capacity is None else self.capacity
+        if num_pairs > capacity:
+            raise ValueError(
+                f"{tokens} tokens x top_k {top_k} = {num_pairs} rows exceed the dispatcher's "
+                f"capacity {capacity}; raise capacity or send fewer tokens per call"
+            )
+        if self.check_ids:
+            check_expert_ids(topk_ids_TK, self.num_experts)
+        expert_of_pair = topk_ids_TK.reshape(-1).long()
+        # stable: equal experts keep token order, so the batch (and everything after) is deterministic
+        pair_of_row = torch.argsort(expert_of_pair, stable=True)
+        rows_MH = x_TH.new_empty(capacity, x_TH.shape[1])
+        rows_MH[:num_pairs] = x_TH[pair_of_row // top_k]
+        row_of_pair = torch.empty_like(pair_of_row)
+        row_of_pair[pair_of_row] = torch.arange(num_pairs, device=x_TH.device)
+        batch = ExpertBatch(
+            rows_MH=rows_MH,
+            expert_offsets=expert_offsets_from_ids(expert_of_pair, self.num_experts),
+        )
+        handle = LocalHandle(
+            row_of_pair_TK=row_of_pair.view(tokens, top_k),
+            topk_weights_TK=topk_weights_TK,
+            output_dtype=x_TH.dtype,
+        )
+        return batch, handle
+
+    def row_weights(self, batch: ExpertBatch, handle: LocalHandle) -> torch.Tensor:
+        """Routing weight of every batch row (float32, [capacity]), for kernels that apply the
+        weights in their epilogue; rows past the valid count get 0."""
+        weights_M = torch.zeros(batch.capacity, dtype=torch.float32, device=batch.rows_MH.device)
+        weights_M[handle.row_of_pair_TK.reshape(-1)] = handle.topk_weights_TK.reshape(-1).float()
+        return weights_M
+
+    def combine(
+        self, expert_out_MH: torch.Tensor, handle: LocalHandle, *, weights_applied: bool = False
+    ) -> torch.Tensor:
+        return weighted_sum_over_topk(
+            expert_out_MH,
+            handle.row_of_pair_TK,
+            None if weights_applied else handle.topk_weights_TK,
+            output_dtype=handle.output_dtype,
+        )
+
+
+def weighted_sum_over_topk(
+    expert_out_MH: torch.Tensor,
+    row_of_pair_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor | None,
+    *,
+    output_dtype: torch.dtype,
+) -> torch.Tensor:
+    """y[t] = sum over k = 0..K-1, in that order, of weight[t, k] * out[row[t, k]], in fp32."""
+    tokens, top_k = row_of_pair_TK.shape
+    y_TH = torch.zeros(
+        tokens, expert_out_MH.shape[1], dtype=torch.float32, device=expert_out_MH.device
+    )
+    for k in range(top_k):
+        contribution_TH = expert_out_MH[row_of_pair_TK[:, k]].float()
+        if topk_weights_TK is not None:
+            contribution_TH = contribution_TH * topk_weights_TK[:, k : k + 1].float()
+        y_TH += contribution_TH
+    return y_TH.to(output_dtype)
+
+
+def expert_offsets_from_ids(expert_of_pair: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int32 [E + 1] prefix sums of rows per expert, computed on the device (no sync)."""
+    counts_E = torch.zeros(num_experts, dtype=torch.int32, device=expert_of_pair.device)
+    counts_E.scatter_add_(
+        0, expert_of_pair.long(), torch.ones_like(expert_of_pair, dtype=torch.int32)
+    )
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=expert_of_pair.device)
+    torch.cumsum(counts_E, dim=0, dtype=torch.int32, out=offsets[1:])
+    return offsets
+
+
+def validate_dispatch_inputs(
+    x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor
+) -> None:
+    if x_TH.dim() != 2:
+        raise ValueError(f"x must be 2-D [tokens, hidden], got shape {tuple(x_TH.shape)}")
+    if topk_ids_TK.dim() != 2 or topk_ids_TK.shape[0] != x_TH.shape[0]:
+        raise ValueError(
+            f"topk_ids must be [tokens={x_TH.shape[0]}, top_k], got shape {tuple(topk_ids_TK.shape)}"
+        )
+    if topk_ids_TK.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids_TK.dtype}")
+    if topk_weights_TK.shape != topk_ids_TK.shape:
+        raise ValueError(
+            f"topk_weights shape {tuple(topk_weights_TK.shape)} must equal topk_ids shape "
+            f"{tuple(topk_ids_TK.shape)}"
+        )
+    for name, tensor in (("topk_ids", topk_ids_TK), ("topk_weights", topk_weights_TK)):
+        if tensor.device != x_TH.device:
+            raise ValueError(f"{name} is on {tensor.device} but x is on {x_TH.device}")
+
+
+def check_expert_ids(topk_ids_TK: torch.Tensor, num_experts: int) -> None:
+    """Raises on an id outside [0, num_experts). Reads the data: a host sync."""
+    if topk_ids_TK.numel() == 0:
+        return
+    low, high = int(topk_ids_TK.min()), int(topk_ids_TK.max())
+    if low < 0 or high >= num_experts:
+        raise ValueError(
+            f"topk_ids must lie in [0, {num_experts}); found values in [{low}, {high}]"
+        )

@@ -1,0 +1,28 @@
+"""The Dispatcher protocol every dispatch/combine implementation follows.
+
+Shape legend: T tokens of this rank, K experts per token, H hidden size, M batch capacity.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from megamoe_runtime.expert_batch import ExpertBatch
+
+
+class Dispatcher(Protocol):
+    num_local_experts: int
+
+    def dispatch(
+        self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor
+    ) -> tuple[ExpertBatch, Any]:
+        """Sends each token row to its K experts; returns the batch this rank computes and an
+        opaque handle for combine."""
+        ...
+
+    def combine(self, expert_out_MH: torch.Tensor, handle: Any) -> torch.Tensor:
+        """Returns y_TH: each token's K expert outputs weighted by its routing weights and summed
+        in a fixed order (deterministic)."""
+        ...

@@ -1,0 +1,53 @@
+"""ExpertBatch: the rows every expert-compute backend works on.
+
+Rows are sorted expert-major and packed tight (no per-expert padding). `expert_offsets` is
+GPU-resident int32 with E + 1 entries: expert e owns rows [offsets[e], offsets[e + 1]).
+`capacity` rows are allocated so shapes never change and CUDA graphs replay; the valid-row count
+is the device view `expert_offsets[-1:]`, never a host int. Rows past it are unspecified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ExpertBatch:
+    rows_MH: torch.Tensor
+    expert_offsets: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.rows_MH.dim() != 2:
+            raise ValueError(
+                f"rows_MH must be 2-D [capacity, hidden], got {tuple(self.rows_MH.shape)}"
+            )
+        if self.expert_offsets.dim() != 1 or self.expert_offsets.numel() < 2:
+            raise ValueError(
+                f"expert_offsets must be 1-D with num_experts + 1 >= 2 entries, "
+                f"got shape {tuple(self.expert_offsets.shape)}"
+            )
+        if self.expert_offsets.dtype != torch.int32:
+            raise TypeError(f"expert_offsets must be int32, got {self.expert_offsets.dtype}")
+        if self.expert_offsets.device != self.rows_MH.device:
+            raise ValueError(
+                f"expert_offsets on {self.expert_offsets.device} but rows on {self.rows_MH.device}"
+            )
+
+    @property
+    def capacity(self) -> int:
+        return self.rows_MH.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.rows_MH.shape[1]
+
+    @property
+    def num_experts(self) -> int:
+        return self.expert_offsets.numel() - 1
+
+    @property
+    def num_valid_rows(self) -> torch.Tensor:
+        """Device view of the valid-row count (shape [1]); reading it on the host syncs."""
+        return self.expert_offsets[-1:]

@@ -1,0 +1,48 @@
+"""The protocol every expert-compute backend follows.
+
+Expert compute sees an ExpertBatch and weights, nothing else: routing weights reach it only as an
+optional per-row scale (`row_scale_M`) that its down-projection epilogue may apply.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from megamoe_runtime.expert_batch import ExpertBatch
+from megamoe_runtime.weights import Unquantized
+
+
+class ExpertBackend(Protocol):
+    name: str
+
+    def prepare(self, weights: Unquantized) -> Any:
+        """Transforms the weights into this backend's layout; run once, the result is cached."""
+        ...
+
+    def __call__(
+        self, batch: ExpertBatch, prepared: Any, *, row_scale_M: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Returns expert_out_MH ([capacity, H], the rows' dtype); rows past the valid count are
+        unspecified."""
+        ...
+
+
+def check_batch_matches_weights(batch: ExpertBatch, weights: Unquantized) -> None:
+    if batch.num_experts != weights.num_experts:
+        raise ValueError(
+            f"batch has {batch.num_experts} experts but the weights hold {weights.num_experts}"
+        )
+    if batch.hidden_size != weights.hidden_size:
+        raise ValueError(
+            f"batch rows have hidden size {batch.hidden_size}, weights expect {weights.hidden_size}"
+        )
+    if batch.rows_MH.dtype != weights.w13_E2IH.dtype:
+        raise TypeError(
+            f"batch rows are {batch.rows_MH.dtype} but weights are {weights.w13_E2IH.dtype}"
+        )
+    if batch.rows_MH.device != weights.w13_E2IH.device:
+        raise ValueError(
+            f"batch on {batch.rows_MH.device} but weights on {weights.w13_E2IH.device}"
+        )

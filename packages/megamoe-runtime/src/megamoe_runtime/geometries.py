@@ -1,0 +1,70 @@
+"""The MoE geometries megamoe is measured on (shared/TARGETS.md), and their arithmetic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Geometry:
+    name: str
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    scoring: str = "softmax"
+    num_groups: int = 1
+    top_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    use_correction_bias: bool = False
+    num_shared_experts: int = 0
+
+    def expert_flops(self, rows: int) -> float:
+        """FLOPs of the expert MLP on `rows` routed rows: gate-up (2 x 2I x H) + down (2 x H x I)."""
+        return 6.0 * rows * self.hidden_size * self.intermediate_size
+
+    def expert_bytes(self, rows: int, active_experts: int, element_bytes: int = 2) -> float:
+        """Fewest bytes the expert MLP moves: each active expert's weights once, rows in and out,
+        and the intermediate written and read once."""
+        weights = 3 * active_experts * self.hidden_size * self.intermediate_size
+        activations = 2 * rows * self.hidden_size + 2 * rows * self.intermediate_size
+        return float(element_bytes * (weights + activations))
+
+
+GEOMETRIES: dict[str, Geometry] = {
+    geometry.name: geometry
+    for geometry in (
+        Geometry("qwen3-30b-a3b", 128, 8, 2048, 768),
+        Geometry("mixtral-8x7b", 8, 2, 4096, 14336),
+        Geometry(
+            "dsv3",
+            256,
+            8,
+            7168,
+            2048,
+            scoring="sigmoid",
+            num_groups=8,
+            top_groups=4,
+            routed_scaling_factor=2.5,
+            use_correction_bias=True,
+            num_shared_experts=1,
+        ),
+        Geometry("dsv3-ep8-local", 32, 1, 7168, 2048),
+        Geometry("gpt-oss-120b", 128, 4, 2880, 2880),
+        # small enough for a CPU: the demo's default there
+        Geometry("tiny-qwen3", 16, 4, 256, 128),
+    )
+}
+
+TOKEN_COUNTS = (1, 16, 128, 512, 2048, 8192)
+
+# Limits measured on the H200 (shared/TARGETS.md)
+H200_BF16_FLOPS = 788e12
+H200_HBM_BYTES_PER_S = 4.24e12
+
+
+def roofline_floor_seconds(geometry: Geometry, rows: int, active_experts: int) -> float:
+    return max(
+        geometry.expert_flops(rows) / H200_BF16_FLOPS,
+        geometry.expert_bytes(rows, active_experts) / H200_HBM_BYTES_PER_S,
+    )

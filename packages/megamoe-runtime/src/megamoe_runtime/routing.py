@@ -1,0 +1,120 @@
+"""Router: scores from logits, then top-k experts per token with their weights.
+
+Shape legend: T tokens, E experts, K experts per token (top-k).
+
+Semantics follow the model families megamoe serves:
+- softmax (Mixtral, Qwen2/3-MoE): softmax over E in fp32, top-k, optionally renormalised so the K
+  weights sum to one.
+- sigmoid (DeepSeek-V3): sigmoid scores; a per-expert correction bias is added for *choosing*
+  experts only; experts are split into groups, each group scored by the sum of its two best biased
+  scores, the best `top_groups` groups kept; top-k among their experts; the weights are the
+  unbiased scores, optionally renormalised, times `routed_scaling_factor`.
+
+Non-finite logits are not checked on the hot path (that would need a host sync): a token whose
+logits hold NaN gets NaN weights, so its output row is NaN and no other token is affected. Pass
+`check_finite=True` to raise instead (a host sync).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Scoring = Literal["softmax", "sigmoid"]
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    num_experts: int
+    top_k: int
+    scoring: Scoring = "softmax"
+    renormalize: bool = True
+    num_groups: int = 1
+    top_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    use_correction_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {self.num_experts}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}"
+            )
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
+        if self.num_groups < 1 or self.num_experts % self.num_groups:
+            raise ValueError(
+                f"num_groups must be >= 1 and divide num_experts={self.num_experts}, "
+                f"got {self.num_groups}"
+            )
+        if not 1 <= self.top_groups <= self.num_groups:
+            raise ValueError(
+                f"top_groups must be in [1, num_groups={self.num_groups}], got {self.top_groups}"
+            )
+        experts_in_kept_groups = self.top_groups * (self.num_experts // self.num_groups)
+        if self.top_k > experts_in_kept_groups:
+            raise ValueError(
+                f"top_k={self.top_k} exceeds the {experts_in_kept_groups} experts in the "
+                f"top_groups={self.top_groups} kept groups"
+            )
+        if self.num_groups > 1 and self.num_experts // self.num_groups < 2:
+            raise ValueError(
+                "grouped top-k scores a group by its two best experts: need >= 2 per group"
+            )
+        if self.use_correction_bias and self.scoring != "sigmoid":
+            raise ValueError("use_correction_bias applies to scoring='sigmoid' only")
+
+
+def route(
+    router_logits_TE: torch.Tensor,
+    config: RouterConfig,
+    *,
+    correction_bias_E: torch.Tensor | None = None,
+    check_finite: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (topk_ids_TK int32, topk_weights_TK float32). No host sync unless `check_finite`."""
+    if router_logits_TE.dim() != 2 or router_logits_TE.shape[1] != config.num_experts:
+        raise ValueError(
+            f"router_logits must have shape [tokens, num_experts={config.num_experts}], "
+            f"got {tuple(router_logits_TE.shape)}"
+        )
+    if not router_logits_TE.is_floating_point():
+        raise TypeError(f"router_logits must be floating point, got {router_logits_TE.dtype}")
+    if config.use_correction_bias and correction_bias_E is None:
+        raise ValueError("config.use_correction_bias is set but no correction_bias_E was given")
+    if check_finite and not bool(torch.isfinite(router_logits_TE).all()):
+        raise ValueError("router_logits hold NaN or Inf")
+    logits_TE = router_logits_TE.float()
+    if config.scoring == "softmax":
+        scores_TE = torch.softmax(logits_TE, dim=-1)
+        topk_weights_TK, topk_ids_TK = torch.topk(scores_TE, config.top_k, dim=-1)
+    else:
+        scores_TE = torch.sigmoid(logits_TE)
+        choice_TE = scores_TE
+        if config.use_correction_bias:
+            choice_TE = scores_TE + correction_bias_E.float().unsqueeze(0)
+        if config.num_groups > 1:
+            choice_TE = _mask_to_top_groups(choice_TE, config)
+        _, topk_ids_TK = torch.topk(choice_TE, config.top_k, dim=-1)
+        topk_weights_TK = scores_TE.gather(1, topk_ids_TK)
+    if config.renormalize:
+        denominator = topk_weights_TK.sum(dim=-1, keepdim=True)
+        if config.scoring == "sigmoid":
+            denominator = denominator + 1e-20
+        topk_weights_TK = topk_weights_TK / denominator
+    if config.routed_scaling_factor != 1.0:
+        topk_weights_TK = topk_weights_TK * config.routed_scaling_factor
+    return topk_ids_TK.to(torch.int32), topk_weights_TK
+
+
+def _mask_to_top_groups(choice_TE: torch.Tensor, config: RouterConfig) -> torch.Tensor:
+    tokens = choice_TE.shape[0]
+    grouped_TGX = choice_TE.view(tokens, config.num_groups, -1)
+    group_scores_TG = grouped_TGX.topk(2, dim=-1).values.sum(dim=-1)
+    kept_groups_TG = group_scores_TG.topk(config.top_groups, dim=-1).indices
+    keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, kept_groups_TG, True)
+    keep_TE = keep_TG.unsqueeze(-1).expand_as(grouped_TGX).reshape(tokens, -1)
+    return choice_TE.masked_fill(~keep_TE, float("-inf"))

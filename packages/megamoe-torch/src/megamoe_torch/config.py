@@ -1,0 +1,91 @@
+"""MegaMoEConfig: everything that defines a MegaMoE layer, as one frozen dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megamoe_runtime.experts import BACKEND_NAMES
+from megamoe_runtime.geometries import Geometry
+from megamoe_runtime.routing import RouterConfig, Scoring
+
+
+@dataclass(frozen=True)
+class MegaMoEConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    scoring: Scoring = "softmax"
+    renormalize: bool = True
+    num_groups: int = 1
+    top_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    use_correction_bias: bool = False
+    # the router's matmul: "float32" (accurate) or "input" (in the hidden states' dtype, as
+    # Mixtral and Qwen blocks in transformers do)
+    router_dtype: Literal["float32", "input"] = "float32"
+    num_shared_experts: int = 0
+    # defaults to intermediate_size * num_shared_experts
+    shared_intermediate_size: int | None = None
+    # Qwen2-MoE: the shared experts' output is scaled by sigmoid(x . w_gate)
+    shared_expert_gate: bool = False
+    backend: str = "auto"
+    # rows of the expert batch; None: tokens x top_k of each call. Fix it for CUDA graphs.
+    capacity: int | None = None
+    # data-dependent input checks (finite logits, ...): each costs a host sync
+    check_inputs: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_shared_experts < 0:
+            raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
+        if self.shared_expert_gate and self.num_shared_experts == 0:
+            raise ValueError("shared_expert_gate needs num_shared_experts >= 1")
+        if self.router_dtype not in ("float32", "input"):
+            raise ValueError(
+                f"router_dtype must be 'float32' or 'input', got {self.router_dtype!r}"
+            )
+        if self.backend not in ("auto", *BACKEND_NAMES):
+            raise ValueError(
+                f"backend must be one of {('auto', *BACKEND_NAMES)}, got {self.backend!r}"
+            )
+        self.router  # validates the routing fields
+
+    @property
+    def router(self) -> RouterConfig:
+        return RouterConfig(
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            scoring=self.scoring,
+            renormalize=self.renormalize,
+            num_groups=self.num_groups,
+            top_groups=self.top_groups,
+            routed_scaling_factor=self.routed_scaling_factor,
+            use_correction_bias=self.use_correction_bias,
+        )
+
+    @property
+    def shared_size(self) -> int:
+        if self.shared_intermediate_size is not None:
+            return self.shared_intermediate_size
+        return self.intermediate_size * self.num_shared_experts
+
+    @classmethod
+    def from_geometry(cls, geometry: Geometry, **overrides) -> MegaMoEConfig:
+        fields = dict(
+            hidden_size=geometry.hidden_size,
+            intermediate_size=geometry.intermediate_size,
+            num_experts=geometry.num_experts,
+            top_k=geometry.top_k,
+            scoring=geometry.scoring,
+            num_groups=geometry.num_groups,
+            top_groups=geometry.top_groups,
+            routed_scaling_factor=geometry.routed_scaling_factor,
+            use_correction_bias=geometry.use_correction_bias,
+            num_shared_experts=geometry.num_shared_experts,
+        )
+        fields.update(overrides)
+        return cls(**fields)

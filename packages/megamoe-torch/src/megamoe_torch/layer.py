@@ -1,0 +1,170 @@
+"""MegaMoE: router + routed experts (+ optional shared experts) as one nn.Module.
+
+Shape legend: T tokens, H hidden size, E experts, K experts per token, I intermediate size,
+M expert-batch rows.
+
+forward: logits = x W_gate^T -> route (top-k ids, weights) -> dispatch into an expert-major batch
+-> expert MLP (the chosen backend) -> combine (weighted top-k sum) [+ shared experts].
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from megamoe_runtime.dispatch import LocalDispatcher
+from megamoe_runtime.experts import make_backend, select_backend
+from megamoe_runtime.routing import route
+from megamoe_runtime.weights import Unquantized
+from torch import nn
+
+from megamoe_torch.config import MegaMoEConfig
+
+
+class SharedExperts(nn.Module):
+    """A dense SwiGLU MLP every token goes through, optionally scaled by a sigmoid gate."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, gated: bool, **factory):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, **factory)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, **factory)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, **factory)
+        self.gate = nn.Linear(hidden_size, 1, bias=False, **factory) if gated else None
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        y_TH = self.down_proj(nn.functional.silu(self.gate_proj(x_TH)) * self.up_proj(x_TH))
+        if self.gate is not None:
+            y_TH = torch.sigmoid(self.gate(x_TH)) * y_TH
+        return y_TH
+
+
+class MegaMoE(nn.Module):
+    """A Mixture-of-Experts block.
+
+    Parameters: `gate.weight` [E, H]; `w13` [E, 2I, H] (each expert's gate rows, then up rows);
+    `w2` [E, H, I]; `e_score_correction_bias` [E] (fp32 buffer) when the config asks for it;
+    `shared_experts` when num_shared_experts > 0.
+    """
+
+    def __init__(
+        self,
+        config: MegaMoEConfig,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        self.config = config
+        factory = {"device": device, "dtype": dtype}
+        experts, hidden, intermediate = (
+            config.num_experts,
+            config.hidden_size,
+            config.intermediate_size,
+        )
+        self.gate = nn.Linear(hidden, experts, bias=False, **factory)
+        self.w13 = nn.Parameter(torch.empty(experts, 2 * intermediate, hidden, **factory))
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, intermediate, **factory))
+        if config.use_correction_bias:
+            self.register_buffer(
+                "e_score_correction_bias", torch.zeros(experts, device=device, dtype=torch.float32)
+            )
+        else:
+            self.e_score_correction_bias = None
+        self.shared_experts = (
+            SharedExperts(hidden, config.shared_size, gated=config.shared_expert_gate, **factory)
+            if config.num_shared_experts
+            else None
+        )
+        self.dispatcher = LocalDispatcher(experts, capacity=config.capacity, check_ids=False)
+        self._backend_name: str | None = None
+        self._backend_reason = ""
+        self._prepared_key: tuple | None = None
+        self._prepared = None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """nn.Linear's default initialisation, per expert."""
+        hidden, intermediate = self.config.hidden_size, self.config.intermediate_size
+        self.w13.uniform_(-1 / math.sqrt(hidden), 1 / math.sqrt(hidden))
+        self.w2.uniform_(-1 / math.sqrt(intermediate), 1 / math.sqrt(intermediate))
+        self.gate.reset_parameters()
+
+    @property
+    def backend(self) -> str:
+        """The expert-compute backend this layer runs on its current device."""
+        self._resolve_backend()
+        return self._backend_name
+
+    @property
+    def backend_reason(self) -> str:
+        self._resolve_backend()
+        return self._backend_reason
+
+    def _resolve_backend(self) -> None:
+        device = self.w13.device
+        if self._backend_name is None or self._backend_device != device:
+            self._backend_name, self._backend_reason = select_backend(self.config.backend, device)
+            self._backend_device = device
+            self._expert_backend = make_backend(self._backend_name)
+            self._prepared_key = None
+
+    def _prepared_weights(self):
+        # the backend's layout is rebuilt only when the weights change (in place or replaced)
+        key = (
+            self._backend_name,
+            self.w13.data_ptr(),
+            self.w13._version,
+            self.w2.data_ptr(),
+            self.w2._version,
+        )
+        if key != self._prepared_key:
+            with torch.no_grad():
+                self._prepared = self._expert_backend.prepare(
+                    Unquantized(w13_E2IH=self.w13.detach(), w2_EHI=self.w2.detach())
+                )
+            self._prepared_key = key
+        return self._prepared
+
+    def router_logits(self, x_TH: torch.Tensor) -> torch.Tensor:
+        if self.config.router_dtype == "float32":
+            return nn.functional.linear(x_TH.float(), self.gate.weight.float())
+        return self.gate(x_TH)
+
+    def forward(self, x: torch.Tensor, *, return_router_logits: bool = False):
+        self._check_input(x)
+        self._resolve_backend()
+        x_TH = x.reshape(-1, self.config.hidden_size)
+        router_logits_TE = self.router_logits(x_TH)
+        topk_ids_TK, topk_weights_TK = route(
+            router_logits_TE,
+            self.config.router,
+            correction_bias_E=self.e_score_correction_bias,
+            check_finite=self.config.check_inputs,
+        )
+        batch, handle = self.dispatcher.dispatch(x_TH, topk_ids_TK, topk_weights_TK)
+        expert_out_MH = self._expert_backend(batch, self._prepared_weights())
+        y_TH = self.dispatcher.combine(expert_out_MH, handle)
+        if self.shared_experts is not None:
+            y_TH = y_TH + self.shared_experts(x_TH)
+        y = y_TH.reshape(x.shape).to(x.dtype)
+        return (y, router_logits_TE) if return_router_logits else y
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 1 or x.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"x must have shape [..., hidden_size={self.config.hidden_size}], got {tuple(x.shape)}"
+            )
+        if x.dtype != self.w13.dtype:
+            raise TypeError(f"x is {x.dtype} but the layer's weights are {self.w13.dtype}")
+        if x.device != self.w13.device:
+            raise ValueError(f"x is on {x.device} but the layer's weights are on {self.w13.device}")
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"experts={c.num_experts}, top_k={c.top_k}, hidden={c.hidden_size}, "
+            f"intermediate={c.intermediate_size}, scoring={c.scoring}, backend={c.backend}"
+        )
