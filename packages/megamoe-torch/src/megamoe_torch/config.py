@@ -52,7 +52,7 @@ class MegaMoEConfig:
             raise ValueError(
                 f"backend must be one of {('auto', *BACKEND_NAMES)}, got {self.backend!r}"
             )
-        self.router  # validates the routing fields
+        _ = self.router  # RouterConfig validates the routing fields
 
     @property
     def router(self) -> RouterConfig:
