@@ -1,0 +1,103 @@
+import math
+
+import pytest
+import torch
+from megamoe_runtime.routing import RouterConfig, route
+
+
+def test_softmax_topk_matches_hand_computed_case():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    ids, weights = route(logits, RouterConfig(num_experts=4, top_k=2, renormalize=False))
+    exps = [math.exp(v) for v in (1.0, 3.0, 2.0, 0.0)]
+    assert ids.tolist() == [[1, 2]]
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    torch.testing.assert_close(weights, torch.tensor([[exps[1], exps[2]]]) / sum(exps))
+
+
+def test_softmax_renormalized_weights_sum_to_one():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    _, weights = route(logits, RouterConfig(num_experts=4, top_k=2, renormalize=True))
+    e3, e2 = math.exp(3.0), math.exp(2.0)
+    torch.testing.assert_close(weights, torch.tensor([[e3 / (e3 + e2), e2 / (e3 + e2)]]))
+
+
+def test_sigmoid_grouped_topk_with_bias_and_scaling_hand_computed():
+    # 4 experts in 2 groups of 2; keep 1 group; choose 1 expert; weights are unbiased sigmoids.
+    logits = torch.tensor([[0.0, 1.0, 2.0, -3.0]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0])
+    config = RouterConfig(
+        num_experts=4,
+        top_k=1,
+        scoring="sigmoid",
+        num_groups=2,
+        top_groups=1,
+        routed_scaling_factor=2.5,
+        renormalize=False,
+        use_correction_bias=True,
+    )
+    s = torch.sigmoid(logits)
+    # group 0 score = s0 + s1 = 0.5 + 0.731; group 1 = s2 + s3 = 0.881 + 0.047: group 0 wins
+    ids, weights = route(logits, config, correction_bias_E=bias)
+    assert ids.tolist() == [[1]]
+    torch.testing.assert_close(weights, 2.5 * s[:, 1:2])
+    # a bias large enough moves the choice inside the kept group but weights stay unbiased
+    ids, weights = route(logits, config, correction_bias_E=torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    assert ids.tolist() == [[0]]
+    torch.testing.assert_close(weights, 2.5 * s[:, 0:1])
+
+
+def test_sigmoid_renormalized_then_scaled():
+    logits = torch.randn(5, 8)
+    config = RouterConfig(num_experts=8, top_k=3, scoring="sigmoid", routed_scaling_factor=2.0)
+    _, weights = route(logits, config)
+    torch.testing.assert_close(weights.sum(-1), torch.full((5,), 2.0))
+
+
+def test_top_k_equal_to_num_experts_takes_every_expert():
+    ids, weights = route(torch.randn(3, 4), RouterConfig(num_experts=4, top_k=4))
+    assert sorted(ids[0].tolist()) == [0, 1, 2, 3]
+    torch.testing.assert_close(weights.sum(-1), torch.ones(3))
+
+
+def test_zero_tokens():
+    ids, weights = route(torch.randn(0, 6), RouterConfig(num_experts=6, top_k=2))
+    assert ids.shape == (0, 2) and weights.shape == (0, 2)
+
+
+def test_nan_logits_poison_only_their_token_and_check_finite_raises():
+    logits = torch.randn(3, 4)
+    logits[1, 2] = float("nan")
+    ids, weights = route(logits, RouterConfig(num_experts=4, top_k=2))
+    assert torch.isnan(weights[1]).any()
+    assert torch.isfinite(weights[[0, 2]]).all()
+    assert ((ids >= 0) & (ids < 4)).all()
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        route(logits, RouterConfig(num_experts=4, top_k=2), check_finite=True)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(num_experts=4, top_k=5), "top_k"),
+        (dict(num_experts=4, top_k=0), "top_k"),
+        (dict(num_experts=6, top_k=2, num_groups=4), "num_groups"),
+        (dict(num_experts=8, top_k=2, num_groups=2, top_groups=3), "top_groups"),
+        (dict(num_experts=8, top_k=5, num_groups=2, top_groups=1), "exceeds"),
+        (dict(num_experts=4, top_k=1, scoring="relu"), "scoring"),
+        (dict(num_experts=4, top_k=1, use_correction_bias=True), "sigmoid"),
+    ],
+)
+def test_bad_router_config_is_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        RouterConfig(**fields)
+
+
+def test_bad_logits_shape_and_missing_bias_are_refused():
+    config = RouterConfig(num_experts=4, top_k=1)
+    with pytest.raises(ValueError, match="num_experts=4"):
+        route(torch.randn(2, 5), config)
+    with pytest.raises(TypeError, match="floating point"):
+        route(torch.ones(2, 4, dtype=torch.int64), config)
+    biased = RouterConfig(num_experts=4, top_k=1, scoring="sigmoid", use_correction_bias=True)
+    with pytest.raises(ValueError, match="correction_bias"):
+        route(torch.randn(2, 4), biased)

@@ -1,0 +1,184 @@
+"""The whole layer against an independent per-token float64 loop."""
+
+import pytest
+import torch
+from megamoe_torch import MegaMoE, MegaMoEConfig
+
+MIXTRAL = dict(hidden_size=32, intermediate_size=48, num_experts=8, top_k=2)
+QWEN3 = dict(hidden_size=32, intermediate_size=24, num_experts=16, top_k=4)
+QWEN2_SHARED = dict(
+    QWEN3,
+    renormalize=False,
+    num_shared_experts=1,
+    shared_intermediate_size=40,
+    shared_expert_gate=True,
+)
+DSV3 = dict(
+    hidden_size=32,
+    intermediate_size=16,
+    num_experts=16,
+    top_k=4,
+    scoring="sigmoid",
+    num_groups=4,
+    top_groups=2,
+    routed_scaling_factor=2.5,
+    use_correction_bias=True,
+    num_shared_experts=1,
+)
+
+
+def per_token_float64(layer: MegaMoE, x_TH: torch.Tensor) -> torch.Tensor:
+    """Routes and computes every token on its own, in float64, straight from the parameters."""
+    c = layer.config
+    gate = layer.gate.weight.double()
+    w13, w2 = layer.w13.double(), layer.w2.double()
+    out = []
+    for x in x_TH.double():
+        logits = gate @ x
+        if c.scoring == "softmax":
+            scores = torch.softmax(logits, 0)
+            choice = scores
+        else:
+            scores = torch.sigmoid(logits)
+            choice = scores + layer.e_score_correction_bias.double()
+        if c.num_groups > 1:
+            per_group = c.num_experts // c.num_groups
+            group_score = [
+                sorted(choice[g * per_group : (g + 1) * per_group].tolist())[-2:]
+                for g in range(c.num_groups)
+            ]
+            kept = sorted(range(c.num_groups), key=lambda g: -sum(group_score[g]))[: c.top_groups]
+            choice = torch.tensor(
+                [
+                    choice[e].item() if e // per_group in kept else float("-inf")
+                    for e in range(c.num_experts)
+                ],
+                dtype=torch.float64,
+            )
+        chosen = sorted(range(c.num_experts), key=lambda e: -choice[e].item())[: c.top_k]
+        weights = scores[chosen]
+        if c.renormalize:
+            weights = weights / weights.sum()
+        weights = weights * c.routed_scaling_factor
+        y = torch.zeros_like(x)
+        for expert, weight in zip(chosen, weights, strict=True):
+            gate_up = w13[expert] @ x
+            gate_part, up_part = gate_up[: c.intermediate_size], gate_up[c.intermediate_size :]
+            y += weight * (w2[expert] @ (torch.nn.functional.silu(gate_part) * up_part))
+        if layer.shared_experts is not None:
+            shared = layer.shared_experts.double()
+            s = shared.down_proj(torch.nn.functional.silu(shared.gate_proj(x)) * shared.up_proj(x))
+            if shared.gate is not None:
+                s = torch.sigmoid(shared.gate(x)) * s
+            layer.shared_experts.float()
+            y += s
+        out.append(y)
+    return torch.stack(out) if out else x_TH.double().new_zeros(x_TH.shape)
+
+
+def layer_route(layer, x):
+    from megamoe_runtime.routing import route
+
+    return route(layer.router_logits(x), layer.config.router)
+
+
+def make_layer(fields, **overrides):
+    torch.manual_seed(0)
+    layer = MegaMoE(MegaMoEConfig(**fields, **overrides))
+    if layer.e_score_correction_bias is not None:
+        layer.e_score_correction_bias.normal_(0, 0.1)
+    return layer
+
+
+@pytest.mark.parametrize(
+    "fields", [MIXTRAL, QWEN3, QWEN2_SHARED, DSV3], ids=["mixtral", "qwen3", "qwen2-shared", "dsv3"]
+)
+def test_layer_matches_per_token_float64_loop(fields):
+    layer = make_layer(fields)
+    x = torch.randn(29, fields["hidden_size"])
+    expected = per_token_float64(layer, x)
+    actual = layer(x)
+    error = (actual.double() - expected).norm() / expected.norm()
+    assert error < 1e-6, error
+
+
+def test_any_leading_shape_returns_same_shape_and_dtype():
+    layer = make_layer(QWEN3)
+    x = torch.randn(2, 3, 5, 32)
+    y = layer(x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    torch.testing.assert_close(y.reshape(-1, 32), layer(x.reshape(-1, 32)))
+
+
+def test_edge_cases_zero_tokens_top_k_equals_experts_and_one_expert():
+    layer = make_layer(QWEN3)
+    assert layer(torch.randn(0, 32)).shape == (0, 32)
+    every = make_layer(dict(QWEN3, num_experts=4, top_k=4))
+    x = torch.randn(7, 32)
+    torch.testing.assert_close(every(x).double(), per_token_float64(every, x), rtol=1e-5, atol=1e-6)
+    single = make_layer(dict(QWEN3, num_experts=1, top_k=1))
+    torch.testing.assert_close(
+        single(x).double(), per_token_float64(single, x), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_one_expert_taking_every_token_and_empty_experts():
+    layer = make_layer(MIXTRAL)
+    with torch.no_grad():
+        layer.gate.weight.zero_()
+        layer.gate.weight[3, 0] = 4.0
+        layer.gate.weight[5, 0] = 2.0
+    # x[:, 0] > 0: experts 3 and 5 take every token, the six others receive no rows
+    x = torch.randn(13, 32)
+    x[:, 0] = x[:, 0].abs().clamp(max=2.0) + 1.0
+    batch, _ = layer.dispatcher.dispatch(x, *layer_route(layer, x))
+    assert batch.expert_offsets.tolist() == [0, 0, 0, 0, 13, 13, 26, 26, 26]
+    torch.testing.assert_close(layer(x).double(), per_token_float64(layer, x), rtol=1e-5, atol=1e-6)
+
+
+def test_returns_router_logits_when_asked():
+    layer = make_layer(MIXTRAL)
+    x = torch.randn(4, 32)
+    _, logits = layer(x, return_router_logits=True)
+    assert logits.shape == (4, 8)
+    torch.testing.assert_close(logits, x @ layer.gate.weight.t())
+
+
+def test_bad_input_is_refused():
+    layer = make_layer(QWEN3)
+    with pytest.raises(ValueError, match="hidden_size=32"):
+        layer(torch.randn(3, 31))
+    with pytest.raises(TypeError, match="torch.float64"):
+        layer(torch.randn(3, 32, dtype=torch.float64))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        layer([[0.0] * 32])
+    with pytest.raises(ValueError, match="NaN"):
+        make_layer(QWEN3, check_inputs=True)(torch.full((2, 32), float("nan")))
+    with pytest.raises(ValueError, match="backend"):
+        MegaMoEConfig(**QWEN3, backend="triton")
+    with pytest.raises(ValueError, match="cannot run on cpu"):
+        MegaMoE(MegaMoEConfig(**QWEN3, backend="grouped_mm"))(torch.randn(2, 32))
+    with pytest.raises(ValueError, match="top_k"):
+        MegaMoEConfig(**dict(QWEN3, top_k=17))
+
+
+def test_static_capacity_overflow_is_refused():
+    layer = make_layer(QWEN3, capacity=8)
+    layer(torch.randn(2, 32))
+    with pytest.raises(ValueError, match="capacity 8"):
+        layer(torch.randn(3, 32))
+
+
+def test_auto_backend_says_which_and_why():
+    layer = make_layer(QWEN3)
+    assert layer.backend == "reference"
+    assert "auto: reference" in layer.backend_reason
+
+
+def test_weights_changed_in_place_are_picked_up():
+    layer = make_layer(QWEN3)
+    x = torch.randn(5, 32)
+    before = layer(x)
+    with torch.no_grad():
+        layer.w2.mul_(2.0)
+    torch.testing.assert_close(layer(x), 2.0 * before)
