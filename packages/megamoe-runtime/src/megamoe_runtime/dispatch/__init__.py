@@ -2,5 +2,17 @@
 
 from megamoe_runtime.dispatch.local import LocalDispatcher, LocalHandle
 from megamoe_runtime.dispatch.protocol import Dispatcher
+from megamoe_runtime.dispatch.torch_distributed import (
+    TorchDistributedDispatcher,
+    TorchDistributedHandle,
+    experts_per_rank,
+)
 
-__all__ = ["Dispatcher", "LocalDispatcher", "LocalHandle"]
+__all__ = [
+    "Dispatcher",
+    "LocalDispatcher",
+    "LocalHandle",
+    "TorchDistributedDispatcher",
+    "TorchDistributedHandle",
+    "experts_per_rank",
+]
