@@ -9,6 +9,8 @@ from megamoe_runtime.experts import BACKEND_NAMES
 from megamoe_runtime.geometries import Geometry
 from megamoe_runtime.routing import RouterConfig, Scoring
 
+DISPATCHER_NAMES = ("auto", "torch", "nvshmem")
+
 
 @dataclass(frozen=True)
 class MegaMoEConfig:
@@ -35,6 +37,11 @@ class MegaMoEConfig:
     capacity: int | None = None
     # data-dependent input checks (finite logits, ...): each costs a host sync
     check_inputs: bool = False
+    # expert parallelism, MegaMoE(config, process_group=...): "auto" picks "nvshmem" (symmetric
+    # memory kernels) where CUDA GPUs and nvshmem4py are present, else "torch" (all_to_all_single)
+    dispatcher: str = "auto"
+    # static bound on one rank's tokens per forward: sizes the nvshmem dispatcher's buffers
+    max_tokens_per_rank: int = 4096
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
@@ -52,6 +59,12 @@ class MegaMoEConfig:
             raise ValueError(
                 f"backend must be one of {('auto', *BACKEND_NAMES)}, got {self.backend!r}"
             )
+        if self.dispatcher not in DISPATCHER_NAMES:
+            raise ValueError(
+                f"dispatcher must be one of {DISPATCHER_NAMES}, got {self.dispatcher!r}"
+            )
+        if self.max_tokens_per_rank < 1:
+            raise ValueError(f"max_tokens_per_rank must be >= 1, got {self.max_tokens_per_rank}")
         _ = self.router  # RouterConfig validates the routing fields
 
     @property

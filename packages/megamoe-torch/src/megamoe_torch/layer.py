@@ -13,6 +13,11 @@ import math
 
 import torch
 from megamoe_runtime.dispatch import LocalDispatcher
+from megamoe_runtime.distributed import (
+    local_expert_range,
+    make_expert_parallel_dispatcher,
+    select_dispatcher,
+)
 from megamoe_runtime.experts import make_backend, select_backend
 from megamoe_runtime.routing import route
 from megamoe_runtime.weights import Unquantized
@@ -44,12 +49,18 @@ class MegaMoE(nn.Module):
     Parameters: `gate.weight` [E, H]; `w13` [E, 2I, H] (each expert's gate rows, then up rows);
     `w2` [E, H, I]; `e_score_correction_bias` [E] (fp32 buffer) when the config asks for it;
     `shared_experts` when num_shared_experts > 0.
+
+    Expert parallel with `process_group` of W ranks: this rank owns the E / W contiguous experts
+    `local_experts` and `w13`/`w2` hold only those (router and shared experts are replicated);
+    every rank calls forward with its own tokens. `load_full_state_dict` loads the local slice
+    from a single-GPU state dict. `config.dispatcher` picks how tokens travel.
     """
 
     def __init__(
         self,
         config: MegaMoEConfig,
         *,
+        process_group: torch.distributed.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -61,9 +72,12 @@ class MegaMoE(nn.Module):
             config.hidden_size,
             config.intermediate_size,
         )
+        self.process_group = process_group
+        self.local_experts = local_expert_range(experts, process_group)
+        local = len(self.local_experts)
         self.gate = nn.Linear(hidden, experts, bias=False, **factory)
-        self.w13 = nn.Parameter(torch.empty(experts, 2 * intermediate, hidden, **factory))
-        self.w2 = nn.Parameter(torch.empty(experts, hidden, intermediate, **factory))
+        self.w13 = nn.Parameter(torch.empty(local, 2 * intermediate, hidden, **factory))
+        self.w2 = nn.Parameter(torch.empty(local, hidden, intermediate, **factory))
         if config.use_correction_bias:
             self.register_buffer(
                 "e_score_correction_bias", torch.zeros(experts, device=device, dtype=torch.float32)
@@ -75,7 +89,15 @@ class MegaMoE(nn.Module):
             if config.num_shared_experts
             else None
         )
-        self.dispatcher = LocalDispatcher(experts, capacity=config.capacity, check_ids=False)
+        self.expert_parallel = local < experts
+        # expert parallel: built on first forward, once the device and dtype are known
+        self.dispatcher = (
+            None
+            if self.expert_parallel
+            else LocalDispatcher(experts, capacity=config.capacity, check_ids=False)
+        )
+        self._dispatcher_key: tuple | None = None
+        self.dispatcher_reason = "single GPU: local" if not self.expert_parallel else ""
         self._backend_name: str | None = None
         self._backend_reason = ""
         self._prepared_key: tuple | None = None
@@ -89,6 +111,40 @@ class MegaMoE(nn.Module):
         self.w13.uniform_(-1 / math.sqrt(hidden), 1 / math.sqrt(hidden))
         self.w2.uniform_(-1 / math.sqrt(intermediate), 1 / math.sqrt(intermediate))
         self.gate.reset_parameters()
+
+    @torch.no_grad()
+    def load_full_state_dict(self, full_state_dict: dict[str, torch.Tensor]) -> None:
+        """Loads a single-GPU layer's state dict, keeping only this rank's experts of w13/w2."""
+        local_state = dict(full_state_dict)
+        for name in ("w13", "w2"):
+            full = full_state_dict[name]
+            if full.shape[0] != self.config.num_experts:
+                raise ValueError(
+                    f"{name} of the full state dict must hold all {self.config.num_experts} "
+                    f"experts, got shape {tuple(full.shape)}"
+                )
+            local_state[name] = full[self.local_experts.start : self.local_experts.stop]
+        self.load_state_dict(local_state)
+
+    def _resolve_dispatcher(self, x_TH: torch.Tensor) -> None:
+        if not self.expert_parallel:
+            return
+        key = (x_TH.device, x_TH.dtype)
+        if key == self._dispatcher_key:
+            return
+        name, self.dispatcher_reason = select_dispatcher(self.config.dispatcher, x_TH.device)
+        self.dispatcher = make_expert_parallel_dispatcher(
+            name,
+            num_experts=self.config.num_experts,
+            top_k=self.config.top_k,
+            hidden_size=self.config.hidden_size,
+            dtype=x_TH.dtype,
+            device=x_TH.device,
+            process_group=self.process_group,
+            capacity=self.config.capacity,
+            max_tokens_per_rank=self.config.max_tokens_per_rank,
+        )
+        self._dispatcher_key = key
 
     @property
     def backend(self) -> str:
@@ -135,6 +191,7 @@ class MegaMoE(nn.Module):
         self._check_input(x)
         self._resolve_backend()
         x_TH = x.reshape(-1, self.config.hidden_size)
+        self._resolve_dispatcher(x_TH)
         router_logits_TE = self.router_logits(x_TH)
         topk_ids_TK, topk_weights_TK = route(
             router_logits_TE,
@@ -167,4 +224,9 @@ class MegaMoE(nn.Module):
         return (
             f"experts={c.num_experts}, top_k={c.top_k}, hidden={c.hidden_size}, "
             f"intermediate={c.intermediate_size}, scoring={c.scoring}, backend={c.backend}"
+            + (
+                f", local_experts=[{self.local_experts.start}, {self.local_experts.stop})"
+                if self.expert_parallel
+                else ""
+            )
         )

@@ -1,0 +1,110 @@
+"""Expert-parallel helpers: which rank owns which experts, and which dispatcher a layer gets.
+
+Process groups always come from the caller; nothing here creates one.
+
+| dispatcher | where                                   | what                                          |
+|------------|-----------------------------------------|-----------------------------------------------|
+| torch      | any torch.distributed backend (gloo too) | all_to_all_single; one host sync per dispatch |
+| nvshmem    | CUDA GPUs of one host + nvshmem4py       | megamoe's symmetric-memory kernels, no sync   |
+
+`auto` picks nvshmem where it can run, else torch, and says why.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.distributed as dist
+
+from megamoe_runtime.dispatch.torch_distributed import (
+    TorchDistributedDispatcher,
+    experts_per_rank,
+)
+
+DISPATCHER_NAMES = ("torch", "nvshmem")
+
+
+def group_rank_and_size(process_group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank, world size) in `process_group`; (0, 1) without one (a single-GPU layer)."""
+    if process_group is None:
+        return 0, 1
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "a process_group was given but torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group first"
+        )
+    return dist.get_rank(process_group), dist.get_world_size(process_group)
+
+
+def local_expert_range(num_experts: int, process_group: dist.ProcessGroup | None) -> range:
+    """The global ids of the experts this rank owns: a contiguous block of E / world."""
+    rank, world = group_rank_and_size(process_group)
+    local = experts_per_rank(num_experts, world)
+    return range(rank * local, (rank + 1) * local)
+
+
+def nvshmem_status(device: torch.device | str) -> tuple[bool, str]:
+    """(can run, why) for the symmetric-memory dispatcher on `device`."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False, f"the nvshmem dispatcher needs CUDA tensors, the layer is on {device}"
+    if importlib.util.find_spec("nvshmem") is None:
+        return False, "nvshmem4py is not installed (pip install 'megamoe-runtime[nvshmem]')"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return False, f"the dispatch kernels are built for sm_90a; this GPU is sm_{major}{minor}"
+    return True, "CUDA GPU with nvshmem4py"
+
+
+def select_dispatcher(requested: str, device: torch.device | str) -> tuple[str, str]:
+    """Resolves 'auto' (or checks an explicit name) to (dispatcher name, reason)."""
+    if requested not in ("auto", *DISPATCHER_NAMES):
+        raise ValueError(
+            f"dispatcher must be one of {('auto', *DISPATCHER_NAMES)}, got {requested!r}"
+        )
+    available, reason = nvshmem_status(device)
+    if requested == "nvshmem":
+        if not available:
+            raise ValueError(f"dispatcher 'nvshmem' cannot run: {reason}; use 'torch'")
+        return "nvshmem", reason
+    if requested == "torch":
+        return "torch", "requested"
+    if available:
+        return "nvshmem", f"auto: nvshmem ({reason})"
+    return "torch", f"auto: torch (nvshmem skipped: {reason})"
+
+
+def make_expert_parallel_dispatcher(
+    name: str,
+    *,
+    num_experts: int,
+    top_k: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    process_group: dist.ProcessGroup,
+    capacity: int | None,
+    max_tokens_per_rank: int,
+    layer_name: str = "moe",
+):
+    """Builds the dispatcher named `name` ('torch' or 'nvshmem') for one layer."""
+    if name == "torch":
+        return TorchDistributedDispatcher(
+            num_experts, process_group=process_group, capacity=capacity, check_ids=False
+        )
+    if name == "nvshmem":
+        from megamoe_runtime.dispatch.symmetric import SymmetricDispatcher
+
+        return SymmetricDispatcher(
+            num_experts,
+            top_k=top_k,
+            hidden_size=hidden_size,
+            dtype=dtype,
+            device=device,
+            process_group=process_group,
+            max_tokens_per_rank=max_tokens_per_rank,
+            capacity=capacity,
+            layer_name=layer_name,
+        )
+    raise ValueError(f"dispatcher must be one of {DISPATCHER_NAMES}, got {name!r}")
