@@ -10,6 +10,7 @@ forward: logits = x W_gate^T -> route (top-k ids, weights) -> dispatch into an e
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from megamoe_runtime.dispatch import LocalDispatcher
@@ -111,6 +112,11 @@ class MegaMoE(nn.Module):
         self.w13.uniform_(-1 / math.sqrt(hidden), 1 / math.sqrt(hidden))
         self.w2.uniform_(-1 / math.sqrt(intermediate), 1 / math.sqrt(intermediate))
         self.gate.reset_parameters()
+
+    def use_backend(self, backend: str) -> None:
+        """Switches the expert-compute backend ('auto' or a name); weights are re-prepared lazily."""
+        self.config = replace(self.config, backend=backend)
+        self._backend_name = None
 
     @torch.no_grad()
     def load_full_state_dict(self, full_state_dict: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,188 @@
+"""The `megamoe` command: demo (the main job), bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from megamoe_kernels.reference import relative_l2_error
+from megamoe_runtime.experts import BACKEND_NAMES
+from megamoe_runtime.geometries import GEOMETRIES, TOKEN_COUNTS
+from tqdm import tqdm
+
+from megamoe_torch import bench
+from megamoe_torch.layer import MegaMoE
+from megamoe_torch.timing import median_seconds
+
+GPU_GEOMETRIES = ("qwen3-30b-a3b", "mixtral-8x7b", "dsv3", "dsv3-ep8-local", "gpt-oss-120b")
+CPU_GEOMETRIES = ("tiny-qwen3",)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def fp32_oracle_of(layer: MegaMoE) -> MegaMoE:
+    """The same layer in fp32 on the reference backend: the oracle the demo checks against."""
+    oracle = MegaMoE(
+        replace(layer.config, backend="reference"), device=layer.w13.device, dtype=torch.float32
+    )
+    oracle.load_state_dict({name: value.float() for name, value in layer.state_dict().items()})
+    return oracle
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    device = torch.device(args.device) if args.device else default_device()
+    geometries = args.geometry or (GPU_GEOMETRIES if device.type == "cuda" else CPU_GEOMETRIES)
+    tokens = args.tokens or (512 if device.type == "cuda" else 64)
+    print(
+        f"megamoe demo on {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
+        f"torch {torch.__version__}, bf16, {tokens} tokens"
+    )
+    table = []
+    worst_error = 0.0
+    for name in geometries:
+        geometry = GEOMETRIES[name]
+        layer = bench.build_layer(geometry, device=device, dtype=torch.bfloat16)
+        layer.use_backend(args.backend)
+        x_TH = torch.randn(tokens, geometry.hidden_size, device=device, dtype=torch.bfloat16)
+        with torch.no_grad():
+            y_TH = layer(x_TH)
+            expected_TH = fp32_oracle_of(layer)(x_TH.float())
+        error = relative_l2_error(y_TH, expected_TH)
+        worst_error = max(worst_error, error)
+        print(
+            f"\n{name}: E={geometry.num_experts} top-{geometry.top_k} H={geometry.hidden_size} "
+            f"I={geometry.intermediate_size}\n  backend: {layer.backend} ({layer.backend_reason})\n"
+            f"  rel-L2 vs fp32 oracle: {error:.2e}"
+        )
+        chosen = layer.backend
+        for backend in tqdm(
+            bench.available_backends(device, BACKEND_NAMES), desc=f"timing {name}", leave=False
+        ):
+            layer.use_backend(backend)
+            with torch.no_grad():
+                seconds = median_seconds(
+                    lambda l=layer, x=x_TH: l(x), device=device, repeats=args.repeats
+                )
+            table.append((name, backend, seconds * 1e6, backend == chosen))
+        layer.use_backend(args.backend)
+    print(f"\n{'geometry':<16}{'backend':<12}{'forward us':>12}")
+    for name, backend, microseconds, chosen in table:
+        print(f"{name:<16}{backend:<12}{microseconds:>12.1f}{'  <- chosen' if chosen else ''}")
+    bound = 1e-2
+    print(
+        f"\nworst rel-L2 {worst_error:.2e} ({'within' if worst_error <= bound else 'OVER'} the bf16 bound {bound})"
+    )
+    return 0 if worst_error <= bound else 1
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    device = torch.device(args.device) if args.device else default_device()
+    geometries = args.geometry or (GPU_GEOMETRIES if device.type == "cuda" else CPU_GEOMETRIES)
+    token_counts = args.tokens or (TOKEN_COUNTS if device.type == "cuda" else (16, 64))
+    backends = bench.available_backends(device, args.backends)
+    if not backends:
+        print(f"none of {args.backends} can run on {device}", file=sys.stderr)
+        return 2
+    rows = []
+    points = [(g, t) for g in geometries for t in token_counts]
+    for name, tokens in tqdm(points, desc="bench"):
+        layer = bench.build_layer(GEOMETRIES[name], device=device, dtype=torch.bfloat16)
+        rows += bench.bench_point(
+            layer,
+            GEOMETRIES[name],
+            tokens,
+            backends=backends,
+            modes=tuple(args.modes),
+            repeats=args.repeats,
+        )
+        del layer
+    out = Path(args.out)
+    bench.write_csv(rows, out / "bench.csv")
+    print(bench.plot_speedups(rows, out / "bench.png"))
+    if args.capacity_sweep:
+        sweep = []
+        for name in geometries:
+            layer = bench.build_layer(GEOMETRIES[name], device=device, dtype=torch.bfloat16)
+            sweep += bench.capacity_sweep(
+                layer,
+                GEOMETRIES[name],
+                capacity_tokens=max(token_counts),
+                fractions=(0.01, 0.1, 0.25, 0.5, 1.0),
+                backend_name=backends[0],
+                repeats=args.repeats,
+            )
+        bench.write_csv(sweep, out / "capacity_sweep.csv")
+        for record in sweep:
+            print(
+                f"capacity sweep {record['geometry']} {record['backend']}: valid {record['fraction']:.0%} "
+                f"of {record['capacity']} rows: {record['microseconds_at_capacity']:.1f} us at capacity, "
+                f"{record['microseconds_tight']:.1f} us tight ({record['overhead']:+.1%})"
+            )
+    print(bench.format_table(rows))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megamoe", description="megamoe: a fast Mixture-of-Experts layer for Hopper GPUs"
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser(
+        "demo",
+        help="build a layer, run it on the best backend here, check it against the fp32 oracle and time it",
+        description="Builds MegaMoE layers (TARGETS.md geometries on a GPU, a small Qwen3-like one on a CPU), "
+        "runs them on the best backend available, prints the backend, the rel-L2 error against the fp32 oracle "
+        "and a timing table against the other backends.",
+    )
+    demo.add_argument("--geometry", nargs="+", choices=sorted(GEOMETRIES), help="geometries to run")
+    demo.add_argument(
+        "--tokens", type=int, help="tokens per forward (default: 512 on a GPU, 64 on a CPU)"
+    )
+    demo.add_argument("--backend", default="auto", choices=("auto", *BACKEND_NAMES))
+    demo.add_argument("--repeats", type=int, default=20, help="timed forwards per backend (median)")
+    demo.add_argument("--device", help="torch device (default: cuda if present, else cpu)")
+    demo.set_defaults(run=run_demo)
+
+    bench_parser = commands.add_parser(
+        "bench",
+        help="sweep geometries x token counts, backend against grouped_mm in the same run",
+        description="Times expert compute (kernels: CUDA-graph replay) and/or the whole layer (eager) per backend, "
+        "with the speedup over grouped_mm, TFLOP/s, fraction of the roofline floor and rel-L2 against the fp32 "
+        "oracle; writes bench.csv and bench.png under --out.",
+    )
+    bench_parser.add_argument("--geometry", nargs="+", choices=sorted(GEOMETRIES))
+    bench_parser.add_argument(
+        "--tokens", nargs="+", type=int, help=f"token counts (default on a GPU: {TOKEN_COUNTS})"
+    )
+    bench_parser.add_argument(
+        "--backends", nargs="+", default=list(BACKEND_NAMES[:2]), choices=BACKEND_NAMES
+    )
+    bench_parser.add_argument(
+        "--modes", nargs="+", default=["kernels"], choices=("kernels", "eager")
+    )
+    bench_parser.add_argument("--repeats", type=int, default=30)
+    bench_parser.add_argument(
+        "--out", default="bench-out", help="folder for bench.csv and bench.png"
+    )
+    bench_parser.add_argument(
+        "--capacity-sweep",
+        action="store_true",
+        help="also time a fixed capacity with 1%%..100%% valid rows",
+    )
+    bench_parser.add_argument("--device")
+    bench_parser.set_defaults(run=run_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Timing helpers: CUDA events (eager), CUDA-graph replay, or the host clock on a CPU."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def median_seconds(
+    fn: Callable[[], object], *, device: torch.device, repeats: int = 30, warmup: int = 3
+) -> float:
+    """Median wall time of `fn()` over `repeats` calls, after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+    torch.cuda.synchronize(device)
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(repeats)
+    ]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
+
+
+def median_graph_replay_seconds(
+    fn: Callable[[], object], *, device: torch.device, repeats: int = 30, warmup: int = 3
+) -> float:
+    """Captures `fn()` once in a CUDA graph and times its replays: kernel time without launch gaps."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_seconds(graph.replay, device=device, repeats=repeats, warmup=warmup)
