@@ -66,7 +66,7 @@ def run_demo(args: argparse.Namespace) -> int:
             layer.use_backend(backend)
             with torch.no_grad():
                 seconds = median_seconds(
-                    lambda l=layer, x=x_TH: l(x), device=device, repeats=args.repeats
+                    lambda moe=layer, x=x_TH: moe(x), device=device, repeats=args.repeats
                 )
             table.append((name, backend, seconds * 1e6, backend == chosen))
         layer.use_backend(args.backend)
