@@ -9,6 +9,9 @@ Semantics follow the model families megamoe serves:
   experts only; experts are split into groups, each group scored by the sum of its two best biased
   scores, the best `top_groups` groups kept; top-k among their experts; the weights are the
   unbiased scores, optionally renormalised, times `routed_scaling_factor`.
+  Experts of the groups not kept get the choice score `dropped_group_score`: -inf (never chosen,
+  as DeepSeek's reference and current transformers do) or 0.0 (transformers before its 2026 fix,
+  which picks them over kept experts whose biased scores are negative).
 
 Non-finite logits are not checked on the hot path (that would need a host sync): a token whose
 logits hold NaN gets NaN weights, so its output row is NaN and no other token is affected. Pass
@@ -35,6 +38,8 @@ class RouterConfig:
     top_groups: int = 1
     routed_scaling_factor: float = 1.0
     use_correction_bias: bool = False
+    # choice score of the experts in groups not kept (see the module docstring)
+    dropped_group_score: float = float("-inf")
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -66,6 +71,10 @@ class RouterConfig:
             )
         if self.use_correction_bias and self.scoring != "sigmoid":
             raise ValueError("use_correction_bias applies to scoring='sigmoid' only")
+        if self.dropped_group_score not in (float("-inf"), 0.0):
+            raise ValueError(
+                f"dropped_group_score must be -inf or 0.0, got {self.dropped_group_score}"
+            )
 
 
 def route(
@@ -117,4 +126,4 @@ def _mask_to_top_groups(choice_TE: torch.Tensor, config: RouterConfig) -> torch.
     kept_groups_TG = group_scores_TG.topk(config.top_groups, dim=-1).indices
     keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, kept_groups_TG, True)
     keep_TE = keep_TG.unsqueeze(-1).expand_as(grouped_TGX).reshape(tokens, -1)
-    return choice_TE.masked_fill(~keep_TE, float("-inf"))
+    return choice_TE.masked_fill(~keep_TE, config.dropped_group_score)

@@ -24,6 +24,8 @@ class MegaMoEConfig:
     top_groups: int = 1
     routed_scaling_factor: float = 1.0
     use_correction_bias: bool = False
+    # grouped top-k: choice score of experts in groups not kept, -inf or 0.0 (RouterConfig)
+    dropped_group_score: float = float("-inf")
     # the router's matmul: "float32" (accurate) or "input" (in the hidden states' dtype, as
     # Mixtral and Qwen blocks in transformers do)
     router_dtype: Literal["float32", "input"] = "float32"
@@ -78,6 +80,7 @@ class MegaMoEConfig:
             top_groups=self.top_groups,
             routed_scaling_factor=self.routed_scaling_factor,
             use_correction_bias=self.use_correction_bias,
+            dropped_group_score=self.dropped_group_score,
         )
 
     @property
