@@ -1,0 +1,526 @@
+"""The audit table of drop symbols the shim relies on, and a static audit of a drop against it.
+
+`drop/` holds kernel sources verbatim as a kernel team hands them over; `shim/` is the only code
+that imports them. Before a new drop replaces the old one (`python -m megamoe_kernels.resync`,
+which also checks the drop's imports), `audit_drop` reads it with `ast`, never importing it, and
+checks that every symbol in `AUDIT_TABLE` still exists with the kind and parameters the shim
+relies on. It also lists the drop's kernels that the table does not use (reported, accepted).
+
+How to add an entry (one per drop symbol the shim touches; keep them grouped per drop module):
+
+    DropSymbol(
+        module="grouped_gemm",                # drop/grouped_gemm.py; "ep.dispatch" is
+                                              # drop/ep/dispatch.py, "__init__" drop/__init__.py
+        name="GroupedGemmKernel.__call__",    # a top-level name, or Class.method / Class.CONSTANT
+        kind="function",                      # "class" | "function" | "constant"
+        parameters=("a", "b", "c", "stream"), # what the shim passes; None: the shim never calls it
+        passed_as="positional",               # "keyword" (default) | "positional"
+    )
+
+`parameters` of a class are its constructor's (`__init__`, a dataclass's fields, or an __init__
+inherited from a drop class); `self`/`cls` are never listed. With `passed_as="keyword"` each name
+must still exist and accept a keyword; with `"positional"` the drop's leading positional
+parameters must be exactly these names in this order (what `cute.compile(obj, *args)` and a
+compiled kernel's call need). Either way a parameter the drop now requires and the shim does not
+pass is a failure. A symbol re-exported by a drop module (`from .gemm import Kernel`) is followed
+to its definition.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+SymbolKind = Literal["class", "function", "constant"]
+PassedAs = Literal["keyword", "positional"]
+SYMBOL_KINDS: tuple[str, ...] = ("class", "function", "constant")
+PASSED_AS: tuple[str, ...] = ("keyword", "positional")
+
+DROP_DIR = Path(__file__).resolve().parent.parent / "drop"
+DROP_PACKAGE = "megamoe_kernels.drop"
+
+
+@dataclass(frozen=True)
+class DropSymbol:
+    """One drop symbol the shim uses; see the module docstring for the format."""
+
+    module: str
+    name: str
+    kind: SymbolKind
+    parameters: tuple[str, ...] | None = None
+    passed_as: PassedAs = "keyword"
+
+    def __post_init__(self) -> None:
+        for label, dotted in (("module", self.module), ("name", self.name)):
+            if not dotted or not all(part.isidentifier() for part in dotted.split(".")):
+                raise ValueError(
+                    f"DropSymbol {label}={dotted!r} is not a dotted Python name; "
+                    'expected e.g. module="grouped_gemm", name="GroupedGemmKernel.__call__"'
+                )
+        if self.kind not in SYMBOL_KINDS:
+            raise ValueError(f"DropSymbol kind={self.kind!r}; accepted kinds are {SYMBOL_KINDS}")
+        if self.passed_as not in PASSED_AS:
+            raise ValueError(f"DropSymbol passed_as={self.passed_as!r}; accepted: {PASSED_AS}")
+        if self.kind == "constant" and self.parameters is not None:
+            raise ValueError(
+                f"DropSymbol {self.module}.{self.name} is a constant but lists "
+                f"parameters={self.parameters!r}; a constant takes parameters=None"
+            )
+
+    @property
+    def label(self) -> str:
+        return f"{self.module}.{self.name} ({self.kind})"
+
+
+# Every drop symbol the shim uses. Kernel engineers: add yours here when the shim starts using it.
+AUDIT_TABLE: tuple[DropSymbol, ...] = ()
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a drop
+
+
+@dataclass(frozen=True)
+class ParsedDrop:
+    """The drop's Python modules, parsed: module name inside the drop -> syntax tree."""
+
+    drop_dir: Path
+    modules: dict[str, ast.Module]
+    paths: dict[str, Path]  # module name -> file, relative to the drop
+    parse_errors: tuple[str, ...]
+
+    def where(self, module: str) -> str:
+        """The module's file as a person finds it: drop/ep/dispatch.py."""
+        return f"drop/{self.paths[module].as_posix()}"
+
+    def import_context(self, module: str) -> tuple[str, bool]:
+        """(dotted name once installed, is a package): what relative imports resolve against."""
+        dotted = DROP_PACKAGE if module == "__init__" else f"{DROP_PACKAGE}.{module}"
+        return dotted, self.paths[module].name == "__init__.py"
+
+
+def list_drop_files(drop_dir: Path) -> list[Path]:
+    """Every file of a drop, relative to it, sorted; caches and hidden folders (.git) left out."""
+    files = []
+    for path in sorted(Path(drop_dir).rglob("*")):
+        relative = path.relative_to(drop_dir)
+        in_skipped_folder = any(
+            part == "__pycache__" or part.startswith(".") for part in relative.parts[:-1]
+        )
+        if in_skipped_folder or path.is_dir() or path.suffix in (".pyc", ".pyo"):
+            continue
+        files.append(relative)
+    return files
+
+
+def drop_module_name(relative_path: Path) -> str:
+    """`gemm.py` -> "gemm", `ep/dispatch.py` -> "ep.dispatch", `ep/__init__.py` -> "ep"."""
+    parts = list(relative_path.with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts.pop()
+    return ".".join(parts)
+
+
+def parse_drop(drop_dir: Path) -> ParsedDrop:
+    """Parses every .py of a drop without importing any; unparsable files are listed, not fatal."""
+    modules: dict[str, ast.Module] = {}
+    paths: dict[str, Path] = {}
+    errors = []
+    for relative in list_drop_files(drop_dir):
+        if relative.suffix != ".py":
+            continue
+        try:
+            tree = ast.parse((drop_dir / relative).read_bytes(), filename=str(relative))
+        except SyntaxError as error:
+            errors.append(f"drop/{relative.as_posix()}: line {error.lineno}: {error.msg}")
+            continue
+        except ValueError as error:  # undecodable bytes, null bytes
+            errors.append(f"drop/{relative.as_posix()}: cannot be read as Python source: {error}")
+            continue
+        modules[drop_module_name(relative)] = tree
+        paths[drop_module_name(relative)] = relative
+    return ParsedDrop(Path(drop_dir), modules=modules, paths=paths, parse_errors=tuple(errors))
+
+
+def module_file_hint(module: str) -> str:
+    if module == "__init__":
+        return "drop/__init__.py"
+    return f"drop/{module.replace('.', '/')}.py"
+
+
+def resolve_relative(name: str, *, level: int, package: str) -> str | None:
+    """The absolute name of a relative import made from `package`; None above the top level."""
+    if level == 0:
+        return name
+    package_parts = package.split(".") if package else []
+    if level - 1 >= len(package_parts):
+        return None
+    base = package_parts[: len(package_parts) - (level - 1)]
+    return ".".join([*base, name] if name else base)
+
+
+def is_within(name: str, package: str) -> bool:
+    """Whether dotted `name` is `package` or inside it."""
+    return name == package or name.startswith(package + ".")
+
+
+def call_name(func: ast.expr) -> str | None:
+    """The called name: `f` for `f(...)` and `mod.f(...)`."""
+    if isinstance(func, ast.Name):
+        return func.id
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Symbols and signatures
+
+
+@dataclass(frozen=True)
+class Parameter:
+    name: str
+    required: bool
+    positional: bool  # can be passed by position
+    keyword: bool  # can be passed by keyword
+
+
+@dataclass(frozen=True)
+class Signature:
+    parameters: tuple[Parameter, ...]
+    var_positional: bool = False
+    var_keyword: bool = False
+
+    def names(self) -> list[str]:
+        return [parameter.name for parameter in self.parameters]
+
+    def __str__(self) -> str:
+        shown = []
+        for parameter in self.parameters:
+            if parameter.keyword and not parameter.positional and "*" not in shown:
+                shown.append("*")
+            shown.append(parameter.name if parameter.required else f"{parameter.name}=...")
+        if self.var_positional:
+            shown.insert(sum(parameter.positional for parameter in self.parameters), "*args")
+        if self.var_keyword:
+            shown.append("**kwargs")
+        return f"({', '.join(shown)})"
+
+
+def _decorator_names(node: ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    names = set()
+    for decorator in node.decorator_list:
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        name = call_name(target)
+        if name:
+            names.add(name)
+    return names
+
+
+def function_signature(node: ast.FunctionDef | ast.AsyncFunctionDef, *, bound: bool) -> Signature:
+    """The signature as a caller sees it; `bound` drops the first parameter (self, cls)."""
+    arguments = node.args
+    positional = [*arguments.posonlyargs, *arguments.args]
+    first_default = len(positional) - len(arguments.defaults)
+    parameters = [
+        Parameter(
+            argument.name,
+            required=index < first_default,
+            positional=True,
+            keyword=index >= len(arguments.posonlyargs),
+        )
+        for index, argument in enumerate(positional)
+    ]
+    if bound and parameters:
+        parameters.pop(0)
+    parameters += [
+        Parameter(argument.name, required=default is None, positional=False, keyword=True)
+        for argument, default in zip(arguments.kwonlyargs, arguments.kw_defaults, strict=True)
+    ]
+    return Signature(
+        tuple(parameters),
+        var_positional=arguments.vararg is not None,
+        var_keyword=arguments.kwarg is not None,
+    )
+
+
+def _bound_in_class(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    return "staticmethod" not in _decorator_names(node)
+
+
+def _dataclass_signature(node: ast.ClassDef) -> Signature:
+    parameters = []
+    for statement in node.body:
+        if not isinstance(statement, ast.AnnAssign) or not isinstance(statement.target, ast.Name):
+            continue
+        if "ClassVar" in ast.unparse(statement.annotation):
+            continue
+        value = statement.value
+        has_default = value is not None and not (
+            isinstance(value, ast.Call)
+            and call_name(value.func) == "field"
+            and not {"default", "default_factory"} & {item.arg for item in value.keywords}
+        )
+        parameters.append(Parameter(statement.target.id, not has_default, True, True))
+    return Signature(tuple(parameters))
+
+
+def top_level_bindings(body: list[ast.stmt]) -> dict[str, ast.stmt]:
+    """Names a module or class body binds -> the statement binding them (the last one wins).
+
+    Looks into `if`/`try` blocks at that level too (`try: import x except ImportError: ...`).
+    """
+    bindings: dict[str, ast.stmt] = {}
+    for statement in body:
+        if isinstance(statement, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            bindings[statement.name] = statement
+        elif isinstance(statement, ast.Assign | ast.AnnAssign):
+            targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
+            for target in targets:
+                for name_node in ast.walk(target):
+                    if isinstance(name_node, ast.Name):
+                        bindings[name_node.id] = statement
+        elif isinstance(statement, ast.Import | ast.ImportFrom):
+            for alias in statement.names:
+                bindings[alias.asname or alias.name.split(".")[0]] = statement
+        elif isinstance(statement, ast.If):
+            bindings.update(top_level_bindings(statement.body + statement.orelse))
+        elif isinstance(statement, ast.Try):
+            nested = statement.body + statement.orelse + statement.finalbody
+            for handler in statement.handlers:
+                nested += handler.body
+            bindings.update(top_level_bindings(nested))
+    return bindings
+
+
+def kind_of(statement: ast.stmt) -> str:
+    if isinstance(statement, ast.ClassDef):
+        return "class"
+    if isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef):
+        return "function"
+    if isinstance(statement, ast.Assign | ast.AnnAssign):
+        return "constant"
+    return "import of another package"
+
+
+@dataclass(frozen=True)
+class Found:
+    """Where a drop symbol is defined: its module and the statement defining it."""
+
+    module: str
+    statement: ast.stmt
+    owner: ast.ClassDef | None  # the class holding it, for Class.member names
+
+
+class DropLookup:
+    """Finds drop symbols in a parsed drop, following re-exports between drop modules."""
+
+    def __init__(self, parsed: ParsedDrop) -> None:
+        self.parsed = parsed
+        self._bindings = {
+            module: top_level_bindings(tree.body) for module, tree in parsed.modules.items()
+        }
+
+    def find(self, module: str, name: str) -> Found | str:
+        """The definition of `module.name`, or a sentence saying why it cannot be found."""
+        return self._find(module, name.split("."), seen=set())
+
+    def _find(self, module: str, parts: list[str], *, seen: set[tuple[str, str]]) -> Found | str:
+        if module not in self.parsed.modules:
+            unparsable = any(
+                module_file_hint(module) in error for error in self.parsed.parse_errors
+            )
+            reason = "does not parse (see the validation above)" if unparsable else "is missing"
+            return f"module {module_file_hint(module)} {reason}"
+        if (module, parts[0]) in seen:
+            return f"{'.'.join(parts)} is re-exported in a cycle"
+        seen.add((module, parts[0]))
+        statement = self._bindings[module].get(parts[0])
+        if statement is None:
+            return f"{parts[0]} is not defined in {self.parsed.where(module)}"
+        if isinstance(statement, ast.ImportFrom):
+            target = self._reexported_from(module, statement, parts[0])
+            if target is not None:
+                return self._find(target[0], [target[1], *parts[1:]], seen=seen)
+        found = Found(module, statement, owner=None)
+        for member in parts[1:]:
+            if not isinstance(found.statement, ast.ClassDef):
+                parent = kind_of(found.statement)
+                return f"{'.'.join(parts)}: only a class has members, its parent is a {parent}"
+            member_statement = top_level_bindings(found.statement.body).get(member)
+            if member_statement is None:
+                return f"class {found.statement.name} has no member {member}"
+            found = Found(module, member_statement, owner=found.statement)
+        return found
+
+    def _reexported_from(
+        self, module: str, statement: ast.ImportFrom, bound_name: str
+    ) -> tuple[str, str] | None:
+        """(drop module, name) that `from .x import y as bound_name` brings in, if in the drop."""
+        module_name, is_package = self.parsed.import_context(module)
+        package = module_name if is_package else module_name.rpartition(".")[0]
+        source = resolve_relative(statement.module or "", level=statement.level, package=package)
+        if source is None or not is_within(source, DROP_PACKAGE):
+            return None
+        original = next(a.name for a in statement.names if (a.asname or a.name) == bound_name)
+        inner = source[len(DROP_PACKAGE) + 1 :] or "__init__"
+        submodule = f"{inner}.{original}" if inner != "__init__" else original
+        if submodule in self.parsed.modules:
+            return None  # `from . import gemm` binds a module, not a symbol
+        return inner, original
+
+    def constructor_signature(self, found: Found, *, depth: int = 0) -> Signature | str:
+        """A class's constructor: its __init__, its dataclass fields or a drop base's __init__."""
+        node = found.statement
+        assert isinstance(node, ast.ClassDef)
+        init = top_level_bindings(node.body).get("__init__")
+        if isinstance(init, ast.FunctionDef | ast.AsyncFunctionDef):
+            return function_signature(init, bound=True)
+        if "dataclass" in _decorator_names(node):
+            return _dataclass_signature(node)
+        for base in node.bases:
+            if isinstance(base, ast.Name) and base.id == "object":
+                continue
+            if not isinstance(base, ast.Name):
+                return (
+                    f"class {node.name} inherits its constructor from {ast.unparse(base)}, "
+                    "outside the drop: give it an __init__ or drop `parameters` from its entry"
+                )
+            base_found = self.find(found.module, base.id)
+            if isinstance(base_found, str) or not isinstance(base_found.statement, ast.ClassDef):
+                return f"class {node.name}: base {base.id} is not a class of the drop"
+            if depth < 16:
+                return self.constructor_signature(base_found, depth=depth + 1)
+        return Signature(())
+
+
+# ---------------------------------------------------------------------------------------------
+# The audit
+
+
+def parameter_problems(entry: DropSymbol, signature: Signature) -> list[str]:
+    """How `signature` breaks the calls the shim makes as `entry` describes them."""
+    assert entry.parameters is not None
+    problems = []
+    by_name = {parameter.name: parameter for parameter in signature.parameters}
+    relied_on = set(entry.parameters)
+    if entry.passed_as == "positional":
+        positional = [parameter.name for parameter in signature.parameters if parameter.positional]
+        for index, expected in enumerate(entry.parameters):
+            if index >= len(positional):
+                if not signature.var_positional:
+                    problems.append(f"takes no parameter at position {index} ({expected!r})")
+            elif positional[index] != expected:
+                problems.append(
+                    f"position {index} is {positional[index]!r} now, the shim passes "
+                    f"{expected!r} there (renamed or reordered)"
+                )
+    else:
+        for expected in entry.parameters:
+            parameter = by_name.get(expected)
+            if parameter is None:
+                problems.append(f"parameter {expected!r} is gone (renamed?)")
+            elif not parameter.keyword:
+                problems.append(f"parameter {expected!r} is positional-only now")
+    if entry.passed_as == "positional":
+        covered = set(positional[: len(entry.parameters)])
+    else:
+        covered = relied_on
+    for parameter in signature.parameters:
+        if parameter.required and parameter.name not in covered:
+            problems.append(
+                f"newly requires {parameter.name!r} (no default), which the shim does not pass"
+            )
+    if problems:
+        problems.append(f"the drop's signature is {signature}; the shim passes {entry.parameters}")
+    return problems
+
+
+def is_kernel_like(statement: ast.stmt) -> bool:
+    """What the unused-kernel report lists: public classes and @cute.jit/@cute.kernel functions."""
+    if isinstance(statement, ast.ClassDef):
+        return not statement.name.startswith("_")
+    if isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef):
+        public = not statement.name.startswith("_")
+        return public and bool({"jit", "kernel"} & _decorator_names(statement))
+    return False
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    """What a drop lacks for the shim (`problems`) and what it has that the shim skips (`unused`)."""
+
+    drop_dir: Path
+    entries_checked: int
+    problems: tuple[str, ...]
+    unused: tuple[str, ...]
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    def format(self) -> str:
+        lines = [f"audit of {self.drop_dir} against {self.entries_checked} shim table entries:"]
+        if self.problems:
+            lines.append(f"  FAILED: {len(self.problems)} problem(s)")
+            lines += [f"  - {problem}" for problem in self.problems]
+            lines.append(
+                "  fix: adapt shim/ to the new drop and update its entries in "
+                "megamoe_kernels/shim/audit.py, or ask the kernel team for a compatible drop"
+            )
+        else:
+            lines.append("  ok: every symbol the shim uses is there, with compatible parameters")
+        if self.unused:
+            lines.append(f"  not used by the shim (accepted): {len(self.unused)}")
+            lines += [f"  - {symbol}" for symbol in self.unused]
+        return "\n".join(lines)
+
+
+def audit_drop(
+    drop_dir: Path = DROP_DIR,
+    *,
+    table: tuple[DropSymbol, ...] = AUDIT_TABLE,
+    parsed: ParsedDrop | None = None,
+) -> AuditReport:
+    """Checks, without importing anything, that `drop_dir` has every symbol `table` relies on."""
+    parsed = parsed if parsed is not None else parse_drop(drop_dir)
+    lookup = DropLookup(parsed)
+    problems = []
+    for entry in table:
+        found = lookup.find(entry.module, entry.name)
+        if isinstance(found, str):
+            problems.append(f"{entry.label}: {found}")
+            continue
+        kind = kind_of(found.statement)
+        if kind != entry.kind:
+            problems.append(f"{entry.label}: is a {kind} now, the shim uses it as a {entry.kind}")
+            continue
+        if entry.parameters is None:
+            continue
+        if isinstance(found.statement, ast.ClassDef):
+            signature = lookup.constructor_signature(found)
+        else:
+            assert isinstance(found.statement, ast.FunctionDef | ast.AsyncFunctionDef)
+            bound = found.owner is not None and _bound_in_class(found.statement)
+            signature = function_signature(found.statement, bound=bound)
+        if isinstance(signature, str):
+            problems.append(f"{entry.label}: {signature}")
+            continue
+        problems += [
+            f"{entry.label}: {problem}" for problem in parameter_problems(entry, signature)
+        ]
+
+    used = {(entry.module, entry.name.split(".")[0]) for entry in table}
+    unused = []
+    for module, tree in sorted(parsed.modules.items()):
+        for name, statement in top_level_bindings(tree.body).items():
+            if (module, name) not in used and is_kernel_like(statement):
+                unused.append(f"{parsed.where(module)}: {name} ({kind_of(statement)})")
+    return AuditReport(
+        drop_dir=Path(drop_dir),
+        entries_checked=len(table),
+        problems=tuple(problems),
+        unused=tuple(unused),
+    )
