@@ -226,7 +226,7 @@ def function_signature(node: ast.FunctionDef | ast.AsyncFunctionDef, *, bound: b
     first_default = len(positional) - len(arguments.defaults)
     parameters = [
         Parameter(
-            argument.name,
+            argument.arg,
             required=index < first_default,
             positional=True,
             keyword=index >= len(arguments.posonlyargs),
@@ -236,7 +236,7 @@ def function_signature(node: ast.FunctionDef | ast.AsyncFunctionDef, *, bound: b
     if bound and parameters:
         parameters.pop(0)
     parameters += [
-        Parameter(argument.name, required=default is None, positional=False, keyword=True)
+        Parameter(argument.arg, required=default is None, positional=False, keyword=True)
         for argument, default in zip(arguments.kwonlyargs, arguments.kw_defaults, strict=True)
     ]
     return Signature(
@@ -383,16 +383,14 @@ class DropLookup:
         for base in node.bases:
             if isinstance(base, ast.Name) and base.id == "object":
                 continue
-            if not isinstance(base, ast.Name):
-                return (
-                    f"class {node.name} inherits its constructor from {ast.unparse(base)}, "
-                    "outside the drop: give it an __init__ or drop `parameters` from its entry"
-                )
-            base_found = self.find(found.module, base.id)
-            if isinstance(base_found, str) or not isinstance(base_found.statement, ast.ClassDef):
-                return f"class {node.name}: base {base.id} is not a class of the drop"
-            if depth < 16:
-                return self.constructor_signature(base_found, depth=depth + 1)
+            base_found = self.find(found.module, base.id) if isinstance(base, ast.Name) else None
+            if isinstance(base_found, Found) and isinstance(base_found.statement, ast.ClassDef):
+                if depth < 16:  # deeper is a cycle, or no drop a person would write
+                    return self.constructor_signature(base_found, depth=depth + 1)
+            return (
+                f"class {node.name} inherits its constructor from {ast.unparse(base)}, outside "
+                "the drop: give it an __init__, or parameters=None in its entry"
+            )
         return Signature(())
 
 
