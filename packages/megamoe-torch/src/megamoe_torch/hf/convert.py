@@ -1,0 +1,213 @@
+"""MegaMoE layers from Hugging Face MoE blocks and from checkpoint state dicts.
+
+The routing semantics come from the source, never from options: options only choose how the
+layer runs (backend, capacity, input checks, expert parallelism).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from megamoe_torch.config import MegaMoEConfig
+from megamoe_torch.hf.families import (
+    DEEPSEEK_V3,
+    BlockReading,
+    UnsupportedBlockError,
+    correction_bias_of,
+    read_block,
+    read_hf_config,
+)
+from megamoe_torch.hf.state_dict import block_state_dict, megamoe_state_dict_from_hf
+from megamoe_torch.layer import MegaMoE
+
+# MegaMoEConfig fields that change how a layer runs, not what it computes
+RUN_OPTIONS = ("backend", "capacity", "check_inputs", "dispatcher", "max_tokens_per_rank")
+
+
+def from_hf(block: nn.Module, **options: Any) -> MegaMoE:
+    """A MegaMoE computing what a transformers MoE block computes, with the block's weights.
+
+    Supported: MixtralSparseMoeBlock, Qwen2MoeSparseMoeBlock (shared expert and its sigmoid
+    gate), Qwen3MoeSparseMoeBlock, DeepseekV3MoE (sigmoid scores, grouped top-k, correction
+    bias, routed scaling, shared experts), in the fused layout of transformers >= 5 and the
+    per-expert layout of 4.x. The layer shares the block's tensors where the layouts agree (no
+    copy). `options`: any of RUN_OPTIONS, and `process_group` for expert parallelism.
+    Raises UnsupportedBlockError (a ValueError) saying why a block cannot be reproduced exactly.
+    """
+    layer, _ = convert_block(block, layer_class=MegaMoE, options=options)
+    return layer
+
+
+def from_hf_state_dict(
+    state_dict: dict[str, torch.Tensor],
+    hf_config: Any,
+    *,
+    layer: int | None = None,
+    prefix: str | None = None,
+    device: torch.device | str | None = None,
+    **options: Any,
+) -> MegaMoE:
+    """A MegaMoE from a checkpoint's tensors (Hugging Face key names), without building the model.
+
+    `hf_config`: the model's transformers config or its config.json as a dict. The block's tensors
+    are those under `prefix`, or, given `layer`, under 'model.layers.{layer}.mlp.' (or Mixtral's
+    '.block_sparse_moe.'). `state_dict` may also hold just the block's tensors (no prefix).
+    DeepSeek-V3 groups not kept are masked with -inf, as DeepSeek's reference does.
+    """
+    family, fields = read_hf_config(hf_config)
+    if prefix is None and layer is not None:
+        candidates = [
+            f"model.layers.{layer}.{name}." for name in (family.checkpoint_block_name, "mlp")
+        ]
+        prefix = next((p for p in candidates if f"{p}gate.weight" in state_dict), candidates[0])
+    block_tensors = block_state_dict(state_dict, prefix=prefix) if prefix else dict(state_dict)
+    if not block_tensors:
+        raise ValueError(f"state_dict holds no tensors under prefix {prefix!r}")
+    megamoe_state = megamoe_state_dict_from_hf(block_tensors, family=family)
+    return build_layer(
+        fields,
+        megamoe_state,
+        options,
+        layer_class=MegaMoE,
+        device=device if device is not None else megamoe_state["w13"].device,
+        dtype=megamoe_state["w13"].dtype,
+    )
+
+
+def convert_block(
+    block: nn.Module, *, layer_class: type[MegaMoE], options: dict[str, Any]
+) -> tuple[MegaMoE, BlockReading]:
+    """(layer of `layer_class`, what was read of the block): the one conversion path."""
+    reading = read_block(block)
+    fields = dict(reading.config_fields)
+    if reading.family is DEEPSEEK_V3:
+        fields["dropped_group_score"] = _dropped_group_score_of(block, fields)
+    megamoe_state = megamoe_state_dict_from_hf(block.state_dict(), family=reading.family)
+    layer = build_layer(
+        fields,
+        megamoe_state,
+        options,
+        layer_class=layer_class,
+        device=reading.device,
+        dtype=reading.expert_dtype,
+    )
+    return layer, reading
+
+
+def build_layer(
+    fields: dict[str, Any],
+    megamoe_state: dict[str, torch.Tensor],
+    options: dict[str, Any],
+    *,
+    layer_class: type[MegaMoE],
+    device: torch.device | str,
+    dtype: torch.dtype,
+) -> MegaMoE:
+    options = dict(options)
+    process_group = options.pop("process_group", None)
+    unknown = sorted(set(options) - set(RUN_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"unexpected options {unknown}: accepted are {[*RUN_OPTIONS, 'process_group']} "
+            "(routing semantics come from the source and cannot be overridden)"
+        )
+    try:
+        config = MegaMoEConfig(**fields, **options)
+    except ValueError as error:
+        if set(options) & {"backend", "capacity", "dispatcher", "max_tokens_per_rank"}:
+            raise
+        raise UnsupportedBlockError(f"megamoe cannot express this routing: {error}") from error
+    gate_dtype = megamoe_state["gate.weight"].dtype
+    if process_group is not None:
+        layer = layer_class(config, process_group=process_group, device=device, dtype=dtype)
+        # DeepSeek-V3 keeps its router weight in fp32 next to bf16 experts
+        layer.gate.to(dtype=gate_dtype)
+        layer.load_full_state_dict(megamoe_state)
+        return layer
+    # built on the meta device and given the source tensors: no second copy of the weights
+    layer = layer_class(config, device="meta", dtype=dtype)
+    layer.load_state_dict(
+        {name: tensor.to(device) for name, tensor in megamoe_state.items()}, assign=True
+    )
+    return layer
+
+
+def _dropped_group_score_of(block: nn.Module, fields: dict[str, Any]) -> float:
+    """How the block's transformers version scores experts of dropped groups: -inf or 0.0.
+
+    transformers masked them with 0.0 until 2026, -inf since. The two differ only when a kept
+    expert's biased score is negative, so the block's router is run on a crafted input where all
+    biased scores are negative and the experts it picks tell which.
+    """
+    num_groups, top_groups = fields["num_groups"], fields["top_groups"]
+    if top_groups == num_groups:
+        return float("-inf")  # no group is ever dropped: the two agree
+    observed = _observe_dropped_group_score(block, fields)
+    if observed is not None:
+        return observed
+    bias = correction_bias_of(block)
+    if bias is None or bool((bias >= 0).all()):
+        # sigmoid scores are positive, so with a non-negative bias both masks pick the same
+        return float("-inf")
+    raise UnsupportedBlockError(
+        "could not tell whether this transformers version masks dropped expert groups with -inf "
+        "or 0.0, and the correction bias has negative entries, where the two differ"
+    )
+
+
+def _observe_dropped_group_score(block: nn.Module, fields: dict[str, Any]) -> float | None:
+    num_experts, hidden_size = fields["num_experts"], fields["hidden_size"]
+    experts_per_group = num_experts // fields["num_groups"]
+    kept_experts = fields["top_groups"] * experts_per_group
+    top_k = fields["top_k"]
+    # strictly decreasing logits: group g outranks group g + 1, no ties anywhere
+    logits_E = torch.linspace(4.0, -4.0, num_experts)
+    negative_bias_E = torch.full((num_experts,), -1.0)
+    router = block.gate
+    try:
+        with torch.no_grad():
+            if hasattr(block, "route_tokens_to_experts"):  # transformers 5.0 to 5.x
+                router_twin = _twin(router, e_score_correction_bias=negative_bias_E)
+                block_twin = _twin(block, gate=router_twin, e_score_correction_bias=negative_bias_E)
+                outputs = block_twin.route_tokens_to_experts(logits_E.unsqueeze(0))
+            else:  # the router computes logits, scores and choice (4.x, and 5.x after 2026)
+                weight_EH = torch.zeros(num_experts, hidden_size)
+                weight_EH[:, 0] = logits_E
+                router_twin = _twin(
+                    router, weight=weight_EH, e_score_correction_bias=negative_bias_E
+                )
+                one_hot_H = torch.zeros(1, hidden_size)
+                one_hot_H[0, 0] = 1.0
+                outputs = type(router).forward(router_twin, one_hot_H)
+    except Exception:  # an unknown router structure: the caller decides from the bias
+        return None
+    id_tensors = [t for t in outputs if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+    if len(id_tensors) != 1:
+        return None
+    chosen = set(id_tensors[0].reshape(-1).tolist())
+    if chosen == set(range(top_k)):
+        return float("-inf")
+    if any(expert >= kept_experts for expert in chosen):
+        return 0.0
+    return None
+
+
+def _twin(module: nn.Module, **replacements: Any) -> nn.Module:
+    """A shallow copy of `module` with some tensors or submodules replaced; `module` is untouched."""
+    twin = copy.copy(module)
+    twin._parameters = dict(module._parameters)
+    twin._buffers = dict(module._buffers)
+    twin._modules = dict(module._modules)
+    for name, value in replacements.items():
+        for registry in (twin._parameters, twin._buffers, twin._modules):
+            if name in registry:
+                registry[name] = value
+                break
+        else:
+            if hasattr(module, name):
+                object.__setattr__(twin, name, value)
+    return twin

@@ -1,0 +1,175 @@
+"""Swap every supported MoE block of a loaded transformers model for a MegaMoE, in place.
+
+The swapped module answers as the block did: transformers >= 5 blocks return the hidden states
+and their model records router logits with a forward hook on the router class
+(`output_router_logits`); 4.x Mixtral and Qwen blocks return (hidden_states, router_logits).
+A small probe module of the original router's class stands in the swapped block so those hooks
+still see the logits, and hooks already installed on the block or its router move along.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from megamoe_torch.hf.convert import convert_block
+from megamoe_torch.hf.families import UnsupportedBlockError, family_of_block, looks_like_moe_block
+from megamoe_torch.layer import MegaMoE
+
+
+class SwappedMoEBlock(MegaMoE):
+    """A MegaMoE standing where a transformers MoE block stood, answering as that block did."""
+
+    returns_router_logits: bool = False
+
+    def forward(self, hidden_states: torch.Tensor):
+        y, router_logits = super().forward(hidden_states, return_router_logits=True)
+        probe = self._modules.get("router_logits_probe")
+        if probe is not None:
+            probe(router_logits)
+        return (y, router_logits) if self.returns_router_logits else y
+
+
+@dataclass(frozen=True)
+class SwappedEntry:
+    name: str
+    family: str
+    layout: str
+    backend: str
+
+
+@dataclass(frozen=True)
+class SkippedEntry:
+    name: str
+    class_name: str
+    reason: str
+
+
+@dataclass
+class SwapReport:
+    """Which MoE blocks of a model were swapped for MegaMoE, and which were not and why."""
+
+    swapped: list[SwappedEntry] = field(default_factory=list)
+    skipped: list[SkippedEntry] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"swapped {len(self.swapped)} MoE block(s), skipped {len(self.skipped)}"]
+        lines += [
+            f"  swapped {e.name}: {e.family} ({e.layout} layout) on {e.backend}"
+            for e in self.swapped
+        ]
+        lines += [f"  skipped {e.name} ({e.class_name}): {e.reason}" for e in self.skipped]
+        return "\n".join(lines)
+
+
+def swap_moe_blocks(model: nn.Module, *, backend: str = "auto", **options: Any) -> SwapReport:
+    """Replaces every supported MoE block of `model` with a MegaMoE computing the same, in place.
+
+    A block megamoe cannot reproduce exactly is left as it is and listed in the report's
+    `skipped` with the reason. `options`: see `from_hf` (capacity, check_inputs, ...).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    report = SwapReport()
+    for name, block in _moe_blocks(model):
+        class_name = type(block).__name__
+        if family_of_block(block) is None:
+            report.skipped.append(
+                SkippedEntry(name, class_name, "no megamoe conversion for this MoE family")
+            )
+            continue
+        try:
+            swapped, reading = convert_block(
+                block, layer_class=SwappedMoEBlock, options={"backend": backend, **options}
+            )
+            _answer_like(swapped, block, reading.returns_router_logits, reading.layout)
+        except UnsupportedBlockError as error:
+            report.skipped.append(SkippedEntry(name, class_name, str(error)))
+            continue
+        swapped.train(block.training)
+        if not any(p.requires_grad for p in block.parameters()):
+            swapped.requires_grad_(False)
+        parent_name, _, child_name = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child_name, swapped)
+        report.swapped.append(
+            SwappedEntry(name, reading.family.name, reading.layout, swapped.backend)
+        )
+    return report
+
+
+def _moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Outermost modules that are MoE blocks (known families, or anything shaped like one)."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if not name or any(name.startswith(f"{outer}.") for outer, _ in found):
+            continue
+        if family_of_block(module) is not None or looks_like_moe_block(module):
+            found.append((name, module))
+    return found
+
+
+def _answer_like(
+    swapped: SwappedMoEBlock, block: nn.Module, returns_router_logits: bool, layout: str
+) -> None:
+    swapped.returns_router_logits = returns_router_logits
+    router = block.gate
+    if _has_hooks(router, "_forward_pre_hooks"):
+        raise UnsupportedBlockError(
+            "the router has forward pre-hooks, which would see other inputs after the swap"
+        )
+    if layout == "fused" and not isinstance(router, nn.Linear):
+        swapped.router_logits_probe = _router_logits_probe_class(type(router))()
+        _move_hooks(router, swapped.router_logits_probe, pre=False)
+    elif _has_hooks(router, "_forward_hooks"):
+        raise UnsupportedBlockError(
+            "the router has forward hooks and no stand-in of its class can carry them"
+        )
+    _move_hooks(block, swapped, pre=True)
+
+
+_PROBE_CLASSES: dict[type, type] = {}
+
+
+def _router_logits_probe_class(router_class: type) -> type:
+    """A weightless module of the router's class whose forward hands the logits to hooks.
+
+    transformers records router logits with a hook on every instance of the router class; an
+    instance of a subclass is found by the same isinstance test.
+    """
+    if router_class not in _PROBE_CLASSES:
+
+        def __init__(self) -> None:
+            nn.Module.__init__(self)
+
+        def forward(self, router_logits: torch.Tensor):
+            # the original router answers (logits, top-k weights, top-k ids); hooks read index 0
+            return router_logits, None, None
+
+        _PROBE_CLASSES[router_class] = type(
+            f"{router_class.__name__}LogitsProbe",
+            (router_class,),
+            {"__init__": __init__, "forward": forward, "__module__": __name__},
+        )
+    return _PROBE_CLASSES[router_class]
+
+
+def _has_hooks(module: nn.Module, registry: str) -> bool:
+    return bool(getattr(module, registry))
+
+
+def _move_hooks(source: nn.Module, target: nn.Module, *, pre: bool) -> None:
+    """Re-registers `source`'s forward hooks (and pre-hooks if `pre`) on `target`."""
+    for hook_id, hook in source._forward_hooks.items():
+        target.register_forward_hook(
+            hook,
+            with_kwargs=hook_id in source._forward_hooks_with_kwargs,
+            always_call=hook_id in source._forward_hooks_always_called,
+        )
+    if pre:
+        for hook_id, hook in source._forward_pre_hooks.items():
+            target.register_forward_pre_hook(
+                hook, with_kwargs=hook_id in source._forward_pre_hooks_with_kwargs
+            )
