@@ -572,7 +572,10 @@ def main(argv: list[str] | None = None) -> int:
         vendor_path=vendor_path,
         source=arguments.source,
         dry_run=arguments.dry_run,
-        compile_tests_dir=None if arguments.skip_compile_tests else KERNEL_TESTS_DIR,
+        # the compile tests import the installed package: they exercise only this checkout's drop
+        compile_tests_dir=None
+        if arguments.skip_compile_tests or drop_dir.resolve() != DROP_DIR.resolve()
+        else KERNEL_TESTS_DIR,
     )
     return 0 if result.ok else 1
 

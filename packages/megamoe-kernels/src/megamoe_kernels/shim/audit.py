@@ -384,9 +384,11 @@ class DropLookup:
             if isinstance(base, ast.Name) and base.id == "object":
                 continue
             base_found = self.find(found.module, base.id) if isinstance(base, ast.Name) else None
-            if isinstance(base_found, Found) and isinstance(base_found.statement, ast.ClassDef):
-                if depth < 16:  # deeper is a cycle, or no drop a person would write
-                    return self.constructor_signature(base_found, depth=depth + 1)
+            is_drop_class = isinstance(base_found, Found) and isinstance(
+                base_found.statement, ast.ClassDef
+            )
+            if is_drop_class and depth < 16:  # deeper is a cycle, or no drop a person writes
+                return self.constructor_signature(base_found, depth=depth + 1)
             return (
                 f"class {node.name} inherits its constructor from {ast.unparse(base)}, outside "
                 "the drop: give it an __init__, or parameters=None in its entry"
