@@ -206,13 +206,13 @@ def read_hf_config(hf_config: Any) -> tuple[Family, dict[str, Any]]:
                 f"router_jitter_noise={jitter} is not reproduced; set it to 0.0 to convert"
             )
         fields.update(
-            num_experts=get("num_local_experts"),
+            num_experts=_first_of(get, "num_local_experts", "num_experts"),
             intermediate_size=get("intermediate_size"),
             renormalize=True,
         )
     elif family in (QWEN2_MOE, QWEN3_MOE):
         fields.update(
-            num_experts=get("num_experts"),
+            num_experts=_first_of(get, "num_experts", "num_local_experts"),
             intermediate_size=get("moe_intermediate_size"),
             renormalize=bool(get("norm_topk_prob")),
         )
@@ -224,7 +224,7 @@ def read_hf_config(hf_config: Any) -> tuple[Family, dict[str, Any]]:
             )
     else:
         fields.update(
-            num_experts=get("n_routed_experts"),
+            num_experts=_first_of(get, "n_routed_experts", "num_local_experts"),
             intermediate_size=get("moe_intermediate_size"),
             renormalize=bool(get("norm_topk_prob")),
             num_groups=get("n_group") or 1,
@@ -382,6 +382,11 @@ def _tensor(module: nn.Module, name: str, *, what: str) -> torch.Tensor:
 
 
 _MISSING = object()
+
+
+def _first_of(get, *names: str) -> Any:
+    """The first of a config's aliases that is set (config.json and to_dict() spell some apart)."""
+    return next((value for value in map(get, names) if value is not None), None)
 
 
 def _attribute(holders: tuple, *names: str, default: Any = _MISSING) -> Any:

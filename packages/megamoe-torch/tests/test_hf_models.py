@@ -1,0 +1,270 @@
+"""Tiny random transformers models of each family: swapped, converted and loaded from checkpoints."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from megamoe_torch import (  # noqa: E402
+    MegaMoE,
+    UnsupportedBlockError,
+    from_hf,
+    from_hf_state_dict,
+    hf_state_dict_from_megamoe,
+    megamoe_state_dict_from_hf,
+    swap_moe_blocks,
+)
+from megamoe_torch.hf import moe_layer_indices  # noqa: E402
+
+VOCAB = 96
+ATTENTION = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
+def _config(family: str):
+    if family == "mixtral":
+        return transformers.MixtralConfig(
+            **ATTENTION, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2
+        )
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(
+            **ATTENTION,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=False,
+        )
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **ATTENTION,
+            head_dim=16,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+        )
+    return transformers.DeepseekV3Config(
+        **{**ATTENTION, "num_key_value_heads": 4},
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=16,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+    )
+
+
+MODEL_CLASSES = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+FAMILIES = tuple(MODEL_CLASSES)
+
+
+def tiny_model(family: str, **config_overrides) -> torch.nn.Module:
+    config = _config(family)
+    for name, value in config_overrides.items():
+        setattr(config, name, value)
+    model = getattr(transformers, MODEL_CLASSES[family])(config).eval()
+    with torch.no_grad():
+        # larger than transformers' init so routing is decisive and every expert matters
+        for name, parameter in model.named_parameters():
+            if parameter.dim() >= 2:
+                parameter.normal_(0.0, 0.3 if "gate" in name else 0.08)
+        for module in model.modules():
+            bias = getattr(module, "e_score_correction_bias", None)
+            if isinstance(bias, torch.Tensor):
+                bias.normal_(0.0, 0.2)  # negative entries included: group masking matters
+    return model
+
+
+def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+def moe_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if name.endswith(".mlp") and hasattr(module, "experts")
+    ]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_swapped_model_gives_the_original_logits_router_logits_and_tokens(family):
+    model = tiny_model(family)
+    original = copy.deepcopy(model)
+    input_ids = torch.randint(0, VOCAB, (2, 11))
+
+    report = swap_moe_blocks(model, backend="reference")
+
+    assert [entry.name for entry in report.swapped] == [name for name, _ in moe_blocks(original)]
+    assert {entry.family for entry in report.swapped} == {family}
+    assert report.skipped == []
+    assert all(isinstance(block, MegaMoE) for _, block in moe_blocks(model))
+    with torch.no_grad():
+        expected = original(input_ids, output_router_logits=True)
+        actual = model(input_ids, output_router_logits=True)
+    assert rel_l2(actual.logits, expected.logits) < 1e-5
+    assert len(actual.router_logits) == len(expected.router_logits) > 0
+    for got, want in zip(actual.router_logits, expected.router_logits, strict=True):
+        assert got.dtype == want.dtype
+        assert rel_l2(got, want) < 1e-5
+    if expected.aux_loss is not None:
+        assert torch.allclose(actual.aux_loss, expected.aux_loss, rtol=1e-5)
+    prompt = torch.randint(0, VOCAB, (1, 5))
+    generate = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(prompt, **generate), original.generate(prompt, **generate))
+
+
+def test_router_logits_still_recorded_when_capture_hooks_predate_the_swap():
+    model = tiny_model("qwen3_moe")
+    input_ids = torch.randint(0, VOCAB, (1, 7))
+    with torch.no_grad():
+        expected = model(input_ids, output_router_logits=True)  # installs transformers' hooks
+        swap_moe_blocks(model, backend="reference")
+        actual = model(input_ids, output_router_logits=True)
+    assert len(actual.router_logits) == len(expected.router_logits) == 2
+    for got, want in zip(actual.router_logits, expected.router_logits, strict=True):
+        assert rel_l2(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_from_hf_block_matches_the_block_on_any_leading_shape(family):
+    _, block = moe_blocks(tiny_model(family))[0]
+    layer = from_hf(block, backend="reference")
+    x = torch.randn(3, 5, 64)
+    with torch.no_grad():
+        assert rel_l2(layer(x), block(x)) < 1e-5
+        assert rel_l2(layer(x[:1, :1]), block(x[:1, :1])) < 1e-5
+
+
+def test_deepseek_router_weight_stays_fp32_next_to_bf16_experts():
+    model = tiny_model("deepseek_v3").to(torch.bfloat16)
+    _, block = moe_blocks(model)[0]
+    block.gate.weight.data = block.gate.weight.data.float()  # as from_pretrained keeps it
+    layer = from_hf(block, backend="reference")
+    assert layer.gate.weight.dtype == torch.float32 and layer.w13.dtype == torch.bfloat16
+    assert torch.equal(layer.gate.weight, block.gate.weight)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpoint_state_dict_loads_without_the_model_and_round_trips(family, tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    model = tiny_model(family)
+    model.save_pretrained(tmp_path)
+    checkpoint = safetensors.load_file(tmp_path / "model.safetensors")
+    layer_index = moe_layer_indices(model.config)[-1]
+    _, block = moe_blocks(model)[-1]
+
+    config_json = json.loads((tmp_path / "config.json").read_text())
+
+    layer = from_hf_state_dict(checkpoint, config_json, layer=layer_index, backend="reference")
+
+    x = torch.randn(1, 9, 64)
+    with torch.no_grad():
+        assert rel_l2(layer(x), block(x)) < 1e-5
+    exported = hf_state_dict_from_megamoe(layer.state_dict(), family=family, layout="per_expert")
+    block_name = "block_sparse_moe" if family == "mixtral" else "mlp"
+    prefix = f"model.layers.{layer_index}.{block_name}."
+    on_disk = {k[len(prefix) :]: v for k, v in checkpoint.items() if k.startswith(prefix)}
+    assert sorted(exported) == sorted(on_disk)
+    assert all(torch.equal(exported[key], on_disk[key]) for key in on_disk)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_block_state_dict_round_trips(family):
+    _, block = moe_blocks(tiny_model(family))[0]
+    hf_state = block.state_dict()
+    megamoe_state = megamoe_state_dict_from_hf(hf_state, family=family)
+    back = hf_state_dict_from_megamoe(megamoe_state, family=family, layout="fused")
+    assert sorted(back) == sorted(hf_state)
+    assert all(torch.equal(back[key], hf_state[key]) for key in hf_state)
+
+
+def test_mixtral_with_router_jitter_is_refused_and_left_in_place():
+    model = tiny_model("mixtral", router_jitter_noise=0.1)
+    blocks_before = [block for _, block in moe_blocks(model)]
+
+    report = swap_moe_blocks(model, backend="reference")
+
+    assert report.swapped == []
+    assert len(report.skipped) == 2
+    assert all("router_jitter_noise" in entry.reason for entry in report.skipped)
+    assert [block for _, block in moe_blocks(model)] == blocks_before
+    with pytest.raises(UnsupportedBlockError, match="router_jitter_noise"):
+        from_hf(blocks_before[0])
+
+
+def test_other_activation_is_refused():
+    model = tiny_model("qwen3_moe", hidden_act="gelu")
+    report = swap_moe_blocks(model, backend="reference")
+    assert report.swapped == [] and all("SiLU" in e.reason for e in report.skipped)
+
+
+def test_unknown_moe_family_is_reported_not_swapped():
+    olmoe = getattr(transformers, "OlmoeForCausalLM", None)
+    if olmoe is None:
+        pytest.skip("this transformers has no OLMoE to stand for an unknown family")
+    config = transformers.OlmoeConfig(
+        **ATTENTION, intermediate_size=32, num_experts=4, num_experts_per_tok=2
+    )
+    model = olmoe(config).eval()
+    report = swap_moe_blocks(model, backend="reference")
+    assert report.swapped == []
+    assert len(report.skipped) == config.num_hidden_layers
+    assert "no megamoe conversion" in report.skipped[0].reason
+    assert "skipped" in str(report)
+
+
+def test_semantic_options_are_refused():
+    _, block = moe_blocks(tiny_model("qwen2_moe"))[0]
+    with pytest.raises(TypeError, match="top_k"):
+        from_hf(block, top_k=1)
+
+
+@pytest.mark.gpu
+def test_qwen3_moe_on_cuda_backend_auto_matches_the_original_in_bf16():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = tiny_model("qwen3_moe").to("cuda", torch.bfloat16)
+    original = copy.deepcopy(model)
+    input_ids = torch.randint(0, VOCAB, (4, 33), device="cuda")
+
+    report = swap_moe_blocks(model, backend="auto")
+
+    print(report)
+    assert len(report.swapped) == 2
+    with torch.no_grad():
+        expected = original(input_ids).logits
+        actual = model(input_ids).logits
+        bound = 3e-2  # bf16 rounding differs between the two; a wrong layer is far off
+        assert rel_l2(actual, expected) < bound
+        # the bound is tight enough to catch a wrong layer: experts shuffled must fail it
+        for _, block in moe_blocks(model):
+            block.w13.data = block.w13.data.roll(1, dims=0)
+        assert rel_l2(model(input_ids).logits, expected) > bound
