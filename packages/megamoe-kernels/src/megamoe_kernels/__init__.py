@@ -1,8 +1,29 @@
 """megamoe kernels: CuTe DSL expert-compute kernels for Hopper, and their pure-torch oracles.
 
-`import megamoe_kernels` works on any machine: CuTe DSL is imported on first kernel use.
+`import megamoe_kernels` works on any machine: the kernel API (from `shim`) is loaded on first
+attribute access, and CuTe DSL itself only when a kernel compiles.
 """
+
+import importlib
 
 from megamoe_kernels import reference
 
-__all__ = ["reference"]
+_SHIM_NAMES = (
+    "GemmKnobs",
+    "cached_kernel_count",
+    "check_knobs",
+    "default_knobs",
+    "down",
+    "gate_up_swiglu",
+    "interleave_gate_up",
+    "knob_problems",
+    "resolve_knobs",
+)
+
+__all__ = ["reference", *_SHIM_NAMES]
+
+
+def __getattr__(name: str):
+    if name in _SHIM_NAMES:
+        return getattr(importlib.import_module("megamoe_kernels.shim"), name)
+    raise AttributeError(f"module 'megamoe_kernels' has no attribute {name!r}")

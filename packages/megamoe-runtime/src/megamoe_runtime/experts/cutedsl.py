@@ -1,19 +1,99 @@
-"""The cutedsl backend: megamoe's CuTe DSL kernels (megamoe_kernels). Being built (issue 3)."""
+"""The cutedsl backend: megamoe's CuTe DSL grouped GEMMs (megamoe_kernels) on sm_90a.
+
+gate-up GEMM with the SwiGLU epilogue on the gate/up interleaved w13, then the down GEMM
+(optionally scaling each row by its routing weight). Both read `expert_offsets` on the GPU: no
+host sync, fixed shapes for a fixed capacity, so the pair replays in a CUDA graph.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+from dataclasses import dataclass
+
 import torch
+
+from megamoe_runtime.expert_batch import ExpertBatch
+from megamoe_runtime.experts.base import check_batch_matches_weights
+from megamoe_runtime.weights import Unquantized
 
 
 def cutedsl_status(device: torch.device) -> tuple[bool, str]:
-    return False, "the CuTe DSL expert kernels are not in this build yet"
+    """(can run, why) for the CuTe DSL kernels on `device`."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False, f"the CuTe DSL kernels need an sm_90 CUDA GPU, got device {device}"
+    if not torch.cuda.is_available():
+        return False, "CUDA is not available to torch"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        return False, f"the CuTe DSL kernels are built for sm_90a; this GPU is sm_{major}{minor}"
+    if importlib.util.find_spec("cutlass") is None:
+        return False, "nvidia-cutlass-dsl (import cutlass) is not installed"
+    return True, "sm_90 GPU with CuTe DSL"
+
+
+@dataclass(frozen=True)
+class CuteDSLWeights:
+    """Weights in the kernels' layout: w13 gate/up interleaved ([E, I/8, 16, H]), w2 as given."""
+
+    w13_EB2GH: torch.Tensor
+    w2_EHI: torch.Tensor
+    source: Unquantized
+
+    # what check_batch_matches_weights reads
+    @property
+    def num_experts(self) -> int:
+        return self.w2_EHI.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w2_EHI.shape[1]
+
+    @property
+    def w13_E2IH(self) -> torch.Tensor:
+        return self.source.w13_E2IH
 
 
 class CuteDSLExperts:
     name = "cutedsl"
 
-    def prepare(self, weights):
-        raise NotImplementedError("the cutedsl backend is not in this build yet")
+    def __init__(self, *, gate_up_knobs=None, down_knobs=None):
+        # None: the default profile for the batch's rows per expert
+        self.gate_up_knobs = gate_up_knobs
+        self.down_knobs = down_knobs
 
-    def __call__(self, batch, prepared, *, row_scale_M=None):
-        raise NotImplementedError("the cutedsl backend is not in this build yet")
+    def prepare(self, weights: Unquantized) -> CuteDSLWeights:
+        from megamoe_kernels import interleave_gate_up
+
+        if weights.w13_E2IH.dtype != torch.bfloat16:
+            raise TypeError(f"the cutedsl backend runs bf16 weights, got {weights.w13_E2IH.dtype}")
+        return CuteDSLWeights(
+            w13_EB2GH=interleave_gate_up(weights.w13_E2IH),
+            w2_EHI=weights.w2_EHI.contiguous(),
+            source=weights,
+        )
+
+    def __call__(
+        self,
+        batch: ExpertBatch,
+        prepared: CuteDSLWeights,
+        *,
+        row_scale_M: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        from megamoe_kernels import down, gate_up_swiglu
+
+        if not isinstance(prepared, CuteDSLWeights):
+            raise TypeError(
+                f"prepared must come from CuteDSLExperts.prepare, got {type(prepared).__name__}"
+            )
+        check_batch_matches_weights(batch, prepared)
+        hidden_MI = gate_up_swiglu(
+            batch.rows_MH, batch.expert_offsets, prepared.w13_EB2GH, knobs=self.gate_up_knobs
+        )
+        return down(
+            hidden_MI,
+            batch.expert_offsets,
+            prepared.w2_EHI,
+            row_scale_M=row_scale_M,
+            knobs=self.down_knobs,
+        )

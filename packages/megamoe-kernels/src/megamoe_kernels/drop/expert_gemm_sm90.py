@@ -1,0 +1,413 @@
+"""Grouped GEMM over a tight expert-major batch for Hopper (sm_90a), with fused epilogues.
+
+out[r, :] = epilogue(x[r, :] @ w[e]^T) for every row r of expert e, where expert e owns rows
+[offsets[e], offsets[e + 1]) of x. `offsets` (int32, E + 1) is read on the device.
+
+Layouts (row-major, contiguous last dim):
+  x    [capacity, K]  the batch rows (MMA A, or MMA B with swap_ab)
+  w    (N, K, E)      each expert's weight, K-major (a [E, N, K] tensor seen as (N, K, E))
+  out  [capacity, N_out]; N_out = N / 2 for the SwiGLU epilogue, else N
+  row_scale [capacity] float32, optional (multiplies each output row; plain epilogue only)
+
+Structure: persistent CTAs; warpgroup 0 is the producer (one warp issues TMA loads into a
+`stages`-deep shared-memory ring), warpgroups 1..W consume with wgmma and run the epilogue.
+Producer and consumers walk the same device-side schedule: the tiles of expert e are
+ceil(rows_e / tile_rows) x ceil(N / tile_cols), visited in order of e, so the schedule's length
+follows the valid rows, not the capacity. A tile's rows start at offsets[e] + m * tile_rows; the
+rows past offsets[e + 1] that a tile loads belong to another expert or are not data: they only
+feed output rows that the epilogue never stores. The epilogue writes the tile to shared memory,
+then copies it out in 16-byte vectors, masked to the expert's rows and to N_out.
+
+swap_ab puts the weight's N on the MMA's M side (tile_cols = MMA M, tile_rows = MMA N): the
+decode shape, where a few rows per expert would waste a 64-row MMA and the weight stream is
+what costs.
+
+SwiGLU: w is the gate/up interleaved weight (gate_up_layout); out = silu(gate) * up in fp32.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from .gate_up_layout import interleaved_output_column
+from .tiling import EPILOGUE_ROW_PAD, TILE_K
+
+THREADS_PER_WARPGROUP = 128
+PRODUCER_REGISTERS = 40
+CONSUMER_REGISTERS = 232
+EPILOGUE_BARRIER_ID = 1
+
+
+@cute.jit
+def silu_times(gate, up):
+    """The pointwise SwiGLU: silu(gate) * up, in fp32."""
+    return gate * up / (cutlass.Float32(1.0) + cute.math.exp(-gate, fastmath=True))
+
+
+class ExpertGroupedGemmSm90:
+    """One grouped GEMM variant; the knobs are fixed at construction (see knob rules in the shim).
+
+    tile_rows: rows of x per tile (64/128; with swap_ab 16/32/64/128)
+    tile_cols: weight rows (accumulator columns) per tile (64..256 step 64; with swap_ab 64/128)
+    stages:    depth of the TMA ring
+    swap_ab:   weight on the MMA's M side (decode)
+    swiglu:    gate/up interleaved weight, out = silu(gate) * up
+    row_scale: multiply each output row by row_scale[row]
+    rows_fastest: schedule order inside an expert (m-tiles vary fastest: weights stream once)
+    num_ctas:  persistent CTAs launched
+    """
+
+    def __init__(
+        self,
+        *,
+        tile_rows,
+        tile_cols,
+        stages,
+        swap_ab,
+        swiglu,
+        row_scale,
+        rows_fastest,
+        num_ctas,
+    ):
+        self.tile_rows = tile_rows
+        self.tile_cols = tile_cols
+        self.stages = stages
+        self.swap_ab = swap_ab
+        self.swiglu = swiglu
+        self.row_scale = row_scale
+        self.rows_fastest = rows_fastest
+        self.num_ctas = num_ctas
+        self.mma_m, self.mma_n = (tile_cols, tile_rows) if swap_ab else (tile_rows, tile_cols)
+        self.num_consumer_warpgroups = self.mma_m // 64
+        self.num_consumer_threads = self.num_consumer_warpgroups * THREADS_PER_WARPGROUP
+        self.threads_per_cta = THREADS_PER_WARPGROUP + self.num_consumer_threads
+        self.out_tile_cols = tile_cols // 2 if swiglu else tile_cols
+        self.out_row_stride = self.out_tile_cols + EPILOGUE_ROW_PAD
+        # the up partner's offset in a thread's accumulator fragment ((2, 2, N/8) values: the
+        # second mode steps 8 rows, the third 8 columns)
+        self.partner_offset = 2 if swap_ab else 4
+
+    @cute.jit
+    def __call__(self, mX, mW, mOut, mOffsets, mRowScale, stream):
+        ab_dtype = mX.element_type
+        self.ab_dtype = ab_dtype
+        k_major = cute.nvgpu.OperandMajorMode.K
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            ab_dtype,
+            ab_dtype,
+            k_major,
+            k_major,
+            cutlass.Float32,
+            (self.num_consumer_warpgroups, 1, 1),
+            tiler_mn=(64, self.mma_n),
+        )
+        a_layout = sm90_utils.make_smem_layout_a(
+            cutlass.tensor_utils.LayoutEnum.ROW_MAJOR,
+            (self.mma_m, self.mma_n, TILE_K),
+            ab_dtype,
+            self.stages,
+        )
+        b_layout = sm90_utils.make_smem_layout_b(
+            cutlass.tensor_utils.LayoutEnum.ROW_MAJOR,
+            (self.mma_m, self.mma_n, TILE_K),
+            ab_dtype,
+            self.stages,
+        )
+        x_layout, w_layout = (b_layout, a_layout) if self.swap_ab else (a_layout, b_layout)
+        tma_x, tma_mX = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(),
+            mX,
+            cute.slice_(x_layout, (None, None, 0)),
+            (self.tile_rows, TILE_K),
+        )
+        tma_w, tma_mW = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(),
+            mW,
+            cute.slice_(w_layout, (None, None, 0)),
+            (self.tile_cols, TILE_K),
+        )
+        out_layout = cute.make_layout(
+            (self.tile_rows, self.out_tile_cols), stride=(self.out_row_stride, 1)
+        )
+
+        @cute.struct
+        class SharedStorage:
+            ring_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sX: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(x_layout)], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(w_layout)], 1024]
+            sOut: cute.struct.Align[
+                cute.struct.MemRange[mOut.element_type, cute.cosize(out_layout)], 128
+            ]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            tma_x,
+            tma_mX,
+            tma_w,
+            tma_mW,
+            mOut,
+            mOffsets,
+            mRowScale,
+            self.tiled_mma,
+            x_layout,
+            w_layout,
+            out_layout,
+        ).launch(
+            grid=[self.num_ctas, 1, 1],
+            block=[self.threads_per_cta, 1, 1],
+            cluster=(1, 1, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    @cute.jit
+    def next_tile(self, tile, expert, expert_first_tile, mOffsets, num_experts, col_tiles):
+        """Walks forward from (expert, expert_first_tile) to the expert owning linear `tile`.
+
+        Returns (expert, expert_first_tile, row_tiles of that expert, found). Linear tiles only
+        grow, so each CTA walks the experts once in total."""
+        row_tiles = cutlass.Int32(0)
+        searching = expert < num_experts
+        found = cutlass.Boolean(False)
+        while searching:
+            rows = mOffsets[expert + 1] - mOffsets[expert]
+            row_tiles = (rows + self.tile_rows - 1) // self.tile_rows
+            if tile < expert_first_tile + row_tiles * col_tiles:
+                searching = False
+                found = True
+            else:
+                expert_first_tile = expert_first_tile + row_tiles * col_tiles
+                expert = expert + 1
+                searching = expert < num_experts
+        return expert, expert_first_tile, row_tiles, found
+
+    @cute.jit
+    def tile_coords(self, local_tile, row_tiles, col_tiles):
+        row_tile = local_tile // col_tiles
+        col_tile = local_tile % col_tiles
+        if cutlass.const_expr(self.rows_fastest):
+            row_tile = local_tile % row_tiles
+            col_tile = local_tile // row_tiles
+        return row_tile, col_tile
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_x: cute.CopyAtom,
+        mX: cute.Tensor,
+        tma_w: cute.CopyAtom,
+        mW: cute.Tensor,
+        mOut: cute.Tensor,
+        mOffsets: cute.Tensor,
+        mRowScale,
+        tiled_mma: cute.TiledMma,
+        x_layout: cute.ComposedLayout,
+        w_layout: cute.ComposedLayout,
+        out_layout: cute.Layout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        block_idx, _, _ = cute.arch.block_idx()
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_x)
+            cpasync.prefetch_descriptor(tma_w)
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        tx_bytes = cute.size_in_bytes(
+            self.ab_dtype, cute.slice_(x_layout, (None, None, 0))
+        ) + cute.size_in_bytes(self.ab_dtype, cute.slice_(w_layout, (None, None, 0)))
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ring_barriers.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.num_consumer_warpgroups * 4
+            ),
+            tx_count=tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+        sX = storage.sX.get_tensor(x_layout.outer, swizzle=x_layout.inner)
+        sW = storage.sW.get_tensor(w_layout.outer, swizzle=w_layout.inner)
+        sOut = storage.sOut.get_tensor(out_layout)
+
+        num_experts = cute.size(mOffsets) - 1
+        n_cols = cute.size(mW, mode=[0])
+        col_tiles = (n_cols + self.tile_cols - 1) // self.tile_cols
+        k_tiles = (cute.size(mX, mode=[1]) + TILE_K - 1) // TILE_K
+        # (tile_cols, TILE_K, col tiles, k tiles, E)
+        gW = cute.local_tile(mW, (self.tile_cols, TILE_K), (None, None, None))
+        tWsW, tWgW = cpasync.tma_partition(
+            tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2)
+        )
+        warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        grid_size = cute.arch.grid_dim()[0]
+
+        if warpgroup_idx == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+            if warp_idx == 0:
+                state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.stages
+                )
+                tile = cutlass.Int32(block_idx)
+                expert, first, row_tiles, found = self.next_tile(
+                    tile, cutlass.Int32(0), cutlass.Int32(0), mOffsets, num_experts, col_tiles
+                )
+                while found:
+                    row_tile, col_tile = self.tile_coords(tile - first, row_tiles, col_tiles)
+                    row0 = mOffsets[expert] + row_tile * self.tile_rows
+                    gX = cute.local_tile(
+                        cute.domain_offset((row0, 0), mX), (self.tile_rows, TILE_K), (0, None)
+                    )
+                    tXsX, tXgX = cpasync.tma_partition(
+                        tma_x,
+                        0,
+                        cute.make_layout(1),
+                        cute.group_modes(sX, 0, 2),
+                        cute.group_modes(gX, 0, 2),
+                    )
+                    tWgW_tile = tWgW[(None, col_tile, None, expert)]
+                    for k_tile in range(k_tiles):
+                        ring.producer_acquire(state)
+                        barrier = ring.producer_get_barrier(state)
+                        cute.copy(
+                            tma_x,
+                            tXgX[(None, k_tile)],
+                            tXsX[(None, state.index)],
+                            tma_bar_ptr=barrier,
+                        )
+                        cute.copy(
+                            tma_w,
+                            tWgW_tile[(None, k_tile)],
+                            tWsW[(None, state.index)],
+                            tma_bar_ptr=barrier,
+                        )
+                        ring.producer_commit(state)
+                        state.advance()
+                    tile = tile + grid_size
+                    expert, first, row_tiles, found = self.next_tile(
+                        tile, expert, first, mOffsets, num_experts, col_tiles
+                    )
+                ring.producer_tail(state)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+            consumer_tidx = tidx - THREADS_PER_WARPGROUP
+            thr_mma = tiled_mma.get_slice(consumer_tidx)
+            sA, sB = (sW, sX) if self.swap_ab else (sX, sW)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.mma_m, self.mma_n)))
+            accumulators = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
+            num_k_blocks = cute.size(tCrA, mode=[2])
+            read_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.stages
+            )
+            release_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.stages
+            )
+            epilogue_barrier = pipeline.NamedBarrier(
+                barrier_id=EPILOGUE_BARRIER_ID, num_threads=self.num_consumer_threads
+            )
+
+            tile = cutlass.Int32(block_idx)
+            expert, first, row_tiles, found = self.next_tile(
+                tile, cutlass.Int32(0), cutlass.Int32(0), mOffsets, num_experts, col_tiles
+            )
+            while found:
+                row_tile, col_tile = self.tile_coords(tile - first, row_tiles, col_tiles)
+                row0 = mOffsets[expert] + row_tile * self.tile_rows
+                row_end = mOffsets[expert + 1]
+
+                accumulators.fill(0.0)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.fence()
+                for k_tile in range(k_tiles):
+                    ring.consumer_wait(read_state)
+                    for k_block in cutlass.range_constexpr(num_k_blocks):
+                        coord = (None, None, k_block, read_state.index)
+                        cute.gemm(tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators)
+                    warpgroup.commit_group()
+                    # keep one wgmma batch in flight; release the stage before it
+                    warpgroup.wait_group(1)
+                    if k_tile > 0:
+                        ring.consumer_release(release_state)
+                        release_state.advance()
+                    read_state.advance()
+                warpgroup.wait_group(0)
+                ring.consumer_release(release_state)
+                release_state.advance()
+
+                self.epilogue(
+                    accumulators,
+                    tCcC,
+                    sOut,
+                    mOut,
+                    mRowScale,
+                    row0=row0,
+                    row_end=row_end,
+                    col_tile=col_tile,
+                    consumer_tidx=consumer_tidx,
+                    barrier=epilogue_barrier,
+                )
+                tile = tile + grid_size
+                expert, first, row_tiles, found = self.next_tile(
+                    tile, expert, first, mOffsets, num_experts, col_tiles
+                )
+
+    @cute.jit
+    def epilogue(
+        self,
+        accumulators,
+        tCcC,
+        sOut,
+        mOut,
+        mRowScale,
+        *,
+        row0,
+        row_end,
+        col_tile,
+        consumer_tidx,
+        barrier,
+    ):
+        """Registers -> shared tile (SwiGLU or plain, optional row scale) -> masked 16-byte
+        stores of the rows in [row0, row_end) and the columns below N_out."""
+        out_dtype = mOut.element_type
+        for i in cutlass.range_constexpr(cute.size(accumulators)):
+            m, n = tCcC[i]
+            row, col = (n, m) if self.swap_ab else (m, n)
+            if cutlass.const_expr(self.swiglu):
+                if cutlass.const_expr((i // self.partner_offset) % 2 == 0):
+                    value = silu_times(accumulators[i], accumulators[i + self.partner_offset])
+                    sOut[row, interleaved_output_column(col)] = value.to(out_dtype)
+            else:
+                value = accumulators[i]
+                if cutlass.const_expr(self.row_scale):
+                    scale = cutlass.Float32(0.0)
+                    if row0 + row < row_end:
+                        scale = mRowScale[row0 + row]
+                    value = value * scale
+                sOut[row, col] = value.to(out_dtype)
+        barrier.arrive_and_wait()
+
+        vector = 8
+        vectors_per_row = self.out_tile_cols // vector
+        n_out = cute.size(mOut, mode=[1])
+        col0 = col_tile * self.out_tile_cols
+        sOut_vectors = cute.zipped_divide(sOut, (1, vector))
+        mOut_vectors = cute.zipped_divide(mOut, (1, vector))
+        copy_atom = cute.make_copy_atom(
+            cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=128
+        )
+        for v in cutlass.range(
+            consumer_tidx, self.tile_rows * vectors_per_row, self.num_consumer_threads
+        ):
+            row = v // vectors_per_row
+            col = (v % vectors_per_row) * vector
+            if row0 + row < row_end and col0 + col < n_out:
+                cute.copy(
+                    copy_atom,
+                    sOut_vectors[(None, (row, col // vector))],
+                    mOut_vectors[(None, (row0 + row, (col0 + col) // vector))],
+                )
+        barrier.arrive_and_wait()

@@ -1,0 +1,34 @@
+"""The only code that imports drop/: the stable API of megamoe's kernels.
+
+Importing this package imports torch but not CuTe DSL; kernels compile on first use.
+"""
+
+from megamoe_kernels.shim.expert_gemm import (
+    cached_kernel_count,
+    down,
+    gate_up_swiglu,
+    interleave_gate_up,
+)
+from megamoe_kernels.shim.knobs import (
+    OPS,
+    PROFILE_ROWS_PER_EXPERT,
+    GemmKnobs,
+    check_knobs,
+    default_knobs,
+    knob_problems,
+    resolve_knobs,
+)
+
+__all__ = [
+    "OPS",
+    "PROFILE_ROWS_PER_EXPERT",
+    "GemmKnobs",
+    "cached_kernel_count",
+    "check_knobs",
+    "default_knobs",
+    "down",
+    "gate_up_swiglu",
+    "interleave_gate_up",
+    "knob_problems",
+    "resolve_knobs",
+]

@@ -1,0 +1,107 @@
+"""Knobs of the expert grouped GEMMs, the rule that says why a combination is invalid, and the
+default profile keyed on rows per expert.
+
+Two ops share one kernel: "gate_up" (SwiGLU epilogue on the gate/up interleaved w13) and
+"down" (optional row-scale epilogue). No CuTe DSL import here: knobs are checked on any machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from megamoe_kernels.drop.tiling import (
+    EPILOGUE_ROW_PAD,
+    SMEM_CAPACITY_BYTES,
+    SMEM_RESERVED_BYTES,
+    TILE_K,
+)
+
+OPS = ("gate_up", "down")
+ROW_TILES = (64, 128)
+COL_TILES = (64, 128, 192, 256)
+SWAP_ROW_TILES = (16, 32, 64, 128)
+SWAP_COL_TILES = (64, 128)
+MAX_STAGES = 12
+
+
+@dataclass(frozen=True)
+class GemmKnobs:
+    """tile_rows: batch rows per tile; tile_cols: weight rows (accumulator columns) per tile;
+    stages: TMA ring depth; swap_ab: weight on the MMA's M side (decode); cluster: CTAs per
+    cluster (only (1, 1): TMA multicast is not built); rows_fastest: schedule order inside an
+    expert (row tiles vary fastest, so each weight tile streams once)."""
+
+    tile_rows: int = 128
+    tile_cols: int = 256
+    stages: int = 4
+    swap_ab: bool = False
+    cluster: tuple[int, int] = (1, 1)
+    rows_fastest: bool = True
+
+
+def epilogue_smem_bytes(knobs: GemmKnobs, op: str) -> int:
+    out_cols = knobs.tile_cols // 2 if op == "gate_up" else knobs.tile_cols
+    return knobs.tile_rows * (out_cols + EPILOGUE_ROW_PAD) * 2
+
+
+def stage_smem_bytes(knobs: GemmKnobs) -> int:
+    return (knobs.tile_rows + knobs.tile_cols) * TILE_K * 2
+
+
+def max_stages(knobs: GemmKnobs, op: str) -> int:
+    free = SMEM_CAPACITY_BYTES - SMEM_RESERVED_BYTES - epilogue_smem_bytes(knobs, op)
+    return min(MAX_STAGES, free // stage_smem_bytes(knobs))
+
+
+def knob_problems(knobs: GemmKnobs, op: str) -> list[str]:
+    """Why `knobs` cannot run `op` (empty when they can)."""
+    if op not in OPS:
+        return [f"op must be one of {OPS}, got {op!r}"]
+    problems = []
+    row_tiles, col_tiles = (
+        (SWAP_ROW_TILES, SWAP_COL_TILES) if knobs.swap_ab else (ROW_TILES, COL_TILES)
+    )
+    mode = "with swap_ab" if knobs.swap_ab else "without swap_ab"
+    if knobs.tile_rows not in row_tiles:
+        problems.append(f"tile_rows={knobs.tile_rows} {mode}: accepted {row_tiles}")
+    if knobs.tile_cols not in col_tiles:
+        problems.append(f"tile_cols={knobs.tile_cols} {mode}: accepted {col_tiles}")
+    if tuple(knobs.cluster) != (1, 1):
+        problems.append(f"cluster={knobs.cluster}: only (1, 1) is built (no TMA multicast)")
+    # every accepted tile keeps the accumulator at <= 128 fp32 registers per consumer thread
+    if not problems:
+        limit = max_stages(knobs, op)
+        if not 2 <= knobs.stages <= limit:
+            problems.append(
+                f"stages={knobs.stages}: accepted 2..{limit} for a {knobs.tile_rows}x"
+                f"{knobs.tile_cols} tile ({stage_smem_bytes(knobs)} B per stage, "
+                f"{epilogue_smem_bytes(knobs, op)} B epilogue, {SMEM_CAPACITY_BYTES} B shared memory)"
+            )
+    return problems
+
+
+def check_knobs(knobs: GemmKnobs, op: str) -> GemmKnobs:
+    """Returns `knobs` or raises ValueError with every reason they cannot run (fails closed)."""
+    problems = knob_problems(knobs, op)
+    if problems:
+        raise ValueError(f"invalid {op} knobs {knobs}: " + "; ".join(problems))
+    return knobs
+
+
+def default_knobs(op: str, rows_per_expert: float) -> GemmKnobs:
+    """The default profile: swap-AB with a row tile that fits the expected rows per expert for
+    decode-sized batches, 128x256 tiles for prefill; the deepest ring that fits."""
+    if rows_per_expert <= 64:
+        tile_rows = next(size for size in SWAP_ROW_TILES if size >= rows_per_expert)
+        knobs = GemmKnobs(tile_rows=tile_rows, tile_cols=128, swap_ab=True)
+    else:
+        knobs = GemmKnobs(tile_rows=128, tile_cols=256, swap_ab=False)
+    return replace(knobs, stages=max_stages(knobs, op))
+
+
+def resolve_knobs(op: str, rows_per_expert: float, override: GemmKnobs | None) -> GemmKnobs:
+    """An explicit override is checked like any combination: invalid ones raise, never run."""
+    return check_knobs(override if override is not None else default_knobs(op, rows_per_expert), op)
+
+
+PROFILE_ROWS_PER_EXPERT = (1, 16, 32, 64, 128, 512)

@@ -1,0 +1,66 @@
+"""Compile-only: every kernel variant and every default profile compiles for sm_90a on a CPU.
+
+Meta tensors carry the shapes; CuTe DSL compiles against fake tensors (CUTE_DSL_ARCH=sm_90a).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # before CuTe DSL is first imported: without a GPU it would guess another architecture
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+pytest.importorskip("cutlass")
+
+from megamoe_kernels import (
+    GemmKnobs,
+    default_knobs,
+    down,
+    gate_up_swiglu,
+    interleave_gate_up,
+)
+from megamoe_kernels.shim.knobs import PROFILE_ROWS_PER_EXPERT
+
+pytestmark = pytest.mark.compile
+
+# gpt-oss-like dims: 2880 is not a multiple of 128, so masked column tiles are compiled too
+EXPERTS, HIDDEN, INTERMEDIATE = 8, 2880, 2880
+
+
+def compile_pair(rows_per_expert, *, gate_up_knobs, down_knobs, row_scale):
+    capacity = max(1, int(rows_per_expert * EXPERTS))
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    rows_MH = torch.empty(capacity, HIDDEN, **meta)
+    offsets = torch.empty(EXPERTS + 1, dtype=torch.int32, device="meta")
+    w13 = interleave_gate_up(torch.empty(EXPERTS, 2 * INTERMEDIATE, HIDDEN, **meta))
+    w2 = torch.empty(EXPERTS, HIDDEN, INTERMEDIATE, **meta)
+    hidden_MI = gate_up_swiglu(rows_MH, offsets, w13, knobs=gate_up_knobs, compile_only=True)
+    scale_M = torch.empty(capacity, device="meta") if row_scale else None
+    down(hidden_MI, offsets, w2, row_scale_M=scale_M, knobs=down_knobs, compile_only=True)
+
+
+@pytest.mark.parametrize("rows_per_expert", PROFILE_ROWS_PER_EXPERT)
+def test_every_default_profile_compiles(rows_per_expert):
+    compile_pair(
+        rows_per_expert,
+        gate_up_knobs=default_knobs("gate_up", rows_per_expert),
+        down_knobs=default_knobs("down", rows_per_expert),
+        row_scale=True,
+    )
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        GemmKnobs(tile_rows=64, tile_cols=128, stages=3),
+        GemmKnobs(tile_rows=128, tile_cols=192, stages=3, rows_fastest=False),
+        GemmKnobs(tile_rows=128, tile_cols=64, stages=2, swap_ab=True),
+        GemmKnobs(tile_rows=32, tile_cols=64, stages=5, swap_ab=True, rows_fastest=False),
+    ],
+    ids=str,
+)
+def test_kernel_variants_compile(knobs):
+    compile_pair(64, gate_up_knobs=knobs, down_knobs=knobs, row_scale=False)

@@ -1,0 +1,194 @@
+"""The CuTe DSL grouped GEMMs on an sm_90 GPU against the fp32 oracles.
+
+Every case: fresh random rows and weights (rows past the valid count are NaN: they must never
+reach an output), an output buffer poisoned with NaN (valid rows must be overwritten, the rest
+must stay untouched), rel-L2 <= 1e-2 against the fp32 oracle.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megamoe_kernels import GemmKnobs, down, gate_up_swiglu, interleave_gate_up, knob_problems
+from megamoe_kernels.reference import down_reference, gate_up_swiglu_reference, relative_l2_error
+from megamoe_kernels.shim.knobs import (
+    COL_TILES,
+    ROW_TILES,
+    SWAP_COL_TILES,
+    SWAP_ROW_TILES,
+    max_stages,
+)
+
+pytestmark = pytest.mark.gpu
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+if not _sm90():
+    pytest.skip("needs an sm_90 GPU", allow_module_level=True)
+
+DEVICE = torch.device("cuda")
+TOLERANCE = 1e-2
+# (E, H, I) per geometry of megamoe_runtime.geometries, with E capped: the tile math depends on
+# H and I; the expert count only lengthens the schedule
+GEOMETRY_DIMS = {
+    "qwen3-30b-a3b": (16, 2048, 768),
+    "mixtral-8x7b": (4, 4096, 14336),
+    "dsv3": (16, 7168, 2048),
+    "dsv3-ep8-local": (8, 7168, 2048),
+    "gpt-oss-120b": (8, 2880, 2880),
+    "tiny-qwen3": (16, 256, 128),
+}
+
+
+def make_problem(counts, hidden, intermediate, *, capacity=None, seed=0):
+    generator = torch.Generator(device=DEVICE).manual_seed(seed)
+    experts = len(counts)
+    valid = sum(counts)
+    capacity = valid if capacity is None else capacity
+    rows_MH = torch.randn(capacity, hidden, device=DEVICE, generator=generator).bfloat16()
+    rows_MH[valid:] = float("nan")
+    offsets = torch.zeros(experts + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(torch.tensor(counts), 0)
+    w13_E2IH = (
+        torch.randn(experts, 2 * intermediate, hidden, device=DEVICE, generator=generator)
+        / hidden**0.5
+    ).bfloat16()
+    w2_EHI = (
+        torch.randn(experts, hidden, intermediate, device=DEVICE, generator=generator)
+        / intermediate**0.5
+    ).bfloat16()
+    return rows_MH, offsets.to(DEVICE), w13_E2IH, w2_EHI, valid
+
+
+def check_gate_up(rows_MH, offsets, w13_E2IH, valid, knobs=None):
+    capacity, intermediate = rows_MH.shape[0], w13_E2IH.shape[1] // 2
+    out_MI = torch.full((capacity, intermediate), float("nan"), device=DEVICE).bfloat16()
+    gate_up_swiglu(rows_MH, offsets, interleave_gate_up(w13_E2IH), out_MI=out_MI, knobs=knobs)
+    expected = gate_up_swiglu_reference(rows_MH, offsets, w13_E2IH)
+    error = relative_l2_error(out_MI[:valid], expected[:valid])
+    assert error <= TOLERANCE, f"gate_up rel-L2 {error} with {knobs}"
+    assert torch.isnan(out_MI[valid:]).all(), "gate_up wrote rows past the valid count"
+    return out_MI
+
+
+def check_down(hidden_MI, offsets, w2_EHI, valid, *, row_scale_M=None, knobs=None):
+    capacity, hidden = hidden_MI.shape[0], w2_EHI.shape[1]
+    out_MH = torch.full((capacity, hidden), float("nan"), device=DEVICE).bfloat16()
+    down(hidden_MI, offsets, w2_EHI, row_scale_M=row_scale_M, out_MH=out_MH, knobs=knobs)
+    expected = down_reference(hidden_MI, offsets, w2_EHI, row_scale_M)
+    error = relative_l2_error(out_MH[:valid], expected[:valid])
+    assert error <= TOLERANCE, f"down rel-L2 {error} with {knobs}"
+    assert torch.isnan(out_MH[valid:]).all(), "down wrote rows past the valid count"
+    return out_MH
+
+
+def random_counts(experts, rows, seed):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, experts, (rows,), generator=generator)
+    return torch.bincount(ids, minlength=experts).tolist()
+
+
+@pytest.mark.parametrize("geometry", sorted(GEOMETRY_DIMS))
+@pytest.mark.parametrize("rows_per_expert", [3, 40, 300])
+def test_geometry_matches_oracle(geometry, rows_per_expert):
+    experts, hidden, intermediate = GEOMETRY_DIMS[geometry]
+    counts = random_counts(experts, experts * rows_per_expert, seed=rows_per_expert)
+    rows_MH, offsets, w13, w2, valid = make_problem(
+        counts, hidden, intermediate, capacity=experts * rows_per_expert + 5
+    )
+    hidden_MI = check_gate_up(rows_MH, offsets, w13, valid)
+    hidden_MI[valid:] = float("nan")
+    scale_M = torch.rand(rows_MH.shape[0], device=DEVICE)
+    check_down(hidden_MI, offsets, w2, valid, row_scale_M=scale_M)
+
+
+SMALL = (256, 192)  # H, I: I = 192 leaves a partial 128-wide output tile
+
+
+def every_valid_knob(op):
+    for swap_ab, row_tiles, col_tiles in (
+        (False, ROW_TILES, COL_TILES),
+        (True, SWAP_ROW_TILES, SWAP_COL_TILES),
+    ):
+        for tile_rows in row_tiles:
+            for tile_cols in col_tiles:
+                knobs = GemmKnobs(tile_rows=tile_rows, tile_cols=tile_cols, swap_ab=swap_ab)
+                knobs = GemmKnobs(
+                    tile_rows=tile_rows,
+                    tile_cols=tile_cols,
+                    swap_ab=swap_ab,
+                    stages=min(4, max_stages(knobs, op)),
+                )
+                if not knob_problems(knobs, op):
+                    yield knobs
+
+
+@pytest.mark.parametrize("knobs", list(every_valid_knob("gate_up")), ids=str)
+def test_every_gate_up_variant_with_tails(knobs):
+    # counts around every tile size: tails of 1, tile - 1, tile + 1 rows
+    counts = [1, 0, 15, 17, 33, 63, 65, 127, 129, 0, 255, 7]
+    rows_MH, offsets, w13, _, valid = make_problem(counts, *SMALL, capacity=sum(counts) + 9)
+    check_gate_up(rows_MH, offsets, w13, valid, knobs=knobs)
+
+
+@pytest.mark.parametrize("knobs", list(every_valid_knob("down")), ids=str)
+def test_every_down_variant_with_tails(knobs):
+    counts = [1, 0, 15, 17, 33, 63, 65, 127, 129, 0, 255, 7]
+    hidden, intermediate = SMALL[1] + 8, SMALL[0]  # N = 200: a partial column tile
+    hidden_MI, offsets, _, w2, valid = make_problem(
+        counts, intermediate, hidden, capacity=sum(counts) + 9
+    )
+    w2 = w2.transpose(1, 2).contiguous()  # [E, H=200, I=256]
+    check_down(hidden_MI, offsets, w2, valid, knobs=knobs)
+    scale_M = torch.rand(hidden_MI.shape[0], device=DEVICE)
+    check_down(hidden_MI, offsets, w2, valid, row_scale_M=scale_M, knobs=knobs)
+
+
+@pytest.mark.parametrize(
+    "counts, capacity",
+    [
+        ([0, 0, 0, 0], 64),  # zero valid rows
+        ([0, 300, 0, 0], 300),  # all rows in one expert
+        ([0, 0, 5, 0, 0, 0, 0, 1], 32),  # most experts without rows, capacity > valid
+        ([77], 77),  # E = 1
+        ([77], 1000),  # E = 1, capacity 13x the valid rows
+        ([1, 1, 1, 1, 1, 1, 1, 1], 8),  # decode: one row per expert
+    ],
+)
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_edge_cases(counts, capacity, swap_ab):
+    knobs = (
+        GemmKnobs(tile_rows=32, tile_cols=128, stages=4, swap_ab=True)
+        if swap_ab
+        else GemmKnobs(tile_rows=128, tile_cols=128, stages=4)
+    )
+    rows_MH, offsets, w13, w2, valid = make_problem(counts, *SMALL, capacity=capacity)
+    hidden_MI = check_gate_up(rows_MH, offsets, w13, valid, knobs=knobs)
+    hidden_MI[valid:] = float("nan")
+    check_down(hidden_MI, offsets, w2, valid, knobs=knobs)
+
+
+def test_repeated_runs_are_bitwise_equal():
+    counts = random_counts(16, 2000, seed=3)
+    rows_MH, offsets, w13, w2, _ = make_problem(counts, 512, 256)
+    w13_interleaved = interleave_gate_up(w13)
+    first = down(gate_up_swiglu(rows_MH, offsets, w13_interleaved), offsets, w2)
+    for _ in range(3):
+        again = down(gate_up_swiglu(rows_MH, offsets, w13_interleaved), offsets, w2)
+        assert torch.equal(first, again)
+
+
+def test_untransformed_or_malformed_weights_are_refused_before_launch():
+    rows_MH, offsets, w13, w2, _ = make_problem([3, 4], 256, 128)
+    with pytest.raises(ValueError, match="interleave_gate_up"):
+        gate_up_swiglu(rows_MH, offsets, w13)
+    with pytest.raises(ValueError, match="contiguous"):
+        strided = interleave_gate_up(w13).transpose(1, 2).contiguous().transpose(1, 2)
+        gate_up_swiglu(rows_MH, offsets, strided)
+    with pytest.raises(ValueError, match="experts"):
+        gate_up_swiglu(rows_MH, offsets[:2], interleave_gate_up(w13))
+    with pytest.raises(ValueError, match="stages"):
+        down(rows_MH[:, :128].contiguous(), offsets, w2, knobs=GemmKnobs(stages=40))

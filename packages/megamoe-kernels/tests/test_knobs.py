@@ -1,0 +1,43 @@
+"""Knob validity, fail-closed overrides and the default profile (no GPU, no CuTe DSL)."""
+
+from __future__ import annotations
+
+import pytest
+from megamoe_kernels import GemmKnobs, check_knobs, default_knobs, knob_problems, resolve_knobs
+from megamoe_kernels.shim.knobs import OPS, PROFILE_ROWS_PER_EXPERT
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("rows_per_expert", [0, 0.5, *PROFILE_ROWS_PER_EXPERT, 10_000])
+def test_default_profile_is_always_valid(op, rows_per_expert):
+    knobs = default_knobs(op, rows_per_expert)
+    assert knob_problems(knobs, op) == []
+    assert knobs.swap_ab == (rows_per_expert <= 64)
+
+
+@pytest.mark.parametrize(
+    "knobs, reason",
+    [
+        (GemmKnobs(tile_rows=96), "tile_rows=96"),
+        (GemmKnobs(tile_rows=16), "tile_rows=16 without swap_ab"),
+        (GemmKnobs(tile_cols=256, swap_ab=True, tile_rows=16), "tile_cols=256 with swap_ab"),
+        (GemmKnobs(stages=1), "stages=1"),
+        (GemmKnobs(stages=9), "stages=9"),
+        (GemmKnobs(cluster=(2, 1)), "cluster"),
+    ],
+)
+def test_invalid_combination_says_why_and_fails_closed(knobs, reason):
+    assert any(reason in problem for problem in knob_problems(knobs, "gate_up"))
+    with pytest.raises(ValueError, match=reason.split("=")[0]):
+        check_knobs(knobs, "gate_up")
+    with pytest.raises(ValueError):
+        resolve_knobs("gate_up", 1000, knobs)
+
+
+def test_unknown_op_is_refused():
+    assert knob_problems(GemmKnobs(), "up") == ["op must be one of ('gate_up', 'down'), got 'up'"]
+
+
+def test_override_wins_when_valid():
+    knobs = GemmKnobs(tile_rows=64, tile_cols=128, stages=3)
+    assert resolve_knobs("down", 1, knobs) is knobs
