@@ -374,3 +374,15 @@ def test_compile_tests_run_only_tests_marked_compile(
     outcome, output = resync_module.run_compile_tests(tests_dir)
     assert outcome is passed
     assert expected_output in output
+
+
+def test_the_drop_hash_is_the_sha256sum_listing_sorted_by_path_text(tmp_path):
+    files = {"a.py": "A = 1\n", "a/b.py": "B = 2\n", "a-b.py": "C = 3\n", ".keep": ""}
+    folder = write_folder(tmp_path / "drop", files)
+    write_folder(folder, {"__pycache__/a.cpython-311.pyc": "cache", ".git/HEAD": "ref"})
+    digest = resync_module.digest_drop(folder)
+    listing = "".join(
+        f"{hashlib.sha256(files[path].encode()).hexdigest()}  {path}\n" for path in sorted(files)
+    )
+    assert [file.path for file in digest.files] == sorted(files)  # "a-b.py" < "a.py" < "a/b.py"
+    assert digest.sha256 == hashlib.sha256(listing.encode()).hexdigest()

@@ -32,19 +32,26 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from megamoe_kernels.shim.audit import (
-    AUDIT_TABLE,
-    DROP_DIR,
-    DROP_PACKAGE,
-    DropSymbol,
-    ParsedDrop,
-    audit_drop,
-    call_name,
-    is_within,
-    list_drop_files,
-    parse_drop,
-    resolve_relative,
-)
+# Importing shim/ imports the current drop: if a hand edit broke drop/, say how to recover.
+try:
+    from megamoe_kernels.shim.audit import (
+        AUDIT_TABLE,
+        DROP_DIR,
+        DROP_PACKAGE,
+        DropSymbol,
+        ParsedDrop,
+        audit_drop,
+        call_name,
+        is_within,
+        list_drop_files,
+        parse_drop,
+        resolve_relative,
+    )
+except (ImportError, SyntaxError) as error:
+    raise ImportError(
+        f"megamoe_kernels.shim does not import ({error}); if drop/ was edited by hand, restore "
+        "it from git (it is kept verbatim and matches VENDOR.md), then rerun the resync"
+    ) from error
 
 PACKAGE_DIR = DROP_DIR.parent.parent.parent  # packages/megamoe-kernels in a checkout
 VENDOR_PATH = PACKAGE_DIR / "VENDOR.md"

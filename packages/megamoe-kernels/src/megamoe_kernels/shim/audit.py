@@ -102,9 +102,10 @@ class ParsedDrop:
 
 
 def list_drop_files(drop_dir: Path) -> list[Path]:
-    """Every file of a drop, relative to it, sorted; caches and hidden folders (.git) left out."""
+    """Every file of a drop, relative to it, sorted by path text; caches and hidden folders
+    (.git) left out."""
     files = []
-    for path in sorted(Path(drop_dir).rglob("*")):
+    for path in Path(drop_dir).rglob("*"):
         relative = path.relative_to(drop_dir)
         in_skipped_folder = any(
             part == "__pycache__" or part.startswith(".") for part in relative.parts[:-1]
@@ -112,7 +113,7 @@ def list_drop_files(drop_dir: Path) -> list[Path]:
         if in_skipped_folder or path.is_dir() or path.suffix in (".pyc", ".pyo"):
             continue
         files.append(relative)
-    return files
+    return sorted(files, key=lambda relative: relative.as_posix())
 
 
 def drop_module_name(relative_path: Path) -> str:
