@@ -41,6 +41,9 @@ class LocalDispatcher:
         self.num_local_experts = num_experts
         self.capacity = capacity
         self.check_ids = check_ids
+        # small index tensors reused across calls (no per-call allocation or launch)
+        self._row_indices_cache: tuple = (None, None)
+        self._boundaries_cache: tuple = (None, None)
 
     def dispatch(
         self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor
@@ -56,23 +59,37 @@ class LocalDispatcher:
             )
         if self.check_ids:
             check_expert_ids(topk_ids_TK, self.num_experts)
-        expert_of_pair = topk_ids_TK.reshape(-1).long()
+        expert_of_pair = topk_ids_TK.reshape(-1)
         # stable: equal experts keep token order, so the batch (and everything after) is deterministic
-        pair_of_row = torch.argsort(expert_of_pair, stable=True)
+        sorted_experts, pair_of_row = torch.sort(expert_of_pair, stable=True)
         rows_MH = x_TH.new_empty(capacity, x_TH.shape[1])
-        rows_MH[:num_pairs] = x_TH[pair_of_row // top_k]
+        torch.index_select(x_TH, 0, pair_of_row // top_k, out=rows_MH[:num_pairs])
         row_of_pair = torch.empty_like(pair_of_row)
-        row_of_pair[pair_of_row] = torch.arange(num_pairs, device=x_TH.device)
-        batch = ExpertBatch(
-            rows_MH=rows_MH,
-            expert_offsets=expert_offsets_from_ids(expert_of_pair, self.num_experts),
+        row_of_pair.scatter_(0, pair_of_row, self._row_indices(num_pairs, x_TH.device))
+        expert_offsets = torch.searchsorted(
+            sorted_experts, self._expert_boundaries(sorted_experts), out_int32=True
         )
+        batch = ExpertBatch(rows_MH=rows_MH, expert_offsets=expert_offsets)
         handle = LocalHandle(
             row_of_pair_TK=row_of_pair.view(tokens, top_k),
             topk_weights_TK=topk_weights_TK,
             output_dtype=x_TH.dtype,
         )
         return batch, handle
+
+    def _row_indices(self, count: int, device: torch.device) -> torch.Tensor:
+        key = (count, device)
+        if self._row_indices_cache[0] != key:
+            self._row_indices_cache = (key, torch.arange(count, device=device))
+        return self._row_indices_cache[1]
+
+    def _expert_boundaries(self, like: torch.Tensor) -> torch.Tensor:
+        # offsets[e] = number of pairs whose expert < e, found by binary search in the sorted ids
+        key = (like.dtype, like.device)
+        if self._boundaries_cache[0] != key:
+            boundaries = torch.arange(self.num_experts + 1, dtype=like.dtype, device=like.device)
+            self._boundaries_cache = (key, boundaries)
+        return self._boundaries_cache[1]
 
     def row_weights(self, batch: ExpertBatch, handle: LocalHandle) -> torch.Tensor:
         """Routing weight of every batch row (float32, [capacity]), for kernels that apply the
@@ -99,16 +116,22 @@ def weighted_sum_over_topk(
     *,
     output_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """y[t] = sum over k = 0..K-1, in that order, of weight[t, k] * out[row[t, k]], in fp32."""
+    """y[t] = sum over k = 0..K-1, in that order, of weight[t, k] * out[row[t, k]], in fp32.
+
+    One gather, then one fused multiply-add per k: K + 3 launches, and the same order of additions
+    whatever the token count, so results are bitwise reproducible.
+    """
     tokens, top_k = row_of_pair_TK.shape
-    y_TH = torch.zeros(
-        tokens, expert_out_MH.shape[1], dtype=torch.float32, device=expert_out_MH.device
+    hidden = expert_out_MH.shape[1]
+    gathered_TKH = expert_out_MH.index_select(0, row_of_pair_TK.reshape(-1)).view(
+        tokens, top_k, hidden
     )
+    y_TH = torch.zeros(tokens, hidden, dtype=torch.float32, device=expert_out_MH.device)
     for k in range(top_k):
-        contribution_TH = expert_out_MH[row_of_pair_TK[:, k]].float()
-        if topk_weights_TK is not None:
-            contribution_TH = contribution_TH * topk_weights_TK[:, k : k + 1].float()
-        y_TH += contribution_TH
+        if topk_weights_TK is None:
+            y_TH += gathered_TKH[:, k]
+        else:
+            y_TH.addcmul_(gathered_TKH[:, k], topk_weights_TK[:, k : k + 1].float())
     return y_TH.to(output_dtype)
 
 
