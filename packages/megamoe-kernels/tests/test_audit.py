@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
-from megamoe_kernels.shim.audit import AUDIT_TABLE, DropSymbol, audit_drop, parse_drop
+from megamoe_kernels.shim.audit import (
+    AUDIT_TABLE,
+    DROP_PACKAGE,
+    DropSymbol,
+    audit_drop,
+    is_within,
+    parse_drop,
+    resolve_relative,
+)
 
 CHECKOUT_DROP_DIR = Path(__file__).resolve().parents[1] / "src" / "megamoe_kernels" / "drop"
+CHECKOUT_SHIM_DIR = CHECKOUT_DROP_DIR.parent / "shim"
 
 GEMM = """\
 import cutlass.cute as cute
@@ -235,3 +245,79 @@ def test_the_real_table_matches_the_current_drop():
     assert report.passed, report.format()
     labels = [entry.label for entry in AUDIT_TABLE]
     assert len(labels) == len(set(labels)), "an entry is listed twice in AUDIT_TABLE"
+
+
+def drop_symbols_used(
+    source: str, *, module_name: str, drop_modules: set[str]
+) -> set[tuple[str, str]]:
+    """(drop module, top-level name) pairs a shim module uses: names imported from drop modules,
+    and attributes read from drop modules it imports whole."""
+    package = module_name.rpartition(".")[0]
+    used = set()
+    module_aliases = {}  # local name -> drop module
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            source_module = resolve_relative(node.module or "", level=node.level, package=package)
+            if source_module is None or not is_within(source_module, DROP_PACKAGE):
+                continue
+            inner = source_module[len(DROP_PACKAGE) + 1 :]
+            for alias in node.names:
+                submodule = f"{inner}.{alias.name}" if inner else alias.name
+                if submodule in drop_modules:
+                    module_aliases[alias.asname or alias.name] = submodule
+                else:
+                    used.add((inner or "__init__", alias.name))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname and alias.name.startswith(DROP_PACKAGE + "."):
+                    module_aliases[alias.asname] = alias.name[len(DROP_PACKAGE) + 1 :]
+    for node in ast.walk(ast.parse(source)):
+        reads_a_drop_module = (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in module_aliases
+        )
+        if reads_a_drop_module:
+            used.add((module_aliases[node.value.id], node.attr))
+    return used
+
+
+def test_drop_symbols_used_finds_imported_names_and_module_attributes():
+    source = """\
+from megamoe_kernels.drop.tiling import TILE_K, SMEM_BYTES as BYTES
+from ..drop import gate_up_layout
+import megamoe_kernels.drop.ep_put as put
+
+
+def launch():
+    from megamoe_kernels.drop.gemm import Kernel
+    return Kernel, gate_up_layout.GATE_UP_BLOCK, put.put_rows, BYTES
+"""
+    used = drop_symbols_used(
+        source,
+        module_name="megamoe_kernels.shim.launch",
+        drop_modules={"tiling", "gate_up_layout", "gemm", "ep_put"},
+    )
+    assert used == {
+        ("tiling", "TILE_K"),
+        ("tiling", "SMEM_BYTES"),
+        ("gemm", "Kernel"),
+        ("gate_up_layout", "GATE_UP_BLOCK"),
+        ("ep_put", "put_rows"),
+    }
+
+
+def test_every_drop_symbol_the_shim_uses_has_a_table_entry():
+    drop_modules = set(parse_drop(CHECKOUT_DROP_DIR).modules)
+    in_table = {(entry.module, entry.name.split(".")[0]) for entry in AUDIT_TABLE}
+    missing = []
+    for path in sorted(CHECKOUT_SHIM_DIR.glob("*.py")):
+        module_name = f"megamoe_kernels.shim.{path.stem}"
+        used = drop_symbols_used(
+            path.read_text(), module_name=module_name, drop_modules=drop_modules
+        )
+        missing += [f"shim/{path.name} uses drop {m}.{name}" for m, name in sorted(used - in_table)]
+    assert not missing, (
+        "add an entry to AUDIT_TABLE in megamoe_kernels/shim/audit.py for each:\n"
+        + "\n".join(missing)
+    )

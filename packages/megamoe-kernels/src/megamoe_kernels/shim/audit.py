@@ -75,7 +75,45 @@ class DropSymbol:
 
 
 # Every drop symbol the shim uses. Kernel engineers: add yours here when the shim starts using it.
-AUDIT_TABLE: tuple[DropSymbol, ...] = ()
+AUDIT_TABLE: tuple[DropSymbol, ...] = (
+    # shim/expert_gemm.py: the grouped GEMM (gate-up + SwiGLU, down + row scale)
+    DropSymbol(
+        "expert_gemm_sm90",
+        "ExpertGroupedGemmSm90",
+        "class",
+        parameters=(
+            "tile_rows",
+            "tile_cols",
+            "stages",
+            "swap_ab",
+            "swiglu",
+            "row_scale",
+            "rows_fastest",
+            "num_ctas",
+        ),
+    ),
+    DropSymbol(
+        "expert_gemm_sm90",
+        "ExpertGroupedGemmSm90.__call__",
+        "function",
+        parameters=("mX", "mW", "mOut", "mOffsets", "mRowScale", "stream"),
+        passed_as="positional",  # cute.compile(kernel, *args, stream), then compiled(*args, stream)
+    ),
+    # shim/expert_gemm.py: the gate/up weight interleave
+    DropSymbol("gate_up_layout", "GATE_UP_BLOCK", "constant"),
+    DropSymbol(
+        "gate_up_layout",
+        "interleaved_source_row",
+        "function",
+        parameters=("transformed_row", "intermediate_size"),
+        passed_as="positional",
+    ),
+    # shim/knobs.py: shared-memory budget of the knob validity rule
+    DropSymbol("tiling", "TILE_K", "constant"),
+    DropSymbol("tiling", "SMEM_CAPACITY_BYTES", "constant"),
+    DropSymbol("tiling", "SMEM_RESERVED_BYTES", "constant"),
+    DropSymbol("tiling", "EPILOGUE_ROW_PAD", "constant"),
+)
 
 
 # ---------------------------------------------------------------------------------------------
