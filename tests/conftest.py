@@ -1,12 +1,25 @@
-"""Cross-package test configuration.
+"""Cross-package test configuration, and the `multirank` fixture: a test body on every rank.
 
-NOTE for the expert-parallel engineer: the lead overwrote your uncommitted `multirank` fixture in
-this file by mistake (sorry). Please add it back here, keeping the hook below, and delete this note.
+Two ways in:
+- under torchrun (`torchrun --standalone --nproc-per-node 2 -m pytest -q -m multirank tests`),
+  every rank runs the test session and the body runs in place on the launched group: NCCL on
+  one GPU per rank where there are enough GPUs, else gloo. Bodies asking another world size skip.
+- under plain pytest, the fixture spawns `world_size` CPU processes on a gloo group with a free
+  port and re-raises a rank's failure.
+
+A body is a module-level function `body(rank, world_size, device, *args)` (spawn pickles it).
 """
 
+from __future__ import annotations
+
 import os
+import socket
+from collections.abc import Callable
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -14,3 +27,61 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # (exit 5, e.g. no multirank tests for this hardware) is not one.
     if "LOCAL_RANK" in os.environ and exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
         session.exitstatus = pytest.ExitCode.OK
+
+
+def _launched_device() -> torch.device:
+    world = int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _spawned_rank(rank: int, world_size: int, port: int, body: Callable, args: tuple) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        body(rank, world_size, torch.device("cpu"), *args)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def _launched_group():
+    """Initialises the torchrun group once per session (None when not under torchrun)."""
+    if "WORLD_SIZE" not in os.environ:
+        yield None
+        return
+    device = _launched_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    yield device
+    from megamoe_runtime.workspace import release_all_workspaces
+
+    release_all_workspaces()
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def multirank(_launched_group):
+    """multirank(body, *args, world_size=2): runs body on every rank (see the module docstring).
+    `multirank.device` is the device bodies get (CPU when the fixture spawns the ranks)."""
+
+    def run(body: Callable, *args, world_size: int = 2) -> None:
+        if _launched_group is not None:
+            if dist.get_world_size() != world_size:
+                pytest.skip(f"needs {world_size} ranks; torchrun launched {dist.get_world_size()}")
+            body(dist.get_rank(), world_size, _launched_group, *args)
+            dist.barrier()
+            return
+        mp.spawn(_spawned_rank, args=(world_size, _free_port(), body, args), nprocs=world_size)
+
+    run.device = _launched_group if _launched_group is not None else torch.device("cpu")
+    return run

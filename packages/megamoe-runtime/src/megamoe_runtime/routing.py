@@ -121,9 +121,10 @@ def route(
 
 def _mask_to_top_groups(choice_TE: torch.Tensor, config: RouterConfig) -> torch.Tensor:
     tokens = choice_TE.shape[0]
-    grouped_TGX = choice_TE.view(tokens, config.num_groups, -1)
+    # explicit group width: -1 is ambiguous when a rank has zero tokens
+    grouped_TGX = choice_TE.view(tokens, config.num_groups, config.num_experts // config.num_groups)
     group_scores_TG = grouped_TGX.topk(2, dim=-1).values.sum(dim=-1)
     kept_groups_TG = group_scores_TG.topk(config.top_groups, dim=-1).indices
     keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, kept_groups_TG, True)
-    keep_TE = keep_TG.unsqueeze(-1).expand_as(grouped_TGX).reshape(tokens, -1)
+    keep_TE = keep_TG.unsqueeze(-1).expand_as(grouped_TGX).reshape(choice_TE.shape)
     return choice_TE.masked_fill(~keep_TE, config.dropped_group_score)

@@ -1,0 +1,138 @@
+"""Expert-parallel dispatch and combine against the single-GPU dispatcher on the same tokens.
+
+Every rank draws every rank's tokens from one seed, so each can build the single-GPU answer (all
+ranks' tokens concatenated in rank order, one LocalDispatcher) and compare its own share of it.
+The expert stand-in `2 * row + 1` is exact, so batches and combined outputs compare bitwise.
+Dispatchers: "torch" everywhere; "nvshmem" on CUDA ranks with nvshmem4py (else it skips).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megamoe_runtime.dispatch import LocalDispatcher
+from megamoe_runtime.distributed import make_expert_parallel_dispatcher, nvshmem_status
+
+pytestmark = pytest.mark.multirank
+
+HIDDEN = 64
+NUM_EXPERTS = 16
+TOP_K = 4
+
+
+def make_dispatcher(kind: str, device: torch.device, dtype: torch.dtype, max_tokens: int):
+    return make_expert_parallel_dispatcher(
+        kind,
+        num_experts=NUM_EXPERTS,
+        top_k=TOP_K,
+        hidden_size=HIDDEN,
+        dtype=dtype,
+        device=device,
+        process_group=torch.distributed.group.WORLD,
+        capacity=None,
+        max_tokens_per_rank=max_tokens,
+        layer_name="test",
+    )
+
+
+def routed_tokens(tokens_per_rank: list[int], *, seed: int, experts: range, dtype, device):
+    """Every rank's (x, topk_ids, topk_weights), ids drawn without repeats from `experts`."""
+    generator = torch.Generator().manual_seed(seed)
+    shares = []
+    for tokens in tokens_per_rank:
+        x_TH = torch.randn(tokens, HIDDEN, generator=generator).to(dtype)
+        choice_TK = torch.rand(tokens, len(experts), generator=generator).argsort(dim=1)[:, :TOP_K]
+        ids_TK = (choice_TK + experts.start).to(torch.int32)
+        weights_TK = torch.rand(tokens, TOP_K, generator=generator)
+        shares.append((x_TH.to(device), ids_TK.to(device), weights_TK.to(device)))
+    return shares
+
+
+def stand_in_experts(rows_MH: torch.Tensor) -> torch.Tensor:
+    return rows_MH * 2 + 1
+
+
+def check_against_single_gpu(
+    rank, world_size, device, kind, tokens_per_rank, experts=None, repeats=1
+):
+    """Dispatch + combine on this rank's share equal the single-GPU answer, bitwise."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    experts = experts or range(NUM_EXPERTS)
+    dispatcher = make_dispatcher(kind, device, dtype, max(tokens_per_rank))
+    local = NUM_EXPERTS // world_size
+    for repeat in range(repeats):
+        shares = routed_tokens(
+            tokens_per_rank, seed=100 + repeat, experts=experts, dtype=dtype, device=device
+        )
+        single = LocalDispatcher(NUM_EXPERTS)
+        all_x, all_ids, all_weights = (torch.cat(parts) for parts in zip(*shares, strict=True))
+        single_batch, single_handle = single.dispatch(all_x, all_ids, all_weights)
+        single_y = single.combine(stand_in_experts(single_batch.rows_MH), single_handle)
+
+        batch, handle = dispatcher.dispatch(*shares[rank])
+        offsets = single_batch.expert_offsets[rank * local : (rank + 1) * local + 1].cpu()
+        assert torch.equal(batch.expert_offsets.cpu(), offsets - offsets[0]), (rank, repeat)
+        valid = int(offsets[-1] - offsets[0])
+        expected_rows = single_batch.rows_MH[int(offsets[0]) : int(offsets[-1])]
+        assert torch.equal(batch.rows_MH[:valid], expected_rows), (rank, repeat)
+        y_TH = dispatcher.combine(stand_in_experts(batch.rows_MH), handle)
+        first = sum(tokens_per_rank[:rank])
+        assert torch.equal(y_TH, single_y[first : first + tokens_per_rank[rank]]), (rank, repeat)
+
+
+KINDS = ["torch", "nvshmem"]
+
+
+def skip_unless_runnable(multirank, kind: str) -> None:
+    available, reason = nvshmem_status(multirank.device)
+    if kind == "nvshmem" and not available:
+        pytest.skip(reason)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_uneven_tokens_per_rank(multirank, kind):
+    skip_unless_runnable(multirank, kind)
+    multirank(check_against_single_gpu, kind, [37, 5])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rank_with_zero_tokens(multirank, kind):
+    skip_unless_runnable(multirank, kind)
+    multirank(check_against_single_gpu, kind, [0, 23])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_token_to_one_ranks_experts(multirank, kind):
+    skip_unless_runnable(multirank, kind)
+    multirank(check_against_single_gpu, kind, [19, 31], range(0, NUM_EXPERTS // 2))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_repeated_dispatches_reuse_buffers(multirank, kind):
+    skip_unless_runnable(multirank, kind)
+    multirank(check_against_single_gpu, kind, [64, 48], None, 4)
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_reference_on_more_ranks(multirank, world_size):
+    tokens = [(11 * rank + 3) % 17 for rank in range(world_size)]
+    multirank(check_against_single_gpu, "torch", tokens, None, 2, world_size=world_size)
+
+
+def check_indivisible_experts_raise(rank, world_size, device):
+    with pytest.raises(ValueError, match="divisible"):
+        make_expert_parallel_dispatcher(
+            "torch",
+            num_experts=world_size * 3 + 1,
+            top_k=2,
+            hidden_size=HIDDEN,
+            dtype=torch.float32,
+            device=device,
+            process_group=torch.distributed.group.WORLD,
+            capacity=None,
+            max_tokens_per_rank=8,
+        )
+
+
+def test_experts_not_divisible_by_world_raise(multirank):
+    multirank(check_indivisible_experts_raise)
