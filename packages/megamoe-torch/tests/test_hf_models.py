@@ -241,6 +241,14 @@ def test_unknown_moe_family_is_reported_not_swapped():
     assert "skipped" in str(report)
 
 
+def test_transformers_weight_init_walks_the_swapped_model():
+    model = tiny_model("mixtral")
+    swap_moe_blocks(model, backend="reference")
+    model.init_weights()  # visits the router-class stand-in, which holds no weight
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randint(0, VOCAB, (1, 4))).logits).all()
+
+
 def test_semantic_options_are_refused():
     _, block = moe_blocks(tiny_model("qwen2_moe"))[0]
     with pytest.raises(TypeError, match="top_k"):

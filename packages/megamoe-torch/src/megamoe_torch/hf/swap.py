@@ -151,7 +151,13 @@ def _router_logits_probe_class(router_class: type) -> type:
         _PROBE_CLASSES[router_class] = type(
             f"{router_class.__name__}LogitsProbe",
             (router_class,),
-            {"__init__": __init__, "forward": forward, "__module__": __name__},
+            {
+                "__init__": __init__,
+                "forward": forward,
+                "__module__": __name__,
+                # transformers' weight init would look for the router's weight: there is none
+                "_is_hf_initialized": True,
+            },
         )
     return _PROBE_CLASSES[router_class]
 
