@@ -6,15 +6,8 @@ import ast
 from pathlib import Path
 
 import pytest
-from megamoe_kernels.shim.audit import (
-    AUDIT_TABLE,
-    DROP_PACKAGE,
-    DropSymbol,
-    audit_drop,
-    is_within,
-    parse_drop,
-    resolve_relative,
-)
+from megamoe_kernels.drop_scan import DROP_PACKAGE, is_within, parse_drop, resolve_relative
+from megamoe_kernels.shim.audit import AUDIT_TABLE, DropSymbol, audit_drop
 
 CHECKOUT_DROP_DIR = Path(__file__).resolve().parents[1] / "src" / "megamoe_kernels" / "drop"
 CHECKOUT_SHIM_DIR = CHECKOUT_DROP_DIR.parent / "shim"

@@ -11,8 +11,13 @@ import ast
 from pathlib import Path
 
 import pytest
-from megamoe_kernels.resync import drop_import_problems, imported_modules
-from megamoe_kernels.shim.audit import DROP_PACKAGE, is_within, parse_drop
+from megamoe_kernels.drop_scan import (
+    DROP_PACKAGE,
+    drop_import_problems,
+    imported_modules,
+    is_within,
+    parse_drop,
+)
 
 REPOSITORY = Path(__file__).resolve().parents[3]
 KERNELS_SOURCE = REPOSITORY / "packages" / "megamoe-kernels" / "src" / "megamoe_kernels"

@@ -284,6 +284,19 @@ def test_failing_compile_tests_put_the_previous_drop_back(tmp_path, checkout, mo
     assert "unexpected keyword argument" in result.report
 
 
+def test_an_interrupted_compile_step_puts_the_previous_drop_back(tmp_path, checkout, monkeypatch):
+    state_before = checkout.state()
+
+    def interrupted(tests_dir):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(resync_module, "run_compile_tests", interrupted)
+    incoming = new_version(tmp_path, **{"more.py": "import math\n"})
+    with pytest.raises(KeyboardInterrupt):
+        checkout.resync(incoming, compile_tests_dir=tmp_path)
+    assert checkout.state() == state_before
+
+
 def test_passing_compile_tests_keep_the_new_drop(tmp_path, checkout, monkeypatch):
     monkeypatch.setattr(resync_module, "run_compile_tests", lambda tests_dir: (True, "3 passed"))
     incoming = new_version(tmp_path, **{"more.py": "import math\n"})

@@ -21,32 +21,27 @@ walks through the workflow.
 from __future__ import annotations
 
 import argparse
-import ast
 import datetime
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from megamoe_kernels.drop_scan import (
+    DROP_DIR,
+    ParsedDrop,
+    drop_import_problems,
+    list_drop_files,
+    parse_drop,
+)
+
 # Importing shim/ imports the current drop: if a hand edit broke drop/, say how to recover.
 try:
-    from megamoe_kernels.shim.audit import (
-        AUDIT_TABLE,
-        DROP_DIR,
-        DROP_PACKAGE,
-        DropSymbol,
-        ParsedDrop,
-        audit_drop,
-        call_name,
-        is_within,
-        list_drop_files,
-        parse_drop,
-        resolve_relative,
-    )
+    from megamoe_kernels.shim.audit import AUDIT_TABLE, DropSymbol, audit_drop
 except (ImportError, SyntaxError) as error:
     raise ImportError(
         f"megamoe_kernels.shim does not import ({error}); if drop/ was edited by hand, restore "
@@ -56,125 +51,6 @@ except (ImportError, SyntaxError) as error:
 PACKAGE_DIR = DROP_DIR.parent.parent.parent  # packages/megamoe-kernels in a checkout
 VENDOR_PATH = PACKAGE_DIR / "VENDOR.md"
 KERNEL_TESTS_DIR = PACKAGE_DIR / "tests"
-# Top-level packages a drop may import besides the standard library and its own modules.
-ALLOWED_DROP_IMPORT_ROOTS = frozenset({"cutlass", "cuda", "nvshmem"})
-
-
-# ---------------------------------------------------------------------------------------------
-# Imports
-
-
-@dataclass(frozen=True)
-class ImportedModule:
-    """One import in a source, as the absolute dotted name it reaches.
-
-    `from pkg import name` is recorded as "pkg.name", since `name` may be a submodule. A relative
-    import reaching above the top-level package has `resolved=False` and keeps its dots.
-    """
-
-    name: str
-    line: int
-    resolved: bool = True
-
-
-def _string_argument(call: ast.Call, *, position: int, keyword: str) -> ast.expr | None:
-    if len(call.args) > position:
-        return call.args[position]
-    return next((item.value for item in call.keywords if item.arg == keyword), None)
-
-
-def _constant_strings(node: ast.expr | None) -> list[str]:
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return [node.value]
-    if isinstance(node, ast.List | ast.Tuple | ast.Set):
-        return [item for element in node.elts for item in _constant_strings(element)]
-    return []
-
-
-def _dynamic_imports(call: ast.Call, *, package: str) -> Iterator[tuple[str, int]]:
-    """(name, level) pairs for importlib.import_module / __import__ with constant strings."""
-    function = call_name(call.func)
-    if function == "import_module":
-        anchor = _string_argument(call, position=1, keyword="package")
-        anchor_names = _constant_strings(anchor)
-        for name in _constant_strings(_string_argument(call, position=0, keyword="name")):
-            level = len(name) - len(name.lstrip("."))
-            # A non-constant anchor (`__package__`, `__name__`) is the importing module's package.
-            relative_to = anchor_names[0] if anchor_names else package
-            resolved = resolve_relative(name[level:], level=level, package=relative_to)
-            yield (resolved if resolved is not None else name), 0
-    elif function == "__import__":
-        level_node = _string_argument(call, position=4, keyword="level")
-        level = level_node.value if isinstance(level_node, ast.Constant) else 0
-        level = level if isinstance(level, int) else 0
-        fromlist = _constant_strings(_string_argument(call, position=3, keyword="fromlist"))
-        for name in _constant_strings(_string_argument(call, position=0, keyword="name")):
-            targets = [f"{name}.{item}" if name else item for item in fromlist] or [name]
-            for target in targets:
-                yield target, level
-
-
-def imported_modules(
-    tree: ast.Module, *, module_name: str, is_package: bool
-) -> list[ImportedModule]:
-    """Every import in a module, in any form, as absolute dotted names.
-
-    `import a.b`, `from a import b`, relative `from ..a import b` (resolved against `module_name`)
-    and `importlib.import_module("a")` / `__import__("a")` with constant strings, at any depth
-    (inside functions too). Imports built from run-time strings cannot be seen statically.
-    """
-    package = module_name if is_package else module_name.rpartition(".")[0]
-    found = []
-
-    def record(name: str, *, level: int, line: int) -> None:
-        resolved = resolve_relative(name, level=level, package=package)
-        if resolved is None:
-            found.append(ImportedModule("." * level + name, line, resolved=False))
-        else:
-            found.append(ImportedModule(resolved, line))
-
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                record(alias.name, level=0, line=node.lineno)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            for alias in node.names:
-                record(
-                    f"{base}.{alias.name}" if base else alias.name,
-                    level=node.level,
-                    line=node.lineno,
-                )
-        elif isinstance(node, ast.Call):
-            for name, level in _dynamic_imports(node, package=package):
-                record(name, level=level, line=node.lineno)
-    return found
-
-
-def drop_import_problems(
-    parsed: ParsedDrop, *, allowed_roots: frozenset[str] = ALLOWED_DROP_IMPORT_ROOTS
-) -> list[str]:
-    """Imports a drop may not make: anything but `allowed_roots`, the stdlib and the drop itself."""
-    problems = []
-    for module, tree in sorted(parsed.modules.items()):
-        module_name, is_package = parsed.import_context(module)
-        for imported in imported_modules(tree, module_name=module_name, is_package=is_package):
-            root = imported.name.split(".")[0]
-            if not imported.resolved:
-                reason = "a relative import reaching above the drop's package"
-            elif is_within(imported.name, DROP_PACKAGE):
-                continue
-            elif root.startswith("megamoe") or root == "torch":
-                reason = f"a drop never imports {root}: the shim adapts the drop, not the reverse"
-            elif root in allowed_roots or root in sys.stdlib_module_names:
-                continue
-            else:
-                allowed = ", ".join(sorted(allowed_roots))
-                reason = f"a drop imports only {allowed}, the standard library and itself"
-            problems.append(
-                f"{parsed.where(module)}:{imported.line}: imports {imported.name!r}: {reason}"
-            )
-    return problems
 
 
 def validate_drop(new_drop: Path, parsed: ParsedDrop) -> list[str]:
@@ -253,7 +129,7 @@ def format_vendor(
         f"| files | {len(digest.files)} |",
         "",
         "The drop's sha256 is the sha256 of the `sha256sum`-style listing of its files: one line",
-        "`<file sha256>  <path>` per file, sorted by path, each ending in a newline.",
+        "`<file sha256>  <path>` per file, sorted by path (byte order), each ending in a newline.",
         "",
         "| file | sha256 | bytes |",
         "| --- | --- | --- |",
@@ -407,11 +283,13 @@ def run_compile_tests(tests_dir: Path) -> tuple[bool, str]:
         cwd=tests_dir.parent,
         check=False,
     )
-    tail = "\n".join((completed.stdout + completed.stderr).strip().splitlines()[-30:])
+    output_lines = (completed.stdout + completed.stderr).strip().splitlines() or ["(no output)"]
     no_tests_collected = 5  # pytest's exit code when every test was deselected
     if completed.returncode == no_tests_collected:
         return True, "no compile tests were collected"
-    return completed.returncode == 0, tail
+    if completed.returncode == 0:
+        return True, output_lines[-1]  # pytest's summary line
+    return False, "\n".join(output_lines[-40:])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,6 +309,21 @@ class ResyncResult:
     @property
     def ok(self) -> bool:
         return self.status != "refused"
+
+
+def _run_and_report_compile_tests(
+    compile_tests_dir: Path | None, say: Callable[[str], None]
+) -> bool:
+    if compile_tests_dir is None:
+        say("compile tests: skipped; run `pytest -m compile` on the kernel tests before committing")
+        return True
+    if not compile_tests_dir.is_dir():
+        say(f"compile tests: skipped, {compile_tests_dir} is not here (not a checkout?)")
+        return True
+    passed, output = run_compile_tests(compile_tests_dir)
+    say(f"compile tests ({compile_tests_dir}): {'passed' if passed else 'FAILED'}")
+    say("\n".join(f"  | {line}" for line in output.splitlines()))
+    return passed
 
 
 def _placement_problems(new_drop: Path, drop_dir: Path) -> list[str]:
@@ -469,8 +362,6 @@ def resync(
         echo(text)
 
     def finish(status: str, new_sha256: str | None = None) -> ResyncResult:
-        previous = digest_drop(drop_dir) if status == "refused" else previous_digest
-        previous_sha256 = previous.sha256 if previous else None
         return ResyncResult(status, "\n".join(lines), previous_sha256, new_sha256)
 
     def refuse(reason: str) -> ResyncResult:
@@ -478,7 +369,8 @@ def resync(
         say(f"nothing changed: {drop_dir} and {vendor_path} are as they were")
         return finish("refused")
 
-    previous_digest = None
+    previous_digest = digest_drop(drop_dir)
+    previous_sha256 = previous_digest.sha256 if previous_digest else None
     placement = _placement_problems(new_drop, drop_dir)
     if placement:
         return refuse(placement[0])
@@ -494,8 +386,6 @@ def resync(
 
     new_digest = digest_drop(new_drop)
     assert new_digest is not None
-    previous_digest = digest_drop(drop_dir)
-    previous_sha256 = previous_digest.sha256 if previous_digest else None
     same = previous_sha256 == new_digest.sha256
     change = "unchanged" if same else f"{previous_sha256 or 'none'} -> {new_digest.sha256}"
     say(f"drop sha256: {new_digest.sha256} ({change}), {len(new_digest.files)} files")
@@ -521,22 +411,17 @@ def resync(
         return refuse(f"installing the drop failed ({error}); the previous drop was kept")
     say(f"{'recorded' if same else 'installed'} {drop_dir}; wrote {vendor_path}")
 
-    if compile_tests_dir is None:
-        say(
-            "compile tests: skipped; run `pytest -m compile` on the kernel tests before relying on it"
+    try:
+        passed = _run_and_report_compile_tests(compile_tests_dir, say)
+    except BaseException:  # Ctrl-C in a long compile: leave no half-finished resync behind
+        installed.rollback()
+        raise
+    if not passed:
+        installed.rollback()
+        return refuse(
+            "the compile-only kernel tests failed against the new drop (output above): adapt "
+            "shim/ to it, or install it with --skip-compile-tests to debug in place"
         )
-    elif not compile_tests_dir.is_dir():
-        say(f"compile tests: skipped, {compile_tests_dir} is not here (not a checkout?)")
-    else:
-        passed, output = run_compile_tests(compile_tests_dir)
-        say(f"compile tests ({compile_tests_dir}): {'passed' if passed else 'FAILED'}")
-        say("\n".join(f"  | {line}" for line in output.splitlines()))
-        if not passed:
-            installed.rollback()
-            return refuse(
-                "the compile-only kernel tests failed against the new drop (output above): adapt "
-                "shim/ to it, or install it with --skip-compile-tests to debug in place"
-            )
     installed.commit()
     return finish("recorded" if same else "replaced", new_digest.sha256)
 

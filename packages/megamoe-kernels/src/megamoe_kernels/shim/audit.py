@@ -33,13 +33,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from megamoe_kernels.drop_scan import (
+    DROP_DIR,
+    DROP_PACKAGE,
+    ParsedDrop,
+    call_name,
+    is_within,
+    module_file_hint,
+    parse_drop,
+    resolve_relative,
+)
+
 SymbolKind = Literal["class", "function", "constant"]
 PassedAs = Literal["keyword", "positional"]
 SYMBOL_KINDS: tuple[str, ...] = ("class", "function", "constant")
 PASSED_AS: tuple[str, ...] = ("keyword", "positional")
-
-DROP_DIR = Path(__file__).resolve().parent.parent / "drop"
-DROP_PACKAGE = "megamoe_kernels.drop"
 
 
 @dataclass(frozen=True)
@@ -114,104 +122,6 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
     DropSymbol("tiling", "SMEM_RESERVED_BYTES", "constant"),
     DropSymbol("tiling", "EPILOGUE_ROW_PAD", "constant"),
 )
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading a drop
-
-
-@dataclass(frozen=True)
-class ParsedDrop:
-    """The drop's Python modules, parsed: module name inside the drop -> syntax tree."""
-
-    drop_dir: Path
-    modules: dict[str, ast.Module]
-    paths: dict[str, Path]  # module name -> file, relative to the drop
-    parse_errors: tuple[str, ...]
-
-    def where(self, module: str) -> str:
-        """The module's file as a person finds it: drop/ep/dispatch.py."""
-        return f"drop/{self.paths[module].as_posix()}"
-
-    def import_context(self, module: str) -> tuple[str, bool]:
-        """(dotted name once installed, is a package): what relative imports resolve against."""
-        dotted = DROP_PACKAGE if module == "__init__" else f"{DROP_PACKAGE}.{module}"
-        return dotted, self.paths[module].name == "__init__.py"
-
-
-def list_drop_files(drop_dir: Path) -> list[Path]:
-    """Every file of a drop, relative to it, sorted by path text; caches and hidden folders
-    (.git) left out."""
-    files = []
-    for path in Path(drop_dir).rglob("*"):
-        relative = path.relative_to(drop_dir)
-        in_skipped_folder = any(
-            part == "__pycache__" or part.startswith(".") for part in relative.parts[:-1]
-        )
-        if in_skipped_folder or path.is_dir() or path.suffix in (".pyc", ".pyo"):
-            continue
-        files.append(relative)
-    return sorted(files, key=lambda relative: relative.as_posix())
-
-
-def drop_module_name(relative_path: Path) -> str:
-    """`gemm.py` -> "gemm", `ep/dispatch.py` -> "ep.dispatch", `ep/__init__.py` -> "ep"."""
-    parts = list(relative_path.with_suffix("").parts)
-    if parts[-1] == "__init__" and len(parts) > 1:
-        parts.pop()
-    return ".".join(parts)
-
-
-def parse_drop(drop_dir: Path) -> ParsedDrop:
-    """Parses every .py of a drop without importing any; unparsable files are listed, not fatal."""
-    modules: dict[str, ast.Module] = {}
-    paths: dict[str, Path] = {}
-    errors = []
-    for relative in list_drop_files(drop_dir):
-        if relative.suffix != ".py":
-            continue
-        try:
-            tree = ast.parse((drop_dir / relative).read_bytes(), filename=str(relative))
-        except SyntaxError as error:
-            errors.append(f"drop/{relative.as_posix()}: line {error.lineno}: {error.msg}")
-            continue
-        except ValueError as error:  # undecodable bytes, null bytes
-            errors.append(f"drop/{relative.as_posix()}: cannot be read as Python source: {error}")
-            continue
-        modules[drop_module_name(relative)] = tree
-        paths[drop_module_name(relative)] = relative
-    return ParsedDrop(Path(drop_dir), modules=modules, paths=paths, parse_errors=tuple(errors))
-
-
-def module_file_hint(module: str) -> str:
-    if module == "__init__":
-        return "drop/__init__.py"
-    return f"drop/{module.replace('.', '/')}.py"
-
-
-def resolve_relative(name: str, *, level: int, package: str) -> str | None:
-    """The absolute name of a relative import made from `package`; None above the top level."""
-    if level == 0:
-        return name
-    package_parts = package.split(".") if package else []
-    if level - 1 >= len(package_parts):
-        return None
-    base = package_parts[: len(package_parts) - (level - 1)]
-    return ".".join([*base, name] if name else base)
-
-
-def is_within(name: str, package: str) -> bool:
-    """Whether dotted `name` is `package` or inside it."""
-    return name == package or name.startswith(package + ".")
-
-
-def call_name(func: ast.expr) -> str | None:
-    """The called name: `f` for `f(...)` and `mod.f(...)`."""
-    if isinstance(func, ast.Name):
-        return func.id
-    if isinstance(func, ast.Attribute):
-        return func.attr
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
