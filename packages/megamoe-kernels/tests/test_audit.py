@@ -124,6 +124,19 @@ def test_each_incompatibility_is_reported_with_the_symbol_and_what_changed(
     assert "FAILED" in report.format()
 
 
+def test_a_symbol_now_imported_from_outside_the_drop_is_a_kind_change(tmp_path):
+    replace = {
+        "layout.py": (
+            "def interleave(column, *, block=BLOCK):",
+            "from math import floor as interleave\n\n\ndef unused(column, *, block=BLOCK):",
+        )
+    }
+    report = audit_with(tmp_path, replace=replace)
+    assert any(
+        "is a name imported from another package now" in problem for problem in report.problems
+    ), report.format()
+
+
 @pytest.mark.parametrize(
     "replace",
     [

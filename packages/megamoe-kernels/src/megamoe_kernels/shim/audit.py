@@ -251,7 +251,7 @@ def kind_of(statement: ast.stmt) -> str:
         return "function"
     if isinstance(statement, ast.Assign | ast.AnnAssign):
         return "constant"
-    return "import of another package"
+    return "name imported from another package"
 
 
 @dataclass(frozen=True)
