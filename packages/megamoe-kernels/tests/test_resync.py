@@ -229,13 +229,14 @@ def test_dry_run_changes_nothing(tmp_path, checkout):
     assert checkout.state() == state_before
 
 
-def fail_on_call(real, *, failing_call: int, matches=lambda *arguments: True):
+def fail_on_call(real, *, failing_call_number: int, matches=lambda *arguments: True):
+    """`real`, failing with a full disk on its `failing_call_number`-th call that `matches`."""
     calls = []
 
     def failing(*arguments, **keywords):
         if matches(*arguments):
             calls.append(arguments)
-            if len(calls) == failing_call:
+            if len(calls) == failing_call_number:
                 raise OSError(28, "No space left on device (injected)")
         return real(*arguments, **keywords)
 
@@ -243,7 +244,7 @@ def fail_on_call(real, *, failing_call: int, matches=lambda *arguments: True):
 
 
 @pytest.mark.parametrize(
-    ("target", "failing_call", "matches"),
+    ("target", "function_name", "matches"),
     [
         (shutil, "copy2", lambda *_: True),  # midway through copying the new files
         (os, "rename", lambda source, _: Path(source).name == ".drop.incoming"),  # the swap in
@@ -252,15 +253,14 @@ def fail_on_call(real, *, failing_call: int, matches=lambda *arguments: True):
     ids=["copy", "swap", "vendor"],
 )
 def test_a_failure_midway_leaves_the_old_drop_intact(
-    tmp_path, checkout, monkeypatch, target, failing_call, matches
+    tmp_path, checkout, monkeypatch, target, function_name, matches
 ):
     state_before = checkout.state()
     incoming = new_version(tmp_path, **{"more.py": "import math\n", "most.py": "import os\n"})
-    real = getattr(target, failing_call)
-    call = 2 if failing_call == "copy2" else 1
-    monkeypatch.setattr(
-        target, failing_call, fail_on_call(real, failing_call=call, matches=matches)
-    )
+    real = getattr(target, function_name)
+    call_number = 2 if function_name == "copy2" else 1  # copy2: after one file is copied
+    failing = fail_on_call(real, failing_call_number=call_number, matches=matches)
+    monkeypatch.setattr(target, function_name, failing)
     result = checkout.resync(incoming)
     monkeypatch.undo()
     assert_refused_and_untouched(checkout, result, state_before, reason="(injected)")
