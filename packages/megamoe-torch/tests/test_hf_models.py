@@ -249,6 +249,15 @@ def test_transformers_weight_init_walks_the_swapped_model():
         assert torch.isfinite(model(torch.randint(0, VOCAB, (1, 4))).logits).all()
 
 
+def test_routing_megamoe_cannot_express_is_refused_but_bad_run_options_raise():
+    # top_k=3 from a single kept group of 2 experts: transformers would pick a masked expert
+    model = tiny_model("deepseek_v3", n_group=8, topk_group=1)
+    report = swap_moe_blocks(model, backend="reference")
+    assert report.swapped == [] and "top_k=3" in report.skipped[0].reason
+    with pytest.raises(ValueError, match="backend"):
+        swap_moe_blocks(tiny_model("qwen3_moe"), backend="fastest")
+
+
 def test_semantic_options_are_refused():
     _, block = moe_blocks(tiny_model("qwen2_moe"))[0]
     with pytest.raises(TypeError, match="top_k"):

@@ -116,11 +116,10 @@ def build_layer(
             "(routing semantics come from the source and cannot be overridden)"
         )
     try:
-        config = MegaMoEConfig(**fields, **options)
+        MegaMoEConfig(**fields)
     except ValueError as error:
-        if set(options) & {"backend", "capacity", "dispatcher", "max_tokens_per_rank"}:
-            raise
         raise UnsupportedBlockError(f"megamoe cannot express this routing: {error}") from error
+    config = MegaMoEConfig(**fields, **options)  # a bad run option is the caller's ValueError
     gate_dtype = megamoe_state["gate.weight"].dtype
     if process_group is not None:
         layer = layer_class(config, process_group=process_group, device=device, dtype=dtype)

@@ -41,6 +41,9 @@ class Family:
     shared_expert_gate_key: str | None = None
     # the module name of the block inside a decoder layer, in checkpoints on disk
     checkpoint_block_name: str = "mlp"
+    # model config keys of the routed experts' count (aliases, first set wins) and width
+    num_experts_keys: tuple[str, ...] = ("num_experts", "num_local_experts")
+    intermediate_size_key: str = "moe_intermediate_size"
 
 
 MIXTRAL = Family(
@@ -50,6 +53,8 @@ MIXTRAL = Family(
     router_dtype="input",
     expert_projection_names=("w1", "w3", "w2"),
     checkpoint_block_name="block_sparse_moe",
+    num_experts_keys=("num_local_experts", "num_experts"),
+    intermediate_size_key="intermediate_size",
 )
 QWEN2_MOE = Family(
     name="qwen2_moe",
@@ -74,6 +79,7 @@ DEEPSEEK_V3 = Family(
     router_dtype="float32",
     expert_projection_names=("gate_proj", "up_proj", "down_proj"),
     shared_expert_prefix="shared_experts",
+    num_experts_keys=("n_routed_experts", "num_local_experts"),
 )
 
 FAMILIES = {family.name: family for family in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V3)}
@@ -139,34 +145,21 @@ def read_block(block: nn.Module) -> BlockReading:
     layout, intermediate_size, expert_dtype = _read_experts(experts, num_experts, hidden_size)
     _check_activation(experts, layout)
     holders = (router, block)  # transformers >= 5 keeps routing fields on the router
-    fields: dict[str, Any] = dict(
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_experts=num_experts,
-        top_k=int(_attribute(holders, "top_k")),
-        scoring=family.scoring,
-        router_dtype=family.router_dtype,
+    is_deepseek = family is DEEPSEEK_V3
+    fields = _routing_fields(
+        family,
+        top_k=_attribute(holders, "top_k"),
+        norm_topk_prob=_attribute(holders, "norm_topk_prob", default=None),
+        router_jitter_noise=_attribute((block,), "jitter_noise", default=0.0),
+        num_groups=_attribute(holders, "num_group", "n_group") if is_deepseek else 1,
+        top_groups=_attribute(holders, "topk_group") if is_deepseek else 1,
+        routed_scaling_factor=_attribute(holders, "routed_scaling_factor") if is_deepseek else 1.0,
     )
-    if family is MIXTRAL:
-        jitter = float(_attribute((block,), "jitter_noise", "router_jitter_noise", default=0.0))
-        if jitter > 0:
-            raise UnsupportedBlockError(
-                f"router_jitter_noise={jitter} multiplies training inputs by random noise, "
-                "which MegaMoE does not reproduce; set it to 0.0 to convert"
-            )
-        fields["renormalize"] = True
-    elif family in (QWEN2_MOE, QWEN3_MOE):
-        fields["renormalize"] = bool(_attribute(holders, "norm_topk_prob"))
-    else:
-        fields.update(
-            renormalize=bool(_attribute(holders, "norm_topk_prob")),
-            num_groups=int(_attribute(holders, "num_group", "n_group")),
-            top_groups=int(_attribute(holders, "topk_group")),
-            routed_scaling_factor=float(_attribute(holders, "routed_scaling_factor")),
-            use_correction_bias=True,
-        )
-        if correction_bias_of(block) is None:
-            raise UnsupportedBlockError("the DeepSeek-V3 router has no e_score_correction_bias")
+    fields.update(
+        hidden_size=hidden_size, intermediate_size=intermediate_size, num_experts=num_experts
+    )
+    if is_deepseek and correction_bias_of(block) is None:
+        raise UnsupportedBlockError("the DeepSeek-V3 router has no e_score_correction_bias")
     fields.update(_read_shared_experts(block, family, hidden_size))
     return BlockReading(
         family=family,
@@ -181,77 +174,88 @@ def read_block(block: nn.Module) -> BlockReading:
 
 def read_hf_config(hf_config: Any) -> tuple[Family, dict[str, Any]]:
     """(family, MegaMoEConfig fields) from a transformers config object or a config.json dict."""
-    get = (
-        hf_config.get
-        if isinstance(hf_config, dict)
-        else lambda name, default=None: getattr(hf_config, name, default)
-    )
+    get = _config_getter(hf_config)
     model_type = get("model_type")
     if model_type not in _FAMILY_OF_MODEL_TYPE:
         raise UnsupportedBlockError(
             f"model_type {model_type!r} is not supported (supported: {tuple(_FAMILY_OF_MODEL_TYPE)})"
         )
     family = _FAMILY_OF_MODEL_TYPE[model_type]
-    _check_activation_name(get("hidden_act", "silu"))
-    fields: dict[str, Any] = dict(
-        hidden_size=get("hidden_size"),
+    hidden_act = get("hidden_act", "silu")
+    if hidden_act not in ("silu", "swish"):
+        raise UnsupportedBlockError(
+            f"hidden_act {hidden_act!r}: MegaMoE computes SwiGLU (SiLU) experts only"
+        )
+    fields = _routing_fields(
+        family,
         top_k=get("num_experts_per_tok"),
-        scoring=family.scoring,
-        router_dtype=family.router_dtype,
+        norm_topk_prob=get("norm_topk_prob"),
+        router_jitter_noise=get("router_jitter_noise", 0.0) or 0.0,
+        num_groups=get("n_group") or 1,
+        top_groups=get("topk_group") or 1,
+        routed_scaling_factor=get("routed_scaling_factor") or 1.0,
     )
-    if family is MIXTRAL:
-        jitter = float(get("router_jitter_noise", 0.0) or 0.0)
-        if jitter > 0:
-            raise UnsupportedBlockError(
-                f"router_jitter_noise={jitter} is not reproduced; set it to 0.0 to convert"
-            )
+    fields.update(
+        hidden_size=get("hidden_size"),
+        num_experts=next(
+            (value for value in map(get, family.num_experts_keys) if value is not None), None
+        ),
+        intermediate_size=get(family.intermediate_size_key),
+    )
+    if family is QWEN2_MOE and get("shared_expert_intermediate_size"):
         fields.update(
-            num_experts=_first_of(get, "num_local_experts", "num_experts"),
-            intermediate_size=get("intermediate_size"),
-            renormalize=True,
+            num_shared_experts=1,
+            shared_intermediate_size=get("shared_expert_intermediate_size"),
+            shared_expert_gate=True,
         )
-    elif family in (QWEN2_MOE, QWEN3_MOE):
+    if family is DEEPSEEK_V3 and get("n_shared_experts"):
         fields.update(
-            num_experts=_first_of(get, "num_experts", "num_local_experts"),
-            intermediate_size=get("moe_intermediate_size"),
-            renormalize=bool(get("norm_topk_prob")),
+            num_shared_experts=get("n_shared_experts"),
+            shared_intermediate_size=get("moe_intermediate_size") * get("n_shared_experts"),
         )
-        if family is QWEN2_MOE:
-            fields.update(
-                num_shared_experts=1,
-                shared_intermediate_size=get("shared_expert_intermediate_size"),
-                shared_expert_gate=True,
-            )
-    else:
-        fields.update(
-            num_experts=_first_of(get, "n_routed_experts", "num_local_experts"),
-            intermediate_size=get("moe_intermediate_size"),
-            renormalize=bool(get("norm_topk_prob")),
-            num_groups=get("n_group") or 1,
-            top_groups=get("topk_group") or 1,
-            routed_scaling_factor=float(get("routed_scaling_factor")),
-            use_correction_bias=True,
-        )
-        shared = get("n_shared_experts") or 0
-        if shared:
-            fields.update(
-                num_shared_experts=shared,
-                shared_intermediate_size=get("moe_intermediate_size") * shared,
-            )
     missing = [name for name, value in fields.items() if value is None]
     if missing:
         raise ValueError(f"hf_config of model_type {model_type!r} lacks values for {missing}")
     return family, fields
 
 
+def _routing_fields(
+    family: Family,
+    *,
+    top_k: int,
+    norm_topk_prob: bool | None,
+    router_jitter_noise: float,
+    num_groups: int,
+    top_groups: int,
+    routed_scaling_factor: float,
+) -> dict[str, Any]:
+    """A family's routing as MegaMoEConfig fields, from the values its block or config holds."""
+    if float(router_jitter_noise) > 0:
+        raise UnsupportedBlockError(
+            f"router_jitter_noise={router_jitter_noise} multiplies training inputs by random "
+            "noise, which MegaMoE does not reproduce; set it to 0.0 to convert"
+        )
+    fields: dict[str, Any] = dict(
+        top_k=int(top_k),
+        scoring=family.scoring,
+        router_dtype=family.router_dtype,
+        # Mixtral always renormalises the top-k weights; the others when norm_topk_prob is set
+        renormalize=True if family is MIXTRAL else bool(norm_topk_prob),
+    )
+    if family is DEEPSEEK_V3:
+        fields.update(
+            num_groups=int(num_groups),
+            top_groups=int(top_groups),
+            routed_scaling_factor=float(routed_scaling_factor),
+            use_correction_bias=True,
+        )
+    return fields
+
+
 def moe_layer_indices(hf_config: Any) -> list[int]:
     """Which decoder layers of a model hold an MoE block (the others hold a dense MLP)."""
     family, _ = read_hf_config(hf_config)
-    get = (
-        hf_config.get
-        if isinstance(hf_config, dict)
-        else lambda name, default=None: getattr(hf_config, name, default)
-    )
+    get = _config_getter(hf_config)
     layers = range(get("num_hidden_layers"))
     if family is QWEN2_MOE or family is QWEN3_MOE:
         step, dense = get("decoder_sparse_step", 1) or 1, set(get("mlp_only_layers", []) or [])
@@ -318,13 +322,6 @@ def _check_activation(experts: nn.Module, layout: Layout) -> None:
         )
 
 
-def _check_activation_name(name: str) -> None:
-    if name not in ("silu", "swish"):
-        raise UnsupportedBlockError(
-            f"hidden_act {name!r}: MegaMoE computes SwiGLU (SiLU) experts only"
-        )
-
-
 def _read_shared_experts(block: nn.Module, family: Family, hidden_size: int) -> dict[str, Any]:
     if family.shared_expert_prefix is None:
         return {}
@@ -384,9 +381,11 @@ def _tensor(module: nn.Module, name: str, *, what: str) -> torch.Tensor:
 _MISSING = object()
 
 
-def _first_of(get, *names: str) -> Any:
-    """The first of a config's aliases that is set (config.json and to_dict() spell some apart)."""
-    return next((value for value in map(get, names) if value is not None), None)
+def _config_getter(hf_config: Any):
+    """get(name, default=None) over a transformers config object or a config.json dict."""
+    if isinstance(hf_config, dict):
+        return hf_config.get
+    return lambda name, default=None: getattr(hf_config, name, default)
 
 
 def _attribute(holders: tuple, *names: str, default: Any = _MISSING) -> Any:
