@@ -7,6 +7,7 @@ megamoe recognises blocks by name), so these tests need no transformers install.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from megamoe_torch import (
     megamoe_state_dict_from_hf,
     swap_moe_blocks,
 )
+from megamoe_torch.hf import read_hf_config
 from torch import nn
 
 HIDDEN, INTERMEDIATE = 32, 24
@@ -220,3 +222,18 @@ def test_quantized_checkpoint_tensors_are_refused():
     state["experts.0.gate_proj.weight_scale_inv"] = torch.rand(1, 1)
     with pytest.raises(UnsupportedBlockError, match="quantized"):
         megamoe_state_dict_from_hf(state, family="deepseek_v3")
+
+
+def test_config_without_routing_keys_is_refused_when_no_defaults_are_known(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # defaults come from transformers
+    config_json = {
+        "model_type": "qwen3_moe",
+        "hidden_size": HIDDEN,
+        "num_experts": 6,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": INTERMEDIATE,
+    }
+    with pytest.raises(ValueError, match="norm_topk_prob"):
+        read_hf_config(config_json)
+    _, fields = read_hf_config({**config_json, "norm_topk_prob": True})
+    assert fields["renormalize"] is True and fields["num_experts"] == 6

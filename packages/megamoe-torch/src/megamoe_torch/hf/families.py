@@ -149,7 +149,7 @@ def read_block(block: nn.Module) -> BlockReading:
     fields = _routing_fields(
         family,
         top_k=_attribute(holders, "top_k"),
-        norm_topk_prob=_attribute(holders, "norm_topk_prob", default=None),
+        norm_topk_prob=None if family is MIXTRAL else _attribute(holders, "norm_topk_prob"),
         router_jitter_noise=_attribute((block,), "jitter_noise", default=0.0),
         num_groups=_attribute(holders, "num_group", "n_group") if is_deepseek else 1,
         top_groups=_attribute(holders, "topk_group") if is_deepseek else 1,
@@ -190,10 +190,10 @@ def read_hf_config(hf_config: Any) -> tuple[Family, dict[str, Any]]:
         family,
         top_k=get("num_experts_per_tok"),
         norm_topk_prob=get("norm_topk_prob"),
-        router_jitter_noise=get("router_jitter_noise", 0.0) or 0.0,
-        num_groups=get("n_group") or 1,
-        top_groups=get("topk_group") or 1,
-        routed_scaling_factor=get("routed_scaling_factor") or 1.0,
+        router_jitter_noise=get("router_jitter_noise") or 0.0,
+        num_groups=get("n_group"),
+        top_groups=get("topk_group"),
+        routed_scaling_factor=get("routed_scaling_factor"),
     )
     fields.update(
         hidden_size=get("hidden_size"),
@@ -230,6 +230,16 @@ def _routing_fields(
     routed_scaling_factor: float,
 ) -> dict[str, Any]:
     """A family's routing as MegaMoEConfig fields, from the values its block or config holds."""
+    needed = {"top_k": top_k}
+    if family is not MIXTRAL:
+        needed["norm_topk_prob"] = norm_topk_prob
+    if family is DEEPSEEK_V3:
+        needed.update(
+            n_group=num_groups, topk_group=top_groups, routed_scaling_factor=routed_scaling_factor
+        )
+    missing = [name for name, value in needed.items() if value is None]
+    if missing:
+        raise ValueError(f"the {family.name} config lacks {missing}: its routing is undefined")
     if float(router_jitter_noise) > 0:
         raise UnsupportedBlockError(
             f"router_jitter_noise={router_jitter_noise} multiplies training inputs by random "
@@ -382,9 +392,21 @@ _MISSING = object()
 
 
 def _config_getter(hf_config: Any):
-    """get(name, default=None) over a transformers config object or a config.json dict."""
+    """get(name, default=None) over a transformers config object or a config.json dict.
+
+    A dict goes through its transformers config class where transformers is installed, so keys
+    config.json leaves out take the defaults the model itself would use.
+    """
     if isinstance(hf_config, dict):
-        return hf_config.get
+        try:
+            import transformers
+        except ImportError:
+            return hf_config.get
+        fields = {key: value for key, value in hf_config.items() if key != "model_type"}
+        try:
+            hf_config = transformers.AutoConfig.for_model(hf_config.get("model_type"), **fields)
+        except ValueError:  # a model_type this transformers does not know
+            return hf_config.get
     return lambda name, default=None: getattr(hf_config, name, default)
 
 
