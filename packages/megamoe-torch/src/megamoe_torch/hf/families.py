@@ -120,8 +120,8 @@ class BlockReading:
     layout: Layout
     # the block's forward returns (hidden_states, router_logits), not hidden_states alone
     returns_router_logits: bool
-    router_weight_dtype: torch.dtype
     expert_dtype: torch.dtype
+    # the routed experts' device, where the layer is built
     device: torch.device
 
 
@@ -142,7 +142,7 @@ def read_block(block: nn.Module) -> BlockReading:
     experts = _child(block, "experts")
     router_weight = _tensor(router, "weight", what="router weight")
     num_experts, hidden_size = router_weight.shape
-    layout, intermediate_size, expert_dtype = _read_experts(experts, num_experts, hidden_size)
+    layout, intermediate_size, expert_weight = _read_experts(experts, num_experts, hidden_size)
     _check_activation(experts, layout)
     holders = (router, block)  # transformers >= 5 keeps routing fields on the router
     is_deepseek = family is DEEPSEEK_V3
@@ -166,9 +166,8 @@ def read_block(block: nn.Module) -> BlockReading:
         config_fields=fields,
         layout=layout,
         returns_router_logits=layout == "per_expert" and family is not DEEPSEEK_V3,
-        router_weight_dtype=router_weight.dtype,
-        expert_dtype=expert_dtype,
-        device=router_weight.device,
+        expert_dtype=expert_weight.dtype,
+        device=expert_weight.device,
     )
 
 
@@ -275,7 +274,10 @@ def moe_layer_indices(hf_config: Any) -> list[int]:
     return list(layers)
 
 
-def _read_experts(experts: nn.Module, num_experts: int, hidden_size: int):
+def _read_experts(
+    experts: nn.Module, num_experts: int, hidden_size: int
+) -> tuple[Layout, int, torch.Tensor]:
+    """(layout, intermediate size, one expert weight tensor: its dtype and device)."""
     if hasattr(experts, "gate_up_proj"):
         for flag, wanted in (
             ("is_transposed", False),
@@ -297,7 +299,7 @@ def _read_experts(experts: nn.Module, num_experts: int, hidden_size: int):
                 f"experts.gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} "
                 f"are not [{num_experts}, 2I, {hidden_size}] and [{num_experts}, {hidden_size}, I]"
             )
-        return "fused", intermediate_size, gate_up.dtype
+        return "fused", intermediate_size, gate_up
     if isinstance(experts, nn.ModuleList):
         if len(experts) != num_experts:
             raise UnsupportedBlockError(
@@ -310,7 +312,7 @@ def _read_experts(experts: nn.Module, num_experts: int, hidden_size: int):
                 if projection.bias is not None:
                     raise UnsupportedBlockError("experts with biases are not supported")
                 weight = _tensor(projection, "weight", what=f"experts.0.{gate_name}.weight")
-                return "per_expert", weight.shape[0], weight.dtype
+                return "per_expert", weight.shape[0], weight
         raise UnsupportedBlockError(
             f"per-expert modules of type {type(first).__name__} have neither w1/w2/w3 nor "
             "gate_proj/up_proj/down_proj linear layers"
