@@ -15,6 +15,7 @@ import csv
 import statistics
 
 import torch
+from megamoe_kernels import GemmKnobs, down, gate_up_swiglu, knob_problems
 from megamoe_kernels.reference import expert_mlp_reference, relative_l2_error
 from megamoe_runtime.dispatch import LocalDispatcher
 from megamoe_runtime.experts import make_backend
@@ -80,6 +81,61 @@ def bench_point(geometry, tokens, weights, backends, prepared):
     return result
 
 
+SWEEP = {
+    "prefill": [
+        GemmKnobs(tile_rows=128, tile_cols=256, stages=4),
+        GemmKnobs(tile_rows=128, tile_cols=256, stages=3),
+        GemmKnobs(tile_rows=128, tile_cols=256, stages=4, rows_fastest=False),
+        GemmKnobs(tile_rows=128, tile_cols=192, stages=4),
+        GemmKnobs(tile_rows=128, tile_cols=128, stages=6),
+        GemmKnobs(tile_rows=64, tile_cols=256, stages=5),
+    ],
+    "decode": [
+        GemmKnobs(tile_rows=16, tile_cols=128, stages=12, swap_ab=True),
+        GemmKnobs(tile_rows=16, tile_cols=128, stages=6, swap_ab=True),
+        GemmKnobs(tile_rows=16, tile_cols=64, stages=12, swap_ab=True),
+        GemmKnobs(tile_rows=32, tile_cols=128, stages=8, swap_ab=True),
+    ],
+}
+
+
+def sweep_knobs(geometry, tokens, weights, prepared):
+    """Times each GEMM alone under each candidate knob set (the default profile's family)."""
+    device = weights.w13_E2IH.device
+    logits = torch.randn(tokens, geometry.num_experts, device=device)
+    topk_ids = logits.topk(geometry.top_k, dim=-1).indices
+    x = torch.randn(tokens, geometry.hidden_size, device=device, dtype=torch.bfloat16)
+    batch, _ = LocalDispatcher(geometry.num_experts, check_ids=False).dispatch(
+        x, topk_ids, torch.ones_like(topk_ids, dtype=torch.float32)
+    )
+    rows = tokens * geometry.top_k
+    family = "decode" if rows / geometry.num_experts <= 64 else "prefill"
+    hidden_MI = gate_up_swiglu(batch.rows_MH, batch.expert_offsets, prepared.w13_EB2GH)
+    flops = geometry.expert_flops(rows)
+    for knobs in SWEEP[family]:
+        line = f"sweep {geometry.name} tokens={tokens} {knobs}"
+        for op, share, fn in (
+            (
+                "gate_up",
+                2 / 3,
+                lambda k=knobs: gate_up_swiglu(
+                    batch.rows_MH, batch.expert_offsets, prepared.w13_EB2GH, knobs=k
+                ),
+            ),
+            (
+                "down",
+                1 / 3,
+                lambda k=knobs: down(hidden_MI, batch.expert_offsets, prepared.w2_EHI, knobs=k),
+            ),
+        ):
+            if knob_problems(knobs, op):
+                line += f" {op}=invalid"
+                continue
+            seconds = graph_time_seconds(fn)
+            line += f" {op}={seconds * 1e6:.1f}us/{flops * share / seconds / 1e12:.0f}TF"
+        print(line, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -88,6 +144,7 @@ def main() -> None:
     parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKEN_COUNTS))
     parser.add_argument("--backends", nargs="*", default=["cutedsl", "grouped_mm"])
     parser.add_argument("--csv", default=None)
+    parser.add_argument("--sweep-knobs", action="store_true", help="time each GEMM per knob set")
     args = parser.parse_args()
     device = torch.device("cuda")
     results = []
@@ -108,6 +165,9 @@ def main() -> None:
         backends = {b: make_backend(b) for b in args.backends}
         prepared = {b: backend.prepare(weights) for b, backend in backends.items()}
         for tokens in args.tokens:
+            if args.sweep_knobs:
+                sweep_knobs(geometry, tokens, weights, prepared["cutedsl"])
+                continue
             result = bench_point(geometry, tokens, weights, backends, prepared)
             results.append(result)
             print(

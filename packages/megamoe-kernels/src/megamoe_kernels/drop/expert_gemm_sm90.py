@@ -30,6 +30,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory import SmemAllocator
 
 from .gate_up_layout import interleaved_output_column
 from .tiling import EPILOGUE_ROW_PAD, TILE_K
@@ -214,7 +215,7 @@ class ExpertGroupedGemmSm90:
             cpasync.prefetch_descriptor(tma_x)
             cpasync.prefetch_descriptor(tma_w)
 
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        storage = SmemAllocator().allocate(self.shared_storage)
         tx_bytes = cute.size_in_bytes(
             self.ab_dtype, cute.slice_(x_layout, (None, None, 0))
         ) + cute.size_in_bytes(self.ab_dtype, cute.slice_(w_layout, (None, None, 0)))
@@ -310,6 +311,11 @@ class ExpertGroupedGemmSm90:
                 barrier_id=EPILOGUE_BARRIER_ID, num_threads=self.num_consumer_threads
             )
 
+            # first batch row of this warpgroup's accumulator slab (the weight's side with swap_ab:
+            # never skipped)
+            slab_row0 = 0
+            if cutlass.const_expr(not self.swap_ab):
+                slab_row0 = (warpgroup_idx - 1) * 64
             tile = cutlass.Int32(block_idx)
             expert, first, row_tiles, found = self.next_tile(
                 tile, cutlass.Int32(0), cutlass.Int32(0), mOffsets, num_experts, col_tiles
@@ -321,22 +327,34 @@ class ExpertGroupedGemmSm90:
 
                 accumulators.fill(0.0)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.fence()
-                for k_tile in range(k_tiles):
-                    ring.consumer_wait(read_state)
-                    for k_block in cutlass.range_constexpr(num_k_blocks):
-                        coord = (None, None, k_block, read_state.index)
-                        cute.gemm(tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators)
-                    warpgroup.commit_group()
-                    # keep one wgmma batch in flight; release the stage before it
-                    warpgroup.wait_group(1)
-                    if k_tile > 0:
+                # a warpgroup whose 64-row slab lies wholly past the expert's rows skips its
+                # MMAs (it still drains the ring): tail tiles cost what their rows need
+                slab_has_rows = row0 + slab_row0 < row_end
+                if slab_has_rows:
+                    warpgroup.fence()
+                    for k_tile in range(k_tiles):
+                        ring.consumer_wait(read_state)
+                        for k_block in cutlass.range_constexpr(num_k_blocks):
+                            coord = (None, None, k_block, read_state.index)
+                            cute.gemm(
+                                tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators
+                            )
+                        warpgroup.commit_group()
+                        # keep one wgmma batch in flight; release the stage before it
+                        warpgroup.wait_group(1)
+                        if k_tile > 0:
+                            ring.consumer_release(release_state)
+                            release_state.advance()
+                        read_state.advance()
+                    warpgroup.wait_group(0)
+                    ring.consumer_release(release_state)
+                    release_state.advance()
+                else:
+                    for k_tile in range(k_tiles):
+                        ring.consumer_wait(read_state)
                         ring.consumer_release(release_state)
                         release_state.advance()
-                    read_state.advance()
-                warpgroup.wait_group(0)
-                ring.consumer_release(release_state)
-                release_state.advance()
+                        read_state.advance()
 
                 self.epilogue(
                     accumulators,
@@ -373,21 +391,35 @@ class ExpertGroupedGemmSm90:
         """Registers -> shared tile (SwiGLU or plain, optional row scale) -> masked 16-byte
         stores of the rows in [row0, row_end) and the columns below N_out."""
         out_dtype = mOut.element_type
-        for i in cutlass.range_constexpr(cute.size(accumulators)):
+        # accumulator values i, i + 1 are adjacent columns of one row: stored as one 32-bit word
+        # (with swap_ab they are adjacent rows: stored one by one)
+        pair = 1 if self.swap_ab else 2
+        sOut_pairs = cute.zipped_divide(sOut, (1, pair))
+        pair_atom = cute.make_copy_atom(
+            cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=out_dtype.width * pair
+        )
+        for j in cutlass.range_constexpr(cute.size(accumulators) // pair):
+            i = j * pair
             m, n = tCcC[i]
             row, col = (n, m) if self.swap_ab else (m, n)
+            values = cute.make_rmem_tensor((pair,), out_dtype)
             if cutlass.const_expr(self.swiglu):
                 if cutlass.const_expr((i // self.partner_offset) % 2 == 0):
-                    value = silu_times(accumulators[i], accumulators[i + self.partner_offset])
-                    sOut[row, interleaved_output_column(col)] = value.to(out_dtype)
+                    for p in cutlass.range_constexpr(pair):
+                        gate = accumulators[i + p]
+                        up = accumulators[i + p + self.partner_offset]
+                        values[p] = silu_times(gate, up).to(out_dtype)
+                    out_col = interleaved_output_column(col)
+                    cute.copy(pair_atom, values, sOut_pairs[(None, (row, out_col // pair))])
             else:
-                value = accumulators[i]
+                scale = cutlass.Float32(1.0)
                 if cutlass.const_expr(self.row_scale):
                     scale = cutlass.Float32(0.0)
                     if row0 + row < row_end:
                         scale = mRowScale[row0 + row]
-                    value = value * scale
-                sOut[row, col] = value.to(out_dtype)
+                for p in cutlass.range_constexpr(pair):
+                    values[p] = (accumulators[i + p] * scale).to(out_dtype)
+                cute.copy(pair_atom, values, sOut_pairs[(None, (row, col // pair))])
         barrier.arrive_and_wait()
 
         vector = 8
