@@ -182,3 +182,12 @@ def test_weights_changed_in_place_are_picked_up():
     with torch.no_grad():
         layer.w2.mul_(2.0)
     torch.testing.assert_close(layer(x), 2.0 * before)
+
+
+def test_gradients_flow_through_the_reference_backend():
+    layer = make_layer(QWEN3)
+    x = torch.randn(6, 32, requires_grad=True)
+    layer(x).square().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    assert layer.w13.grad is not None and layer.w13.grad.abs().sum() > 0
+    assert layer.gate.weight.grad is not None

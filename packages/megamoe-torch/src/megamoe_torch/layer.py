@@ -19,7 +19,7 @@ from megamoe_runtime.distributed import (
     make_expert_parallel_dispatcher,
     select_dispatcher,
 )
-from megamoe_runtime.experts import make_backend, select_backend
+from megamoe_runtime.experts import backend_status, make_backend, select_backend
 from megamoe_runtime.routing import route
 from megamoe_runtime.weights import Unquantized
 from torch import nn
@@ -188,6 +188,31 @@ class MegaMoE(nn.Module):
             self._prepared_key = key
         return self._prepared
 
+    def _expert_compute(self, batch):
+        needs_autograd = torch.is_grad_enabled() and (
+            self.w13.requires_grad or self.w2.requires_grad or batch.rows_MH.requires_grad
+        )
+        if not needs_autograd:
+            return self._expert_backend(batch, self._prepared_weights())
+        backend = self._autograd_backend()
+        # autograd backends take the live parameters as they are (their prepare is the identity)
+        return backend(batch, backend.prepare(Unquantized(w13_E2IH=self.w13, w2_EHI=self.w2)))
+
+    def _autograd_backend(self):
+        """The backend for a forward that autograd records: the chosen one if it has a backward;
+        under 'auto', the best backend that has one; an explicit choice without one raises."""
+        if getattr(self._expert_backend, "supports_autograd", False):
+            return self._expert_backend
+        if self.config.backend != "auto":
+            raise RuntimeError(
+                f"backend {self._backend_name!r} has no backward: run the layer under "
+                "torch.no_grad()/torch.inference_mode() for inference, or pick backend='auto' "
+                "(or 'grouped_mm'/'reference') to train"
+            )
+        device = self.w13.device
+        name = "grouped_mm" if backend_status("grouped_mm", device)[0] else "reference"
+        return make_backend(name)
+
     def router_logits(self, x_TH: torch.Tensor) -> torch.Tensor:
         if self.config.router_dtype == "float32":
             return nn.functional.linear(x_TH.float(), self.gate.weight.float())
@@ -206,7 +231,7 @@ class MegaMoE(nn.Module):
             check_finite=self.config.check_inputs,
         )
         batch, handle = self.dispatcher.dispatch(x_TH, topk_ids_TK, topk_weights_TK)
-        expert_out_MH = self._expert_backend(batch, self._prepared_weights())
+        expert_out_MH = self._expert_compute(batch)
         y_TH = self.dispatcher.combine(expert_out_MH, handle)
         if self.shared_experts is not None:
             y_TH = y_TH + self.shared_experts(x_TH)

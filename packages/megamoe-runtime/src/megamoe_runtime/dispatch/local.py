@@ -62,8 +62,12 @@ class LocalDispatcher:
         expert_of_pair = topk_ids_TK.reshape(-1)
         # stable: equal experts keep token order, so the batch (and everything after) is deterministic
         sorted_experts, pair_of_row = torch.sort(expert_of_pair, stable=True)
-        rows_MH = x_TH.new_empty(capacity, x_TH.shape[1])
-        torch.index_select(x_TH, 0, pair_of_row // top_k, out=rows_MH[:num_pairs])
+        token_of_row = pair_of_row // top_k
+        if capacity == num_pairs:
+            rows_MH = x_TH.index_select(0, token_of_row)
+        else:  # rows past the valid count stay unspecified
+            rows_MH = x_TH.new_empty(capacity, x_TH.shape[1])
+            rows_MH[:num_pairs] = x_TH.index_select(0, token_of_row)
         row_of_pair = torch.empty_like(pair_of_row)
         row_of_pair.scatter_(0, pair_of_row, self._row_indices(num_pairs, x_TH.device))
         expert_offsets = torch.searchsorted(

@@ -16,6 +16,8 @@ from megamoe_runtime.weights import Unquantized
 
 class ExpertBackend(Protocol):
     name: str
+    # whether autograd can differentiate its output (the layer trains only through such backends)
+    supports_autograd: bool
 
     def prepare(self, weights: Unquantized) -> Any:
         """Transforms the weights into this backend's layout; run once, the result is cached."""

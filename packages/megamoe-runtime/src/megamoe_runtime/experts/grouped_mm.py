@@ -23,6 +23,7 @@ def grouped_mm_status(device: torch.device) -> tuple[bool, str]:
 
 class GroupedMMExperts:
     name = "grouped_mm"
+    supports_autograd = True
 
     def prepare(self, weights: Unquantized) -> Unquantized:
         if weights.w13_E2IH.dtype != torch.bfloat16:

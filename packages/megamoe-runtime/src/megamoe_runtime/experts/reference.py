@@ -12,6 +12,7 @@ from megamoe_runtime.weights import Unquantized
 
 class ReferenceExperts:
     name = "reference"
+    supports_autograd = True
 
     def prepare(self, weights: Unquantized) -> Unquantized:
         return weights
