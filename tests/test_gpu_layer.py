@@ -13,6 +13,7 @@ requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a
 
 
 @requires_gpu
+@torch.no_grad()
 @pytest.mark.parametrize("geometry", ["qwen3-30b-a3b", "dsv3", "gpt-oss-120b"])
 @pytest.mark.parametrize("tokens", [1, 77, 600])
 def test_every_available_backend_matches_fp32_oracle(geometry, tokens):

@@ -79,6 +79,7 @@ def available_backends(device: torch.device, requested: Iterable[str]) -> list[s
     return [name for name in requested if backend_status(name, device)[0]]
 
 
+@torch.no_grad()
 def bench_point(
     layer: MegaMoE,
     geometry: Geometry,
@@ -136,6 +137,7 @@ def bench_point(
     return out
 
 
+@torch.no_grad()
 def capacity_sweep(
     layer: MegaMoE,
     geometry: Geometry,
