@@ -99,9 +99,9 @@ class SymmetricWorkspace:
         peer_addresses_W = torch.tensor(addresses, dtype=torch.int64, device=self.device)
         self._buffers[name] = _Buffer(tensor, peer_views, peer_addresses_W)
         self.generation += 1
+        # every rank's copy is zeroed before any peer may write into it
         torch.cuda.synchronize(self.device)
-        nvshmem.core.barrier_all(stream=torch.cuda.current_stream(self.device))
-        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.process_group)
         return tensor.view(-1)[:numel].view(shape)
 
     def peer_addresses(self, name: str) -> torch.Tensor:
@@ -145,7 +145,7 @@ def _suggested_size(nbytes: int) -> str:
     return f"{max(1, -(-int(nbytes * 1.25) // (1 << 30)))}G"
 
 
-_workspaces: dict[int, SymmetricWorkspace] = {}
+_workspaces: dict[tuple[int, str], SymmetricWorkspace] = {}
 _nvshmem_group: list = []  # [(group, device)] once NVSHMEM is initialised
 
 
@@ -174,9 +174,10 @@ def _initialise_nvshmem(process_group: dist.ProcessGroup | None, device: torch.d
 
 
 def workspace_for(
-    process_group: dist.ProcessGroup | None, device: torch.device
+    process_group: dist.ProcessGroup | None, device: torch.device, *, pool: str = "default"
 ) -> SymmetricWorkspace:
-    """The process's symmetric workspace on `process_group` (initialising NVSHMEM on first use)."""
+    """The process's symmetric workspace on `process_group` (initialising NVSHMEM on first use).
+    Layers share the "default" pool; another `pool` name gets buffers of its own."""
     device = torch.device(device)
     if device.type != "cuda" or device.index is None:
         raise ValueError(f"symmetric workspaces live on a CUDA device with an index, got {device}")
@@ -192,7 +193,7 @@ def workspace_for(
         )
     if device != nvshmem_device:
         raise ValueError(f"NVSHMEM is bound to {nvshmem_device}; the layer is on {device}")
-    key = id(group)
+    key = (id(group), pool)
     if key not in _workspaces:
         _workspaces[key] = SymmetricWorkspace(
             process_group=group,

@@ -1,0 +1,210 @@
+"""Expert-parallel combine over NVLink (sm_90a): expert outputs go home, then a fixed-order
+weighted top-k sum.
+
+combine_push (persistent grid, on the expert owner): one warp per valid batch row (the count is
+read on the device from expert_offsets[local_experts], clamped to capacity) copies the row of
+expert_out to slot `pair` of its source rank's returned buffer, using the (source, pair) that
+dispatch recorded. Each CTA then signals PHASE_RETURNED on every peer once.
+
+combine_reduce (persistent grid, on the source): every CTA first waits until each owner's
+PHASE_RETURNED adds of this epoch arrived; then one warp per token sums, for each 8-element chunk
+of the hidden dimension, weight[t, k] x returned[t x top_k + k] over k = 0 .. top_k - 1 in that
+order in fp32, and stores the bf16 result: the order of the single-GPU combine, so the result
+does not depend on the expert-parallel degree or on timing.
+
+Layouts: expert_out [capacity, hidden] and returned [max_pairs, hidden] bf16 row-major, weights
+float32 [tokens, top_k], y bf16 [tokens, hidden]; hidden a multiple of 8, rows 16-byte aligned.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
+
+from .ep_dispatch import copy_row
+from .ep_sync import (
+    BUFFER_RETURNED,
+    BUFFER_SIGNALS,
+    PHASE_RETURNED,
+    global_ptr,
+    peer_address,
+    signal_peer,
+    wait_signal,
+)
+
+PUSH_WARPS = 16
+REDUCE_WARPS = 8
+CHUNK = 8  # bf16 elements per 16-byte vector
+
+
+def multiply_rounded(a, b):
+    """a x b rounded to fp32 on its own (mul.rn): never contracted with the following add into
+    an fma, so each product rounds as the single-GPU combine's does."""
+    return cutlass.Float32(
+        llvm.inline_asm(
+            cutlass.Float32.mlir_type,
+            [cutlass.Float32(a).ir_value(), cutlass.Float32(b).ir_value()],
+            "mul.rn.f32 $0, $1, $2;",
+            "=f,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@cute.kernel
+def combine_push_kernel(
+    expert_out_address: cutlass.Int64,
+    expert_offsets_address: cutlass.Int64,
+    row_sources_address: cutlass.Int64,
+    peer_table_address: cutlass.Int64,
+    local_experts: cutlass.Int32,
+    row_vectors: cutlass.Int32,
+    capacity: cutlass.Int32,
+    rank: cutlass.Int32,
+    world: cutlass.Int32,
+):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    grid, _, _ = cute.arch.grid_dim()
+    warp, lane = tidx // 32, tidx % 32
+    peer_table = global_ptr(cutlass.Int64, peer_table_address, 8)
+    offsets = global_ptr(cutlass.Int32, expert_offsets_address, 4)
+    valid_rows = cute.arch.load(offsets + local_experts, cutlass.Int32)
+    if valid_rows > capacity:
+        valid_rows = capacity
+    row_sources = global_ptr(cutlass.Int32, row_sources_address, 8)
+    row_bytes = cutlass.Int64(row_vectors) * 16
+    for row in range(bidx * PUSH_WARPS + warp, valid_rows, grid * PUSH_WARPS):
+        source = cute.arch.load(row_sources + row * 2, cutlass.Int32)
+        pair = cute.arch.load(row_sources + (row * 2 + 1), cutlass.Int32)
+        returned_base = peer_address(peer_table, BUFFER_RETURNED, world, source)
+        copy_row(
+            expert_out_address + cutlass.Int64(row) * row_bytes,
+            returned_base + cutlass.Int64(pair) * row_bytes,
+            row_vectors,
+            lane,
+        )
+    cute.arch.fence_acq_rel_sys()  # every writer releases its stores
+    cute.arch.sync_threads()
+    if tidx < world:
+        signal_peer(peer_table, BUFFER_SIGNALS, world, tidx, PHASE_RETURNED, rank)
+
+
+@cute.jit
+def combine_push(
+    expert_out_address: cutlass.Int64,
+    expert_offsets_address: cutlass.Int64,
+    row_sources_address: cutlass.Int64,
+    peer_table_address: cutlass.Int64,
+    local_experts: cutlass.Int32,
+    row_vectors: cutlass.Int32,
+    capacity: cutlass.Int32,
+    rank: cutlass.Int32,
+    world: cutlass.Int32,
+    grid: cutlass.Constexpr,
+    stream,
+):
+    combine_push_kernel(
+        expert_out_address,
+        expert_offsets_address,
+        row_sources_address,
+        peer_table_address,
+        local_experts,
+        row_vectors,
+        capacity,
+        rank,
+        world,
+    ).launch(grid=[grid, 1, 1], block=[PUSH_WARPS * 32, 1, 1], stream=stream)
+
+
+@cute.kernel
+def combine_reduce_kernel(
+    returned_address: cutlass.Int64,
+    weights_address: cutlass.Int64,
+    y_address: cutlass.Int64,
+    signals_address: cutlass.Int64,
+    epoch_address: cutlass.Int64,
+    status_address: cutlass.Int64,
+    tokens: cutlass.Int32,
+    hidden: cutlass.Int32,
+    world: cutlass.Int32,
+    adds_per_epoch: cutlass.Int32,
+    timeout_ns: cutlass.Int64,
+    top_k: cutlass.Constexpr,
+):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    grid, _, _ = cute.arch.grid_dim()
+    warp, lane = tidx // 32, tidx % 32
+    epoch = cute.arch.load(global_ptr(cutlass.Int64, epoch_address, 8), cutlass.Int64)
+    if tidx < world:
+        target = epoch * cutlass.Int64(adds_per_epoch)
+        wait_signal(
+            signals_address, status_address, world, PHASE_RETURNED, tidx, target, epoch, timeout_ns
+        )
+    cute.arch.sync_threads()
+    cute.arch.fence_acq_rel_sys()
+    weights = global_ptr(cutlass.Float32, weights_address, 4)
+    row_bytes = cutlass.Int64(hidden) * 2
+    chunk_layout = cute.make_layout(CHUNK)
+    for token in range(bidx * REDUCE_WARPS + warp, tokens, grid * REDUCE_WARPS):
+        for chunk in range(lane, hidden // CHUNK, 32):
+            chunk_bytes = cutlass.Int64(chunk) * (CHUNK * 2)
+            total = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
+            total.fill(0.0)
+            contribution = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
+            for k in cutlass.range_constexpr(top_k):
+                pair = cutlass.Int64(token) * top_k + k
+                weight = cute.arch.load(weights + pair, cutlass.Float32)
+                source = cute.make_tensor(
+                    global_ptr(
+                        cutlass.BFloat16, returned_address + pair * row_bytes + chunk_bytes, 16
+                    ),
+                    chunk_layout,
+                )
+                contribution.store(source.load().to(cutlass.Float32))
+                for i in cutlass.range_constexpr(CHUNK):
+                    total[i] = total[i] + multiply_rounded(contribution[i], weight)
+            destination = cute.make_tensor(
+                global_ptr(
+                    cutlass.BFloat16,
+                    y_address + cutlass.Int64(token) * row_bytes + chunk_bytes,
+                    16,
+                ),
+                chunk_layout,
+            )
+            destination.store(total.load().to(cutlass.BFloat16))
+
+
+@cute.jit
+def combine_reduce(
+    returned_address: cutlass.Int64,
+    weights_address: cutlass.Int64,
+    y_address: cutlass.Int64,
+    signals_address: cutlass.Int64,
+    epoch_address: cutlass.Int64,
+    status_address: cutlass.Int64,
+    tokens: cutlass.Int32,
+    hidden: cutlass.Int32,
+    world: cutlass.Int32,
+    adds_per_epoch: cutlass.Int32,
+    timeout_ns: cutlass.Int64,
+    top_k: cutlass.Constexpr,
+    grid: cutlass.Constexpr,
+    stream,
+):
+    combine_reduce_kernel(
+        returned_address,
+        weights_address,
+        y_address,
+        signals_address,
+        epoch_address,
+        status_address,
+        tokens,
+        hidden,
+        world,
+        adds_per_epoch,
+        timeout_ns,
+        top_k,
+    ).launch(grid=[grid, 1, 1], block=[REDUCE_WARPS * 32, 1, 1], stream=stream)

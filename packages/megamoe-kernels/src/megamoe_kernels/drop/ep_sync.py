@@ -1,0 +1,120 @@
+"""Cross-GPU signalling for the expert-parallel kernels: release adds, acquire spins, timeouts.
+
+Every signal is a monotonically increasing int64 counter in symmetric memory, one per
+(phase, source rank) on each receiver: every writing thread fences at system scope, the CTA
+meets at a barrier, then one thread per peer adds 1 with a system-scope release; a receiver spins
+with system-scope acquire loads until the counter reaches what this epoch expects, and the
+threads that read the data fence again after the barrier that follows the spin. Counters are never reset, so
+buffers are reusable on the next call without any host-side work.
+
+A spin gives up after `timeout_ns` (global timer) and records (phase + 1, peer, epoch, observed)
+in a 4 x int64 status block (host-mapped pinned memory) that the host reads; the kernel then
+carries on, so a lost peer turns into an error message instead of a hung job.
+
+Signal block layout (int64 [NUM_PHASES, world]): slot [phase, source].
+Peer tables: int64 [buffers, world] of addresses, row b = buffer b as each peer maps it.
+"""
+
+import cutlass
+import cutlass.cute as cute
+
+PHASE_COUNTS = 0  # a source's per-expert counts arrived
+PHASE_ROWS = 1  # a source's dispatched rows arrived (one add per source CTA)
+PHASE_RETURNED = 2  # an expert owner's outputs came home (one add per owner CTA)
+NUM_PHASES = 3
+STATUS_WORDS = 4
+
+# rows of the peer table: the symmetric buffers every expert-parallel kernel may address
+BUFFER_COUNTS = 0  # int32 [world, experts]: counts [source, expert] of this epoch
+BUFFER_SIGNALS = 1  # int64 [NUM_PHASES, world]
+BUFFER_ROWS = 2  # [capacity, hidden]: the receiver's expert-major batch
+BUFFER_ROW_SOURCES = 3  # int32 [capacity, 2]: (source rank, source pair) of each batch row
+BUFFER_RETURNED = 4  # [max_tokens x top_k, hidden]: expert outputs back at the source, by pair
+NUM_BUFFERS = 5
+
+
+def global_ptr(dtype, address, align):
+    return cute.make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def peer_address(peer_table, buffer, world, peer):
+    """Address of `buffer` on `peer`, read from the int64 peer table."""
+    return cute.arch.load(peer_table + (buffer * world + peer), cutlass.Int64)
+
+
+@cute.jit
+def signal_peer(peer_table, signals_buffer, world, peer, phase, source):
+    """Adds 1 to signal [phase, source] on `peer`, releasing this thread's (and, after a CTA
+    barrier, its CTA's) earlier writes at system scope."""
+    cute.arch.fence_acq_rel_sys()
+    signals = global_ptr(cutlass.Int64, peer_address(peer_table, signals_buffer, world, peer), 8)
+    cute.arch.red(
+        signals + (phase * world + source),
+        cutlass.Int64(1),
+        op="add",
+        dtype="u64",
+        sem="release",
+        scope="sys",
+    )
+
+
+@cute.jit
+def wait_signal(signals_address, status_address, world, phase, peer, target, epoch, timeout_ns):
+    """Spins until local signal [phase, peer] >= target; on timeout records the status."""
+    signals = global_ptr(cutlass.Int64, signals_address, 8)
+    flag = signals + (phase * world + peer)
+    start = cute.arch.globaltimer()
+    waiting = cutlass.Int32(1)
+    while waiting == 1:
+        seen = cute.arch.load(flag, cutlass.Int64, sem="acquire", scope="sys")
+        if seen >= target:
+            waiting = cutlass.Int32(0)
+        elif cute.arch.globaltimer() - start > timeout_ns:
+            status = global_ptr(cutlass.Int64, status_address, 8)
+            # the first timeout is the cause; later waits of the same call time out after it
+            if cute.arch.load(status, cutlass.Int64, sem="acquire", scope="sys") == 0:
+                cute.arch.store(status + 1, cutlass.Int64(peer))
+                cute.arch.store(status + 2, epoch)
+                cute.arch.store(status + 3, seen)
+                cute.arch.store(status, cutlass.Int64(phase + 1), sem="release", scope="sys")
+            waiting = cutlass.Int32(0)
+
+
+@cute.kernel
+def wait_phase_kernel(
+    signals_address: cutlass.Int64,
+    epoch_address: cutlass.Int64,
+    status_address: cutlass.Int64,
+    world: cutlass.Int32,
+    phase: cutlass.Int32,
+    adds_per_epoch: cutlass.Int32,
+    timeout_ns: cutlass.Int64,
+):
+    """One CTA: thread s waits for source s's adds of this epoch in `phase`."""
+    tidx, _, _ = cute.arch.thread_idx()
+    epoch = cute.arch.load(global_ptr(cutlass.Int64, epoch_address, 8), cutlass.Int64)
+    if tidx < world:
+        target = epoch * cutlass.Int64(adds_per_epoch)
+        wait_signal(signals_address, status_address, world, phase, tidx, target, epoch, timeout_ns)
+
+
+@cute.jit
+def wait_phase(
+    signals_address: cutlass.Int64,
+    epoch_address: cutlass.Int64,
+    status_address: cutlass.Int64,
+    world: cutlass.Int32,
+    phase: cutlass.Int32,
+    adds_per_epoch: cutlass.Int32,
+    timeout_ns: cutlass.Int64,
+    stream,
+):
+    wait_phase_kernel(
+        signals_address,
+        epoch_address,
+        status_address,
+        world,
+        phase,
+        adds_per_epoch,
+        timeout_ns,
+    ).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)

@@ -1,0 +1,275 @@
+"""Stable API of the expert-parallel communication kernels: compile cache and launchers.
+
+The kernels (drop/ep_sync.py, ep_dispatch.py, ep_combine.py) take device addresses and scalars
+only, so a launch converts no tensors: each compiled function is cached by its compile-time
+constants (top_k, grid) and called with ints on PyTorch's current stream, which CUDA-graph
+capture records. The symmetric buffers and their peer table come from the caller (the runtime's
+workspace); see drop/ep_sync.py for the buffer, signal and status layouts.
+
+`compile_all` compiles every kernel without a GPU (CUTE_DSL_ARCH=sm_90a), for CI.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+_COMPILED: dict[tuple, object] = {}
+_COMPILE_LOCK = threading.Lock()
+
+# kernel name -> (drop module, function, signature of runtime arguments: "i64" | "i32")
+_KERNELS = {
+    "wait_phase": ("ep_sync", "wait_phase", ("i64",) * 3 + ("i32",) * 3 + ("i64",)),
+    "exchange_counts": ("ep_dispatch", "exchange_counts", ("i64",) * 4 + ("i32",) * 3 + ("i64",)),
+    "dispatch_rows": ("ep_dispatch", "dispatch_rows", ("i64",) * 4 + ("i32",) * 7),
+    "combine_push": ("ep_combine", "combine_push", ("i64",) * 4 + ("i32",) * 5),
+    "combine_reduce": (
+        "ep_combine",
+        "combine_reduce",
+        ("i64",) * 6 + ("i32",) * 4 + ("i64",),
+    ),
+}
+
+
+def _drop_constants():
+    from megamoe_kernels.drop import ep_sync
+
+    return ep_sync
+
+
+def phases() -> dict[str, int]:
+    """Phase numbers the kernels record in a timeout status, by name."""
+    sync = _drop_constants()
+    return {
+        "dispatch counts": sync.PHASE_COUNTS,
+        "dispatch rows": sync.PHASE_ROWS,
+        "combine": sync.PHASE_RETURNED,
+    }
+
+
+def layout() -> dict[str, int]:
+    """Peer-table rows and block sizes the runtime allocates for."""
+    sync = _drop_constants()
+    return {
+        "counts": sync.BUFFER_COUNTS,
+        "signals": sync.BUFFER_SIGNALS,
+        "rows": sync.BUFFER_ROWS,
+        "row_sources": sync.BUFFER_ROW_SOURCES,
+        "returned": sync.BUFFER_RETURNED,
+        "num_buffers": sync.NUM_BUFFERS,
+        "num_phases": sync.NUM_PHASES,
+        "status_words": sync.STATUS_WORDS,
+    }
+
+
+def _compiled(name: str, constants: tuple = (), *, fake: bool = False):
+    key = (name, constants, fake)
+    compiled = _COMPILED.get(key)
+    if compiled is not None:
+        return compiled
+    with _COMPILE_LOCK:
+        compiled = _COMPILED.get(key)
+        if compiled is None:
+            if not torch.cuda.is_available():
+                os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+            import importlib
+
+            import cutlass
+            import cutlass.cute as cute
+            from cutlass.cute.runtime import make_fake_stream
+
+            module, function, signature = _KERNELS[name]
+            kernel = getattr(importlib.import_module(f"megamoe_kernels.drop.{module}"), function)
+            samples = [
+                cutlass.Int64(0) if kind == "i64" else cutlass.Int32(0) for kind in signature
+            ]
+            stream = make_fake_stream() if fake else _stream()
+            compiled = _Launcher(
+                cute.compile(kernel, *samples, *constants, stream),
+                [cutlass.Int64 if kind == "i64" else cutlass.Int32 for kind in signature],
+            )
+            _COMPILED[key] = compiled
+    return compiled
+
+
+class _Launcher:
+    """A compiled kernel called with ints: wraps each in its declared cutlass integer type."""
+
+    def __init__(self, compiled, types):
+        self.compiled = compiled
+        self.types = types
+
+    def __call__(self, *args):
+        *scalars, stream = args
+        self.compiled(
+            *(kind(value) for kind, value in zip(self.types, scalars, strict=True)), stream
+        )
+
+
+def _stream():
+    import cuda.bindings.driver as cuda_driver
+
+    return cuda_driver.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+def compile_all(*, top_k: int, grid: int) -> int:
+    """Compiles every kernel for (top_k, grid) without launching; returns how many are cached."""
+    _compiled("wait_phase", fake=True)
+    _compiled("exchange_counts", fake=True)
+    _compiled("dispatch_rows", (grid,), fake=True)
+    _compiled("combine_push", (grid,), fake=True)
+    _compiled("combine_reduce", (top_k, grid), fake=True)
+    return len(_COMPILED)
+
+
+def exchange_counts(
+    counts_address: int,
+    *,
+    peer_table_address: int,
+    epoch_address: int,
+    status_address: int,
+    rank: int,
+    world: int,
+    num_experts: int,
+    timeout_ns: int,
+) -> None:
+    """Bumps the epoch, all-gathers int32 [E] counts into every peer's [world, E], waits."""
+    _compiled("exchange_counts")(
+        counts_address,
+        peer_table_address,
+        epoch_address,
+        status_address,
+        rank,
+        world,
+        num_experts,
+        timeout_ns,
+        _stream(),
+    )
+
+
+def dispatch_rows(
+    x_address: int,
+    expert_of_pair_address: int,
+    dest_row_address: int,
+    *,
+    peer_table_address: int,
+    num_pairs: int,
+    top_k: int,
+    local_experts: int,
+    row_bytes: int,
+    capacity: int,
+    rank: int,
+    world: int,
+    grid: int,
+) -> None:
+    """Copies every pair's token row to dest_row of its owner's batch; signals each peer."""
+    if row_bytes % 16:
+        raise ValueError(f"row bytes must be a multiple of 16, got {row_bytes}")
+    _compiled("dispatch_rows", (grid,))(
+        x_address,
+        expert_of_pair_address,
+        dest_row_address,
+        peer_table_address,
+        num_pairs,
+        top_k,
+        local_experts,
+        row_bytes // 16,
+        capacity,
+        rank,
+        world,
+        _stream(),
+    )
+
+
+def wait_phase(
+    *,
+    signals_address: int,
+    epoch_address: int,
+    status_address: int,
+    world: int,
+    phase: int,
+    adds_per_epoch: int,
+    timeout_ns: int,
+) -> None:
+    """Waits (one CTA) until every source's adds of this epoch in `phase` arrived."""
+    _compiled("wait_phase")(
+        signals_address,
+        epoch_address,
+        status_address,
+        world,
+        phase,
+        adds_per_epoch,
+        timeout_ns,
+        _stream(),
+    )
+
+
+def combine_push(
+    expert_out_address: int,
+    expert_offsets_address: int,
+    row_sources_address: int,
+    *,
+    peer_table_address: int,
+    local_experts: int,
+    row_bytes: int,
+    capacity: int,
+    rank: int,
+    world: int,
+    grid: int,
+) -> None:
+    """Sends each valid batch row's output to its source's returned buffer; signals each peer."""
+    if row_bytes % 16:
+        raise ValueError(f"row bytes must be a multiple of 16, got {row_bytes}")
+    _compiled("combine_push", (grid,))(
+        expert_out_address,
+        expert_offsets_address,
+        row_sources_address,
+        peer_table_address,
+        local_experts,
+        row_bytes // 16,
+        capacity,
+        rank,
+        world,
+        _stream(),
+    )
+
+
+def combine_reduce(
+    returned_address: int,
+    weights_address: int,
+    y_address: int,
+    *,
+    signals_address: int,
+    epoch_address: int,
+    status_address: int,
+    tokens: int,
+    hidden: int,
+    world: int,
+    adds_per_epoch: int,
+    timeout_ns: int,
+    top_k: int,
+    grid: int,
+) -> None:
+    """Waits for every owner's outputs, then y[t] = sum_k w[t, k] x returned[t, k] in k order."""
+    if hidden % 8:
+        raise ValueError(f"hidden must be a multiple of 8, got {hidden}")
+    _compiled("combine_reduce", (top_k, grid))(
+        returned_address,
+        weights_address,
+        y_address,
+        signals_address,
+        epoch_address,
+        status_address,
+        tokens,
+        hidden,
+        world,
+        adds_per_epoch,
+        timeout_ns,
+        _stream(),
+    )
+
+
+def cached_kernel_count() -> int:
+    return len(_COMPILED)

@@ -1,0 +1,298 @@
+"""Expert parallelism on one host over NVLink: megamoe's CuTe DSL kernels on NVSHMEM memory.
+
+Shape legend: T tokens of this rank, K experts per token, H hidden size, E experts in all,
+L = E / W experts per rank, W world size, P = T x K pairs, M batch capacity.
+
+dispatch (no host sync; every step on the current stream, so a CUDA graph captures it):
+  1. per-expert counts of this rank's pairs, and each pair's position inside its expert
+     (a stable sort: token order), on the device;
+  2. kernel exchange_counts: all-gather the counts (int32 [W, E]) into every rank's symmetric
+     buffer, with system-scope release/acquire signals;
+  3. from the gathered counts, on the device: where each pair lands in its owner's batch
+     (expert-major, then source rank, then token order: the single-GPU order) and this rank's
+     expert_offsets over its L experts;
+  4. kernel dispatch_rows: every pair's token row is written straight into the owner's batch
+     (symmetric rows [M, H]) with the (source, pair) combine needs; kernel wait_phase waits for
+     every source's rows.
+combine:
+  5. kernel combine_push: every valid output row goes back to its source's returned buffer
+     (symmetric [max_tokens x K, H]) at its pair's slot;
+  6. kernel combine_reduce: waits for every owner, then y[t] = sum over k = 0..K-1 in that order
+     of weight[t, k] x returned[t x K + k] in fp32, each product rounded on its own: the
+     single-GPU combine's arithmetic, so EP=W and EP=1 agree bitwise on the same expert outputs.
+
+Buffers come from the process's pooled workspace (megamoe_runtime.workspace): layers share them
+(one dispatch/combine pair in flight per group at a time, as in a forward pass). Signals are
+monotonic counters checked against a device epoch, so nothing is reset between calls.
+
+Waits give up after `timeout_s` (MEGAMOE_EP_TIMEOUT_S, default 60): the kernel records the phase,
+peer and epoch in host-mapped memory and carries on; the next dispatch or combine (or
+`raise_if_timed_out()`) raises an error that names this rank, the phase and the layer. After
+a timeout the group's signals are out of step: rebuild the process group's workspace.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megamoe_kernels.shim import ep as ep_kernels
+
+from megamoe_runtime.dispatch.local import validate_dispatch_inputs
+from megamoe_runtime.dispatch.torch_distributed import experts_per_rank
+from megamoe_runtime.expert_batch import ExpertBatch
+from megamoe_runtime.workspace import workspace_for
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class SymmetricHandle:
+    """What combine needs: this rank's pairs and weights, and the batch it dispatched."""
+
+    tokens: int
+    weights_TK: torch.Tensor  # float32, contiguous
+    expert_offsets: torch.Tensor
+    output_dtype: torch.dtype
+
+
+class SymmetricDispatcher:
+    """Dispatch and combine through NVSHMEM symmetric memory and megamoe's kernels.
+
+    Static sizes: at most `max_tokens_per_rank` tokens per call; the batch holds `capacity`
+    rows (default W x max_tokens_per_rank x K, enough for any routing). Buffers are allocated
+    collectively when the dispatcher is built: build the layers in the same order on every rank.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        *,
+        top_k: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        process_group: dist.ProcessGroup | None,
+        max_tokens_per_rank: int,
+        capacity: int | None = None,
+        layer_name: str = "moe",
+        timeout_s: float | None = None,
+        pool: str = "default",
+    ):
+        device = torch.device(device)
+        if dtype != torch.bfloat16:
+            raise TypeError(f"the nvshmem dispatcher moves bf16 rows, got dtype {dtype}")
+        if hidden_size % 8:
+            raise ValueError(
+                f"hidden_size must be a multiple of 8 (16-byte rows), got {hidden_size}"
+            )
+        if max_tokens_per_rank < 1:
+            raise ValueError(f"max_tokens_per_rank must be >= 1, got {max_tokens_per_rank}")
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.num_experts = num_experts
+        self.num_local_experts = experts_per_rank(num_experts, self.world_size)
+        self.top_k = top_k
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.device = device
+        self.max_tokens_per_rank = max_tokens_per_rank
+        worst_case = self.world_size * max_tokens_per_rank * top_k
+        self.capacity = worst_case if capacity is None else capacity
+        if self.capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.layer_name = layer_name
+        if timeout_s is None:
+            timeout_s = float(os.environ.get("MEGAMOE_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+        self.timeout_s = timeout_s
+        self.grid = torch.cuda.get_device_properties(device).multi_processor_count
+        self.workspace = workspace_for(process_group, device, pool=pool)
+        # written by the kernels through the host mapping: (phase + 1, peer, epoch, observed)
+        self.status = torch.zeros(
+            ep_kernels.layout()["status_words"], dtype=torch.int64, pin_memory=True
+        )
+        self._bind()
+
+    def _bind(self) -> None:
+        """(Re)fetches the pooled buffers and the peer table; collective when they grow."""
+        layout, world, workspace = ep_kernels.layout(), self.world_size, self.workspace
+        shapes = {
+            "counts": ((world, self.num_experts), torch.int32),
+            "signals": ((layout["num_phases"], world), torch.int64),
+            "rows": ((self.capacity, self.hidden_size), self.dtype),
+            "row_sources": ((self.capacity, 2), torch.int32),
+            "returned": ((self.max_tokens_per_rank * self.top_k, self.hidden_size), self.dtype),
+        }
+        # separate from the signals: each rank bumps its own epoch copy, nobody else writes it
+        self.epoch = workspace.buffer("ep.epoch", (1,), torch.int64)
+        self.buffers = {
+            name: workspace.buffer(f"ep.{name}", shape, dtype)
+            for name, (shape, dtype) in shapes.items()
+        }
+        table_WW = torch.empty(layout["num_buffers"], world, dtype=torch.int64, device=self.device)
+        for name in shapes:
+            table_WW[layout[name]] = workspace.peer_addresses(f"ep.{name}")
+        self.peer_table = table_WW
+        self._generation = workspace.generation
+
+    def raise_if_timed_out(self) -> None:
+        """Raises if a wait of this dispatcher's kernels timed out (reads host-mapped memory; it
+        sees kernels that already ran: synchronize first to be sure)."""
+        phase_plus_one, peer, epoch, observed = self.status.tolist()
+        if phase_plus_one == 0:
+            return
+        phase = {number: name for name, number in ep_kernels.phases().items()}[phase_plus_one - 1]
+        raise RuntimeError(
+            f"expert-parallel {phase} timed out on rank {self.rank} of {self.world_size} "
+            f"(layer {self.layer_name!r}): no signal from rank {peer} within {self.timeout_s} s "
+            f"(epoch {epoch}, counter at {observed}); a peer crashed, hung, or skipped this "
+            f"layer's forward. Raise MEGAMOE_EP_TIMEOUT_S if the peer is just slow."
+        )
+
+    def _check_ready(self) -> None:
+        self.raise_if_timed_out()
+        if self.workspace.generation != self._generation:
+            self._bind()
+
+    @property
+    def _timeout_ns(self) -> int:
+        return int(self.timeout_s * 1e9)
+
+    def dispatch(
+        self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor
+    ) -> tuple[ExpertBatch, SymmetricHandle]:
+        validate_dispatch_inputs(x_TH, topk_ids_TK, topk_weights_TK)
+        tokens, top_k = topk_ids_TK.shape
+        if top_k != self.top_k:
+            raise ValueError(
+                f"topk_ids has top_k {top_k}; this dispatcher was built for {self.top_k}"
+            )
+        if tokens > self.max_tokens_per_rank:
+            raise ValueError(
+                f"{tokens} tokens exceed max_tokens_per_rank={self.max_tokens_per_rank}; raise it "
+                f"in the config (the symmetric buffers are sized by it) or split the batch"
+            )
+        if x_TH.dtype != self.dtype or x_TH.shape[1] != self.hidden_size:
+            raise ValueError(
+                f"x must be {self.dtype} [tokens, {self.hidden_size}], got {x_TH.dtype} "
+                f"{tuple(x_TH.shape)}"
+            )
+        if x_TH.device != self.device:
+            raise ValueError(f"x is on {x_TH.device}, the dispatcher on {self.device}")
+        self._check_ready()
+        world, local, device = self.world_size, self.num_local_experts, self.device
+        x_TH = x_TH.contiguous()
+        expert_of_pair_P = topk_ids_TK.reshape(-1).to(torch.int32).contiguous()
+        expert_long_P = expert_of_pair_P.long()
+        num_pairs = expert_of_pair_P.numel()
+
+        counts_E = torch.zeros(self.num_experts, dtype=torch.int32, device=device)
+        counts_E.scatter_add_(0, expert_long_P, torch.ones_like(expert_of_pair_P))
+        starts_E = torch.cumsum(counts_E, 0) - counts_E
+        pair_of_sorted_P = torch.argsort(expert_of_pair_P, stable=True)
+        position_P = torch.empty(num_pairs, dtype=torch.int64, device=device)
+        position_P[pair_of_sorted_P] = (
+            torch.arange(num_pairs, device=device) - starts_E[expert_long_P[pair_of_sorted_P]]
+        )
+
+        ep_kernels.exchange_counts(
+            counts_E.data_ptr(),
+            peer_table_address=self.peer_table.data_ptr(),
+            epoch_address=self.epoch.data_ptr(),
+            status_address=self.status.data_ptr(),
+            rank=self.rank,
+            world=world,
+            num_experts=self.num_experts,
+            timeout_ns=self._timeout_ns,
+        )
+        counts_SDL = self.buffers["counts"].view(world, world, local).long()  # [source, dest, j]
+        rows_DL = counts_SDL.sum(0)
+        expert_start_DL = torch.cumsum(rows_DL, 1) - rows_DL
+        before_source_DL = (torch.cumsum(counts_SDL, 0) - counts_SDL)[self.rank]
+        first_row_E = (expert_start_DL + before_source_DL).reshape(-1)
+        dest_row_P = (first_row_E[expert_long_P] + position_P).to(torch.int32)
+        expert_offsets = torch.zeros(local + 1, dtype=torch.int32, device=device)
+        torch.cumsum(rows_DL[self.rank], 0, out=expert_offsets[1:])
+        # rows past capacity are dropped by the kernel (only a capacity below the default can)
+        expert_offsets.clamp_(max=self.capacity)
+
+        ep_kernels.dispatch_rows(
+            x_TH.data_ptr(),
+            expert_of_pair_P.data_ptr(),
+            dest_row_P.data_ptr(),
+            peer_table_address=self.peer_table.data_ptr(),
+            num_pairs=num_pairs,
+            top_k=top_k,
+            local_experts=local,
+            row_bytes=self.hidden_size * x_TH.element_size(),
+            capacity=self.capacity,
+            rank=self.rank,
+            world=world,
+            grid=self.grid,
+        )
+        ep_kernels.wait_phase(
+            signals_address=self.buffers["signals"].data_ptr(),
+            epoch_address=self.epoch.data_ptr(),
+            status_address=self.status.data_ptr(),
+            world=world,
+            phase=ep_kernels.phases()["dispatch rows"],
+            adds_per_epoch=self.grid,
+            timeout_ns=self._timeout_ns,
+        )
+        batch = ExpertBatch(rows_MH=self.buffers["rows"], expert_offsets=expert_offsets)
+        handle = SymmetricHandle(
+            tokens=tokens,
+            weights_TK=topk_weights_TK.float().contiguous(),
+            expert_offsets=expert_offsets,
+            output_dtype=x_TH.dtype,
+        )
+        return batch, handle
+
+    def combine(
+        self, expert_out_MH: torch.Tensor, handle: SymmetricHandle, *, weights_applied: bool = False
+    ) -> torch.Tensor:
+        if (
+            expert_out_MH.shape != (self.capacity, self.hidden_size)
+            or expert_out_MH.dtype != self.dtype
+        ):
+            raise ValueError(
+                f"expert_out must be {self.dtype} [{self.capacity}, {self.hidden_size}] (the "
+                f"batch's shape), got {expert_out_MH.dtype} {tuple(expert_out_MH.shape)}"
+            )
+        self._check_ready()
+        expert_out_MH = expert_out_MH.contiguous()
+        ep_kernels.combine_push(
+            expert_out_MH.data_ptr(),
+            handle.expert_offsets.data_ptr(),
+            self.buffers["row_sources"].data_ptr(),
+            peer_table_address=self.peer_table.data_ptr(),
+            local_experts=self.num_local_experts,
+            row_bytes=self.hidden_size * expert_out_MH.element_size(),
+            capacity=self.capacity,
+            rank=self.rank,
+            world=self.world_size,
+            grid=self.grid,
+        )
+        weights_TK = handle.weights_TK
+        if weights_applied:
+            weights_TK = torch.ones_like(weights_TK)
+        y_TH = torch.empty(handle.tokens, self.hidden_size, dtype=self.dtype, device=self.device)
+        ep_kernels.combine_reduce(
+            self.buffers["returned"].data_ptr(),
+            weights_TK.data_ptr(),
+            y_TH.data_ptr(),
+            signals_address=self.buffers["signals"].data_ptr(),
+            epoch_address=self.epoch.data_ptr(),
+            status_address=self.status.data_ptr(),
+            tokens=handle.tokens,
+            hidden=self.hidden_size,
+            world=self.world_size,
+            adds_per_epoch=self.grid,
+            timeout_ns=self._timeout_ns,
+            top_k=self.top_k,
+            grid=self.grid,
+        )
+        return y_TH.to(handle.output_dtype)
