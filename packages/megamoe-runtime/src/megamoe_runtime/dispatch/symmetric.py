@@ -183,20 +183,12 @@ class SymmetricDispatcher:
         if x_TH.device != self.device:
             raise ValueError(f"x is on {x_TH.device}, the dispatcher on {self.device}")
         self._check_ready()
-        world, local, device = self.world_size, self.num_local_experts, self.device
+        world, local = self.world_size, self.num_local_experts
         x_TH = x_TH.contiguous()
         expert_of_pair_P = topk_ids_TK.reshape(-1).to(torch.int32).contiguous()
-        expert_long_P = expert_of_pair_P.long()
         num_pairs = expert_of_pair_P.numel()
 
-        counts_E = torch.zeros(self.num_experts, dtype=torch.int32, device=device)
-        counts_E.scatter_add_(0, expert_long_P, torch.ones_like(expert_of_pair_P))
-        starts_E = torch.cumsum(counts_E, 0) - counts_E
-        pair_of_sorted_P = torch.argsort(expert_of_pair_P, stable=True)
-        position_P = torch.empty(num_pairs, dtype=torch.int64, device=device)
-        position_P[pair_of_sorted_P] = (
-            torch.arange(num_pairs, device=device) - starts_E[expert_long_P[pair_of_sorted_P]]
-        )
+        counts_E, position_P = count_pairs(expert_of_pair_P, self.num_experts)
 
         ep_kernels.exchange_counts(
             counts_E.data_ptr(),
@@ -208,14 +200,14 @@ class SymmetricDispatcher:
             num_experts=self.num_experts,
             timeout_ns=self._timeout_ns,
         )
-        counts_SDL = self.buffers["counts"].view(world, world, local).long()  # [source, dest, j]
-        rows_DL = counts_SDL.sum(0)
-        expert_start_DL = torch.cumsum(rows_DL, 1) - rows_DL
-        before_source_DL = (torch.cumsum(counts_SDL, 0) - counts_SDL)[self.rank]
-        first_row_E = (expert_start_DL + before_source_DL).reshape(-1)
-        dest_row_P = (first_row_E[expert_long_P] + position_P).to(torch.int32)
-        expert_offsets = torch.zeros(local + 1, dtype=torch.int32, device=device)
-        torch.cumsum(rows_DL[self.rank], 0, out=expert_offsets[1:])
+        dest_row_P, expert_offsets = place_pairs(
+            expert_of_pair_P,
+            position_P,
+            self.buffers["counts"],
+            rank=self.rank,
+            world=world,
+            local_experts=local,
+        )
         # rows past capacity are dropped by the kernel (only a capacity below the default can)
         expert_offsets.clamp_(max=self.capacity)
 
@@ -296,3 +288,47 @@ class SymmetricDispatcher:
             grid=self.grid,
         )
         return y_TH.to(handle.output_dtype)
+
+
+def count_pairs(expert_of_pair_P: torch.Tensor, num_experts: int):
+    """(int32 [E] pairs per expert, int64 [P] each pair's position inside its expert in pair
+    order), on the device."""
+    device = expert_of_pair_P.device
+    num_pairs = expert_of_pair_P.numel()
+    expert_long_P = expert_of_pair_P.long()
+    counts_E = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    counts_E.scatter_add_(0, expert_long_P, torch.ones_like(expert_of_pair_P))
+    starts_E = torch.cumsum(counts_E, 0) - counts_E
+    pair_of_sorted_P = torch.argsort(expert_of_pair_P, stable=True)
+    position_P = torch.empty(num_pairs, dtype=torch.int64, device=device)
+    position_P[pair_of_sorted_P] = (
+        torch.arange(num_pairs, device=device) - starts_E[expert_long_P[pair_of_sorted_P]]
+    )
+    return counts_E, position_P
+
+
+def place_pairs(
+    expert_of_pair_P: torch.Tensor,
+    position_P: torch.Tensor,
+    gathered_counts_WE: torch.Tensor,
+    *,
+    rank: int,
+    world: int,
+    local_experts: int,
+):
+    """Where each of this rank's pairs lands in its owner's batch, and this rank's expert_offsets.
+
+    The owner's batch is expert-major, then source rank, then the source's pair order: with every
+    rank's counts (gathered_counts_WE [source, expert]), a pair of expert e = (owner, j) from
+    `rank` lands at (rows of the owner's experts before j) + (rows of expert e from sources before
+    `rank`) + (its position among this rank's pairs of e).
+    """
+    counts_SDL = gathered_counts_WE.view(world, world, local_experts).long()  # [source, owner, j]
+    rows_DL = counts_SDL.sum(0)
+    expert_start_DL = torch.cumsum(rows_DL, 1) - rows_DL
+    before_source_DL = (torch.cumsum(counts_SDL, 0) - counts_SDL)[rank]
+    first_row_E = (expert_start_DL + before_source_DL).reshape(-1)
+    dest_row_P = (first_row_E[expert_of_pair_P.long()] + position_P).to(torch.int32)
+    expert_offsets = torch.zeros(local_experts + 1, dtype=torch.int32, device=rows_DL.device)
+    torch.cumsum(rows_DL[rank], 0, out=expert_offsets[1:])
+    return dest_row_P, expert_offsets

@@ -1,0 +1,239 @@
+"""Expert-parallel dispatch and combine benchmark: megamoe's NVSHMEM kernels next to NCCL.
+
+Run on the GPUs of one host, one rank per GPU:
+
+    NVSHMEM_SYMMETRIC_SIZE=4G torchrun --standalone --nproc-per-node 2 \\
+        -m megamoe_runtime.bench_ep --tokens 128,512,2048,4096,8192 --out bench_ep.json
+
+`main(argv)` is what a CLI subcommand (`megamoe bench-ep`) calls under torchrun.
+
+Per token count (per rank; hidden 7168, top-8 of 256 experts, random routing, bf16):
+- nvshmem: dispatch alone and combine alone, each captured in a CUDA graph and replayed back to
+  back (events around each replay; median over iterations; slowest rank);
+- torch: the all_to_all_single reference dispatcher's dispatch and combine (eager: it syncs);
+- a2a: one NCCL all_to_all_single of the dispatch payload (rows sorted by destination, splits
+  known), the floor of any all_to_all-based dispatch.
+Bandwidth two ways: NVLink GB/s = bytes this rank sends to other ranks / time (per direction);
+DeepEP GB/s = bytes received per rank counted as DeepEP does (each token once per receiving rank,
+its own included) / time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from megamoe_runtime.dispatch.symmetric import SymmetricDispatcher
+from megamoe_runtime.dispatch.torch_distributed import TorchDistributedDispatcher
+
+HIDDEN = 7168
+NUM_EXPERTS = 256
+TOP_K = 8
+
+
+def _median_event_ms(pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]]) -> float:
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in pairs)
+
+
+def _slowest(value: float) -> float:
+    carrier = torch.tensor([value], device="cuda")
+    dist.all_reduce(carrier, op=dist.ReduceOp.MAX)
+    return float(carrier.item())
+
+
+def _routing(tokens: int, rank: int, seed: int):
+    generator = torch.Generator(device="cuda").manual_seed(seed * 1000 + rank)
+    x_TH = torch.randn(tokens, HIDDEN, device="cuda", generator=generator).to(torch.bfloat16)
+    scores_TE = torch.rand(tokens, NUM_EXPERTS, device="cuda", generator=generator)
+    weights_TK, ids_TK = torch.topk(scores_TE, TOP_K, dim=-1)
+    return x_TH, ids_TK.to(torch.int32), weights_TK
+
+
+def _traffic(ids_TK: torch.Tensor, rank: int, world: int) -> dict[str, float]:
+    local = NUM_EXPERTS // world
+    owner_TK = ids_TK.long() // local
+    remote_pairs = int((owner_TK != rank).sum())
+    # DeepEP: a token reaches each rank that owns one of its experts once
+    reached_TW = torch.zeros(ids_TK.shape[0], world, dtype=torch.bool, device=ids_TK.device)
+    reached_TW.scatter_(1, owner_TK, True)
+    tokens_per_receiver_W = reached_TW.sum(0)
+    dist.all_reduce(tokens_per_receiver_W)
+    row_bytes = HIDDEN * 2
+    return {
+        "nvlink_bytes": remote_pairs * row_bytes,
+        "deepep_bytes": int(tokens_per_receiver_W[rank]) * row_bytes,
+    }
+
+
+def _time_graphs(dispatcher, x_TH, ids_TK, weights_TK, iterations):
+    """(dispatch ms, combine ms, y) with each step a CUDA graph replayed back to back."""
+    state = {}
+
+    def dispatch():
+        state["batch"], state["handle"] = dispatcher.dispatch(x_TH, ids_TK, weights_TK)
+
+    def combine():
+        state["y"] = dispatcher.combine(state["batch"].rows_MH, state["handle"])
+
+    dispatch()
+    combine()  # compile and load outside the capture
+    torch.cuda.synchronize()
+    dispatch_graph, combine_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(dispatch_graph):
+        dispatch()
+    with torch.cuda.graph(combine_graph, pool=dispatch_graph.pool()):
+        combine()
+    dispatch_events, combine_events = [], []
+    for _ in range(iterations):
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        marks[0].record()
+        dispatch_graph.replay()
+        marks[1].record()
+        combine_graph.replay()
+        marks[2].record()
+        dispatch_events.append((marks[0], marks[1]))
+        combine_events.append((marks[1], marks[2]))
+    dispatch_ms = _median_event_ms(dispatch_events[2:])
+    combine_ms = _median_event_ms(combine_events[2:])
+    dispatcher.raise_if_timed_out()
+    return dispatch_ms, combine_ms, state["y"]
+
+
+def _time_torch_reference(dispatcher, x_TH, ids_TK, weights_TK, iterations):
+    dispatch_events, combine_events = [], []
+    for _ in range(iterations):
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        dist.barrier()
+        marks[0].record()
+        batch, handle = dispatcher.dispatch(x_TH, ids_TK, weights_TK)
+        marks[1].record()
+        y_TH = dispatcher.combine(batch.rows_MH, handle)
+        marks[2].record()
+        dispatch_events.append((marks[0], marks[1]))
+        combine_events.append((marks[1], marks[2]))
+    return _median_event_ms(dispatch_events[1:]), _median_event_ms(combine_events[1:]), y_TH
+
+
+def _time_all_to_all(ids_TK, rank, world, iterations):
+    local = NUM_EXPERTS // world
+    owner_P = ids_TK.reshape(-1).long() // local
+    sent_W = torch.bincount(owner_P, minlength=world)
+    received_W = torch.empty_like(sent_W)
+    dist.all_to_all_single(received_W, sent_W)
+    sent, received = sent_W.tolist(), received_W.tolist()
+    send_PH = torch.randn(sum(sent), HIDDEN, device="cuda").to(torch.bfloat16)
+    receive_PH = torch.empty(sum(received), HIDDEN, device="cuda", dtype=torch.bfloat16)
+    events = []
+    for _ in range(iterations):
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        dist.barrier()
+        marks[0].record()
+        dist.all_to_all_single(
+            receive_PH, send_PH, output_split_sizes=received, input_split_sizes=sent
+        )
+        marks[1].record()
+        events.append(tuple(marks))
+    return _median_event_ms(events[1:])
+
+
+def run(token_counts: list[int], *, iterations: int = 30) -> list[dict]:
+    """Benchmarks every token count; every rank returns the same rows (slowest rank's times)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    symmetric = SymmetricDispatcher(
+        NUM_EXPERTS,
+        top_k=TOP_K,
+        hidden_size=HIDDEN,
+        dtype=torch.bfloat16,
+        device=device,
+        process_group=None if world == 1 else dist.group.WORLD,
+        max_tokens_per_rank=max(token_counts),
+        layer_name="bench",
+    )
+    reference = TorchDistributedDispatcher(NUM_EXPERTS, check_ids=False)
+    rows = []
+    for tokens in token_counts:
+        x_TH, ids_TK, weights_TK = _routing(tokens, rank, seed=tokens)
+        traffic = _traffic(ids_TK, rank, world)
+        nv_dispatch, nv_combine, y_nv = _time_graphs(
+            symmetric, x_TH, ids_TK, weights_TK, iterations
+        )
+        torch_dispatch, torch_combine, y_torch = _time_torch_reference(
+            reference, x_TH, ids_TK, weights_TK, max(5, iterations // 3)
+        )
+        a2a = _time_all_to_all(ids_TK, rank, world, max(5, iterations // 3))
+        bitwise = torch.tensor([int(torch.equal(y_nv, y_torch))], device=device)
+        dist.all_reduce(bitwise, op=dist.ReduceOp.MIN)
+        row = {
+            "tokens": tokens,
+            "nvshmem_dispatch_us": _slowest(nv_dispatch) * 1e3,
+            "nvshmem_combine_us": _slowest(nv_combine) * 1e3,
+            "torch_dispatch_us": _slowest(torch_dispatch) * 1e3,
+            "torch_combine_us": _slowest(torch_combine) * 1e3,
+            "nccl_all_to_all_us": _slowest(a2a) * 1e3,
+            "nvlink_bytes": traffic["nvlink_bytes"],
+            "deepep_bytes": traffic["deepep_bytes"],
+            "combine_equals_reference_bitwise": bool(bitwise.item()),
+        }
+        for step in ("dispatch", "combine"):
+            seconds = row[f"nvshmem_{step}_us"] * 1e-6
+            row[f"nvshmem_{step}_nvlink_gbps"] = traffic["nvlink_bytes"] / seconds / 1e9
+            row[f"nvshmem_{step}_deepep_gbps"] = traffic["deepep_bytes"] / seconds / 1e9
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    header = (
+        "| tokens | dispatch us | NVLink GB/s | DeepEP GB/s | combine us | NVLink GB/s | "
+        "DeepEP GB/s | torch dispatch us | torch combine us | NCCL a2a us | bitwise |"
+    )
+    lines = [header, "|" + "---|" * 11]
+    for r in rows:
+        lines.append(
+            f"| {r['tokens']} | {r['nvshmem_dispatch_us']:.1f} | "
+            f"{r['nvshmem_dispatch_nvlink_gbps']:.0f} | {r['nvshmem_dispatch_deepep_gbps']:.0f} | "
+            f"{r['nvshmem_combine_us']:.1f} | {r['nvshmem_combine_nvlink_gbps']:.0f} | "
+            f"{r['nvshmem_combine_deepep_gbps']:.0f} | {r['torch_dispatch_us']:.1f} | "
+            f"{r['torch_combine_us']:.1f} | {r['nccl_all_to_all_us']:.1f} | "
+            f"{r['combine_equals_reference_bitwise']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megamoe bench-ep", description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", default="128,512,2048,4096,8192")
+    parser.add_argument("--iterations", type=int, default=30)
+    parser.add_argument("--out", default=None, help="JSON file for the rows (rank 0 writes it)")
+    args = parser.parse_args(argv)
+    token_counts = [int(value) for value in args.tokens.split(",")]
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    try:
+        rows = run(token_counts, iterations=args.iterations)
+        if dist.get_rank() == 0:
+            print(format_table(rows), flush=True)
+            if args.out:
+                with open(args.out, "w") as handle:
+                    json.dump(rows, handle, indent=1)
+    finally:
+        from megamoe_runtime.workspace import release_all_workspaces
+
+        release_all_workspaces()
+        if owns_group:
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
