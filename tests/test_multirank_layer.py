@@ -28,7 +28,7 @@ def layer_config(dispatcher: str, device: torch.device) -> MegaMoEConfig:
         use_correction_bias=True,
         routed_scaling_factor=2.5,
         num_shared_experts=1,
-        backend="reference" if device.type == "cpu" else "auto",
+        backend="reference" if device.type == "cpu" else "grouped_mm",
         dispatcher=dispatcher,
         max_tokens_per_rank=96,
     )

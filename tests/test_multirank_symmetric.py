@@ -95,6 +95,7 @@ def check_no_memory_growth(rank, world_size, device):
         intermediate_size=128,
         num_experts=NUM_EXPERTS,
         top_k=TOP_K,
+        backend="grouped_mm",
         dispatcher="nvshmem",
         max_tokens_per_rank=32,
     )
