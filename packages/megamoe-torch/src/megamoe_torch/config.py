@@ -43,7 +43,7 @@ class MegaMoEConfig:
     # memory kernels) where CUDA GPUs and nvshmem4py are present, else "torch" (all_to_all_single)
     dispatcher: str = "auto"
     # static bound on one rank's tokens per forward: sizes the nvshmem dispatcher's buffers
-    max_tokens_per_rank: int = 4096
+    max_tokens_per_rank: int = 2048
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
