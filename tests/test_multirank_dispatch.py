@@ -21,6 +21,19 @@ TOP_K = 4
 
 
 def make_dispatcher(kind: str, device: torch.device, dtype: torch.dtype, max_tokens: int):
+    if kind == "nvshmem-direct":  # every pair's row over NVLink on its own, no staging
+        from megamoe_runtime.dispatch.symmetric import SymmetricDispatcher
+
+        return SymmetricDispatcher(
+            NUM_EXPERTS,
+            top_k=TOP_K,
+            hidden_size=HIDDEN,
+            dtype=dtype,
+            device=device,
+            process_group=torch.distributed.group.WORLD,
+            max_tokens_per_rank=max_tokens,
+            stage_remote_rows=False,
+        )
     return make_expert_parallel_dispatcher(
         kind,
         num_experts=NUM_EXPERTS,
@@ -80,12 +93,12 @@ def check_against_single_gpu(
         assert torch.equal(y_TH, single_y[first : first + tokens_per_rank[rank]]), (rank, repeat)
 
 
-KINDS = ["torch", "nvshmem"]
+KINDS = ["torch", "nvshmem", "nvshmem-direct"]
 
 
 def skip_unless_runnable(multirank, kind: str) -> None:
     available, reason = nvshmem_status(multirank.device)
-    if kind == "nvshmem" and not available:
+    if kind.startswith("nvshmem") and not available:
         pytest.skip(reason)
 
 

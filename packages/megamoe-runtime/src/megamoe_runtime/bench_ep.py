@@ -9,7 +9,8 @@ Run on the GPUs of one host, one rank per GPU:
 
 Per token count (per rank; hidden 7168, top-8 of 256 experts, random routing, bf16):
 - nvshmem: dispatch alone and combine alone, each captured in a CUDA graph and replayed back to
-  back (events around each replay; median over iterations; slowest rank);
+  back (events around each replay; median over iterations; slowest rank); "direct" is the
+  dispatch without staging (every pair's row over NVLink);
 - torch: the all_to_all_single reference dispatcher's dispatch and combine (eager: it syncs);
 - a2a: one NCCL all_to_all_single of the dispatch payload (rows sorted by destination, splits
   known), the floor of any all_to_all-based dispatch.
@@ -146,15 +147,19 @@ def run(token_counts: list[int], *, iterations: int = 30) -> list[dict]:
     """Benchmarks every token count; every rank returns the same rows (slowest rank's times)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
-    symmetric = SymmetricDispatcher(
-        NUM_EXPERTS,
-        top_k=TOP_K,
-        hidden_size=HIDDEN,
-        dtype=torch.bfloat16,
-        device=device,
-        process_group=None if world == 1 else dist.group.WORLD,
-        max_tokens_per_rank=max(token_counts),
-        layer_name="bench",
+    symmetric, direct = (
+        SymmetricDispatcher(
+            NUM_EXPERTS,
+            top_k=TOP_K,
+            hidden_size=HIDDEN,
+            dtype=torch.bfloat16,
+            device=device,
+            process_group=dist.group.WORLD,
+            max_tokens_per_rank=max(token_counts),
+            layer_name="bench",
+            stage_remote_rows=stage,
+        )
+        for stage in (True, False)
     )
     reference = TorchDistributedDispatcher(NUM_EXPERTS, check_ids=False)
     rows = []
@@ -164,16 +169,20 @@ def run(token_counts: list[int], *, iterations: int = 30) -> list[dict]:
         nv_dispatch, nv_combine, y_nv = _time_graphs(
             symmetric, x_TH, ids_TK, weights_TK, iterations
         )
+        direct_dispatch, _, y_direct = _time_graphs(direct, x_TH, ids_TK, weights_TK, iterations)
         torch_dispatch, torch_combine, y_torch = _time_torch_reference(
             reference, x_TH, ids_TK, weights_TK, max(5, iterations // 3)
         )
         a2a = _time_all_to_all(ids_TK, rank, world, max(5, iterations // 3))
-        bitwise = torch.tensor([int(torch.equal(y_nv, y_torch))], device=device)
+        bitwise = torch.tensor(
+            [int(torch.equal(y_nv, y_torch) and torch.equal(y_direct, y_torch))], device=device
+        )
         dist.all_reduce(bitwise, op=dist.ReduceOp.MIN)
         row = {
             "tokens": tokens,
             "nvshmem_dispatch_us": _slowest(nv_dispatch) * 1e3,
             "nvshmem_combine_us": _slowest(nv_combine) * 1e3,
+            "nvshmem_direct_dispatch_us": _slowest(direct_dispatch) * 1e3,
             "torch_dispatch_us": _slowest(torch_dispatch) * 1e3,
             "torch_combine_us": _slowest(torch_combine) * 1e3,
             "nccl_all_to_all_us": _slowest(a2a) * 1e3,
@@ -191,14 +200,14 @@ def run(token_counts: list[int], *, iterations: int = 30) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     header = (
-        "| tokens | dispatch us | NVLink GB/s | DeepEP GB/s | combine us | NVLink GB/s | "
+        "| tokens | dispatch us | DeepEP GB/s | direct dispatch us | combine us | NVLink GB/s | "
         "DeepEP GB/s | torch dispatch us | torch combine us | NCCL a2a us | bitwise |"
     )
     lines = [header, "|" + "---|" * 11]
     for r in rows:
         lines.append(
             f"| {r['tokens']} | {r['nvshmem_dispatch_us']:.1f} | "
-            f"{r['nvshmem_dispatch_nvlink_gbps']:.0f} | {r['nvshmem_dispatch_deepep_gbps']:.0f} | "
+            f"{r['nvshmem_dispatch_deepep_gbps']:.0f} | {r['nvshmem_direct_dispatch_us']:.1f} | "
             f"{r['nvshmem_combine_us']:.1f} | {r['nvshmem_combine_nvlink_gbps']:.0f} | "
             f"{r['nvshmem_combine_deepep_gbps']:.0f} | {r['torch_dispatch_us']:.1f} | "
             f"{r['torch_combine_us']:.1f} | {r['nccl_all_to_all_us']:.1f} | "

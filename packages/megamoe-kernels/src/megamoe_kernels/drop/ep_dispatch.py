@@ -10,10 +10,17 @@ and waits for every peer's counts of this epoch. From the gathered counts every 
 the device where each of its pairs lands in its receiver's batch (expert-major, then source rank,
 then the source's pair order), which is the single-GPU order.
 
-dispatch_rows (persistent grid): one warp per (token, expert) pair copies the token's row in
-16-byte vectors to `dest_row[pair]` of the owner's batch and records (rank, pair) for the
-combine; rows at or past `capacity` are skipped. Each CTA then signals PHASE_ROWS on every peer
-once, so a receiver expects grid x epoch adds per source.
+dispatch_rows (persistent grid): one warp per (token, expert) pair records (rank, pair) at
+`dest_row[pair]` of the owner's batch for the combine and moves the token's row in 16-byte
+vectors: a pair of this rank's own experts straight into its batch row; a remote pair, with
+`stage_remote`, only if it is the token's first pair for that owner, into the owner's staged
+rows [world, max_tokens, hidden] at (rank, token), so a token crosses NVLink once per owner
+(without `stage_remote`, straight into the owner's batch row). Rows at or past `capacity` are
+skipped. Each CTA then signals PHASE_ROWS on every peer once, so a receiver expects grid x epoch
+adds per source.
+
+expand_staged_rows (persistent grid, on the owner, after the PHASE_ROWS wait): one warp per valid
+batch row from another rank copies its staged token row into the batch (local HBM).
 
 Layouts: x [tokens, hidden] row-major; expert_of_pair, dest_row int32 [tokens x top_k] in
 (token, k) order; row bytes (hidden x element size) a multiple of 16 and 16-byte aligned rows.
@@ -28,6 +35,7 @@ from .ep_sync import (
     BUFFER_ROW_SOURCES,
     BUFFER_ROWS,
     BUFFER_SIGNALS,
+    BUFFER_STAGED,
     PHASE_COUNTS,
     PHASE_ROWS,
     global_ptr,
@@ -125,6 +133,8 @@ def dispatch_rows_kernel(
     capacity: cutlass.Int32,
     rank: cutlass.Int32,
     world: cutlass.Int32,
+    max_tokens: cutlass.Int32,
+    stage_remote: cutlass.Int32,
 ):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
@@ -137,15 +147,25 @@ def dispatch_rows_kernel(
     for pair in range(bidx * ROWS_WARPS + warp, num_pairs, grid * ROWS_WARPS):
         owner = cute.arch.load(expert_of_pair + pair, cutlass.Int32) // local_experts
         row = cute.arch.load(dest_row + pair, cutlass.Int32)
-        if row < capacity:
-            token = pair // top_k
+        token = pair // top_k
+        token_row = x_address + cutlass.Int64(token) * row_bytes
+        if owner != rank and stage_remote != 0:
+            # the token crosses NVLink once per owner: its first pair for that owner stages it
+            first_for_owner = cutlass.Int32(1)
+            for earlier in range(token * top_k, pair):
+                if (
+                    cute.arch.load(expert_of_pair + earlier, cutlass.Int32) // local_experts
+                    == owner
+                ):
+                    first_for_owner = cutlass.Int32(0)
+            if first_for_owner == 1:
+                staged_base = peer_address(peer_table, BUFFER_STAGED, world, owner)
+                staged_row = cutlass.Int64(rank) * max_tokens + token
+                copy_row(token_row, staged_base + staged_row * row_bytes, row_vectors, lane)
+        elif row < capacity:
             rows_base = peer_address(peer_table, BUFFER_ROWS, world, owner)
-            copy_row(
-                x_address + cutlass.Int64(token) * row_bytes,
-                rows_base + cutlass.Int64(row) * row_bytes,
-                row_vectors,
-                lane,
-            )
+            copy_row(token_row, rows_base + cutlass.Int64(row) * row_bytes, row_vectors, lane)
+        if row < capacity:
             if lane == 0:
                 sources = global_ptr(
                     cutlass.Int32, peer_address(peer_table, BUFFER_ROW_SOURCES, world, owner), 8
@@ -171,6 +191,8 @@ def dispatch_rows(
     capacity: cutlass.Int32,
     rank: cutlass.Int32,
     world: cutlass.Int32,
+    max_tokens: cutlass.Int32,
+    stage_remote: cutlass.Int32,
     grid: cutlass.Constexpr,
     stream,
 ):
@@ -186,4 +208,72 @@ def dispatch_rows(
         capacity,
         rank,
         world,
+        max_tokens,
+        stage_remote,
+    ).launch(grid=[grid, 1, 1], block=[ROWS_WARPS * 32, 1, 1], stream=stream)
+
+
+@cute.kernel
+def expand_staged_rows_kernel(
+    rows_address: cutlass.Int64,
+    row_sources_address: cutlass.Int64,
+    staged_address: cutlass.Int64,
+    expert_offsets_address: cutlass.Int64,
+    local_experts: cutlass.Int32,
+    top_k: cutlass.Int32,
+    max_tokens: cutlass.Int32,
+    row_vectors: cutlass.Int32,
+    capacity: cutlass.Int32,
+    rank: cutlass.Int32,
+):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    grid, _, _ = cute.arch.grid_dim()
+    warp, lane = tidx // 32, tidx % 32
+    valid_rows = cute.arch.load(
+        global_ptr(cutlass.Int32, expert_offsets_address, 4) + local_experts, cutlass.Int32
+    )
+    if valid_rows > capacity:
+        valid_rows = capacity
+    row_sources = global_ptr(cutlass.Int32, row_sources_address, 8)
+    row_bytes = cutlass.Int64(row_vectors) * 16
+    for row in range(bidx * ROWS_WARPS + warp, valid_rows, grid * ROWS_WARPS):
+        source = cute.arch.load(row_sources + row * 2, cutlass.Int32)
+        if source != rank:
+            token = cute.arch.load(row_sources + (row * 2 + 1), cutlass.Int32) // top_k
+            staged_row = cutlass.Int64(source) * max_tokens + token
+            copy_row(
+                staged_address + staged_row * row_bytes,
+                rows_address + cutlass.Int64(row) * row_bytes,
+                row_vectors,
+                lane,
+            )
+
+
+@cute.jit
+def expand_staged_rows(
+    rows_address: cutlass.Int64,
+    row_sources_address: cutlass.Int64,
+    staged_address: cutlass.Int64,
+    expert_offsets_address: cutlass.Int64,
+    local_experts: cutlass.Int32,
+    top_k: cutlass.Int32,
+    max_tokens: cutlass.Int32,
+    row_vectors: cutlass.Int32,
+    capacity: cutlass.Int32,
+    rank: cutlass.Int32,
+    grid: cutlass.Constexpr,
+    stream,
+):
+    expand_staged_rows_kernel(
+        rows_address,
+        row_sources_address,
+        staged_address,
+        expert_offsets_address,
+        local_experts,
+        top_k,
+        max_tokens,
+        row_vectors,
+        capacity,
+        rank,
     ).launch(grid=[grid, 1, 1], block=[ROWS_WARPS * 32, 1, 1], stream=stream)

@@ -30,7 +30,8 @@ BUFFER_SIGNALS = 1  # int64 [NUM_PHASES, world]
 BUFFER_ROWS = 2  # [capacity, hidden]: the receiver's expert-major batch
 BUFFER_ROW_SOURCES = 3  # int32 [capacity, 2]: (source rank, source pair) of each batch row
 BUFFER_RETURNED = 4  # [max_tokens x top_k, hidden]: expert outputs back at the source, by pair
-NUM_BUFFERS = 5
+BUFFER_STAGED = 5  # [world x max_tokens, hidden]: token rows from each source, once per owner
+NUM_BUFFERS = 6
 
 
 def global_ptr(dtype, address, align):

@@ -23,7 +23,8 @@ _COMPILE_LOCK = threading.Lock()
 _KERNELS = {
     "wait_phase": ("ep_sync", "wait_phase", ("i64",) * 3 + ("i32",) * 3 + ("i64",)),
     "exchange_counts": ("ep_dispatch", "exchange_counts", ("i64",) * 4 + ("i32",) * 3 + ("i64",)),
-    "dispatch_rows": ("ep_dispatch", "dispatch_rows", ("i64",) * 4 + ("i32",) * 7),
+    "dispatch_rows": ("ep_dispatch", "dispatch_rows", ("i64",) * 4 + ("i32",) * 9),
+    "expand_staged_rows": ("ep_dispatch", "expand_staged_rows", ("i64",) * 4 + ("i32",) * 6),
     "combine_push": ("ep_combine", "combine_push", ("i64",) * 4 + ("i32",) * 5),
     "combine_reduce": (
         "ep_combine",
@@ -58,6 +59,7 @@ def layout() -> dict[str, int]:
         "rows": sync.BUFFER_ROWS,
         "row_sources": sync.BUFFER_ROW_SOURCES,
         "returned": sync.BUFFER_RETURNED,
+        "staged": sync.BUFFER_STAGED,
         "num_buffers": sync.NUM_BUFFERS,
         "num_phases": sync.NUM_PHASES,
         "status_words": sync.STATUS_WORDS,
@@ -119,6 +121,7 @@ def compile_all(*, top_k: int, grid: int) -> int:
     _compiled("wait_phase", fake=True)
     _compiled("exchange_counts", fake=True)
     _compiled("dispatch_rows", (grid,), fake=True)
+    _compiled("expand_staged_rows", (grid,), fake=True)
     _compiled("combine_push", (grid,), fake=True)
     _compiled("combine_reduce", (top_k, grid), fake=True)
     return len(_COMPILED)
@@ -162,9 +165,12 @@ def dispatch_rows(
     capacity: int,
     rank: int,
     world: int,
+    max_tokens: int,
+    stage_remote: bool,
     grid: int,
 ) -> None:
-    """Copies every pair's token row to dest_row of its owner's batch; signals each peer."""
+    """Sends every pair's token row to its owner (into its batch row, or staged once per owner
+    with `stage_remote`) with the pair's (rank, pair); signals each peer."""
     if row_bytes % 16:
         raise ValueError(f"row bytes must be a multiple of 16, got {row_bytes}")
     _compiled("dispatch_rows", (grid,))(
@@ -179,6 +185,38 @@ def dispatch_rows(
         capacity,
         rank,
         world,
+        max_tokens,
+        int(stage_remote),
+        _stream(),
+    )
+
+
+def expand_staged_rows(
+    rows_address: int,
+    row_sources_address: int,
+    staged_address: int,
+    expert_offsets_address: int,
+    *,
+    local_experts: int,
+    top_k: int,
+    max_tokens: int,
+    row_bytes: int,
+    capacity: int,
+    rank: int,
+    grid: int,
+) -> None:
+    """Copies each batch row that came from another rank out of the staged rows (local HBM)."""
+    _compiled("expand_staged_rows", (grid,))(
+        rows_address,
+        row_sources_address,
+        staged_address,
+        expert_offsets_address,
+        local_experts,
+        top_k,
+        max_tokens,
+        row_bytes // 16,
+        capacity,
+        rank,
         _stream(),
     )
 

@@ -11,9 +11,11 @@ dispatch (no host sync; every step on the current stream, so a CUDA graph captur
   3. from the gathered counts, on the device: where each pair lands in its owner's batch
      (expert-major, then source rank, then token order: the single-GPU order) and this rank's
      expert_offsets over its L experts;
-  4. kernel dispatch_rows: every pair's token row is written straight into the owner's batch
-     (symmetric rows [M, H]) with the (source, pair) combine needs; kernel wait_phase waits for
-     every source's rows.
+  4. kernel dispatch_rows: each token row crosses NVLink once per owner rank into the owner's
+     staged rows (symmetric [W x max_tokens, H]; a pair of this rank's own experts goes
+     straight into its batch row), with the (source, pair) of every batch row that combine needs;
+     kernel wait_phase waits for every source; kernel expand_staged_rows copies the staged rows
+     into the owner's tight expert-major batch (symmetric rows [M, H]) in local HBM.
 combine:
   5. kernel combine_push: every valid output row goes back to its source's returned buffer
      (symmetric [max_tokens x K, H]) at its pair's slot;
@@ -64,6 +66,10 @@ class SymmetricDispatcher:
     Static sizes: at most `max_tokens_per_rank` tokens per call; the batch holds `capacity`
     rows (default W x max_tokens_per_rank x K, enough for any routing). Buffers are allocated
     collectively when the dispatcher is built: build the layers in the same order on every rank.
+
+    `stage_remote_rows` (default): a token crosses NVLink once per owner rank, into the owner's
+    staged rows, and the owner expands it into its batch rows locally (HBM is ~10x NVLink);
+    off, every (token, expert) pair's row crosses NVLink on its own, straight into the batch.
     """
 
     def __init__(
@@ -80,6 +86,7 @@ class SymmetricDispatcher:
         layer_name: str = "moe",
         timeout_s: float | None = None,
         pool: str = "default",
+        stage_remote_rows: bool = True,
     ):
         device = torch.device(device)
         if dtype != torch.bfloat16:
@@ -105,6 +112,7 @@ class SymmetricDispatcher:
         if self.capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.layer_name = layer_name
+        self.stage_remote_rows = stage_remote_rows
         if timeout_s is None:
             timeout_s = float(os.environ.get("MEGAMOE_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         self.timeout_s = timeout_s
@@ -125,6 +133,7 @@ class SymmetricDispatcher:
             "rows": ((self.capacity, self.hidden_size), self.dtype),
             "row_sources": ((self.capacity, 2), torch.int32),
             "returned": ((self.max_tokens_per_rank * self.top_k, self.hidden_size), self.dtype),
+            "staged": ((world * self.max_tokens_per_rank, self.hidden_size), self.dtype),
         }
         # separate from the signals: each rank bumps its own epoch copy, nobody else writes it
         self.epoch = workspace.buffer("ep.epoch", (1,), torch.int64)
@@ -223,6 +232,8 @@ class SymmetricDispatcher:
             capacity=self.capacity,
             rank=self.rank,
             world=world,
+            max_tokens=self.max_tokens_per_rank,
+            stage_remote=self.stage_remote_rows,
             grid=self.grid,
         )
         ep_kernels.wait_phase(
@@ -234,6 +245,20 @@ class SymmetricDispatcher:
             adds_per_epoch=self.grid,
             timeout_ns=self._timeout_ns,
         )
+        if self.stage_remote_rows:
+            ep_kernels.expand_staged_rows(
+                self.buffers["rows"].data_ptr(),
+                self.buffers["row_sources"].data_ptr(),
+                self.buffers["staged"].data_ptr(),
+                expert_offsets.data_ptr(),
+                local_experts=local,
+                top_k=top_k,
+                max_tokens=self.max_tokens_per_rank,
+                row_bytes=self.hidden_size * x_TH.element_size(),
+                capacity=self.capacity,
+                rank=self.rank,
+                grid=self.grid,
+            )
         batch = ExpertBatch(rows_MH=self.buffers["rows"], expert_offsets=expert_offsets)
         handle = SymmetricHandle(
             tokens=tokens,
