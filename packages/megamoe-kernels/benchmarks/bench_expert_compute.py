@@ -48,15 +48,17 @@ def graph_time_seconds(fn) -> float:
     return statistics.median(times)
 
 
-def bench_point(geometry, tokens, weights, backends, prepared):
+def bench_point(geometry, tokens, weights, backends, prepared, capacity_factor=1):
     device = weights.w13_E2IH.device
     experts, hidden = geometry.num_experts, geometry.hidden_size
     logits = torch.randn(tokens, experts, device=device)
     topk_ids = logits.topk(geometry.top_k, dim=-1).indices
     topk_weights = torch.softmax(logits, -1).gather(1, topk_ids)
     x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
-    batch, _ = LocalDispatcher(experts, check_ids=False).dispatch(x, topk_ids, topk_weights)
     rows = tokens * geometry.top_k
+    batch, _ = LocalDispatcher(experts, capacity=rows * capacity_factor, check_ids=False).dispatch(
+        x, topk_ids, topk_weights
+    )
     active = int((torch.bincount(topk_ids.flatten(), minlength=experts) > 0).sum())
     floor = roofline_floor_seconds(geometry, rows, active)
     expected = expert_mlp_reference(
@@ -66,6 +68,7 @@ def bench_point(geometry, tokens, weights, backends, prepared):
         "geometry": geometry.name,
         "tokens": tokens,
         "rows": rows,
+        "capacity": batch.capacity,
         "active": active,
         "floor_us": floor * 1e6,
     }
@@ -144,6 +147,9 @@ def main() -> None:
     parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKEN_COUNTS))
     parser.add_argument("--backends", nargs="*", default=["cutedsl", "grouped_mm"])
     parser.add_argument("--csv", default=None)
+    parser.add_argument(
+        "--capacity-factor", type=int, default=1, help="batch capacity = rows x this factor"
+    )
     parser.add_argument("--sweep-knobs", action="store_true", help="time each GEMM per knob set")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -168,7 +174,9 @@ def main() -> None:
             if args.sweep_knobs:
                 sweep_knobs(geometry, tokens, weights, prepared["cutedsl"])
                 continue
-            result = bench_point(geometry, tokens, weights, backends, prepared)
+            result = bench_point(
+                geometry, tokens, weights, backends, prepared, args.capacity_factor
+            )
             results.append(result)
             print(
                 " ".join(

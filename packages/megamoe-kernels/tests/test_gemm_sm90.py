@@ -156,6 +156,7 @@ def test_every_down_variant_with_tails(knobs):
         ([77], 77),  # E = 1
         ([77], 1000),  # E = 1, capacity 13x the valid rows
         ([1, 1, 1, 1, 1, 1, 1, 1], 8),  # decode: one row per expert
+        ([0, 1, 0, 0], 1),  # a capacity of one row
     ],
 )
 @pytest.mark.parametrize("swap_ab", [False, True])

@@ -39,6 +39,7 @@ THREADS_PER_WARPGROUP = 128
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
 EPILOGUE_BARRIER_ID = 1
+WALK_BATCH = 8
 
 
 @cute.jit
@@ -173,15 +174,24 @@ class ExpertGroupedGemmSm90:
         searching = expert < num_experts
         found = cutlass.Boolean(False)
         while searching:
-            rows = mOffsets[expert + 1] - mOffsets[expert]
-            row_tiles = (rows + self.tile_rows - 1) // self.tile_rows
-            if tile < expert_first_tile + row_tiles * col_tiles:
-                searching = False
-                found = True
-            else:
-                expert_first_tile = expert_first_tile + row_tiles * col_tiles
-                expert = expert + 1
-                searching = expert < num_experts
+            # WALK_BATCH experts per trip: their offsets load together, one memory round trip
+            # (indices clamp to E; entries past it are never used)
+            start = expert
+            bounds = [mOffsets[cutlass.min(start + j, num_experts)] for j in range(WALK_BATCH + 1)]
+            for j in cutlass.range_constexpr(WALK_BATCH):
+                if searching:
+                    if expert < num_experts:
+                        row_tiles = (
+                            bounds[j + 1] - bounds[j] + self.tile_rows - 1
+                        ) // self.tile_rows
+                        if tile < expert_first_tile + row_tiles * col_tiles:
+                            searching = False
+                            found = True
+                        else:
+                            expert_first_tile = expert_first_tile + row_tiles * col_tiles
+                            expert = expert + 1
+                    else:
+                        searching = False
         return expert, expert_first_tile, row_tiles, found
 
     @cute.jit

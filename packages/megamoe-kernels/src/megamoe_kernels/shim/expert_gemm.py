@@ -10,14 +10,14 @@ B = I / GATE_UP_BLOCK pair blocks. The batch is tight and expert-major: expert e
 - `down(hidden_MI, expert_offsets, w2_EHI, row_scale_M=None)` -> [M, H].
 Rows past expert_offsets[E] of an output are left as they were (unspecified).
 
-Compiled kernels are cached by (op, knobs, dtype, shapes); converted arguments by data pointer,
+Compiled kernels are cached by (op, knobs, dtype, weight shape): the capacity is a dynamic dim,
+so one kernel serves every batch size. Converted arguments are cached by data pointer,
 shape, stride and dtype, so a steady-state call converts nothing. Kernels run on torch's current
 stream, so CUDA-graph capture records them.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 from collections import OrderedDict
@@ -96,12 +96,6 @@ def _sm_count(device: torch.device) -> int:
     return _DEFAULT_SM_COUNT
 
 
-def _num_ctas(knobs: GemmKnobs, *, capacity: int, n: int, experts: int, sm_count: int) -> int:
-    # at most ceil(capacity / tile_rows) + E row tiles, whatever the routing
-    row_tiles = math.ceil(capacity / knobs.tile_rows) + experts
-    return max(1, min(sm_count, row_tiles * math.ceil(n / knobs.tile_cols)))
-
-
 def _cute_dtype(dtype: torch.dtype):
     import cutlass
 
@@ -112,20 +106,30 @@ def _cute_dtype(dtype: torch.dtype):
     }[dtype]
 
 
-def _convert(tensor: torch.Tensor | None, *, fake: bool):
-    """A cute tensor for `tensor`, cached by pointer/shape/stride/dtype (from_dlpack is slow)."""
+def _convert(tensor: torch.Tensor | None, *, fake: bool, dynamic_rows: bool):
+    """A cute tensor for `tensor`, cached by pointer/shape/stride/dtype (from_dlpack is slow).
+
+    `dynamic_rows` leaves the leading (capacity) dim dynamic: one compiled kernel serves every
+    capacity, and a capacity of 1 is not folded away as a static unit mode."""
     if tensor is None:
         return None
+    import cutlass.cute as cute
     from cutlass.cute import runtime
 
     if fake:
+        shape = tuple(tensor.shape)
+        if dynamic_rows:
+            shape = (cute.sym_int(), *shape[1:])
         return runtime.make_fake_tensor(
-            _cute_dtype(tensor.dtype), tuple(tensor.shape), tuple(tensor.stride()), assumed_align=16
+            _cute_dtype(tensor.dtype), shape, tuple(tensor.stride()), assumed_align=16
         )
     key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
     converted = _CONVERTED.get(key)
     if converted is None:
         converted = runtime.from_dlpack(tensor.detach(), assumed_align=16)
+        if dynamic_rows:
+            order = tuple(range(tensor.dim()))
+            converted = converted.mark_compact_shape_dynamic(mode=0, stride_order=order)
         _CONVERTED[key] = converted
         if len(_CONVERTED) > _CONVERTED_LIMIT:
             _CONVERTED.popitem(last=False)
@@ -157,23 +161,31 @@ def _run(
     if not torch.cuda.is_available():
         # without a GPU CuTe DSL guesses another architecture; must be set before it is imported
         os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    n, _, experts = w_NKE.shape
-    num_ctas = _num_ctas(
-        knobs, capacity=x_MK.shape[0], n=n, experts=experts, sm_count=_sm_count(x_MK.device)
-    )
+    # one persistent CTA per SM: CTAs beyond the routed tiles find no work and exit
+    num_ctas = _sm_count(x_MK.device)
+    # the capacity is dynamic: the compiled kernel depends on the weights' shape only
     key = (
         op,
         knobs,
         x_MK.dtype,
-        tuple(x_MK.shape),
+        x_MK.shape[1],
         tuple(w_NKE.shape),
         tuple(w_NKE.stride()),
-        tuple(out_MN.shape),
+        out_MN.shape[1],
         row_scale_M is not None,
         num_ctas,
         fake,
     )
-    args = [_convert(t, fake=fake) for t in (x_MK, w_NKE, out_MN, expert_offsets, row_scale_M)]
+    args = [
+        _convert(tensor, fake=fake, dynamic_rows=dynamic)
+        for tensor, dynamic in (
+            (x_MK, True),
+            (w_NKE, False),
+            (out_MN, True),
+            (expert_offsets, False),
+            (row_scale_M, True),
+        )
+    ]
     stream = _stream(x_MK.device, fake)
     compiled = _COMPILED.get(key)
     if compiled is None:

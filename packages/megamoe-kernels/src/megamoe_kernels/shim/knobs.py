@@ -89,10 +89,14 @@ def check_knobs(knobs: GemmKnobs, op: str) -> GemmKnobs:
 
 
 def default_knobs(op: str, rows_per_expert: float) -> GemmKnobs:
-    """The default profile: swap-AB with a row tile that fits the expected rows per expert for
-    decode-sized batches, 128x256 tiles for prefill; the deepest ring that fits."""
+    """The default profile, keyed on the expected rows per expert.
+
+    Up to 64 rows per expert: swap-AB, with a row tile that holds nearly every expert's rows
+    (1.5x the mean + 8), so each expert's weights stream from memory once. Above: 128x256 tiles.
+    Both take the deepest ring that fits."""
     if rows_per_expert <= 64:
-        tile_rows = next(size for size in SWAP_ROW_TILES if size >= rows_per_expert)
+        wanted = 1.5 * rows_per_expert + 8
+        tile_rows = next((size for size in SWAP_ROW_TILES if size >= wanted), SWAP_ROW_TILES[-1])
         knobs = GemmKnobs(tile_rows=tile_rows, tile_cols=128, swap_ab=True)
     else:
         knobs = GemmKnobs(tile_rows=128, tile_cols=256, swap_ab=False)
