@@ -63,6 +63,7 @@ def combine_push_kernel(
     capacity: cutlass.Int32,
     rank: cutlass.Int32,
     world: cutlass.Int32,
+    unroll: cutlass.Constexpr,
 ):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
@@ -84,6 +85,7 @@ def combine_push_kernel(
             returned_base + cutlass.Int64(pair) * row_bytes,
             row_vectors,
             lane,
+            unroll,
         )
     cute.arch.fence_acq_rel_sys()  # every writer releases its stores
     cute.arch.sync_threads()
@@ -103,6 +105,7 @@ def combine_push(
     rank: cutlass.Int32,
     world: cutlass.Int32,
     grid: cutlass.Constexpr,
+    unroll: cutlass.Constexpr,
     stream,
 ):
     combine_push_kernel(
@@ -115,6 +118,7 @@ def combine_push(
         capacity,
         rank,
         world,
+        unroll,
     ).launch(grid=[grid, 1, 1], block=[PUSH_WARPS * 32, 1, 1], stream=stream)
 
 

@@ -49,13 +49,19 @@ ROWS_WARPS = 16
 
 
 @cute.jit
-def copy_row(source_address, destination_address, row_vectors, lane):
-    """A warp copies one row of `row_vectors` 16-byte vectors."""
+def copy_row(source_address, destination_address, row_vectors, lane, unroll: cutlass.Constexpr):
+    """A warp copies one row of `row_vectors` 16-byte vectors; each lane issues `unroll` loads
+    before their stores, so several are in flight (row_vectors: a multiple of 32 x unroll)."""
     vector_type = ir.VectorType.get([4], cutlass.Int32.mlir_type)
-    for v in range(lane, row_vectors, 32):
-        offset = cutlass.Int64(v) * 16
-        value = cute.arch.load(global_ptr(cutlass.Int32, source_address + offset, 16), vector_type)
-        cute.arch.store(global_ptr(cutlass.Int32, destination_address + offset, 16), value)
+    for first in range(lane, row_vectors, 32 * unroll):
+        values = []
+        for j in cutlass.range_constexpr(unroll):
+            offset = cutlass.Int64(first + 32 * j) * 16
+            source = global_ptr(cutlass.Int32, source_address + offset, 16)
+            values.append(cute.arch.load(source, vector_type))
+        for j in cutlass.range_constexpr(unroll):
+            offset = cutlass.Int64(first + 32 * j) * 16
+            cute.arch.store(global_ptr(cutlass.Int32, destination_address + offset, 16), values[j])
 
 
 @cute.kernel
@@ -135,6 +141,7 @@ def dispatch_rows_kernel(
     world: cutlass.Int32,
     max_tokens: cutlass.Int32,
     stage_remote: cutlass.Int32,
+    unroll: cutlass.Constexpr,
 ):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
@@ -161,10 +168,12 @@ def dispatch_rows_kernel(
             if first_for_owner == 1:
                 staged_base = peer_address(peer_table, BUFFER_STAGED, world, owner)
                 staged_row = cutlass.Int64(rank) * max_tokens + token
-                copy_row(token_row, staged_base + staged_row * row_bytes, row_vectors, lane)
+                copy_row(token_row, staged_base + staged_row * row_bytes, row_vectors, lane, unroll)
         elif row < capacity:
             rows_base = peer_address(peer_table, BUFFER_ROWS, world, owner)
-            copy_row(token_row, rows_base + cutlass.Int64(row) * row_bytes, row_vectors, lane)
+            copy_row(
+                token_row, rows_base + cutlass.Int64(row) * row_bytes, row_vectors, lane, unroll
+            )
         if row < capacity:
             if lane == 0:
                 sources = global_ptr(
@@ -194,6 +203,7 @@ def dispatch_rows(
     max_tokens: cutlass.Int32,
     stage_remote: cutlass.Int32,
     grid: cutlass.Constexpr,
+    unroll: cutlass.Constexpr,
     stream,
 ):
     dispatch_rows_kernel(
@@ -210,6 +220,7 @@ def dispatch_rows(
         world,
         max_tokens,
         stage_remote,
+        unroll,
     ).launch(grid=[grid, 1, 1], block=[ROWS_WARPS * 32, 1, 1], stream=stream)
 
 
@@ -225,6 +236,7 @@ def expand_staged_rows_kernel(
     row_vectors: cutlass.Int32,
     capacity: cutlass.Int32,
     rank: cutlass.Int32,
+    unroll: cutlass.Constexpr,
 ):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
@@ -247,6 +259,7 @@ def expand_staged_rows_kernel(
                 rows_address + cutlass.Int64(row) * row_bytes,
                 row_vectors,
                 lane,
+                unroll,
             )
 
 
@@ -263,6 +276,7 @@ def expand_staged_rows(
     capacity: cutlass.Int32,
     rank: cutlass.Int32,
     grid: cutlass.Constexpr,
+    unroll: cutlass.Constexpr,
     stream,
 ):
     expand_staged_rows_kernel(
@@ -276,4 +290,5 @@ def expand_staged_rows(
         row_vectors,
         capacity,
         rank,
+        unroll,
     ).launch(grid=[grid, 1, 1], block=[ROWS_WARPS * 32, 1, 1], stream=stream)

@@ -110,19 +110,30 @@ class _Launcher:
         )
 
 
+def copy_unroll(row_bytes: int) -> int:
+    """Loads each lane keeps in flight when a warp copies a row: the largest of 8, 4, 2 whose
+    32 x unroll x 16 bytes divide the row, else 1 (which copies any row)."""
+    if row_bytes % 16:
+        raise ValueError(f"row bytes must be a multiple of 16, got {row_bytes}")
+    vectors = row_bytes // 16
+    return next((u for u in (8, 4, 2) if vectors % (32 * u) == 0), 1)
+
+
 def _stream():
     import cuda.bindings.driver as cuda_driver
 
     return cuda_driver.CUstream(torch.cuda.current_stream().cuda_stream)
 
 
-def compile_all(*, top_k: int, grid: int) -> int:
-    """Compiles every kernel for (top_k, grid) without launching; returns how many are cached."""
+def compile_all(*, top_k: int, grid: int, row_bytes: int = 7168 * 2) -> int:
+    """Compiles every kernel for (top_k, grid, row_bytes) without launching; returns how many
+    are cached."""
+    unroll = copy_unroll(row_bytes)
     _compiled("wait_phase", fake=True)
     _compiled("exchange_counts", fake=True)
-    _compiled("dispatch_rows", (grid,), fake=True)
-    _compiled("expand_staged_rows", (grid,), fake=True)
-    _compiled("combine_push", (grid,), fake=True)
+    _compiled("dispatch_rows", (grid, unroll), fake=True)
+    _compiled("expand_staged_rows", (grid, unroll), fake=True)
+    _compiled("combine_push", (grid, unroll), fake=True)
     _compiled("combine_reduce", (top_k, grid), fake=True)
     return len(_COMPILED)
 
@@ -171,9 +182,7 @@ def dispatch_rows(
 ) -> None:
     """Sends every pair's token row to its owner (into its batch row, or staged once per owner
     with `stage_remote`) with the pair's (rank, pair); signals each peer."""
-    if row_bytes % 16:
-        raise ValueError(f"row bytes must be a multiple of 16, got {row_bytes}")
-    _compiled("dispatch_rows", (grid,))(
+    _compiled("dispatch_rows", (grid, copy_unroll(row_bytes)))(
         x_address,
         expert_of_pair_address,
         dest_row_address,
@@ -206,7 +215,7 @@ def expand_staged_rows(
     grid: int,
 ) -> None:
     """Copies each batch row that came from another rank out of the staged rows (local HBM)."""
-    _compiled("expand_staged_rows", (grid,))(
+    _compiled("expand_staged_rows", (grid, copy_unroll(row_bytes)))(
         rows_address,
         row_sources_address,
         staged_address,
@@ -258,9 +267,7 @@ def combine_push(
     grid: int,
 ) -> None:
     """Sends each valid batch row's output to its source's returned buffer; signals each peer."""
-    if row_bytes % 16:
-        raise ValueError(f"row bytes must be a multiple of 16, got {row_bytes}")
-    _compiled("combine_push", (grid,))(
+    _compiled("combine_push", (grid, copy_unroll(row_bytes)))(
         expert_out_address,
         expert_offsets_address,
         row_sources_address,
