@@ -232,3 +232,224 @@ def drop_import_problems(
                 f"{parsed.where(module)}:{imported.line}: imports {imported.name!r}: {reason}"
             )
     return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# Symbols and signatures
+
+
+@dataclass(frozen=True)
+class Parameter:
+    name: str
+    required: bool
+    positional: bool  # can be passed by position
+    keyword: bool  # can be passed by keyword
+
+
+@dataclass(frozen=True)
+class Signature:
+    parameters: tuple[Parameter, ...]
+    var_positional: bool = False
+    var_keyword: bool = False
+
+    def names(self) -> list[str]:
+        return [parameter.name for parameter in self.parameters]
+
+    def __str__(self) -> str:
+        shown = []
+        for parameter in self.parameters:
+            if parameter.keyword and not parameter.positional and "*" not in shown:
+                shown.append("*")
+            shown.append(parameter.name if parameter.required else f"{parameter.name}=...")
+        if self.var_positional:
+            shown.insert(sum(parameter.positional for parameter in self.parameters), "*args")
+        if self.var_keyword:
+            shown.append("**kwargs")
+        return f"({', '.join(shown)})"
+
+
+def decorator_names(node: ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    names = set()
+    for decorator in node.decorator_list:
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        name = call_name(target)
+        if name:
+            names.add(name)
+    return names
+
+
+def function_signature(node: ast.FunctionDef | ast.AsyncFunctionDef, *, bound: bool) -> Signature:
+    """The signature as a caller sees it; `bound` drops the first parameter (self, cls)."""
+    arguments = node.args
+    positional = [*arguments.posonlyargs, *arguments.args]
+    first_default = len(positional) - len(arguments.defaults)
+    parameters = [
+        Parameter(
+            argument.arg,
+            required=index < first_default,
+            positional=True,
+            keyword=index >= len(arguments.posonlyargs),
+        )
+        for index, argument in enumerate(positional)
+    ]
+    if bound and parameters:
+        parameters.pop(0)
+    parameters += [
+        Parameter(argument.arg, required=default is None, positional=False, keyword=True)
+        for argument, default in zip(arguments.kwonlyargs, arguments.kw_defaults, strict=True)
+    ]
+    return Signature(
+        tuple(parameters),
+        var_positional=arguments.vararg is not None,
+        var_keyword=arguments.kwarg is not None,
+    )
+
+
+def is_bound_method(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    return "staticmethod" not in decorator_names(node)
+
+
+def _dataclass_signature(node: ast.ClassDef) -> Signature:
+    parameters = []
+    for statement in node.body:
+        if not isinstance(statement, ast.AnnAssign) or not isinstance(statement.target, ast.Name):
+            continue
+        if "ClassVar" in ast.unparse(statement.annotation):
+            continue
+        value = statement.value
+        has_default = value is not None and not (
+            isinstance(value, ast.Call)
+            and call_name(value.func) == "field"
+            and not {"default", "default_factory"} & {item.arg for item in value.keywords}
+        )
+        parameters.append(Parameter(statement.target.id, not has_default, True, True))
+    return Signature(tuple(parameters))
+
+
+def top_level_bindings(body: list[ast.stmt]) -> dict[str, ast.stmt]:
+    """Names a module or class body binds -> the statement binding them (the last one wins).
+
+    Looks into `if`/`try` blocks at that level too (`try: import x except ImportError: ...`).
+    """
+    bindings: dict[str, ast.stmt] = {}
+    for statement in body:
+        if isinstance(statement, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            bindings[statement.name] = statement
+        elif isinstance(statement, ast.Assign | ast.AnnAssign):
+            targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
+            for target in targets:
+                for name_node in ast.walk(target):
+                    if isinstance(name_node, ast.Name):
+                        bindings[name_node.id] = statement
+        elif isinstance(statement, ast.Import | ast.ImportFrom):
+            for alias in statement.names:
+                bindings[alias.asname or alias.name.split(".")[0]] = statement
+        elif isinstance(statement, ast.If):
+            bindings.update(top_level_bindings(statement.body + statement.orelse))
+        elif isinstance(statement, ast.Try):
+            nested = statement.body + statement.orelse + statement.finalbody
+            for handler in statement.handlers:
+                nested += handler.body
+            bindings.update(top_level_bindings(nested))
+    return bindings
+
+
+def kind_of(statement: ast.stmt) -> str:
+    if isinstance(statement, ast.ClassDef):
+        return "class"
+    if isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef):
+        return "function"
+    if isinstance(statement, ast.Assign | ast.AnnAssign):
+        return "constant"
+    return "name imported from another package"
+
+
+@dataclass(frozen=True)
+class Found:
+    """Where a drop symbol is defined: its module and the statement defining it."""
+
+    module: str
+    statement: ast.stmt
+    owner: ast.ClassDef | None  # the class holding it, for Class.member names
+
+
+class DropLookup:
+    """Finds drop symbols in a parsed drop, following re-exports between drop modules."""
+
+    def __init__(self, parsed: ParsedDrop) -> None:
+        self.parsed = parsed
+        self._bindings = {
+            module: top_level_bindings(tree.body) for module, tree in parsed.modules.items()
+        }
+
+    def find(self, module: str, name: str) -> Found | str:
+        """The definition of `module.name`, or a sentence saying why it cannot be found."""
+        return self._find(module, name.split("."), seen=set())
+
+    def _find(self, module: str, parts: list[str], *, seen: set[tuple[str, str]]) -> Found | str:
+        if module not in self.parsed.modules:
+            unparsable = any(
+                module_file_hint(module) in error for error in self.parsed.parse_errors
+            )
+            reason = "does not parse (see the validation above)" if unparsable else "is missing"
+            return f"module {module_file_hint(module)} {reason}"
+        if (module, parts[0]) in seen:
+            return f"{'.'.join(parts)} is re-exported in a cycle"
+        seen.add((module, parts[0]))
+        statement = self._bindings[module].get(parts[0])
+        if statement is None:
+            return f"{parts[0]} is not defined in {self.parsed.where(module)}"
+        if isinstance(statement, ast.ImportFrom):
+            target = self._reexported_from(module, statement, parts[0])
+            if target is not None:
+                return self._find(target[0], [target[1], *parts[1:]], seen=seen)
+        found = Found(module, statement, owner=None)
+        for member in parts[1:]:
+            if not isinstance(found.statement, ast.ClassDef):
+                parent = kind_of(found.statement)
+                return f"{'.'.join(parts)}: only a class has members, its parent is a {parent}"
+            member_statement = top_level_bindings(found.statement.body).get(member)
+            if member_statement is None:
+                return f"class {found.statement.name} has no member {member}"
+            found = Found(module, member_statement, owner=found.statement)
+        return found
+
+    def _reexported_from(
+        self, module: str, statement: ast.ImportFrom, bound_name: str
+    ) -> tuple[str, str] | None:
+        """(drop module, name) that `from .x import y as bound_name` brings in, if in the drop."""
+        module_name, is_package = self.parsed.import_context(module)
+        package = module_name if is_package else module_name.rpartition(".")[0]
+        source = resolve_relative(statement.module or "", level=statement.level, package=package)
+        if source is None or not is_within(source, DROP_PACKAGE):
+            return None
+        original = next(a.name for a in statement.names if (a.asname or a.name) == bound_name)
+        inner = source[len(DROP_PACKAGE) + 1 :] or "__init__"
+        submodule = f"{inner}.{original}" if inner != "__init__" else original
+        if submodule in self.parsed.modules:
+            return None  # `from . import gemm` binds a module, not a symbol
+        return inner, original
+
+    def constructor_signature(self, found: Found, *, depth: int = 0) -> Signature | str:
+        """A class's constructor: its __init__, its dataclass fields or a drop base's __init__."""
+        node = found.statement
+        assert isinstance(node, ast.ClassDef)
+        init = top_level_bindings(node.body).get("__init__")
+        if isinstance(init, ast.FunctionDef | ast.AsyncFunctionDef):
+            return function_signature(init, bound=True)
+        if "dataclass" in decorator_names(node):
+            return _dataclass_signature(node)
+        for base in node.bases:
+            if isinstance(base, ast.Name) and base.id == "object":
+                continue
+            base_found = self.find(found.module, base.id) if isinstance(base, ast.Name) else None
+            is_drop_class = isinstance(base_found, Found) and isinstance(
+                base_found.statement, ast.ClassDef
+            )
+            if is_drop_class and depth < 16:  # deeper is a cycle, or no drop a person writes
+                return self.constructor_signature(base_found, depth=depth + 1)
+            return (
+                f"class {node.name} inherits its constructor from {ast.unparse(base)}, outside "
+                "the drop: give it an __init__, or parameters=None in its entry"
+            )
+        return Signature(())
