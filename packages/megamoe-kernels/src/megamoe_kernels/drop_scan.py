@@ -1,4 +1,4 @@
-"""Reading a kernel drop without importing it: its files, their syntax trees, their imports.
+"""Reading a kernel drop without importing it: its files, imports, definitions and signatures.
 
 A drop (`megamoe_kernels/drop/`, or a folder about to replace it) is read with `ast` only, so a
 broken or hostile drop cannot run code here. The shim's audit (`shim/audit.py`), the resync
