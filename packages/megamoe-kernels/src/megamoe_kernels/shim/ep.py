@@ -22,7 +22,11 @@ _COMPILE_LOCK = threading.Lock()
 # kernel name -> (drop module, function, signature of runtime arguments: "i64" | "i32")
 _KERNELS = {
     "wait_phase": ("ep_sync", "wait_phase", ("i64",) * 3 + ("i32",) * 3 + ("i64",)),
-    "exchange_counts": ("ep_dispatch", "exchange_counts", ("i64",) * 4 + ("i32",) * 3 + ("i64",)),
+    "exchange_and_place": (
+        "ep_dispatch",
+        "exchange_and_place",
+        ("i64",) * 7 + ("i32",) * 6 + ("i64",),
+    ),
     "dispatch_rows": ("ep_dispatch", "dispatch_rows", ("i64",) * 4 + ("i32",) * 9),
     "expand_staged_rows": ("ep_dispatch", "expand_staged_rows", ("i64",) * 4 + ("i32",) * 6),
     "combine_push": ("ep_combine", "combine_push", ("i64",) * 4 + ("i32",) * 5),
@@ -130,7 +134,7 @@ def compile_all(*, top_k: int, grid: int, row_bytes: int = 7168 * 2) -> int:
     are cached."""
     unroll = copy_unroll(row_bytes)
     _compiled("wait_phase", fake=True)
-    _compiled("exchange_counts", fake=True)
+    _compiled("exchange_and_place", fake=True)
     _compiled("dispatch_rows", (grid, unroll), fake=True)
     _compiled("expand_staged_rows", (grid, unroll), fake=True)
     _compiled("combine_push", (grid, unroll), fake=True)
@@ -138,26 +142,47 @@ def compile_all(*, top_k: int, grid: int, row_bytes: int = 7168 * 2) -> int:
     return len(_COMPILED)
 
 
-def exchange_counts(
-    counts_address: int,
+def placement_scratch_words(num_experts: int) -> int:
+    """int32 words of the scratch exchange_and_place needs."""
+    from megamoe_kernels.drop import ep_dispatch
+
+    return (ep_dispatch.PLACE_WARPS + 1) * num_experts
+
+
+def exchange_and_place(
+    expert_of_pair_address: int,
+    dest_row_address: int,
+    expert_offsets_address: int,
+    scratch_address: int,
     *,
     peer_table_address: int,
     epoch_address: int,
     status_address: int,
+    num_pairs: int,
     rank: int,
     world: int,
     num_experts: int,
+    local_experts: int,
+    capacity: int,
     timeout_ns: int,
 ) -> None:
-    """Bumps the epoch, all-gathers int32 [E] counts into every peer's [world, E], waits."""
-    _compiled("exchange_counts")(
-        counts_address,
+    """Bumps the epoch, counts pairs per expert, all-gathers the counts (int32 [world, E] on
+    every peer), waits, and writes each pair's row in its owner's batch (dest_row, int32 [P])
+    and this rank's expert_offsets (int32 [local_experts + 1])."""
+    _compiled("exchange_and_place")(
+        expert_of_pair_address,
+        dest_row_address,
+        expert_offsets_address,
+        scratch_address,
         peer_table_address,
         epoch_address,
         status_address,
+        num_pairs,
         rank,
         world,
         num_experts,
+        local_experts,
+        capacity,
         timeout_ns,
         _stream(),
     )

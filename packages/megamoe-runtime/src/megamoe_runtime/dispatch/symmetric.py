@@ -4,13 +4,12 @@ Shape legend: T tokens of this rank, K experts per token, H hidden size, E exper
 L = E / W experts per rank, W world size, P = T x K pairs, M batch capacity.
 
 dispatch (no host sync; every step on the current stream, so a CUDA graph captures it):
-  1. per-expert counts of this rank's pairs, and each pair's position inside its expert
-     (a stable sort: token order), on the device;
-  2. kernel exchange_counts: all-gather the counts (int32 [W, E]) into every rank's symmetric
-     buffer, with system-scope release/acquire signals;
-  3. from the gathered counts, on the device: where each pair lands in its owner's batch
-     (expert-major, then source rank, then token order: the single-GPU order) and this rank's
-     expert_offsets over its L experts;
+  1-3. kernel exchange_and_place (one CTA): per-expert counts of this rank's pairs, all-gathered
+     into every rank's symmetric counts (int32 [W, E]) with system-scope release/acquire
+     signals; each pair's position inside its expert in token order; then where each pair lands
+     in its owner's batch (expert-major, then source rank, then token order: the single-GPU
+     order) and this rank's expert_offsets over its L experts (count_pairs / place_pairs below
+     are its pure-torch reference);
   4. kernel dispatch_rows: each token row crosses NVLink once per owner rank into the owner's
      staged rows (symmetric [W x max_tokens, H]; a pair of this rank's own experts goes
      straight into its batch row), with the (source, pair) of every batch row that combine needs;
@@ -122,6 +121,9 @@ class SymmetricDispatcher:
         self.status = torch.zeros(
             ep_kernels.layout()["status_words"], dtype=torch.int64, pin_memory=True
         )
+        self.placement_scratch = torch.empty(
+            ep_kernels.placement_scratch_words(num_experts), dtype=torch.int32, device=device
+        )
         self._bind()
 
     def _bind(self) -> None:
@@ -197,28 +199,25 @@ class SymmetricDispatcher:
         expert_of_pair_P = topk_ids_TK.reshape(-1).to(torch.int32).contiguous()
         num_pairs = expert_of_pair_P.numel()
 
-        counts_E, position_P = count_pairs(expert_of_pair_P, self.num_experts)
-
-        ep_kernels.exchange_counts(
-            counts_E.data_ptr(),
+        dest_row_P = torch.empty(num_pairs, dtype=torch.int32, device=self.device)
+        expert_offsets = torch.empty(local + 1, dtype=torch.int32, device=self.device)
+        # rows past capacity are dropped (only a capacity below the default can overflow)
+        ep_kernels.exchange_and_place(
+            expert_of_pair_P.data_ptr(),
+            dest_row_P.data_ptr(),
+            expert_offsets.data_ptr(),
+            self.placement_scratch.data_ptr(),
             peer_table_address=self.peer_table.data_ptr(),
             epoch_address=self.epoch.data_ptr(),
             status_address=self.status.data_ptr(),
+            num_pairs=num_pairs,
             rank=self.rank,
             world=world,
             num_experts=self.num_experts,
+            local_experts=local,
+            capacity=self.capacity,
             timeout_ns=self._timeout_ns,
         )
-        dest_row_P, expert_offsets = place_pairs(
-            expert_of_pair_P,
-            position_P,
-            self.buffers["counts"],
-            rank=self.rank,
-            world=world,
-            local_experts=local,
-        )
-        # rows past capacity are dropped by the kernel (only a capacity below the default can)
-        expert_offsets.clamp_(max=self.capacity)
 
         ep_kernels.dispatch_rows(
             x_TH.data_ptr(),
@@ -315,9 +314,13 @@ class SymmetricDispatcher:
         return y_TH.to(handle.output_dtype)
 
 
+# The pure-torch reference of kernel exchange_and_place's placement (the kernel does both steps
+# on the device in one launch); tests/test_distributed_placement.py checks the placement rule.
+
+
 def count_pairs(expert_of_pair_P: torch.Tensor, num_experts: int):
     """(int32 [E] pairs per expert, int64 [P] each pair's position inside its expert in pair
-    order), on the device."""
+    order)."""
     device = expert_of_pair_P.device
     num_pairs = expert_of_pair_P.numel()
     expert_long_P = expert_of_pair_P.long()
