@@ -31,6 +31,10 @@ import torch.distributed as dist
 
 from megamoe_runtime.dispatch.symmetric import SymmetricDispatcher
 from megamoe_runtime.dispatch.torch_distributed import TorchDistributedDispatcher
+from megamoe_runtime.experts.grouped_mm import GroupedMMExperts
+from megamoe_runtime.geometries import GEOMETRIES
+from megamoe_runtime.routing import RouterConfig, route
+from megamoe_runtime.weights import Unquantized
 
 HIDDEN = 7168
 NUM_EXPERTS = 256
@@ -206,6 +210,73 @@ def run(token_counts: list[int], *, iterations: int = 30) -> list[dict]:
     return rows
 
 
+def run_layer(token_counts: list[int], *, iterations: int = 10) -> list[dict]:
+    """The routed part of an EP layer at the dsv3 geometry: route -> dispatch -> grouped_mm
+    experts (E/W per rank) -> combine, with the nvshmem dispatcher against the torch (NCCL
+    all_to_all) one; eager forwards, events, slowest rank."""
+    geometry = GEOMETRIES["dsv3"]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = geometry.num_experts // world
+    router = RouterConfig(
+        num_experts=geometry.num_experts,
+        top_k=geometry.top_k,
+        scoring=geometry.scoring,
+        num_groups=geometry.num_groups,
+        top_groups=geometry.top_groups,
+        routed_scaling_factor=geometry.routed_scaling_factor,
+    )
+    generator = torch.Generator(device="cuda").manual_seed(rank)
+    hidden, intermediate = geometry.hidden_size, geometry.intermediate_size
+    scale = hidden**-0.5
+    weights = Unquantized(
+        w13_E2IH=(torch.randn(local, 2 * intermediate, hidden, device="cuda") * scale).to(
+            torch.bfloat16
+        ),
+        w2_EHI=(torch.randn(local, hidden, intermediate, device="cuda") * scale).to(torch.bfloat16),
+    )
+    gate_EH = torch.randn(geometry.num_experts, hidden, device="cuda", generator=generator)
+    experts = GroupedMMExperts()
+    prepared = experts.prepare(weights)
+    dispatchers = {
+        "nvshmem": SymmetricDispatcher(
+            geometry.num_experts,
+            top_k=geometry.top_k,
+            hidden_size=hidden,
+            dtype=torch.bfloat16,
+            device=torch.device("cuda", torch.cuda.current_device()),
+            process_group=dist.group.WORLD,
+            max_tokens_per_rank=max(token_counts),
+            layer_name="bench-layer",
+        ),
+        "torch": TorchDistributedDispatcher(geometry.num_experts, check_ids=False),
+    }
+    rows = []
+    for tokens in token_counts:
+        x_TH = torch.randn(tokens, hidden, device="cuda", generator=generator).to(torch.bfloat16)
+        row = {"tokens": tokens}
+        outputs = {}
+        for name, dispatcher in dispatchers.items():
+
+            def forward(dispatcher=dispatcher):
+                ids_TK, weights_TK = route(x_TH.float() @ gate_EH.T, router)
+                batch, handle = dispatcher.dispatch(x_TH, ids_TK, weights_TK)
+                return dispatcher.combine(experts(batch, prepared), handle)
+
+            events = []
+            for _ in range(iterations):
+                marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                dist.barrier()
+                marks[0].record()
+                outputs[name] = forward()
+                marks[1].record()
+                events.append(tuple(marks))
+            row[f"layer_{name}_us"] = _slowest(_median_event_ms(events[2:])) * 1e3
+        row["layer_speedup"] = row["layer_torch_us"] / row["layer_nvshmem_us"]
+        row["layer_outputs_equal"] = bool(torch.equal(outputs["nvshmem"], outputs["torch"]))
+        rows.append(row)
+    return rows
+
+
 def format_table(rows: list[dict]) -> str:
     header = (
         "| tokens | dispatch us | NVLink GB/s | DeepEP GB/s | direct dispatch us | NVLink GB/s "
@@ -232,6 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", default="128,512,2048,4096,8192")
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--out", default=None, help="JSON file for the rows (rank 0 writes it)")
+    parser.add_argument(
+        "--layer-tokens",
+        default="",
+        help="also time the whole dsv3 EP layer (nvshmem vs NCCL dispatch) at these token counts",
+    )
     args = parser.parse_args(argv)
     token_counts = [int(value) for value in args.tokens.split(",")]
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -241,11 +317,22 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     try:
         rows = run(token_counts, iterations=args.iterations)
+        layer_rows = []
+        if args.layer_tokens:
+            layer_tokens = [int(value) for value in args.layer_tokens.split(",")]
+            layer_rows = run_layer(layer_tokens)
         if dist.get_rank() == 0:
             print(format_table(rows), flush=True)
+            for row in layer_rows:
+                print(
+                    f"layer dsv3 EP={dist.get_world_size()} tokens {row['tokens']}: nvshmem "
+                    f"{row['layer_nvshmem_us']:.0f} us, NCCL {row['layer_torch_us']:.0f} us "
+                    f"({row['layer_speedup']:.2f}x), outputs equal: {row['layer_outputs_equal']}",
+                    flush=True,
+                )
             if args.out:
                 with open(args.out, "w") as handle:
-                    json.dump(rows, handle, indent=1)
+                    json.dump({"dispatch_combine": rows, "layer": layer_rows}, handle, indent=1)
     finally:
         from megamoe_runtime.workspace import release_all_workspaces
 
