@@ -257,7 +257,7 @@ def run_layer(token_counts: list[int], *, iterations: int = 10) -> list[dict]:
         outputs = {}
         for name, dispatcher in dispatchers.items():
 
-            def forward(dispatcher=dispatcher):
+            def forward(dispatcher=dispatcher, x_TH=x_TH):
                 ids_TK, weights_TK = route(x_TH.float() @ gate_EH.T, router)
                 batch, handle = dispatcher.dispatch(x_TH, ids_TK, weights_TK)
                 return dispatcher.combine(experts(batch, prepared), handle)
