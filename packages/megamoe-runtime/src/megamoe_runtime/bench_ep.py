@@ -245,21 +245,23 @@ def run_layer(token_counts: list[int], *, iterations: int = 10) -> list[dict]:
     gate_EH = torch.randn(geometry.num_experts, hidden, device="cuda", generator=generator)
     experts = GroupedMMExperts()
     prepared = experts.prepare(weights)
-    dispatchers = {
-        "nvshmem": SymmetricDispatcher(
-            geometry.num_experts,
-            top_k=geometry.top_k,
-            hidden_size=hidden,
-            dtype=torch.bfloat16,
-            device=torch.device("cuda", torch.cuda.current_device()),
-            process_group=dist.group.WORLD,
-            max_tokens_per_rank=max(token_counts),
-            layer_name="bench-layer",
-        ),
-        "torch": TorchDistributedDispatcher(geometry.num_experts, check_ids=False),
-    }
     rows = []
     for tokens in token_counts:
+        # static capacity sized for this load (what a deployment sets), so the experts' pointwise
+        # work over capacity rows matches the rows that arrive
+        dispatchers = {
+            "nvshmem": SymmetricDispatcher(
+                geometry.num_experts,
+                top_k=geometry.top_k,
+                hidden_size=hidden,
+                dtype=torch.bfloat16,
+                device=torch.device("cuda", torch.cuda.current_device()),
+                process_group=dist.group.WORLD,
+                max_tokens_per_rank=tokens,
+                layer_name="bench-layer",
+            ),
+            "torch": TorchDistributedDispatcher(geometry.num_experts, check_ids=False),
+        }
         x_TH = torch.randn(tokens, hidden, device="cuda", generator=generator).to(torch.bfloat16)
         row = {"tokens": tokens}
         outputs = {}
