@@ -8,6 +8,7 @@ Two ops share one kernel: "gate_up" (SwiGLU epilogue on the gate/up interleaved 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from megamoe_kernels.drop.tiling import (
     EPILOGUE_ROW_PAD,
@@ -103,8 +104,11 @@ def default_knobs(op: str, rows_per_expert: float) -> GemmKnobs:
     return replace(knobs, stages=max_stages(knobs, op))
 
 
+@lru_cache(maxsize=1024)
 def resolve_knobs(op: str, rows_per_expert: float, override: GemmKnobs | None) -> GemmKnobs:
-    """An explicit override is checked like any combination: invalid ones raise, never run."""
+    """An explicit override is checked like any combination: invalid ones raise, never run.
+
+    Cached (knobs are frozen): the launch path resolves on every call."""
     return check_knobs(override if override is not None else default_knobs(op, rows_per_expert), op)
 
 
