@@ -42,7 +42,7 @@ def pytest(session: nox.Session, *args: str) -> None:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    session.install("ruff")
+    session.install("ruff==0.17.6")  # pinned: formatting rules change between releases
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
