@@ -41,7 +41,7 @@ def test_bench_writes_csv_with_oracle_error(tmp_path):
     assert all(int(row["rows"]) == 5 * 4 for row in rows)
 
 
-@pytest.mark.parametrize("command", ["demo", "bench"])
+@pytest.mark.parametrize("command", ["demo", "bench", "tune"])
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])

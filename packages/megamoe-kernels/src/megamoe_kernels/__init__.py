@@ -11,6 +11,7 @@ from megamoe_kernels import reference
 _SHIM_NAMES = (
     "GemmKnobs",
     "cached_kernel_count",
+    "candidate_knobs",
     "check_knobs",
     "default_knobs",
     "down",

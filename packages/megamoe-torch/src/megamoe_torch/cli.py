@@ -127,6 +127,31 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_tune(args: argparse.Namespace) -> int:
+    from megamoe_runtime.experts import backend_status
+    from megamoe_runtime.tuning.cache import KnobCache
+
+    from megamoe_torch.tune import tune_point
+
+    available, reason = backend_status("cutedsl", default_device())
+    if not available:
+        print(
+            f"megamoe tune times the cutedsl kernels, which cannot run here: {reason}",
+            file=sys.stderr,
+        )
+        return 2
+    cache = KnobCache(args.cache)
+    points = [(g, t) for g in args.geometry for t in args.tokens]
+    print(f"tuning {len(points)} points into {cache.path}")
+    for name, tokens in tqdm(points, desc="tune"):
+        for result in tune_point(GEOMETRIES[name], tokens, cache=cache, repeats=args.repeats):
+            print(
+                f"{name} {tokens} tokens {result.op}: {result.microseconds:.1f} us "
+                f"(default {result.default_microseconds:.1f} us, {result.candidates} candidates) {result.knobs}"
+            )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megamoe", description="megamoe: a fast Mixture-of-Experts layer for Hopper GPUs"
@@ -176,6 +201,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_parser.add_argument("--device")
     bench_parser.set_defaults(run=run_bench)
+
+    tune = commands.add_parser(
+        "tune",
+        help="time every valid cutedsl knob combination per point and store the fastest in the knob cache",
+        description="Offline tuner: for each geometry and token count, times every valid knob combination of the "
+        "gate-up and down kernels (CUDA-graph replay) and stores the fastest in the knob cache "
+        "($MEGAMOE_KNOB_CACHE, default ~/.cache/megamoe/knobs.json), which the cutedsl backend reads.",
+    )
+    tune.add_argument("--geometry", nargs="+", required=True, choices=sorted(GEOMETRIES))
+    tune.add_argument("--tokens", nargs="+", type=int, required=True)
+    tune.add_argument(
+        "--cache",
+        help="knob cache file (default: $MEGAMOE_KNOB_CACHE or ~/.cache/megamoe/knobs.json)",
+    )
+    tune.add_argument("--repeats", type=int, default=10)
+    tune.set_defaults(run=run_tune)
     return parser
 
 

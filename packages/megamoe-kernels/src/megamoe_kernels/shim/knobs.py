@@ -7,6 +7,7 @@ Two ops share one kernel: "gate_up" (SwiGLU epilogue on the gate/up interleaved 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -113,3 +114,25 @@ def resolve_knobs(op: str, rows_per_expert: float, override: GemmKnobs | None) -
 
 
 PROFILE_ROWS_PER_EXPERT = (1, 16, 32, 64, 128, 512)
+
+
+def candidate_knobs(
+    op: str, *, stage_choices: tuple[str, ...] = ("3", "4", "max")
+) -> list[GemmKnobs]:
+    """Every valid tile shape in both orientations, each with the ring depths in `stage_choices`
+    ("max" = the deepest that fits): what a tuner times."""
+    shapes = [(rows, cols, False) for rows, cols in itertools.product(ROW_TILES, COL_TILES)]
+    shapes += [
+        (rows, cols, True) for rows, cols in itertools.product(SWAP_ROW_TILES, SWAP_COL_TILES)
+    ]
+    candidates = []
+    for tile_rows, tile_cols, swap_ab in shapes:
+        base = GemmKnobs(tile_rows=tile_rows, tile_cols=tile_cols, swap_ab=swap_ab)
+        depths = {
+            max_stages(base, op) if choice == "max" else int(choice) for choice in stage_choices
+        }
+        for stages in sorted(depths):
+            knobs = replace(base, stages=stages)
+            if not knob_problems(knobs, op):
+                candidates.append(knobs)
+    return candidates

@@ -14,6 +14,7 @@ import torch
 
 from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.experts.base import check_batch_matches_weights
+from megamoe_runtime.tuning.cache import KnobCache
 from megamoe_runtime.weights import Unquantized
 
 
@@ -56,11 +57,33 @@ class CuteDSLWeights:
 
 class CuteDSLExperts:
     name = "cutedsl"
+    supports_autograd = False
 
-    def __init__(self, *, gate_up_knobs=None, down_knobs=None):
-        # None: the default profile for the batch's rows per expert
+    def __init__(self, *, gate_up_knobs=None, down_knobs=None, knob_cache: KnobCache | None = None):
+        # None: tuned knobs from the knob cache (`megamoe tune`) if it holds the batch's class,
+        # else the kernels' default profile for the batch's rows per expert
         self.gate_up_knobs = gate_up_knobs
         self.down_knobs = down_knobs
+        self.knob_cache = KnobCache() if knob_cache is None else knob_cache
+        self._tuned: dict[tuple, object] = {}
+
+    def _cached_knobs(self, op: str, batch: ExpertBatch, weight_dims: tuple[int, int]):
+        """Looked up once per batch class; later calls cost one dict lookup."""
+        device, dtype = batch.rows_MH.device, batch.rows_MH.dtype
+        memo = (op, device, dtype, weight_dims, batch.capacity, batch.num_experts)
+        if memo not in self._tuned:
+            from megamoe_runtime.tuning.expert_knobs import gemm_key, knobs_from_cache
+
+            key = gemm_key(
+                op,
+                device=device,
+                dtype=dtype,
+                weight_dims=weight_dims,
+                capacity=batch.capacity,
+                num_experts=batch.num_experts,
+            )
+            self._tuned[memo] = knobs_from_cache(self.knob_cache, key)
+        return self._tuned[memo]
 
     def prepare(self, weights: Unquantized) -> CuteDSLWeights:
         from megamoe_kernels import interleave_gate_up
@@ -87,13 +110,18 @@ class CuteDSLExperts:
                 f"prepared must come from CuteDSLExperts.prepare, got {type(prepared).__name__}"
             )
         check_batch_matches_weights(batch, prepared)
+        _, hidden, intermediate = prepared.w2_EHI.shape
+        gate_up_knobs = self.gate_up_knobs or self._cached_knobs(
+            "gate_up", batch, (2 * intermediate, hidden)
+        )
+        down_knobs = self.down_knobs or self._cached_knobs("down", batch, (hidden, intermediate))
         hidden_MI = gate_up_swiglu(
-            batch.rows_MH, batch.expert_offsets, prepared.w13_EB2GH, knobs=self.gate_up_knobs
+            batch.rows_MH, batch.expert_offsets, prepared.w13_EB2GH, knobs=gate_up_knobs
         )
         return down(
             hidden_MI,
             batch.expert_offsets,
             prepared.w2_EHI,
             row_scale_M=row_scale_M,
-            knobs=self.down_knobs,
+            knobs=down_knobs,
         )

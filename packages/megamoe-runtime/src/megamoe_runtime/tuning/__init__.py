@@ -1,4 +1,8 @@
-"""Tuning: a persistent knob cache and (collective) autotuning over candidate knobs."""
+"""Tuning: a persistent knob cache and (collective) autotuning over candidate knobs.
+
+The cutedsl-specific parts (candidate GemmKnobs, cache keys, the offline tuner) live in
+`megamoe_runtime.tuning.expert_knobs`, imported on demand.
+"""
 
 from megamoe_runtime.tuning.autotune import pick_fastest
 from megamoe_runtime.tuning.cache import (

@@ -1,0 +1,74 @@
+import torch
+from megamoe_kernels import candidate_knobs, knob_problems
+from megamoe_runtime.expert_batch import ExpertBatch
+from megamoe_runtime.experts.cutedsl import CuteDSLExperts
+from megamoe_runtime.tuning import KnobCache
+from megamoe_runtime.tuning.expert_knobs import (
+    gemm_key,
+    knobs_from_cache,
+    tune_gemm,
+)
+
+
+def test_candidates_are_valid_and_cover_both_orientations():
+    for op in ("gate_up", "down"):
+        candidates = candidate_knobs(op)
+        assert candidates and all(not knob_problems(knobs, op) for knobs in candidates)
+        assert {knobs.swap_ab for knobs in candidates} == {True, False}
+        assert len(set(candidates)) == len(candidates)
+
+
+def test_tuner_stores_the_fastest_and_the_backend_reads_it(tmp_path):
+    cache = KnobCache(tmp_path / "knobs.json")
+    batch = ExpertBatch(
+        rows_MH=torch.randn(64, 256), expert_offsets=torch.tensor([0, 30, 64], dtype=torch.int32)
+    )
+    key = gemm_key(
+        "down",
+        device=batch.rows_MH.device,
+        dtype=torch.float32,
+        weight_dims=(256, 128),
+        capacity=batch.capacity,
+        num_experts=batch.num_experts,
+    )
+    candidates = candidate_knobs("down")
+    fastest = candidates[len(candidates) // 2]
+    best, seconds = tune_gemm(
+        "down",
+        key=key,
+        cache=cache,
+        candidates=candidates,
+        seconds_of=lambda knobs: 1.0 if knobs == fastest else 2.0,
+    )
+    assert best == fastest and seconds == 1.0
+    assert knobs_from_cache(KnobCache(cache.path), key) == fastest
+    backend = CuteDSLExperts(knob_cache=KnobCache(cache.path))
+    assert backend._cached_knobs("down", batch, (256, 128)) == fastest
+    assert backend._cached_knobs("gate_up", batch, (256, 256)) is None  # not tuned: defaults
+
+
+def test_a_cached_entry_that_became_invalid_is_ignored(tmp_path):
+    cache = KnobCache(tmp_path / "knobs.json")
+    key = gemm_key(
+        "gate_up",
+        device=torch.device("cpu"),
+        dtype=torch.bfloat16,
+        weight_dims=(1536, 2048),
+        capacity=128,
+        num_experts=128,
+    )
+    cache.put(
+        key,
+        {
+            "tile_rows": 48,
+            "tile_cols": 256,
+            "stages": 4,
+            "swap_ab": False,
+            "cluster": [1, 1],
+            "rows_fastest": True,
+        },
+        microseconds=1.0,
+    )
+    assert knobs_from_cache(cache, key) is None
+    cache.put(key, {"no_such_knob": 1}, microseconds=1.0)
+    assert knobs_from_cache(KnobCache(cache.path), key) is None
