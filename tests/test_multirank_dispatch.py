@@ -20,8 +20,16 @@ NUM_EXPERTS = 16
 TOP_K = 4
 
 
+# the nvshmem dispatcher's variants: every pair's row over NVLink on its own (no staging), and
+# the partial-sum combine
+NVSHMEM_OPTIONS = {
+    "nvshmem-direct": {"stage_remote_rows": False},
+    "nvshmem-partial": {"combine_partial_sums": True},
+}
+
+
 def make_dispatcher(kind: str, device: torch.device, dtype: torch.dtype, max_tokens: int):
-    if kind == "nvshmem-direct":  # every pair's row over NVLink on its own, no staging
+    if kind in NVSHMEM_OPTIONS:
         from megamoe_runtime.dispatch.symmetric import SymmetricDispatcher
 
         return SymmetricDispatcher(
@@ -32,7 +40,7 @@ def make_dispatcher(kind: str, device: torch.device, dtype: torch.dtype, max_tok
             device=device,
             process_group=torch.distributed.group.WORLD,
             max_tokens_per_rank=max_tokens,
-            stage_remote_rows=False,
+            **NVSHMEM_OPTIONS[kind],
         )
     return make_expert_parallel_dispatcher(
         kind,
@@ -90,10 +98,14 @@ def check_against_single_gpu(
         assert torch.equal(batch.rows_MH[:valid], expected_rows), (rank, repeat)
         y_TH = dispatcher.combine(stand_in_experts(batch.rows_MH), handle)
         first = sum(tokens_per_rank[:rank])
-        assert torch.equal(y_TH, single_y[first : first + tokens_per_rank[rank]]), (rank, repeat)
+        expected_y = single_y[first : first + tokens_per_rank[rank]]
+        if kind == "nvshmem-partial":  # owners' bf16 partials: one more rounding, other order
+            torch.testing.assert_close(y_TH, expected_y, rtol=2e-2, atol=2e-2)
+        else:
+            assert torch.equal(y_TH, expected_y), (rank, repeat)
 
 
-KINDS = ["torch", "nvshmem", "nvshmem-direct"]
+KINDS = ["torch", "nvshmem", *NVSHMEM_OPTIONS]
 
 
 def skip_unless_runnable(multirank, kind: str) -> None:

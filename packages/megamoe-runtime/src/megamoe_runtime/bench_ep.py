@@ -10,7 +10,8 @@ Run on the GPUs of one host, one rank per GPU:
 Per token count (per rank; hidden 7168, top-8 of 256 experts, random routing, bf16):
 - nvshmem: dispatch alone and combine alone, each captured in a CUDA graph and replayed back to
   back (events around each replay; median over iterations; slowest rank); "direct" is the
-  dispatch without staging (every pair's row over NVLink);
+  dispatch without staging (every pair's row over NVLink), "partial" the combine with
+  owner-side partial sums (one row per token and owner over NVLink);
 - torch: the all_to_all_single reference dispatcher's dispatch and combine (eager: it syncs);
 - a2a: one NCCL all_to_all_single of the dispatch payload (rows sorted by destination, splits
   known), the floor of any all_to_all-based dispatch.
@@ -156,7 +157,7 @@ def run(token_counts: list[int], *, iterations: int = 30) -> list[dict]:
     """Benchmarks every token count; every rank returns the same rows (slowest rank's times)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
-    symmetric, direct = (
+    symmetric, direct, partial = (
         SymmetricDispatcher(
             NUM_EXPERTS,
             top_k=TOP_K,
@@ -166,9 +167,13 @@ def run(token_counts: list[int], *, iterations: int = 30) -> list[dict]:
             process_group=dist.group.WORLD,
             max_tokens_per_rank=max(token_counts),
             layer_name="bench",
-            stage_remote_rows=stage,
+            **options,
         )
-        for stage in (True, False)
+        for options in (
+            {},
+            {"stage_remote_rows": False},
+            {"combine_partial_sums": True},
+        )
     )
     reference = TorchDistributedDispatcher(NUM_EXPERTS, check_ids=False)
     rows = []
@@ -179,6 +184,7 @@ def run(token_counts: list[int], *, iterations: int = 30) -> list[dict]:
             symmetric, x_TH, ids_TK, weights_TK, iterations
         )
         direct_dispatch, _, y_direct = _time_graphs(direct, x_TH, ids_TK, weights_TK, iterations)
+        _, partial_combine, y_partial = _time_graphs(partial, x_TH, ids_TK, weights_TK, iterations)
         torch_dispatch, torch_combine, y_torch = _time_torch_reference(
             reference, x_TH, ids_TK, weights_TK, max(5, iterations // 3)
         )
@@ -188,6 +194,7 @@ def run(token_counts: list[int], *, iterations: int = 30) -> list[dict]:
                 (y_nv.float() - y_torch.float()).abs().max().item() if tokens else 0.0,
                 (y_direct.float() - y_torch.float()).abs().max().item() if tokens else 0.0,
                 float((y_nv != y_torch).sum()),
+                (y_partial.float() - y_torch.float()).abs().max().item() if tokens else 0.0,
             ],
             device=device,
         )
@@ -201,15 +208,18 @@ def run(token_counts: list[int], *, iterations: int = 30) -> list[dict]:
             "torch_combine_us": _slowest(torch_combine) * 1e3,
             "nccl_all_to_all_us": _slowest(a2a) * 1e3,
             **traffic,
-            "combine_equals_reference_bitwise": bool(differences.abs().max().item() == 0),
+            "combine_equals_reference_bitwise": bool(differences[:3].abs().max().item() == 0),
             "max_abs_difference_staged": differences[0].item(),
             "max_abs_difference_direct": differences[1].item(),
             "elements_differing_staged": int(differences[2].item()),
+            "nvshmem_partial_combine_us": _slowest(partial_combine) * 1e3,
+            "max_abs_difference_partial": differences[3].item(),
         }
         for step, nvlink_bytes in (
             ("dispatch", traffic["nvlink_token_bytes"]),
             ("direct_dispatch", traffic["nvlink_pair_bytes"]),
             ("combine", traffic["nvlink_pair_bytes"]),
+            ("partial_combine", traffic["nvlink_token_bytes"]),
         ):
             seconds = row[f"nvshmem_{step}_us"] * 1e-6
             row[f"nvshmem_{step}_nvlink_gbps"] = nvlink_bytes / seconds / 1e9
@@ -290,10 +300,10 @@ def run_layer(token_counts: list[int], *, iterations: int = 10) -> list[dict]:
 def format_table(rows: list[dict]) -> str:
     header = (
         "| tokens | dispatch us | NVLink GB/s | DeepEP GB/s | direct dispatch us | NVLink GB/s "
-        "| combine us | NVLink GB/s | DeepEP GB/s | torch dispatch us | torch combine us "
-        "| NCCL a2a us | bitwise |"
+        "| combine us | NVLink GB/s | DeepEP GB/s | partial combine us | DeepEP GB/s "
+        "| torch dispatch us | torch combine us | NCCL a2a us | bitwise |"
     )
-    lines = [header, "|" + "---|" * 13]
+    lines = [header, "|" + "---|" * 15]
     for r in rows:
         lines.append(
             f"| {r['tokens']} | {r['nvshmem_dispatch_us']:.1f} | "
@@ -301,7 +311,8 @@ def format_table(rows: list[dict]) -> str:
             f"{r['nvshmem_direct_dispatch_us']:.1f} | "
             f"{r['nvshmem_direct_dispatch_nvlink_gbps']:.0f} | "
             f"{r['nvshmem_combine_us']:.1f} | {r['nvshmem_combine_nvlink_gbps']:.0f} | "
-            f"{r['nvshmem_combine_deepep_gbps']:.0f} | {r['torch_dispatch_us']:.1f} | "
+            f"{r['nvshmem_combine_deepep_gbps']:.0f} | {r['nvshmem_partial_combine_us']:.1f} | "
+            f"{r['nvshmem_partial_combine_deepep_gbps']:.0f} | {r['torch_dispatch_us']:.1f} | "
             f"{r['torch_combine_us']:.1f} | {r['nccl_all_to_all_us']:.1f} | "
             f"{r['combine_equals_reference_bitwise']} |"
         )

@@ -12,6 +12,14 @@ of the hidden dimension, weight[t, k] x returned[t x top_k + k] over k = 0 .. to
 order in fp32, and stores the bf16 result: the order of the single-GPU combine, so the result
 does not depend on the expert-parallel degree or on timing.
 
+The partial-sum combine (fewer NVLink bytes, not the single-GPU order):
+combine_partial (on the owner): the warp of a token's lowest-k row here sums weight x output over
+all of the token's pairs on this rank (k order, fp32, from the pair tables dispatch wrote) and
+writes the bf16 partial to its source's partials [world x max_tokens, hidden] at (rank, token):
+one row per (token, owner) crosses NVLink. combine_partial_sum (on the source): waits, then sums
+the partials of the owners each token touched, in rank order, in fp32. Deterministic; the bf16
+partials round once more than the exact combine.
+
 Layouts: expert_out [capacity, hidden] and returned [max_pairs, hidden] bf16 row-major, weights
 float32 [tokens, top_k], y bf16 [tokens, hidden]; hidden a multiple of 8, rows 16-byte aligned.
 """
@@ -22,6 +30,7 @@ from cutlass._mlir.dialects import llvm
 
 from .ep_dispatch import copy_row
 from .ep_sync import (
+    BUFFER_PARTIALS,
     BUFFER_RETURNED,
     BUFFER_SIGNALS,
     PHASE_RETURNED,
@@ -208,6 +217,227 @@ def combine_reduce(
         tokens,
         hidden,
         world,
+        adds_per_epoch,
+        timeout_ns,
+        top_k,
+    ).launch(grid=[grid, 1, 1], block=[REDUCE_WARPS * 32, 1, 1], stream=stream)
+
+
+@cute.jit
+def accumulate_chunk(total, contribution, row_address, weight):
+    """total += weight x (8 bf16 at row_address) in fp32, each product rounded on its own."""
+    source = cute.make_tensor(
+        global_ptr(cutlass.BFloat16, row_address, 16), cute.make_layout(CHUNK)
+    )
+    contribution.store(source.load().to(cutlass.Float32))
+    for i in cutlass.range_constexpr(CHUNK):
+        total[i] = total[i] + multiply_rounded(contribution[i], weight)
+
+
+@cute.kernel
+def combine_partial_kernel(
+    expert_out_address: cutlass.Int64,
+    expert_offsets_address: cutlass.Int64,
+    row_sources_address: cutlass.Int64,
+    pair_rows_address: cutlass.Int64,
+    pair_weights_address: cutlass.Int64,
+    peer_table_address: cutlass.Int64,
+    local_experts: cutlass.Int32,
+    hidden: cutlass.Int32,
+    capacity: cutlass.Int32,
+    max_tokens: cutlass.Int32,
+    rank: cutlass.Int32,
+    world: cutlass.Int32,
+    top_k: cutlass.Constexpr,
+):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    grid, _, _ = cute.arch.grid_dim()
+    warp, lane = tidx // 32, tidx % 32
+    peer_table = global_ptr(cutlass.Int64, peer_table_address, 8)
+    valid_rows = cute.arch.load(
+        global_ptr(cutlass.Int32, expert_offsets_address, 4) + local_experts, cutlass.Int32
+    )
+    if valid_rows > capacity:
+        valid_rows = capacity
+    row_sources = global_ptr(cutlass.Int32, row_sources_address, 8)
+    pair_rows = global_ptr(cutlass.Int32, pair_rows_address, 4)
+    pair_weights = global_ptr(cutlass.Float32, pair_weights_address, 4)
+    row_bytes = cutlass.Int64(hidden) * 2
+    for row in range(bidx * PUSH_WARPS + warp, valid_rows, grid * PUSH_WARPS):
+        source = cute.arch.load(row_sources + row * 2, cutlass.Int32)
+        pair = cute.arch.load(row_sources + (row * 2 + 1), cutlass.Int32)
+        token = pair // top_k
+        table = (source * max_tokens + token) * top_k
+        # the token's lowest k here leads: it sums all of the token's pairs on this rank
+        leader = cutlass.Int32(1)
+        for k in range(pair - token * top_k):
+            if cute.arch.load(pair_rows + (table + k), cutlass.Int32) >= 0:
+                leader = cutlass.Int32(0)
+        if leader == 1:
+            partial_row = cutlass.Int64(rank) * max_tokens + token
+            partials = peer_address(peer_table, BUFFER_PARTIALS, world, source)
+            for chunk in range(lane, hidden // CHUNK, 32):
+                chunk_bytes = cutlass.Int64(chunk) * (CHUNK * 2)
+                total = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
+                total.fill(0.0)
+                contribution = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
+                for k in cutlass.range_constexpr(top_k):
+                    batch_row = cute.arch.load(pair_rows + (table + k), cutlass.Int32)
+                    if batch_row >= 0:
+                        if batch_row < capacity:
+                            accumulate_chunk(
+                                total,
+                                contribution,
+                                expert_out_address + cutlass.Int64(batch_row) * row_bytes + chunk_bytes,
+                                cute.arch.load(pair_weights + (table + k), cutlass.Float32),
+                            )
+                destination = cute.make_tensor(
+                    global_ptr(
+                        cutlass.BFloat16, partials + partial_row * row_bytes + chunk_bytes, 16
+                    ),
+                    cute.make_layout(CHUNK),
+                )
+                destination.store(total.load().to(cutlass.BFloat16))
+    cute.arch.fence_acq_rel_sys()  # every writer releases its stores
+    cute.arch.sync_threads()
+    if tidx < world:
+        signal_peer(peer_table, BUFFER_SIGNALS, world, tidx, PHASE_RETURNED, rank)
+
+
+@cute.jit
+def combine_partial(
+    expert_out_address: cutlass.Int64,
+    expert_offsets_address: cutlass.Int64,
+    row_sources_address: cutlass.Int64,
+    pair_rows_address: cutlass.Int64,
+    pair_weights_address: cutlass.Int64,
+    peer_table_address: cutlass.Int64,
+    local_experts: cutlass.Int32,
+    hidden: cutlass.Int32,
+    capacity: cutlass.Int32,
+    max_tokens: cutlass.Int32,
+    rank: cutlass.Int32,
+    world: cutlass.Int32,
+    top_k: cutlass.Constexpr,
+    grid: cutlass.Constexpr,
+    stream,
+):
+    combine_partial_kernel(
+        expert_out_address,
+        expert_offsets_address,
+        row_sources_address,
+        pair_rows_address,
+        pair_weights_address,
+        peer_table_address,
+        local_experts,
+        hidden,
+        capacity,
+        max_tokens,
+        rank,
+        world,
+        top_k,
+    ).launch(grid=[grid, 1, 1], block=[PUSH_WARPS * 32, 1, 1], stream=stream)
+
+
+@cute.kernel
+def combine_partial_sum_kernel(
+    partials_address: cutlass.Int64,
+    expert_of_pair_address: cutlass.Int64,
+    y_address: cutlass.Int64,
+    signals_address: cutlass.Int64,
+    epoch_address: cutlass.Int64,
+    status_address: cutlass.Int64,
+    tokens: cutlass.Int32,
+    hidden: cutlass.Int32,
+    world: cutlass.Int32,
+    local_experts: cutlass.Int32,
+    max_tokens: cutlass.Int32,
+    adds_per_epoch: cutlass.Int32,
+    timeout_ns: cutlass.Int64,
+    top_k: cutlass.Constexpr,
+):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    grid, _, _ = cute.arch.grid_dim()
+    warp, lane = tidx // 32, tidx % 32
+    epoch = cute.arch.load(global_ptr(cutlass.Int64, epoch_address, 8), cutlass.Int64)
+    if tidx < world:
+        target = epoch * cutlass.Int64(adds_per_epoch)
+        wait_signal(
+            signals_address, status_address, world, PHASE_RETURNED, tidx, target, epoch, timeout_ns
+        )
+    cute.arch.sync_threads()
+    cute.arch.fence_acq_rel_sys()
+    expert_of_pair = global_ptr(cutlass.Int32, expert_of_pair_address, 4)
+    row_bytes = cutlass.Int64(hidden) * 2
+    for token in range(bidx * REDUCE_WARPS + warp, tokens, grid * REDUCE_WARPS):
+        for chunk in range(lane, hidden // CHUNK, 32):
+            chunk_bytes = cutlass.Int64(chunk) * (CHUNK * 2)
+            total = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
+            total.fill(0.0)
+            contribution = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
+            for owner in range(world):  # owners in rank order: a fixed summation order
+                touched = cutlass.Int32(0)
+                for k in cutlass.range_constexpr(top_k):
+                    expert = cute.arch.load(expert_of_pair + (token * top_k + k), cutlass.Int32)
+                    if expert // local_experts == owner:
+                        touched = cutlass.Int32(1)
+                if touched == 1:
+                    partial_row = cutlass.Int64(owner) * max_tokens + token
+                    source = cute.make_tensor(
+                        global_ptr(
+                            cutlass.BFloat16,
+                            partials_address + partial_row * row_bytes + chunk_bytes,
+                            16,
+                        ),
+                        cute.make_layout(CHUNK),
+                    )
+                    contribution.store(source.load().to(cutlass.Float32))
+                    for i in cutlass.range_constexpr(CHUNK):
+                        total[i] = total[i] + contribution[i]
+            destination = cute.make_tensor(
+                global_ptr(
+                    cutlass.BFloat16,
+                    y_address + cutlass.Int64(token) * row_bytes + chunk_bytes,
+                    16,
+                ),
+                cute.make_layout(CHUNK),
+            )
+            destination.store(total.load().to(cutlass.BFloat16))
+
+
+@cute.jit
+def combine_partial_sum(
+    partials_address: cutlass.Int64,
+    expert_of_pair_address: cutlass.Int64,
+    y_address: cutlass.Int64,
+    signals_address: cutlass.Int64,
+    epoch_address: cutlass.Int64,
+    status_address: cutlass.Int64,
+    tokens: cutlass.Int32,
+    hidden: cutlass.Int32,
+    world: cutlass.Int32,
+    local_experts: cutlass.Int32,
+    max_tokens: cutlass.Int32,
+    adds_per_epoch: cutlass.Int32,
+    timeout_ns: cutlass.Int64,
+    top_k: cutlass.Constexpr,
+    grid: cutlass.Constexpr,
+    stream,
+):
+    combine_partial_sum_kernel(
+        partials_address,
+        expert_of_pair_address,
+        y_address,
+        signals_address,
+        epoch_address,
+        status_address,
+        tokens,
+        hidden,
+        world,
+        local_experts,
+        max_tokens,
         adds_per_epoch,
         timeout_ns,
         top_k,

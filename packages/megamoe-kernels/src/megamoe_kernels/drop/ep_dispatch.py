@@ -22,6 +22,10 @@ rows [world, max_tokens, hidden] at (rank, token), so a token crosses NVLink onc
 skipped. Each CTA then signals PHASE_ROWS on every peer once, so a receiver expects grid x epoch
 adds per source.
 
+With `pair_tables` (for the partial-sum combine), a token's first pair for an owner also writes
+the owner's table entries (source, token, k) for all k: the batch row there (or -1) and the
+routing weight, in int32 / float32 [world, max_tokens, top_k].
+
 expand_staged_rows (persistent grid, on the owner, after the PHASE_ROWS wait): one warp per valid
 batch row from another rank copies its staged token row into the batch (local HBM).
 
@@ -35,6 +39,8 @@ from cutlass._mlir import ir
 
 from .ep_sync import (
     BUFFER_COUNTS,
+    BUFFER_PAIR_ROWS,
+    BUFFER_PAIR_WEIGHTS,
     BUFFER_ROW_SOURCES,
     BUFFER_ROWS,
     BUFFER_SIGNALS,
@@ -276,6 +282,8 @@ def dispatch_rows_kernel(
     world: cutlass.Int32,
     max_tokens: cutlass.Int32,
     stage_remote: cutlass.Int32,
+    weights_address: cutlass.Int64,
+    pair_tables: cutlass.Int32,
     unroll: cutlass.Constexpr,
 ):
     tidx, _, _ = cute.arch.thread_idx()
@@ -285,21 +293,19 @@ def dispatch_rows_kernel(
     peer_table = global_ptr(cutlass.Int64, peer_table_address, 8)
     expert_of_pair = global_ptr(cutlass.Int32, expert_of_pair_address, 4)
     dest_row = global_ptr(cutlass.Int32, dest_row_address, 4)
+    weights = global_ptr(cutlass.Float32, weights_address, 4)
     row_bytes = cutlass.Int64(row_vectors) * 16
     for pair in range(bidx * ROWS_WARPS + warp, num_pairs, grid * ROWS_WARPS):
         owner = cute.arch.load(expert_of_pair + pair, cutlass.Int32) // local_experts
         row = cute.arch.load(dest_row + pair, cutlass.Int32)
         token = pair // top_k
         token_row = x_address + cutlass.Int64(token) * row_bytes
+        first_for_owner = cutlass.Int32(1)
+        for earlier in range(token * top_k, pair):
+            if cute.arch.load(expert_of_pair + earlier, cutlass.Int32) // local_experts == owner:
+                first_for_owner = cutlass.Int32(0)
         if owner != rank and stage_remote != 0:
             # the token crosses NVLink once per owner: its first pair for that owner stages it
-            first_for_owner = cutlass.Int32(1)
-            for earlier in range(token * top_k, pair):
-                if (
-                    cute.arch.load(expert_of_pair + earlier, cutlass.Int32) // local_experts
-                    == owner
-                ):
-                    first_for_owner = cutlass.Int32(0)
             if first_for_owner == 1:
                 staged_base = peer_address(peer_table, BUFFER_STAGED, world, owner)
                 staged_row = cutlass.Int64(rank) * max_tokens + token
@@ -316,6 +322,24 @@ def dispatch_rows_kernel(
                 )
                 cute.arch.store(sources + row * 2, rank)
                 cute.arch.store(sources + (row * 2 + 1), pair)
+        if pair_tables != 0 and first_for_owner == 1:
+            # the owner's table of this token: for each k, its batch row there (or -1) and weight
+            if lane < top_k:
+                other = token * top_k + lane
+                other_row = cutlass.Int32(-1)
+                other_weight = cutlass.Float32(0.0)
+                if cute.arch.load(expert_of_pair + other, cutlass.Int32) // local_experts == owner:
+                    other_row = cute.arch.load(dest_row + other, cutlass.Int32)
+                    other_weight = cute.arch.load(weights + other, cutlass.Float32)
+                entry = (rank * max_tokens + token) * top_k + lane
+                table_rows = global_ptr(
+                    cutlass.Int32, peer_address(peer_table, BUFFER_PAIR_ROWS, world, owner), 4
+                )
+                table_weights = global_ptr(
+                    cutlass.Float32, peer_address(peer_table, BUFFER_PAIR_WEIGHTS, world, owner), 4
+                )
+                cute.arch.store(table_rows + entry, other_row)
+                cute.arch.store(table_weights + entry, other_weight)
     cute.arch.fence_acq_rel_sys()  # every writer releases its stores
     cute.arch.sync_threads()
     if tidx < world:
@@ -337,6 +361,8 @@ def dispatch_rows(
     world: cutlass.Int32,
     max_tokens: cutlass.Int32,
     stage_remote: cutlass.Int32,
+    weights_address: cutlass.Int64,
+    pair_tables: cutlass.Int32,
     grid: cutlass.Constexpr,
     unroll: cutlass.Constexpr,
     stream,
@@ -355,6 +381,8 @@ def dispatch_rows(
         world,
         max_tokens,
         stage_remote,
+        weights_address,
+        pair_tables,
         unroll,
     ).launch(grid=[grid, 1, 1], block=[ROWS_WARPS * 32, 1, 1], stream=stream)
 

@@ -31,7 +31,12 @@ BUFFER_ROWS = 2  # [capacity, hidden]: the receiver's expert-major batch
 BUFFER_ROW_SOURCES = 3  # int32 [capacity, 2]: (source rank, source pair) of each batch row
 BUFFER_RETURNED = 4  # [max_tokens x top_k, hidden]: expert outputs back at the source, by pair
 BUFFER_STAGED = 5  # [world x max_tokens, hidden]: token rows from each source, once per owner
-NUM_BUFFERS = 6
+# the partial-sum combine: per (source, token, k) the owner's batch row (or -1) and the weight;
+# per (owner, token) the owner's weighted sum, back at the source
+BUFFER_PAIR_ROWS = 6  # int32 [world, max_tokens, top_k]
+BUFFER_PAIR_WEIGHTS = 7  # float32 [world, max_tokens, top_k]
+BUFFER_PARTIALS = 8  # [world x max_tokens, hidden]
+NUM_BUFFERS = 9
 
 
 def global_ptr(dtype, address, align):

@@ -27,9 +27,19 @@ _KERNELS = {
         "exchange_and_place",
         ("i64",) * 7 + ("i32",) * 6 + ("i64",),
     ),
-    "dispatch_rows": ("ep_dispatch", "dispatch_rows", ("i64",) * 4 + ("i32",) * 9),
+    "dispatch_rows": (
+        "ep_dispatch",
+        "dispatch_rows",
+        ("i64",) * 4 + ("i32",) * 9 + ("i64", "i32"),
+    ),
     "expand_staged_rows": ("ep_dispatch", "expand_staged_rows", ("i64",) * 4 + ("i32",) * 6),
     "combine_push": ("ep_combine", "combine_push", ("i64",) * 4 + ("i32",) * 5),
+    "combine_partial": ("ep_combine", "combine_partial", ("i64",) * 6 + ("i32",) * 6),
+    "combine_partial_sum": (
+        "ep_combine",
+        "combine_partial_sum",
+        ("i64",) * 6 + ("i32",) * 6 + ("i64",),
+    ),
     "combine_reduce": (
         "ep_combine",
         "combine_reduce",
@@ -64,6 +74,9 @@ def layout() -> dict[str, int]:
         "row_sources": sync.BUFFER_ROW_SOURCES,
         "returned": sync.BUFFER_RETURNED,
         "staged": sync.BUFFER_STAGED,
+        "pair_rows": sync.BUFFER_PAIR_ROWS,
+        "pair_weights": sync.BUFFER_PAIR_WEIGHTS,
+        "partials": sync.BUFFER_PARTIALS,
         "num_buffers": sync.NUM_BUFFERS,
         "num_phases": sync.NUM_PHASES,
         "status_words": sync.STATUS_WORDS,
@@ -139,6 +152,8 @@ def compile_all(*, top_k: int, grid: int, row_bytes: int = 7168 * 2) -> int:
     _compiled("expand_staged_rows", (grid, unroll), fake=True)
     _compiled("combine_push", (grid, unroll), fake=True)
     _compiled("combine_reduce", (top_k, grid), fake=True)
+    _compiled("combine_partial", (top_k, grid), fake=True)
+    _compiled("combine_partial_sum", (top_k, grid), fake=True)
     return len(_COMPILED)
 
 
@@ -203,6 +218,8 @@ def dispatch_rows(
     world: int,
     max_tokens: int,
     stage_remote: bool,
+    weights_address: int = 0,
+    pair_tables: bool = False,
     grid: int,
 ) -> None:
     """Sends every pair's token row to its owner (into its batch row, or staged once per owner
@@ -221,6 +238,8 @@ def dispatch_rows(
         world,
         max_tokens,
         int(stage_remote),
+        weights_address,
+        int(pair_tables),
         _stream(),
     )
 
@@ -343,3 +362,77 @@ def combine_reduce(
 
 def cached_kernel_count() -> int:
     return len(_COMPILED)
+
+
+def combine_partial(
+    expert_out_address: int,
+    expert_offsets_address: int,
+    row_sources_address: int,
+    pair_rows_address: int,
+    pair_weights_address: int,
+    *,
+    peer_table_address: int,
+    local_experts: int,
+    hidden: int,
+    capacity: int,
+    max_tokens: int,
+    rank: int,
+    world: int,
+    top_k: int,
+    grid: int,
+) -> None:
+    """On the owner: one weighted partial sum per (token, source) into the source's partials."""
+    if hidden % 8:
+        raise ValueError(f"hidden must be a multiple of 8, got {hidden}")
+    _compiled("combine_partial", (top_k, grid))(
+        expert_out_address,
+        expert_offsets_address,
+        row_sources_address,
+        pair_rows_address,
+        pair_weights_address,
+        peer_table_address,
+        local_experts,
+        hidden,
+        capacity,
+        max_tokens,
+        rank,
+        world,
+        _stream(),
+    )
+
+
+def combine_partial_sum(
+    partials_address: int,
+    expert_of_pair_address: int,
+    y_address: int,
+    *,
+    signals_address: int,
+    epoch_address: int,
+    status_address: int,
+    tokens: int,
+    hidden: int,
+    world: int,
+    local_experts: int,
+    max_tokens: int,
+    adds_per_epoch: int,
+    timeout_ns: int,
+    top_k: int,
+    grid: int,
+) -> None:
+    """On the source: waits for every owner, then sums each token's partials in rank order."""
+    _compiled("combine_partial_sum", (top_k, grid))(
+        partials_address,
+        expert_of_pair_address,
+        y_address,
+        signals_address,
+        epoch_address,
+        status_address,
+        tokens,
+        hidden,
+        world,
+        local_experts,
+        max_tokens,
+        adds_per_epoch,
+        timeout_ns,
+        _stream(),
+    )

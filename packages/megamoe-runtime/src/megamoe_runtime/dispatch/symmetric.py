@@ -55,6 +55,7 @@ class SymmetricHandle:
 
     tokens: int
     weights_TK: torch.Tensor  # float32, contiguous
+    expert_of_pair_P: torch.Tensor  # int32
     expert_offsets: torch.Tensor
     output_dtype: torch.dtype
 
@@ -69,6 +70,12 @@ class SymmetricDispatcher:
     `stage_remote_rows` (default): a token crosses NVLink once per owner rank, into the owner's
     staged rows, and the owner expands it into its batch rows locally (HBM is ~10x NVLink);
     off, every (token, expert) pair's row crosses NVLink on its own, straight into the batch.
+
+    `combine_partial_sums` (off by default): each owner sums its share of a token's top-k
+    (weights applied, fp32, k order) and one bf16 row per (token, owner) crosses NVLink instead
+    of one per pair; the source adds the owners' partials in rank order. Deterministic, ~K x W
+    fewer combine bytes, but not the single-GPU summation order (one more bf16 rounding), so
+    EP=W no longer equals EP=1 bitwise.
     """
 
     def __init__(
@@ -86,6 +93,7 @@ class SymmetricDispatcher:
         timeout_s: float | None = None,
         pool: str = "default",
         stage_remote_rows: bool = True,
+        combine_partial_sums: bool = False,
     ):
         device = torch.device(device)
         if dtype != torch.bfloat16:
@@ -112,6 +120,7 @@ class SymmetricDispatcher:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.layer_name = layer_name
         self.stage_remote_rows = stage_remote_rows
+        self.combine_partial_sums = combine_partial_sums
         if timeout_s is None:
             timeout_s = float(os.environ.get("MEGAMOE_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         self.timeout_s = timeout_s
@@ -137,13 +146,18 @@ class SymmetricDispatcher:
             "returned": ((self.max_tokens_per_rank * self.top_k, self.hidden_size), self.dtype),
             "staged": ((world * self.max_tokens_per_rank, self.hidden_size), self.dtype),
         }
+        if self.combine_partial_sums:
+            slots = world * self.max_tokens_per_rank
+            shapes["pair_rows"] = ((slots * self.top_k,), torch.int32)
+            shapes["pair_weights"] = ((slots * self.top_k,), torch.float32)
+            shapes["partials"] = ((slots, self.hidden_size), self.dtype)
         # separate from the signals: each rank bumps its own epoch copy, nobody else writes it
         self.epoch = workspace.buffer("ep.epoch", (1,), torch.int64)
         self.buffers = {
             name: workspace.buffer(f"ep.{name}", shape, dtype)
             for name, (shape, dtype) in shapes.items()
         }
-        table_WW = torch.empty(layout["num_buffers"], world, dtype=torch.int64, device=self.device)
+        table_WW = torch.zeros(layout["num_buffers"], world, dtype=torch.int64, device=self.device)
         for name in shapes:
             table_WW[layout[name]] = workspace.peer_addresses(f"ep.{name}")
         self.peer_table = table_WW
@@ -197,6 +211,7 @@ class SymmetricDispatcher:
         world, local = self.world_size, self.num_local_experts
         x_TH = x_TH.contiguous()
         expert_of_pair_P = topk_ids_TK.reshape(-1).to(torch.int32).contiguous()
+        weights_TK = topk_weights_TK.float().contiguous()
         num_pairs = expert_of_pair_P.numel()
 
         dest_row_P = torch.empty(num_pairs, dtype=torch.int32, device=self.device)
@@ -233,6 +248,8 @@ class SymmetricDispatcher:
             world=world,
             max_tokens=self.max_tokens_per_rank,
             stage_remote=self.stage_remote_rows,
+            weights_address=weights_TK.data_ptr(),
+            pair_tables=self.combine_partial_sums,
             grid=self.grid,
         )
         ep_kernels.wait_phase(
@@ -261,7 +278,8 @@ class SymmetricDispatcher:
         batch = ExpertBatch(rows_MH=self.buffers["rows"], expert_offsets=expert_offsets)
         handle = SymmetricHandle(
             tokens=tokens,
-            weights_TK=topk_weights_TK.float().contiguous(),
+            weights_TK=weights_TK,
+            expert_of_pair_P=expert_of_pair_P,
             expert_offsets=expert_offsets,
             output_dtype=x_TH.dtype,
         )
@@ -280,6 +298,8 @@ class SymmetricDispatcher:
             )
         self._check_ready()
         expert_out_MH = expert_out_MH.contiguous()
+        if self.combine_partial_sums:
+            return self._combine_partial_sums(expert_out_MH, handle, weights_applied)
         ep_kernels.combine_push(
             expert_out_MH.data_ptr(),
             handle.expert_offsets.data_ptr(),
@@ -312,6 +332,50 @@ class SymmetricDispatcher:
             grid=self.grid,
         )
         return y_TH.to(handle.output_dtype)
+
+    def _combine_partial_sums(
+        self, expert_out_MH: torch.Tensor, handle: SymmetricHandle, weights_applied: bool
+    ) -> torch.Tensor:
+        if weights_applied:
+            raise ValueError(
+                "combine_partial_sums applies the routing weights itself (dispatch wrote them "
+                "into the pair tables); combine with weights_applied=False"
+            )
+        ep_kernels.combine_partial(
+            expert_out_MH.data_ptr(),
+            handle.expert_offsets.data_ptr(),
+            self.buffers["row_sources"].data_ptr(),
+            self.buffers["pair_rows"].data_ptr(),
+            self.buffers["pair_weights"].data_ptr(),
+            peer_table_address=self.peer_table.data_ptr(),
+            local_experts=self.num_local_experts,
+            hidden=self.hidden_size,
+            capacity=self.capacity,
+            max_tokens=self.max_tokens_per_rank,
+            rank=self.rank,
+            world=self.world_size,
+            top_k=self.top_k,
+            grid=self.grid,
+        )
+        y_TH = torch.empty(handle.tokens, self.hidden_size, dtype=self.dtype, device=self.device)
+        ep_kernels.combine_partial_sum(
+            self.buffers["partials"].data_ptr(),
+            handle.expert_of_pair_P.data_ptr(),
+            y_TH.data_ptr(),
+            signals_address=self.buffers["signals"].data_ptr(),
+            epoch_address=self.epoch.data_ptr(),
+            status_address=self.status.data_ptr(),
+            tokens=handle.tokens,
+            hidden=self.hidden_size,
+            world=self.world_size,
+            local_experts=self.num_local_experts,
+            max_tokens=self.max_tokens_per_rank,
+            adds_per_epoch=self.grid,
+            timeout_ns=self._timeout_ns,
+            top_k=self.top_k,
+            grid=self.grid,
+        )
+        return y_TH
 
 
 # The pure-torch reference of kernel exchange_and_place's placement (the kernel does both steps
