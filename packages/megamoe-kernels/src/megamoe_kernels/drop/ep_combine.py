@@ -7,15 +7,15 @@ expert_out to slot `pair` of its source rank's returned buffer, using the (sourc
 dispatch recorded. Each CTA then signals PHASE_RETURNED on every peer once.
 
 combine_reduce (persistent grid, on the source): every CTA first waits until each owner's
-PHASE_RETURNED adds of this epoch arrived; then one warp per token sums, for each 8-element chunk
-of the hidden dimension, weight[t, k] x returned[t x top_k + k] over k = 0 .. top_k - 1 in that
+PHASE_RETURNED adds of this epoch arrived; then one thread per (token, 8-element chunk of the
+hidden dimension) sums weight[t, k] x returned[t x top_k + k] over k = 0 .. top_k - 1 in that
 order in fp32, and stores the bf16 result: the order of the single-GPU combine, so the result
 does not depend on the expert-parallel degree or on timing.
 
 The partial-sum combine (fewer NVLink bytes, not the single-GPU order):
-combine_partial (on the owner): the warp of a token's lowest-k row here sums weight x output over
-all of the token's pairs on this rank (k order, fp32, from the pair tables dispatch wrote) and
-writes the bf16 partial to its source's partials [world x max_tokens, hidden] at (rank, token):
+combine_partial (on the owner): per 8-element chunk, the thread of a token's lowest-k row here
+sums weight x output over all of the token's pairs on this rank (k order, fp32, from the pair
+tables dispatch wrote) and writes the bf16 partial to its source's partials [world x max_tokens, hidden] at (rank, token):
 one row per (token, owner) crosses NVLink. combine_partial_sum (on the source): waits, then sums
 the partials of the owners each token touched, in rank order, in fp32. Deterministic; the bf16
 partials round once more than the exact combine.
@@ -161,33 +161,36 @@ def combine_reduce_kernel(
     weights = global_ptr(cutlass.Float32, weights_address, 4)
     row_bytes = cutlass.Int64(hidden) * 2
     chunk_layout = cute.make_layout(CHUNK)
-    for token in range(bidx * REDUCE_WARPS + warp, tokens, grid * REDUCE_WARPS):
-        for chunk in range(lane, hidden // CHUNK, 32):
-            chunk_bytes = cutlass.Int64(chunk) * (CHUNK * 2)
-            total = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
-            total.fill(0.0)
-            contribution = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
-            for k in cutlass.range_constexpr(top_k):
-                pair = cutlass.Int64(token) * top_k + k
-                weight = cute.arch.load(weights + pair, cutlass.Float32)
-                source = cute.make_tensor(
-                    global_ptr(
-                        cutlass.BFloat16, returned_address + pair * row_bytes + chunk_bytes, 16
-                    ),
-                    chunk_layout,
-                )
-                contribution.store(source.load().to(cutlass.Float32))
-                for i in cutlass.range_constexpr(CHUNK):
-                    total[i] = total[i] + multiply_rounded(contribution[i], weight)
-            destination = cute.make_tensor(
-                global_ptr(
-                    cutlass.BFloat16,
-                    y_address + cutlass.Int64(token) * row_bytes + chunk_bytes,
-                    16,
-                ),
+    chunks = hidden // CHUNK
+    # one thread per (token, 16-byte chunk): every thread of the grid has work even for a
+    # handful of tokens, and neighbouring threads read neighbouring bytes
+    threads = REDUCE_WARPS * 32
+    for item in range(bidx * threads + tidx, tokens * chunks, grid * threads):
+        token = item // chunks
+        chunk = item - token * chunks
+        chunk_bytes = cutlass.Int64(chunk) * (CHUNK * 2)
+        total = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
+        total.fill(0.0)
+        contribution = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
+        for k in cutlass.range_constexpr(top_k):
+            pair = cutlass.Int64(token) * top_k + k
+            weight = cute.arch.load(weights + pair, cutlass.Float32)
+            source = cute.make_tensor(
+                global_ptr(cutlass.BFloat16, returned_address + pair * row_bytes + chunk_bytes, 16),
                 chunk_layout,
             )
-            destination.store(total.load().to(cutlass.BFloat16))
+            contribution.store(source.load().to(cutlass.Float32))
+            for i in cutlass.range_constexpr(CHUNK):
+                total[i] = total[i] + multiply_rounded(contribution[i], weight)
+        destination = cute.make_tensor(
+            global_ptr(
+                cutlass.BFloat16,
+                y_address + cutlass.Int64(token) * row_bytes + chunk_bytes,
+                16,
+            ),
+            chunk_layout,
+        )
+        destination.store(total.load().to(cutlass.BFloat16))
 
 
 @cute.jit
@@ -264,7 +267,11 @@ def combine_partial_kernel(
     pair_rows = global_ptr(cutlass.Int32, pair_rows_address, 4)
     pair_weights = global_ptr(cutlass.Float32, pair_weights_address, 4)
     row_bytes = cutlass.Int64(hidden) * 2
-    for row in range(bidx * PUSH_WARPS + warp, valid_rows, grid * PUSH_WARPS):
+    chunks = hidden // CHUNK
+    threads = PUSH_WARPS * 32
+    for item in range(bidx * threads + tidx, valid_rows * chunks, grid * threads):
+        row = item // chunks
+        chunk = item - row * chunks
         source = cute.arch.load(row_sources + row * 2, cutlass.Int32)
         pair = cute.arch.load(row_sources + (row * 2 + 1), cutlass.Int32)
         token = pair // top_k
@@ -277,28 +284,25 @@ def combine_partial_kernel(
         if leader == 1:
             partial_row = cutlass.Int64(rank) * max_tokens + token
             partials = peer_address(peer_table, BUFFER_PARTIALS, world, source)
-            for chunk in range(lane, hidden // CHUNK, 32):
-                chunk_bytes = cutlass.Int64(chunk) * (CHUNK * 2)
-                total = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
-                total.fill(0.0)
-                contribution = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
-                for k in cutlass.range_constexpr(top_k):
-                    batch_row = cute.arch.load(pair_rows + (table + k), cutlass.Int32)
-                    if batch_row >= 0:
-                        if batch_row < capacity:
-                            accumulate_chunk(
-                                total,
-                                contribution,
-                                expert_out_address + cutlass.Int64(batch_row) * row_bytes + chunk_bytes,
-                                cute.arch.load(pair_weights + (table + k), cutlass.Float32),
-                            )
-                destination = cute.make_tensor(
-                    global_ptr(
-                        cutlass.BFloat16, partials + partial_row * row_bytes + chunk_bytes, 16
-                    ),
-                    cute.make_layout(CHUNK),
-                )
-                destination.store(total.load().to(cutlass.BFloat16))
+            chunk_bytes = cutlass.Int64(chunk) * (CHUNK * 2)
+            total = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
+            total.fill(0.0)
+            contribution = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
+            for k in cutlass.range_constexpr(top_k):
+                batch_row = cute.arch.load(pair_rows + (table + k), cutlass.Int32)
+                if batch_row >= 0:
+                    if batch_row < capacity:
+                        accumulate_chunk(
+                            total,
+                            contribution,
+                            expert_out_address + cutlass.Int64(batch_row) * row_bytes + chunk_bytes,
+                            cute.arch.load(pair_weights + (table + k), cutlass.Float32),
+                        )
+            destination = cute.make_tensor(
+                global_ptr(cutlass.BFloat16, partials + partial_row * row_bytes + chunk_bytes, 16),
+                cute.make_layout(CHUNK),
+            )
+            destination.store(total.load().to(cutlass.BFloat16))
     cute.arch.fence_acq_rel_sys()  # every writer releases its stores
     cute.arch.sync_threads()
     if tidx < world:
@@ -371,40 +375,45 @@ def combine_partial_sum_kernel(
     cute.arch.fence_acq_rel_sys()
     expert_of_pair = global_ptr(cutlass.Int32, expert_of_pair_address, 4)
     row_bytes = cutlass.Int64(hidden) * 2
-    for token in range(bidx * REDUCE_WARPS + warp, tokens, grid * REDUCE_WARPS):
-        for chunk in range(lane, hidden // CHUNK, 32):
-            chunk_bytes = cutlass.Int64(chunk) * (CHUNK * 2)
-            total = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
-            total.fill(0.0)
-            contribution = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
-            for owner in range(world):  # owners in rank order: a fixed summation order
-                touched = cutlass.Int32(0)
-                for k in cutlass.range_constexpr(top_k):
-                    expert = cute.arch.load(expert_of_pair + (token * top_k + k), cutlass.Int32)
-                    if expert // local_experts == owner:
-                        touched = cutlass.Int32(1)
-                if touched == 1:
-                    partial_row = cutlass.Int64(owner) * max_tokens + token
-                    source = cute.make_tensor(
-                        global_ptr(
-                            cutlass.BFloat16,
-                            partials_address + partial_row * row_bytes + chunk_bytes,
-                            16,
-                        ),
-                        cute.make_layout(CHUNK),
-                    )
-                    contribution.store(source.load().to(cutlass.Float32))
-                    for i in cutlass.range_constexpr(CHUNK):
-                        total[i] = total[i] + contribution[i]
-            destination = cute.make_tensor(
-                global_ptr(
-                    cutlass.BFloat16,
-                    y_address + cutlass.Int64(token) * row_bytes + chunk_bytes,
-                    16,
-                ),
-                cute.make_layout(CHUNK),
-            )
-            destination.store(total.load().to(cutlass.BFloat16))
+    chunks = hidden // CHUNK
+    # one thread per (token, 16-byte chunk): every thread of the grid has work even for a
+    # handful of tokens, and neighbouring threads read neighbouring bytes
+    threads = REDUCE_WARPS * 32
+    for item in range(bidx * threads + tidx, tokens * chunks, grid * threads):
+        token = item // chunks
+        chunk = item - token * chunks
+        chunk_bytes = cutlass.Int64(chunk) * (CHUNK * 2)
+        total = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
+        total.fill(0.0)
+        contribution = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
+        for owner in range(world):  # owners in rank order: a fixed summation order
+            touched = cutlass.Int32(0)
+            for k in cutlass.range_constexpr(top_k):
+                expert = cute.arch.load(expert_of_pair + (token * top_k + k), cutlass.Int32)
+                if expert // local_experts == owner:
+                    touched = cutlass.Int32(1)
+            if touched == 1:
+                partial_row = cutlass.Int64(owner) * max_tokens + token
+                source = cute.make_tensor(
+                    global_ptr(
+                        cutlass.BFloat16,
+                        partials_address + partial_row * row_bytes + chunk_bytes,
+                        16,
+                    ),
+                    cute.make_layout(CHUNK),
+                )
+                contribution.store(source.load().to(cutlass.Float32))
+                for i in cutlass.range_constexpr(CHUNK):
+                    total[i] = total[i] + contribution[i]
+        destination = cute.make_tensor(
+            global_ptr(
+                cutlass.BFloat16,
+                y_address + cutlass.Int64(token) * row_bytes + chunk_bytes,
+                16,
+            ),
+            cute.make_layout(CHUNK),
+        )
+        destination.store(total.load().to(cutlass.BFloat16))
 
 
 @cute.jit
