@@ -1,0 +1,134 @@
+"""Checks that every default kernel profile compiles to wgmma: its SASS must hold HGMMA.
+
+    python -m megamoe_kernels.sass_check [--dump-dir DIR]
+
+Compiles each default profile of both ops for sm_90a (no GPU needed), keeps each cubin, and
+disassembles it with cuobjdump (which needs nvdisasm beside it: the `nvidia-cuda-cuobjdump` and
+`nvidia-cuda-nvdisasm` wheels, the CUDA toolkit, or CUDA_HOME/bin). Exits non-zero when a kernel
+lacks HGMMA (it would run on a slow path whatever its tests say) or no tool is found.
+CuTe DSL reads CUTE_DSL_KEEP/CUTE_DSL_DUMP_DIR once per process: run it in a process of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# one gate-up (2I x H) and one down (H x I) shape per profile; 2880 also compiles masked tiles
+EXPERTS, HIDDEN, INTERMEDIATE = 8, 2880, 2880
+
+
+def disassembler_bin_dir() -> Path | None:
+    """A folder holding both cuobjdump and nvdisasm, or None."""
+    candidates = [Path(p) for p in os.environ.get("PATH", "").split(os.pathsep) if p]
+    candidates.append(Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin")
+    try:
+        import nvidia
+
+        candidates += [Path(p) / "cu13" / "bin" for p in nvidia.__path__]
+    except ImportError:
+        pass
+    for folder in candidates:
+        if (folder / "cuobjdump").is_file() and (folder / "nvdisasm").is_file():
+            return folder
+    return None
+
+
+def hgmma_shapes(cubin: Path, tools: Path) -> list[str]:
+    env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ.get('PATH', '')}"}
+    result = subprocess.run(
+        [str(tools / "cuobjdump"), "--dump-sass", str(cubin)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    return sorted(
+        {
+            word
+            for line in result.stdout.splitlines()
+            for word in line.split()
+            if word.startswith("HGMMA.")
+        }
+    )
+
+
+def compile_profiles(dump_dir: Path) -> dict[str, list[Path]]:
+    """Compiles every default profile; returns the cubins of each, by a readable name."""
+    import torch
+
+    from megamoe_kernels import default_knobs, down, gate_up_swiglu, interleave_gate_up
+    from megamoe_kernels.shim.knobs import PROFILE_ROWS_PER_EXPERT
+
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    offsets = torch.empty(EXPERTS + 1, dtype=torch.int32, device="meta")
+    w13 = interleave_gate_up(torch.empty(EXPERTS, 2 * INTERMEDIATE, HIDDEN, **meta))
+    w2 = torch.empty(EXPERTS, HIDDEN, INTERMEDIATE, **meta)
+    cubins = {}
+    seen = set()
+    for rows_per_expert in PROFILE_ROWS_PER_EXPERT:
+        capacity = rows_per_expert * EXPERTS
+        for op in ("gate_up", "down"):
+            knobs = default_knobs(op, rows_per_expert)
+            if (op, knobs) in seen:  # compiled once already (the capacity is a dynamic dim)
+                continue
+            seen.add((op, knobs))
+            if op == "gate_up":
+                gate_up_swiglu(
+                    torch.empty(capacity, HIDDEN, **meta),
+                    offsets,
+                    w13,
+                    knobs=knobs,
+                    compile_only=True,
+                )
+            else:
+                down(
+                    torch.empty(capacity, INTERMEDIATE, **meta),
+                    offsets,
+                    w2,
+                    knobs=knobs,
+                    compile_only=True,
+                )
+            # cubin names do not carry the knobs: move each away before the next compile
+            name = f"{op}-rows{rows_per_expert}-{knobs.tile_rows}x{knobs.tile_cols}{'-swap' if knobs.swap_ab else ''}"
+            target = dump_dir / name
+            target.mkdir(exist_ok=True)
+            cubins[name] = [
+                Path(shutil.move(str(cubin), target)) for cubin in dump_dir.glob("*.cubin")
+            ]
+    return cubins
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m megamoe_kernels.sass_check", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--dump-dir", help="where to keep the cubins (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    tools = disassembler_bin_dir()
+    if tools is None:
+        print(
+            "no folder holds both cuobjdump and nvdisasm: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm"
+        )
+        return 2
+    dump_dir = Path(args.dump_dir or tempfile.mkdtemp(prefix="megamoe-sass-"))
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["CUTE_DSL_KEEP"] = "cubin"
+    os.environ["CUTE_DSL_DUMP_DIR"] = str(dump_dir)
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    failures = 0
+    for name, cubins in compile_profiles(dump_dir).items():
+        shapes = sorted({shape for cubin in cubins for shape in hgmma_shapes(cubin, tools)})
+        ok = bool(cubins) and bool(shapes)
+        failures += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {name:<32} {', '.join(shapes) or 'no HGMMA'}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
