@@ -21,7 +21,7 @@ from megamoe_runtime.weights import Unquantized
 
 from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.layer import MegaMoE
-from megamoe_torch.timing import median_graph_replay_seconds, median_seconds
+from megamoe_torch.timing import host_seconds_per_call, median_graph_replay_seconds, median_seconds
 
 BASELINE = "grouped_mm"
 
@@ -35,6 +35,7 @@ class BenchRow:
     backend: str
     mode: str  # "kernels" (graph replay of expert compute) or "eager" (whole layer forward)
     microseconds: float
+    host_microseconds: float  # CPU time to issue one call (graphs off)
     baseline_microseconds: float | None
     speedup: float | None
     tflops: float
@@ -100,7 +101,7 @@ def bench_point(
         batch.rows_MH, batch.expert_offsets, pack.w13_E2IH, pack.w2_EHI
     )[:rows]
     floor = roofline_floor_seconds(geometry, rows, active)
-    results: dict[tuple[str, str], tuple[float, float]] = {}
+    results: dict[tuple[str, str], tuple[float, float, float]] = {}
     for name in backends:
         backend = make_backend(name)
         prepared = backend.prepare(pack)
@@ -108,15 +109,20 @@ def bench_point(
         for mode in modes:
             if mode == "kernels":
                 timer = median_graph_replay_seconds if device.type == "cuda" else median_seconds
-                seconds = timer(
-                    lambda b=backend, p=prepared: b(batch, p), device=device, repeats=repeats
-                )
+
+                def call(backend=backend, prepared=prepared):
+                    return backend(batch, prepared)
             else:
                 layer.use_backend(name)
-                seconds = median_seconds(lambda: layer(x_TH), device=device, repeats=repeats)
-            results[(name, mode)] = (seconds, error)
+                timer = median_seconds
+
+                def call():
+                    return layer(x_TH)
+
+            seconds = timer(call, device=device, repeats=repeats)
+            results[(name, mode)] = (seconds, host_seconds_per_call(call, device=device), error)
     out = []
-    for (name, mode), (seconds, error) in results.items():
+    for (name, mode), (seconds, host_seconds, error) in results.items():
         baseline = results.get((BASELINE, mode), (None,))[0]
         out.append(
             BenchRow(
@@ -127,6 +133,7 @@ def bench_point(
                 backend=name,
                 mode=mode,
                 microseconds=seconds * 1e6,
+                host_microseconds=host_seconds * 1e6,
                 baseline_microseconds=None if baseline is None else baseline * 1e6,
                 speedup=None if baseline is None else baseline / seconds,
                 tflops=geometry.expert_flops(rows) / seconds / 1e12,
@@ -231,12 +238,13 @@ def plot_speedups(rows: list[BenchRow], path: Path) -> str:
 
 
 def format_table(rows: list[BenchRow]) -> str:
-    header = f"{'geometry':<16}{'tokens':>7}{'rows':>7} {'backend':<11}{'mode':<8}{'us':>9}{'x base':>8}{'TFLOP/s':>9}{'roof':>6}{'rel-L2':>9}"
+    header = f"{'geometry':<16}{'tokens':>7}{'rows':>7} {'backend':<11}{'mode':<8}{'us':>9}{'host us':>8}{'x base':>8}{'TFLOP/s':>9}{'roof':>6}{'rel-L2':>9}"
     lines = [header, "-" * len(header)]
     for r in rows:
         speedup = "" if r.speedup is None else f"{r.speedup:.2f}"
         lines.append(
             f"{r.geometry:<16}{r.tokens:>7}{r.rows:>7} {r.backend:<11}{r.mode:<8}{r.microseconds:>9.1f}"
+            f"{r.host_microseconds:>8.1f}"
             f"{speedup:>8}{r.tflops:>9.1f}{r.roofline_fraction:>6.2f}{r.rel_l2:>9.1e}"
         )
     return "\n".join(lines)

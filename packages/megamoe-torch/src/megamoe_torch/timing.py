@@ -57,3 +57,20 @@ def median_graph_replay_seconds(
             fn()
     seconds = median_seconds(graph.replay, device=device, repeats=repeats, warmup=warmup)
     return seconds / calls_per_graph
+
+
+def host_seconds_per_call(
+    fn: Callable[[], object], *, device: torch.device, calls: int = 50
+) -> float:
+    """CPU time to issue one call (Python + launches), the GPU left to run behind: the overhead a
+    forward costs with CUDA graphs off. Few enough calls that the launch queue never fills."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return elapsed / calls
