@@ -89,20 +89,25 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"none of {args.backends} can run on {device}", file=sys.stderr)
         return 2
     rows = []
-    points = [(g, t) for g in geometries for t in token_counts]
-    for name, tokens in tqdm(points, desc="bench"):
-        layer = bench.build_layer(GEOMETRIES[name], device=device, dtype=torch.bfloat16)
-        rows += bench.bench_point(
-            layer,
-            GEOMETRIES[name],
-            tokens,
-            backends=backends,
-            modes=tuple(args.modes),
-            repeats=args.repeats,
-        )
-        del layer
     out = Path(args.out)
-    bench.write_csv(rows, out / "bench.csv")
+    progress = tqdm(total=len(geometries) * len(token_counts), desc="bench")
+    for name in geometries:
+        layer = bench.build_layer(GEOMETRIES[name], device=device, dtype=torch.bfloat16)
+        for tokens in token_counts:
+            rows += bench.bench_point(
+                layer,
+                GEOMETRIES[name],
+                tokens,
+                backends=backends,
+                modes=tuple(args.modes),
+                repeats=args.repeats,
+            )
+            bench.write_csv(
+                rows, out / "bench.csv"
+            )  # after every point: a cut-short run keeps what it measured
+            progress.update()
+        del layer
+    progress.close()
     print(bench.plot_speedups(rows, out / "bench.png"))
     if args.capacity_sweep:
         sweep = []
