@@ -1,8 +1,9 @@
 """The drop/shim boundary: only megamoe_kernels/shim/ imports megamoe_kernels/drop/, and the drop
 imports nothing of megamoe or torch (only cutlass, cuda, nvshmem, the standard library, itself).
 
-The check reads every .py of the three packages (src and tests) and of the cross-package tests
-with `ast`, so an import hidden in a function or made through importlib by string counts too.
+The check reads every .py of the three packages (src and tests), of the cross-package tests, of
+scripts/ and of the top level with `ast`, so an import hidden in a function or made through
+importlib by string counts too.
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ def drop_imports(source: str, *, module_name: str, is_package: bool = False) -> 
 
 
 def checked_files() -> list[Path]:
-    """Every .py of packages/*/src, packages/*/tests and tests/."""
-    roots = [REPOSITORY / "tests"]
+    """Every .py of packages/*/src, packages/*/tests, tests/, scripts/ and the top level."""
+    roots = [REPOSITORY / "tests", REPOSITORY / "scripts"]
     for package in sorted((REPOSITORY / "packages").iterdir()):
         roots += [package / "src", package / "tests"]
-    files = []
+    files = sorted(REPOSITORY.glob("*.py"))  # noxfile.py
     for root in roots:
         files += [path for path in sorted(root.rglob("*.py")) if "__pycache__" not in path.parts]
     return files
