@@ -9,9 +9,8 @@ dispatch recorded. Each CTA then signals PHASE_RETURNED on every peer once.
 combine_reduce (persistent grid, on the source): every CTA first waits until each owner's
 PHASE_RETURNED adds of this epoch arrived; then one thread per (token, 8-element chunk of the
 hidden dimension) sums weight[t, k] x returned[t x top_k + k] over k = 0 .. top_k - 1 in that
-order in fp32 (one fused multiply-add per k), and stores the bf16 result: the order and
-arithmetic of the single-GPU combine, so the result does not depend on the expert-parallel
-degree or on timing.
+order in fp32, and stores the bf16 result: the order of the single-GPU combine, so the result
+does not depend on the expert-parallel degree or on timing.
 
 The partial-sum combine (fewer NVLink bytes, not the single-GPU order):
 combine_partial (on the owner): per 8-element chunk, the thread of a token's lowest-k row here
@@ -46,19 +45,15 @@ REDUCE_WARPS = 8
 CHUNK = 8  # bf16 elements per 16-byte vector
 
 
-def fused_multiply_add(a, b, c):
-    """a x b + c in fp32 with one rounding (fma.rn), as the single-GPU combine's addcmul_ computes
-    each step: written as asm so the compiler can neither split nor reorder it."""
+def multiply_rounded(a, b):
+    """a x b rounded to fp32 on its own (mul.rn): never contracted with the following add into
+    an fma, so each product rounds as the single-GPU combine's does."""
     return cutlass.Float32(
         llvm.inline_asm(
             cutlass.Float32.mlir_type,
-            [
-                cutlass.Float32(a).ir_value(),
-                cutlass.Float32(b).ir_value(),
-                cutlass.Float32(c).ir_value(),
-            ],
-            "fma.rn.f32 $0, $1, $2, $3;",
-            "=f,f,f,f",
+            [cutlass.Float32(a).ir_value(), cutlass.Float32(b).ir_value()],
+            "mul.rn.f32 $0, $1, $2;",
+            "=f,f,f",
             has_side_effects=False,
             is_align_stack=False,
             asm_dialect=llvm.AsmDialect.AD_ATT,
@@ -186,7 +181,7 @@ def combine_reduce_kernel(
             )
             contribution.store(source.load().to(cutlass.Float32))
             for i in cutlass.range_constexpr(CHUNK):
-                total[i] = fused_multiply_add(contribution[i], weight, total[i])
+                total[i] = total[i] + multiply_rounded(contribution[i], weight)
         destination = cute.make_tensor(
             global_ptr(
                 cutlass.BFloat16,
@@ -233,13 +228,13 @@ def combine_reduce(
 
 @cute.jit
 def accumulate_chunk(total, contribution, row_address, weight):
-    """total += weight x (8 bf16 at row_address) in fp32, one fused multiply-add each."""
+    """total += weight x (8 bf16 at row_address) in fp32, each product rounded on its own."""
     source = cute.make_tensor(
         global_ptr(cutlass.BFloat16, row_address, 16), cute.make_layout(CHUNK)
     )
     contribution.store(source.load().to(cutlass.Float32))
     for i in cutlass.range_constexpr(CHUNK):
-        total[i] = fused_multiply_add(contribution[i], weight, total[i])
+        total[i] = total[i] + multiply_rounded(contribution[i], weight)
 
 
 @cute.kernel

@@ -19,8 +19,8 @@ combine:
   5. kernel combine_push: every valid output row goes back to its source's returned buffer
      (symmetric [max_tokens x K, H]) at its pair's slot;
   6. kernel combine_reduce: waits for every owner, then y[t] = sum over k = 0..K-1 in that order
-     of weight[t, k] x returned[t x K + k] in fp32, one fused multiply-add per k (as the
-     single-GPU combine's addcmul_), so EP=W and EP=1 agree bitwise on the same expert outputs.
+     of weight[t, k] x returned[t x K + k] in fp32, each product rounded on its own: the
+     single-GPU combine's arithmetic, so EP=W and EP=1 agree bitwise on the same expert outputs.
 
 Buffers come from the process's pooled workspace (megamoe_runtime.workspace): layers share them
 (one dispatch/combine pair in flight per group at a time, as in a forward pass). Signals are
