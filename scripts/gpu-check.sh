@@ -25,7 +25,7 @@ for step in "${steps[@]}"; do
       record demo "$(tail -n 1 "$out/demo.log")" ;;
     bench)
       python3 -m megamoe_torch.cli bench --backends cutedsl grouped_mm --modes kernels eager \
-        --out "$out" 2>&1 | grep -v 'it/s' > "$out/bench.log"
+        --repeats 20 --out "$out" 2>&1 | grep -v "it/s" > "$out/bench.log"
       python3 -m megamoe_torch.cli bench --backends cutedsl --geometry qwen3-30b-a3b --tokens 8192 \
         --capacity-sweep --out "$out/sweep" 2>&1 | grep 'capacity sweep' | tee "$out/capacity-sweep.log"
       record bench "$(grep -c 'cutedsl  kernels' "$out/bench.log") cutedsl points, table in $out/bench.log" ;;

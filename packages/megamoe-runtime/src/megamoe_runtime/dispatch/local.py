@@ -122,20 +122,28 @@ def weighted_sum_over_topk(
 ) -> torch.Tensor:
     """y[t] = sum over k = 0..K-1, in that order, of weight[t, k] * out[row[t, k]], in fp32.
 
-    One gather, then one fused multiply-add per k: K + 3 launches, and the same order of additions
-    whatever the token count, so results are bitwise reproducible.
+    Each contribution is rounded to fp32 before it is added (a multiply, then an add: no fused
+    multiply-add), the arithmetic the expert-parallel combine kernels do too, so both give the same
+    bits. One gather and one multiply per chunk of tokens, then one add per k: the order of
+    additions never depends on the token count, so results are bitwise reproducible.
     """
     tokens, top_k = row_of_pair_TK.shape
     hidden = expert_out_MH.shape[1]
-    gathered_TKH = expert_out_MH.index_select(0, row_of_pair_TK.reshape(-1)).view(
-        tokens, top_k, hidden
-    )
     y_TH = torch.zeros(tokens, hidden, dtype=torch.float32, device=expert_out_MH.device)
-    for k in range(top_k):
+    # bound the fp32 temporary [chunk, K, H] to about 256 MiB
+    chunk = max(1, (1 << 26) // max(1, top_k * hidden))
+    for start in range(0, tokens, chunk):
+        rows_TK = row_of_pair_TK[start : start + chunk]
+        gathered_TKH = expert_out_MH.index_select(0, rows_TK.reshape(-1)).view(-1, top_k, hidden)
         if topk_weights_TK is None:
-            y_TH += gathered_TKH[:, k]
+            contributions_TKH = gathered_TKH.float()
         else:
-            y_TH.addcmul_(gathered_TKH[:, k], topk_weights_TK[:, k : k + 1].float())
+            contributions_TKH = gathered_TKH * topk_weights_TK[
+                start : start + chunk
+            ].float().unsqueeze(-1)
+        y_chunk_TH = y_TH[start : start + chunk]
+        for k in range(top_k):
+            y_chunk_TH += contributions_TKH[:, k]
     return y_TH.to(output_dtype)
 
 
