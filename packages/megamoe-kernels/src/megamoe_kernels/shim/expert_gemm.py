@@ -11,16 +11,15 @@ B = I / GATE_UP_BLOCK pair blocks. The batch is tight and expert-major: expert e
 Rows past expert_offsets[E] of an output are left as they were (unspecified).
 
 Compiled kernels are cached by (op, knobs, dtype, weight shape): the capacity is a dynamic dim,
-so one kernel serves every batch size. Converted arguments are cached by data pointer,
-shape, stride and dtype, so a steady-state call converts nothing. Kernels run on torch's current
-stream, so CUDA-graph capture records them.
+so one kernel serves every batch size. A launch passes raw data pointers and the row count
+(shim/pointer_launch.py): nothing is converted per call and nothing is held after it. Kernels run
+on torch's current stream, so CUDA-graph capture records them.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections import OrderedDict
 
 import torch
 
@@ -29,8 +28,6 @@ from megamoe_kernels.shim.knobs import GemmKnobs, resolve_knobs
 
 _COMPILE_LOCK = threading.Lock()
 _COMPILED: dict[tuple, object] = {}
-_CONVERTED: OrderedDict[tuple, object] = OrderedDict()
-_CONVERTED_LIMIT = 256
 _SUPPORTED_DTYPES = (torch.bfloat16,)
 _DEFAULT_SM_COUNT = 132  # H200; only used when compiling without a GPU
 
@@ -106,36 +103,6 @@ def _cute_dtype(dtype: torch.dtype):
     }[dtype]
 
 
-def _convert(tensor: torch.Tensor | None, *, fake: bool, dynamic_rows: bool):
-    """A cute tensor for `tensor`, cached by pointer/shape/stride/dtype (from_dlpack is slow).
-
-    `dynamic_rows` leaves the leading (capacity) dim dynamic: one compiled kernel serves every
-    capacity, and a capacity of 1 is not folded away as a static unit mode."""
-    if tensor is None:
-        return None
-    import cutlass.cute as cute
-    from cutlass.cute import runtime
-
-    if fake:
-        shape = tuple(tensor.shape)
-        if dynamic_rows:
-            shape = (cute.sym_int(), *shape[1:])
-        return runtime.make_fake_tensor(
-            _cute_dtype(tensor.dtype), shape, tuple(tensor.stride()), assumed_align=16
-        )
-    key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
-    converted = _CONVERTED.get(key)
-    if converted is None:
-        converted = runtime.from_dlpack(tensor.detach(), assumed_align=16)
-        if dynamic_rows:
-            order = tuple(range(tensor.dim()))
-            converted = converted.mark_compact_shape_dynamic(mode=0, stride_order=order)
-        _CONVERTED[key] = converted
-        if len(_CONVERTED) > _CONVERTED_LIMIT:
-            _CONVERTED.popitem(last=False)
-    return converted
-
-
 def _stream(device: torch.device, fake: bool):
     if fake:
         from cutlass.cute.runtime import make_fake_stream
@@ -176,44 +143,69 @@ def _run(
         num_ctas,
         fake,
     )
-    args = [
-        _convert(tensor, fake=fake, dynamic_rows=dynamic)
-        for tensor, dynamic in (
-            (x_MK, True),
-            (w_NKE, False),
-            (out_MN, True),
-            (expert_offsets, False),
-            (row_scale_M, True),
-        )
-    ]
+    # the launcher rebuilds the tensors from pointers: they must have the layouts it assumes
+    k, n = x_MK.shape[1], w_NKE.shape[0]
+    assert w_NKE.stride() == (k, 1, n * k), w_NKE.stride()
+    assert x_MK.is_contiguous() and out_MN.is_contiguous() and expert_offsets.is_contiguous()
+    args = _pointer_args(x_MK, w_NKE, out_MN, expert_offsets, row_scale_M, fake=fake)
     stream = _stream(x_MK.device, fake)
     compiled = _COMPILED.get(key)
     if compiled is None:
         with _COMPILE_LOCK:
             compiled = _COMPILED.get(key)
             if compiled is None:
-                compiled = _compile(op, knobs, num_ctas, args, stream, row_scale_M is not None)
+                compiled = _compile(op, knobs, num_ctas, args, stream, shapes=(x_MK, w_NKE, out_MN))
                 _COMPILED[key] = compiled
     if not fake:
         compiled(*args, stream)
 
 
-def _compile(op, knobs, num_ctas, args, stream, has_row_scale):
+def _pointer_args(x_MK, w_NKE, out_MN, expert_offsets, row_scale_M, *, fake: bool) -> list:
+    """Data pointers and the row count: all a launch passes (nothing held, nothing converted)."""
+    from cutlass import Int32
+
+    from megamoe_kernels.shim.pointer_launch import pointer
+
+    def address(tensor):
+        # compiling without a GPU: any aligned address will do, nothing is dereferenced
+        return 16 if fake else tensor.data_ptr()
+
+    return [
+        pointer("bfloat16", address(x_MK)),
+        pointer("bfloat16", address(w_NKE)),
+        pointer("bfloat16", address(out_MN)),
+        pointer("int32", address(expert_offsets)),
+        None if row_scale_M is None else pointer("float32", address(row_scale_M)),
+        Int32(x_MK.shape[0]),
+    ]
+
+
+def _compile(op, knobs, num_ctas, args, stream, *, shapes):
     import cutlass.cute as cute
 
     from megamoe_kernels.drop.expert_gemm_sm90 import ExpertGroupedGemmSm90
+    from megamoe_kernels.shim.pointer_launch import PointerLaunch
 
+    x_MK, w_NKE, out_MN = shapes
     kernel = ExpertGroupedGemmSm90(
         tile_rows=knobs.tile_rows,
         tile_cols=knobs.tile_cols,
         stages=knobs.stages,
         swap_ab=knobs.swap_ab,
         swiglu=op == "gate_up",
-        row_scale=has_row_scale,
+        row_scale=args[4] is not None,
         rows_fastest=knobs.rows_fastest,
         num_ctas=num_ctas,
     )
-    return cute.compile(kernel, *args, stream)
+    launch = PointerLaunch(
+        kernel,
+        k=x_MK.shape[1],
+        n=w_NKE.shape[0],
+        experts=w_NKE.shape[2],
+        n_out=out_MN.shape[1],
+        has_row_scale=args[4] is not None,
+    )
+    return cute.compile(launch, *args, stream)
 
 
 def _rows_per_expert(capacity: int, experts: int) -> float:
