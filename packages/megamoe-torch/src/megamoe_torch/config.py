@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 from megamoe_runtime.experts import BACKEND_NAMES
@@ -69,7 +70,7 @@ class MegaMoEConfig:
             raise ValueError(f"max_tokens_per_rank must be >= 1, got {self.max_tokens_per_rank}")
         _ = self.router  # RouterConfig validates the routing fields
 
-    @property
+    @cached_property  # built once: forward reads it on every call
     def router(self) -> RouterConfig:
         return RouterConfig(
             num_experts=self.num_experts,
