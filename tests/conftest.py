@@ -71,16 +71,21 @@ def _launched_group():
 
 @pytest.fixture
 def multirank(_launched_group):
-    """multirank(body, *args, world_size=2): runs body on every rank (see the module docstring).
+    """multirank(body, *args, world_size=None): runs body on every rank (see the module
+    docstring); a body that works at any world size leaves world_size None, so a torchrun with
+    4 or 8 ranks runs it there too.
     `multirank.device` is the device bodies get (CPU when the fixture spawns the ranks)."""
 
-    def run(body: Callable, *args, world_size: int = 2) -> None:
+    def run(body: Callable, *args, world_size: int | None = None) -> None:
+        # None: any world size: every rank torchrun launched, or 2 spawned ranks
         if _launched_group is not None:
-            if dist.get_world_size() != world_size:
-                pytest.skip(f"needs {world_size} ranks; torchrun launched {dist.get_world_size()}")
-            body(dist.get_rank(), world_size, _launched_group, *args)
+            launched = dist.get_world_size()
+            if world_size is not None and launched != world_size:
+                pytest.skip(f"needs {world_size} ranks; torchrun launched {launched}")
+            body(dist.get_rank(), launched, _launched_group, *args)
             dist.barrier()
             return
+        world_size = world_size or 2
         mp.spawn(_spawned_rank, args=(world_size, _free_port(), body, args), nprocs=world_size)
 
     run.device = _launched_group if _launched_group is not None else torch.device("cpu")

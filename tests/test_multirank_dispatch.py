@@ -74,11 +74,15 @@ def stand_in_experts(rows_MH: torch.Tensor) -> torch.Tensor:
 
 
 def check_against_single_gpu(
-    rank, world_size, device, kind, tokens_per_rank, experts=None, repeats=1
+    rank, world_size, device, kind, token_pattern, skewed=False, repeats=1
 ):
-    """Dispatch + combine on this rank's share equal the single-GPU answer, bitwise."""
+    """Dispatch + combine on this rank's share equal the single-GPU answer, bitwise.
+
+    Rank r sends token_pattern[r % len(token_pattern)] tokens (any world size); `skewed` routes
+    every token to rank 0's experts (to the first ranks' where rank 0 holds fewer than top_k)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    experts = experts or range(NUM_EXPERTS)
+    tokens_per_rank = [token_pattern[r % len(token_pattern)] for r in range(world_size)]
+    experts = range(max(TOP_K, NUM_EXPERTS // world_size) if skewed else NUM_EXPERTS)
     dispatcher = make_dispatcher(kind, device, dtype, max(tokens_per_rank))
     local = NUM_EXPERTS // world_size
     for repeat in range(repeats):
@@ -129,19 +133,19 @@ def test_rank_with_zero_tokens(multirank, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_token_to_one_ranks_experts(multirank, kind):
     skip_unless_runnable(multirank, kind)
-    multirank(check_against_single_gpu, kind, [19, 31], range(0, NUM_EXPERTS // 2))
+    multirank(check_against_single_gpu, kind, [19, 31], True)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_repeated_dispatches_reuse_buffers(multirank, kind):
     skip_unless_runnable(multirank, kind)
-    multirank(check_against_single_gpu, kind, [64, 48], None, 4)
+    multirank(check_against_single_gpu, kind, [64, 48], False, 4)
 
 
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_reference_on_more_ranks(multirank, world_size):
     tokens = [(11 * rank + 3) % 17 for rank in range(world_size)]
-    multirank(check_against_single_gpu, "torch", tokens, None, 2, world_size=world_size)
+    multirank(check_against_single_gpu, "torch", tokens, False, 2, world_size=world_size)
 
 
 def check_indivisible_experts_raise(rank, world_size, device):

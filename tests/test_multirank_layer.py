@@ -34,7 +34,9 @@ def layer_config(dispatcher: str, device: torch.device) -> MegaMoEConfig:
     )
 
 
-def check_layer_matches_single_gpu(rank, world_size, device, dispatcher, tokens_per_rank):
+def check_layer_matches_single_gpu(rank, world_size, device, dispatcher, token_pattern):
+    # rank r sends token_pattern[r % len(token_pattern)] tokens: any world size
+    tokens_per_rank = [token_pattern[r % len(token_pattern)] for r in range(world_size)]
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     config = layer_config(dispatcher, device)
     torch.manual_seed(7)  # the same full weights on every rank

@@ -51,7 +51,7 @@ def fill_routing(generator, tokens_per_rank, x_all, ids_all, weights_all):
 
 
 def check_graph_replay(rank, world_size, device):
-    tokens_per_rank = [24, 40]
+    tokens_per_rank = [(24, 40)[r % 2] for r in range(world_size)]
     dispatcher = build(rank, world_size, device, max_tokens=64)
     total = sum(tokens_per_rank)
     x_all = torch.empty(total, HIDDEN, dtype=torch.bfloat16, device=device)
