@@ -399,3 +399,10 @@ def test_the_drop_hash_is_the_sha256sum_listing_sorted_by_path_text(tmp_path):
     )
     assert [file.path for file in digest.files] == sorted(files)  # "a-b.py" < "a.py" < "a/b.py"
     assert digest.sha256 == hashlib.sha256(listing.encode()).hexdigest()
+
+
+def test_this_checkouts_drop_matches_its_vendor_record():
+    # drop/ is kept verbatim: a change must come in through resync, which rewrites VENDOR.md
+    from megamoe_kernels.resync import check_vendor
+
+    assert check_vendor() == []
