@@ -17,6 +17,7 @@ from megamoe_kernels.resync import check_vendor, main, recorded_digest, resync
 from megamoe_kernels.shim.audit import DropSymbol
 
 CHECKOUT_DROP_DIR = Path(__file__).resolve().parents[1] / "src" / "megamoe_kernels" / "drop"
+CHECKOUT_VENDOR_PATH = Path(__file__).resolve().parents[1] / "VENDOR.md"
 
 KERNEL = """\
 import cutlass.cute as cute
@@ -402,9 +403,7 @@ def test_the_drop_hash_is_the_sha256sum_listing_sorted_by_path_text(tmp_path):
 
 
 def test_this_checkouts_drop_matches_its_vendor_record():
-    # drop/ is kept verbatim: a change must come in through resync, which rewrites VENDOR.md
-    from megamoe_kernels.resync import check_vendor
-
-    package = Path(__file__).resolve().parents[1]  # the checkout's, also when a wheel is installed
-    drop = package / "src" / "megamoe_kernels" / "drop"
-    assert check_vendor(drop_dir=drop, vendor_path=package / "VENDOR.md") == []
+    # drop/ is kept verbatim: a change comes in through resync, which rewrites VENDOR.md. The
+    # checkout's paths, not the installed package's: nox installs the package as a wheel.
+    problems = check_vendor(drop_dir=CHECKOUT_DROP_DIR, vendor_path=CHECKOUT_VENDOR_PATH)
+    assert problems == [], "\n".join(problems)
