@@ -76,7 +76,8 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def multirank(session: nox.Session) -> None:
-    """Multi-rank tests under torchrun: gloo on a CPU, NCCL/NVSHMEM where GPUs exist."""
+    """Multi-rank tests under torchrun (gloo on a CPU, NCCL/NVSHMEM where GPUs exist), then the
+    tests that ask for 4 and 8 ranks, on ranks the fixture spawns itself (CPU, gloo)."""
     session.install(KERNELS, RUNTIME, f"{TORCH}[test]")
     ranks = os.environ.get("MEGAMOE_RANKS", "2")
     session.run(
@@ -95,6 +96,7 @@ def multirank(session: nox.Session) -> None:
         env=COMPILE_ENV,
         success_codes=PYTEST_OK,
     )
+    pytest(session, "-m", "multirank", "-k", "more_ranks or four_ranks", "tests")
 
 
 @nox.session(python=PYTHON)
