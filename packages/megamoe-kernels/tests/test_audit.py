@@ -151,6 +151,14 @@ def test_changes_the_shim_does_not_depend_on_pass(tmp_path, replace):
     assert report.passed, report.format()
 
 
+def test_a_parameter_problem_shows_the_drops_new_signature_next_to_what_the_shim_passes(tmp_path):
+    report = audit_with(tmp_path, replace={"gemm.py": ("*, stages=4", "*extra, num_stages=4")})
+    assert (
+        "gemm.GroupedGemm (class): the drop's signature is (tile_rows, tile_cols, *args, "
+        "num_stages=...); the shim passes ('tile_rows', 'tile_cols', 'stages')"
+    ) in report.problems
+
+
 def test_missing_module_and_unparsable_module_are_named(tmp_path):
     drop = write_drop(tmp_path / "drop", {**SYNTHETIC_DROP, "layout.py": "def interleave(:\n"})
     (drop / "gemm.py").unlink()

@@ -252,20 +252,15 @@ class Signature:
     var_positional: bool = False
     var_keyword: bool = False
 
-    def names(self) -> list[str]:
-        return [parameter.name for parameter in self.parameters]
-
     def __str__(self) -> str:
-        shown = []
-        for parameter in self.parameters:
-            if parameter.keyword and not parameter.positional and "*" not in shown:
-                shown.append("*")
-            shown.append(parameter.name if parameter.required else f"{parameter.name}=...")
-        if self.var_positional:
-            shown.insert(sum(parameter.positional for parameter in self.parameters), "*args")
-        if self.var_keyword:
-            shown.append("**kwargs")
-        return f"({', '.join(shown)})"
+        def shown(parameter: Parameter) -> str:
+            return parameter.name if parameter.required else f"{parameter.name}=..."
+
+        positional = [shown(p) for p in self.parameters if p.positional]
+        keyword_only = [shown(p) for p in self.parameters if not p.positional]
+        marker = ["*args"] if self.var_positional else ["*"] if keyword_only else []
+        var_keyword = ["**kwargs"] if self.var_keyword else []
+        return f"({', '.join([*positional, *marker, *keyword_only, *var_keyword])})"
 
 
 def decorator_names(node: ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
