@@ -59,6 +59,8 @@ def test_every_default_profile_compiles(rows_per_expert):
         GemmKnobs(tile_rows=128, tile_cols=192, stages=3, rows_fastest=False),
         GemmKnobs(tile_rows=128, tile_cols=64, stages=2, swap_ab=True),
         GemmKnobs(tile_rows=32, tile_cols=64, stages=5, swap_ab=True, rows_fastest=False),
+        GemmKnobs(tile_rows=64, tile_cols=256, stages=3, pingpong=True),
+        GemmKnobs(tile_rows=128, tile_cols=128, stages=3, pingpong=True, rows_fastest=False),
     ],
     ids=str,
 )

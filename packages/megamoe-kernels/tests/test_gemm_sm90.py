@@ -7,6 +7,8 @@ must stay untouched), rel-L2 <= 1e-2 against the fp32 oracle.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from megamoe_kernels import GemmKnobs, down, gate_up_swiglu, interleave_gate_up, knob_problems
@@ -115,15 +117,13 @@ def every_valid_knob(op):
     ):
         for tile_rows in row_tiles:
             for tile_cols in col_tiles:
-                knobs = GemmKnobs(tile_rows=tile_rows, tile_cols=tile_cols, swap_ab=swap_ab)
-                knobs = GemmKnobs(
-                    tile_rows=tile_rows,
-                    tile_cols=tile_cols,
-                    swap_ab=swap_ab,
-                    stages=min(4, max_stages(knobs, op)),
-                )
-                if not knob_problems(knobs, op):
-                    yield knobs
+                for pingpong in (False, True):
+                    shape = GemmKnobs(
+                        tile_rows=tile_rows, tile_cols=tile_cols, swap_ab=swap_ab, pingpong=pingpong
+                    )
+                    knobs = replace(shape, stages=min(4, max_stages(shape, op)))
+                    if not knob_problems(knobs, op):
+                        yield knobs
 
 
 @pytest.mark.parametrize("knobs", list(every_valid_knob("gate_up")), ids=str)

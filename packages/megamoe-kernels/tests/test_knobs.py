@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from megamoe_kernels import GemmKnobs, check_knobs, default_knobs, knob_problems, resolve_knobs
-from megamoe_kernels.shim.knobs import OPS, PROFILE_ROWS_PER_EXPERT
+from megamoe_kernels.shim.knobs import (
+    OPS,
+    PROFILE_ROWS_PER_EXPERT,
+    epilogue_smem_bytes,
+    max_stages,
+)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -24,6 +31,11 @@ def test_default_profile_is_always_valid(op, rows_per_expert):
         (GemmKnobs(stages=1), "stages=1"),
         (GemmKnobs(stages=9), "stages=9"),
         (GemmKnobs(cluster=(2, 1)), "cluster"),
+        (GemmKnobs(pingpong=True), "pingpong with a 128x256 tile"),
+        (
+            GemmKnobs(pingpong=True, swap_ab=True, tile_rows=32, tile_cols=128),
+            "pingpong with swap_ab",
+        ),
     ],
 )
 def test_invalid_combination_says_why_and_fails_closed(knobs, reason):
@@ -41,3 +53,12 @@ def test_unknown_op_is_refused():
 def test_override_wins_when_valid():
     knobs = GemmKnobs(tile_rows=64, tile_cols=128, stages=3)
     assert resolve_knobs("down", 1, knobs) is knobs
+
+
+def test_pingpong_stages_count_both_epilogue_buffers():
+    cooperative = GemmKnobs(tile_rows=128, tile_cols=128, stages=2)
+    pingpong = GemmKnobs(tile_rows=128, tile_cols=128, stages=2, pingpong=True)
+    assert epilogue_smem_bytes(pingpong, "down") == 2 * epilogue_smem_bytes(cooperative, "down")
+    assert max_stages(pingpong, "down") < max_stages(cooperative, "down")
+    assert knob_problems(replace(pingpong, stages=max_stages(pingpong, "down")), "down") == []
+    assert knob_problems(replace(pingpong, stages=max_stages(cooperative, "down")), "down")

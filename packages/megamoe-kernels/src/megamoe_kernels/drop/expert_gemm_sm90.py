@@ -18,6 +18,11 @@ rows past offsets[e + 1] that a tile loads belong to another expert or are not d
 feed output rows that the epilogue never stores. The epilogue writes the tile to shared memory,
 then copies it out in 16-byte vectors, masked to the expert's rows and to N_out.
 
+pingpong gives each of two consumer warpgroups whole tiles of its own (the CTA's tiles alternate
+between them): while one runs its epilogue, the other's MMAs keep the tensor cores busy. The
+mainloops take turns (two named barriers), which also keeps each warpgroup's waits on the shared
+ring within one phase of the producer. Each warpgroup stages its epilogue in its own buffer.
+
 swap_ab puts the weight's N on the MMA's M side (tile_cols = MMA M, tile_rows = MMA N): the
 decode shape, where a few rows per expert would waste a 64-row MMA and the weight stream is
 what costs.
@@ -38,7 +43,10 @@ from .tiling import EPILOGUE_ROW_PAD, TILE_K
 THREADS_PER_WARPGROUP = 128
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
+# named barriers: epilogue of consumer warpgroup w is EPILOGUE_BARRIER_ID + w; with pingpong,
+# MMA_TURN_BARRIER_ID + w is where warpgroup w hands the tensor cores to the other
 EPILOGUE_BARRIER_ID = 1
+MMA_TURN_BARRIER_ID = 3
 WALK_BATCH = 8
 
 
@@ -59,6 +67,8 @@ class ExpertGroupedGemmSm90:
     row_scale: multiply each output row by row_scale[row]
     rows_fastest: schedule order inside an expert (m-tiles vary fastest: weights stream once)
     num_ctas:  persistent CTAs launched
+    pingpong:  two consumer warpgroups on alternate tiles (epilogue overlaps the other's MMAs);
+               without swap_ab, at most 64 x 256 accumulators per tile
     """
 
     def __init__(
@@ -72,6 +82,7 @@ class ExpertGroupedGemmSm90:
         row_scale,
         rows_fastest,
         num_ctas,
+        pingpong=False,
     ):
         self.tile_rows = tile_rows
         self.tile_cols = tile_cols
@@ -81,9 +92,14 @@ class ExpertGroupedGemmSm90:
         self.row_scale = row_scale
         self.rows_fastest = rows_fastest
         self.num_ctas = num_ctas
+        self.pingpong = pingpong
         self.mma_m, self.mma_n = (tile_cols, tile_rows) if swap_ab else (tile_rows, tile_cols)
-        self.num_consumer_warpgroups = self.mma_m // 64
+        # warpgroups that share one tile's MMAs, and the consumer warpgroups of the CTA
+        self.tile_warpgroups = 1 if pingpong else self.mma_m // 64
+        self.num_consumer_warpgroups = 2 if pingpong else self.tile_warpgroups
+        self.tile_threads = self.tile_warpgroups * THREADS_PER_WARPGROUP
         self.num_consumer_threads = self.num_consumer_warpgroups * THREADS_PER_WARPGROUP
+        self.epilogue_buffers = 2 if pingpong else 1
         self.threads_per_cta = THREADS_PER_WARPGROUP + self.num_consumer_threads
         self.out_tile_cols = tile_cols // 2 if swiglu else tile_cols
         self.out_row_stride = self.out_tile_cols + EPILOGUE_ROW_PAD
@@ -102,7 +118,7 @@ class ExpertGroupedGemmSm90:
             k_major,
             k_major,
             cutlass.Float32,
-            (self.num_consumer_warpgroups, 1, 1),
+            (self.tile_warpgroups, 1, 1),
             tiler_mn=(64, self.mma_n),
         )
         a_layout = sm90_utils.make_smem_layout_a(
@@ -130,8 +146,10 @@ class ExpertGroupedGemmSm90:
             cute.slice_(w_layout, (None, None, 0)),
             (self.tile_cols, TILE_K),
         )
+        # one staging buffer per warpgroup that runs epilogues on its own
         out_layout = cute.make_layout(
-            (self.tile_rows, self.out_tile_cols), stride=(self.out_row_stride, 1)
+            (self.tile_rows, self.out_tile_cols, self.epilogue_buffers),
+            stride=(self.out_row_stride, 1, self.tile_rows * self.out_row_stride),
         )
 
         @cute.struct
@@ -233,8 +251,9 @@ class ExpertGroupedGemmSm90:
             barrier_storage=storage.ring_barriers.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            # each stage is read by the warps of one tile's warpgroups
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.num_consumer_warpgroups * 4
+                pipeline.Agent.Thread, self.tile_warpgroups * 4
             ),
             tx_count=tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
@@ -304,7 +323,15 @@ class ExpertGroupedGemmSm90:
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             consumer_tidx = tidx - THREADS_PER_WARPGROUP
-            thr_mma = tiled_mma.get_slice(consumer_tidx)
+            # the consumer warpgroups that work one tile together (all of them, or with pingpong
+            # one warpgroup taking every other tile of the CTA)
+            team = 0
+            tile_step = grid_size
+            if cutlass.const_expr(self.pingpong):
+                team = warpgroup_idx - 1
+                tile_step = grid_size * 2
+            team_tidx = consumer_tidx - team * self.tile_threads
+            thr_mma = tiled_mma.get_slice(team_tidx)
             sA, sB = (sW, sX) if self.swap_ab else (sX, sW)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
@@ -318,15 +345,28 @@ class ExpertGroupedGemmSm90:
                 pipeline.PipelineUserType.Consumer, self.stages
             )
             epilogue_barrier = pipeline.NamedBarrier(
-                barrier_id=EPILOGUE_BARRIER_ID, num_threads=self.num_consumer_threads
+                barrier_id=EPILOGUE_BARRIER_ID + team, num_threads=self.tile_threads
             )
+            sOut_team = sOut[(None, None, team)]
+            # pingpong: wait for my turn at the tensor cores, then pass it on to the other team
+            my_turn = pipeline.NamedBarrier(
+                barrier_id=MMA_TURN_BARRIER_ID + team, num_threads=self.num_consumer_threads
+            )
+            other_turn = pipeline.NamedBarrier(
+                barrier_id=MMA_TURN_BARRIER_ID + 1 - team, num_threads=self.num_consumer_threads
+            )
+            if cutlass.const_expr(self.pingpong):
+                # the ring holds the tiles in CTA order: skip the other team's first tile
+                read_state.advance(team * k_tiles)
+                release_state.advance(team * k_tiles)
 
-            # first batch row of this warpgroup's accumulator slab (the weight's side with swap_ab:
-            # never skipped)
+            # first batch row of this warpgroup's accumulator slab (the weight's side with swap_ab,
+            # or a whole tile with pingpong: never skipped)
             slab_row0 = 0
-            if cutlass.const_expr(not self.swap_ab):
+            if cutlass.const_expr(not self.swap_ab and not self.pingpong):
                 slab_row0 = (warpgroup_idx - 1) * 64
-            tile = cutlass.Int32(block_idx)
+            tile = cutlass.Int32(block_idx) + team * grid_size
+            tiles_done = cutlass.Int32(0)
             expert, first, row_tiles, found = self.next_tile(
                 tile, cutlass.Int32(0), cutlass.Int32(0), mOffsets, num_experts, col_tiles
             )
@@ -337,6 +377,10 @@ class ExpertGroupedGemmSm90:
 
                 accumulators.fill(0.0)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                if cutlass.const_expr(self.pingpong):
+                    # team 0 starts; afterwards each team waits for the other's mainloop
+                    if team + tiles_done > 0:
+                        my_turn.arrive_and_wait()
                 # a warpgroup whose 64-row slab lies wholly past the expert's rows skips its
                 # MMAs (it still drains the ring): tail tiles cost what their rows need
                 slab_has_rows = row0 + slab_row0 < row_end
@@ -365,20 +409,26 @@ class ExpertGroupedGemmSm90:
                         ring.consumer_release(release_state)
                         release_state.advance()
                         read_state.advance()
+                if cutlass.const_expr(self.pingpong):
+                    other_turn.arrive()
+                    # the other team's next tile sits between this tile and my next one
+                    read_state.advance(k_tiles)
+                    release_state.advance(k_tiles)
 
                 self.epilogue(
                     accumulators,
                     tCcC,
-                    sOut,
+                    sOut_team,
                     mOut,
                     mRowScale,
                     row0=row0,
                     row_end=row_end,
                     col_tile=col_tile,
-                    consumer_tidx=consumer_tidx,
+                    team_tidx=team_tidx,
                     barrier=epilogue_barrier,
                 )
-                tile = tile + grid_size
+                tiles_done = tiles_done + 1
+                tile = tile + tile_step
                 expert, first, row_tiles, found = self.next_tile(
                     tile, expert, first, mOffsets, num_experts, col_tiles
                 )
@@ -395,7 +445,7 @@ class ExpertGroupedGemmSm90:
         row0,
         row_end,
         col_tile,
-        consumer_tidx,
+        team_tidx,
         barrier,
     ):
         """Registers -> shared tile (SwiGLU or plain, optional row scale) -> masked 16-byte
@@ -441,9 +491,7 @@ class ExpertGroupedGemmSm90:
         copy_atom = cute.make_copy_atom(
             cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=128
         )
-        for v in cutlass.range(
-            consumer_tidx, self.tile_rows * vectors_per_row, self.num_consumer_threads
-        ):
+        for v in cutlass.range(team_tidx, self.tile_rows * vectors_per_row, self.tile_threads):
             row = v // vectors_per_row
             col = (v % vectors_per_row) * vector
             if row0 + row < row_end and col0 + col < n_out:

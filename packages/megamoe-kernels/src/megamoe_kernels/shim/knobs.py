@@ -24,6 +24,8 @@ COL_TILES = (64, 128, 192, 256)
 SWAP_ROW_TILES = (16, 32, 64, 128)
 SWAP_COL_TILES = (64, 128)
 MAX_STAGES = 12
+# fp32 accumulators of one warpgroup's tile with pingpong: 128 registers per thread
+PINGPONG_MAX_ACCUMULATORS = 64 * 256
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,9 @@ class GemmKnobs:
     """tile_rows: batch rows per tile; tile_cols: weight rows (accumulator columns) per tile;
     stages: TMA ring depth; swap_ab: weight on the MMA's M side (decode); cluster: CTAs per
     cluster (only (1, 1): TMA multicast is not built); rows_fastest: schedule order inside an
-    expert (row tiles vary fastest, so each weight tile streams once)."""
+    expert (row tiles vary fastest, so each weight tile streams once); pingpong: two consumer
+    warpgroups on alternate tiles, so one's epilogue overlaps the other's MMAs (not with swap_ab;
+    a tile of at most PINGPONG_MAX_ACCUMULATORS, each warpgroup holding a whole one)."""
 
     tile_rows: int = 128
     tile_cols: int = 256
@@ -39,11 +43,13 @@ class GemmKnobs:
     swap_ab: bool = False
     cluster: tuple[int, int] = (1, 1)
     rows_fastest: bool = True
+    pingpong: bool = False
 
 
 def epilogue_smem_bytes(knobs: GemmKnobs, op: str) -> int:
     out_cols = knobs.tile_cols // 2 if op == "gate_up" else knobs.tile_cols
-    return knobs.tile_rows * (out_cols + EPILOGUE_ROW_PAD) * 2
+    buffers = 2 if knobs.pingpong else 1  # one staging tile per pingpong warpgroup
+    return buffers * knobs.tile_rows * (out_cols + EPILOGUE_ROW_PAD) * 2
 
 
 def stage_smem_bytes(knobs: GemmKnobs) -> int:
@@ -70,6 +76,13 @@ def knob_problems(knobs: GemmKnobs, op: str) -> list[str]:
         problems.append(f"tile_cols={knobs.tile_cols} {mode}: accepted {col_tiles}")
     if tuple(knobs.cluster) != (1, 1):
         problems.append(f"cluster={knobs.cluster}: only (1, 1) is built (no TMA multicast)")
+    if knobs.pingpong and knobs.swap_ab:
+        problems.append("pingpong with swap_ab: not built (decode tiles have no epilogue to hide)")
+    if knobs.pingpong and knobs.tile_rows * knobs.tile_cols > PINGPONG_MAX_ACCUMULATORS:
+        problems.append(
+            f"pingpong with a {knobs.tile_rows}x{knobs.tile_cols} tile: one warpgroup holds at "
+            f"most {PINGPONG_MAX_ACCUMULATORS} accumulators (64x256, 128x128)"
+        )
     # every accepted tile keeps the accumulator at <= 128 fp32 registers per consumer thread
     if not problems:
         limit = max_stages(knobs, op)
@@ -121,13 +134,20 @@ def candidate_knobs(
 ) -> list[GemmKnobs]:
     """Every valid tile shape in both orientations, each with the ring depths in `stage_choices`
     ("max" = the deepest that fits): what a tuner times."""
-    shapes = [(rows, cols, False) for rows, cols in itertools.product(ROW_TILES, COL_TILES)]
+    shapes = [
+        (rows, cols, False, pingpong)
+        for rows, cols in itertools.product(ROW_TILES, COL_TILES)
+        for pingpong in (False, True)
+    ]
     shapes += [
-        (rows, cols, True) for rows, cols in itertools.product(SWAP_ROW_TILES, SWAP_COL_TILES)
+        (rows, cols, True, False)
+        for rows, cols in itertools.product(SWAP_ROW_TILES, SWAP_COL_TILES)
     ]
     candidates = []
-    for tile_rows, tile_cols, swap_ab in shapes:
-        base = GemmKnobs(tile_rows=tile_rows, tile_cols=tile_cols, swap_ab=swap_ab)
+    for tile_rows, tile_cols, swap_ab, pingpong in shapes:
+        base = GemmKnobs(
+            tile_rows=tile_rows, tile_cols=tile_cols, swap_ab=swap_ab, pingpong=pingpong
+        )
         depths = {
             max_stages(base, op) if choice == "max" else int(choice) for choice in stage_choices
         }
