@@ -10,16 +10,24 @@ B = I / GATE_UP_BLOCK pair blocks. The batch is tight and expert-major: expert e
 - `down(hidden_MI, expert_offsets, w2_EHI, row_scale_M=None)` -> [M, H].
 Rows past expert_offsets[E] of an output are left as they were (unspecified).
 
-Compiled kernels are cached by (op, knobs, dtype, weight shape): the capacity is a dynamic dim,
-so one kernel serves every batch size. A launch passes raw data pointers and the row count
-(shim/pointer_launch.py): nothing is converted per call and nothing is held after it. Kernels run
-on torch's current stream, so CUDA-graph capture records them.
+Compiled kernels are cached by (op, knobs, weight shape, row scale or not, device): the capacity
+is a dynamic dim, so one kernel serves every batch size. They are compiled for CuTe DSL's TVM-FFI
+launch path (shim/ffi_launch.py): a launch hands the torch tensors to the compiled function,
+which checks them against its signature in C and launches on torch's current stream (CUDA-graph
+capture records it). Nothing is converted in Python and nothing is held after a call.
+
+The Python checks (clear errors naming the argument) run when a kernel is compiled, when
+compiling only, and when a launch fails; a launch that hits the cache relies on the compiled
+signature, which refuses any tensor of another dtype, shape, layout, alignment or device.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
+from functools import cache
+from typing import NoReturn
 
 import torch
 
@@ -27,9 +35,10 @@ from megamoe_kernels.drop.gate_up_layout import GATE_UP_BLOCK, interleaved_sourc
 from megamoe_kernels.shim.knobs import GemmKnobs, resolve_knobs
 
 _COMPILE_LOCK = threading.Lock()
-_COMPILED: dict[tuple, object] = {}
+_COMPILED: dict[tuple, Callable] = {}
 _SUPPORTED_DTYPES = (torch.bfloat16,)
 _DEFAULT_SM_COUNT = 132  # H200; only used when compiling without a GPU
+_ALIGN_BYTES = 16  # TMA and 16-byte vector stores: every tensor's base address
 
 
 def interleave_gate_up(w13_E2IH: torch.Tensor) -> torch.Tensor:
@@ -60,11 +69,15 @@ def _check_common(name: str, tensor: torch.Tensor, *, dim: int, device: torch.de
         raise ValueError(f"{name} is on {tensor.device}, the batch rows on {device}")
     if not tensor.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {tensor.stride()}")
-    if tensor.data_ptr() % 16:
-        raise ValueError(f"{name} must be 16-byte aligned, got address {tensor.data_ptr():#x}")
+    if tensor.data_ptr() % _ALIGN_BYTES:
+        raise ValueError(
+            f"{name} must be {_ALIGN_BYTES}-byte aligned, got address {tensor.data_ptr():#x}"
+        )
 
 
 def _check_batch(rows_MK: torch.Tensor, expert_offsets: torch.Tensor, num_experts: int) -> None:
+    if not isinstance(rows_MK, torch.Tensor):
+        raise TypeError(f"rows must be a torch.Tensor, got {type(rows_MK).__name__}")
     device = rows_MK.device
     _check_common("rows", rows_MK, dim=2, device=device)
     if rows_MK.dtype not in _SUPPORTED_DTYPES:
@@ -73,13 +86,20 @@ def _check_batch(rows_MK: torch.Tensor, expert_offsets: torch.Tensor, num_expert
         raise ValueError(
             f"rows' last dim (K={rows_MK.shape[1]}) must be a multiple of 8 (16-byte TMA strides)"
         )
-    if expert_offsets.dtype != torch.int32 or expert_offsets.dim() != 1:
+    if (
+        not isinstance(expert_offsets, torch.Tensor)
+        or expert_offsets.dtype != torch.int32
+        or expert_offsets.dim() != 1
+    ):
         raise TypeError(
-            f"expert_offsets must be 1-D int32, got {expert_offsets.dtype} "
-            f"{tuple(expert_offsets.shape)}"
+            "expert_offsets must be a 1-D int32 tensor, got "
+            + (
+                f"{expert_offsets.dtype} {tuple(expert_offsets.shape)}"
+                if isinstance(expert_offsets, torch.Tensor)
+                else type(expert_offsets).__name__
+            )
         )
-    if expert_offsets.device != device or not expert_offsets.is_contiguous():
-        raise ValueError("expert_offsets must be contiguous and on the rows' device")
+    _check_common("expert_offsets", expert_offsets, dim=1, device=device)
     if expert_offsets.numel() != num_experts + 1:
         raise ValueError(
             f"expert_offsets has {expert_offsets.numel()} entries; the weights hold "
@@ -87,141 +107,21 @@ def _check_batch(rows_MK: torch.Tensor, expert_offsets: torch.Tensor, num_expert
         )
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return _DEFAULT_SM_COUNT
+def _check_out(name: str, out: torch.Tensor | None, rows_MK: torch.Tensor, columns: int) -> None:
+    if out is None:
+        return
+    capacity = rows_MK.shape[0]
+    if (
+        not isinstance(out, torch.Tensor)
+        or tuple(out.shape) != (capacity, columns)
+        or out.dtype != rows_MK.dtype
+    ):
+        raise ValueError(f"{name} must be {rows_MK.dtype} [{capacity}, {columns}]")
+    _check_common(name, out, dim=2, device=rows_MK.device)
 
 
-def _cute_dtype(dtype: torch.dtype):
-    import cutlass
-
-    return {
-        torch.bfloat16: cutlass.BFloat16,
-        torch.int32: cutlass.Int32,
-        torch.float32: cutlass.Float32,
-    }[dtype]
-
-
-def _stream(device: torch.device, fake: bool):
-    if fake:
-        from cutlass.cute.runtime import make_fake_stream
-
-        return make_fake_stream()
-    import cuda.bindings.driver as cuda_driver
-
-    return cuda_driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
-
-
-def _run(
-    op: str,
-    knobs: GemmKnobs,
-    *,
-    x_MK: torch.Tensor,
-    w_NKE: torch.Tensor,
-    out_MN: torch.Tensor,
-    expert_offsets: torch.Tensor,
-    row_scale_M: torch.Tensor | None,
-    compile_only: bool,
-) -> None:
-    fake = compile_only or x_MK.device.type != "cuda"
-    if not torch.cuda.is_available():
-        # without a GPU CuTe DSL guesses another architecture; must be set before it is imported
-        os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    # one persistent CTA per SM: CTAs beyond the routed tiles find no work and exit
-    num_ctas = _sm_count(x_MK.device)
-    # the capacity is dynamic: the compiled kernel depends on the weights' shape only
-    key = (
-        op,
-        knobs,
-        x_MK.dtype,
-        x_MK.shape[1],
-        tuple(w_NKE.shape),
-        tuple(w_NKE.stride()),
-        out_MN.shape[1],
-        row_scale_M is not None,
-        num_ctas,
-        fake,
-    )
-    # the launcher rebuilds the tensors from pointers: they must have the layouts it assumes
-    k, n = x_MK.shape[1], w_NKE.shape[0]
-    assert w_NKE.stride() == (k, 1, n * k), w_NKE.stride()
-    assert x_MK.is_contiguous() and out_MN.is_contiguous() and expert_offsets.is_contiguous()
-    args = _pointer_args(x_MK, w_NKE, out_MN, expert_offsets, row_scale_M, fake=fake)
-    stream = _stream(x_MK.device, fake)
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        with _COMPILE_LOCK:
-            compiled = _COMPILED.get(key)
-            if compiled is None:
-                compiled = _compile(op, knobs, num_ctas, args, stream, shapes=(x_MK, w_NKE, out_MN))
-                _COMPILED[key] = compiled
-    if not fake:
-        compiled(*args, stream)
-
-
-def _pointer_args(x_MK, w_NKE, out_MN, expert_offsets, row_scale_M, *, fake: bool) -> list:
-    """Data pointers and the row count: all a launch passes (nothing held, nothing converted)."""
-    from cutlass import Int32
-
-    from megamoe_kernels.shim.pointer_launch import pointer
-
-    def address(tensor):
-        # compiling without a GPU: any aligned address will do, nothing is dereferenced
-        return 16 if fake else tensor.data_ptr()
-
-    return [
-        pointer("bfloat16", address(x_MK)),
-        pointer("bfloat16", address(w_NKE)),
-        pointer("bfloat16", address(out_MN)),
-        pointer("int32", address(expert_offsets)),
-        None if row_scale_M is None else pointer("float32", address(row_scale_M)),
-        Int32(x_MK.shape[0]),
-    ]
-
-
-def _compile(op, knobs, num_ctas, args, stream, *, shapes):
-    import cutlass.cute as cute
-
-    from megamoe_kernels.drop.expert_gemm_sm90 import ExpertGroupedGemmSm90
-    from megamoe_kernels.shim.pointer_launch import PointerLaunch
-
-    x_MK, w_NKE, out_MN = shapes
-    kernel = ExpertGroupedGemmSm90(
-        tile_rows=knobs.tile_rows,
-        tile_cols=knobs.tile_cols,
-        stages=knobs.stages,
-        swap_ab=knobs.swap_ab,
-        swiglu=op == "gate_up",
-        row_scale=args[4] is not None,
-        rows_fastest=knobs.rows_fastest,
-        num_ctas=num_ctas,
-    )
-    launch = PointerLaunch(
-        kernel,
-        k=x_MK.shape[1],
-        n=w_NKE.shape[0],
-        experts=w_NKE.shape[2],
-        n_out=out_MN.shape[1],
-        has_row_scale=args[4] is not None,
-    )
-    return cute.compile(launch, *args, stream)
-
-
-def _rows_per_expert(capacity: int, experts: int) -> float:
-    return capacity / max(1, experts)
-
-
-def gate_up_swiglu(
-    rows_MH: torch.Tensor,
-    expert_offsets: torch.Tensor,
-    w13_EB2GH: torch.Tensor,
-    *,
-    out_MI: torch.Tensor | None = None,
-    knobs: GemmKnobs | None = None,
-    compile_only: bool = False,
-) -> torch.Tensor:
-    """silu(x Wg^T) * (x Wu^T) per expert, bf16 out, fp32 accumulation."""
+def _check_gate_up(rows_MH, expert_offsets, w13_EB2GH, out_MI) -> None:
+    """Every rule of gate_up_swiglu's arguments, with an error that names the argument."""
     if (
         not isinstance(w13_EB2GH, torch.Tensor)
         or w13_EB2GH.dim() != 4
@@ -240,40 +140,13 @@ def gate_up_swiglu(
             f"w13 {w13_EB2GH.dtype} [..., H={hidden}] does not match rows {rows_MH.dtype} "
             f"[M, H={rows_MH.shape[1]}]"
         )
-    intermediate = blocks * GATE_UP_BLOCK
-    capacity = rows_MH.shape[0]
-    if out_MI is None:
-        out_MI = rows_MH.new_empty(capacity, intermediate)
-    elif tuple(out_MI.shape) != (capacity, intermediate) or out_MI.dtype != rows_MH.dtype:
-        raise ValueError(f"out_MI must be {rows_MH.dtype} [{capacity}, {intermediate}]")
-    knobs = resolve_knobs("gate_up", _rows_per_expert(capacity, experts), knobs)
-    if capacity == 0:
-        return out_MI
-    w_NKE = w13_EB2GH.view(experts, 2 * intermediate, hidden).permute(1, 2, 0)
-    _run(
-        "gate_up",
-        knobs,
-        x_MK=rows_MH,
-        w_NKE=w_NKE,
-        out_MN=out_MI,
-        expert_offsets=expert_offsets,
-        row_scale_M=None,
-        compile_only=compile_only,
-    )
-    return out_MI
+    _check_out("out_MI", out_MI, rows_MH, blocks * GATE_UP_BLOCK)
 
 
-def down(
-    hidden_MI: torch.Tensor,
-    expert_offsets: torch.Tensor,
-    w2_EHI: torch.Tensor,
-    *,
-    row_scale_M: torch.Tensor | None = None,
-    out_MH: torch.Tensor | None = None,
-    knobs: GemmKnobs | None = None,
-    compile_only: bool = False,
-) -> torch.Tensor:
-    """x W2^T per expert, each row optionally multiplied by row_scale_M (float32, [M])."""
+def _check_down(hidden_MI, expert_offsets, w2_EHI, row_scale_M, out_MH) -> None:
+    """Every rule of down's arguments, with an error that names the argument."""
+    if not isinstance(hidden_MI, torch.Tensor):
+        raise TypeError(f"rows must be a torch.Tensor, got {type(hidden_MI).__name__}")
     _check_common("w2", w2_EHI, dim=3, device=hidden_MI.device)
     experts, hidden, intermediate = w2_EHI.shape
     _check_batch(hidden_MI, expert_offsets, experts)
@@ -292,24 +165,170 @@ def down(
                 f"row_scale_M must be float32 [{capacity}], got {row_scale_M.dtype} "
                 f"{tuple(row_scale_M.shape)}"
             )
-    if out_MH is None:
-        out_MH = hidden_MI.new_empty(capacity, hidden)
-    elif tuple(out_MH.shape) != (capacity, hidden) or out_MH.dtype != hidden_MI.dtype:
-        raise ValueError(f"out_MH must be {hidden_MI.dtype} [{capacity}, {hidden}]")
-    knobs = resolve_knobs("down", _rows_per_expert(capacity, experts), knobs)
-    if capacity == 0:
-        return out_MH
-    _run(
-        "down",
-        knobs,
-        x_MK=hidden_MI,
-        w_NKE=w2_EHI.permute(1, 2, 0),
-        out_MN=out_MH,
-        expert_offsets=expert_offsets,
-        row_scale_M=row_scale_M,
-        compile_only=compile_only,
-    )
-    return out_MH
+    _check_out("out_MH", out_MH, hidden_MI, hidden)
+
+
+def _raise_explained(failure: Exception, check: Callable[[], None]) -> NoReturn:
+    """Re-raises a failed call's error as the check's error naming the argument at fault, or
+    as it is when every argument passes (a CUDA error, invalid knobs)."""
+    try:
+        check()
+    except (TypeError, ValueError) as explained:
+        raise explained from failure
+    raise failure
+
+
+@cache
+def _sm_count(device_index: int) -> int:
+    if device_index >= 0:
+        return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return _DEFAULT_SM_COUNT
+
+
+def _launch(
+    op: str,
+    knobs: GemmKnobs,
+    x_MK: torch.Tensor,
+    w: torch.Tensor,
+    out_MN: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    row_scale_M: torch.Tensor | None,
+    *,
+    compile_only: bool,
+    check: Callable[[], None],
+) -> None:
+    """Launches the compiled variant for (op, knobs, the weight's shape), compiling it first if
+    needed. `check` runs the op's argument checks before a compile and when nothing runs; a
+    launch that hits the cache leaves them to the compiled signature."""
+    # a GPU index, or -1 (CPU, meta): compile only, nothing runs
+    device_index = -1 if compile_only else x_MK.get_device()
+    key = (op, knobs, w.shape, row_scale_M is not None, device_index)
+    compiled = _COMPILED.get(key)
+    if compiled is None or device_index < 0:
+        check()
+    if compiled is None:
+        compiled = _compile(op, knobs, key)
+    if device_index >= 0:
+        compiled(x_MK, w, out_MN, expert_offsets, row_scale_M)
+
+
+def _compile(op: str, knobs: GemmKnobs, key: tuple) -> Callable:
+    _, _, weight_shape, has_row_scale, device_index = key
+    with _COMPILE_LOCK:
+        compiled = _COMPILED.get(key)
+        if compiled is not None:
+            return compiled
+        if not torch.cuda.is_available():
+            # without a GPU CuTe DSL guesses another architecture; set before it is imported
+            os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+        from megamoe_kernels.drop.expert_gemm_sm90 import ExpertGroupedGemmSm90
+        from megamoe_kernels.shim.ffi_launch import compile_stored_weight_launch
+
+        if op == "gate_up":  # [E, B, 16, H]: n = 2I weight rows, SwiGLU halves them
+            _, blocks, pair, k = weight_shape
+            n, n_out = blocks * pair, blocks * pair // 2
+        else:  # [E, H, I]
+            _, n, k = weight_shape
+            n_out = n
+        kernel = ExpertGroupedGemmSm90(
+            tile_rows=knobs.tile_rows,
+            tile_cols=knobs.tile_cols,
+            stages=knobs.stages,
+            swap_ab=knobs.swap_ab,
+            swiglu=op == "gate_up",
+            row_scale=has_row_scale,
+            rows_fastest=knobs.rows_fastest,
+            pingpong=knobs.pingpong,
+            # one persistent CTA per SM: CTAs beyond the routed tiles find no work and exit
+            num_ctas=_sm_count(device_index),
+        )
+        compiled = compile_stored_weight_launch(
+            kernel,
+            weight_shape=tuple(weight_shape),
+            n=n,
+            k=k,
+            n_out=n_out,
+            has_row_scale=has_row_scale,
+        )
+        _COMPILED[key] = compiled
+        return compiled
+
+
+def gate_up_swiglu(
+    rows_MH: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w13_EB2GH: torch.Tensor,
+    *,
+    out_MI: torch.Tensor | None = None,
+    knobs: GemmKnobs | None = None,
+    compile_only: bool = False,
+) -> torch.Tensor:
+    """silu(x Wg^T) * (x Wu^T) per expert, bf16 out, fp32 accumulation."""
+
+    def check() -> None:
+        _check_gate_up(rows_MH, expert_offsets, w13_EB2GH, out_MI)
+
+    try:
+        capacity = rows_MH.shape[0]
+        experts, blocks = w13_EB2GH.shape[:2]
+        out = rows_MH.new_empty((capacity, blocks * GATE_UP_BLOCK)) if out_MI is None else out_MI
+        resolved = resolve_knobs("gate_up", capacity / max(1, experts), knobs)
+        if capacity == 0:
+            check()
+            return out
+        _launch(
+            "gate_up",
+            resolved,
+            rows_MH,
+            w13_EB2GH,
+            out,
+            expert_offsets,
+            None,
+            compile_only=compile_only,
+            check=check,
+        )
+    except Exception as failure:
+        _raise_explained(failure, check)
+    return out
+
+
+def down(
+    hidden_MI: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w2_EHI: torch.Tensor,
+    *,
+    row_scale_M: torch.Tensor | None = None,
+    out_MH: torch.Tensor | None = None,
+    knobs: GemmKnobs | None = None,
+    compile_only: bool = False,
+) -> torch.Tensor:
+    """x W2^T per expert, each row optionally multiplied by row_scale_M (float32, [M])."""
+
+    def check() -> None:
+        _check_down(hidden_MI, expert_offsets, w2_EHI, row_scale_M, out_MH)
+
+    try:
+        capacity = hidden_MI.shape[0]
+        experts, hidden = w2_EHI.shape[:2]
+        out = hidden_MI.new_empty((capacity, hidden)) if out_MH is None else out_MH
+        resolved = resolve_knobs("down", capacity / max(1, experts), knobs)
+        if capacity == 0:
+            check()
+            return out
+        _launch(
+            "down",
+            resolved,
+            hidden_MI,
+            w2_EHI,
+            out,
+            expert_offsets,
+            row_scale_M,
+            compile_only=compile_only,
+            check=check,
+        )
+    except Exception as failure:
+        _raise_explained(failure, check)
+    return out
 
 
 def cached_kernel_count() -> int:

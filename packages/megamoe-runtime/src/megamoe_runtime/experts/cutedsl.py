@@ -11,6 +11,7 @@ import importlib.util
 from dataclasses import dataclass
 
 import torch
+from megamoe_kernels import down, gate_up_swiglu
 
 from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.experts.base import check_batch_matches_weights
@@ -65,25 +66,38 @@ class CuteDSLExperts:
         self.gate_up_knobs = gate_up_knobs
         self.down_knobs = down_knobs
         self.knob_cache = KnobCache() if knob_cache is None else knob_cache
-        self._tuned: dict[tuple, object] = {}
+        self._knobs: dict[tuple, tuple] = {}
 
     def _cached_knobs(self, op: str, batch: ExpertBatch, weight_dims: tuple[int, int]):
-        """Looked up once per batch class; later calls cost one dict lookup."""
-        device, dtype = batch.rows_MH.device, batch.rows_MH.dtype
-        memo = (op, device, dtype, weight_dims, batch.capacity, batch.num_experts)
-        if memo not in self._tuned:
-            from megamoe_runtime.tuning.expert_knobs import gemm_key, knobs_from_cache
+        """Tuned knobs for the batch's class from the knob cache, or None (defaults)."""
+        from megamoe_runtime.tuning.expert_knobs import gemm_key, knobs_from_cache
 
-            key = gemm_key(
-                op,
-                device=device,
-                dtype=dtype,
-                weight_dims=weight_dims,
-                capacity=batch.capacity,
-                num_experts=batch.num_experts,
+        key = gemm_key(
+            op,
+            device=batch.rows_MH.device,
+            dtype=batch.rows_MH.dtype,
+            weight_dims=weight_dims,
+            capacity=batch.capacity,
+            num_experts=batch.num_experts,
+        )
+        return knobs_from_cache(self.knob_cache, key)
+
+    def _knobs_for(self, batch: ExpertBatch, prepared: CuteDSLWeights) -> tuple:
+        """(gate-up knobs, down knobs) for the batch's class: the explicit ones, else tuned
+        ones, else None (the kernels' default profile). Looked up once per class; later calls
+        cost one dict lookup."""
+        rows_MH = batch.rows_MH
+        memo = (rows_MH.shape[0], rows_MH.get_device(), rows_MH.dtype, prepared.w2_EHI.shape)
+        knobs = self._knobs.get(memo)
+        if knobs is None:
+            _, hidden, intermediate = prepared.w2_EHI.shape
+            knobs = (
+                self.gate_up_knobs
+                or self._cached_knobs("gate_up", batch, (2 * intermediate, hidden)),
+                self.down_knobs or self._cached_knobs("down", batch, (hidden, intermediate)),
             )
-            self._tuned[memo] = knobs_from_cache(self.knob_cache, key)
-        return self._tuned[memo]
+            self._knobs[memo] = knobs
+        return knobs
 
     def prepare(self, weights: Unquantized) -> CuteDSLWeights:
         from megamoe_kernels import interleave_gate_up
@@ -103,25 +117,27 @@ class CuteDSLExperts:
         *,
         row_scale_M: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        from megamoe_kernels import down, gate_up_swiglu
-
         if not isinstance(prepared, CuteDSLWeights):
             raise TypeError(
                 f"prepared must come from CuteDSLExperts.prepare, got {type(prepared).__name__}"
             )
-        check_batch_matches_weights(batch, prepared)
-        _, hidden, intermediate = prepared.w2_EHI.shape
-        gate_up_knobs = self.gate_up_knobs or self._cached_knobs(
-            "gate_up", batch, (2 * intermediate, hidden)
-        )
-        down_knobs = self.down_knobs or self._cached_knobs("down", batch, (hidden, intermediate))
-        hidden_MI = gate_up_swiglu(
-            batch.rows_MH, batch.expert_offsets, prepared.w13_EB2GH, knobs=gate_up_knobs
-        )
-        return down(
-            hidden_MI,
-            batch.expert_offsets,
-            prepared.w2_EHI,
-            row_scale_M=row_scale_M,
-            knobs=down_knobs,
-        )
+        # the kernels' compiled signatures check every tensor on each launch; the batch-level
+        # checks run only to name the culprit when a launch refuses its arguments
+        try:
+            gate_up_knobs, down_knobs = self._knobs_for(batch, prepared)
+            hidden_MI = gate_up_swiglu(
+                batch.rows_MH, batch.expert_offsets, prepared.w13_EB2GH, knobs=gate_up_knobs
+            )
+            return down(
+                hidden_MI,
+                batch.expert_offsets,
+                prepared.w2_EHI,
+                row_scale_M=row_scale_M,
+                knobs=down_knobs,
+            )
+        except (TypeError, ValueError) as failure:
+            try:
+                check_batch_matches_weights(batch, prepared)
+            except (TypeError, ValueError) as explained:
+                raise explained from failure
+            raise
