@@ -103,6 +103,8 @@ class MegaMoE(nn.Module):
         self._backend_reason = ""
         self._prepared_key: tuple | None = None
         self._prepared = None
+        self._gate_float32_key: tuple | None = None
+        self._gate_float32: torch.Tensor | None = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -215,8 +217,20 @@ class MegaMoE(nn.Module):
 
     def router_logits(self, x_TH: torch.Tensor) -> torch.Tensor:
         if self.config.router_dtype == "float32":
-            return nn.functional.linear(x_TH.float(), self.gate.weight.float())
+            return nn.functional.linear(x_TH.float(), self._gate_weight_float32())
         return self.gate(x_TH)
+
+    def _gate_weight_float32(self) -> torch.Tensor:
+        """The router weight in fp32. Without autograd the cast is kept until the weight changes
+        (in place or replaced), so an inference forward does not cast [E, H] again."""
+        weight = self.gate.weight
+        if weight.dtype == torch.float32 or (torch.is_grad_enabled() and weight.requires_grad):
+            return weight.float()  # a no-op, or a cast autograd records
+        key = (weight.data_ptr(), weight._version, weight.device)
+        if key != self._gate_float32_key:
+            self._gate_float32 = weight.detach().float()
+            self._gate_float32_key = key
+        return self._gate_float32
 
     def forward(self, x: torch.Tensor, *, return_router_logits: bool = False):
         self._check_input(x)

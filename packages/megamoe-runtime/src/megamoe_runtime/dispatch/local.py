@@ -129,22 +129,46 @@ def weighted_sum_over_topk(
     """
     tokens, top_k = row_of_pair_TK.shape
     hidden = expert_out_MH.shape[1]
-    y_TH = torch.zeros(tokens, hidden, dtype=torch.float32, device=expert_out_MH.device)
     # bound the fp32 temporary [chunk, K, H] to about 256 MiB
     chunk = max(1, (1 << 26) // max(1, top_k * hidden))
+    if tokens <= chunk and top_k > 0:  # decode and most prefill: one chunk
+        contributions_TKH = _contributions(expert_out_MH, row_of_pair_TK, topk_weights_TK)
+        return _sum_over_k(contributions_TKH).to(output_dtype)
+    y_TH = torch.zeros(tokens, hidden, dtype=torch.float32, device=expert_out_MH.device)
     for start in range(0, tokens, chunk):
-        rows_TK = row_of_pair_TK[start : start + chunk]
-        gathered_TKH = expert_out_MH.index_select(0, rows_TK.reshape(-1)).view(-1, top_k, hidden)
-        if topk_weights_TK is None:
-            contributions_TKH = gathered_TKH.float()
-        else:
-            contributions_TKH = gathered_TKH * topk_weights_TK[
-                start : start + chunk
-            ].float().unsqueeze(-1)
-        y_chunk_TH = y_TH[start : start + chunk]
-        for k in range(top_k):
-            y_chunk_TH += contributions_TKH[:, k]
+        contributions_TKH = _contributions(
+            expert_out_MH,
+            row_of_pair_TK[start : start + chunk],
+            None if topk_weights_TK is None else topk_weights_TK[start : start + chunk],
+        )
+        _sum_over_k(contributions_TKH, into_TH=y_TH[start : start + chunk])
     return y_TH.to(output_dtype)
+
+
+def _contributions(
+    expert_out_MH: torch.Tensor, row_of_pair_TK: torch.Tensor, topk_weights_TK: torch.Tensor | None
+) -> torch.Tensor:
+    """fp32 [T, K, H]: each pair's expert row times its weight, rounded to fp32."""
+    top_k, hidden = row_of_pair_TK.shape[1], expert_out_MH.shape[1]
+    gathered_TKH = expert_out_MH.index_select(0, row_of_pair_TK.reshape(-1)).view(-1, top_k, hidden)
+    if topk_weights_TK is None:
+        return gathered_TKH.float()
+    return gathered_TKH * topk_weights_TK.float().unsqueeze(-1)
+
+
+def _sum_over_k(
+    contributions_TKH: torch.Tensor, *, into_TH: torch.Tensor | None = None
+) -> torch.Tensor:
+    """0 + c_0 + c_1 + ... + c_{K-1} in fp32, in that order; added to `into_TH` (zero-filled)
+    when given, else into a new tensor that starts as c_0 + 0.0: the bits of 0.0 + c_0 (-0.0
+    becomes +0.0) without a zero-fill launch."""
+    if into_TH is None:
+        into_TH, first = contributions_TKH[:, 0] + 0.0, 1
+    else:
+        first = 0
+    for k in range(first, contributions_TKH.shape[1]):
+        into_TH += contributions_TKH[:, k]
+    return into_TH
 
 
 def expert_offsets_from_ids(expert_of_pair: torch.Tensor, num_experts: int) -> torch.Tensor:
