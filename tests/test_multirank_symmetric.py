@@ -50,9 +50,11 @@ def fill_routing(generator, tokens_per_rank, x_all, ids_all, weights_all):
     weights_all.copy_(torch.rand(total, TOP_K, generator=generator))
 
 
-def check_graph_replay(rank, world_size, device):
+def check_graph_replay(rank, world_size, device, options):
     tokens_per_rank = [(24, 40)[r % 2] for r in range(world_size)]
-    dispatcher = build(rank, world_size, device, max_tokens=64)
+    dispatcher = build(rank, world_size, device, max_tokens=64, **options)
+    # the partial-sum combine rounds the owners' partials to bf16: close, not bitwise
+    bitwise = not options.get("combine_partial_sums", False)
     total = sum(tokens_per_rank)
     x_all = torch.empty(total, HIDDEN, dtype=torch.bfloat16, device=device)
     ids_all = torch.empty(total, TOP_K, dtype=torch.int32, device=device)
@@ -78,15 +80,22 @@ def check_graph_replay(rank, world_size, device):
         single = LocalDispatcher(NUM_EXPERTS)
         batch, handle = single.dispatch(x_all, ids_all, weights_all)
         expected = single.combine(batch.rows_MH * 2 + 1, handle)[mine]
-        if not torch.equal(y_static, expected):
+        if bitwise and not torch.equal(y_static, expected):
+            failures.append((replay, (y_static.float() - expected.float()).abs().max().item()))
+        if not bitwise and not torch.allclose(y_static, expected, rtol=2e-2, atol=2e-2):
             failures.append((replay, (y_static.float() - expected.float()).abs().max().item()))
     torch.cuda.synchronize()
     dispatcher.raise_if_timed_out()
     assert not failures, f"rank {rank}: replays differ from the single-GPU combine: {failures}"
 
 
-def test_graph_capture_and_replay_with_changing_routing(gpu_multirank):
-    gpu_multirank(check_graph_replay)
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"stage_remote_rows": False}, {"combine_partial_sums": True}],
+    ids=["staged", "direct", "partial"],
+)
+def test_graph_capture_and_replay_with_changing_routing(gpu_multirank, options):
+    gpu_multirank(check_graph_replay, options)
 
 
 def check_no_memory_growth(rank, world_size, device):

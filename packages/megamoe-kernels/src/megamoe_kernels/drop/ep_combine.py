@@ -227,14 +227,29 @@ def combine_reduce(
 
 
 @cute.jit
-def accumulate_chunk(total, contribution, row_address, weight):
-    """total += weight x (8 bf16 at row_address) in fp32, each product rounded on its own."""
-    source = cute.make_tensor(
-        global_ptr(cutlass.BFloat16, row_address, 16), cute.make_layout(CHUNK)
-    )
-    contribution.store(source.load().to(cutlass.Float32))
+def add_weighted(total, contribution, values, weight):
+    """total += weight x values (8 bf16 of a 16-byte vector) in fp32, each product rounded on
+    its own (mul.rn)."""
+    contribution.store(values.to(cutlass.Float32))
     for i in cutlass.range_constexpr(CHUNK):
         total[i] = total[i] + multiply_rounded(contribution[i], weight)
+
+
+@cute.jit
+def load_chunk(address):
+    """The 8 bf16 of the 16-byte vector at `address`, as a register value."""
+    return cute.make_tensor(
+        global_ptr(cutlass.BFloat16, address, 16), cute.make_layout(CHUNK)
+    ).load()
+
+
+@cute.jit
+def store_chunk(address, total):
+    """Rounds 8 fp32 to bf16 and stores them as one 16-byte vector at `address`."""
+    destination = cute.make_tensor(
+        global_ptr(cutlass.BFloat16, address, 16), cute.make_layout(CHUNK)
+    )
+    destination.store(total.load().to(cutlass.BFloat16))
 
 
 @cute.kernel
@@ -252,6 +267,7 @@ def combine_partial_kernel(
     rank: cutlass.Int32,
     world: cutlass.Int32,
     top_k: cutlass.Constexpr,
+    unroll: cutlass.Constexpr,
 ):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
@@ -267,42 +283,65 @@ def combine_partial_kernel(
     pair_rows = global_ptr(cutlass.Int32, pair_rows_address, 4)
     pair_weights = global_ptr(cutlass.Float32, pair_weights_address, 4)
     row_bytes = cutlass.Int64(hidden) * 2
-    chunks = hidden // CHUNK
-    threads = PUSH_WARPS * 32
-    for item in range(bidx * threads + tidx, valid_rows * chunks, grid * threads):
-        row = item // chunks
-        chunk = item - row * chunks
+    row_vectors = hidden // CHUNK
+    total = cute.make_rmem_tensor(CHUNK * unroll, cutlass.Float32)
+    contribution = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
+    # a warp per batch row; only the row of a token's lowest k here (its leader) has work: it
+    # sums all of the token's rows here, so the work follows (source, token) entries
+    for row in range(bidx * PUSH_WARPS + warp, valid_rows, grid * PUSH_WARPS):
         source = cute.arch.load(row_sources + row * 2, cutlass.Int32)
         pair = cute.arch.load(row_sources + (row * 2 + 1), cutlass.Int32)
         token = pair // top_k
+        k_here = pair - token * top_k
         table = (source * max_tokens + token) * top_k
-        # the token's lowest k here leads: it sums all of the token's pairs on this rank
-        leader = cutlass.Int32(1)
-        for k in range(pair - token * top_k):
-            if cute.arch.load(pair_rows + (table + k), cutlass.Int32) >= 0:
-                leader = cutlass.Int32(0)
-        if leader == 1:
-            partial_row = cutlass.Int64(rank) * max_tokens + token
-            partials = peer_address(peer_table, BUFFER_PARTIALS, world, source)
-            chunk_bytes = cutlass.Int64(chunk) * (CHUNK * 2)
-            total = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
-            total.fill(0.0)
-            contribution = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
+        lane_row = cutlass.Int32(-1)
+        lane_weight = cutlass.Float32(0.0)
+        if lane < top_k:
+            lane_row = cute.arch.load(pair_rows + (table + lane), cutlass.Int32)
+            lane_weight = cute.arch.load(pair_weights + (table + lane), cutlass.Float32)
+            if lane_row >= capacity:
+                lane_row = cutlass.Int32(-1)  # dropped past capacity: not in this batch
+        earlier_here = cutlass.Int32(0)
+        if lane < k_here:
+            if lane_row >= 0:
+                earlier_here = cutlass.Int32(1)
+        if cute.arch.vote_ballot_sync(earlier_here == 1) == 0:
+            rows = []
+            weights = []
             for k in cutlass.range_constexpr(top_k):
-                batch_row = cute.arch.load(pair_rows + (table + k), cutlass.Int32)
-                if batch_row >= 0:
-                    if batch_row < capacity:
-                        accumulate_chunk(
-                            total,
-                            contribution,
-                            expert_out_address + cutlass.Int64(batch_row) * row_bytes + chunk_bytes,
-                            cute.arch.load(pair_weights + (table + k), cutlass.Float32),
-                        )
-            destination = cute.make_tensor(
-                global_ptr(cutlass.BFloat16, partials + partial_row * row_bytes + chunk_bytes, 16),
-                cute.make_layout(CHUNK),
-            )
-            destination.store(total.load().to(cutlass.BFloat16))
+                rows.append(cute.arch.shuffle_sync(lane_row, k))
+                weights.append(cute.arch.shuffle_sync(lane_weight, k))
+            # rows not here are read from this row's address (a cache hit) and never added
+            addresses = []
+            for k in cutlass.range_constexpr(top_k):
+                safe_row = rows[k]
+                if safe_row < 0:
+                    safe_row = row
+                addresses.append(expert_out_address + cutlass.Int64(safe_row) * row_bytes)
+            partials = peer_address(peer_table, BUFFER_PARTIALS, world, source)
+            partial_row = partials + (cutlass.Int64(rank) * max_tokens + token) * row_bytes
+            for first in range(lane, row_vectors, 32 * unroll):
+                values = []  # every load of the group in flight before the first add
+                for k in cutlass.range_constexpr(top_k):
+                    for u in cutlass.range_constexpr(unroll):
+                        values.append(load_chunk(addresses[k] + cutlass.Int64(first + 32 * u) * 16))
+                total.fill(0.0)
+                for k in cutlass.range_constexpr(top_k):
+                    if rows[k] >= 0:
+                        for u in cutlass.range_constexpr(unroll):
+                            add_weighted(
+                                cute.make_tensor(
+                                    total.iterator + u * CHUNK, cute.make_layout(CHUNK)
+                                ),
+                                contribution,
+                                values[k * unroll + u],
+                                weights[k],
+                            )
+                for u in cutlass.range_constexpr(unroll):
+                    store_chunk(
+                        partial_row + cutlass.Int64(first + 32 * u) * 16,
+                        cute.make_tensor(total.iterator + u * CHUNK, cute.make_layout(CHUNK)),
+                    )
     cute.arch.fence_acq_rel_sys()  # every writer releases its stores
     cute.arch.sync_threads()
     if tidx < world:
@@ -325,6 +364,7 @@ def combine_partial(
     world: cutlass.Int32,
     top_k: cutlass.Constexpr,
     grid: cutlass.Constexpr,
+    unroll: cutlass.Constexpr,
     stream,
 ):
     combine_partial_kernel(
@@ -341,6 +381,7 @@ def combine_partial(
         rank,
         world,
         top_k,
+        unroll,
     ).launch(grid=[grid, 1, 1], block=[PUSH_WARPS * 32, 1, 1], stream=stream)
 
 
@@ -360,6 +401,7 @@ def combine_partial_sum_kernel(
     adds_per_epoch: cutlass.Int32,
     timeout_ns: cutlass.Int64,
     top_k: cutlass.Constexpr,
+    unroll: cutlass.Constexpr,
 ):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
@@ -375,45 +417,39 @@ def combine_partial_sum_kernel(
     cute.arch.fence_acq_rel_sys()
     expert_of_pair = global_ptr(cutlass.Int32, expert_of_pair_address, 4)
     row_bytes = cutlass.Int64(hidden) * 2
-    chunks = hidden // CHUNK
-    # one thread per (token, 16-byte chunk): every thread of the grid has work even for a
-    # handful of tokens, and neighbouring threads read neighbouring bytes
-    threads = REDUCE_WARPS * 32
-    for item in range(bidx * threads + tidx, tokens * chunks, grid * threads):
-        token = item // chunks
-        chunk = item - token * chunks
-        chunk_bytes = cutlass.Int64(chunk) * (CHUNK * 2)
-        total = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
-        total.fill(0.0)
-        contribution = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
-        for owner in range(world):  # owners in rank order: a fixed summation order
-            touched = cutlass.Int32(0)
-            for k in cutlass.range_constexpr(top_k):
-                expert = cute.arch.load(expert_of_pair + (token * top_k + k), cutlass.Int32)
-                if expert // local_experts == owner:
-                    touched = cutlass.Int32(1)
-            if touched == 1:
-                partial_row = cutlass.Int64(owner) * max_tokens + token
-                source = cute.make_tensor(
-                    global_ptr(
-                        cutlass.BFloat16,
-                        partials_address + partial_row * row_bytes + chunk_bytes,
-                        16,
-                    ),
-                    cute.make_layout(CHUNK),
+    row_vectors = hidden // CHUNK
+    total = cute.make_rmem_tensor(CHUNK * unroll, cutlass.Float32)
+    contribution = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
+    # a warp per token: the owners it touched (a bit mask), then per group of 16-byte vectors
+    # the owners' partials added in rank order in fp32
+    for token in range(bidx * REDUCE_WARPS + warp, tokens, grid * REDUCE_WARPS):
+        lane_owner = cutlass.Int32(0)
+        if lane < top_k:
+            lane_owner = cute.arch.load(expert_of_pair + (token * top_k + lane), cutlass.Int32)
+            lane_owner = lane_owner // local_experts
+        owner_mask = cutlass.Int32(0)
+        for k in cutlass.range_constexpr(top_k):
+            owner_mask = owner_mask | (cutlass.Int32(1) << cute.arch.shuffle_sync(lane_owner, k))
+        y_row = y_address + cutlass.Int64(token) * row_bytes
+        for first in range(lane, row_vectors, 32 * unroll):
+            total.fill(0.0)
+            for owner in range(world):  # owners in rank order: a fixed summation order
+                if (owner_mask >> owner) & 1 == 1:
+                    partial_row = (
+                        partials_address + (cutlass.Int64(owner) * max_tokens + token) * row_bytes
+                    )
+                    values = []
+                    for u in cutlass.range_constexpr(unroll):
+                        values.append(load_chunk(partial_row + cutlass.Int64(first + 32 * u) * 16))
+                    for u in cutlass.range_constexpr(unroll):
+                        contribution.store(values[u].to(cutlass.Float32))
+                        for i in cutlass.range_constexpr(CHUNK):
+                            total[u * CHUNK + i] = total[u * CHUNK + i] + contribution[i]
+            for u in cutlass.range_constexpr(unroll):
+                store_chunk(
+                    y_row + cutlass.Int64(first + 32 * u) * 16,
+                    cute.make_tensor(total.iterator + u * CHUNK, cute.make_layout(CHUNK)),
                 )
-                contribution.store(source.load().to(cutlass.Float32))
-                for i in cutlass.range_constexpr(CHUNK):
-                    total[i] = total[i] + contribution[i]
-        destination = cute.make_tensor(
-            global_ptr(
-                cutlass.BFloat16,
-                y_address + cutlass.Int64(token) * row_bytes + chunk_bytes,
-                16,
-            ),
-            cute.make_layout(CHUNK),
-        )
-        destination.store(total.load().to(cutlass.BFloat16))
 
 
 @cute.jit
@@ -433,6 +469,7 @@ def combine_partial_sum(
     timeout_ns: cutlass.Int64,
     top_k: cutlass.Constexpr,
     grid: cutlass.Constexpr,
+    unroll: cutlass.Constexpr,
     stream,
 ):
     combine_partial_sum_kernel(
@@ -450,4 +487,5 @@ def combine_partial_sum(
         adds_per_epoch,
         timeout_ns,
         top_k,
+        unroll,
     ).launch(grid=[grid, 1, 1], block=[REDUCE_WARPS * 32, 1, 1], stream=stream)

@@ -38,6 +38,7 @@ import cutlass.cute as cute
 from cutlass._mlir import ir
 
 from .ep_sync import (
+    BUFFER_ARRIVED,
     BUFFER_COUNTS,
     BUFFER_PAIR_ROWS,
     BUFFER_PAIR_WEIGHTS,
@@ -50,12 +51,14 @@ from .ep_sync import (
     global_ptr,
     peer_address,
     signal_peer,
+    wait_flag,
     wait_signal,
 )
 
 PLACE_WARPS = 32
 PLACE_THREADS = PLACE_WARPS * 32
 ROWS_WARPS = 16
+TOKENS_WARPS = 16
 
 
 @cute.jit
@@ -110,7 +113,7 @@ def exchange_and_place_kernel(
     epoch = cute.arch.load(epoch_ptr, cutlass.Int64) + 1
     expert_of_pair = global_ptr(cutlass.Int32, expert_of_pair_address, 4)
     dest_row = global_ptr(cutlass.Int32, dest_row_address, 4)
-    # scratch: [PLACE_WARPS, E] per-warp counts, then [E] first rows
+    # scratch: [PLACE_WARPS, E] per-warp counts, then [E] first rows, then [world] pairs per source
     histogram = global_ptr(cutlass.Int32, scratch_address, 4)
     first_row = histogram + PLACE_WARPS * num_experts
     own_signals = peer_address(peer_table, BUFFER_SIGNALS, world, rank)
@@ -196,6 +199,18 @@ def exchange_and_place_kernel(
             total = total + count
         cute.arch.store(histogram + expert, total)
         cute.arch.store(first_row + expert, earlier)
+    # pairs from each source this epoch (its tokens x top_k): the staged dispatch's receivers
+    # walk that many of each source's token slots
+    pairs_of_source = first_row + num_experts
+    for source in range(warp, world, PLACE_WARPS):
+        pairs = cutlass.Int32(0)
+        for expert in range(lane, num_experts, 32):
+            pairs = pairs + cute.arch.load(
+                gathered + (source * num_experts + expert), cutlass.Int32, cop="cg"
+            )
+        pairs = warp_inclusive_sum(pairs, lane)
+        if lane == 31:
+            cute.arch.store(pairs_of_source + source, pairs)
     cute.arch.sync_threads()
     offsets = global_ptr(cutlass.Int32, expert_offsets_address, 4)
     if tidx == 0:
@@ -387,71 +402,241 @@ def dispatch_rows(
     ).launch(grid=[grid, 1, 1], block=[ROWS_WARPS * 32, 1, 1], stream=stream)
 
 
+@cute.jit
+def store_vectors(destination_address, first, values):
+    """Stores a lane's 16-byte `values` at vectors first, first + 32, ... of a row."""
+    for j in cutlass.range_constexpr(len(values)):
+        offset = cutlass.Int64(first + 32 * j) * 16
+        cute.arch.store(global_ptr(cutlass.Int32, destination_address + offset, 16), values[j])
+
+
+@cute.jit
+def load_vectors(source_address, first, unroll: cutlass.Constexpr):
+    """A lane's 16-byte vectors first, first + 32, ... (unroll of them) of a row, all issued
+    before any is used."""
+    vector_type = ir.VectorType.get([4], cutlass.Int32.mlir_type)
+    values = []
+    for j in cutlass.range_constexpr(unroll):
+        offset = cutlass.Int64(first + 32 * j) * 16
+        values.append(
+            cute.arch.load(global_ptr(cutlass.Int32, source_address + offset, 16), vector_type)
+        )
+    return values
+
+
 @cute.kernel
-def expand_staged_rows_kernel(
-    rows_address: cutlass.Int64,
-    row_sources_address: cutlass.Int64,
-    staged_address: cutlass.Int64,
-    expert_offsets_address: cutlass.Int64,
+def dispatch_tokens_kernel(
+    x_address: cutlass.Int64,
+    expert_of_pair_address: cutlass.Int64,
+    dest_row_address: cutlass.Int64,
+    weights_address: cutlass.Int64,
+    pairs_of_source_address: cutlass.Int64,
+    peer_table_address: cutlass.Int64,
+    epoch_address: cutlass.Int64,
+    status_address: cutlass.Int64,
+    tokens: cutlass.Int32,
     local_experts: cutlass.Int32,
-    top_k: cutlass.Int32,
-    max_tokens: cutlass.Int32,
     row_vectors: cutlass.Int32,
     capacity: cutlass.Int32,
     rank: cutlass.Int32,
+    world: cutlass.Int32,
+    max_tokens: cutlass.Int32,
+    pair_weights: cutlass.Int32,
+    timeout_ns: cutlass.Int64,
+    top_k: cutlass.Constexpr,
     unroll: cutlass.Constexpr,
 ):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     grid, _, _ = cute.arch.grid_dim()
     warp, lane = tidx // 32, tidx % 32
-    valid_rows = cute.arch.load(
-        global_ptr(cutlass.Int32, expert_offsets_address, 4) + local_experts, cutlass.Int32
-    )
-    if valid_rows > capacity:
-        valid_rows = capacity
-    row_sources = global_ptr(cutlass.Int32, row_sources_address, 8)
+    first_warp = bidx * TOKENS_WARPS + warp
+    warps = grid * TOKENS_WARPS
+    peer_table = global_ptr(cutlass.Int64, peer_table_address, 8)
+    expert_of_pair = global_ptr(cutlass.Int32, expert_of_pair_address, 4)
+    dest_row = global_ptr(cutlass.Int32, dest_row_address, 4)
+    weights = global_ptr(cutlass.Float32, weights_address, 4)
+    epoch = cute.arch.load(global_ptr(cutlass.Int64, epoch_address, 8), cutlass.Int64)
     row_bytes = cutlass.Int64(row_vectors) * 16
-    for row in range(bidx * ROWS_WARPS + warp, valid_rows, grid * ROWS_WARPS):
-        source = cute.arch.load(row_sources + row * 2, cutlass.Int32)
-        if source != rank:
-            token = cute.arch.load(row_sources + (row * 2 + 1), cutlass.Int32) // top_k
-            staged_row = cutlass.Int64(source) * max_tokens + token
-            copy_row(
-                staged_address + staged_row * row_bytes,
-                rows_address + cutlass.Int64(row) * row_bytes,
-                row_vectors,
-                lane,
-                unroll,
+    rows_here = peer_address(peer_table, BUFFER_ROWS, world, rank)
+    sources_here = global_ptr(
+        cutlass.Int32, peer_address(peer_table, BUFFER_ROW_SOURCES, world, rank), 8
+    )
+
+    # 1. a warp per token of this rank: read the row once; write it into this rank's batch rows
+    #    and once into each other owner's staged rows, with the owners' table entries; then
+    #    release a per-(source, token) flag on every other rank
+    for token in range(first_warp, tokens, warps):
+        lane_owner = cutlass.Int32(-1)
+        lane_row = cutlass.Int32(-1)
+        lane_weight = cutlass.Float32(0.0)
+        if lane < top_k:
+            pair = token * top_k + lane
+            lane_owner = cute.arch.load(expert_of_pair + pair, cutlass.Int32) // local_experts
+            lane_row = cute.arch.load(dest_row + pair, cutlass.Int32)
+            lane_weight = cute.arch.load(weights + pair, cutlass.Float32)
+        owner_mask = cutlass.Int32(0)
+        rows = []
+        here = []
+        for k in cutlass.range_constexpr(top_k):
+            owner = cute.arch.shuffle_sync(lane_owner, k)
+            row = cute.arch.shuffle_sync(lane_row, k)
+            owner_mask = owner_mask | (cutlass.Int32(1) << owner)
+            is_here = cutlass.Int32(0)
+            if owner == rank:
+                if row < capacity:
+                    is_here = cutlass.Int32(1)
+            rows.append(row)
+            here.append(is_here)
+        token_row = x_address + cutlass.Int64(token) * row_bytes
+        staged_offset = (cutlass.Int64(rank) * max_tokens + token) * row_bytes
+        for first in range(lane, row_vectors, 32 * unroll):
+            values = load_vectors(token_row, first, unroll)
+            for k in cutlass.range_constexpr(top_k):
+                if here[k] == 1:
+                    store_vectors(rows_here + cutlass.Int64(rows[k]) * row_bytes, first, values)
+            for peer in range(world):
+                if peer != rank:
+                    if (owner_mask >> peer) & 1 == 1:
+                        staged = peer_address(peer_table, BUFFER_STAGED, world, peer)
+                        store_vectors(staged + staged_offset, first, values)
+        if lane < top_k:
+            if lane_owner == rank:
+                if lane_row < capacity:
+                    cute.arch.store(sources_here + lane_row * 2, rank)
+                    cute.arch.store(sources_here + (lane_row * 2 + 1), token * top_k + lane)
+            # each owner's table of this token: for each k, its batch row there (or -1), weight
+            entry = (rank * max_tokens + token) * top_k + lane
+            for peer in range(world):
+                if (owner_mask >> peer) & 1 == 1:
+                    table_row = cutlass.Int32(-1)
+                    table_weight = cutlass.Float32(0.0)
+                    if lane_owner == peer:
+                        table_row = lane_row
+                        table_weight = lane_weight
+                    table_rows = global_ptr(
+                        cutlass.Int32, peer_address(peer_table, BUFFER_PAIR_ROWS, world, peer), 4
+                    )
+                    cute.arch.store(table_rows + entry, table_row)
+                    if pair_weights != 0:
+                        table_weights = global_ptr(
+                            cutlass.Float32,
+                            peer_address(peer_table, BUFFER_PAIR_WEIGHTS, world, peer),
+                            4,
+                        )
+                        cute.arch.store(table_weights + entry, table_weight)
+        cute.arch.fence_acq_rel_sys()  # every lane releases its stores
+        cute.arch.sync_warp()
+        if lane < world:
+            if lane != rank:
+                arrived = global_ptr(
+                    cutlass.Int64, peer_address(peer_table, BUFFER_ARRIVED, world, lane), 8
+                )
+                cute.arch.store(
+                    arrived + (cutlass.Int64(rank) * max_tokens + token),
+                    epoch * 2 + cutlass.Int64((owner_mask >> lane) & 1),
+                    sem="release",
+                    scope="sys",
+                )
+
+    # 2. a warp per token slot of every other source: wait for its flag, then copy the staged
+    #    row (local HBM, read once) into each of the token's batch rows here
+    arrived_here = global_ptr(
+        cutlass.Int64, peer_address(peer_table, BUFFER_ARRIVED, world, rank), 8
+    )
+    staged_here = peer_address(peer_table, BUFFER_STAGED, world, rank)
+    table_here = global_ptr(
+        cutlass.Int32, peer_address(peer_table, BUFFER_PAIR_ROWS, world, rank), 4
+    )
+    pairs_of_source = global_ptr(cutlass.Int32, pairs_of_source_address, 4)
+    wait_ns = timeout_ns
+    for step in range(1, world):
+        source = (rank + step) % world
+        source_tokens = cute.arch.load(pairs_of_source + source, cutlass.Int32) // top_k
+        if source_tokens > max_tokens:
+            source_tokens = max_tokens
+        for token in range(first_warp, source_tokens, warps):
+            slot = cutlass.Int64(source) * max_tokens + token
+            seen = wait_flag(
+                arrived_here + slot, status_address, PHASE_ROWS, source, epoch * 2, epoch, wait_ns
             )
+            if seen < epoch * 2:
+                wait_ns = cutlass.Int64(0)  # timed out: give up on later slots at once
+            if seen == epoch * 2 + 1:
+                lane_row = cutlass.Int32(-1)
+                if lane < top_k:
+                    lane_row = cute.arch.load(table_here + (slot * top_k + lane), cutlass.Int32)
+                    if lane_row >= 0:
+                        if lane_row < capacity:
+                            cute.arch.store(sources_here + lane_row * 2, source)
+                            cute.arch.store(sources_here + (lane_row * 2 + 1), token * top_k + lane)
+                rows = []
+                here = []
+                for k in cutlass.range_constexpr(top_k):
+                    row = cute.arch.shuffle_sync(lane_row, k)
+                    is_here = cutlass.Int32(0)
+                    if row >= 0:
+                        if row < capacity:
+                            is_here = cutlass.Int32(1)
+                    rows.append(row)
+                    here.append(is_here)
+                staged_row = staged_here + slot * row_bytes
+                for first in range(lane, row_vectors, 32 * unroll):
+                    values = load_vectors(staged_row, first, unroll)
+                    for k in cutlass.range_constexpr(top_k):
+                        if here[k] == 1:
+                            store_vectors(
+                                rows_here + cutlass.Int64(rows[k]) * row_bytes, first, values
+                            )
+    # PHASE_ROWS stays at grid adds per epoch on every rank, as the direct dispatch (which waits
+    # on it) counts, whichever dispatch of a shared workspace ran before
+    cute.arch.sync_threads()
+    if tidx < world:
+        signal_peer(peer_table, BUFFER_SIGNALS, world, tidx, PHASE_ROWS, rank)
 
 
 @cute.jit
-def expand_staged_rows(
-    rows_address: cutlass.Int64,
-    row_sources_address: cutlass.Int64,
-    staged_address: cutlass.Int64,
-    expert_offsets_address: cutlass.Int64,
+def dispatch_tokens(
+    x_address: cutlass.Int64,
+    expert_of_pair_address: cutlass.Int64,
+    dest_row_address: cutlass.Int64,
+    weights_address: cutlass.Int64,
+    pairs_of_source_address: cutlass.Int64,
+    peer_table_address: cutlass.Int64,
+    epoch_address: cutlass.Int64,
+    status_address: cutlass.Int64,
+    tokens: cutlass.Int32,
     local_experts: cutlass.Int32,
-    top_k: cutlass.Int32,
-    max_tokens: cutlass.Int32,
     row_vectors: cutlass.Int32,
     capacity: cutlass.Int32,
     rank: cutlass.Int32,
+    world: cutlass.Int32,
+    max_tokens: cutlass.Int32,
+    pair_weights: cutlass.Int32,
+    timeout_ns: cutlass.Int64,
+    top_k: cutlass.Constexpr,
     grid: cutlass.Constexpr,
     unroll: cutlass.Constexpr,
     stream,
 ):
-    expand_staged_rows_kernel(
-        rows_address,
-        row_sources_address,
-        staged_address,
-        expert_offsets_address,
+    dispatch_tokens_kernel(
+        x_address,
+        expert_of_pair_address,
+        dest_row_address,
+        weights_address,
+        pairs_of_source_address,
+        peer_table_address,
+        epoch_address,
+        status_address,
+        tokens,
         local_experts,
-        top_k,
-        max_tokens,
         row_vectors,
         capacity,
         rank,
+        world,
+        max_tokens,
+        pair_weights,
+        timeout_ns,
+        top_k,
         unroll,
-    ).launch(grid=[grid, 1, 1], block=[ROWS_WARPS * 32, 1, 1], stream=stream)
+    ).launch(grid=[grid, 1, 1], block=[TOKENS_WARPS * 32, 1, 1], stream=stream)

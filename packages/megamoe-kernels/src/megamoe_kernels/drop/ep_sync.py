@@ -36,7 +36,10 @@ BUFFER_STAGED = 5  # [world x max_tokens, hidden]: token rows from each source, 
 BUFFER_PAIR_ROWS = 6  # int32 [world, max_tokens, top_k]
 BUFFER_PAIR_WEIGHTS = 7  # float32 [world, max_tokens, top_k]
 BUFFER_PARTIALS = 8  # [world x max_tokens, hidden]
-NUM_BUFFERS = 9
+# the staged dispatch: per (source, token) a flag the source sets to 2 x epoch + (1 if the token
+# has rows on this owner) once its staged row and table entries are here
+BUFFER_ARRIVED = 9  # int64 [world, max_tokens]
+NUM_BUFFERS = 10
 
 
 def global_ptr(dtype, address, align):
@@ -68,9 +71,18 @@ def signal_peer(peer_table, signals_buffer, world, peer, phase, source):
 def wait_signal(signals_address, status_address, world, phase, peer, target, epoch, timeout_ns):
     """Spins until local signal [phase, peer] >= target; on timeout records the status."""
     signals = global_ptr(cutlass.Int64, signals_address, 8)
-    flag = signals + (phase * world + peer)
+    wait_flag(
+        signals + (phase * world + peer), status_address, phase, peer, target, epoch, timeout_ns
+    )
+
+
+@cute.jit
+def wait_flag(flag, status_address, phase, peer, target, epoch, timeout_ns):
+    """Spins until the int64 at `flag` (a local pointer) is >= target, with system-scope acquire
+    loads; returns the value seen, or records the status on timeout (and returns what it saw)."""
     start = cute.arch.globaltimer()
     waiting = cutlass.Int32(1)
+    seen = cutlass.Int64(0)
     while waiting == 1:
         seen = cute.arch.load(flag, cutlass.Int64, sem="acquire", scope="sys")
         if seen >= target:
@@ -84,6 +96,7 @@ def wait_signal(signals_address, status_address, world, phase, peer, target, epo
                 cute.arch.store(status + 3, seen)
                 cute.arch.store(status, cutlass.Int64(phase + 1), sem="release", scope="sys")
             waiting = cutlass.Int32(0)
+    return seen
 
 
 @cute.kernel

@@ -32,7 +32,11 @@ _KERNELS = {
         "dispatch_rows",
         ("i64",) * 4 + ("i32",) * 9 + ("i64", "i32"),
     ),
-    "expand_staged_rows": ("ep_dispatch", "expand_staged_rows", ("i64",) * 4 + ("i32",) * 6),
+    "dispatch_tokens": (
+        "ep_dispatch",
+        "dispatch_tokens",
+        ("i64",) * 8 + ("i32",) * 8 + ("i64",),
+    ),
     "combine_push": ("ep_combine", "combine_push", ("i64",) * 4 + ("i32",) * 5),
     "combine_partial": ("ep_combine", "combine_partial", ("i64",) * 6 + ("i32",) * 6),
     "combine_partial_sum": (
@@ -77,6 +81,7 @@ def layout() -> dict[str, int]:
         "pair_rows": sync.BUFFER_PAIR_ROWS,
         "pair_weights": sync.BUFFER_PAIR_WEIGHTS,
         "partials": sync.BUFFER_PARTIALS,
+        "arrived": sync.BUFFER_ARRIVED,
         "num_buffers": sync.NUM_BUFFERS,
         "num_phases": sync.NUM_PHASES,
         "status_words": sync.STATUS_WORDS,
@@ -136,6 +141,12 @@ def copy_unroll(row_bytes: int) -> int:
     return next((u for u in (8, 4, 2) if vectors % (32 * u) == 0), 1)
 
 
+def combine_unroll(hidden: int) -> int:
+    """16-byte vectors per lane and row the partial-sum kernels keep in flight (times top_k on
+    the owner side): 2 where 64 vectors divide the row, else 1."""
+    return 2 if (hidden // 8) % 64 == 0 else 1
+
+
 def _stream():
     import cuda.bindings.driver as cuda_driver
 
@@ -149,16 +160,23 @@ def compile_all(*, top_k: int, grid: int, row_bytes: int = 7168 * 2) -> int:
     _compiled("wait_phase", fake=True)
     _compiled("exchange_and_place", fake=True)
     _compiled("dispatch_rows", (grid, unroll), fake=True)
-    _compiled("expand_staged_rows", (grid, unroll), fake=True)
+    _compiled("dispatch_tokens", (top_k, grid, unroll), fake=True)
     _compiled("combine_push", (grid, unroll), fake=True)
     _compiled("combine_reduce", (top_k, grid), fake=True)
-    _compiled("combine_partial", (top_k, grid), fake=True)
-    _compiled("combine_partial_sum", (top_k, grid), fake=True)
+    partial_unroll = combine_unroll(row_bytes // 2)
+    _compiled("combine_partial", (top_k, grid, partial_unroll), fake=True)
+    _compiled("combine_partial_sum", (top_k, grid, partial_unroll), fake=True)
     return len(_COMPILED)
 
 
-def placement_scratch_words(num_experts: int) -> int:
-    """int32 words of the scratch exchange_and_place needs."""
+def placement_scratch_words(num_experts: int, world: int) -> int:
+    """int32 words of the scratch exchange_and_place needs (its per-source pair counts, which
+    dispatch_tokens reads, start at `pairs_of_source_offset`)."""
+    return pairs_of_source_offset(num_experts) + world
+
+
+def pairs_of_source_offset(num_experts: int) -> int:
+    """int32 word of the placement scratch where the per-source pair counts start."""
     from megamoe_kernels.drop import ep_dispatch
 
     return (ep_dispatch.PLACE_WARPS + 1) * num_experts
@@ -244,32 +262,52 @@ def dispatch_rows(
     )
 
 
-def expand_staged_rows(
-    rows_address: int,
-    row_sources_address: int,
-    staged_address: int,
-    expert_offsets_address: int,
+def dispatch_tokens(
+    x_address: int,
+    expert_of_pair_address: int,
+    dest_row_address: int,
+    weights_address: int,
     *,
-    local_experts: int,
+    pairs_of_source_address: int,
+    peer_table_address: int,
+    epoch_address: int,
+    status_address: int,
+    tokens: int,
     top_k: int,
-    max_tokens: int,
+    local_experts: int,
     row_bytes: int,
     capacity: int,
     rank: int,
+    world: int,
+    max_tokens: int,
+    pair_weights: bool,
+    timeout_ns: int,
     grid: int,
 ) -> None:
-    """Copies each batch row that came from another rank out of the staged rows (local HBM)."""
-    _compiled("expand_staged_rows", (grid, copy_unroll(row_bytes)))(
-        rows_address,
-        row_sources_address,
-        staged_address,
-        expert_offsets_address,
+    """The staged dispatch after exchange_and_place, in one kernel: each token row is read once
+    and written into this rank's batch rows and once into each other owner's staged rows (with
+    its table entries and a per-token flag); then each owner copies every arrived staged row into
+    its batch rows as its flag lands. Returns (on the stream) with this rank's batch complete."""
+    if world > 32:
+        raise ValueError(f"dispatch_tokens supports up to 32 ranks, got {world}")
+    _compiled("dispatch_tokens", (top_k, grid, copy_unroll(row_bytes)))(
+        x_address,
+        expert_of_pair_address,
+        dest_row_address,
+        weights_address,
+        pairs_of_source_address,
+        peer_table_address,
+        epoch_address,
+        status_address,
+        tokens,
         local_experts,
-        top_k,
-        max_tokens,
         row_bytes // 16,
         capacity,
         rank,
+        world,
+        max_tokens,
+        int(pair_weights),
+        timeout_ns,
         _stream(),
     )
 
@@ -384,7 +422,7 @@ def combine_partial(
     """On the owner: one weighted partial sum per (token, source) into the source's partials."""
     if hidden % 8:
         raise ValueError(f"hidden must be a multiple of 8, got {hidden}")
-    _compiled("combine_partial", (top_k, grid))(
+    _compiled("combine_partial", (top_k, grid, combine_unroll(hidden)))(
         expert_out_address,
         expert_offsets_address,
         row_sources_address,
@@ -420,7 +458,9 @@ def combine_partial_sum(
     grid: int,
 ) -> None:
     """On the source: waits for every owner, then sums each token's partials in rank order."""
-    _compiled("combine_partial_sum", (top_k, grid))(
+    if hidden % 8:
+        raise ValueError(f"hidden must be a multiple of 8, got {hidden}")
+    _compiled("combine_partial_sum", (top_k, grid, combine_unroll(hidden)))(
         partials_address,
         expert_of_pair_address,
         y_address,

@@ -131,7 +131,9 @@ class SymmetricDispatcher:
             ep_kernels.layout()["status_words"], dtype=torch.int64, pin_memory=True
         )
         self.placement_scratch = torch.empty(
-            ep_kernels.placement_scratch_words(num_experts), dtype=torch.int32, device=device
+            ep_kernels.placement_scratch_words(num_experts, self.world_size),
+            dtype=torch.int32,
+            device=device,
         )
         self._bind()
 
@@ -144,11 +146,14 @@ class SymmetricDispatcher:
             "rows": ((self.capacity, self.hidden_size), self.dtype),
             "row_sources": ((self.capacity, 2), torch.int32),
             "returned": ((self.max_tokens_per_rank * self.top_k, self.hidden_size), self.dtype),
-            "staged": ((world * self.max_tokens_per_rank, self.hidden_size), self.dtype),
         }
-        if self.combine_partial_sums:
-            slots = world * self.max_tokens_per_rank
+        slots = world * self.max_tokens_per_rank
+        if self.stage_remote_rows:
+            shapes["staged"] = ((slots, self.hidden_size), self.dtype)
+            shapes["arrived"] = ((slots,), torch.int64)
+        if self.stage_remote_rows or self.combine_partial_sums:
             shapes["pair_rows"] = ((slots * self.top_k,), torch.int32)
+        if self.combine_partial_sums:
             shapes["pair_weights"] = ((slots * self.top_k,), torch.float32)
             shapes["partials"] = ((slots, self.hidden_size), self.dtype)
         # separate from the signals: each rank bumps its own epoch copy, nobody else writes it
@@ -234,46 +239,57 @@ class SymmetricDispatcher:
             timeout_ns=self._timeout_ns,
         )
 
-        ep_kernels.dispatch_rows(
-            x_TH.data_ptr(),
-            expert_of_pair_P.data_ptr(),
-            dest_row_P.data_ptr(),
-            peer_table_address=self.peer_table.data_ptr(),
-            num_pairs=num_pairs,
-            top_k=top_k,
-            local_experts=local,
-            row_bytes=self.hidden_size * x_TH.element_size(),
-            capacity=self.capacity,
-            rank=self.rank,
-            world=world,
-            max_tokens=self.max_tokens_per_rank,
-            stage_remote=self.stage_remote_rows,
-            weights_address=weights_TK.data_ptr(),
-            pair_tables=self.combine_partial_sums,
-            grid=self.grid,
-        )
-        ep_kernels.wait_phase(
-            signals_address=self.buffers["signals"].data_ptr(),
-            epoch_address=self.epoch.data_ptr(),
-            status_address=self.status.data_ptr(),
-            world=world,
-            phase=ep_kernels.phases()["dispatch rows"],
-            adds_per_epoch=self.grid,
-            timeout_ns=self._timeout_ns,
-        )
+        row_bytes = self.hidden_size * x_TH.element_size()
         if self.stage_remote_rows:
-            ep_kernels.expand_staged_rows(
-                self.buffers["rows"].data_ptr(),
-                self.buffers["row_sources"].data_ptr(),
-                self.buffers["staged"].data_ptr(),
-                expert_offsets.data_ptr(),
-                local_experts=local,
+            ep_kernels.dispatch_tokens(
+                x_TH.data_ptr(),
+                expert_of_pair_P.data_ptr(),
+                dest_row_P.data_ptr(),
+                weights_TK.data_ptr(),
+                pairs_of_source_address=self.placement_scratch.data_ptr()
+                + 4 * ep_kernels.pairs_of_source_offset(self.num_experts),
+                peer_table_address=self.peer_table.data_ptr(),
+                epoch_address=self.epoch.data_ptr(),
+                status_address=self.status.data_ptr(),
+                tokens=tokens,
                 top_k=top_k,
-                max_tokens=self.max_tokens_per_rank,
-                row_bytes=self.hidden_size * x_TH.element_size(),
+                local_experts=local,
+                row_bytes=row_bytes,
                 capacity=self.capacity,
                 rank=self.rank,
+                world=world,
+                max_tokens=self.max_tokens_per_rank,
+                pair_weights=self.combine_partial_sums,
+                timeout_ns=self._timeout_ns,
                 grid=self.grid,
+            )
+        else:
+            ep_kernels.dispatch_rows(
+                x_TH.data_ptr(),
+                expert_of_pair_P.data_ptr(),
+                dest_row_P.data_ptr(),
+                peer_table_address=self.peer_table.data_ptr(),
+                num_pairs=num_pairs,
+                top_k=top_k,
+                local_experts=local,
+                row_bytes=row_bytes,
+                capacity=self.capacity,
+                rank=self.rank,
+                world=world,
+                max_tokens=self.max_tokens_per_rank,
+                stage_remote=False,
+                weights_address=weights_TK.data_ptr(),
+                pair_tables=self.combine_partial_sums,
+                grid=self.grid,
+            )
+            ep_kernels.wait_phase(
+                signals_address=self.buffers["signals"].data_ptr(),
+                epoch_address=self.epoch.data_ptr(),
+                status_address=self.status.data_ptr(),
+                world=world,
+                phase=ep_kernels.phases()["dispatch rows"],
+                adds_per_epoch=self.grid,
+                timeout_ns=self._timeout_ns,
             )
         batch = ExpertBatch(rows_MH=self.buffers["rows"], expert_offsets=expert_offsets)
         handle = SymmetricHandle(
