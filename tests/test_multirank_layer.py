@@ -16,7 +16,9 @@ from megamoe_torch import MegaMoE, MegaMoEConfig
 pytestmark = pytest.mark.multirank
 
 
-def layer_config(dispatcher: str, device: torch.device) -> MegaMoEConfig:
+def layer_config(
+    dispatcher: str, device: torch.device, combine_order: str = "exact"
+) -> MegaMoEConfig:
     return MegaMoEConfig(
         hidden_size=128,
         intermediate_size=64,
@@ -31,14 +33,17 @@ def layer_config(dispatcher: str, device: torch.device) -> MegaMoEConfig:
         backend="reference" if device.type == "cpu" else "grouped_mm",
         dispatcher=dispatcher,
         max_tokens_per_rank=96,
+        combine_order=combine_order,
     )
 
 
-def check_layer_matches_single_gpu(rank, world_size, device, dispatcher, token_pattern):
+def check_layer_matches_single_gpu(
+    rank, world_size, device, dispatcher, token_pattern, combine_order="exact"
+):
     # rank r sends token_pattern[r % len(token_pattern)] tokens: any world size
     tokens_per_rank = [token_pattern[r % len(token_pattern)] for r in range(world_size)]
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    config = layer_config(dispatcher, device)
+    config = layer_config(dispatcher, device, combine_order)
     torch.manual_seed(7)  # the same full weights on every rank
     single = MegaMoE(config, device=device, dtype=dtype)
     with torch.no_grad():
@@ -69,6 +74,18 @@ def test_expert_parallel_layer_equals_single_gpu(multirank, dispatcher):
     if dispatcher == "nvshmem" and not nvshmem_status(multirank.device)[0]:
         pytest.skip(nvshmem_status(multirank.device)[1])
     multirank(check_layer_matches_single_gpu, dispatcher, [40, 0 if dispatcher == "torch" else 9])
+
+
+def test_expert_parallel_layer_with_owner_partials(multirank):
+    # the partial-sum combine: one more bf16 rounding, so within the bf16 tolerance only
+    if not nvshmem_status(multirank.device)[0]:
+        pytest.skip(nvshmem_status(multirank.device)[1])
+    multirank(check_layer_matches_single_gpu, "nvshmem", [40, 9], "owner_partials")
+
+
+def test_unknown_combine_order_raises():
+    with pytest.raises(ValueError, match="combine_order"):
+        layer_config("torch", torch.device("cpu"), "fastest")
 
 
 def test_layer_on_four_ranks(multirank):

@@ -11,6 +11,7 @@ from megamoe_runtime.geometries import Geometry
 from megamoe_runtime.routing import RouterConfig, Scoring
 
 DISPATCHER_NAMES = ("auto", "torch", "nvshmem")
+COMBINE_ORDERS = ("exact", "owner_partials")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,12 @@ class MegaMoEConfig:
     dispatcher: str = "auto"
     # static bound on one rank's tokens per forward: sizes the nvshmem dispatcher's buffers
     max_tokens_per_rank: int = 2048
+    # how the nvshmem dispatcher sums a token's top-k outputs: "exact" (every (token, expert)
+    # output comes home; k order in fp32, bitwise equal to the single-GPU layer) or
+    # "owner_partials" (each owner rank sums its share and sends one bf16 row per token: up to
+    # top_k x fewer NVLink bytes and faster, but one more bf16 rounding, so not bitwise equal to
+    # one GPU). The torch dispatcher always combines exactly.
+    combine_order: Literal["exact", "owner_partials"] = "exact"
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
@@ -68,6 +75,10 @@ class MegaMoEConfig:
             )
         if self.max_tokens_per_rank < 1:
             raise ValueError(f"max_tokens_per_rank must be >= 1, got {self.max_tokens_per_rank}")
+        if self.combine_order not in COMBINE_ORDERS:
+            raise ValueError(
+                f"combine_order must be one of {COMBINE_ORDERS}, got {self.combine_order!r}"
+            )
         _ = self.router  # RouterConfig validates the routing fields
 
     @cached_property  # built once: forward reads it on every call

@@ -151,6 +151,7 @@ class MegaMoE(nn.Module):
             process_group=self.process_group,
             capacity=self.config.capacity,
             max_tokens_per_rank=self.config.max_tokens_per_rank,
+            combine_order=self.config.combine_order,
         )
         self._dispatcher_key = key
 
