@@ -116,6 +116,26 @@ def _time_graphs(dispatcher, x_TH, ids_TK, weights_TK, iterations):
     return dispatch_ms, combine_ms, state["y"].clone()
 
 
+def kernel_breakdown(dispatcher, x_TH, ids_TK, weights_TK, iterations: int = 5) -> dict:
+    """Mean GPU time per kernel name (us) over eager dispatch + combine calls, from the torch
+    profiler: where a step's time goes (launch gaps excluded)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch, handle = dispatcher.dispatch(x_TH, ids_TK, weights_TK)
+    dispatcher.combine(batch.rows_MH, handle)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        for _ in range(iterations):
+            batch, handle = dispatcher.dispatch(x_TH, ids_TK, weights_TK)
+            dispatcher.combine(batch.rows_MH, handle)
+        torch.cuda.synchronize()
+    times = {}
+    for event in profiler.key_averages():
+        if event.device_time_total > 0:
+            times[event.key[:60]] = event.device_time_total / iterations
+    return times
+
+
 def _time_torch_reference(dispatcher, x_TH, ids_TK, weights_TK, iterations):
     dispatch_events, combine_events = [], []
     for _ in range(iterations):
@@ -153,7 +173,7 @@ def _time_all_to_all(ids_TK, rank, world, iterations):
     return _median_event_ms(events[1:])
 
 
-def run(token_counts: list[int], *, iterations: int = 30) -> list[dict]:
+def run(token_counts: list[int], *, iterations: int = 30, breakdown: bool = False) -> list[dict]:
     """Benchmarks every token count; every rank returns the same rows (slowest rank's times)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -212,6 +232,11 @@ def run(token_counts: list[int], *, iterations: int = 30) -> list[dict]:
             "elements_differing_staged": int(differences[2].item()),
         }
         _add_bandwidths(row, ("dispatch", "direct_dispatch", "combine"))
+        if breakdown:
+            row["kernels_us"] = {
+                name: kernel_breakdown(dispatcher, x_TH, ids_TK, weights_TK)
+                for name, dispatcher in (("staged", symmetric), ("partial", partial))
+            }
         references[tokens] = y_torch
         rows.append(row)
     # the partial-sum combine last: a failure there (it is not the default) keeps the rows above
@@ -352,6 +377,11 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="also time the whole dsv3 EP layer (nvshmem vs NCCL dispatch) at these token counts",
     )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also print each kernel's GPU time (torch profiler, eager calls, rank 0)",
+    )
     args = parser.parse_args(argv)
     token_counts = [int(value) for value in args.tokens.split(",")]
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -360,9 +390,13 @@ def main(argv: list[str] | None = None) -> int:
     if owns_group:
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     try:
-        rows = run(token_counts, iterations=args.iterations)
+        rows = run(token_counts, iterations=args.iterations, breakdown=args.breakdown)
         if dist.get_rank() == 0:
             print(format_table(rows), flush=True)
+            for row in rows:
+                for variant, kernels in row.get("kernels_us", {}).items():
+                    listed = ", ".join(f"{name} {us:.1f}" for name, us in kernels.items())
+                    print(f"tokens {row['tokens']} {variant} kernels (us): {listed}", flush=True)
         layer_rows = []
         if args.layer_tokens:
             layer_tokens = [int(value) for value in args.layer_tokens.split(",")]
