@@ -47,7 +47,6 @@ CONSUMER_REGISTERS = 232
 # MMA_TURN_BARRIER_ID + w is where warpgroup w hands the tensor cores to the other
 EPILOGUE_BARRIER_ID = 1
 MMA_TURN_BARRIER_ID = 3
-WALK_BATCH = 8
 
 
 @cute.jit
@@ -186,31 +185,48 @@ class ExpertGroupedGemmSm90:
     def next_tile(self, tile, expert, expert_first_tile, mOffsets, num_experts, col_tiles):
         """Walks forward from (expert, expert_first_tile) to the expert owning linear `tile`.
 
-        Returns (expert, expert_first_tile, row_tiles of that expert, found). Linear tiles only
-        grow, so each CTA walks the experts once in total."""
+        Called by whole warps: each trip, lane j loads expert (expert + j)'s row range, a warp
+        prefix sum of the experts' tile counts finds the owner, so 32 experts cost one memory
+        round trip. Linear tiles only grow, so each warp walks the experts once in total.
+        Returns (expert, expert_first_tile, row_tiles of that expert, its first row, its row
+        end, found)."""
+        lane = cute.arch.lane_idx()
         row_tiles = cutlass.Int32(0)
-        searching = expert < num_experts
+        row_begin = cutlass.Int32(0)
+        row_end = cutlass.Int32(0)
         found = cutlass.Boolean(False)
+        searching = expert < num_experts
         while searching:
-            # WALK_BATCH experts per trip: their offsets load together, one memory round trip
-            # (indices clamp to E; entries past it are never used)
-            start = expert
-            bounds = [mOffsets[cutlass.min(start + j, num_experts)] for j in range(WALK_BATCH + 1)]
-            for j in cutlass.range_constexpr(WALK_BATCH):
-                if searching:
-                    if expert < num_experts:
-                        row_tiles = (
-                            bounds[j + 1] - bounds[j] + self.tile_rows - 1
-                        ) // self.tile_rows
-                        if tile < expert_first_tile + row_tiles * col_tiles:
-                            searching = False
-                            found = True
-                        else:
-                            expert_first_tile = expert_first_tile + row_tiles * col_tiles
-                            expert = expert + 1
-                    else:
-                        searching = False
-        return expert, expert_first_tile, row_tiles, found
+            # lanes past the last expert read an empty range (offsets[E], offsets[E])
+            lane_begin = mOffsets[cutlass.min(expert + lane, num_experts)]
+            lane_end = mOffsets[cutlass.min(expert + lane + 1, num_experts)]
+            lane_row_tiles = (lane_end - lane_begin + self.tile_rows - 1) // self.tile_rows
+            lane_tiles = lane_row_tiles * col_tiles
+            tiles_through_lane = lane_tiles
+            for step in cutlass.range_constexpr(5):
+                from_below = cute.arch.shuffle_sync_up(tiles_through_lane, 1 << step)
+                if lane >= (1 << step):
+                    tiles_through_lane = tiles_through_lane + from_below
+            # owners are the lanes at or past the owning expert: a suffix of the warp
+            owners = cute.arch.vote_ballot_sync(tile < expert_first_tile + tiles_through_lane)
+            if owners != 0:
+                owner = 32 - cute.arch.popc(owners)
+                row_tiles = cute.arch.shuffle_sync(lane_row_tiles, owner)
+                row_begin = cute.arch.shuffle_sync(lane_begin, owner)
+                row_end = cute.arch.shuffle_sync(lane_end, owner)
+                expert_first_tile = expert_first_tile + cute.arch.shuffle_sync(
+                    tiles_through_lane - lane_tiles, owner
+                )
+                expert = expert + owner
+                found = True
+                searching = False
+            else:
+                expert_first_tile = expert_first_tile + cute.arch.shuffle_sync(
+                    tiles_through_lane, 31
+                )
+                expert = expert + 32
+                searching = expert < num_experts
+        return expert, expert_first_tile, row_tiles, row_begin, row_end, found
 
     @cute.jit
     def tile_coords(self, local_tile, row_tiles, col_tiles):
@@ -281,12 +297,12 @@ class ExpertGroupedGemmSm90:
                     pipeline.PipelineUserType.Producer, self.stages
                 )
                 tile = cutlass.Int32(block_idx)
-                expert, first, row_tiles, found = self.next_tile(
+                expert, first, row_tiles, expert_row0, expert_row_end, found = self.next_tile(
                     tile, cutlass.Int32(0), cutlass.Int32(0), mOffsets, num_experts, col_tiles
                 )
                 while found:
                     row_tile, col_tile = self.tile_coords(tile - first, row_tiles, col_tiles)
-                    row0 = mOffsets[expert] + row_tile * self.tile_rows
+                    row0 = expert_row0 + row_tile * self.tile_rows
                     gX = cute.local_tile(
                         cute.domain_offset((row0, 0), mX), (self.tile_rows, TILE_K), (0, None)
                     )
@@ -316,7 +332,7 @@ class ExpertGroupedGemmSm90:
                         ring.producer_commit(state)
                         state.advance()
                     tile = tile + grid_size
-                    expert, first, row_tiles, found = self.next_tile(
+                    expert, first, row_tiles, expert_row0, expert_row_end, found = self.next_tile(
                         tile, expert, first, mOffsets, num_experts, col_tiles
                     )
                 ring.producer_tail(state)
@@ -367,13 +383,12 @@ class ExpertGroupedGemmSm90:
                 slab_row0 = (warpgroup_idx - 1) * 64
             tile = cutlass.Int32(block_idx) + team * grid_size
             tiles_done = cutlass.Int32(0)
-            expert, first, row_tiles, found = self.next_tile(
+            expert, first, row_tiles, expert_row0, row_end, found = self.next_tile(
                 tile, cutlass.Int32(0), cutlass.Int32(0), mOffsets, num_experts, col_tiles
             )
             while found:
                 row_tile, col_tile = self.tile_coords(tile - first, row_tiles, col_tiles)
-                row0 = mOffsets[expert] + row_tile * self.tile_rows
-                row_end = mOffsets[expert + 1]
+                row0 = expert_row0 + row_tile * self.tile_rows
 
                 accumulators.fill(0.0)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -429,7 +444,7 @@ class ExpertGroupedGemmSm90:
                 )
                 tiles_done = tiles_done + 1
                 tile = tile + tile_step
-                expert, first, row_tiles, found = self.next_tile(
+                expert, first, row_tiles, expert_row0, row_end, found = self.next_tile(
                     tile, expert, first, mOffsets, num_experts, col_tiles
                 )
 
