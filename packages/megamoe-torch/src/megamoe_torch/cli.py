@@ -149,7 +149,9 @@ def run_tune(args: argparse.Namespace) -> int:
     points = [(g, t) for g in args.geometry for t in args.tokens]
     print(f"tuning {len(points)} points into {cache.path}")
     for name, tokens in tqdm(points, desc="tune"):
-        for result in tune_point(GEOMETRIES[name], tokens, cache=cache, repeats=args.repeats):
+        for result in tune_point(
+            GEOMETRIES[name], tokens, cache=cache, repeats=args.repeats, quick=args.quick
+        ):
             print(
                 f"{name} {tokens} tokens {result.op}: {result.microseconds:.1f} us "
                 f"(default {result.default_microseconds:.1f} us, {result.candidates} candidates) {result.knobs}"
@@ -221,6 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="knob cache file (default: $MEGAMOE_KNOB_CACHE or ~/.cache/megamoe/knobs.json)",
     )
     tune.add_argument("--repeats", type=int, default=10)
+    tune.add_argument(
+        "--quick",
+        action="store_true",
+        help="only the deepest ring that fits per tile shape (about a third of the candidates)",
+    )
     tune.set_defaults(run=run_tune)
     return parser
 

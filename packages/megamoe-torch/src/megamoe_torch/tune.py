@@ -31,9 +31,10 @@ class TuneResult:
 
 @torch.no_grad()
 def tune_point(
-    geometry: Geometry, tokens: int, *, cache: KnobCache, repeats: int = 10
+    geometry: Geometry, tokens: int, *, cache: KnobCache, repeats: int = 10, quick: bool = False
 ) -> list[TuneResult]:
-    """Tunes gate-up and down for one (geometry, tokens) point on the current GPU."""
+    """Tunes gate-up and down for one (geometry, tokens) point on the current GPU; `quick` times
+    only the deepest ring of each tile shape."""
     from megamoe_kernels import down, gate_up_swiglu
 
     device = torch.device("cuda")
@@ -71,7 +72,7 @@ def tune_point(
             capacity=batch.capacity,
             num_experts=geometry.num_experts,
         )
-        candidates = candidate_knobs(op)
+        candidates = candidate_knobs(op, stage_choices=("max",)) if quick else candidate_knobs(op)
         default_seconds = seconds_of(None)
         best, best_seconds = tune_gemm(
             op, key=key, seconds_of=seconds_of, cache=cache, candidates=candidates
