@@ -13,10 +13,12 @@ Structure: persistent CTAs; warpgroup 0 is the producer (one warp issues TMA loa
 `stages`-deep shared-memory ring), warpgroups 1..W consume with wgmma and run the epilogue.
 Producer and consumers walk the same device-side schedule: the tiles of expert e are
 ceil(rows_e / tile_rows) x ceil(N / tile_cols), visited in order of e, so the schedule's length
-follows the valid rows, not the capacity. A tile's rows start at offsets[e] + m * tile_rows; the
-rows past offsets[e + 1] that a tile loads belong to another expert or are not data: they only
-feed output rows that the epilogue never stores. The epilogue writes the tile to shared memory,
-then copies it out in 16-byte vectors, masked to the expert's rows and to N_out.
+follows the valid rows, not the capacity. A tile's rows start at offsets[e] + m * tile_rows;
+the rows past offsets[e + 1] that a tile loads belong to another expert or are not data: they
+only feed output rows that the epilogue never stores. The epilogue writes the tile to shared
+memory, then copies it out in 16-byte vectors, masked to the expert's rows and to N_out.
+Launched with programmatic dependent launch: a kernel that follows (the down GEMM after the
+gate-up one) sets up while this one drains.
 
 pingpong gives each of two consumer warpgroups whole tiles of its own (the CTA's tiles alternate
 between them): while one runs its epilogue, the other's MMAs keep the tensor cores busy. The
@@ -47,6 +49,8 @@ CONSUMER_REGISTERS = 232
 # MMA_TURN_BARRIER_ID + w is where warpgroup w hands the tensor cores to the other
 EPILOGUE_BARRIER_ID = 1
 MMA_TURN_BARRIER_ID = 3
+# experts each lane of a warp reads per trip of the expert walk (one memory round trip)
+EXPERTS_PER_LANE = 4
 
 
 @cute.jit
@@ -179,17 +183,22 @@ class ExpertGroupedGemmSm90:
             cluster=(1, 1, 1),
             min_blocks_per_mp=1,
             stream=stream,
+            # programmatic dependent launch: the CTAs may start (shared memory, barriers, TMA
+            # descriptors) while the previous kernel on the stream finishes; the kernel waits for
+            # it before its first global memory access
+            use_pdl=True,
         )
 
     @cute.jit
     def next_tile(self, tile, expert, expert_first_tile, mOffsets, num_experts, col_tiles):
         """Walks forward from (expert, expert_first_tile) to the expert owning linear `tile`.
 
-        Called by whole warps: each trip, lane j loads expert (expert + j)'s row range, a warp
-        prefix sum of the experts' tile counts finds the owner, so 32 experts cost one memory
-        round trip. Linear tiles only grow, so each warp walks the experts once in total.
-        Returns (expert, expert_first_tile, row_tiles of that expert, its first row, its row
-        end, found)."""
+        Called by whole warps: each trip, lane j loads the row ranges of EXPERTS_PER_LANE
+        experts from expert + j * EXPERTS_PER_LANE on, a warp prefix sum of their tile counts
+        finds the lane holding the owner, and that lane finds it among its own experts: 128
+        experts cost one memory round trip. Linear tiles only grow, so each warp walks the
+        experts once in total. Returns (expert, expert_first_tile, row_tiles of that expert, its
+        first row, its row end, found)."""
         lane = cute.arch.lane_idx()
         row_tiles = cutlass.Int32(0)
         row_begin = cutlass.Int32(0)
@@ -197,36 +206,62 @@ class ExpertGroupedGemmSm90:
         found = cutlass.Boolean(False)
         searching = expert < num_experts
         while searching:
-            # lanes past the last expert read an empty range (offsets[E], offsets[E])
-            lane_begin = mOffsets[cutlass.min(expert + lane, num_experts)]
-            lane_end = mOffsets[cutlass.min(expert + lane + 1, num_experts)]
-            lane_row_tiles = (lane_end - lane_begin + self.tile_rows - 1) // self.tile_rows
-            lane_tiles = lane_row_tiles * col_tiles
+            lane_expert = expert + lane * EXPERTS_PER_LANE
+            # experts past the last one read an empty range (offsets[E], offsets[E])
+            bounds = [
+                mOffsets[cutlass.min(lane_expert + j, num_experts)]
+                for j in range(EXPERTS_PER_LANE + 1)
+            ]
+            lane_tiles = cutlass.Int32(0)
+            for j in cutlass.range_constexpr(EXPERTS_PER_LANE):
+                lane_tiles = lane_tiles + self.row_tiles_of(bounds[j], bounds[j + 1]) * col_tiles
             tiles_through_lane = lane_tiles
             for step in cutlass.range_constexpr(5):
                 from_below = cute.arch.shuffle_sync_up(tiles_through_lane, 1 << step)
                 if lane >= (1 << step):
                     tiles_through_lane = tiles_through_lane + from_below
-            # owners are the lanes at or past the owning expert: a suffix of the warp
+            # the lanes whose experts reach past `tile` are a suffix of the warp
             owners = cute.arch.vote_ballot_sync(tile < expert_first_tile + tiles_through_lane)
             if owners != 0:
                 owner = 32 - cute.arch.popc(owners)
-                row_tiles = cute.arch.shuffle_sync(lane_row_tiles, owner)
-                row_begin = cute.arch.shuffle_sync(lane_begin, owner)
-                row_end = cute.arch.shuffle_sync(lane_end, owner)
-                expert_first_tile = expert_first_tile + cute.arch.shuffle_sync(
-                    tiles_through_lane - lane_tiles, owner
+                # every lane looks among its experts; the owner lane's answer is the one kept
+                sub_expert = cutlass.Int32(0)
+                sub_first = expert_first_tile + tiles_through_lane - lane_tiles
+                sub_row_tiles = cutlass.Int32(0)
+                sub_begin = cutlass.Int32(0)
+                sub_end = cutlass.Int32(0)
+                looking = cutlass.Boolean(True)
+                for j in cutlass.range_constexpr(EXPERTS_PER_LANE):
+                    if looking:
+                        expert_row_tiles = self.row_tiles_of(bounds[j], bounds[j + 1])
+                        if tile < sub_first + expert_row_tiles * col_tiles:
+                            looking = False
+                            sub_row_tiles = expert_row_tiles
+                            sub_begin = bounds[j]
+                            sub_end = bounds[j + 1]
+                        else:
+                            sub_first = sub_first + expert_row_tiles * col_tiles
+                            sub_expert = sub_expert + 1
+                expert = (
+                    expert + owner * EXPERTS_PER_LANE + cute.arch.shuffle_sync(sub_expert, owner)
                 )
-                expert = expert + owner
+                expert_first_tile = cute.arch.shuffle_sync(sub_first, owner)
+                row_tiles = cute.arch.shuffle_sync(sub_row_tiles, owner)
+                row_begin = cute.arch.shuffle_sync(sub_begin, owner)
+                row_end = cute.arch.shuffle_sync(sub_end, owner)
                 found = True
                 searching = False
             else:
                 expert_first_tile = expert_first_tile + cute.arch.shuffle_sync(
                     tiles_through_lane, 31
                 )
-                expert = expert + 32
+                expert = expert + 32 * EXPERTS_PER_LANE
                 searching = expert < num_experts
         return expert, expert_first_tile, row_tiles, row_begin, row_end, found
+
+    @cute.jit
+    def row_tiles_of(self, row_begin, row_end):
+        return (row_end - row_begin + self.tile_rows - 1) // self.tile_rows
 
     @cute.jit
     def tile_coords(self, local_tile, row_tiles, col_tiles):
@@ -277,6 +312,11 @@ class ExpertGroupedGemmSm90:
         sX = storage.sX.get_tensor(x_layout.outer, swizzle=x_layout.inner)
         sW = storage.sW.get_tensor(w_layout.outer, swizzle=w_layout.inner)
         sOut = storage.sOut.get_tensor(out_layout)
+        # nothing above touched global memory: from here on, the previous kernel's writes are
+        # visible (and it no longer reads what this one writes); a kernel launched after this one
+        # may already set up on SMs this grid leaves
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
 
         num_experts = cute.size(mOffsets) - 1
         n_cols = cute.size(mW, mode=[0])
