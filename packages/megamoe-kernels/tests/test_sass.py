@@ -1,4 +1,5 @@
-"""Every default profile's SASS holds HGMMA (wgmma): without it a kernel is on a slow path."""
+"""Every default profile's SASS, and the pingpong variant's, holds HGMMA (wgmma): without it a
+kernel is on a slow path."""
 
 import subprocess
 import sys

@@ -1,4 +1,5 @@
-"""Checks that every default kernel profile compiles to wgmma: its SASS must hold HGMMA.
+"""Checks that every default kernel profile, and each kernel variant no profile picks (pingpong),
+compiles to wgmma: its SASS must hold HGMMA.
 
     python -m megamoe_kernels.sass_check [--dump-dir DIR]
 
@@ -17,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 # one gate-up (2I x H) and one down (H x I) shape per profile; 2880 also compiles masked tiles
@@ -58,12 +60,30 @@ def hgmma_shapes(cubin: Path, tools: Path) -> list[str]:
     )
 
 
+def variants_to_check() -> list[tuple[str, str, object, int]]:
+    """(label, op, knobs, rows per expert): every default profile, plus the pingpong variant,
+    which no profile picks but a tuner may."""
+    from megamoe_kernels import GemmKnobs, default_knobs
+    from megamoe_kernels.shim.knobs import PROFILE_ROWS_PER_EXPERT, max_stages
+
+    variants = [
+        (f"rows{rows}", op, default_knobs(op, rows), rows)
+        for rows in PROFILE_ROWS_PER_EXPERT
+        for op in ("gate_up", "down")
+    ]
+    pingpong = GemmKnobs(tile_rows=64, tile_cols=256, pingpong=True)
+    variants += [
+        ("tuned", op, replace(pingpong, stages=max_stages(pingpong, op)), 512)
+        for op in ("gate_up", "down")
+    ]
+    return variants
+
+
 def compile_profiles(dump_dir: Path) -> dict[str, list[Path]]:
-    """Compiles every default profile; returns the cubins of each, by a readable name."""
+    """Compiles every variant to check; returns the cubins of each, by a readable name."""
     import torch
 
-    from megamoe_kernels import default_knobs, down, gate_up_swiglu, interleave_gate_up
-    from megamoe_kernels.shim.knobs import PROFILE_ROWS_PER_EXPERT
+    from megamoe_kernels import down, gate_up_swiglu, interleave_gate_up
 
     meta = {"device": "meta", "dtype": torch.bfloat16}
     offsets = torch.empty(EXPERTS + 1, dtype=torch.int32, device="meta")
@@ -71,36 +91,33 @@ def compile_profiles(dump_dir: Path) -> dict[str, list[Path]]:
     w2 = torch.empty(EXPERTS, HIDDEN, INTERMEDIATE, **meta)
     cubins = {}
     seen = set()
-    for rows_per_expert in PROFILE_ROWS_PER_EXPERT:
+    for label, op, knobs, rows_per_expert in variants_to_check():
         capacity = rows_per_expert * EXPERTS
-        for op in ("gate_up", "down"):
-            knobs = default_knobs(op, rows_per_expert)
-            if (op, knobs) in seen:  # compiled once already (the capacity is a dynamic dim)
-                continue
-            seen.add((op, knobs))
-            if op == "gate_up":
-                gate_up_swiglu(
-                    torch.empty(capacity, HIDDEN, **meta),
-                    offsets,
-                    w13,
-                    knobs=knobs,
-                    compile_only=True,
-                )
-            else:
-                down(
-                    torch.empty(capacity, INTERMEDIATE, **meta),
-                    offsets,
-                    w2,
-                    knobs=knobs,
-                    compile_only=True,
-                )
-            # cubin names do not carry the knobs: move each away before the next compile
-            name = f"{op}-rows{rows_per_expert}-{knobs.tile_rows}x{knobs.tile_cols}{'-swap' if knobs.swap_ab else ''}"
-            target = dump_dir / name
-            target.mkdir(exist_ok=True)
-            cubins[name] = [
-                Path(shutil.move(str(cubin), target)) for cubin in dump_dir.glob("*.cubin")
-            ]
+        if (op, knobs) in seen:  # compiled once already (the capacity is a dynamic dim)
+            continue
+        seen.add((op, knobs))
+        if op == "gate_up":
+            gate_up_swiglu(
+                torch.empty(capacity, HIDDEN, **meta),
+                offsets,
+                w13,
+                knobs=knobs,
+                compile_only=True,
+            )
+        else:
+            down(
+                torch.empty(capacity, INTERMEDIATE, **meta),
+                offsets,
+                w2,
+                knobs=knobs,
+                compile_only=True,
+            )
+        # cubin names do not carry the knobs: move each away before the next compile
+        variant = "-swap" if knobs.swap_ab else "-pingpong" if knobs.pingpong else ""
+        name = f"{op}-{label}-{knobs.tile_rows}x{knobs.tile_cols}{variant}"
+        target = dump_dir / name
+        target.mkdir(exist_ok=True)
+        cubins[name] = [Path(shutil.move(str(cubin), target)) for cubin in dump_dir.glob("*.cubin")]
     return cubins
 
 
