@@ -66,3 +66,34 @@ def test_every_default_profile_compiles(rows_per_expert):
 )
 def test_kernel_variants_compile(knobs):
     compile_pair(64, gate_up_knobs=knobs, down_knobs=knobs, row_scale=False)
+
+
+def test_bad_arguments_are_refused_naming_the_argument_on_every_call():
+    """Compile-only calls run the argument checks every time, a cached variant included."""
+    experts, hidden, intermediate, capacity = 4, 256, 128, 10
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    rows_MH = torch.empty(capacity, hidden, **meta)
+    offsets = torch.empty(experts + 1, dtype=torch.int32, device="meta")
+    w13_E2IH = torch.empty(experts, 2 * intermediate, hidden, **meta)
+    w13 = interleave_gate_up(w13_E2IH)
+    w2 = torch.empty(experts, hidden, intermediate, **meta)
+    hidden_MI = torch.empty(capacity, intermediate, **meta)
+    for _ in range(2):  # the second round hits the compile cache
+        gate_up_swiglu(rows_MH, offsets, w13, compile_only=True)
+        down(hidden_MI, offsets, w2, compile_only=True)
+        with pytest.raises(ValueError, match="interleave_gate_up"):
+            gate_up_swiglu(rows_MH, offsets, w13_E2IH, compile_only=True)
+        with pytest.raises(ValueError, match="expert_offsets has 3 entries"):
+            gate_up_swiglu(rows_MH, offsets[:3], w13, compile_only=True)
+        with pytest.raises(TypeError, match="rows must be one of"):
+            gate_up_swiglu(rows_MH.half(), offsets, w13, compile_only=True)
+        with pytest.raises(TypeError, match="rows must be a torch.Tensor"):
+            gate_up_swiglu([[0.0]], offsets, w13, compile_only=True)
+        with pytest.raises(ValueError, match="out_MI must be"):
+            wrong_out = torch.empty(capacity, intermediate + 8, **meta)
+            gate_up_swiglu(rows_MH, offsets, w13, out_MI=wrong_out, compile_only=True)
+        with pytest.raises(ValueError, match="row_scale_M must be float32"):
+            short_scale = torch.empty(capacity - 1, device="meta")
+            down(hidden_MI, offsets, w2, row_scale_M=short_scale, compile_only=True)
+        with pytest.raises(ValueError, match="w2 .* does not match rows"):
+            down(rows_MH, offsets, w2, compile_only=True)

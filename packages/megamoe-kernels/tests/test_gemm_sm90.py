@@ -193,3 +193,26 @@ def test_untransformed_or_malformed_weights_are_refused_before_launch():
         gate_up_swiglu(rows_MH, offsets[:2], interleave_gate_up(w13))
     with pytest.raises(ValueError, match="stages"):
         down(rows_MH[:, :128].contiguous(), offsets, w2, knobs=GemmKnobs(stages=40))
+
+
+def test_a_cached_kernel_refuses_bad_tensors_naming_the_argument():
+    """After a compile, launches skip the Python checks: the compiled signature refuses a bad
+    tensor, and the error names the argument."""
+    rows_MH, offsets, w13, w2, _ = make_problem([3, 4], 256, 128)
+    w13_interleaved = interleave_gate_up(w13)
+    hidden_MI = gate_up_swiglu(rows_MH, offsets, w13_interleaved)  # compiled and cached
+    down(hidden_MI, offsets, w2)
+    misaligned = torch.empty(rows_MH.numel() + 1, device=DEVICE, dtype=rows_MH.dtype)[1:]
+    misaligned = misaligned.view_as(rows_MH).copy_(rows_MH)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        gate_up_swiglu(misaligned, offsets, w13_interleaved)
+    with pytest.raises(ValueError, match="out_MI must be"):
+        gate_up_swiglu(rows_MH, offsets, w13_interleaved, out_MI=hidden_MI[:-1])
+    with pytest.raises(TypeError, match="expert_offsets must be a 1-D int32"):
+        gate_up_swiglu(rows_MH, offsets.long(), w13_interleaved)
+    with pytest.raises(ValueError, match="row_scale_M must be float32"):
+        down(hidden_MI, offsets, w2, row_scale_M=torch.rand(hidden_MI.shape[0] - 1, device=DEVICE))
+    with pytest.raises(ValueError, match="is on cpu"):
+        down(hidden_MI, offsets, w2.cpu())
+    # and a good call still runs after the refusals
+    assert torch.equal(gate_up_swiglu(rows_MH, offsets, w13_interleaved), hidden_MI)
