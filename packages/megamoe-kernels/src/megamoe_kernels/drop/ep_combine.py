@@ -13,11 +13,13 @@ order in fp32, and stores the bf16 result: the order of the single-GPU combine, 
 does not depend on the expert-parallel degree or on timing.
 
 The partial-sum combine (fewer NVLink bytes, not the single-GPU order):
-combine_partial (on the owner): per 8-element chunk, the thread of a token's lowest-k row here
-sums weight x output over all of the token's pairs on this rank (k order, fp32, from the pair
-tables dispatch wrote) and writes the bf16 partial to its source's partials [world x max_tokens, hidden] at (rank, token):
-one row per (token, owner) crosses NVLink. combine_partial_sum (on the source): waits, then sums
-the partials of the owners each token touched, in rank order, in fp32. Deterministic; the bf16
+combine_partial (on the owner): a warp per valid batch row; only a token's leader row (its
+lowest k with a row here, from the table dispatch wrote) has work: it loads the token's up-to-
+top_k rows here (top_k x `unroll` 16-byte vectors per lane in flight), sums weight x output in k
+order in fp32 (products rounded on their own), and writes one bf16 row into its source's partials
+[world x max_tokens, hidden] at (rank, token) with 16-byte stores: one row per (token, owner)
+crosses NVLink. combine_partial_sum (on the source): waits, then a warp per token adds the
+partials of the owners the token touched, in rank order, in fp32. Deterministic; the bf16
 partials round once more than the exact combine.
 
 Layouts: expert_out [capacity, hidden] and returned [max_pairs, hidden] bf16 row-major, weights
@@ -85,7 +87,8 @@ def combine_push_kernel(
         valid_rows = capacity
     row_sources = global_ptr(cutlass.Int32, row_sources_address, 8)
     row_bytes = cutlass.Int64(row_vectors) * 16
-    for row in range(bidx * PUSH_WARPS + warp, valid_rows, grid * PUSH_WARPS):
+    # warp w of CTA b takes row w x grid + b: a few rows spread over every SM
+    for row in range(warp * grid + bidx, valid_rows, grid * PUSH_WARPS):
         source = cute.arch.load(row_sources + row * 2, cutlass.Int32)
         pair = cute.arch.load(row_sources + (row * 2 + 1), cutlass.Int32)
         returned_base = peer_address(peer_table, BUFFER_RETURNED, world, source)
@@ -288,7 +291,8 @@ def combine_partial_kernel(
     contribution = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
     # a warp per batch row; only the row of a token's lowest k here (its leader) has work: it
     # sums all of the token's rows here, so the work follows (source, token) entries
-    for row in range(bidx * PUSH_WARPS + warp, valid_rows, grid * PUSH_WARPS):
+    # warp w of CTA b takes row w x grid + b: a few rows spread over every SM
+    for row in range(warp * grid + bidx, valid_rows, grid * PUSH_WARPS):
         source = cute.arch.load(row_sources + row * 2, cutlass.Int32)
         pair = cute.arch.load(row_sources + (row * 2 + 1), cutlass.Int32)
         token = pair // top_k
@@ -422,7 +426,7 @@ def combine_partial_sum_kernel(
     contribution = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
     # a warp per token: the owners it touched (a bit mask), then per group of 16-byte vectors
     # the owners' partials added in rank order in fp32
-    for token in range(bidx * REDUCE_WARPS + warp, tokens, grid * REDUCE_WARPS):
+    for token in range(warp * grid + bidx, tokens, grid * REDUCE_WARPS):
         lane_owner = cutlass.Int32(0)
         if lane < top_k:
             lane_owner = cute.arch.load(expert_of_pair + (token * top_k + lane), cutlass.Int32)

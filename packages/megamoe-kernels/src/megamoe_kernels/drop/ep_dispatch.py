@@ -13,21 +13,32 @@ then computes where each pair lands in its owner's batch (expert-major, then sou
 the source's pair order: the single-GPU order) into dest_row, and this rank's expert_offsets
 (int32 [local_experts + 1], clamped to capacity).
 
-dispatch_rows (persistent grid): one warp per (token, expert) pair records (rank, pair) at
-`dest_row[pair]` of the owner's batch for the combine and moves the token's row in 16-byte
-vectors: a pair of this rank's own experts straight into its batch row; a remote pair, with
-`stage_remote`, only if it is the token's first pair for that owner, into the owner's staged
-rows [world, max_tokens, hidden] at (rank, token), so a token crosses NVLink once per owner
-(without `stage_remote`, straight into the owner's batch row). Rows at or past `capacity` are
-skipped. Each CTA then signals PHASE_ROWS on every peer once, so a receiver expects grid x epoch
-adds per source.
+It also leaves each source's pair count of this epoch in the scratch (after the first rows), for
+dispatch_tokens.
 
-With `pair_tables` (for the partial-sum combine), a token's first pair for an owner also writes
-the owner's table entries (source, token, k) for all k: the batch row there (or -1) and the
-routing weight, in int32 / float32 [world, max_tokens, top_k].
+dispatch_tokens (the staged dispatch, persistent grid, one launch after exchange_and_place):
+1. a warp per token of this rank reads its row once (16-byte vectors, `unroll` loads in flight
+   per lane) and writes it into each of its batch rows on this rank and once into each other
+   owner's staged rows [world x max_tokens, hidden] at (rank, token), with that owner's table
+   entries for the token (per k: its batch row there or -1, and with `pair_weights` the routing
+   weight; int32 / float32 [world, max_tokens, top_k]); then every lane fences at system scope
+   and one lane per other rank releases the flag arrived[rank, token] there = 2 x epoch + (1 if
+   the token has rows on that rank);
+2. a warp per token slot of every other source (its pair count / top_k slots) spins on the
+   slot's flag (acquire, system scope, with the timeout) and copies the staged row, read once
+   from local HBM, into each of the token's batch rows here, recording (source, pair) per row.
+The owner's expansion starts as soon as a token lands, overlapping the NVLink traffic; a token
+crosses NVLink once per owner. The kernel returns with this rank's batch complete (it still adds
+PHASE_ROWS per CTA, so the counter stays in step with the direct dispatch's). Rows at or past
+`capacity` are skipped. Warp w of CTA b takes item w x grid + b, so a few tokens spread over
+every SM. At most 32 ranks (a lane per rank).
 
-expand_staged_rows (persistent grid, on the owner, after the PHASE_ROWS wait): one warp per valid
-batch row from another rank copies its staged token row into the batch (local HBM).
+dispatch_rows (the direct dispatch, persistent grid): one warp per (token, expert) pair records
+(rank, pair) at `dest_row[pair]` of the owner's batch for the combine and moves the token's row
+straight into the owner's batch row, so every pair's row crosses NVLink on its own. Each CTA then
+signals PHASE_ROWS on every peer once (a receiver waits for grid x epoch adds per source, in
+wait_phase). With `pair_tables` (for the partial-sum combine), a token's first pair for an owner
+also writes the owner's table entries as dispatch_tokens does.
 
 Layouts: x [tokens, hidden] row-major; expert_of_pair, dest_row int32 [tokens x top_k] in
 (token, k) order; row bytes (hidden x element size) a multiple of 16 and 16-byte aligned rows.
@@ -36,6 +47,7 @@ Layouts: x [tokens, hidden] row-major; expert_of_pair, dest_row int32 [tokens x 
 import cutlass
 import cutlass.cute as cute
 from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm
 
 from .ep_sync import (
     BUFFER_ARRIVED,
@@ -57,6 +69,7 @@ from .ep_sync import (
 
 PLACE_WARPS = 32
 PLACE_THREADS = PLACE_WARPS * 32
+PLACE_BATCH = 4
 ROWS_WARPS = 16
 TOKENS_WARPS = 16
 
@@ -75,6 +88,36 @@ def copy_row(source_address, destination_address, row_vectors, lane, unroll: cut
         for j in cutlass.range_constexpr(unroll):
             offset = cutlass.Int64(first + 32 * j) * 16
             cute.arch.store(global_ptr(cutlass.Int32, destination_address + offset, 16), values[j])
+
+
+def lanes_with_same_value(value):
+    """Mask of the warp's lanes whose Int32 `value` equals this lane's (match.any.sync)."""
+    return cutlass.Int32(
+        llvm.inline_asm(
+            cutlass.Int32.mlir_type,
+            [cutlass.Int32(value).ir_value()],
+            "match.any.sync.b32 $0, $1, -1;",
+            "=r,r",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+def population_count(value):
+    """Set bits of an Int32 (popc)."""
+    return cutlass.Int32(
+        llvm.inline_asm(
+            cutlass.Int32.mlir_type,
+            [cutlass.Int32(value).ir_value()],
+            "popc.b32 $0, $1;",
+            "=r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
 
 
 @cute.jit
@@ -136,12 +179,15 @@ def exchange_and_place_kernel(
     # 2. per expert: exclusive prefix over warps (each warp's first position), and the total,
     #    which goes into row `rank` of every peer's counts
     for expert in range(tidx, num_experts, PLACE_THREADS):
-        running = cutlass.Int32(0)
-        for w in range(PLACE_WARPS):
+        # every warp's count loaded before the first store: one L2 round trip, not PLACE_WARPS
+        warp_counts = []
+        for w in cutlass.range_constexpr(PLACE_WARPS):
             slot = histogram + (w * num_experts + expert)
-            count = cute.arch.load(slot, cutlass.Int32, cop="cg")  # L2: where the atomics landed
-            cute.arch.store(slot, running)
-            running = running + count
+            warp_counts.append(cute.arch.load(slot, cutlass.Int32, cop="cg"))  # L2: the atomics
+        running = cutlass.Int32(0)
+        for w in cutlass.range_constexpr(PLACE_WARPS):
+            cute.arch.store(histogram + (w * num_experts + expert), running)
+            running = running + warp_counts[w]
         for peer in range(world):
             counts = global_ptr(
                 cutlass.Int32, peer_address(peer_table, BUFFER_COUNTS, world, peer), 4
@@ -159,15 +205,13 @@ def exchange_and_place_kernel(
         expert = cutlass.Int32(-1) - lane  # no match for lanes past the slice
         if pair < end:
             expert = cute.arch.load(expert_of_pair + pair, cutlass.Int32)
-        before = cutlass.Int32(0)
-        last = cutlass.Int32(1)
-        for other_lane in range(32):
-            other = cute.arch.shuffle_sync(expert, other_lane)
-            if other == expert:
-                if other_lane < lane:
-                    before = before + 1
-                if other_lane > lane:
-                    last = cutlass.Int32(0)
+        # lanes holding the same expert (one match instruction): their count below this lane
+        # ranks it; the highest of them carries the count on
+        same = lanes_with_same_value(expert)
+        before = population_count(same & ((cutlass.Int32(1) << lane) - 1))
+        last = cutlass.Int32(0)
+        if population_count(same) == before + 1:
+            last = cutlass.Int32(1)
         base = cutlass.Int32(0)
         if pair < end:
             base = cute.arch.load(histogram + (warp * num_experts + expert), cutlass.Int32)
@@ -236,12 +280,21 @@ def exchange_and_place_kernel(
     cute.arch.sync_threads()
 
     # 5. destination row = first row of the pair's expert from this rank + its position
-    for pair in range(tidx, num_pairs, PLACE_THREADS):
-        expert = cute.arch.load(expert_of_pair + pair, cutlass.Int32)
-        position = cute.arch.load(dest_row + pair, cutlass.Int32)
-        cute.arch.store(
-            dest_row + pair, position + cute.arch.load(first_row + expert, cutlass.Int32)
-        )
+    #    (PLACE_BATCH pairs per thread and step, every load issued before the stores)
+    last_pair = num_pairs - 1
+    for group in range(tidx, num_pairs, PLACE_THREADS * PLACE_BATCH):
+        pairs = []
+        for j in cutlass.range_constexpr(PLACE_BATCH):
+            pair = group + j * PLACE_THREADS
+            if pair > last_pair:
+                pair = last_pair  # past the end: loads of the last pair, never stored
+            pairs.append(pair)
+        experts = [cute.arch.load(expert_of_pair + pair, cutlass.Int32) for pair in pairs]
+        positions = [cute.arch.load(dest_row + pair, cutlass.Int32) for pair in pairs]
+        starts = [cute.arch.load(first_row + expert, cutlass.Int32) for expert in experts]
+        for j in cutlass.range_constexpr(PLACE_BATCH):
+            if group + j * PLACE_THREADS < num_pairs:
+                cute.arch.store(dest_row + pairs[j], positions[j] + starts[j])
     if tidx == 0:
         cute.arch.store(epoch_ptr, epoch)
 
@@ -296,7 +349,6 @@ def dispatch_rows_kernel(
     rank: cutlass.Int32,
     world: cutlass.Int32,
     max_tokens: cutlass.Int32,
-    stage_remote: cutlass.Int32,
     weights_address: cutlass.Int64,
     pair_tables: cutlass.Int32,
     unroll: cutlass.Constexpr,
@@ -310,7 +362,8 @@ def dispatch_rows_kernel(
     dest_row = global_ptr(cutlass.Int32, dest_row_address, 4)
     weights = global_ptr(cutlass.Float32, weights_address, 4)
     row_bytes = cutlass.Int64(row_vectors) * 16
-    for pair in range(bidx * ROWS_WARPS + warp, num_pairs, grid * ROWS_WARPS):
+    # warp w of CTA b takes item w x grid + b: a few items spread over every SM, not a few CTAs
+    for pair in range(warp * grid + bidx, num_pairs, grid * ROWS_WARPS):
         owner = cute.arch.load(expert_of_pair + pair, cutlass.Int32) // local_experts
         row = cute.arch.load(dest_row + pair, cutlass.Int32)
         token = pair // top_k
@@ -319,13 +372,7 @@ def dispatch_rows_kernel(
         for earlier in range(token * top_k, pair):
             if cute.arch.load(expert_of_pair + earlier, cutlass.Int32) // local_experts == owner:
                 first_for_owner = cutlass.Int32(0)
-        if owner != rank and stage_remote != 0:
-            # the token crosses NVLink once per owner: its first pair for that owner stages it
-            if first_for_owner == 1:
-                staged_base = peer_address(peer_table, BUFFER_STAGED, world, owner)
-                staged_row = cutlass.Int64(rank) * max_tokens + token
-                copy_row(token_row, staged_base + staged_row * row_bytes, row_vectors, lane, unroll)
-        elif row < capacity:
+        if row < capacity:
             rows_base = peer_address(peer_table, BUFFER_ROWS, world, owner)
             copy_row(
                 token_row, rows_base + cutlass.Int64(row) * row_bytes, row_vectors, lane, unroll
@@ -375,7 +422,6 @@ def dispatch_rows(
     rank: cutlass.Int32,
     world: cutlass.Int32,
     max_tokens: cutlass.Int32,
-    stage_remote: cutlass.Int32,
     weights_address: cutlass.Int64,
     pair_tables: cutlass.Int32,
     grid: cutlass.Constexpr,
@@ -395,7 +441,6 @@ def dispatch_rows(
         rank,
         world,
         max_tokens,
-        stage_remote,
         weights_address,
         pair_tables,
         unroll,
@@ -450,7 +495,8 @@ def dispatch_tokens_kernel(
     bidx, _, _ = cute.arch.block_idx()
     grid, _, _ = cute.arch.grid_dim()
     warp, lane = tidx // 32, tidx % 32
-    first_warp = bidx * TOKENS_WARPS + warp
+    # warp w of CTA b takes token w x grid + b: a few tokens spread over every SM
+    first_warp = warp * grid + bidx
     warps = grid * TOKENS_WARPS
     peer_table = global_ptr(cutlass.Int64, peer_table_address, 8)
     expert_of_pair = global_ptr(cutlass.Int32, expert_of_pair_address, 4)

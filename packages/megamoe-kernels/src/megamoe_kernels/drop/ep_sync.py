@@ -4,8 +4,11 @@ Every signal is a monotonically increasing int64 counter in symmetric memory, on
 (phase, source rank) on each receiver: every writing thread fences at system scope, the CTA
 meets at a barrier, then one thread per peer adds 1 with a system-scope release; a receiver spins
 with system-scope acquire loads until the counter reaches what this epoch expects, and the
-threads that read the data fence again after the barrier that follows the spin. Counters are never reset, so
-buffers are reusable on the next call without any host-side work.
+threads that read the data fence again after the barrier that follows the spin. Counters are
+never reset, so buffers are reusable on the next call without any host-side work. The staged
+dispatch also has one int64 flag per (source, token) on each receiver, which the source's warp
+sets (release, system scope, after a fence by every lane) to 2 x epoch + (token has rows there);
+the receiver's warp spins on it with acquire loads (wait_flag).
 
 A spin gives up after `timeout_ns` (global timer) and records (phase + 1, peer, epoch, observed)
 in a 4 x int64 status block (host-mapped pinned memory) that the host reads; the kernel then

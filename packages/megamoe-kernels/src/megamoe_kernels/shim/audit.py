@@ -181,7 +181,6 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "rank",
             "world",
             "max_tokens",
-            "stage_remote",
             "weights_address",
             "pair_tables",
             "grid",

@@ -30,7 +30,7 @@ _KERNELS = {
     "dispatch_rows": (
         "ep_dispatch",
         "dispatch_rows",
-        ("i64",) * 4 + ("i32",) * 9 + ("i64", "i32"),
+        ("i64",) * 4 + ("i32",) * 8 + ("i64", "i32"),
     ),
     "dispatch_tokens": (
         "ep_dispatch",
@@ -235,13 +235,12 @@ def dispatch_rows(
     rank: int,
     world: int,
     max_tokens: int,
-    stage_remote: bool,
     weights_address: int = 0,
     pair_tables: bool = False,
     grid: int,
 ) -> None:
-    """Sends every pair's token row to its owner (into its batch row, or staged once per owner
-    with `stage_remote`) with the pair's (rank, pair); signals each peer."""
+    """The direct dispatch: sends every pair's token row straight into its owner's batch row
+    with the pair's (rank, pair); signals each peer (wait_phase waits for them)."""
     _compiled("dispatch_rows", (grid, copy_unroll(row_bytes)))(
         x_address,
         expert_of_pair_address,
@@ -255,7 +254,6 @@ def dispatch_rows(
         rank,
         world,
         max_tokens,
-        int(stage_remote),
         weights_address,
         int(pair_tables),
         _stream(),
