@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Packs what the GPU machines lack beyond ../shared/device/pack.sh's wheels: apache-tvm-ffi,
+# which CuTe DSL's TVM-FFI launch path needs. Run here (a registry is reachable), from the project
+# root; it writes .device-extras/tvm_ffi-cp312.tar.xz (~1.4 MB: the package without its headers
+# and its C++, Cython and third-party sources, so that it fits beside .device/ under the 64 MiB a
+# device call carries).
+# On the GPU machine: source .device/setup.sh && source scripts/device-env.sh && <command>
+set -euo pipefail
+version=$(python3 - <<'PY'
+import re, pathlib
+text = pathlib.Path("packages/megamoe-kernels/pyproject.toml").read_text()
+print(re.search(r'"apache-tvm-ffi([^"]*)"', text).group(1))
+PY
+)
+out=.device-extras
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d "$work" "apache-tvm-ffi$version"
+python3 -m zipfile -e "$work"/apache_tvm_ffi-*.whl "$work/site"
+rm -rf "$work/site/tvm_ffi/"{include,src,share,3rdparty,cython}
+mkdir -p "$out"
+tar -cJf "$out/tvm_ffi-cp312.tar.xz" -C "$work/site" tvm_ffi
+grep -qx '/.device-extras/' .git/info/exclude 2>/dev/null || echo '/.device-extras/' >> .git/info/exclude
+ls -la "$out"
