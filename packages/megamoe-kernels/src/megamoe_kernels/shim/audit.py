@@ -107,7 +107,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
         "ExpertGroupedGemmSm90.__call__",
         "function",
         parameters=("mX", "mW", "mOut", "mOffsets", "mRowScale", "stream"),
-        passed_as="positional",  # shim/pointer_launch.py calls kernel(mX, mW, ..., stream)
+        passed_as="positional",  # shim/ffi_launch.py calls kernel(mX, mW, ..., stream)
     ),
     # shim/expert_gemm.py: the gate/up weight interleave
     DropSymbol("gate_up_layout", "GATE_UP_BLOCK", "constant"),
