@@ -15,14 +15,11 @@ import argparse
 from dataclasses import replace
 
 import torch
-from megamoe_kernels import GemmKnobs, down, gate_up_swiglu, knob_problems
+from megamoe_kernels import GemmKnobs, knob_problems
 from megamoe_kernels.shim.knobs import max_stages
-from megamoe_runtime.dispatch import LocalDispatcher
-from megamoe_runtime.experts.cutedsl import CuteDSLExperts
 from megamoe_runtime.geometries import GEOMETRIES
-from megamoe_runtime.weights import Unquantized
-from megamoe_torch import bench
 from megamoe_torch.timing import median_graph_replay_seconds
+from megamoe_torch.tune import gemm_runners
 
 # (tile_rows, tile_cols, pingpong)
 SHAPES = [
@@ -39,28 +36,10 @@ SHAPES = [
 def sweep(geometry_name: str, tokens: int, *, repeats: int) -> None:
     device = torch.device("cuda")
     geometry = GEOMETRIES[geometry_name]
-    layer = bench.build_layer(geometry, device=device, dtype=torch.bfloat16)
-    x_TH, ids, weights = bench.routed_tokens(layer, tokens)
-    batch, _ = LocalDispatcher(geometry.num_experts).dispatch(x_TH, ids, weights)
-    prepared = CuteDSLExperts().prepare(
-        Unquantized(w13_E2IH=layer.w13.detach(), w2_EHI=layer.w2.detach())
-    )
-    hidden_MI = gate_up_swiglu(batch.rows_MH, batch.expert_offsets, prepared.w13_EB2GH)
+    batch, runners = gemm_runners(geometry, tokens, device=device)
     valid = int(batch.expert_offsets[-1])
-    hidden, intermediate = geometry.hidden_size, geometry.intermediate_size
-    ops = {
-        "gate_up": (
-            2 * valid * 2 * intermediate * hidden,
-            lambda knobs: gate_up_swiglu(
-                batch.rows_MH, batch.expert_offsets, prepared.w13_EB2GH, knobs=knobs
-            ),
-        ),
-        "down": (
-            2 * valid * hidden * intermediate,
-            lambda knobs: down(hidden_MI, batch.expert_offsets, prepared.w2_EHI, knobs=knobs),
-        ),
-    }
-    for op, (flops, run) in ops.items():
+    for op, ((n, k), run) in runners.items():
+        flops = 2 * valid * n * k
         first = None
         for tile_rows, tile_cols, pingpong in SHAPES:
             shape = GemmKnobs(tile_rows=tile_rows, tile_cols=tile_cols, pingpong=pingpong)

@@ -30,14 +30,13 @@ class TuneResult:
 
 
 @torch.no_grad()
-def tune_point(
-    geometry: Geometry, tokens: int, *, cache: KnobCache, repeats: int = 10, quick: bool = False
-) -> list[TuneResult]:
-    """Tunes gate-up and down for one (geometry, tokens) point on the current GPU; `quick` times
-    only the deepest ring of each tile shape."""
+def gemm_runners(geometry: Geometry, tokens: int, *, device: torch.device):
+    """The geometry's own router on random tokens, the tight batch, and one runner per op
+    (knobs or None -> output; the down GEMM reads the gate-up output of the default knobs).
+
+    Returns (batch, {op: (weight_dims, runner)})."""
     from megamoe_kernels import down, gate_up_swiglu
 
-    device = torch.device("cuda")
     layer = bench.build_layer(geometry, device=device, dtype=torch.bfloat16)
     x_TH, ids, weights = bench.routed_tokens(layer, tokens)
     batch, _ = LocalDispatcher(geometry.num_experts).dispatch(x_TH, ids, weights)
@@ -46,7 +45,7 @@ def tune_point(
     )
     hidden_MI = gate_up_swiglu(batch.rows_MH, batch.expert_offsets, prepared.w13_EB2GH)
     hidden, intermediate = geometry.hidden_size, geometry.intermediate_size
-    ops = {
+    return batch, {
         "gate_up": (
             (2 * intermediate, hidden),
             lambda knobs: gate_up_swiglu(
@@ -58,6 +57,16 @@ def tune_point(
             lambda knobs: down(hidden_MI, batch.expert_offsets, prepared.w2_EHI, knobs=knobs),
         ),
     }
+
+
+@torch.no_grad()
+def tune_point(
+    geometry: Geometry, tokens: int, *, cache: KnobCache, repeats: int = 10, quick: bool = False
+) -> list[TuneResult]:
+    """Tunes gate-up and down for one (geometry, tokens) point on the current GPU; `quick` times
+    only the deepest ring of each tile shape."""
+    device = torch.device("cuda")
+    batch, ops = gemm_runners(geometry, tokens, device=device)
     results = []
     for op, (weight_dims, run) in ops.items():
 
