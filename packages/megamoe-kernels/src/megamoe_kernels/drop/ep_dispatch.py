@@ -47,7 +47,6 @@ Layouts: x [tokens, hidden] row-major; expert_of_pair, dest_row int32 [tokens x 
 import cutlass
 import cutlass.cute as cute
 from cutlass._mlir import ir
-from cutlass._mlir.dialects import llvm
 
 from .ep_sync import (
     BUFFER_ARRIVED,
@@ -66,6 +65,7 @@ from .ep_sync import (
     wait_flag,
     wait_signal,
 )
+from .warp import lanes_with_same_value, warp_inclusive_sum
 
 PLACE_WARPS = 32
 PLACE_THREADS = PLACE_WARPS * 32
@@ -88,48 +88,6 @@ def copy_row(source_address, destination_address, row_vectors, lane, unroll: cut
         for j in cutlass.range_constexpr(unroll):
             offset = cutlass.Int64(first + 32 * j) * 16
             cute.arch.store(global_ptr(cutlass.Int32, destination_address + offset, 16), values[j])
-
-
-def lanes_with_same_value(value):
-    """Mask of the warp's lanes whose Int32 `value` equals this lane's (match.any.sync)."""
-    return cutlass.Int32(
-        llvm.inline_asm(
-            cutlass.Int32.mlir_type,
-            [cutlass.Int32(value).ir_value()],
-            "match.any.sync.b32 $0, $1, -1;",
-            "=r,r",
-            has_side_effects=True,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
-
-
-def population_count(value):
-    """Set bits of an Int32 (popc)."""
-    return cutlass.Int32(
-        llvm.inline_asm(
-            cutlass.Int32.mlir_type,
-            [cutlass.Int32(value).ir_value()],
-            "popc.b32 $0, $1;",
-            "=r,r",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
-
-
-@cute.jit
-def warp_inclusive_sum(value, lane):
-    """Inclusive prefix sum of an Int32 over the lanes of a warp (shuffles, 5 steps)."""
-    total = value
-    for step in cutlass.range_constexpr(5):
-        distance = 1 << step
-        below = cute.arch.shuffle_sync_up(total, distance)
-        if lane >= distance:
-            total = total + below
-    return total
 
 
 @cute.kernel
@@ -208,9 +166,9 @@ def exchange_and_place_kernel(
         # lanes holding the same expert (one match instruction): their count below this lane
         # ranks it; the highest of them carries the count on
         same = lanes_with_same_value(expert)
-        before = population_count(same & ((cutlass.Int32(1) << lane) - 1))
+        before = cute.arch.popc(same & ((cutlass.Int32(1) << lane) - 1))
         last = cutlass.Int32(0)
-        if population_count(same) == before + 1:
+        if cute.arch.popc(same) == before + 1:
             last = cutlass.Int32(1)
         base = cutlass.Int32(0)
         if pair < end:

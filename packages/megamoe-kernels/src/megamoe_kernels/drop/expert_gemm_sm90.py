@@ -41,6 +41,7 @@ from cutlass.memory import SmemAllocator
 
 from .gate_up_layout import interleaved_output_column
 from .tiling import EPILOGUE_ROW_PAD, TILE_K
+from .warp import warp_inclusive_sum
 
 THREADS_PER_WARPGROUP = 128
 PRODUCER_REGISTERS = 40
@@ -215,11 +216,7 @@ class ExpertGroupedGemmSm90:
             lane_tiles = cutlass.Int32(0)
             for j in cutlass.range_constexpr(EXPERTS_PER_LANE):
                 lane_tiles = lane_tiles + self.row_tiles_of(bounds[j], bounds[j + 1]) * col_tiles
-            tiles_through_lane = lane_tiles
-            for step in cutlass.range_constexpr(5):
-                from_below = cute.arch.shuffle_sync_up(tiles_through_lane, 1 << step)
-                if lane >= (1 << step):
-                    tiles_through_lane = tiles_through_lane + from_below
+            tiles_through_lane = warp_inclusive_sum(lane_tiles, lane)
             # the lanes whose experts reach past `tile` are a suffix of the warp
             owners = cute.arch.vote_ballot_sync(tile < expert_first_tile + tiles_through_lane)
             if owners != 0:
