@@ -141,7 +141,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
         passed_as="positional",
     ),
     DropSymbol(
-        "ep_dispatch",
+        "ep_place",
         "exchange_and_place",
         "function",
         parameters=(
@@ -163,7 +163,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
         ),
         passed_as="positional",
     ),
-    DropSymbol("ep_dispatch", "PLACE_WARPS", "constant"),
+    DropSymbol("ep_place", "PLACE_WARPS", "constant"),
     DropSymbol(
         "ep_dispatch",
         "dispatch_rows",

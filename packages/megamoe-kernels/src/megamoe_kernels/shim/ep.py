@@ -1,9 +1,9 @@
 """Stable API of the expert-parallel communication kernels: compile cache and launchers.
 
-The kernels (drop/ep_sync.py, ep_dispatch.py, ep_combine.py) take device addresses and scalars
-only, so a launch converts no tensors: each compiled function is cached by its compile-time
-constants (top_k, grid) and called with ints on PyTorch's current stream, which CUDA-graph
-capture records. The symmetric buffers and their peer table come from the caller (the runtime's
+The kernels (drop/ep_sync.py, ep_place.py, ep_dispatch.py, ep_combine.py) take device addresses
+and scalars only, so a launch converts no tensors: each compiled function is cached by its
+compile-time constants (top_k, grid) and called with ints on PyTorch's current stream, which
+CUDA-graph capture records. The symmetric buffers and their peer table come from the caller (the runtime's
 workspace); see drop/ep_sync.py for the buffer, signal and status layouts.
 
 `compile_all` compiles every kernel without a GPU (CUTE_DSL_ARCH=sm_90a), for CI.
@@ -23,7 +23,7 @@ _COMPILE_LOCK = threading.Lock()
 _KERNELS = {
     "wait_phase": ("ep_sync", "wait_phase", ("i64",) * 3 + ("i32",) * 3 + ("i64",)),
     "exchange_and_place": (
-        "ep_dispatch",
+        "ep_place",
         "exchange_and_place",
         ("i64",) * 7 + ("i32",) * 6 + ("i64",),
     ),
@@ -177,9 +177,9 @@ def placement_scratch_words(num_experts: int, world: int) -> int:
 
 def pairs_of_source_offset(num_experts: int) -> int:
     """int32 word of the placement scratch where the per-source pair counts start."""
-    from megamoe_kernels.drop import ep_dispatch
+    from megamoe_kernels.drop import ep_place
 
-    return (ep_dispatch.PLACE_WARPS + 1) * num_experts
+    return (ep_place.PLACE_WARPS + 1) * num_experts
 
 
 def exchange_and_place(
