@@ -23,6 +23,8 @@ from megamoe_runtime.dispatch.torch_distributed import (
 )
 
 DISPATCHER_NAMES = ("torch", "nvshmem")
+# how an expert-parallel combine sums a token's top-k outputs (make_expert_parallel_dispatcher)
+COMBINE_ORDERS = ("exact", "owner_partials")
 
 
 def group_rank_and_size(process_group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -94,10 +96,8 @@ def make_expert_parallel_dispatcher(
     combine_order: 'exact' (the single-GPU summation, bitwise) or 'owner_partials' (the nvshmem
     dispatcher's owner-side partial sums: fewer NVLink bytes, one more bf16 rounding); the torch
     dispatcher always combines exactly."""
-    if combine_order not in ("exact", "owner_partials"):
-        raise ValueError(
-            f"combine_order must be 'exact' or 'owner_partials', got {combine_order!r}"
-        )
+    if combine_order not in COMBINE_ORDERS:
+        raise ValueError(f"combine_order must be one of {COMBINE_ORDERS}, got {combine_order!r}")
     if name == "torch":
         return TorchDistributedDispatcher(
             num_experts, process_group=process_group, capacity=capacity, check_ids=False

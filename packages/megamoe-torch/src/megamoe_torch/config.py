@@ -6,12 +6,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
 
+from megamoe_runtime.distributed import COMBINE_ORDERS
 from megamoe_runtime.experts import BACKEND_NAMES
 from megamoe_runtime.geometries import Geometry
 from megamoe_runtime.routing import RouterConfig, Scoring
 
 DISPATCHER_NAMES = ("auto", "torch", "nvshmem")
-COMBINE_ORDERS = ("exact", "owner_partials")
 
 
 @dataclass(frozen=True)
