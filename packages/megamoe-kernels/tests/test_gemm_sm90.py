@@ -172,6 +172,44 @@ def test_edge_cases(counts, capacity, swap_ab):
     check_down(hidden_MI, offsets, w2, valid, knobs=knobs)
 
 
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_more_experts_than_one_walk_trip(swap_ab):
+    # the expert walk reads 128 experts per trip: 300 experts (most empty, some past the second
+    # trip's end) make every CTA walk several trips
+    counts = [0] * 300
+    for expert, rows in [(0, 5), (127, 70), (128, 1), (255, 33), (256, 129), (299, 17)]:
+        counts[expert] = rows
+    knobs = (
+        GemmKnobs(tile_rows=32, tile_cols=128, stages=4, swap_ab=True)
+        if swap_ab
+        else GemmKnobs(tile_rows=64, tile_cols=128, stages=4)
+    )
+    rows_MH, offsets, w13, w2, valid = make_problem(counts, *SMALL, capacity=sum(counts) + 3)
+    hidden_MI = check_gate_up(rows_MH, offsets, w13, valid, knobs=knobs)
+    hidden_MI[valid:] = float("nan")
+    check_down(hidden_MI, offsets, w2, valid, knobs=knobs)
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (128, 128)], ids=str)
+def test_pingpong_with_several_tiles_per_warpgroup(shape):
+    # over 4 x 132 tiles per GEMM (564 of 64x256, 576 of 128x128): each pingpong warpgroup of
+    # every CTA gets two or more tiles, so the turn barriers and the ring skipping run many
+    # times; the result equals the cooperative kernel's bit for bit
+    counts = random_counts(16, 16 * 1100, seed=5)
+    rows_MH, offsets, w13, w2, valid = make_problem(counts, 512, 256, capacity=16 * 1100 + 7)
+    tile_rows, tile_cols = shape
+    results = {}
+    for pingpong in (False, True):
+        base = GemmKnobs(tile_rows=tile_rows, tile_cols=tile_cols, pingpong=pingpong)
+        gate_up_knobs = replace(base, stages=min(4, max_stages(base, "gate_up")))
+        down_knobs = replace(base, stages=min(4, max_stages(base, "down")))
+        hidden_MI = check_gate_up(rows_MH, offsets, w13, valid, knobs=gate_up_knobs)
+        hidden_MI[valid:] = float("nan")
+        results[pingpong] = (hidden_MI, check_down(hidden_MI, offsets, w2, valid, knobs=down_knobs))
+    for cooperative, pingpong in zip(results[False], results[True], strict=True):
+        assert torch.equal(cooperative[:valid], pingpong[:valid])
+
+
 def test_repeated_runs_are_bitwise_equal():
     counts = random_counts(16, 2000, seed=3)
     rows_MH, offsets, w13, w2, _ = make_problem(counts, 512, 256)
