@@ -15,7 +15,23 @@ def test_candidates_are_valid_and_cover_both_orientations():
         candidates = candidate_knobs(op)
         assert candidates and all(not knob_problems(knobs, op) for knobs in candidates)
         assert {knobs.swap_ab for knobs in candidates} == {True, False}
+        assert {knobs.pingpong for knobs in candidates} == {True, False}
         assert len(set(candidates)) == len(candidates)
+
+
+def test_quick_candidates_are_the_deepest_ring_of_every_shape():
+    def shape(knobs):
+        return (knobs.tile_rows, knobs.tile_cols, knobs.swap_ab, knobs.pingpong)
+
+    for op in ("gate_up", "down"):
+        every = candidate_knobs(op)
+        quick = candidate_knobs(op, stage_choices=("max",))
+        assert set(quick) <= set(every)
+        assert {shape(knobs) for knobs in quick} == {shape(knobs) for knobs in every}
+        deepest = {}
+        for knobs in every:
+            deepest[shape(knobs)] = max(deepest.get(shape(knobs), 0), knobs.stages)
+        assert all(knobs.stages == deepest[shape(knobs)] for knobs in quick)
 
 
 def test_tuner_stores_the_fastest_and_the_backend_reads_it(tmp_path):
