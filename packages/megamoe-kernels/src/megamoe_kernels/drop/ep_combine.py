@@ -39,7 +39,7 @@ from .ep_sync import (
     global_ptr,
     peer_address,
     signal_peer,
-    wait_signal,
+    wait_for_every_source,
 )
 
 PUSH_WARPS = 16
@@ -154,13 +154,9 @@ def combine_reduce_kernel(
     grid, _, _ = cute.arch.grid_dim()
     warp, lane = tidx // 32, tidx % 32
     epoch = cute.arch.load(global_ptr(cutlass.Int64, epoch_address, 8), cutlass.Int64)
-    if tidx < world:
-        target = epoch * cutlass.Int64(adds_per_epoch)
-        wait_signal(
-            signals_address, status_address, world, PHASE_RETURNED, tidx, target, epoch, timeout_ns
-        )
-    cute.arch.sync_threads()
-    cute.arch.fence_acq_rel_sys()
+    wait_for_every_source(
+        signals_address, status_address, world, PHASE_RETURNED, epoch, adds_per_epoch, timeout_ns
+    )
     weights = global_ptr(cutlass.Float32, weights_address, 4)
     row_bytes = cutlass.Int64(hidden) * 2
     chunk_layout = cute.make_layout(CHUNK)
@@ -413,13 +409,9 @@ def combine_partial_sum_kernel(
     grid, _, _ = cute.arch.grid_dim()
     warp, lane = tidx // 32, tidx % 32
     epoch = cute.arch.load(global_ptr(cutlass.Int64, epoch_address, 8), cutlass.Int64)
-    if tidx < world:
-        target = epoch * cutlass.Int64(adds_per_epoch)
-        wait_signal(
-            signals_address, status_address, world, PHASE_RETURNED, tidx, target, epoch, timeout_ns
-        )
-    cute.arch.sync_threads()
-    cute.arch.fence_acq_rel_sys()
+    wait_for_every_source(
+        signals_address, status_address, world, PHASE_RETURNED, epoch, adds_per_epoch, timeout_ns
+    )
     expert_of_pair = global_ptr(cutlass.Int32, expert_of_pair_address, 4)
     row_bytes = cutlass.Int64(hidden) * 2
     row_vectors = hidden // CHUNK

@@ -29,7 +29,7 @@ from .ep_sync import (
     global_ptr,
     peer_address,
     signal_peer,
-    wait_signal,
+    wait_for_every_source,
 )
 from .warp import lanes_with_same_value, warp_inclusive_sum
 
@@ -128,12 +128,7 @@ def exchange_and_place_kernel(
                 cute.arch.store(histogram + (warp * num_experts + expert), base + before + 1)
         cute.arch.sync_warp()
 
-    if tidx < world:
-        wait_signal(
-            own_signals, status_address, world, PHASE_COUNTS, tidx, epoch, epoch, timeout_ns
-        )
-    cute.arch.sync_threads()
-    cute.arch.fence_acq_rel_sys()
+    wait_for_every_source(own_signals, status_address, world, PHASE_COUNTS, epoch, 1, timeout_ns)
 
     # 4. from every rank's counts: rows of expert e from sources before `rank` (first_row),
     #    rows per expert in all (scratch), then a warp per owner scans its experts' rows

@@ -102,6 +102,21 @@ def wait_flag(flag, status_address, phase, peer, target, epoch, timeout_ns):
     return seen
 
 
+@cute.jit
+def wait_for_every_source(
+    signals_address, status_address, world, phase, epoch, adds_per_epoch, timeout_ns
+):
+    """Called by a whole CTA: thread s < world waits for source s's adds of this epoch in
+    `phase` (epoch x adds_per_epoch in all); then a CTA barrier and a system-scope fence, so
+    every thread of the CTA sees what the sources wrote before they signalled."""
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx < world:
+        target = epoch * cutlass.Int64(adds_per_epoch)
+        wait_signal(signals_address, status_address, world, phase, tidx, target, epoch, timeout_ns)
+    cute.arch.sync_threads()
+    cute.arch.fence_acq_rel_sys()
+
+
 @cute.kernel
 def wait_phase_kernel(
     signals_address: cutlass.Int64,
@@ -113,11 +128,10 @@ def wait_phase_kernel(
     timeout_ns: cutlass.Int64,
 ):
     """One CTA: thread s waits for source s's adds of this epoch in `phase`."""
-    tidx, _, _ = cute.arch.thread_idx()
     epoch = cute.arch.load(global_ptr(cutlass.Int64, epoch_address, 8), cutlass.Int64)
-    if tidx < world:
-        target = epoch * cutlass.Int64(adds_per_epoch)
-        wait_signal(signals_address, status_address, world, phase, tidx, target, epoch, timeout_ns)
+    wait_for_every_source(
+        signals_address, status_address, world, phase, epoch, adds_per_epoch, timeout_ns
+    )
 
 
 @cute.jit
