@@ -213,9 +213,13 @@ class ExpertGroupedGemmSm90:
                 mOffsets[cutlass.min(lane_expert + j, num_experts)]
                 for j in range(EXPERTS_PER_LANE + 1)
             ]
+            expert_row_tiles = [
+                (bounds[j + 1] - bounds[j] + self.tile_rows - 1) // self.tile_rows
+                for j in range(EXPERTS_PER_LANE)
+            ]
             lane_tiles = cutlass.Int32(0)
             for j in cutlass.range_constexpr(EXPERTS_PER_LANE):
-                lane_tiles = lane_tiles + self.row_tiles_of(bounds[j], bounds[j + 1]) * col_tiles
+                lane_tiles = lane_tiles + expert_row_tiles[j] * col_tiles
             tiles_through_lane = warp_inclusive_sum(lane_tiles, lane)
             # the lanes whose experts reach past `tile` are a suffix of the warp
             owners = cute.arch.vote_ballot_sync(tile < expert_first_tile + tiles_through_lane)
@@ -230,14 +234,13 @@ class ExpertGroupedGemmSm90:
                 looking = cutlass.Boolean(True)
                 for j in cutlass.range_constexpr(EXPERTS_PER_LANE):
                     if looking:
-                        expert_row_tiles = self.row_tiles_of(bounds[j], bounds[j + 1])
-                        if tile < sub_first + expert_row_tiles * col_tiles:
+                        if tile < sub_first + expert_row_tiles[j] * col_tiles:
                             looking = False
-                            sub_row_tiles = expert_row_tiles
+                            sub_row_tiles = expert_row_tiles[j]
                             sub_begin = bounds[j]
                             sub_end = bounds[j + 1]
                         else:
-                            sub_first = sub_first + expert_row_tiles * col_tiles
+                            sub_first = sub_first + expert_row_tiles[j] * col_tiles
                             sub_expert = sub_expert + 1
                 expert = (
                     expert + owner * EXPERTS_PER_LANE + cute.arch.shuffle_sync(sub_expert, owner)
@@ -255,10 +258,6 @@ class ExpertGroupedGemmSm90:
                 expert = expert + 32 * EXPERTS_PER_LANE
                 searching = expert < num_experts
         return expert, expert_first_tile, row_tiles, row_begin, row_end, found
-
-    @cute.jit
-    def row_tiles_of(self, row_begin, row_end):
-        return (row_end - row_begin + self.tile_rows - 1) // self.tile_rows
 
     @cute.jit
     def tile_coords(self, local_tile, row_tiles, col_tiles):
@@ -419,7 +418,6 @@ class ExpertGroupedGemmSm90:
             if cutlass.const_expr(not self.swap_ab and not self.pingpong):
                 slab_row0 = (warpgroup_idx - 1) * 64
             tile = cutlass.Int32(block_idx) + team * grid_size
-            tiles_done = cutlass.Int32(0)
             expert, first, row_tiles, expert_row0, row_end, found = self.next_tile(
                 tile, cutlass.Int32(0), cutlass.Int32(0), mOffsets, num_experts, col_tiles
             )
@@ -430,8 +428,9 @@ class ExpertGroupedGemmSm90:
                 accumulators.fill(0.0)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 if cutlass.const_expr(self.pingpong):
-                    # team 0 starts; afterwards each team waits for the other's mainloop
-                    if team + tiles_done > 0:
+                    # the CTA's first tile (team 0's) starts at once; every later one waits for the
+                    # other team's mainloop
+                    if tile > block_idx:
                         my_turn.arrive_and_wait()
                 # a warpgroup whose 64-row slab lies wholly past the expert's rows skips its
                 # MMAs (it still drains the ring): tail tiles cost what their rows need
@@ -479,7 +478,6 @@ class ExpertGroupedGemmSm90:
                     team_tidx=team_tidx,
                     barrier=epilogue_barrier,
                 )
-                tiles_done = tiles_done + 1
                 tile = tile + tile_step
                 expert, first, row_tiles, expert_row0, row_end, found = self.next_tile(
                     tile, expert, first, mOffsets, num_experts, col_tiles
