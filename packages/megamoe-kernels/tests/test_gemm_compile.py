@@ -61,6 +61,9 @@ def test_every_default_profile_compiles(rows_per_expert):
         GemmKnobs(tile_rows=32, tile_cols=64, stages=5, swap_ab=True, rows_fastest=False),
         GemmKnobs(tile_rows=64, tile_cols=256, stages=3, pingpong=True),
         GemmKnobs(tile_rows=128, tile_cols=128, stages=3, pingpong=True, rows_fastest=False),
+        GemmKnobs(tile_rows=128, tile_cols=256, stages=3, cluster=(2, 1)),
+        GemmKnobs(tile_rows=64, tile_cols=192, stages=3, cluster=(2, 1), rows_fastest=False),
+        GemmKnobs(tile_rows=128, tile_cols=128, stages=4, cluster=(2, 1), pingpong=True),
     ],
     ids=str,
 )

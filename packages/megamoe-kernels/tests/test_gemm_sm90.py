@@ -7,6 +7,7 @@ must stay untouched), rel-L2 <= 1e-2 against the fp32 oracle.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from megamoe_kernels import GemmKnobs, down, gate_up_swiglu, interleave_gate_up, knob_problems
 from megamoe_kernels.reference import down_reference, gate_up_swiglu_reference, relative_l2_error
 from megamoe_kernels.shim.knobs import (
+    CLUSTERS,
     COL_TILES,
     ROW_TILES,
     SWAP_COL_TILES,
@@ -115,15 +117,19 @@ def every_valid_knob(op):
         (False, ROW_TILES, COL_TILES),
         (True, SWAP_ROW_TILES, SWAP_COL_TILES),
     ):
-        for tile_rows in row_tiles:
-            for tile_cols in col_tiles:
-                for pingpong in (False, True):
-                    shape = GemmKnobs(
-                        tile_rows=tile_rows, tile_cols=tile_cols, swap_ab=swap_ab, pingpong=pingpong
-                    )
-                    knobs = replace(shape, stages=min(4, max_stages(shape, op)))
-                    if not knob_problems(knobs, op):
-                        yield knobs
+        for tile_rows, tile_cols, pingpong, cluster in itertools.product(
+            row_tiles, col_tiles, (False, True), CLUSTERS
+        ):
+            shape = GemmKnobs(
+                tile_rows=tile_rows,
+                tile_cols=tile_cols,
+                swap_ab=swap_ab,
+                pingpong=pingpong,
+                cluster=cluster,
+            )
+            knobs = replace(shape, stages=min(4, max_stages(shape, op)))
+            if not knob_problems(knobs, op):
+                yield knobs
 
 
 @pytest.mark.parametrize("knobs", list(every_valid_knob("gate_up")), ids=str)
@@ -159,31 +165,37 @@ def test_every_down_variant_with_tails(knobs):
         ([0, 1, 0, 0], 1),  # a capacity of one row
     ],
 )
-@pytest.mark.parametrize("swap_ab", [False, True])
-def test_edge_cases(counts, capacity, swap_ab):
-    knobs = (
-        GemmKnobs(tile_rows=32, tile_cols=128, stages=4, swap_ab=True)
-        if swap_ab
-        else GemmKnobs(tile_rows=128, tile_cols=128, stages=4)
-    )
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        GemmKnobs(tile_rows=128, tile_cols=128, stages=4),
+        GemmKnobs(tile_rows=32, tile_cols=128, stages=4, swap_ab=True),
+        GemmKnobs(tile_rows=64, tile_cols=128, stages=4, cluster=(2, 1)),
+    ],
+    ids=str,
+)
+def test_edge_cases(counts, capacity, knobs):
     rows_MH, offsets, w13, w2, valid = make_problem(counts, *SMALL, capacity=capacity)
     hidden_MI = check_gate_up(rows_MH, offsets, w13, valid, knobs=knobs)
     hidden_MI[valid:] = float("nan")
     check_down(hidden_MI, offsets, w2, valid, knobs=knobs)
 
 
-@pytest.mark.parametrize("swap_ab", [False, True])
-def test_more_experts_than_one_walk_trip(swap_ab):
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        GemmKnobs(tile_rows=64, tile_cols=128, stages=4),
+        GemmKnobs(tile_rows=32, tile_cols=128, stages=4, swap_ab=True),
+        GemmKnobs(tile_rows=64, tile_cols=128, stages=4, cluster=(2, 1)),
+    ],
+    ids=str,
+)
+def test_more_experts_than_one_walk_trip(knobs):
     # the expert walk reads 128 experts per trip: 300 experts (most empty, some past the second
     # trip's end) make every CTA walk several trips
     counts = [0] * 300
     for expert, rows in [(0, 5), (127, 70), (128, 1), (255, 33), (256, 129), (299, 17)]:
         counts[expert] = rows
-    knobs = (
-        GemmKnobs(tile_rows=32, tile_cols=128, stages=4, swap_ab=True)
-        if swap_ab
-        else GemmKnobs(tile_rows=64, tile_cols=128, stages=4)
-    )
     rows_MH, offsets, w13, w2, valid = make_problem(counts, *SMALL, capacity=sum(counts) + 3)
     hidden_MI = check_gate_up(rows_MH, offsets, w13, valid, knobs=knobs)
     hidden_MI[valid:] = float("nan")
@@ -254,3 +266,35 @@ def test_a_cached_kernel_refuses_bad_tensors_naming_the_argument():
         down(hidden_MI, offsets, w2.cpu())
     # and a good call still runs after the refusals
     assert torch.equal(gate_up_swiglu(rows_MH, offsets, w13_interleaved), hidden_MI)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(128, 256, False), (64, 128, False), (128, 128, True), (64, 256, True)],
+    ids=str,
+)
+def test_clusters_equal_the_single_cta_kernel(shape):
+    # 2-CTA clusters share each weight tile (TMA multicast) over pairs of row tiles; experts with
+    # an odd number of row tiles leave the second CTA of their last pair an empty tile, and
+    # ~40 experts x several pairs give every cluster many units: the result equals the
+    # single-CTA kernel's bit for bit
+    counts = random_counts(40, 40 * 700, seed=11)
+    counts[3], counts[7], counts[8] = 0, 1, 129
+    rows_MH, offsets, w13, w2, valid = make_problem(counts, 512, 320, capacity=sum(counts) + 5)
+    tile_rows, tile_cols, pingpong = shape
+    results = {}
+    for cluster in CLUSTERS:
+        base = GemmKnobs(
+            tile_rows=tile_rows, tile_cols=tile_cols, pingpong=pingpong, cluster=cluster
+        )
+        gate_up_knobs = replace(base, stages=max_stages(base, "gate_up"))
+        down_knobs = replace(base, stages=max_stages(base, "down"))
+        hidden_MI = check_gate_up(rows_MH, offsets, w13, valid, knobs=gate_up_knobs)
+        hidden_MI[valid:] = float("nan")
+        scale_M = torch.linspace(0.5, 1.5, rows_MH.shape[0], device=DEVICE)
+        results[cluster] = (
+            hidden_MI,
+            check_down(hidden_MI, offsets, w2, valid, row_scale_M=scale_M, knobs=down_knobs),
+        )
+    for single, paired in zip(results[(1, 1)], results[(2, 1)], strict=True):
+        assert torch.equal(single[:valid], paired[:valid])

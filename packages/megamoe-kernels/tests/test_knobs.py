@@ -30,7 +30,11 @@ def test_default_profile_is_always_valid(op, rows_per_expert):
         (GemmKnobs(tile_cols=256, swap_ab=True, tile_rows=16), "tile_cols=256 with swap_ab"),
         (GemmKnobs(stages=1), "stages=1"),
         (GemmKnobs(stages=9), "stages=9"),
-        (GemmKnobs(cluster=(2, 1)), "cluster"),
+        (GemmKnobs(cluster=(1, 2)), "cluster=(1, 2): accepted"),
+        (
+            GemmKnobs(cluster=(2, 1), swap_ab=True, tile_rows=32, tile_cols=128),
+            "cluster=(2, 1) with swap_ab",
+        ),
         (GemmKnobs(pingpong=True), "pingpong with a 128x256 tile"),
         (
             GemmKnobs(pingpong=True, swap_ab=True, tile_rows=32, tile_cols=128),

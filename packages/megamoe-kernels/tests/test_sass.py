@@ -1,4 +1,4 @@
-"""Every default profile's SASS, and the pingpong variant's, holds HGMMA (wgmma): without it a
+"""Every default profile's SASS, and the pingpong and cluster variants', holds HGMMA (wgmma): without it a
 kernel is on a slow path."""
 
 import subprocess

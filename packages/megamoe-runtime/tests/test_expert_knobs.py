@@ -16,12 +16,13 @@ def test_candidates_are_valid_and_cover_both_orientations():
         assert candidates and all(not knob_problems(knobs, op) for knobs in candidates)
         assert {knobs.swap_ab for knobs in candidates} == {True, False}
         assert {knobs.pingpong for knobs in candidates} == {True, False}
+        assert {knobs.cluster for knobs in candidates} == {(1, 1), (2, 1)}
         assert len(set(candidates)) == len(candidates)
 
 
 def test_quick_candidates_are_the_deepest_ring_of_every_shape():
     def shape(knobs):
-        return (knobs.tile_rows, knobs.tile_cols, knobs.swap_ab, knobs.pingpong)
+        return (knobs.tile_rows, knobs.tile_cols, knobs.swap_ab, knobs.pingpong, knobs.cluster)
 
     for op in ("gate_up", "down"):
         every = candidate_knobs(op)

@@ -1,5 +1,5 @@
-"""Checks that every default kernel profile, and each kernel variant no profile picks (pingpong),
-compiles to wgmma: its SASS must hold HGMMA.
+"""Checks that every default kernel profile, and each kernel variant no profile picks (pingpong,
+2-CTA clusters), compiles to wgmma: its SASS must hold HGMMA.
 
     python -m megamoe_kernels.sass_check [--dump-dir DIR]
 
@@ -61,8 +61,8 @@ def hgmma_shapes(cubin: Path, tools: Path) -> list[str]:
 
 
 def variants_to_check() -> list[tuple[str, str, object, int]]:
-    """(label, op, knobs, rows per expert): every default profile, plus the pingpong variant,
-    which no profile picks but a tuner may."""
+    """(label, op, knobs, rows per expert): every default profile, plus the pingpong and the
+    2-CTA cluster variants, which no profile picks but a tuner may."""
     from megamoe_kernels import GemmKnobs, default_knobs
     from megamoe_kernels.shim.knobs import PROFILE_ROWS_PER_EXPERT, max_stages
 
@@ -71,9 +71,13 @@ def variants_to_check() -> list[tuple[str, str, object, int]]:
         for rows in PROFILE_ROWS_PER_EXPERT
         for op in ("gate_up", "down")
     ]
-    pingpong = GemmKnobs(tile_rows=64, tile_cols=256, pingpong=True)
+    tuned = (
+        GemmKnobs(tile_rows=64, tile_cols=256, pingpong=True),
+        GemmKnobs(tile_rows=128, tile_cols=256, cluster=(2, 1)),
+    )
     variants += [
-        ("tuned", op, replace(pingpong, stages=max_stages(pingpong, op)), 512)
+        ("tuned", op, replace(knobs, stages=max_stages(knobs, op)), 512)
+        for knobs in tuned
         for op in ("gate_up", "down")
     ]
     return variants
@@ -114,6 +118,7 @@ def compile_profiles(dump_dir: Path) -> dict[str, list[Path]]:
             )
         # cubin names do not carry the knobs: move each away before the next compile
         variant = "-swap" if knobs.swap_ab else "-pingpong" if knobs.pingpong else ""
+        variant += "-cluster2" if knobs.cluster != (1, 1) else ""
         name = f"{op}-{label}-{knobs.tile_rows}x{knobs.tile_cols}{variant}"
         target = dump_dir / name
         target.mkdir(exist_ok=True)

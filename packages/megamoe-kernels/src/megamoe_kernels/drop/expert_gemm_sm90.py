@@ -29,6 +29,14 @@ swap_ab puts the weight's N on the MMA's M side (tile_cols = MMA M, tile_rows = 
 decode shape, where a few rows per expert would waste a 64-row MMA and the weight stream is
 what costs.
 
+cluster_rows = 2 runs the CTAs in clusters of two that share each weight tile: the schedule's
+unit is a pair of row tiles of one (expert, column tile); CTA r of the cluster takes row tile
+2p + r, loads its own rows and half of the weight tile, and the TMA multicasts that half into
+both CTAs' rings, so each SM pulls half the weight bytes from L2. A consumer releases a stage
+on both CTAs' rings (the peer's TMA writes into it too). When an expert's row tiles are odd,
+the second CTA's tile of the last pair is empty: it still loads (its partner's rows, unused)
+and drains the ring like a tile whose slab has no rows, and stores nothing.
+
 SwiGLU: w is the gate/up interleaved weight (gate_up_layout); out = silu(gate) * up in fp32.
 """
 
@@ -70,7 +78,9 @@ class ExpertGroupedGemmSm90:
     swiglu:    gate/up interleaved weight, out = silu(gate) * up
     row_scale: multiply each output row by row_scale[row]
     rows_fastest: schedule order inside an expert (m-tiles vary fastest: weights stream once)
-    num_ctas:  persistent CTAs launched
+    num_ctas:  persistent CTAs launched (a multiple of cluster_rows)
+    cluster_rows: CTAs per cluster sharing each weight tile by TMA multicast (1 or 2; not with
+               swap_ab)
     pingpong:  two consumer warpgroups on alternate tiles (epilogue overlaps the other's MMAs);
                without swap_ab, at most 64 x 256 accumulators per tile
     """
@@ -87,6 +97,7 @@ class ExpertGroupedGemmSm90:
         rows_fastest,
         num_ctas,
         pingpong=False,
+        cluster_rows=1,
     ):
         self.tile_rows = tile_rows
         self.tile_cols = tile_cols
@@ -97,6 +108,9 @@ class ExpertGroupedGemmSm90:
         self.rows_fastest = rows_fastest
         self.num_ctas = num_ctas
         self.pingpong = pingpong
+        self.cluster_rows = cluster_rows
+        # rows of one schedule unit: a row tile per CTA of the cluster
+        self.unit_rows = tile_rows * cluster_rows
         self.mma_m, self.mma_n = (tile_cols, tile_rows) if swap_ab else (tile_rows, tile_cols)
         # warpgroups that share one tile's MMAs, and the consumer warpgroups of the CTA
         self.tile_warpgroups = 1 if pingpong else self.mma_m // 64
@@ -145,10 +159,13 @@ class ExpertGroupedGemmSm90:
             (self.tile_rows, TILE_K),
         )
         tma_w, tma_mW = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(),
+            cpasync.CopyBulkTensorTileG2SMulticastOp()
+            if cutlass.const_expr(self.cluster_rows > 1)
+            else cpasync.CopyBulkTensorTileG2SOp(),
             mW,
             cute.slice_(w_layout, (None, None, 0)),
             (self.tile_cols, TILE_K),
+            num_multicast=self.cluster_rows,
         )
         # one staging buffer per warpgroup that runs epilogues on its own
         out_layout = cute.make_layout(
@@ -181,7 +198,7 @@ class ExpertGroupedGemmSm90:
         ).launch(
             grid=[self.num_ctas, 1, 1],
             block=[self.threads_per_cta, 1, 1],
-            cluster=(1, 1, 1),
+            cluster=(self.cluster_rows, 1, 1),
             min_blocks_per_mp=1,
             stream=stream,
             # programmatic dependent launch: the CTAs may start (shared memory, barriers, TMA
@@ -192,16 +209,17 @@ class ExpertGroupedGemmSm90:
 
     @cute.jit
     def next_tile(self, tile, expert, expert_first_tile, mOffsets, num_experts, col_tiles):
-        """Walks forward from (expert, expert_first_tile) to the expert owning linear `tile`.
+        """Walks forward from (expert, expert_first_tile) to the expert owning linear schedule
+        unit `tile` (a unit is cluster_rows row tiles of one column tile; without clusters, a tile).
 
         Called by whole warps: each trip, lane j loads the row ranges of EXPERTS_PER_LANE
         experts from expert + j * EXPERTS_PER_LANE on, a warp prefix sum of their tile counts
         finds the lane holding the owner, and that lane finds it among its own experts: 128
         experts cost one memory round trip. Linear tiles only grow, so each warp walks the
-        experts once in total. Returns (expert, expert_first_tile, row_tiles of that expert, its
-        first row, its row end, found)."""
+        experts once in total. Returns (expert, expert_first_tile, the expert's units along its
+        rows, its first row, its row end, found)."""
         lane = cute.arch.lane_idx()
-        row_tiles = cutlass.Int32(0)
+        row_units = cutlass.Int32(0)
         row_begin = cutlass.Int32(0)
         row_end = cutlass.Int32(0)
         found = cutlass.Boolean(False)
@@ -213,13 +231,13 @@ class ExpertGroupedGemmSm90:
                 mOffsets[cutlass.min(lane_expert + j, num_experts)]
                 for j in range(EXPERTS_PER_LANE + 1)
             ]
-            expert_row_tiles = [
-                (bounds[j + 1] - bounds[j] + self.tile_rows - 1) // self.tile_rows
+            expert_row_units = [
+                (bounds[j + 1] - bounds[j] + self.unit_rows - 1) // self.unit_rows
                 for j in range(EXPERTS_PER_LANE)
             ]
             lane_tiles = cutlass.Int32(0)
             for j in cutlass.range_constexpr(EXPERTS_PER_LANE):
-                lane_tiles = lane_tiles + expert_row_tiles[j] * col_tiles
+                lane_tiles = lane_tiles + expert_row_units[j] * col_tiles
             tiles_through_lane = warp_inclusive_sum(lane_tiles, lane)
             # the lanes whose experts reach past `tile` are a suffix of the warp
             owners = cute.arch.vote_ballot_sync(tile < expert_first_tile + tiles_through_lane)
@@ -228,25 +246,25 @@ class ExpertGroupedGemmSm90:
                 # every lane looks among its experts; the owner lane's answer is the one kept
                 sub_expert = cutlass.Int32(0)
                 sub_first = expert_first_tile + tiles_through_lane - lane_tiles
-                sub_row_tiles = cutlass.Int32(0)
+                sub_row_units = cutlass.Int32(0)
                 sub_begin = cutlass.Int32(0)
                 sub_end = cutlass.Int32(0)
                 looking = cutlass.Boolean(True)
                 for j in cutlass.range_constexpr(EXPERTS_PER_LANE):
                     if looking:
-                        if tile < sub_first + expert_row_tiles[j] * col_tiles:
+                        if tile < sub_first + expert_row_units[j] * col_tiles:
                             looking = False
-                            sub_row_tiles = expert_row_tiles[j]
+                            sub_row_units = expert_row_units[j]
                             sub_begin = bounds[j]
                             sub_end = bounds[j + 1]
                         else:
-                            sub_first = sub_first + expert_row_tiles[j] * col_tiles
+                            sub_first = sub_first + expert_row_units[j] * col_tiles
                             sub_expert = sub_expert + 1
                 expert = (
                     expert + owner * EXPERTS_PER_LANE + cute.arch.shuffle_sync(sub_expert, owner)
                 )
                 expert_first_tile = cute.arch.shuffle_sync(sub_first, owner)
-                row_tiles = cute.arch.shuffle_sync(sub_row_tiles, owner)
+                row_units = cute.arch.shuffle_sync(sub_row_units, owner)
                 row_begin = cute.arch.shuffle_sync(sub_begin, owner)
                 row_end = cute.arch.shuffle_sync(sub_end, owner)
                 found = True
@@ -257,16 +275,18 @@ class ExpertGroupedGemmSm90:
                 )
                 expert = expert + 32 * EXPERTS_PER_LANE
                 searching = expert < num_experts
-        return expert, expert_first_tile, row_tiles, row_begin, row_end, found
+        return expert, expert_first_tile, row_units, row_begin, row_end, found
 
     @cute.jit
-    def tile_coords(self, local_tile, row_tiles, col_tiles):
-        row_tile = local_tile // col_tiles
-        col_tile = local_tile % col_tiles
+    def tile_origin(self, local_unit, row_units, col_tiles, expert_row0, cluster_rank):
+        """The first batch row and the column tile of this CTA's tile of an expert's unit."""
+        row_unit = local_unit // col_tiles
+        col_tile = local_unit % col_tiles
         if cutlass.const_expr(self.rows_fastest):
-            row_tile = local_tile % row_tiles
-            col_tile = local_tile // row_tiles
-        return row_tile, col_tile
+            row_unit = local_unit % row_units
+            col_tile = local_unit // row_units
+        row_tile = row_unit * self.cluster_rows + cluster_rank
+        return expert_row0 + row_tile * self.tile_rows, col_tile
 
     @cute.kernel
     def kernel(
@@ -298,12 +318,13 @@ class ExpertGroupedGemmSm90:
             barrier_storage=storage.ring_barriers.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # each stage is read by the warps of one tile's warpgroups
+            # each stage is read by the warps of one tile's warpgroups, in every CTA of the
+            # cluster (each CTA's TMA writes into all of them): every warp releases it everywhere
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.tile_warpgroups * 4
+                pipeline.Agent.Thread, self.tile_warpgroups * 4 * self.cluster_rows
             ),
             tx_count=tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, self.cluster_rows, 1, 1)),
         )
         sX = storage.sX.get_tensor(x_layout.outer, swizzle=x_layout.inner)
         sW = storage.sW.get_tensor(w_layout.outer, swizzle=w_layout.inner)
@@ -318,13 +339,22 @@ class ExpertGroupedGemmSm90:
         n_cols = cute.size(mW, mode=[0])
         col_tiles = (n_cols + self.tile_cols - 1) // self.tile_cols
         k_tiles = (cute.size(mX, mode=[1]) + TILE_K - 1) // TILE_K
-        # (tile_cols, TILE_K, col tiles, k tiles, E)
+        # the cluster walks the schedule's units; this CTA takes row tile `cluster_rank` of each
+        cluster_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_idx = block_idx // self.cluster_rows
+        num_clusters = cute.arch.grid_dim()[0] // self.cluster_rows
+        # (tile_cols, TILE_K, col tiles, k tiles, E); this CTA loads its slice of each weight
+        # tile and multicasts it to the cluster
         gW = cute.local_tile(mW, (self.tile_cols, TILE_K), (None, None, None))
         tWsW, tWgW = cpasync.tma_partition(
-            tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2)
+            tma_w,
+            cluster_rank,
+            cute.make_layout(self.cluster_rows),
+            cute.group_modes(sW, 0, 2),
+            cute.group_modes(gW, 0, 2),
         )
+        cluster_mask = cutlass.Int16((1 << self.cluster_rows) - 1)
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
-        grid_size = cute.arch.grid_dim()[0]
 
         if warpgroup_idx == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
@@ -332,13 +362,18 @@ class ExpertGroupedGemmSm90:
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
-                tile = cutlass.Int32(block_idx)
-                expert, first, row_tiles, expert_row0, expert_row_end, found = self.next_tile(
-                    tile, cutlass.Int32(0), cutlass.Int32(0), mOffsets, num_experts, col_tiles
+                unit = cutlass.Int32(cluster_idx)
+                expert, first, row_units, expert_row0, expert_row_end, found = self.next_tile(
+                    unit, cutlass.Int32(0), cutlass.Int32(0), mOffsets, num_experts, col_tiles
                 )
                 while found:
-                    row_tile, col_tile = self.tile_coords(tile - first, row_tiles, col_tiles)
-                    row0 = expert_row0 + row_tile * self.tile_rows
+                    row0, col_tile = self.tile_origin(
+                        unit - first, row_units, col_tiles, expert_row0, cluster_rank
+                    )
+                    if row0 >= expert_row_end:
+                        # an empty tile (the cluster's partner has the expert's last row tile):
+                        # load rows that exist; nothing reads them
+                        row0 = expert_row0
                     gX = cute.local_tile(
                         cute.domain_offset((row0, 0), mX), (self.tile_rows, TILE_K), (0, None)
                     )
@@ -359,17 +394,26 @@ class ExpertGroupedGemmSm90:
                             tXsX[(None, state.index)],
                             tma_bar_ptr=barrier,
                         )
-                        cute.copy(
-                            tma_w,
-                            tWgW_tile[(None, k_tile)],
-                            tWsW[(None, state.index)],
-                            tma_bar_ptr=barrier,
-                        )
+                        if cutlass.const_expr(self.cluster_rows > 1):
+                            cute.copy(
+                                tma_w,
+                                tWgW_tile[(None, k_tile)],
+                                tWsW[(None, state.index)],
+                                tma_bar_ptr=barrier,
+                                mcast_mask=cluster_mask,
+                            )
+                        else:
+                            cute.copy(
+                                tma_w,
+                                tWgW_tile[(None, k_tile)],
+                                tWsW[(None, state.index)],
+                                tma_bar_ptr=barrier,
+                            )
                         ring.producer_commit(state)
                         state.advance()
-                    tile = tile + grid_size
-                    expert, first, row_tiles, expert_row0, expert_row_end, found = self.next_tile(
-                        tile, expert, first, mOffsets, num_experts, col_tiles
+                    unit = unit + num_clusters
+                    expert, first, row_units, expert_row0, expert_row_end, found = self.next_tile(
+                        unit, expert, first, mOffsets, num_experts, col_tiles
                     )
                 ring.producer_tail(state)
         else:
@@ -378,10 +422,10 @@ class ExpertGroupedGemmSm90:
             # the consumer warpgroups that work one tile together (all of them, or with pingpong
             # one warpgroup taking every other tile of the CTA)
             team = 0
-            tile_step = grid_size
+            unit_step = num_clusters
             if cutlass.const_expr(self.pingpong):
                 team = warpgroup_idx - 1
-                tile_step = grid_size * 2
+                unit_step = num_clusters * 2
             team_tidx = consumer_tidx - team * self.tile_threads
             thr_mma = tiled_mma.get_slice(team_tidx)
             sA, sB = (sW, sX) if self.swap_ab else (sX, sW)
@@ -417,20 +461,21 @@ class ExpertGroupedGemmSm90:
             slab_row0 = 0
             if cutlass.const_expr(not self.swap_ab and not self.pingpong):
                 slab_row0 = (warpgroup_idx - 1) * 64
-            tile = cutlass.Int32(block_idx) + team * grid_size
-            expert, first, row_tiles, expert_row0, row_end, found = self.next_tile(
-                tile, cutlass.Int32(0), cutlass.Int32(0), mOffsets, num_experts, col_tiles
+            unit = cutlass.Int32(cluster_idx) + team * num_clusters
+            expert, first, row_units, expert_row0, row_end, found = self.next_tile(
+                unit, cutlass.Int32(0), cutlass.Int32(0), mOffsets, num_experts, col_tiles
             )
             while found:
-                row_tile, col_tile = self.tile_coords(tile - first, row_tiles, col_tiles)
-                row0 = expert_row0 + row_tile * self.tile_rows
+                row0, col_tile = self.tile_origin(
+                    unit - first, row_units, col_tiles, expert_row0, cluster_rank
+                )
 
                 accumulators.fill(0.0)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 if cutlass.const_expr(self.pingpong):
                     # the CTA's first tile (team 0's) starts at once; every later one waits for the
                     # other team's mainloop
-                    if tile > block_idx:
+                    if unit > cluster_idx:
                         my_turn.arrive_and_wait()
                 # a warpgroup whose 64-row slab lies wholly past the expert's rows skips its
                 # MMAs (it still drains the ring): tail tiles cost what their rows need
@@ -466,21 +511,22 @@ class ExpertGroupedGemmSm90:
                     read_state.advance(k_tiles)
                     release_state.advance(k_tiles)
 
-                self.epilogue(
-                    accumulators,
-                    tCcC,
-                    sOut_team,
-                    mOut,
-                    mRowScale,
-                    row0=row0,
-                    row_end=row_end,
-                    col_tile=col_tile,
-                    team_tidx=team_tidx,
-                    barrier=epilogue_barrier,
-                )
-                tile = tile + tile_step
-                expert, first, row_tiles, expert_row0, row_end, found = self.next_tile(
-                    tile, expert, first, mOffsets, num_experts, col_tiles
+                if row0 < row_end:  # an empty tile of a cluster's last pair stores nothing
+                    self.epilogue(
+                        accumulators,
+                        tCcC,
+                        sOut_team,
+                        mOut,
+                        mRowScale,
+                        row0=row0,
+                        row_end=row_end,
+                        col_tile=col_tile,
+                        team_tidx=team_tidx,
+                        barrier=epilogue_barrier,
+                    )
+                unit = unit + unit_step
+                expert, first, row_units, expert_row0, row_end, found = self.next_tile(
+                    unit, expert, first, mOffsets, num_experts, col_tiles
                 )
 
     @cute.jit

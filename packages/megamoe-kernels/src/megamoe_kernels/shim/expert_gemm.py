@@ -179,10 +179,19 @@ def _raise_explained(failure: Exception, check: Callable[[], None]) -> NoReturn:
 
 
 @cache
-def _sm_count(device_index: int) -> int:
-    if device_index >= 0:
+def _persistent_ctas(device_index: int, cluster_size: int) -> int:
+    """CTAs of a persistent grid: one per SM, or as many clusters as fit on the GPU at once (a
+    cluster that waited for SMs would run its tiles after everyone else's)."""
+    if device_index < 0:
+        return _DEFAULT_SM_COUNT // cluster_size * cluster_size
+    if cluster_size == 1:
         return torch.cuda.get_device_properties(device_index).multi_processor_count
-    return _DEFAULT_SM_COUNT
+    from cutlass.utils import HardwareInfo
+
+    with torch.cuda.device(device_index):
+        # the occupancy query runs in the thread's current CUDA context: make torch create it
+        torch.cuda.synchronize()
+        return HardwareInfo(device_index).get_max_active_clusters(cluster_size) * cluster_size
 
 
 def _launch(
@@ -239,8 +248,9 @@ def _compile(op: str, knobs: GemmKnobs, key: tuple) -> Callable:
             row_scale=has_row_scale,
             rows_fastest=knobs.rows_fastest,
             pingpong=knobs.pingpong,
-            # one persistent CTA per SM: CTAs beyond the routed tiles find no work and exit
-            num_ctas=_sm_count(device_index),
+            cluster_rows=knobs.cluster[0],
+            # persistent CTAs: those beyond the routed tiles find no work and exit
+            num_ctas=_persistent_ctas(device_index, knobs.cluster[0]),
         )
         compiled = compile_stored_weight_launch(
             kernel,

@@ -24,6 +24,9 @@ COL_TILES = (64, 128, 192, 256)
 SWAP_ROW_TILES = (16, 32, 64, 128)
 SWAP_COL_TILES = (64, 128)
 MAX_STAGES = 12
+# (CTAs along the batch rows, along the weight rows): (2, 1) pairs two row tiles of one expert
+# and column tile, which share the weight tile by TMA multicast
+CLUSTERS = ((1, 1), (2, 1))
 # fp32 accumulators of one warpgroup's tile with pingpong: 128 registers per thread
 PINGPONG_MAX_ACCUMULATORS = 64 * 256
 
@@ -32,7 +35,9 @@ PINGPONG_MAX_ACCUMULATORS = 64 * 256
 class GemmKnobs:
     """tile_rows: batch rows per tile; tile_cols: weight rows (accumulator columns) per tile;
     stages: TMA ring depth; swap_ab: weight on the MMA's M side (decode); cluster: CTAs per
-    cluster (only (1, 1): TMA multicast is not built); rows_fastest: schedule order inside an
+    cluster along (batch rows, weight rows), one of CLUSTERS: (2, 1) runs pairs of CTAs on two
+    row tiles of one weight tile, each loading half of it for both (TMA multicast; not with
+    swap_ab, whose decode tiles hold an expert's rows in one tile); rows_fastest: schedule order inside an
     expert (row tiles vary fastest, so each weight tile streams once); pingpong: two consumer
     warpgroups on alternate tiles, so one's epilogue overlaps the other's MMAs (not with swap_ab;
     a tile of at most PINGPONG_MAX_ACCUMULATORS, each warpgroup holding a whole one)."""
@@ -74,8 +79,13 @@ def knob_problems(knobs: GemmKnobs, op: str) -> list[str]:
         problems.append(f"tile_rows={knobs.tile_rows} {mode}: accepted {row_tiles}")
     if knobs.tile_cols not in col_tiles:
         problems.append(f"tile_cols={knobs.tile_cols} {mode}: accepted {col_tiles}")
-    if tuple(knobs.cluster) != (1, 1):
-        problems.append(f"cluster={knobs.cluster}: only (1, 1) is built (no TMA multicast)")
+    if tuple(knobs.cluster) not in CLUSTERS:
+        problems.append(f"cluster={knobs.cluster}: accepted {CLUSTERS}")
+    elif tuple(knobs.cluster) != (1, 1) and knobs.swap_ab:
+        problems.append(
+            f"cluster={knobs.cluster} with swap_ab: not built (a decode tile holds an expert's "
+            "rows, so there is no second row tile to share the weight with)"
+        )
     if knobs.pingpong and knobs.swap_ab:
         problems.append("pingpong with swap_ab: not built (decode tiles have no epilogue to hide)")
     if knobs.pingpong and knobs.tile_rows * knobs.tile_cols > PINGPONG_MAX_ACCUMULATORS:
@@ -132,21 +142,27 @@ PROFILE_ROWS_PER_EXPERT = (1, 16, 32, 64, 128, 512)
 def candidate_knobs(
     op: str, *, stage_choices: tuple[str, ...] = ("3", "4", "max")
 ) -> list[GemmKnobs]:
-    """Every valid tile shape in both orientations, each with the ring depths in `stage_choices`
+    """Every valid tile shape in both orientations (the prefill ones also in 2-CTA clusters), each
+    with the ring depths in `stage_choices`
     ("max" = the deepest that fits): what a tuner times."""
     shapes = [
-        (rows, cols, False, pingpong)
+        (rows, cols, False, pingpong, cluster)
         for rows, cols in itertools.product(ROW_TILES, COL_TILES)
         for pingpong in (False, True)
+        for cluster in CLUSTERS
     ]
     shapes += [
-        (rows, cols, True, False)
+        (rows, cols, True, False, (1, 1))
         for rows, cols in itertools.product(SWAP_ROW_TILES, SWAP_COL_TILES)
     ]
     candidates = []
-    for tile_rows, tile_cols, swap_ab, pingpong in shapes:
+    for tile_rows, tile_cols, swap_ab, pingpong, cluster in shapes:
         base = GemmKnobs(
-            tile_rows=tile_rows, tile_cols=tile_cols, swap_ab=swap_ab, pingpong=pingpong
+            tile_rows=tile_rows,
+            tile_cols=tile_cols,
+            swap_ab=swap_ab,
+            pingpong=pingpong,
+            cluster=cluster,
         )
         depths = {
             max_stages(base, op) if choice == "max" else int(choice) for choice in stage_choices
