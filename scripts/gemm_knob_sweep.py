@@ -1,17 +1,20 @@
 """Times chosen knob sets of both expert GEMMs, one after the other on the same batch.
 
-    python3 scripts/gemm_knob_sweep.py --geometry qwen3-30b-a3b dsv3 --tokens 2048 8192
+    python3 scripts/gemm_knob_sweep.py --geometry qwen3-30b-a3b dsv3 --tokens 2048 8192 \
+        [--clusters 1 2] [--stages 3 max]
 
 Per (geometry, tokens): the layer's own router on random tokens, the tight expert-major batch,
-then each GEMM with each tile shape of SHAPES (the deepest ring that fits), CUDA-graph replay;
-prints us, TFLOP/s and the largest difference from the first variant's output (every variant
-computes the same sums in the same order, so 0 is expected). `megamoe tune` searches every
+then each GEMM with each tile shape of SHAPES, in each cluster size and ring depth asked for
+("max": the deepest that fits; default), CUDA-graph replay; prints us, TFLOP/s and the largest
+difference from the first variant's output (every variant computes the same sums in the same
+order, so 0 is expected). `megamoe tune` searches every
 valid combination and stores the winner; this is the quick side-by-side look.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 from dataclasses import replace
 
 import torch
@@ -33,7 +36,9 @@ SHAPES = [
 
 
 @torch.no_grad()
-def sweep(geometry_name: str, tokens: int, *, repeats: int) -> None:
+def sweep(
+    geometry_name: str, tokens: int, *, repeats: int, clusters: list[int], stages: list[str]
+) -> None:
     device = torch.device("cuda")
     geometry = GEOMETRIES[geometry_name]
     batch, runners = gemm_runners(geometry, tokens, device=device)
@@ -41,11 +46,19 @@ def sweep(geometry_name: str, tokens: int, *, repeats: int) -> None:
     for op, ((n, k), run) in runners.items():
         flops = 2 * valid * n * k
         first = None
-        for tile_rows, tile_cols, pingpong in SHAPES:
-            shape = GemmKnobs(tile_rows=tile_rows, tile_cols=tile_cols, pingpong=pingpong)
-            knobs = replace(shape, stages=max_stages(shape, op))
-            if knob_problems(knobs, op):
-                continue
+        variants = []
+        for (tile_rows, tile_cols, pingpong), cluster in itertools.product(SHAPES, clusters):
+            shape = GemmKnobs(
+                tile_rows=tile_rows, tile_cols=tile_cols, pingpong=pingpong, cluster=(cluster, 1)
+            )
+            for depth in stages:
+                knobs = replace(
+                    shape, stages=max_stages(shape, op) if depth == "max" else int(depth)
+                )
+                if knobs not in variants and not knob_problems(knobs, op):
+                    variants.append(knobs)
+        for knobs in variants:
+            tile_rows, tile_cols, pingpong = knobs.tile_rows, knobs.tile_cols, knobs.pingpong
             out = run(knobs)[:valid].float()
             first = out if first is None else first
             difference = (out - first).abs().max().item()
@@ -54,7 +67,8 @@ def sweep(geometry_name: str, tokens: int, *, repeats: int) -> None:
             )
             print(
                 f"{geometry_name:16s} {tokens:6d} {op:8s} {tile_rows}x{tile_cols}"
-                f"{' pingpong' if pingpong else '':9s} stages={knobs.stages:2d} "
+                f"{' pingpong' if pingpong else '':9s} cluster={knobs.cluster[0]} "
+                f"stages={knobs.stages:2d} "
                 f"{seconds * 1e6:9.1f} us {flops / seconds / 1e12:6.0f} TFLOP/s "
                 f"max difference {difference:.3g}",
                 flush=True,
@@ -66,10 +80,18 @@ def main() -> None:
     parser.add_argument("--geometry", nargs="+", required=True, choices=sorted(GEOMETRIES))
     parser.add_argument("--tokens", nargs="+", type=int, required=True)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--clusters", nargs="+", type=int, default=[1], choices=[1, 2])
+    parser.add_argument("--stages", nargs="+", default=["max"], help="ring depths, or max")
     args = parser.parse_args()
     for geometry_name in args.geometry:
         for tokens in args.tokens:
-            sweep(geometry_name, tokens, repeats=args.repeats)
+            sweep(
+                geometry_name,
+                tokens,
+                repeats=args.repeats,
+                clusters=args.clusters,
+                stages=args.stages,
+            )
 
 
 if __name__ == "__main__":
