@@ -1,8 +1,12 @@
+from dataclasses import asdict
+
 import torch
 from megamoe_kernels import candidate_knobs, knob_problems
 from megamoe_runtime.expert_batch import ExpertBatch
+from megamoe_runtime.experts import cutedsl
 from megamoe_runtime.experts.cutedsl import CuteDSLExperts
-from megamoe_runtime.tuning import KnobCache
+from megamoe_runtime.tuning import KnobCache, KnobKey
+from megamoe_runtime.tuning.cache import shipped_knob_cache
 from megamoe_runtime.tuning.expert_knobs import (
     gemm_key,
     knobs_from_cache,
@@ -89,3 +93,44 @@ def test_a_cached_entry_that_became_invalid_is_ignored(tmp_path):
     assert knobs_from_cache(cache, key) is None
     cache.put(key, {"no_such_knob": 1}, microseconds=1.0)
     assert knobs_from_cache(KnobCache(cache.path), key) is None
+
+
+def test_every_shipped_entry_is_valid_for_its_op():
+    entries = shipped_knob_cache().entries()
+    assert entries
+    for text in entries:
+        op, device_name, dtype, n, k, bucket = text.split("|")
+        key = KnobKey(op, device_name, dtype, int(n[1:]), int(k[1:]), int(bucket[1:]))
+        assert key.text() == text
+        assert knobs_from_cache(shipped_knob_cache(), key) is not None, text
+
+
+def test_the_users_cache_wins_over_the_shipped_entries(tmp_path, monkeypatch):
+    batch = ExpertBatch(
+        rows_MH=torch.randn(64, 256), expert_offsets=torch.tensor([0, 30, 64], dtype=torch.int32)
+    )
+    key = gemm_key(
+        "down",
+        device=batch.rows_MH.device,
+        dtype=batch.rows_MH.dtype,
+        weight_dims=(256, 128),
+        capacity=batch.capacity,
+        num_experts=batch.num_experts,
+    )
+    shipped, users = KnobCache(tmp_path / "shipped.json"), KnobCache(tmp_path / "users.json")
+    shipped_knobs, users_knobs = candidate_knobs("down")[:2]
+    shipped.put(key, _fields(shipped_knobs), microseconds=2.0)
+    monkeypatch.setattr(cutedsl, "shipped_knob_cache", lambda: shipped)
+    assert CuteDSLExperts(knob_cache=users)._cached_knobs("down", batch, (256, 128)) == (
+        shipped_knobs
+    )
+    users.put(key, _fields(users_knobs), microseconds=1.0)
+    assert CuteDSLExperts(knob_cache=users)._cached_knobs("down", batch, (256, 128)) == (
+        users_knobs
+    )
+
+
+def _fields(knobs):
+    fields = asdict(knobs)
+    fields["cluster"] = list(fields["cluster"])
+    return fields

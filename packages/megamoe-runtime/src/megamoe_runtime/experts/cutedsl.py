@@ -15,7 +15,7 @@ from megamoe_kernels import down, gate_up_swiglu
 
 from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.experts.base import check_batch_matches_weights
-from megamoe_runtime.tuning.cache import KnobCache
+from megamoe_runtime.tuning.cache import KnobCache, shipped_knob_cache
 from megamoe_runtime.weights import Unquantized
 
 
@@ -62,14 +62,16 @@ class CuteDSLExperts:
 
     def __init__(self, *, gate_up_knobs=None, down_knobs=None, knob_cache: KnobCache | None = None):
         # None: tuned knobs from the knob cache (`megamoe tune`) if it holds the batch's class,
-        # else the kernels' default profile for the batch's rows per expert
+        # else from the entries megamoe ships, else the kernels' default profile for the batch's
+        # rows per expert
         self.gate_up_knobs = gate_up_knobs
         self.down_knobs = down_knobs
         self.knob_cache = KnobCache() if knob_cache is None else knob_cache
         self._knobs: dict[tuple, tuple] = {}
 
     def _cached_knobs(self, op: str, batch: ExpertBatch, weight_dims: tuple[int, int]):
-        """Tuned knobs for the batch's class from the knob cache, or None (defaults)."""
+        """Tuned knobs for the batch's class from the knob cache or the shipped entries, or
+        None (defaults)."""
         from megamoe_runtime.tuning.expert_knobs import gemm_key, knobs_from_cache
 
         key = gemm_key(
@@ -80,7 +82,7 @@ class CuteDSLExperts:
             capacity=batch.capacity,
             num_experts=batch.num_experts,
         )
-        return knobs_from_cache(self.knob_cache, key)
+        return knobs_from_cache(self.knob_cache, key) or knobs_from_cache(shipped_knob_cache(), key)
 
     def _knobs_for(self, batch: ExpertBatch, prepared: CuteDSLWeights) -> tuple:
         """(gate-up knobs, down knobs) for the batch's class: the explicit ones, else tuned

@@ -4,6 +4,10 @@ The file is `$MEGAMOE_KNOB_CACHE` when set, else ~/.cache/megamoe/knobs.json. A 
 kernel op, the GPU, the dtype, the weight dims and the rows-per-expert bucket (a power of two), so
 a tuned entry serves every batch of the same class. Writes merge with what is on disk and replace
 the file atomically, so concurrent tuners lose at most their own last entry, never the file.
+
+megamoe ships a read-only cache of its own (`shipped_knob_cache()`): entries measured by the
+project where the tuner beat the default profile clearly and repeatably. Lookups try the user's
+cache first, then the shipped one, then fall back to the default profile.
 """
 
 from __future__ import annotations
@@ -12,11 +16,13 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 ENVIRONMENT_VARIABLE = "MEGAMOE_KNOB_CACHE"
 FORMAT_VERSION = 1
+SHIPPED_CACHE_PATH = Path(__file__).with_name("shipped_knobs.json")
 
 
 def default_cache_path() -> Path:
@@ -90,3 +96,9 @@ class KnobCache:
             )
         os.replace(temporary, self.path)
         self._entries = merged
+
+
+@cache
+def shipped_knob_cache() -> KnobCache:
+    """The knob entries megamoe ships (read them, never `put` into them)."""
+    return KnobCache(SHIPPED_CACHE_PATH)
