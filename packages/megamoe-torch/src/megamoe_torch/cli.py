@@ -117,7 +117,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 layer,
                 GEOMETRIES[name],
                 capacity_tokens=max(token_counts),
-                fractions=(0.01, 0.1, 0.25, 0.5, 1.0),
+                fractions=(0.01, 1 / 16, 0.1, 0.25, 0.5, 1.0),  # 1/16: a capacity 16x the rows
                 backend_name=backends[0],
                 repeats=args.repeats,
             )
