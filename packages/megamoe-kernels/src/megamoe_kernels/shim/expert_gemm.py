@@ -191,7 +191,13 @@ def _persistent_ctas(device_index: int, cluster_size: int) -> int:
     with torch.cuda.device(device_index):
         # the occupancy query runs in the thread's current CUDA context: make torch create it
         torch.cuda.synchronize()
-        return HardwareInfo(device_index).get_max_active_clusters(cluster_size) * cluster_size
+        clusters = HardwareInfo(device_index).get_max_active_clusters(cluster_size)
+    if clusters < 1:
+        raise ValueError(
+            f"cluster=({cluster_size}, 1): no cluster of {cluster_size} CTAs fits on GPU "
+            f"{device_index} at once; use cluster=(1, 1)"
+        )
+    return clusters * cluster_size
 
 
 def _launch(
