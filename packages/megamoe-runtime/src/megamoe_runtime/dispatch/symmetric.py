@@ -135,7 +135,8 @@ class SymmetricDispatcher:
         self.status = torch.zeros(
             ep_kernels.layout()["status_words"], dtype=torch.int64, pin_memory=True
         )
-        self.placement_scratch = torch.empty(
+        # zeroed once: the placement's grid-barrier words start at 0 and return there
+        self.placement_scratch = torch.zeros(
             ep_kernels.placement_scratch_words(num_experts, self.world_size),
             dtype=torch.int32,
             device=device,
