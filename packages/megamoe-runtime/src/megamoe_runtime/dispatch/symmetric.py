@@ -162,6 +162,7 @@ class SymmetricDispatcher:
         if self.combine_partial_sums:
             shapes["pair_weights"] = ((slots * self.top_k,), torch.float32)
             shapes["partials"] = ((slots, self.hidden_size), self.dtype)
+            shapes["partials_arrived"] = ((slots,), torch.int64)
         # separate from the signals: each rank bumps its own epoch copy, nobody else writes it
         self.epoch = workspace.buffer("ep.epoch", (1,), torch.int64)
         self.buffers = {
@@ -243,6 +244,8 @@ class SymmetricDispatcher:
             local_experts=local,
             capacity=self.capacity,
             timeout_ns=self._timeout_ns,
+            # the staged dispatch's dispatch_tokens starts while this runs and bumps it itself
+            publish_epoch=not self.stage_remote_rows,
         )
 
         row_bytes = self.hidden_size * x_TH.element_size()
@@ -252,8 +255,7 @@ class SymmetricDispatcher:
                 expert_of_pair_P.data_ptr(),
                 dest_row_P.data_ptr(),
                 weights_TK.data_ptr(),
-                pairs_of_source_address=self.placement_scratch.data_ptr()
-                + 4 * ep_kernels.pairs_of_source_offset(self.num_experts),
+                scratch_address=self.placement_scratch.data_ptr(),
                 peer_table_address=self.peer_table.data_ptr(),
                 epoch_address=self.epoch.data_ptr(),
                 status_address=self.status.data_ptr(),
@@ -362,36 +364,23 @@ class SymmetricDispatcher:
                 "combine_partial_sums applies the routing weights itself (dispatch wrote them "
                 "into the pair tables); combine with weights_applied=False"
             )
-        ep_kernels.combine_partial(
+        y_TH = torch.empty(handle.tokens, self.hidden_size, dtype=self.dtype, device=self.device)
+        ep_kernels.combine_partials(
             expert_out_MH.data_ptr(),
             handle.expert_offsets.data_ptr(),
             self.buffers["row_sources"].data_ptr(),
-            self.buffers["pair_rows"].data_ptr(),
-            self.buffers["pair_weights"].data_ptr(),
+            handle.expert_of_pair_P.data_ptr(),
+            y_TH.data_ptr(),
             peer_table_address=self.peer_table.data_ptr(),
+            epoch_address=self.epoch.data_ptr(),
+            status_address=self.status.data_ptr(),
+            tokens=handle.tokens,
             local_experts=self.num_local_experts,
             hidden=self.hidden_size,
             capacity=self.capacity,
             max_tokens=self.max_tokens_per_rank,
             rank=self.rank,
             world=self.world_size,
-            top_k=self.top_k,
-            grid=self.grid,
-        )
-        y_TH = torch.empty(handle.tokens, self.hidden_size, dtype=self.dtype, device=self.device)
-        ep_kernels.combine_partial_sum(
-            self.buffers["partials"].data_ptr(),
-            handle.expert_of_pair_P.data_ptr(),
-            y_TH.data_ptr(),
-            signals_address=self.buffers["signals"].data_ptr(),
-            epoch_address=self.epoch.data_ptr(),
-            status_address=self.status.data_ptr(),
-            tokens=handle.tokens,
-            hidden=self.hidden_size,
-            world=self.world_size,
-            local_experts=self.num_local_experts,
-            max_tokens=self.max_tokens_per_rank,
-            adds_per_epoch=self.grid,
             timeout_ns=self._timeout_ns,
             top_k=self.top_k,
             grid=self.grid,
@@ -399,8 +388,9 @@ class SymmetricDispatcher:
         return y_TH
 
 
-# The pure-torch reference of kernel exchange_and_place's placement (the kernel does both steps
-# on the device in one launch); tests/test_distributed_placement.py checks the placement rule.
+# The pure-torch references of the kernels: exchange_and_place's placement (the kernel does both
+# steps on the device in one launch; tests/test_distributed_placement.py checks the placement
+# rule) and combine_partials' arithmetic (tests/test_multirank_dispatch.py compares it bitwise).
 
 
 def count_pairs(expert_of_pair_P: torch.Tensor, num_experts: int):
@@ -445,3 +435,28 @@ def place_pairs(
     expert_offsets = torch.zeros(local_experts + 1, dtype=torch.int32, device=rows_DL.device)
     torch.cumsum(rows_DL[rank], 0, out=expert_offsets[1:])
     return dest_row_P, expert_offsets
+
+
+def owner_partials_combine(
+    out_TKH: torch.Tensor,
+    weights_TK: torch.Tensor,
+    owner_TK: torch.Tensor,
+    *,
+    world: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """What the partial-sum combine computes for a source's tokens, given each (token, k)'s
+    expert output, weight and owner rank: per owner, sum over its k in k order of
+    weight x output in fp32 (each product rounded on its own), rounded to `dtype` (the partial
+    that crosses NVLink); then the partials of the owners a token touched, added in rank order
+    in fp32, rounded once more."""
+    products_TKH = weights_TK.float().unsqueeze(-1) * out_TKH.float()  # rounded per element
+    y_TH = torch.zeros(out_TKH.shape[0], out_TKH.shape[2], device=out_TKH.device)
+    for owner in range(world):
+        mine_TK = owner_TK == owner
+        partial_TH = torch.zeros_like(y_TH)
+        for k in range(out_TKH.shape[1]):  # k order, one add at a time (no tree reduction)
+            partial_TH = partial_TH + torch.where(mine_TK[:, k, None], products_TKH[:, k], 0.0)
+        touched_T1 = mine_TK.any(dim=1, keepdim=True)
+        y_TH = y_TH + torch.where(touched_T1, partial_TH.to(dtype).float(), 0.0)
+    return y_TH.to(dtype)
