@@ -4,30 +4,22 @@
 Every argument is a device address or a scalar (no tensor conversion per call). Experts are
 owned in contiguous blocks: expert e lives on rank e // local_experts.
 
-dispatch_tokens (the staged dispatch, persistent grid, launched right after exchange_and_place
-as its programmatic dependent: it starts while the placement runs). Each CTA's first SEND_WARPS
-warps send, the others receive, so the two overlap:
-1. a sender warp per token of this rank reads its row once (16-byte vectors, `unroll` loads in
-   flight per lane) and writes it once into each other owner's staged rows [world x max_tokens,
-   hidden] at (rank, token), which needs no placement, and into each of its batch rows on this
-   rank; until the placement's "placed" flag is up, a token's staged rows go first and its local
-   rows after the wait. Then that owner's table entries for the token (per k: its batch row
-   there or -1, and with `pair_weights` the routing weight; int32 / float32 [world, max_tokens,
-   top_k]); then every lane fences at system scope and one lane per other rank releases the
-   flag arrived[rank, token] there = 2 x epoch + (1 if the token has rows on that rank);
-2. a receiver warp per token slot of every other source (its pair count / top_k slots, from the
-   placement) spins on the slot's flag (acquire, system scope, with the timeout) and copies the
-   staged row, read once from local HBM, into each of the token's batch rows here, recording
-   (source, pair) per row.
+dispatch_tokens (the staged dispatch, persistent grid, one launch after exchange_and_place):
+1. a warp per token of this rank reads its row once (16-byte vectors, `unroll` loads in flight
+   per lane) and writes it into each of its batch rows on this rank and once into each other
+   owner's staged rows [world x max_tokens, hidden] at (rank, token), with that owner's table
+   entries for the token (per k: its batch row there or -1, and with `pair_weights` the routing
+   weight; int32 / float32 [world, max_tokens, top_k]); then every lane fences at system scope
+   and one lane per other rank releases the flag arrived[rank, token] there = 2 x epoch + (1 if
+   the token has rows on that rank);
+2. a warp per token slot of every other source (its pair count / top_k slots) spins on the
+   slot's flag (acquire, system scope, with the timeout) and copies the staged row, read once
+   from local HBM, into each of the token's batch rows here, recording (source, pair) per row.
 The owner's expansion starts as soon as a token lands, overlapping the NVLink traffic; a token
 crosses NVLink once per owner. The kernel returns with this rank's batch complete (it still adds
-PHASE_ROWS per CTA, so the counter stays in step with the direct dispatch's) and its last CTA
-bumps the device epoch (exchange_and_place leaves it to this kernel, which reads it early).
-Staged rows are written before this rank has seen the peers' counts of this step: safe because
-a peer reads its staged rows only inside its dispatch, which ended before its combine of the
-previous step, which this rank's combine waited for (dispatch and combine alternate). Rows at or
-past `capacity` are skipped. Sender (receiver) warp w of CTA b takes item w x grid + b, so a few
-tokens spread over every SM. At most 32 ranks (a lane per rank).
+PHASE_ROWS per CTA, so the counter stays in step with the direct dispatch's). Rows at or past
+`capacity` are skipped. Warp w of CTA b takes item w x grid + b, so a few tokens spread over
+every SM. At most 32 ranks (a lane per rank).
 
 dispatch_rows (the direct dispatch, persistent grid): one warp per (token, expert) pair records
 (rank, pair) at `dest_row[pair]` of the owner's batch for the combine and moves the token's row
@@ -44,13 +36,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass._mlir import ir
 
-from .ep_place import (
-    barrier_words,
-    pairs_of_source_offset,
-    placed_flag,
-    poll_placed,
-    wait_until_placed,
-)
 from .ep_sync import (
     BUFFER_ARRIVED,
     BUFFER_PAIR_ROWS,
@@ -221,47 +206,13 @@ def load_vectors(source_address, first, unroll: cutlass.Constexpr):
     return values
 
 
-@cute.jit
-def copy_token_row(
-    token_row,
-    rows_here,
-    rows,
-    here,
-    staged_offset,
-    peer_table,
-    owner_mask,
-    rank,
-    world,
-    row_vectors,
-    row_bytes,
-    lane,
-    write_local,
-    write_staged,
-    unroll: cutlass.Constexpr,
-):
-    """A warp reads a token's row once and writes it into its batch rows here (`write_local`:
-    rows[k] where here[k]) and into each other owner's staged rows (`write_staged`)."""
-    for first in range(lane, row_vectors, 32 * unroll):
-        values = load_vectors(token_row, first, unroll)
-        if write_local == 1:
-            for k in cutlass.range_constexpr(len(rows)):
-                if here[k] == 1:
-                    store_vectors(rows_here + cutlass.Int64(rows[k]) * row_bytes, first, values)
-        if write_staged == 1:
-            for peer in range(world):
-                if peer != rank:
-                    if (owner_mask >> peer) & 1 == 1:
-                        staged = peer_address(peer_table, BUFFER_STAGED, world, peer)
-                        store_vectors(staged + staged_offset, first, values)
-
-
 @cute.kernel
 def dispatch_tokens_kernel(
     x_address: cutlass.Int64,
     expert_of_pair_address: cutlass.Int64,
     dest_row_address: cutlass.Int64,
     weights_address: cutlass.Int64,
-    scratch_address: cutlass.Int64,
+    pairs_of_source_address: cutlass.Int64,
     peer_table_address: cutlass.Int64,
     epoch_address: cutlass.Int64,
     status_address: cutlass.Int64,
@@ -296,14 +247,7 @@ def dispatch_tokens_kernel(
     expert_of_pair = global_ptr(cutlass.Int32, expert_of_pair_address, 4)
     dest_row = global_ptr(cutlass.Int32, dest_row_address, 4)
     weights = global_ptr(cutlass.Float32, weights_address, 4)
-    num_experts = local_experts * world
-    placed = placed_flag(scratch_address, num_experts)
-    # the step's epoch: exchange_and_place (still running: this kernel starts early) leaves the
-    # device counter alone; this kernel's last CTA publishes it on exit
-    epoch_ptr = global_ptr(cutlass.Int64, epoch_address, 8)
-    epoch = cute.arch.load(epoch_ptr, cutlass.Int64) + 1
-    # the placement's own waits (grid barrier, peers' counts) each give up after timeout_ns
-    placement_ns = timeout_ns * 2
+    epoch = cute.arch.load(global_ptr(cutlass.Int64, epoch_address, 8), cutlass.Int64)
     row_bytes = cutlass.Int64(row_vectors) * 16
     rows_here = peer_address(peer_table, BUFFER_ROWS, world, rank)
     sources_here = global_ptr(
@@ -311,89 +255,49 @@ def dispatch_tokens_kernel(
     )
 
     if sender:
-        # 1. a warp per token of this rank: read the row once; write it once into each other
-        #    owner's staged rows (no placement needed: they start while exchange_and_place
-        #    runs) and into this rank's batch rows, then the owners' table entries; then
-        #    release a per-(source, token) flag on every other rank. Until the placement is
-        #    published a token's staged rows go first, and its local rows after the wait.
-        placement_seen = cutlass.Int32(0)
+        # 1. a warp per token of this rank: read the row once; write it into this rank's batch rows
+        #    and once into each other owner's staged rows, with the owners' table entries; then
+        #    release a per-(source, token) flag on every other rank
         for token in range(first_warp, tokens, warps):
             lane_owner = cutlass.Int32(-1)
-            if lane < top_k:
-                pair = token * top_k + lane
-                lane_owner = cute.arch.load(expert_of_pair + pair, cutlass.Int32) // local_experts
-            owner_mask = cutlass.Int32(0)
-            for k in cutlass.range_constexpr(top_k):
-                owner_mask = owner_mask | (
-                    cutlass.Int32(1) << cute.arch.shuffle_sync(lane_owner, k)
-                )
-            token_row = x_address + cutlass.Int64(token) * row_bytes
-            staged_offset = (cutlass.Int64(rank) * max_tokens + token) * row_bytes
-            staged_sent = cutlass.Int32(0)
-            if placement_seen == 0:
-                placement_seen = poll_placed(placed, epoch)
-                if placement_seen == 0:
-                    copy_token_row(
-                        token_row,
-                        rows_here,
-                        [],
-                        [],
-                        staged_offset,
-                        peer_table,
-                        owner_mask,
-                        rank,
-                        world,
-                        row_vectors,
-                        row_bytes,
-                        lane,
-                        0,
-                        1,
-                        unroll,
-                    )
-                    staged_sent = cutlass.Int32(1)
-                    wait_until_placed(placed, epoch, status_address, rank, placement_ns)
-                    placement_seen = cutlass.Int32(1)
             lane_row = cutlass.Int32(-1)
             lane_weight = cutlass.Float32(0.0)
             if lane < top_k:
                 pair = token * top_k + lane
+                lane_owner = cute.arch.load(expert_of_pair + pair, cutlass.Int32) // local_experts
                 lane_row = cute.arch.load(dest_row + pair, cutlass.Int32)
                 lane_weight = cute.arch.load(weights + pair, cutlass.Float32)
+            owner_mask = cutlass.Int32(0)
             rows = []
             here = []
             for k in cutlass.range_constexpr(top_k):
                 owner = cute.arch.shuffle_sync(lane_owner, k)
                 row = cute.arch.shuffle_sync(lane_row, k)
+                owner_mask = owner_mask | (cutlass.Int32(1) << owner)
                 is_here = cutlass.Int32(0)
                 if owner == rank:
                     if row < capacity:
                         is_here = cutlass.Int32(1)
                 rows.append(row)
                 here.append(is_here)
-            copy_token_row(
-                token_row,
-                rows_here,
-                rows,
-                here,
-                staged_offset,
-                peer_table,
-                owner_mask,
-                rank,
-                world,
-                row_vectors,
-                row_bytes,
-                lane,
-                1,
-                1 - staged_sent,
-                unroll,
-            )
+            token_row = x_address + cutlass.Int64(token) * row_bytes
+            staged_offset = (cutlass.Int64(rank) * max_tokens + token) * row_bytes
+            for first in range(lane, row_vectors, 32 * unroll):
+                values = load_vectors(token_row, first, unroll)
+                for k in cutlass.range_constexpr(top_k):
+                    if here[k] == 1:
+                        store_vectors(rows_here + cutlass.Int64(rows[k]) * row_bytes, first, values)
+                for peer in range(world):
+                    if peer != rank:
+                        if (owner_mask >> peer) & 1 == 1:
+                            staged = peer_address(peer_table, BUFFER_STAGED, world, peer)
+                            store_vectors(staged + staged_offset, first, values)
             if lane < top_k:
                 if lane_owner == rank:
                     if lane_row < capacity:
                         cute.arch.store(sources_here + lane_row * 2, rank)
                         cute.arch.store(sources_here + (lane_row * 2 + 1), token * top_k + lane)
-                # each owner's table of this token: for each k, its batch row there (or -1),
-                # weight
+                # each owner's table of this token: for each k, its batch row there (or -1), weight
                 entry = (rank * max_tokens + token) * top_k + lane
                 for peer in range(world):
                     if (owner_mask >> peer) & 1 == 1:
@@ -429,10 +333,8 @@ def dispatch_tokens_kernel(
                         scope="sys",
                     )
     else:
-        # 2. a warp per token slot of every other source (its pair count, from the placement,
-        #    divided by top_k): wait for its flag, then copy the staged row (local HBM, read
-        #    once) into each of the token's batch rows here
-        wait_until_placed(placed, epoch, status_address, rank, placement_ns)
+        # 2. a warp per token slot of every other source: wait for its flag, then copy the staged
+        #    row (local HBM, read once) into each of the token's batch rows here
         arrived_here = global_ptr(
             cutlass.Int64, peer_address(peer_table, BUFFER_ARRIVED, world, rank), 8
         )
@@ -440,9 +342,7 @@ def dispatch_tokens_kernel(
         table_here = global_ptr(
             cutlass.Int32, peer_address(peer_table, BUFFER_PAIR_ROWS, world, rank), 4
         )
-        pairs_of_source = global_ptr(
-            cutlass.Int32, scratch_address + pairs_of_source_offset(num_experts) * 4, 4
-        )
+        pairs_of_source = global_ptr(cutlass.Int32, pairs_of_source_address, 4)
         wait_ns = timeout_ns
         for step in range(1, world):
             source = (rank + step) % world
@@ -495,13 +395,6 @@ def dispatch_tokens_kernel(
     cute.arch.sync_threads()
     if tidx < world:
         signal_peer(peer_table, BUFFER_SIGNALS, world, tidx, PHASE_ROWS, rank)
-    # the last CTA to finish publishes the epoch (every CTA has read the old one by now)
-    if tidx == 0:
-        exits = barrier_words(scratch_address, num_experts) + 4
-        arrived = cute.arch.atomic_add(exits, cutlass.Int32(1), sem="acq_rel", scope="gpu")
-        if arrived == grid - 1:
-            cute.arch.store(exits, cutlass.Int32(0))
-            cute.arch.store(epoch_ptr, epoch)
 
 
 @cute.jit
@@ -510,7 +403,7 @@ def dispatch_tokens(
     expert_of_pair_address: cutlass.Int64,
     dest_row_address: cutlass.Int64,
     weights_address: cutlass.Int64,
-    scratch_address: cutlass.Int64,
+    pairs_of_source_address: cutlass.Int64,
     peer_table_address: cutlass.Int64,
     epoch_address: cutlass.Int64,
     status_address: cutlass.Int64,
@@ -533,7 +426,7 @@ def dispatch_tokens(
         expert_of_pair_address,
         dest_row_address,
         weights_address,
-        scratch_address,
+        pairs_of_source_address,
         peer_table_address,
         epoch_address,
         status_address,
@@ -548,11 +441,4 @@ def dispatch_tokens(
         timeout_ns,
         top_k,
         unroll,
-    ).launch(
-        grid=[grid, 1, 1],
-        block=[TOKENS_WARPS * 32, 1, 1],
-        stream=stream,
-        # a programmatic dependent of exchange_and_place: it starts while the placement runs
-        # and synchronises with it through the scratch's "placed" flag, not at launch
-        use_pdl=True,
-    )
+    ).launch(grid=[grid, 1, 1], block=[TOKENS_WARPS * 32, 1, 1], stream=stream)

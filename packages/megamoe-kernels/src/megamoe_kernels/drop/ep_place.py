@@ -20,12 +20,7 @@ group of 32 pairs, so ranking is spread over the GPU instead of one CTA walking 
    single-GPU order) and writes dest_row = that start + the CTA's prefix + the warp's prefix +
    the pair's rank in its warp; CTA 0 writes this rank's expert_offsets (int32
    [local_experts + 1], clamped to capacity) and each source's pair count of this epoch (in the
-   scratch at `pairs_of_source_offset`, for dispatch_tokens);
-6. the last CTA done publishes the scratch's "placed" flag = the epoch (release, gpu scope).
-The epoch itself (the device counter every flag and signal of the step is checked against) is
-bumped here only with `publish_epoch` (the direct dispatch); the staged dispatch's
-dispatch_tokens, which starts early as a programmatic dependent and reads the epoch before the
-placement ends, publishes it when its last CTA exits.
+   scratch at `pairs_of_source_offset`, for dispatch_tokens).
 
 The grid (ceil(pairs / 32 / PLACE_WARPS), at most PLACE_MAX_CTAS) is small enough to be resident
 at once on any Hopper GPU, which the grid-wide barrier needs; its wait has the timeout too.
@@ -56,11 +51,7 @@ PLACE_WARPS = 8
 PLACE_THREADS = PLACE_WARPS * 32
 PLACE_MAX_CTAS = 128
 PLACE_MAX_EXPERTS = 1024
-# int32 words after the CTA counts: grid-barrier arrivals, its generation, count-exchange
-# arrivals, placement-done arrivals, dispatch_tokens exit arrivals, pad, then the int64
-# "placed" flag (the epoch whose placement is complete), 8-byte aligned
-PLACE_BARRIER_WORDS = 8
-PLACED_FLAG_WORD = 6
+PLACE_BARRIER_WORDS = 4  # grid barrier arrivals, its generation, count-exchange arrivals, pad
 
 
 def pairs_of_source_offset(num_experts: int) -> int:
@@ -71,51 +62,6 @@ def pairs_of_source_offset(num_experts: int) -> int:
 def scratch_words(num_experts: int, world: int) -> int:
     """int32 words of scratch exchange_and_place needs."""
     return pairs_of_source_offset(num_experts) + world
-
-
-def barrier_words(scratch_address, num_experts):
-    """Pointer to the scratch's PLACE_BARRIER_WORDS int32 words."""
-    return global_ptr(cutlass.Int32, scratch_address, 4) + PLACE_MAX_CTAS * num_experts
-
-
-def placed_flag(scratch_address, num_experts):
-    """Pointer to the scratch's int64 "placed" flag."""
-    address = scratch_address + (PLACE_MAX_CTAS * num_experts + PLACED_FLAG_WORD) * 4
-    return global_ptr(cutlass.Int64, address, 8)
-
-
-@cute.jit
-def poll_placed(placed, epoch):
-    """Called by a whole warp: 1 if the placement of `epoch` is published, else 0 (one
-    acquire load by lane 0, broadcast; on 1 every lane fences, so all see the placement)."""
-    lane = cute.arch.lane_idx()
-    done = cutlass.Int32(0)
-    if lane == 0:
-        if cute.arch.load(placed, cutlass.Int64, sem="acquire", scope="gpu") >= epoch:
-            done = cutlass.Int32(1)
-    done = cute.arch.shuffle_sync(done, 0)
-    if done == 1:
-        cute.arch.fence_acq_rel_gpu()
-    return done
-
-
-@cute.jit
-def wait_until_placed(placed, epoch, status_address, rank, timeout_ns):
-    """Called by a whole warp: lane 0 spins (acquire, gpu scope, with the timeout) until the
-    placement of `epoch` is published; then every lane fences, so all see the placement."""
-    lane = cute.arch.lane_idx()
-    if lane == 0:
-        start = cute.arch.globaltimer()
-        waiting = cutlass.Int32(1)
-        while waiting == 1:
-            seen = cute.arch.load(placed, cutlass.Int64, sem="acquire", scope="gpu")
-            if seen >= epoch:
-                waiting = cutlass.Int32(0)
-            elif cute.arch.globaltimer() - start > timeout_ns:
-                record_timeout(status_address, PHASE_COUNTS, rank, epoch, seen)
-                waiting = cutlass.Int32(0)
-    cute.arch.sync_warp()
-    cute.arch.fence_acq_rel_gpu()
 
 
 @cute.jit
@@ -163,11 +109,7 @@ def exchange_and_place_kernel(
     local_experts: cutlass.Int32,
     capacity: cutlass.Int32,
     timeout_ns: cutlass.Int64,
-    publish_epoch: cutlass.Int32,
 ):
-    # dispatch_tokens (launched as a programmatic dependent) may start now: it sends the staged
-    # rows, which need no placement, and waits for the "placed" flag before the rest
-    cute.arch.griddepcontrol_launch_dependents()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     grid, _, _ = cute.arch.grid_dim()
@@ -337,21 +279,10 @@ def exchange_and_place_kernel(
             )
             row = first_row[expert] + cta_prefix + warp_counts[warp * num_experts + expert]
             cute.arch.store(dest_row + pair, row + in_warp)
-
-    # 7. the last CTA done publishes "placed" = epoch: dest_row, expert_offsets and the pairs
-    #    per source are complete (what dispatch_tokens waits for)
-    cute.arch.sync_threads()
-    if tidx == 0:
-        cute.arch.fence_acq_rel_gpu()
-        arrived = cute.arch.atomic_add(barrier + 3, cutlass.Int32(1), sem="acq_rel", scope="gpu")
-        if arrived == grid - 1:
-            cute.arch.store(barrier + 3, cutlass.Int32(0))
-            placed = placed_flag(scratch_address, num_experts)
-            cute.arch.store(placed, epoch, sem="release", scope="gpu")
-        if publish_epoch != 0:
-            if bidx == 0:
-                # every CTA read the old epoch before the signal this CTA waited for
-                cute.arch.store(epoch_ptr, epoch)
+    if bidx == 0:
+        if tidx == 0:
+            # every CTA read the old epoch before the signal this CTA waited for
+            cute.arch.store(epoch_ptr, epoch)
 
 
 @cute.jit
@@ -370,7 +301,6 @@ def exchange_and_place(
     local_experts: cutlass.Int32,
     capacity: cutlass.Int32,
     timeout_ns: cutlass.Int64,
-    publish_epoch: cutlass.Int32,
     stream,
 ):
     # a warp per group of 32 pairs, as many CTAs as that fills (at least one)
@@ -394,5 +324,4 @@ def exchange_and_place(
         local_experts,
         capacity,
         timeout_ns,
-        publish_epoch,
     ).launch(grid=[grid, 1, 1], block=[PLACE_THREADS, 1, 1], stream=stream)

@@ -42,10 +42,7 @@ BUFFER_PARTIALS = 8  # [world x max_tokens, hidden]
 # the staged dispatch: per (source, token) a flag the source sets to 2 x epoch + (1 if the token
 # has rows on this owner) once its staged row and table entries are here
 BUFFER_ARRIVED = 9  # int64 [world, max_tokens]
-# the partial-sum combine: per (owner, token) a flag the owner sets to the epoch once its
-# partial for the token is in this (the source) rank's partials
-BUFFER_PARTIALS_ARRIVED = 10  # int64 [world, max_tokens]
-NUM_BUFFERS = 11
+NUM_BUFFERS = 10
 
 
 def global_ptr(dtype, address, align):

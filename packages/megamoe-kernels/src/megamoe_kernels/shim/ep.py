@@ -25,7 +25,7 @@ _KERNELS = {
     "exchange_and_place": (
         "ep_place",
         "exchange_and_place",
-        ("i64",) * 7 + ("i32",) * 6 + ("i64", "i32"),
+        ("i64",) * 7 + ("i32",) * 6 + ("i64",),
     ),
     "dispatch_rows": (
         "ep_dispatch",
@@ -38,10 +38,11 @@ _KERNELS = {
         ("i64",) * 8 + ("i32",) * 8 + ("i64",),
     ),
     "combine_push": ("ep_combine", "combine_push", ("i64",) * 4 + ("i32",) * 5),
-    "combine_partials": (
+    "combine_partial": ("ep_combine", "combine_partial", ("i64",) * 6 + ("i32",) * 6),
+    "combine_partial_sum": (
         "ep_combine",
-        "combine_partials",
-        ("i64",) * 8 + ("i32",) * 7 + ("i64",),
+        "combine_partial_sum",
+        ("i64",) * 6 + ("i32",) * 6 + ("i64",),
     ),
     "combine_reduce": (
         "ep_combine",
@@ -81,7 +82,6 @@ def layout() -> dict[str, int]:
         "pair_weights": sync.BUFFER_PAIR_WEIGHTS,
         "partials": sync.BUFFER_PARTIALS,
         "arrived": sync.BUFFER_ARRIVED,
-        "partials_arrived": sync.BUFFER_PARTIALS_ARRIVED,
         "num_buffers": sync.NUM_BUFFERS,
         "num_phases": sync.NUM_PHASES,
         "status_words": sync.STATUS_WORDS,
@@ -164,14 +164,15 @@ def compile_all(*, top_k: int, grid: int, row_bytes: int = 7168 * 2) -> int:
     _compiled("combine_push", (grid, unroll), fake=True)
     _compiled("combine_reduce", (top_k, grid), fake=True)
     partial_unroll = combine_unroll(row_bytes // 2)
-    _compiled("combine_partials", (top_k, grid, partial_unroll), fake=True)
+    _compiled("combine_partial", (top_k, grid, partial_unroll), fake=True)
+    _compiled("combine_partial_sum", (top_k, grid, partial_unroll), fake=True)
     return len(_COMPILED)
 
 
 def placement_scratch_words(num_experts: int, world: int) -> int:
-    """int32 words of the scratch exchange_and_place and dispatch_tokens share (zero it once
-    when allocating: its barrier words start at 0 and return there, its "placed" flag only
-    grows)."""
+    """int32 words of the scratch exchange_and_place needs (zero it once when allocating: its
+    grid-barrier words start at 0 and return there); its per-source pair counts, which
+    dispatch_tokens reads, start at `pairs_of_source_offset`."""
     from megamoe_kernels.drop import ep_place
 
     if num_experts > ep_place.PLACE_MAX_EXPERTS:
@@ -180,6 +181,13 @@ def placement_scratch_words(num_experts: int, world: int) -> int:
             f"got num_experts={num_experts}"
         )
     return ep_place.scratch_words(num_experts, world)
+
+
+def pairs_of_source_offset(num_experts: int) -> int:
+    """int32 word of the placement scratch where the per-source pair counts start."""
+    from megamoe_kernels.drop import ep_place
+
+    return ep_place.pairs_of_source_offset(num_experts)
 
 
 def exchange_and_place(
@@ -198,13 +206,10 @@ def exchange_and_place(
     local_experts: int,
     capacity: int,
     timeout_ns: int,
-    publish_epoch: bool,
 ) -> None:
-    """Counts pairs per expert, all-gathers the counts (int32 [world, E] on every peer), waits,
-    and writes each pair's row in its owner's batch (dest_row, int32 [P]) and this rank's
-    expert_offsets (int32 [local_experts + 1]); then publishes the scratch's "placed" flag.
-    With `publish_epoch` it also bumps the device epoch (else dispatch_tokens does, at its
-    end: it starts while this kernel runs)."""
+    """Bumps the epoch, counts pairs per expert, all-gathers the counts (int32 [world, E] on
+    every peer), waits, and writes each pair's row in its owner's batch (dest_row, int32 [P])
+    and this rank's expert_offsets (int32 [local_experts + 1])."""
     _compiled("exchange_and_place")(
         expert_of_pair_address,
         dest_row_address,
@@ -220,7 +225,6 @@ def exchange_and_place(
         local_experts,
         capacity,
         timeout_ns,
-        int(publish_epoch),
         _stream(),
     )
 
@@ -270,7 +274,7 @@ def dispatch_tokens(
     dest_row_address: int,
     weights_address: int,
     *,
-    scratch_address: int,
+    pairs_of_source_address: int,
     peer_table_address: int,
     epoch_address: int,
     status_address: int,
@@ -286,13 +290,10 @@ def dispatch_tokens(
     timeout_ns: int,
     grid: int,
 ) -> None:
-    """The staged dispatch after exchange_and_place (launched right after it, with the same
-    placement scratch and publish_epoch=False), in one kernel: each token row is read once and
-    written once into each other owner's staged rows and into this rank's batch rows (with its
-    table entries and a per-token flag); each owner copies every arrived staged row into its
-    batch rows as its flag lands. A programmatic dependent launch: it starts while the placement
-    runs (staged rows need no placement) and waits for its "placed" flag. Returns (on the
-    stream) with this rank's batch complete and the epoch bumped."""
+    """The staged dispatch after exchange_and_place, in one kernel: each token row is read once
+    and written into this rank's batch rows and once into each other owner's staged rows (with
+    its table entries and a per-token flag); then each owner copies every arrived staged row into
+    its batch rows as its flag lands. Returns (on the stream) with this rank's batch complete."""
     if world > 32:
         raise ValueError(f"dispatch_tokens supports up to 32 ranks, got {world}")
     _compiled("dispatch_tokens", (top_k, grid, copy_unroll(row_bytes)))(
@@ -300,7 +301,7 @@ def dispatch_tokens(
         expert_of_pair_address,
         dest_row_address,
         weights_address,
-        scratch_address,
+        pairs_of_source_address,
         peer_table_address,
         epoch_address,
         status_address,
@@ -407,50 +408,77 @@ def cached_kernel_count() -> int:
     return len(_COMPILED)
 
 
-def combine_partials(
+def combine_partial(
     expert_out_address: int,
     expert_offsets_address: int,
     row_sources_address: int,
-    expert_of_pair_address: int,
-    y_address: int,
+    pair_rows_address: int,
+    pair_weights_address: int,
     *,
     peer_table_address: int,
-    epoch_address: int,
-    status_address: int,
-    tokens: int,
     local_experts: int,
     hidden: int,
     capacity: int,
     max_tokens: int,
     rank: int,
     world: int,
-    timeout_ns: int,
     top_k: int,
     grid: int,
 ) -> None:
-    """The partial-sum combine in one kernel: as owner, one weighted partial sum per (token,
-    other source) into that source's partials with a per-token flag; as source, each token's
-    own partial plus the other owners' as their flags land, in rank order, into y."""
+    """On the owner: one weighted partial sum per (token, source) into the source's partials."""
     if hidden % 8:
         raise ValueError(f"hidden must be a multiple of 8, got {hidden}")
-    if world > 32:
-        raise ValueError(f"combine_partials supports up to 32 ranks, got {world}")
-    _compiled("combine_partials", (top_k, grid, combine_unroll(hidden)))(
+    _compiled("combine_partial", (top_k, grid, combine_unroll(hidden)))(
         expert_out_address,
         expert_offsets_address,
         row_sources_address,
-        expert_of_pair_address,
-        y_address,
+        pair_rows_address,
+        pair_weights_address,
         peer_table_address,
-        epoch_address,
-        status_address,
-        tokens,
         local_experts,
         hidden,
         capacity,
         max_tokens,
         rank,
         world,
+        _stream(),
+    )
+
+
+def combine_partial_sum(
+    partials_address: int,
+    expert_of_pair_address: int,
+    y_address: int,
+    *,
+    signals_address: int,
+    epoch_address: int,
+    status_address: int,
+    tokens: int,
+    hidden: int,
+    world: int,
+    local_experts: int,
+    max_tokens: int,
+    adds_per_epoch: int,
+    timeout_ns: int,
+    top_k: int,
+    grid: int,
+) -> None:
+    """On the source: waits for every owner, then sums each token's partials in rank order."""
+    if hidden % 8:
+        raise ValueError(f"hidden must be a multiple of 8, got {hidden}")
+    _compiled("combine_partial_sum", (top_k, grid, combine_unroll(hidden)))(
+        partials_address,
+        expert_of_pair_address,
+        y_address,
+        signals_address,
+        epoch_address,
+        status_address,
+        tokens,
+        hidden,
+        world,
+        local_experts,
+        max_tokens,
+        adds_per_epoch,
         timeout_ns,
         _stream(),
     )

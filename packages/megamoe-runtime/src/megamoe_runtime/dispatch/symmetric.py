@@ -162,7 +162,6 @@ class SymmetricDispatcher:
         if self.combine_partial_sums:
             shapes["pair_weights"] = ((slots * self.top_k,), torch.float32)
             shapes["partials"] = ((slots, self.hidden_size), self.dtype)
-            shapes["partials_arrived"] = ((slots,), torch.int64)
         # separate from the signals: each rank bumps its own epoch copy, nobody else writes it
         self.epoch = workspace.buffer("ep.epoch", (1,), torch.int64)
         self.buffers = {
@@ -244,8 +243,6 @@ class SymmetricDispatcher:
             local_experts=local,
             capacity=self.capacity,
             timeout_ns=self._timeout_ns,
-            # the staged dispatch's dispatch_tokens starts while this runs and bumps it itself
-            publish_epoch=not self.stage_remote_rows,
         )
 
         row_bytes = self.hidden_size * x_TH.element_size()
@@ -255,7 +252,8 @@ class SymmetricDispatcher:
                 expert_of_pair_P.data_ptr(),
                 dest_row_P.data_ptr(),
                 weights_TK.data_ptr(),
-                scratch_address=self.placement_scratch.data_ptr(),
+                pairs_of_source_address=self.placement_scratch.data_ptr()
+                + 4 * ep_kernels.pairs_of_source_offset(self.num_experts),
                 peer_table_address=self.peer_table.data_ptr(),
                 epoch_address=self.epoch.data_ptr(),
                 status_address=self.status.data_ptr(),
@@ -364,23 +362,36 @@ class SymmetricDispatcher:
                 "combine_partial_sums applies the routing weights itself (dispatch wrote them "
                 "into the pair tables); combine with weights_applied=False"
             )
-        y_TH = torch.empty(handle.tokens, self.hidden_size, dtype=self.dtype, device=self.device)
-        ep_kernels.combine_partials(
+        ep_kernels.combine_partial(
             expert_out_MH.data_ptr(),
             handle.expert_offsets.data_ptr(),
             self.buffers["row_sources"].data_ptr(),
-            handle.expert_of_pair_P.data_ptr(),
-            y_TH.data_ptr(),
+            self.buffers["pair_rows"].data_ptr(),
+            self.buffers["pair_weights"].data_ptr(),
             peer_table_address=self.peer_table.data_ptr(),
-            epoch_address=self.epoch.data_ptr(),
-            status_address=self.status.data_ptr(),
-            tokens=handle.tokens,
             local_experts=self.num_local_experts,
             hidden=self.hidden_size,
             capacity=self.capacity,
             max_tokens=self.max_tokens_per_rank,
             rank=self.rank,
             world=self.world_size,
+            top_k=self.top_k,
+            grid=self.grid,
+        )
+        y_TH = torch.empty(handle.tokens, self.hidden_size, dtype=self.dtype, device=self.device)
+        ep_kernels.combine_partial_sum(
+            self.buffers["partials"].data_ptr(),
+            handle.expert_of_pair_P.data_ptr(),
+            y_TH.data_ptr(),
+            signals_address=self.buffers["signals"].data_ptr(),
+            epoch_address=self.epoch.data_ptr(),
+            status_address=self.status.data_ptr(),
+            tokens=handle.tokens,
+            hidden=self.hidden_size,
+            world=self.world_size,
+            local_experts=self.num_local_experts,
+            max_tokens=self.max_tokens_per_rank,
+            adds_per_epoch=self.grid,
             timeout_ns=self._timeout_ns,
             top_k=self.top_k,
             grid=self.grid,
@@ -390,7 +401,8 @@ class SymmetricDispatcher:
 
 # The pure-torch references of the kernels: exchange_and_place's placement (the kernel does both
 # steps on the device in one launch; tests/test_distributed_placement.py checks the placement
-# rule) and combine_partials' arithmetic (tests/test_multirank_dispatch.py compares it bitwise).
+# rule) and the partial-sum combine's arithmetic (tests/test_multirank_dispatch.py compares the
+# kernels with it bitwise).
 
 
 def count_pairs(expert_of_pair_P: torch.Tensor, num_experts: int):
