@@ -151,6 +151,14 @@ def test_repeated_dispatches_reuse_buffers(multirank, kind):
     multirank(check_against_single_gpu, kind, [64, 48], False, 4)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_many_tokens_spread_the_placement_over_ctas(multirank, kind):
+    # 700 x top-4 pairs: the nvshmem placement runs on 11 CTAs (a warp per 32 pairs) and meets
+    # at its grid barrier; the sizes above all fit one CTA
+    skip_unless_runnable(multirank, kind)
+    multirank(check_against_single_gpu, kind, [700, 300])
+
+
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_reference_on_more_ranks(multirank, world_size):
     tokens = [(11 * rank + 3) % 17 for rank in range(world_size)]
