@@ -4,7 +4,8 @@
 Every argument is a device address or a scalar (no tensor conversion per call). Experts are
 owned in contiguous blocks: expert e lives on rank e // local_experts.
 
-dispatch_tokens (the staged dispatch, persistent grid, one launch after exchange_and_place):
+dispatch_tokens (the staged dispatch, persistent grid, one launch after exchange_and_place;
+each CTA's first SEND_WARPS warps do step 1, the others step 2, so the two run at once):
 1. a warp per token of this rank reads its row once (16-byte vectors, `unroll` loads in flight
    per lane) and writes it into each of its batch rows on this rank and once into each other
    owner's staged rows [world x max_tokens, hidden] at (rank, token), with that owner's table
@@ -18,8 +19,8 @@ dispatch_tokens (the staged dispatch, persistent grid, one launch after exchange
 The owner's expansion starts as soon as a token lands, overlapping the NVLink traffic; a token
 crosses NVLink once per owner. The kernel returns with this rank's batch complete (it still adds
 PHASE_ROWS per CTA, so the counter stays in step with the direct dispatch's). Rows at or past
-`capacity` are skipped. Warp w of CTA b takes item w x grid + b, so a few tokens spread over
-every SM. At most 32 ranks (a lane per rank).
+`capacity` are skipped. Sender (receiver) warp w of CTA b takes item w x grid + b, so a few
+tokens spread over every SM. At most 32 ranks (a lane per rank).
 
 dispatch_rows (the direct dispatch, persistent grid): one warp per (token, expert) pair records
 (rank, pair) at `dest_row[pair]` of the owner's batch for the combine and moves the token's row

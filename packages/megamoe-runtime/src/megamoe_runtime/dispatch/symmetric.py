@@ -4,16 +4,18 @@ Shape legend: T tokens of this rank, K experts per token, H hidden size, E exper
 L = E / W experts per rank, W world size, P = T x K pairs, M batch capacity.
 
 dispatch (no host sync; every step on the current stream, so a CUDA graph captures it):
-  1-3. kernel exchange_and_place (one CTA): per-expert counts of this rank's pairs, all-gathered
-     into every rank's symmetric counts (int32 [W, E]) with system-scope release/acquire
-     signals; each pair's position inside its expert in token order; then where each pair lands
-     in its owner's batch (expert-major, then source rank, then token order: the single-GPU
-     order) and this rank's expert_offsets over its L experts (count_pairs / place_pairs below
-     are its pure-torch reference);
-  4. kernel dispatch_tokens: a warp per token reads its row once and writes it into this rank's
-     batch rows and once per other owner into that owner's staged rows (symmetric
-     [W x max_tokens, H]) with the owner's table entries (the token's batch rows there), then
-     releases a per-(source, token) flag there; each owner's warps spin on those flags and copy
+  1-3. kernel exchange_and_place (a warp per 32 pairs, up to 128 CTAs meeting at a grid-wide
+     barrier): per-expert counts of this rank's pairs, all-gathered into every rank's symmetric
+     counts (int32 [W, E]) with system-scope release/acquire signals; each pair's position
+     inside its expert in token order; then where each pair lands in its owner's batch
+     (expert-major, then source rank, then token order: the single-GPU order) and this rank's
+     expert_offsets over its L experts (count_pairs / place_pairs below are its pure-torch
+     reference);
+  4. kernel dispatch_tokens (each CTA's warps split into senders and receivers, which run at
+     once): a sender warp per token reads its row once and writes it into this rank's batch
+     rows and once per other owner into that owner's staged rows (symmetric [W x max_tokens,
+     H]) with the owner's table entries (the token's batch rows there), then releases a
+     per-(source, token) flag there; each owner's receiver warps spin on those flags and copy
      each staged row, as it lands, into all of the token's batch rows (symmetric rows [M, H]) in
      local HBM, so the expansion overlaps the NVLink traffic. The kernel ends with the batch
      complete. (stage_remote_rows=False: kernel dispatch_rows sends every pair's row over NVLink
