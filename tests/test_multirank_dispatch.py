@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from megamoe_runtime.dispatch import LocalDispatcher
+from megamoe_runtime.dispatch.symmetric import owner_partials_combine
 from megamoe_runtime.distributed import make_expert_parallel_dispatcher, nvshmem_status
 
 pytestmark = pytest.mark.multirank
@@ -106,6 +107,13 @@ def check_against_single_gpu(
         expected_y = single_y[first : first + tokens_per_rank[rank]]
         if kind.endswith("-partial"):  # owners' bf16 partials: one more rounding, other order
             torch.testing.assert_close(y_TH, expected_y, rtol=2e-2, atol=2e-2)
+            # and exactly the partial-sum arithmetic of its pure-torch reference
+            x_TH, ids_TK, weights_TK = shares[rank]
+            out_TKH = stand_in_experts(x_TH).unsqueeze(1).expand(-1, TOP_K, -1)
+            expected_partials = owner_partials_combine(
+                out_TKH, weights_TK, ids_TK.long() // local, world=world_size, dtype=dtype
+            )
+            assert torch.equal(y_TH, expected_partials), (rank, repeat)
         else:
             assert torch.equal(y_TH, expected_y), (rank, repeat)
 
@@ -141,6 +149,14 @@ def test_every_token_to_one_ranks_experts(multirank, kind):
 def test_repeated_dispatches_reuse_buffers(multirank, kind):
     skip_unless_runnable(multirank, kind)
     multirank(check_against_single_gpu, kind, [64, 48], False, 4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_many_tokens_spread_the_placement_over_ctas(multirank, kind):
+    # 700 x top-4 pairs: the nvshmem placement runs on 11 CTAs (a warp per 32 pairs) and meets
+    # at its grid barrier; the sizes above all fit one CTA
+    skip_unless_runnable(multirank, kind)
+    multirank(check_against_single_gpu, kind, [700, 300])
 
 
 @pytest.mark.parametrize("world_size", [4, 8])

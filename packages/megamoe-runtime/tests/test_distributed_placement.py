@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from megamoe_runtime.dispatch import LocalDispatcher
-from megamoe_runtime.dispatch.symmetric import count_pairs, place_pairs
+from megamoe_runtime.dispatch.symmetric import count_pairs, owner_partials_combine, place_pairs
 
 
 @pytest.mark.parametrize(("world", "experts", "top_k"), [(2, 8, 3), (4, 16, 4), (8, 16, 1)])
@@ -45,3 +45,22 @@ def test_placement_builds_the_single_gpu_batch(world, experts, top_k):
         assert torch.equal(offsets[owner], share - share[0])
         rows = int(share[-1] - share[0])
         assert torch.equal(batches[owner][:rows], batch.rows_MH[int(share[0]) : int(share[-1])])
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_owner_partials_reference_is_close_to_the_single_gpu_combine(world):
+    generator = torch.Generator().manual_seed(world)
+    tokens, experts, top_k, hidden = 29, 16, 4, 32
+    x_TH = torch.randn(tokens, hidden, generator=generator).to(torch.bfloat16)
+    ids_TK = torch.rand(tokens, experts, generator=generator).argsort(dim=1)[:, :top_k]
+    weights_TK = torch.rand(tokens, top_k, generator=generator)
+    out_TKH = (x_TH * 2 + 1).unsqueeze(1).expand(-1, top_k, -1)
+    single = LocalDispatcher(experts)
+    batch, handle = single.dispatch(x_TH, ids_TK.to(torch.int32), weights_TK)
+    expected_TH = single.combine(batch.rows_MH * 2 + 1, handle)
+    y_TH = owner_partials_combine(
+        out_TKH, weights_TK, ids_TK // (experts // world), world=world, dtype=torch.bfloat16
+    )
+    if world == 1:  # one owner: one partial, the single-GPU arithmetic exactly
+        assert torch.equal(y_TH, expected_TH)
+    torch.testing.assert_close(y_TH, expected_TH, rtol=2e-2, atol=2e-2)

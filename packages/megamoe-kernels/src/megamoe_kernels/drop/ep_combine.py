@@ -44,6 +44,9 @@ from .ep_sync import (
 
 PUSH_WARPS = 16
 REDUCE_WARPS = 8
+# combine_partial_sum: its warps' loads are latency-bound (a few tokens each, the owners' rows
+# one after another), so twice the exact reduce's warps keep twice the loads in flight
+PARTIAL_SUM_WARPS = 16
 CHUNK = 8  # bf16 elements per 16-byte vector
 
 
@@ -419,7 +422,7 @@ def combine_partial_sum_kernel(
     contribution = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
     # a warp per token: the owners it touched (a bit mask), then per group of 16-byte vectors
     # the owners' partials added in rank order in fp32
-    for token in range(bidx * REDUCE_WARPS + warp, tokens, grid * REDUCE_WARPS):
+    for token in range(bidx * PARTIAL_SUM_WARPS + warp, tokens, grid * PARTIAL_SUM_WARPS):
         lane_owner = cutlass.Int32(0)
         if lane < top_k:
             lane_owner = cute.arch.load(expert_of_pair + (token * top_k + lane), cutlass.Int32)
@@ -485,4 +488,4 @@ def combine_partial_sum(
         timeout_ns,
         top_k,
         unroll,
-    ).launch(grid=[grid, 1, 1], block=[REDUCE_WARPS * 32, 1, 1], stream=stream)
+    ).launch(grid=[grid, 1, 1], block=[PARTIAL_SUM_WARPS * 32, 1, 1], stream=stream)

@@ -4,7 +4,8 @@
 Every argument is a device address or a scalar (no tensor conversion per call). Experts are
 owned in contiguous blocks: expert e lives on rank e // local_experts.
 
-dispatch_tokens (the staged dispatch, persistent grid, one launch after exchange_and_place):
+dispatch_tokens (the staged dispatch, persistent grid, one launch after exchange_and_place;
+each CTA's first SEND_WARPS warps do step 1, the others step 2, so the two run at once):
 1. a warp per token of this rank reads its row once (16-byte vectors, `unroll` loads in flight
    per lane) and writes it into each of its batch rows on this rank and once into each other
    owner's staged rows [world x max_tokens, hidden] at (rank, token), with that owner's table
@@ -18,8 +19,8 @@ dispatch_tokens (the staged dispatch, persistent grid, one launch after exchange
 The owner's expansion starts as soon as a token lands, overlapping the NVLink traffic; a token
 crosses NVLink once per owner. The kernel returns with this rank's batch complete (it still adds
 PHASE_ROWS per CTA, so the counter stays in step with the direct dispatch's). Rows at or past
-`capacity` are skipped. Warp w of CTA b takes item w x grid + b, so a few tokens spread over
-every SM. At most 32 ranks (a lane per rank).
+`capacity` are skipped. Sender (receiver) warp w of CTA b takes item w x grid + b, so a few
+tokens spread over every SM. At most 32 ranks (a lane per rank).
 
 dispatch_rows (the direct dispatch, persistent grid): one warp per (token, expert) pair records
 (rank, pair) at `dest_row[pair]` of the owner's batch for the combine and moves the token's row
@@ -53,6 +54,7 @@ from .ep_sync import (
 
 ROWS_WARPS = 16
 TOKENS_WARPS = 16
+SEND_WARPS = 8  # of TOKENS_WARPS: the rest expand arrived tokens
 
 
 @cute.jit
@@ -231,9 +233,17 @@ def dispatch_tokens_kernel(
     bidx, _, _ = cute.arch.block_idx()
     grid, _, _ = cute.arch.grid_dim()
     warp, lane = tidx // 32, tidx % 32
-    # warp w of CTA b takes token w x grid + b: a few tokens spread over every SM
-    first_warp = warp * grid + bidx
-    warps = grid * TOKENS_WARPS
+    # the first SEND_WARPS warps of each CTA send this rank's tokens, the others expand the
+    # tokens that land here, so the local expansion overlaps the NVLink traffic; sender (or
+    # receiver) warp w of CTA b takes item w x grid + b: a few items spread over every SM
+    sender = warp < SEND_WARPS
+    role_warp = warp
+    role_warps = SEND_WARPS
+    if not sender:
+        role_warp = warp - SEND_WARPS
+        role_warps = TOKENS_WARPS - SEND_WARPS
+    first_warp = role_warp * grid + bidx
+    warps = grid * role_warps
     peer_table = global_ptr(cutlass.Int64, peer_table_address, 8)
     expert_of_pair = global_ptr(cutlass.Int32, expert_of_pair_address, 4)
     dest_row = global_ptr(cutlass.Int32, dest_row_address, 4)
@@ -245,131 +255,142 @@ def dispatch_tokens_kernel(
         cutlass.Int32, peer_address(peer_table, BUFFER_ROW_SOURCES, world, rank), 8
     )
 
-    # 1. a warp per token of this rank: read the row once; write it into this rank's batch rows
-    #    and once into each other owner's staged rows, with the owners' table entries; then
-    #    release a per-(source, token) flag on every other rank
-    for token in range(first_warp, tokens, warps):
-        lane_owner = cutlass.Int32(-1)
-        lane_row = cutlass.Int32(-1)
-        lane_weight = cutlass.Float32(0.0)
-        if lane < top_k:
-            pair = token * top_k + lane
-            lane_owner = cute.arch.load(expert_of_pair + pair, cutlass.Int32) // local_experts
-            lane_row = cute.arch.load(dest_row + pair, cutlass.Int32)
-            lane_weight = cute.arch.load(weights + pair, cutlass.Float32)
-        owner_mask = cutlass.Int32(0)
-        rows = []
-        here = []
-        for k in cutlass.range_constexpr(top_k):
-            owner = cute.arch.shuffle_sync(lane_owner, k)
-            row = cute.arch.shuffle_sync(lane_row, k)
-            owner_mask = owner_mask | (cutlass.Int32(1) << owner)
-            is_here = cutlass.Int32(0)
-            if owner == rank:
-                if row < capacity:
-                    is_here = cutlass.Int32(1)
-            rows.append(row)
-            here.append(is_here)
-        token_row = x_address + cutlass.Int64(token) * row_bytes
-        staged_offset = (cutlass.Int64(rank) * max_tokens + token) * row_bytes
-        for first in range(lane, row_vectors, 32 * unroll):
-            values = load_vectors(token_row, first, unroll)
+    if sender:
+        # 1. a warp per token of this rank: read the row once; write it into this rank's batch rows
+        #    and once into each other owner's staged rows, with the owners' table entries; then
+        #    release a per-(source, token) flag on every other rank
+        for token in range(first_warp, tokens, warps):
+            lane_owner = cutlass.Int32(-1)
+            lane_row = cutlass.Int32(-1)
+            lane_weight = cutlass.Float32(0.0)
+            if lane < top_k:
+                pair = token * top_k + lane
+                lane_owner = cute.arch.load(expert_of_pair + pair, cutlass.Int32) // local_experts
+                lane_row = cute.arch.load(dest_row + pair, cutlass.Int32)
+                lane_weight = cute.arch.load(weights + pair, cutlass.Float32)
+            owner_mask = cutlass.Int32(0)
+            rows = []
+            here = []
             for k in cutlass.range_constexpr(top_k):
-                if here[k] == 1:
-                    store_vectors(rows_here + cutlass.Int64(rows[k]) * row_bytes, first, values)
-            for peer in range(world):
-                if peer != rank:
+                owner = cute.arch.shuffle_sync(lane_owner, k)
+                row = cute.arch.shuffle_sync(lane_row, k)
+                owner_mask = owner_mask | (cutlass.Int32(1) << owner)
+                is_here = cutlass.Int32(0)
+                if owner == rank:
+                    if row < capacity:
+                        is_here = cutlass.Int32(1)
+                rows.append(row)
+                here.append(is_here)
+            token_row = x_address + cutlass.Int64(token) * row_bytes
+            staged_offset = (cutlass.Int64(rank) * max_tokens + token) * row_bytes
+            for first in range(lane, row_vectors, 32 * unroll):
+                values = load_vectors(token_row, first, unroll)
+                for k in cutlass.range_constexpr(top_k):
+                    if here[k] == 1:
+                        store_vectors(rows_here + cutlass.Int64(rows[k]) * row_bytes, first, values)
+                for peer in range(world):
+                    if peer != rank:
+                        if (owner_mask >> peer) & 1 == 1:
+                            staged = peer_address(peer_table, BUFFER_STAGED, world, peer)
+                            store_vectors(staged + staged_offset, first, values)
+            if lane < top_k:
+                if lane_owner == rank:
+                    if lane_row < capacity:
+                        cute.arch.store(sources_here + lane_row * 2, rank)
+                        cute.arch.store(sources_here + (lane_row * 2 + 1), token * top_k + lane)
+                # each owner's table of this token: for each k, its batch row there (or -1), weight
+                entry = (rank * max_tokens + token) * top_k + lane
+                for peer in range(world):
                     if (owner_mask >> peer) & 1 == 1:
-                        staged = peer_address(peer_table, BUFFER_STAGED, world, peer)
-                        store_vectors(staged + staged_offset, first, values)
-        if lane < top_k:
-            if lane_owner == rank:
-                if lane_row < capacity:
-                    cute.arch.store(sources_here + lane_row * 2, rank)
-                    cute.arch.store(sources_here + (lane_row * 2 + 1), token * top_k + lane)
-            # each owner's table of this token: for each k, its batch row there (or -1), weight
-            entry = (rank * max_tokens + token) * top_k + lane
-            for peer in range(world):
-                if (owner_mask >> peer) & 1 == 1:
-                    table_row = cutlass.Int32(-1)
-                    table_weight = cutlass.Float32(0.0)
-                    if lane_owner == peer:
-                        table_row = lane_row
-                        table_weight = lane_weight
-                    table_rows = global_ptr(
-                        cutlass.Int32, peer_address(peer_table, BUFFER_PAIR_ROWS, world, peer), 4
-                    )
-                    cute.arch.store(table_rows + entry, table_row)
-                    if pair_weights != 0:
-                        table_weights = global_ptr(
-                            cutlass.Float32,
-                            peer_address(peer_table, BUFFER_PAIR_WEIGHTS, world, peer),
+                        table_row = cutlass.Int32(-1)
+                        table_weight = cutlass.Float32(0.0)
+                        if lane_owner == peer:
+                            table_row = lane_row
+                            table_weight = lane_weight
+                        table_rows = global_ptr(
+                            cutlass.Int32,
+                            peer_address(peer_table, BUFFER_PAIR_ROWS, world, peer),
                             4,
                         )
-                        cute.arch.store(table_weights + entry, table_weight)
-        cute.arch.fence_acq_rel_sys()  # every lane releases its stores
-        cute.arch.sync_warp()
-        if lane < world:
-            if lane != rank:
-                arrived = global_ptr(
-                    cutlass.Int64, peer_address(peer_table, BUFFER_ARRIVED, world, lane), 8
-                )
-                cute.arch.store(
-                    arrived + (cutlass.Int64(rank) * max_tokens + token),
-                    epoch * 2 + cutlass.Int64((owner_mask >> lane) & 1),
-                    sem="release",
-                    scope="sys",
-                )
-
-    # 2. a warp per token slot of every other source: wait for its flag, then copy the staged
-    #    row (local HBM, read once) into each of the token's batch rows here
-    arrived_here = global_ptr(
-        cutlass.Int64, peer_address(peer_table, BUFFER_ARRIVED, world, rank), 8
-    )
-    staged_here = peer_address(peer_table, BUFFER_STAGED, world, rank)
-    table_here = global_ptr(
-        cutlass.Int32, peer_address(peer_table, BUFFER_PAIR_ROWS, world, rank), 4
-    )
-    pairs_of_source = global_ptr(cutlass.Int32, pairs_of_source_address, 4)
-    wait_ns = timeout_ns
-    for step in range(1, world):
-        source = (rank + step) % world
-        source_tokens = cute.arch.load(pairs_of_source + source, cutlass.Int32) // top_k
-        if source_tokens > max_tokens:
-            source_tokens = max_tokens
-        for token in range(first_warp, source_tokens, warps):
-            slot = cutlass.Int64(source) * max_tokens + token
-            seen = wait_flag(
-                arrived_here + slot, status_address, PHASE_ROWS, source, epoch * 2, epoch, wait_ns
-            )
-            if seen < epoch * 2:
-                wait_ns = cutlass.Int64(0)  # timed out: give up on later slots at once
-            if seen == epoch * 2 + 1:
-                lane_row = cutlass.Int32(-1)
-                if lane < top_k:
-                    lane_row = cute.arch.load(table_here + (slot * top_k + lane), cutlass.Int32)
-                    if lane_row >= 0:
-                        if lane_row < capacity:
-                            cute.arch.store(sources_here + lane_row * 2, source)
-                            cute.arch.store(sources_here + (lane_row * 2 + 1), token * top_k + lane)
-                rows = []
-                here = []
-                for k in cutlass.range_constexpr(top_k):
-                    row = cute.arch.shuffle_sync(lane_row, k)
-                    is_here = cutlass.Int32(0)
-                    if row >= 0:
-                        if row < capacity:
-                            is_here = cutlass.Int32(1)
-                    rows.append(row)
-                    here.append(is_here)
-                staged_row = staged_here + slot * row_bytes
-                for first in range(lane, row_vectors, 32 * unroll):
-                    values = load_vectors(staged_row, first, unroll)
-                    for k in cutlass.range_constexpr(top_k):
-                        if here[k] == 1:
-                            store_vectors(
-                                rows_here + cutlass.Int64(rows[k]) * row_bytes, first, values
+                        cute.arch.store(table_rows + entry, table_row)
+                        if pair_weights != 0:
+                            table_weights = global_ptr(
+                                cutlass.Float32,
+                                peer_address(peer_table, BUFFER_PAIR_WEIGHTS, world, peer),
+                                4,
                             )
+                            cute.arch.store(table_weights + entry, table_weight)
+            cute.arch.fence_acq_rel_sys()  # every lane releases its stores
+            cute.arch.sync_warp()
+            if lane < world:
+                if lane != rank:
+                    arrived = global_ptr(
+                        cutlass.Int64, peer_address(peer_table, BUFFER_ARRIVED, world, lane), 8
+                    )
+                    cute.arch.store(
+                        arrived + (cutlass.Int64(rank) * max_tokens + token),
+                        epoch * 2 + cutlass.Int64((owner_mask >> lane) & 1),
+                        sem="release",
+                        scope="sys",
+                    )
+    else:
+        # 2. a warp per token slot of every other source: wait for its flag, then copy the staged
+        #    row (local HBM, read once) into each of the token's batch rows here
+        arrived_here = global_ptr(
+            cutlass.Int64, peer_address(peer_table, BUFFER_ARRIVED, world, rank), 8
+        )
+        staged_here = peer_address(peer_table, BUFFER_STAGED, world, rank)
+        table_here = global_ptr(
+            cutlass.Int32, peer_address(peer_table, BUFFER_PAIR_ROWS, world, rank), 4
+        )
+        pairs_of_source = global_ptr(cutlass.Int32, pairs_of_source_address, 4)
+        wait_ns = timeout_ns
+        for step in range(1, world):
+            source = (rank + step) % world
+            source_tokens = cute.arch.load(pairs_of_source + source, cutlass.Int32) // top_k
+            if source_tokens > max_tokens:
+                source_tokens = max_tokens
+            for token in range(first_warp, source_tokens, warps):
+                slot = cutlass.Int64(source) * max_tokens + token
+                seen = wait_flag(
+                    arrived_here + slot,
+                    status_address,
+                    PHASE_ROWS,
+                    source,
+                    epoch * 2,
+                    epoch,
+                    wait_ns,
+                )
+                if seen < epoch * 2:
+                    wait_ns = cutlass.Int64(0)  # timed out: give up on later slots at once
+                if seen == epoch * 2 + 1:
+                    lane_row = cutlass.Int32(-1)
+                    if lane < top_k:
+                        lane_row = cute.arch.load(table_here + (slot * top_k + lane), cutlass.Int32)
+                        if lane_row >= 0:
+                            if lane_row < capacity:
+                                cute.arch.store(sources_here + lane_row * 2, source)
+                                cute.arch.store(
+                                    sources_here + (lane_row * 2 + 1), token * top_k + lane
+                                )
+                    rows = []
+                    here = []
+                    for k in cutlass.range_constexpr(top_k):
+                        row = cute.arch.shuffle_sync(lane_row, k)
+                        is_here = cutlass.Int32(0)
+                        if row >= 0:
+                            if row < capacity:
+                                is_here = cutlass.Int32(1)
+                        rows.append(row)
+                        here.append(is_here)
+                    staged_row = staged_here + slot * row_bytes
+                    for first in range(lane, row_vectors, 32 * unroll):
+                        values = load_vectors(staged_row, first, unroll)
+                        for k in cutlass.range_constexpr(top_k):
+                            if here[k] == 1:
+                                store_vectors(
+                                    rows_here + cutlass.Int64(rows[k]) * row_bytes, first, values
+                                )
     # PHASE_ROWS stays at grid adds per epoch on every rank, as the direct dispatch (which waits
     # on it) counts, whichever dispatch of a shared workspace ran before
     cute.arch.sync_threads()

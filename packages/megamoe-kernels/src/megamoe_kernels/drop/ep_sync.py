@@ -91,15 +91,21 @@ def wait_flag(flag, status_address, phase, peer, target, epoch, timeout_ns):
         if seen >= target:
             waiting = cutlass.Int32(0)
         elif cute.arch.globaltimer() - start > timeout_ns:
-            status = global_ptr(cutlass.Int64, status_address, 8)
-            # the first timeout is the cause; later waits of the same call time out after it
-            if cute.arch.load(status, cutlass.Int64, sem="acquire", scope="sys") == 0:
-                cute.arch.store(status + 1, cutlass.Int64(peer))
-                cute.arch.store(status + 2, epoch)
-                cute.arch.store(status + 3, seen)
-                cute.arch.store(status, cutlass.Int64(phase + 1), sem="release", scope="sys")
+            record_timeout(status_address, phase, peer, epoch, seen)
             waiting = cutlass.Int32(0)
     return seen
+
+
+@cute.jit
+def record_timeout(status_address, phase, peer, epoch, seen):
+    """Records (phase + 1, peer, epoch, observed) in the status block unless an earlier
+    timeout of the same call did: the first one is the cause."""
+    status = global_ptr(cutlass.Int64, status_address, 8)
+    if cute.arch.load(status, cutlass.Int64, sem="acquire", scope="sys") == 0:
+        cute.arch.store(status + 1, cutlass.Int64(peer))
+        cute.arch.store(status + 2, epoch)
+        cute.arch.store(status + 3, seen)
+        cute.arch.store(status, cutlass.Int64(phase + 1), sem="release", scope="sys")
 
 
 @cute.jit

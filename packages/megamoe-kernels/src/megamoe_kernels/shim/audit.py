@@ -163,7 +163,9 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
         ),
         passed_as="positional",
     ),
-    DropSymbol("ep_place", "PLACE_WARPS", "constant"),
+    DropSymbol("ep_place", "PLACE_MAX_EXPERTS", "constant"),
+    DropSymbol("ep_place", "pairs_of_source_offset", "function", parameters=("num_experts",)),
+    DropSymbol("ep_place", "scratch_words", "function", parameters=("num_experts", "world")),
     DropSymbol(
         "ep_dispatch",
         "dispatch_rows",

@@ -170,16 +170,24 @@ def compile_all(*, top_k: int, grid: int, row_bytes: int = 7168 * 2) -> int:
 
 
 def placement_scratch_words(num_experts: int, world: int) -> int:
-    """int32 words of the scratch exchange_and_place needs (its per-source pair counts, which
-    dispatch_tokens reads, start at `pairs_of_source_offset`)."""
-    return pairs_of_source_offset(num_experts) + world
+    """int32 words of the scratch exchange_and_place needs (zero it once when allocating: its
+    grid-barrier words start at 0 and return there); its per-source pair counts, which
+    dispatch_tokens reads, start at `pairs_of_source_offset`."""
+    from megamoe_kernels.drop import ep_place
+
+    if num_experts > ep_place.PLACE_MAX_EXPERTS:
+        raise ValueError(
+            f"the expert-parallel placement supports up to {ep_place.PLACE_MAX_EXPERTS} experts, "
+            f"got num_experts={num_experts}"
+        )
+    return ep_place.scratch_words(num_experts, world)
 
 
 def pairs_of_source_offset(num_experts: int) -> int:
     """int32 word of the placement scratch where the per-source pair counts start."""
     from megamoe_kernels.drop import ep_place
 
-    return (ep_place.PLACE_WARPS + 1) * num_experts
+    return ep_place.pairs_of_source_offset(num_experts)
 
 
 def exchange_and_place(

@@ -4,16 +4,18 @@ Shape legend: T tokens of this rank, K experts per token, H hidden size, E exper
 L = E / W experts per rank, W world size, P = T x K pairs, M batch capacity.
 
 dispatch (no host sync; every step on the current stream, so a CUDA graph captures it):
-  1-3. kernel exchange_and_place (one CTA): per-expert counts of this rank's pairs, all-gathered
-     into every rank's symmetric counts (int32 [W, E]) with system-scope release/acquire
-     signals; each pair's position inside its expert in token order; then where each pair lands
-     in its owner's batch (expert-major, then source rank, then token order: the single-GPU
-     order) and this rank's expert_offsets over its L experts (count_pairs / place_pairs below
-     are its pure-torch reference);
-  4. kernel dispatch_tokens: a warp per token reads its row once and writes it into this rank's
-     batch rows and once per other owner into that owner's staged rows (symmetric
-     [W x max_tokens, H]) with the owner's table entries (the token's batch rows there), then
-     releases a per-(source, token) flag there; each owner's warps spin on those flags and copy
+  1-3. kernel exchange_and_place (a warp per 32 pairs, up to 128 CTAs meeting at a grid-wide
+     barrier): per-expert counts of this rank's pairs, all-gathered into every rank's symmetric
+     counts (int32 [W, E]) with system-scope release/acquire signals; each pair's position
+     inside its expert in token order; then where each pair lands in its owner's batch
+     (expert-major, then source rank, then token order: the single-GPU order) and this rank's
+     expert_offsets over its L experts (count_pairs / place_pairs below are its pure-torch
+     reference);
+  4. kernel dispatch_tokens (each CTA's warps split into senders and receivers, which run at
+     once): a sender warp per token reads its row once and writes it into this rank's batch
+     rows and once per other owner into that owner's staged rows (symmetric [W x max_tokens,
+     H]) with the owner's table entries (the token's batch rows there), then releases a
+     per-(source, token) flag there; each owner's receiver warps spin on those flags and copy
      each staged row, as it lands, into all of the token's batch rows (symmetric rows [M, H]) in
      local HBM, so the expansion overlaps the NVLink traffic. The kernel ends with the batch
      complete. (stage_remote_rows=False: kernel dispatch_rows sends every pair's row over NVLink
@@ -135,7 +137,8 @@ class SymmetricDispatcher:
         self.status = torch.zeros(
             ep_kernels.layout()["status_words"], dtype=torch.int64, pin_memory=True
         )
-        self.placement_scratch = torch.empty(
+        # zeroed once: the placement's grid-barrier words start at 0 and return there
+        self.placement_scratch = torch.zeros(
             ep_kernels.placement_scratch_words(num_experts, self.world_size),
             dtype=torch.int32,
             device=device,
@@ -398,8 +401,10 @@ class SymmetricDispatcher:
         return y_TH
 
 
-# The pure-torch reference of kernel exchange_and_place's placement (the kernel does both steps
-# on the device in one launch); tests/test_distributed_placement.py checks the placement rule.
+# The pure-torch references of the kernels: exchange_and_place's placement (the kernel does both
+# steps on the device in one launch; tests/test_distributed_placement.py checks the placement
+# rule) and the partial-sum combine's arithmetic (tests/test_multirank_dispatch.py compares the
+# kernels with it bitwise).
 
 
 def count_pairs(expert_of_pair_P: torch.Tensor, num_experts: int):
@@ -444,3 +449,28 @@ def place_pairs(
     expert_offsets = torch.zeros(local_experts + 1, dtype=torch.int32, device=rows_DL.device)
     torch.cumsum(rows_DL[rank], 0, out=expert_offsets[1:])
     return dest_row_P, expert_offsets
+
+
+def owner_partials_combine(
+    out_TKH: torch.Tensor,
+    weights_TK: torch.Tensor,
+    owner_TK: torch.Tensor,
+    *,
+    world: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """What the partial-sum combine computes for a source's tokens, given each (token, k)'s
+    expert output, weight and owner rank: per owner, sum over its k in k order of
+    weight x output in fp32 (each product rounded on its own), rounded to `dtype` (the partial
+    that crosses NVLink); then the partials of the owners a token touched, added in rank order
+    in fp32, rounded once more."""
+    products_TKH = weights_TK.float().unsqueeze(-1) * out_TKH.float()  # rounded per element
+    y_TH = torch.zeros(out_TKH.shape[0], out_TKH.shape[2], device=out_TKH.device)
+    for owner in range(world):
+        mine_TK = owner_TK == owner
+        partial_TH = torch.zeros_like(y_TH)
+        for k in range(out_TKH.shape[1]):  # k order, one add at a time (no tree reduction)
+            partial_TH = partial_TH + torch.where(mine_TK[:, k, None], products_TKH[:, k], 0.0)
+        touched_T1 = mine_TK.any(dim=1, keepdim=True)
+        y_TH = y_TH + torch.where(touched_T1, partial_TH.to(dtype).float(), 0.0)
+    return y_TH.to(dtype)
