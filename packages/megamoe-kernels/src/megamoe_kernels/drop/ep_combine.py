@@ -422,7 +422,11 @@ def combine_partial_sum_kernel(
     contribution = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
     # a warp per token: the owners it touched (a bit mask), then per group of 16-byte vectors
     # the owners' partials added in rank order in fp32
-    for token in range(bidx * PARTIAL_SUM_WARPS + warp, tokens, grid * PARTIAL_SUM_WARPS):
+    # (tokens in block-contiguous runs; fewer tokens than warps are spread over every SM)
+    first_token = bidx * PARTIAL_SUM_WARPS + warp
+    if tokens < grid * PARTIAL_SUM_WARPS:
+        first_token = warp * grid + bidx
+    for token in range(first_token, tokens, grid * PARTIAL_SUM_WARPS):
         lane_owner = cutlass.Int32(0)
         if lane < top_k:
             lane_owner = cute.arch.load(expert_of_pair + (token * top_k + lane), cutlass.Int32)
