@@ -1,5 +1,3 @@
-from dataclasses import asdict
-
 import torch
 from megamoe_kernels import candidate_knobs, knob_problems
 from megamoe_runtime.expert_batch import ExpertBatch
@@ -8,6 +6,7 @@ from megamoe_runtime.experts.cutedsl import CuteDSLExperts
 from megamoe_runtime.tuning import KnobCache, KnobKey
 from megamoe_runtime.tuning.cache import shipped_knob_cache
 from megamoe_runtime.tuning.expert_knobs import (
+    cache_fields,
     gemm_key,
     knobs_from_cache,
     tune_gemm,
@@ -119,18 +118,12 @@ def test_the_users_cache_wins_over_the_shipped_entries(tmp_path, monkeypatch):
     )
     shipped, users = KnobCache(tmp_path / "shipped.json"), KnobCache(tmp_path / "users.json")
     shipped_knobs, users_knobs = candidate_knobs("down")[:2]
-    shipped.put(key, _fields(shipped_knobs), microseconds=2.0)
+    shipped.put(key, cache_fields(shipped_knobs), microseconds=2.0)
     monkeypatch.setattr(cutedsl, "shipped_knob_cache", lambda: shipped)
     assert CuteDSLExperts(knob_cache=users)._cached_knobs("down", batch, (256, 128)) == (
         shipped_knobs
     )
-    users.put(key, _fields(users_knobs), microseconds=1.0)
+    users.put(key, cache_fields(users_knobs), microseconds=1.0)
     assert CuteDSLExperts(knob_cache=users)._cached_knobs("down", batch, (256, 128)) == (
         users_knobs
     )
-
-
-def _fields(knobs):
-    fields = asdict(knobs)
-    fields["cluster"] = list(fields["cluster"])
-    return fields

@@ -38,6 +38,13 @@ def gemm_key(
     )
 
 
+def cache_fields(knobs: GemmKnobs) -> dict:
+    """`knobs` as a knob-cache entry stores them (JSON: the cluster as a list)."""
+    fields = asdict(knobs)
+    fields["cluster"] = list(fields["cluster"])
+    return fields
+
+
 def knobs_from_cache(cache: KnobCache, key: KnobKey) -> GemmKnobs | None:
     """The cached knobs for `key`, or None; an entry that is no longer valid is ignored."""
     fields = cache.get(key)
@@ -66,7 +73,5 @@ def tune_gemm(
     candidates = candidate_knobs(op) if candidates is None else candidates
     best, seconds = pick_fastest(candidates, seconds_of, process_group=process_group)
     best_seconds = min(seconds)
-    fields = asdict(best)
-    fields["cluster"] = list(fields["cluster"])
-    cache.put(key, fields, microseconds=best_seconds * 1e6)
+    cache.put(key, cache_fields(best), microseconds=best_seconds * 1e6)
     return best, best_seconds
