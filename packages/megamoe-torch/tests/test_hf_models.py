@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from megamoe_kernels.reference import relative_l2_error
 
 transformers = pytest.importorskip("transformers")
 
@@ -102,10 +103,6 @@ def tiny_model(family: str, **config_overrides) -> torch.nn.Module:
     return model
 
 
-def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
-
-
 def moe_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return [
         (name, module)
@@ -129,11 +126,11 @@ def test_swapped_model_gives_the_original_logits_router_logits_and_tokens(family
     with torch.no_grad():
         expected = original(input_ids, output_router_logits=True)
         actual = model(input_ids, output_router_logits=True)
-    assert rel_l2(actual.logits, expected.logits) < 1e-5
+    assert relative_l2_error(actual.logits, expected.logits) < 1e-5
     assert len(actual.router_logits) == len(expected.router_logits) > 0
     for got, want in zip(actual.router_logits, expected.router_logits, strict=True):
         assert got.dtype == want.dtype
-        assert rel_l2(got, want) < 1e-5
+        assert relative_l2_error(got, want) < 1e-5
     if expected.aux_loss is not None:
         assert torch.allclose(actual.aux_loss, expected.aux_loss, rtol=1e-5)
     prompt = torch.randint(0, VOCAB, (1, 5))
@@ -150,7 +147,7 @@ def test_router_logits_still_recorded_when_capture_hooks_predate_the_swap():
         actual = model(input_ids, output_router_logits=True)
     assert len(actual.router_logits) == len(expected.router_logits) == 2
     for got, want in zip(actual.router_logits, expected.router_logits, strict=True):
-        assert rel_l2(got, want) < 1e-5
+        assert relative_l2_error(got, want) < 1e-5
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -159,8 +156,8 @@ def test_from_hf_block_matches_the_block_on_any_leading_shape(family):
     layer = from_hf(block, backend="reference")
     x = torch.randn(3, 5, 64)
     with torch.no_grad():
-        assert rel_l2(layer(x), block(x)) < 1e-5
-        assert rel_l2(layer(x[:1, :1]), block(x[:1, :1])) < 1e-5
+        assert relative_l2_error(layer(x), block(x)) < 1e-5
+        assert relative_l2_error(layer(x[:1, :1]), block(x[:1, :1])) < 1e-5
 
 
 def test_deepseek_router_weight_stays_fp32_next_to_bf16_experts():
@@ -187,7 +184,7 @@ def test_checkpoint_state_dict_loads_without_the_model_and_round_trips(family, t
 
     x = torch.randn(1, 9, 64)
     with torch.no_grad():
-        assert rel_l2(layer(x), block(x)) < 1e-5
+        assert relative_l2_error(layer(x), block(x)) < 1e-5
     exported = hf_state_dict_from_megamoe(layer.state_dict(), family=family, layout="per_expert")
     block_name = "block_sparse_moe" if family == "mixtral" else "mlp"
     prefix = f"model.layers.{layer_index}.{block_name}."
@@ -283,11 +280,11 @@ def test_qwen3_moe_on_cuda_backend_auto_matches_the_original_in_bf16():
     # there) and grows through attention; a wrong layer is off by ~1.4 at either point
     block_bound, logits_bound = 2e-2, 0.2
     with torch.no_grad():
-        assert rel_l2(block(x), original_block(x)) < block_bound
+        assert relative_l2_error(block(x), original_block(x)) < block_bound
         expected_logits = original(input_ids).logits
-        assert rel_l2(model(input_ids).logits, expected_logits) < logits_bound
+        assert relative_l2_error(model(input_ids).logits, expected_logits) < logits_bound
         # the bounds catch a wrong layer: experts shuffled must fail them
         for layer in swapped:
             layer.w13.data = layer.w13.data.roll(1, dims=0)
-        assert rel_l2(block(x), original_block(x)) > block_bound
-        assert rel_l2(model(input_ids).logits, expected_logits) > logits_bound
+        assert relative_l2_error(block(x), original_block(x)) > block_bound
+        assert relative_l2_error(model(input_ids).logits, expected_logits) > logits_bound
