@@ -64,6 +64,10 @@ def test_every_default_profile_compiles(rows_per_expert):
         GemmKnobs(tile_rows=128, tile_cols=256, stages=3, cluster=(2, 1)),
         GemmKnobs(tile_rows=64, tile_cols=192, stages=3, cluster=(2, 1), rows_fastest=False),
         GemmKnobs(tile_rows=128, tile_cols=128, stages=4, cluster=(2, 1), pingpong=True),
+        GemmKnobs(tile_rows=16, tile_cols=128, stages=8, swap_ab=True, split_k=4),
+        GemmKnobs(
+            tile_rows=32, tile_cols=64, stages=4, swap_ab=True, split_k=2, rows_fastest=False
+        ),
     ],
     ids=str,
 )

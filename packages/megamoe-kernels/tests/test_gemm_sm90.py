@@ -13,13 +13,19 @@ from dataclasses import replace
 import pytest
 import torch
 from megamoe_kernels import GemmKnobs, down, gate_up_swiglu, interleave_gate_up, knob_problems
-from megamoe_kernels.reference import down_reference, gate_up_swiglu_reference, relative_l2_error
+from megamoe_kernels.reference import (
+    down_reference,
+    expert_mlp_reference,
+    gate_up_swiglu_reference,
+    relative_l2_error,
+)
 from megamoe_kernels.shim.knobs import (
     CLUSTERS,
     COL_TILES,
     ROW_TILES,
     SWAP_COL_TILES,
     SWAP_ROW_TILES,
+    default_knobs,
     max_stages,
 )
 
@@ -117,8 +123,9 @@ def every_valid_knob(op):
         (False, ROW_TILES, COL_TILES),
         (True, SWAP_ROW_TILES, SWAP_COL_TILES),
     ):
-        for tile_rows, tile_cols, pingpong, cluster in itertools.product(
-            row_tiles, col_tiles, (False, True), CLUSTERS
+        # K is 256 here (4 K tiles): split-K up to 4 slices, one K tile each at 4
+        for tile_rows, tile_cols, pingpong, cluster, split_k in itertools.product(
+            row_tiles, col_tiles, (False, True), CLUSTERS, (1, 2, 4)
         ):
             shape = GemmKnobs(
                 tile_rows=tile_rows,
@@ -126,6 +133,7 @@ def every_valid_knob(op):
                 swap_ab=swap_ab,
                 pingpong=pingpong,
                 cluster=cluster,
+                split_k=split_k,
             )
             knobs = replace(shape, stages=min(4, max_stages(shape, op)))
             if not knob_problems(knobs, op):
@@ -171,6 +179,8 @@ def test_every_down_variant_with_tails(knobs):
         GemmKnobs(tile_rows=128, tile_cols=128, stages=4),
         GemmKnobs(tile_rows=32, tile_cols=128, stages=4, swap_ab=True),
         GemmKnobs(tile_rows=64, tile_cols=128, stages=4, cluster=(2, 1)),
+        # down's K = 192 is 3 K tiles: slices of 1 and 2
+        GemmKnobs(tile_rows=16, tile_cols=128, stages=4, swap_ab=True, split_k=2),
     ],
     ids=str,
 )
@@ -298,3 +308,73 @@ def test_clusters_equal_the_single_cta_kernel(shape):
         )
     for single, paired in zip(results[(1, 1)], results[(2, 1)], strict=True):
         assert torch.equal(single[:valid], paired[:valid])
+
+
+@pytest.mark.parametrize(
+    "geometry, counts",
+    [
+        ("dsv3-ep8-local", [0, 0, 0, 1, 0, 0, 0, 0]),  # one token, one local expert
+        ("dsv3-ep8-local", [2, 0, 1, 0, 0, 5, 0, 9]),
+        ("gpt-oss-120b", [1, 1, 0, 3, 0, 0, 1, 0]),  # K = 2880: 45 K tiles, uneven slices
+    ],
+)
+def test_split_k_at_decode_matches_the_oracle_and_repeats_bitwise(geometry, counts):
+    # split-K adds the slices in a fixed order: each split is within the oracle's tolerance and
+    # bitwise equal to itself on every launch (each launch must also leave its arrival counters
+    # at zero, or the next one would store nothing over the NaN-poisoned output)
+    _, hidden, intermediate = GEOMETRY_DIMS[geometry]
+    rows_MH, offsets, w13, w2, valid = make_problem(counts, hidden, intermediate, capacity=20)
+    scale_M = torch.rand(rows_MH.shape[0], device=DEVICE)
+    for split_k in (1, 2, 4, 8):
+        gate_up_knobs = replace(default_knobs("gate_up", 1), split_k=split_k)
+        down_knobs = replace(default_knobs("down", 1), split_k=split_k)
+        first = None
+        for _ in range(3):
+            hidden_MI = check_gate_up(rows_MH, offsets, w13, valid, knobs=gate_up_knobs)
+            hidden_MI[valid:] = float("nan")
+            out_MH = check_down(
+                hidden_MI, offsets, w2, valid, row_scale_M=scale_M, knobs=down_knobs
+            )
+            if first is None:
+                first = (hidden_MI, out_MH)
+            assert torch.equal(first[0][:valid], hidden_MI[:valid])
+            assert torch.equal(first[1][:valid], out_MH[:valid])
+
+
+def test_split_k_replays_in_a_cuda_graph_with_new_routing():
+    _, hidden, intermediate = GEOMETRY_DIMS["dsv3-ep8-local"]
+    rows_MH, offsets, w13, w2, _ = make_problem([1] * 8, hidden, intermediate)
+    w13_interleaved = interleave_gate_up(w13)
+    gate_up_knobs = replace(default_knobs("gate_up", 1), split_k=4)
+    down_knobs = replace(default_knobs("down", 1), split_k=2)
+
+    def layer():
+        hidden_MI = gate_up_swiglu(rows_MH, offsets, w13_interleaved, knobs=gate_up_knobs)
+        return down(hidden_MI, offsets, w2, knobs=down_knobs)
+
+    layer()  # compile and allocate the workspace outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_MH = layer()
+    for counts in ([1] * 8, [0, 0, 8, 0, 0, 0, 0, 0], [3, 0, 0, 0, 0, 0, 0, 5], [0] * 8):
+        routed = torch.zeros(9, dtype=torch.int32)
+        routed[1:] = torch.cumsum(torch.tensor(counts), 0)
+        offsets.copy_(routed)
+        out_MH.fill_(float("nan"))
+        graph.replay()
+        valid = sum(counts)
+        expected = expert_mlp_reference(
+            rows_MH, offsets, w13, w2, round_intermediate_to=torch.bfloat16
+        )
+        if valid:
+            assert relative_l2_error(out_MH[:valid], expected[:valid]) <= TOLERANCE
+        assert torch.isnan(out_MH[valid:]).all()
+
+
+def test_split_k_refuses_a_prefill_sized_workspace_and_a_short_k():
+    rows_MH, offsets, w13, _, _ = make_problem([100_000, 100_000], 256, 128)
+    knobs = GemmKnobs(tile_rows=16, tile_cols=64, stages=4, swap_ab=True, split_k=4)
+    with pytest.raises(ValueError, match="workspace"):
+        gate_up_swiglu(rows_MH, offsets, interleave_gate_up(w13), knobs=knobs)
+    with pytest.raises(ValueError, match="split_k=8 needs K >= 449"):
+        gate_up_swiglu(rows_MH, offsets, interleave_gate_up(w13), knobs=replace(knobs, split_k=8))

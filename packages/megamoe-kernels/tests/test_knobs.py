@@ -40,6 +40,8 @@ def test_default_profile_is_always_valid(op, rows_per_expert):
             GemmKnobs(pingpong=True, swap_ab=True, tile_rows=32, tile_cols=128),
             "pingpong with swap_ab",
         ),
+        (GemmKnobs(split_k=3, swap_ab=True, tile_rows=16, tile_cols=128), "split_k=3: accepted"),
+        (GemmKnobs(split_k=2), "split_k=2 without swap_ab"),
     ],
 )
 def test_invalid_combination_says_why_and_fails_closed(knobs, reason):

@@ -62,7 +62,7 @@ def hgmma_shapes(cubin: Path, tools: Path) -> list[str]:
 
 def variants_to_check() -> list[tuple[str, str, object, int]]:
     """(label, op, knobs, rows per expert): every default profile, plus the pingpong and the
-    2-CTA cluster variants, which no profile picks but a tuner may."""
+    2-CTA cluster and split-K decode variants, which no profile picks but a tuner may."""
     from megamoe_kernels import GemmKnobs, default_knobs
     from megamoe_kernels.shim.knobs import PROFILE_ROWS_PER_EXPERT, max_stages
 
@@ -79,6 +79,9 @@ def variants_to_check() -> list[tuple[str, str, object, int]]:
         ("tuned", op, replace(knobs, stages=max_stages(knobs, op)), 512)
         for knobs in tuned
         for op in ("gate_up", "down")
+    ]
+    variants += [
+        ("split4", op, replace(default_knobs(op, 1), split_k=4), 1) for op in ("gate_up", "down")
     ]
     return variants
 

@@ -8,6 +8,10 @@ Layouts (row-major, contiguous last dim):
   w    (N, K, E)      each expert's weight, K-major (a [E, N, K] tensor seen as (N, K, E))
   out  [capacity, N_out]; N_out = N / 2 for the SwiGLU epilogue, else N
   row_scale [capacity] float32, optional (multiplies each output row; plain epilogue only)
+  partials  [slots x split_k x tile_rows x tile_cols] float32, split_k > 1 only: a tile's slices
+  arrivals  [slots] int32, split_k > 1 only: zero before the first launch; each launch leaves
+            it zero (slot t is the t-th tile of the schedule; tiles past the slots are skipped,
+            which only bad offsets can produce)
 
 Structure: persistent CTAs; warpgroup 0 is the producer (one warp issues TMA loads into a
 `stages`-deep shared-memory ring), warpgroups 1..W consume with wgmma and run the epilogue.
@@ -36,6 +40,15 @@ both CTAs' rings, so each SM pulls half the weight bytes from L2. A consumer rel
 on both CTAs' rings (the peer's TMA writes into it too). When an expert's row tiles are odd,
 the second CTA's tile of the last pair is empty: it still loads (its partner's rows, unused)
 and drains the ring like a tile whose slab has no rows, and stores nothing.
+
+split_k = S > 1 (swap_ab only) splits each tile's K into S slices worked by S different CTAs:
+the decode shape has fewer weight tiles than SMs (one expert of 4096 weight rows is 32 tiles of
+128), so the weight stream would run on a quarter of the GPU. The schedule's unit is one slice of
+one tile (slices vary fastest, so the S slices of a tile run at once on neighbouring CTAs). Each
+CTA writes its fp32 accumulators to the tile's slot of a global workspace, fences, and counts
+itself in on the tile's arrival counter; the CTA that arrives last adds the S slices in slice
+order (its own from registers), resets the counter for the next launch and runs the epilogue.
+The sum's order is fixed, so results are deterministic (not bitwise those of split_k = 1).
 
 SwiGLU: w is the gate/up interleaved weight (gate_up_layout); out = silu(gate) * up in fp32.
 """
@@ -83,6 +96,7 @@ class ExpertGroupedGemmSm90:
                swap_ab)
     pingpong:  two consumer warpgroups on alternate tiles (epilogue overlaps the other's MMAs);
                without swap_ab, at most 64 x 256 accumulators per tile
+    split_k:   CTAs that share each tile's K (swap_ab only; at most the K tiles of 64)
     """
 
     def __init__(
@@ -98,6 +112,7 @@ class ExpertGroupedGemmSm90:
         num_ctas,
         pingpong=False,
         cluster_rows=1,
+        split_k=1,
     ):
         self.tile_rows = tile_rows
         self.tile_cols = tile_cols
@@ -109,6 +124,7 @@ class ExpertGroupedGemmSm90:
         self.num_ctas = num_ctas
         self.pingpong = pingpong
         self.cluster_rows = cluster_rows
+        self.split_k = split_k
         # rows of one schedule unit: a row tile per CTA of the cluster
         self.unit_rows = tile_rows * cluster_rows
         self.mma_m, self.mma_n = (tile_cols, tile_rows) if swap_ab else (tile_rows, tile_cols)
@@ -126,7 +142,7 @@ class ExpertGroupedGemmSm90:
         self.partner_offset = 2 if swap_ab else 4
 
     @cute.jit
-    def __call__(self, mX, mW, mOut, mOffsets, mRowScale, stream):
+    def __call__(self, mX, mW, mOut, mOffsets, mRowScale, mPartials, mArrivals, stream):
         ab_dtype = mX.element_type
         self.ab_dtype = ab_dtype
         k_major = cute.nvgpu.OperandMajorMode.K
@@ -176,6 +192,8 @@ class ExpertGroupedGemmSm90:
         @cute.struct
         class SharedStorage:
             ring_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            # split_k: whether this CTA arrived last at the tile, told to the whole team
+            last_arrival: cute.struct.MemRange[cutlass.Int32, 1]
             sX: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(x_layout)], 1024]
             sW: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(w_layout)], 1024]
             sOut: cute.struct.Align[
@@ -191,6 +209,8 @@ class ExpertGroupedGemmSm90:
             mOut,
             mOffsets,
             mRowScale,
+            mPartials,
+            mArrivals,
             self.tiled_mma,
             x_layout,
             w_layout,
@@ -208,9 +228,14 @@ class ExpertGroupedGemmSm90:
         )
 
     @cute.jit
-    def next_tile(self, tile, expert, expert_first_tile, mOffsets, num_experts, col_tiles):
+    def next_tile(
+        self, tile, expert, expert_first_tile, mOffsets, num_experts, col_units, row_limit
+    ):
         """Walks forward from (expert, expert_first_tile) to the expert owning linear schedule
-        unit `tile` (a unit is cluster_rows row tiles of one column tile; without clusters, a tile).
+        unit `tile` (a unit is cluster_rows row tiles of one column tile, or one K slice of a tile
+        with split_k; otherwise a tile). An expert has col_units units per row unit; its rows
+        are clamped to [0, row_limit), the batch's capacity, so bad offsets never address rows
+        past it.
 
         Called by whole warps: each trip, lane j loads the row ranges of EXPERTS_PER_LANE
         experts from expert + j * EXPERTS_PER_LANE on, a warp prefix sum of their tile counts
@@ -228,7 +253,7 @@ class ExpertGroupedGemmSm90:
             lane_expert = expert + lane * EXPERTS_PER_LANE
             # experts past the last one read an empty range (offsets[E], offsets[E])
             bounds = [
-                mOffsets[cutlass.min(lane_expert + j, num_experts)]
+                cutlass.min(mOffsets[cutlass.min(lane_expert + j, num_experts)], row_limit)
                 for j in range(EXPERTS_PER_LANE + 1)
             ]
             expert_row_units = [
@@ -237,7 +262,7 @@ class ExpertGroupedGemmSm90:
             ]
             lane_tiles = cutlass.Int32(0)
             for j in cutlass.range_constexpr(EXPERTS_PER_LANE):
-                lane_tiles = lane_tiles + expert_row_units[j] * col_tiles
+                lane_tiles = lane_tiles + expert_row_units[j] * col_units
             tiles_through_lane = warp_inclusive_sum(lane_tiles, lane)
             # the lanes whose experts reach past `tile` are a suffix of the warp
             owners = cute.arch.vote_ballot_sync(tile < expert_first_tile + tiles_through_lane)
@@ -252,13 +277,13 @@ class ExpertGroupedGemmSm90:
                 looking = cutlass.Boolean(True)
                 for j in cutlass.range_constexpr(EXPERTS_PER_LANE):
                     if looking:
-                        if tile < sub_first + expert_row_units[j] * col_tiles:
+                        if tile < sub_first + expert_row_units[j] * col_units:
                             looking = False
                             sub_row_units = expert_row_units[j]
                             sub_begin = bounds[j]
                             sub_end = bounds[j + 1]
                         else:
-                            sub_first = sub_first + expert_row_units[j] * col_tiles
+                            sub_first = sub_first + expert_row_units[j] * col_units
                             sub_expert = sub_expert + 1
                 expert = (
                     expert + owner * EXPERTS_PER_LANE + cute.arch.shuffle_sync(sub_expert, owner)
@@ -279,14 +304,26 @@ class ExpertGroupedGemmSm90:
 
     @cute.jit
     def tile_origin(self, local_unit, row_units, col_tiles, expert_row0, cluster_rank):
-        """The first batch row and the column tile of this CTA's tile of an expert's unit."""
+        """The first batch row, the column tile and the K slice of this CTA's tile of an
+        expert's unit (the slice varies fastest)."""
+        split = cutlass.Int32(0)
+        if cutlass.const_expr(self.split_k > 1):
+            split = local_unit % self.split_k
+            local_unit = local_unit // self.split_k
         row_unit = local_unit // col_tiles
         col_tile = local_unit % col_tiles
         if cutlass.const_expr(self.rows_fastest):
             row_unit = local_unit % row_units
             col_tile = local_unit // row_units
         row_tile = row_unit * self.cluster_rows + cluster_rank
-        return expert_row0 + row_tile * self.tile_rows, col_tile
+        return expert_row0 + row_tile * self.tile_rows, col_tile, split
+
+    @cute.jit
+    def k_slice(self, split, k_tiles):
+        """The K tiles [begin, end) of slice `split` (all of them without split_k)."""
+        begin = split * k_tiles // self.split_k
+        end = (split + 1) * k_tiles // self.split_k
+        return begin, end
 
     @cute.kernel
     def kernel(
@@ -298,6 +335,8 @@ class ExpertGroupedGemmSm90:
         mOut: cute.Tensor,
         mOffsets: cute.Tensor,
         mRowScale,
+        mPartials,
+        mArrivals,
         tiled_mma: cute.TiledMma,
         x_layout: cute.ComposedLayout,
         w_layout: cute.ComposedLayout,
@@ -339,6 +378,8 @@ class ExpertGroupedGemmSm90:
         n_cols = cute.size(mW, mode=[0])
         col_tiles = (n_cols + self.tile_cols - 1) // self.tile_cols
         k_tiles = (cute.size(mX, mode=[1]) + TILE_K - 1) // TILE_K
+        col_units = col_tiles * self.split_k
+        capacity = cute.size(mX, mode=[0])
         # the cluster walks the schedule's units; this CTA takes row tile `cluster_rank` of each
         cluster_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster_idx = block_idx // self.cluster_rows
@@ -364,12 +405,19 @@ class ExpertGroupedGemmSm90:
                 )
                 unit = cutlass.Int32(cluster_idx)
                 expert, first, row_units, expert_row0, expert_row_end, found = self.next_tile(
-                    unit, cutlass.Int32(0), cutlass.Int32(0), mOffsets, num_experts, col_tiles
+                    unit,
+                    cutlass.Int32(0),
+                    cutlass.Int32(0),
+                    mOffsets,
+                    num_experts,
+                    col_units,
+                    capacity,
                 )
                 while found:
-                    row0, col_tile = self.tile_origin(
+                    row0, col_tile, split = self.tile_origin(
                         unit - first, row_units, col_tiles, expert_row0, cluster_rank
                     )
+                    k_begin, k_end = self.k_slice(split, k_tiles)
                     if row0 >= expert_row_end:
                         # an empty tile (the cluster's partner has the expert's last row tile):
                         # load rows that exist; nothing reads them
@@ -385,7 +433,7 @@ class ExpertGroupedGemmSm90:
                         cute.group_modes(gX, 0, 2),
                     )
                     tWgW_tile = tWgW[(None, col_tile, None, expert)]
-                    for k_tile in range(k_tiles):
+                    for k_tile in range(k_begin, k_end):
                         ring.producer_acquire(state)
                         barrier = ring.producer_get_barrier(state)
                         cute.copy(
@@ -413,7 +461,7 @@ class ExpertGroupedGemmSm90:
                         state.advance()
                     unit = unit + num_clusters
                     expert, first, row_units, expert_row0, expert_row_end, found = self.next_tile(
-                        unit, expert, first, mOffsets, num_experts, col_tiles
+                        unit, expert, first, mOffsets, num_experts, col_units, capacity
                     )
                 ring.producer_tail(state)
         else:
@@ -463,12 +511,14 @@ class ExpertGroupedGemmSm90:
                 slab_row0 = (warpgroup_idx - 1) * 64
             unit = cutlass.Int32(cluster_idx) + team * num_clusters
             expert, first, row_units, expert_row0, row_end, found = self.next_tile(
-                unit, cutlass.Int32(0), cutlass.Int32(0), mOffsets, num_experts, col_tiles
+                unit, cutlass.Int32(0), cutlass.Int32(0), mOffsets, num_experts, col_units, capacity
             )
             while found:
-                row0, col_tile = self.tile_origin(
+                row0, col_tile, split = self.tile_origin(
                     unit - first, row_units, col_tiles, expert_row0, cluster_rank
                 )
+                k_begin, k_end = self.k_slice(split, k_tiles)
+                slice_tiles = k_end - k_begin
 
                 accumulators.fill(0.0)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -482,7 +532,7 @@ class ExpertGroupedGemmSm90:
                 slab_has_rows = row0 + slab_row0 < row_end
                 if slab_has_rows:
                     warpgroup.fence()
-                    for k_tile in range(k_tiles):
+                    for k_tile in range(slice_tiles):
                         ring.consumer_wait(read_state)
                         for k_block in cutlass.range_constexpr(num_k_blocks):
                             coord = (None, None, k_block, read_state.index)
@@ -500,7 +550,7 @@ class ExpertGroupedGemmSm90:
                     ring.consumer_release(release_state)
                     release_state.advance()
                 else:
-                    for k_tile in range(k_tiles):
+                    for k_tile in range(slice_tiles):
                         ring.consumer_wait(read_state)
                         ring.consumer_release(release_state)
                         release_state.advance()
@@ -511,7 +561,21 @@ class ExpertGroupedGemmSm90:
                     read_state.advance(k_tiles)
                     release_state.advance(k_tiles)
 
-                if row0 < row_end:  # an empty tile of a cluster's last pair stores nothing
+                # an empty tile of a cluster's last pair stores nothing; with split_k only the
+                # CTA that completes the tile's sum stores it
+                stores = row0 < row_end
+                if cutlass.const_expr(self.split_k > 1):
+                    stores = self.sum_slices(
+                        accumulators,
+                        mPartials,
+                        mArrivals,
+                        storage.last_arrival.get_tensor(cute.make_layout(1)),
+                        tile=unit // self.split_k,
+                        split=split,
+                        team_tidx=team_tidx,
+                        barrier=epilogue_barrier,
+                    )
+                if stores:
                     self.epilogue(
                         accumulators,
                         tCcC,
@@ -526,8 +590,54 @@ class ExpertGroupedGemmSm90:
                     )
                 unit = unit + unit_step
                 expert, first, row_units, expert_row0, row_end, found = self.next_tile(
-                    unit, expert, first, mOffsets, num_experts, col_tiles
+                    unit, expert, first, mOffsets, num_experts, col_units, capacity
                 )
+
+    @cute.jit
+    def sum_slices(
+        self, accumulators, mPartials, mArrivals, sLastArrival, *, tile, split, team_tidx, barrier
+    ):
+        """split_k: puts this CTA's slice of the tile in the workspace and counts it in; the
+        CTA that arrives last gets the sum of every slice, in slice order, in `accumulators`
+        and returns True. The workspace holds each thread's fragment as it is in registers
+        (every slice has the same layout), value-major so a warp's stores are coalesced."""
+        values = cute.size(accumulators)
+        arrived_last = cutlass.Boolean(False)
+        if tile < cute.size(mArrivals):
+            partials = mPartials.iterator + tile * self.split_k * values * self.tile_threads
+            mine = partials + split * values * self.tile_threads
+            for v in cutlass.range_constexpr(values):
+                cute.arch.store(
+                    mine + (v * self.tile_threads + team_tidx), accumulators[v], cop="cg"
+                )
+            # every thread's slice is visible at GPU scope before the team counts itself in
+            cute.arch.fence_acq_rel_gpu()
+            barrier.arrive_and_wait()
+            if team_tidx == 0:
+                arrival = mArrivals.iterator + tile
+                before = cute.arch.atomic_add(arrival, cutlass.Int32(1), sem="acq_rel", scope="gpu")
+                last = before == self.split_k - 1
+                if last:
+                    # every slice has arrived: ready for the next launch
+                    cute.arch.store(arrival, cutlass.Int32(0))
+                sLastArrival[0] = cutlass.Int32(last)
+            barrier.arrive_and_wait()
+            arrived_last = sLastArrival[0] != 0
+            if arrived_last:
+                cute.arch.fence_acq_rel_gpu()
+                for v in cutlass.range_constexpr(values):
+                    total = cutlass.Float32(0.0)
+                    for s in cutlass.range_constexpr(self.split_k):
+                        value = accumulators[v]
+                        if s != split:
+                            value = cute.arch.load(
+                                partials + ((s * values + v) * self.tile_threads + team_tidx),
+                                cutlass.Float32,
+                                cop="cg",
+                            )
+                        total = total + value
+                    accumulators[v] = total
+        return arrived_last
 
     @cute.jit
     def epilogue(

@@ -100,13 +100,25 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "row_scale",
             "rows_fastest",
             "num_ctas",
+            "pingpong",
+            "cluster_rows",
+            "split_k",
         ),
     ),
     DropSymbol(
         "expert_gemm_sm90",
         "ExpertGroupedGemmSm90.__call__",
         "function",
-        parameters=("mX", "mW", "mOut", "mOffsets", "mRowScale", "stream"),
+        parameters=(
+            "mX",
+            "mW",
+            "mOut",
+            "mOffsets",
+            "mRowScale",
+            "mPartials",
+            "mArrivals",
+            "stream",
+        ),
         passed_as="positional",  # shim/ffi_launch.py calls kernel(mX, mW, ..., stream)
     ),
     # shim/expert_gemm.py: the gate/up weight interleave

@@ -19,6 +19,11 @@ capture records it). Nothing is converted in Python and nothing is held after a 
 The Python checks (clear errors naming the argument) run when a kernel is compiled, when
 compiling only, and when a launch fails; a launch that hits the cache relies on the compiled
 signature, which refuses any tensor of another dtype, shape, layout, alignment or device.
+
+Split-K variants also take a workspace: fp32 slices and int32 arrival counters, allocated once
+per (device, stream, size), zeroed once and left zero by every launch, and never freed (a
+captured CUDA graph keeps addressing them). Launches on one stream run one after another, so
+they can share it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import NoReturn
 import torch
 
 from megamoe_kernels.drop.gate_up_layout import GATE_UP_BLOCK, interleaved_source_row
+from megamoe_kernels.drop.tiling import TILE_K
 from megamoe_kernels.shim.knobs import GemmKnobs, resolve_knobs
 
 _COMPILE_LOCK = threading.Lock()
@@ -39,6 +45,9 @@ _COMPILED: dict[tuple, Callable] = {}
 _SUPPORTED_DTYPES = (torch.bfloat16,)
 _DEFAULT_SM_COUNT = 132  # H200; only used when compiling without a GPU
 _ALIGN_BYTES = 16  # TMA and 16-byte vector stores: every tensor's base address
+# split-K is for decode batches: a workspace beyond this means the knobs do not fit the batch
+_SPLIT_K_MAX_WORKSPACE_BYTES = 256 << 20
+_SPLIT_K_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def interleave_gate_up(w13_E2IH: torch.Tensor) -> torch.Tensor:
@@ -200,6 +209,53 @@ def _persistent_ctas(device_index: int, cluster_size: int) -> int:
     return clusters * cluster_size
 
 
+def _split_k_slots(knobs: GemmKnobs, *, capacity: int, experts: int, n: int) -> int:
+    """Tiles a schedule can hold: each expert with rows has at most rows // tile_rows + 1 row
+    tiles, and at most min(E, capacity) experts have rows."""
+    col_tiles = -(-n // knobs.tile_cols)
+    return (capacity // knobs.tile_rows + min(experts, capacity)) * col_tiles
+
+
+def _split_k_workspace(
+    knobs: GemmKnobs, x_MK: torch.Tensor, *, experts: int, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partials, arrivals) for a split-K launch on the current stream."""
+    slots = _split_k_slots(knobs, capacity=x_MK.shape[0], experts=experts, n=n)
+    words = slots * knobs.split_k * knobs.tile_rows * knobs.tile_cols
+    if words * 4 > _SPLIT_K_MAX_WORKSPACE_BYTES:
+        raise ValueError(
+            f"split_k={knobs.split_k} at capacity {x_MK.shape[0]} needs a {words * 4 >> 20} MiB "
+            f"workspace (at most {_SPLIT_K_MAX_WORKSPACE_BYTES >> 20} MiB): split-K is for decode "
+            "batches; use split_k=1 or a smaller capacity"
+        )
+    key = (x_MK.device, torch.cuda.current_stream(x_MK.device).cuda_stream, words, slots)
+    workspace = _SPLIT_K_WORKSPACES.get(key)
+    if workspace is None:
+        workspace = (
+            torch.empty(words, dtype=torch.float32, device=x_MK.device),
+            torch.zeros(slots, dtype=torch.int32, device=x_MK.device),
+        )
+        _SPLIT_K_WORKSPACES[key] = workspace
+    return workspace
+
+
+def _check_split_k(knobs: GemmKnobs, k: int) -> None:
+    k_tiles = -(-k // TILE_K)
+    if knobs.split_k > k_tiles:
+        raise ValueError(
+            f"split_k={knobs.split_k} needs K >= {(knobs.split_k - 1) * TILE_K + 1} (one K tile "
+            f"of {TILE_K} per slice), got K={k}"
+        )
+
+
+def _resolve(op: str, knobs: GemmKnobs | None, x_MK: torch.Tensor, experts: int) -> GemmKnobs:
+    """The launch's knobs: `knobs` or the default profile for capacity / experts rows per
+    expert (resolve_knobs), with K long enough for their split-K."""
+    resolved = resolve_knobs(op, x_MK.shape[0] / max(1, experts), knobs)
+    _check_split_k(resolved, x_MK.shape[1])
+    return resolved
+
+
 def _launch(
     op: str,
     knobs: GemmKnobs,
@@ -224,7 +280,12 @@ def _launch(
     if compiled is None:
         compiled = _compile(op, knobs, key)
     if device_index >= 0:
-        compiled(x_MK, w, out_MN, expert_offsets, row_scale_M)
+        partials = arrivals = None
+        if knobs.split_k > 1:
+            # N, the weight rows: the gate-up's output holds half of them (SwiGLU pairs)
+            n = out_MN.shape[1] * (2 if op == "gate_up" else 1)
+            partials, arrivals = _split_k_workspace(knobs, x_MK, experts=w.shape[0], n=n)
+        compiled(x_MK, w, out_MN, expert_offsets, row_scale_M, partials, arrivals)
 
 
 def _compile(op: str, knobs: GemmKnobs, key: tuple) -> Callable:
@@ -255,6 +316,7 @@ def _compile(op: str, knobs: GemmKnobs, key: tuple) -> Callable:
             rows_fastest=knobs.rows_fastest,
             pingpong=knobs.pingpong,
             cluster_rows=knobs.cluster[0],
+            split_k=knobs.split_k,
             # persistent CTAs: those beyond the routed tiles find no work and exit
             num_ctas=_persistent_ctas(device_index, knobs.cluster[0]),
         )
@@ -265,6 +327,7 @@ def _compile(op: str, knobs: GemmKnobs, key: tuple) -> Callable:
             k=k,
             n_out=n_out,
             has_row_scale=has_row_scale,
+            split_k=knobs.split_k,
         )
         _COMPILED[key] = compiled
         return compiled
@@ -288,7 +351,7 @@ def gate_up_swiglu(
         capacity = rows_MH.shape[0]
         experts, blocks = w13_EB2GH.shape[:2]
         out = rows_MH.new_empty((capacity, blocks * GATE_UP_BLOCK)) if out_MI is None else out_MI
-        resolved = resolve_knobs("gate_up", capacity / max(1, experts), knobs)
+        resolved = _resolve("gate_up", knobs, rows_MH, experts)
         if capacity == 0:
             check()
             return out
@@ -327,7 +390,7 @@ def down(
         capacity = hidden_MI.shape[0]
         experts, hidden = w2_EHI.shape[:2]
         out = hidden_MI.new_empty((capacity, hidden)) if out_MH is None else out_MH
-        resolved = resolve_knobs("down", capacity / max(1, experts), knobs)
+        resolved = _resolve("down", knobs, hidden_MI, experts)
         if capacity == 0:
             check()
             return out

@@ -8,8 +8,10 @@ a few microseconds per launch, against ~70 us for the pointer wrappers this repl
 
 The signature: x [rows, K], w as stored ([E, ...], contiguous, E * N * K elements, each expert's
 N x K block row-major), out [rows, N_out], offsets [E + 1] int32, row scale [rows] float32 or
-None; `rows` is the only runtime dim, one symbol shared by x, out and the row scale (so a row
-count that differs between them is refused before launch). The jit wrapper views w as the
+None, and for split-K variants the workspace: partials [words] float32 and arrivals [slots]
+int32 (else None, None). `rows` is one symbol shared by x, out and the row scale (so a row
+count that differs between them is refused before launch); the workspace sizes are runtime
+dims too. The jit wrapper views w as the
 (N, K, E) K-major tensor the kernel takes, so callers pass weights without a per-call permute.
 
 Imported on first compile only: it imports CuTe DSL.
@@ -32,12 +34,12 @@ class StoredWeightLaunch:
         self.n, self.k, self.experts = n, k, experts
 
     @cute.jit
-    def __call__(self, mX, mWStored, mOut, mOffsets, mRowScale, stream):
+    def __call__(self, mX, mWStored, mOut, mOffsets, mRowScale, mPartials, mArrivals, stream):
         n, k, experts = self.n, self.k, self.experts
         mW = cute.make_tensor(
             mWStored.iterator, cute.make_layout((n, k, experts), stride=(k, 1, n * k))
         )
-        self.kernel(mX, mW, mOut, mOffsets, mRowScale, stream)
+        self.kernel(mX, mW, mOut, mOffsets, mRowScale, mPartials, mArrivals, stream)
 
 
 def _row_major(dtype, shape):
@@ -55,9 +57,11 @@ def compile_stored_weight_launch(
     k: int,
     n_out: int,
     has_row_scale: bool,
+    split_k: int,
 ):
     """cute.compile of `kernel` behind StoredWeightLaunch, for the TVM-FFI calling convention:
-    the result is called as f(x, w, out, offsets, row_scale_or_None) with torch tensors."""
+    the result is called as f(x, w, out, offsets, row_scale_or_None, partials_or_None,
+    arrivals_or_None) with torch tensors (the workspace when split_k > 1)."""
     experts = weight_shape[0]
     rows = cute.sym_int32(symbol="rows")
     x = _row_major(cutlass.BFloat16, (rows, k))
@@ -65,6 +69,10 @@ def compile_stored_weight_launch(
     out = _row_major(cutlass.BFloat16, (rows, n_out))
     offsets = _row_major(cutlass.Int32, (experts + 1,))
     row_scale = _row_major(cutlass.Float32, (rows,)) if has_row_scale else None
+    partials = arrivals = None
+    if split_k > 1:
+        partials = _row_major(cutlass.Float32, (cute.sym_int32(symbol="partial_words"),))
+        arrivals = _row_major(cutlass.Int32, (cute.sym_int32(symbol="slots"),))
     launch = StoredWeightLaunch(kernel, n=n, k=k, experts=experts)
     return cute.compile(
         launch,
@@ -73,6 +81,8 @@ def compile_stored_weight_launch(
         out,
         offsets,
         row_scale,
+        partials,
+        arrivals,
         make_fake_stream(use_tvm_ffi_env_stream=True),
         options="--enable-tvm-ffi",
     )

@@ -29,6 +29,8 @@ MAX_STAGES = 12
 CLUSTERS = ((1, 1), (2, 1))
 # fp32 accumulators of one warpgroup's tile with pingpong: 128 registers per thread
 PINGPONG_MAX_ACCUMULATORS = 64 * 256
+# CTAs that may share one tile's K (split-K, swap_ab only)
+SPLIT_K = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,10 @@ class GemmKnobs:
     swap_ab, whose decode tiles hold an expert's rows in one tile); rows_fastest: schedule order inside an
     expert (row tiles vary fastest, so each weight tile streams once); pingpong: two consumer
     warpgroups on alternate tiles, so one's epilogue overlaps the other's MMAs (not with swap_ab;
-    a tile of at most PINGPONG_MAX_ACCUMULATORS, each warpgroup holding a whole one)."""
+    a tile of at most PINGPONG_MAX_ACCUMULATORS, each warpgroup holding a whole one); split_k:
+    CTAs that share each tile's K, one of SPLIT_K (swap_ab only: decode batches have fewer
+    weight tiles than SMs; the CTA that finishes a tile last adds the slices in a fixed order,
+    so results stay deterministic)."""
 
     tile_rows: int = 128
     tile_cols: int = 256
@@ -49,6 +54,7 @@ class GemmKnobs:
     cluster: tuple[int, int] = (1, 1)
     rows_fastest: bool = True
     pingpong: bool = False
+    split_k: int = 1
 
 
 def epilogue_smem_bytes(knobs: GemmKnobs, op: str) -> int:
@@ -85,6 +91,13 @@ def knob_problems(knobs: GemmKnobs, op: str) -> list[str]:
         problems.append(
             f"cluster={knobs.cluster} with swap_ab: not built (a decode tile holds an expert's "
             "rows, so there is no second row tile to share the weight with)"
+        )
+    if knobs.split_k not in SPLIT_K:
+        problems.append(f"split_k={knobs.split_k}: accepted {SPLIT_K}")
+    elif knobs.split_k > 1 and not knobs.swap_ab:
+        problems.append(
+            f"split_k={knobs.split_k} without swap_ab: not built (prefill batches have a tile per "
+            "SM or more already)"
         )
     if knobs.pingpong and knobs.swap_ab:
         problems.append("pingpong with swap_ab: not built (decode tiles have no epilogue to hide)")
@@ -142,27 +155,29 @@ PROFILE_ROWS_PER_EXPERT = (1, 16, 32, 64, 128, 512)
 def candidate_knobs(
     op: str, *, stage_choices: tuple[str, ...] = ("3", "4", "max")
 ) -> list[GemmKnobs]:
-    """Every valid tile shape in both orientations (the prefill ones also in 2-CTA clusters), each
-    with the ring depths in `stage_choices`
+    """Every valid tile shape in both orientations (the prefill ones also in 2-CTA clusters, the
+    swap-AB ones also with split-K), each with the ring depths in `stage_choices`
     ("max" = the deepest that fits): what a tuner times."""
     shapes = [
-        (rows, cols, False, pingpong, cluster)
+        (rows, cols, False, pingpong, cluster, 1)
         for rows, cols in itertools.product(ROW_TILES, COL_TILES)
         for pingpong in (False, True)
         for cluster in CLUSTERS
     ]
     shapes += [
-        (rows, cols, True, False, (1, 1))
+        (rows, cols, True, False, (1, 1), split)
         for rows, cols in itertools.product(SWAP_ROW_TILES, SWAP_COL_TILES)
+        for split in SPLIT_K
     ]
     candidates = []
-    for tile_rows, tile_cols, swap_ab, pingpong, cluster in shapes:
+    for tile_rows, tile_cols, swap_ab, pingpong, cluster, split_k in shapes:
         base = GemmKnobs(
             tile_rows=tile_rows,
             tile_cols=tile_cols,
             swap_ab=swap_ab,
             pingpong=pingpong,
             cluster=cluster,
+            split_k=split_k,
         )
         depths = {
             max_stages(base, op) if choice == "max" else int(choice) for choice in stage_choices
