@@ -2,6 +2,7 @@
 
     python3 scripts/gemm_knob_sweep.py --geometry qwen3-30b-a3b dsv3 --tokens 2048 8192 \
         [--clusters 1 2] [--stages 3 max]
+    python3 scripts/gemm_knob_sweep.py --geometry dsv3-ep8-local --tokens 1 --split-k 1 2 4 8
 
 Per (geometry, tokens): the layer's own router on random tokens, the tight expert-major batch,
 then each GEMM with each tile shape of SHAPES, in each cluster size and ring depth asked for
@@ -9,6 +10,10 @@ then each GEMM with each tile shape of SHAPES, in each cluster size and ring dep
 difference from the first variant's output (every variant computes the same sums in the same
 order, so 0 is expected). `megamoe tune` searches every
 valid combination and stores the winner; this is the quick side-by-side look.
+
+--split-k times the batch's default-profile knobs (swap-AB at decode) with each split-K instead
+of SHAPES, and also prints the weight stream's rate (the bytes of every expert with rows over the
+time): split-K sums in another order, so its differences are rounding, not 0.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import itertools
 from dataclasses import replace
 
 import torch
-from megamoe_kernels import GemmKnobs, knob_problems
+from megamoe_kernels import GemmKnobs, default_knobs, knob_problems
 from megamoe_kernels.shim.knobs import max_stages
 from megamoe_runtime.geometries import GEOMETRIES
 from megamoe_torch.timing import median_graph_replay_seconds
@@ -37,17 +42,30 @@ SHAPES = [
 
 @torch.no_grad()
 def sweep(
-    geometry_name: str, tokens: int, *, repeats: int, clusters: list[int], stages: list[str]
+    geometry_name: str,
+    tokens: int,
+    *,
+    repeats: int,
+    clusters: list[int],
+    stages: list[str],
+    splits: list[int] | None,
 ) -> None:
     device = torch.device("cuda")
     geometry = GEOMETRIES[geometry_name]
     batch, runners = gemm_runners(geometry, tokens, device=device)
     valid = int(batch.expert_offsets[-1])
+    experts_with_rows = int((batch.expert_offsets.diff() > 0).sum())
     for op, ((n, k), run) in runners.items():
         flops = 2 * valid * n * k
+        weight_bytes = experts_with_rows * n * k * 2
         first = None
         variants = []
-        for (tile_rows, tile_cols, pingpong), cluster in itertools.product(SHAPES, clusters):
+        if splits:
+            profile = default_knobs(op, batch.capacity / geometry.num_experts)
+            variants = [replace(profile, split_k=split) for split in splits]
+        for (tile_rows, tile_cols, pingpong), cluster in itertools.product(
+            [] if splits else SHAPES, clusters
+        ):
             shape = GemmKnobs(
                 tile_rows=tile_rows, tile_cols=tile_cols, pingpong=pingpong, cluster=(cluster, 1)
             )
@@ -67,9 +85,10 @@ def sweep(
             )
             print(
                 f"{geometry_name:16s} {tokens:6d} {op:8s} {tile_rows}x{tile_cols}"
-                f"{' pingpong' if pingpong else '':9s} cluster={knobs.cluster[0]} "
-                f"stages={knobs.stages:2d} "
+                f"{' swap' if knobs.swap_ab else ''}{' pingpong' if pingpong else '':9s} "
+                f"cluster={knobs.cluster[0]} split_k={knobs.split_k} stages={knobs.stages:2d} "
                 f"{seconds * 1e6:9.1f} us {flops / seconds / 1e12:6.0f} TFLOP/s "
+                f"weights {weight_bytes / seconds / 1e12:5.2f} TB/s "
                 f"max difference {difference:.3g}",
                 flush=True,
             )
@@ -82,6 +101,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--clusters", nargs="+", type=int, default=[1], choices=[1, 2])
     parser.add_argument("--stages", nargs="+", default=["max"], help="ring depths, or max")
+    parser.add_argument(
+        "--split-k", nargs="+", type=int, help="time the default profile with these split-Ks"
+    )
     args = parser.parse_args()
     for geometry_name in args.geometry:
         for tokens in args.tokens:
@@ -91,6 +113,7 @@ def main() -> None:
                 repeats=args.repeats,
                 clusters=args.clusters,
                 stages=args.stages,
+                splits=args.split_k,
             )
 
 
