@@ -7,12 +7,17 @@ must stay untouched), rel-L2 <= 1e-2 against the fp32 oracle.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import replace
 
 import pytest
 import torch
-from megamoe_kernels import GemmKnobs, down, gate_up_swiglu, interleave_gate_up, knob_problems
+from megamoe_kernels import (
+    GemmKnobs,
+    candidate_knobs,
+    down,
+    gate_up_swiglu,
+    interleave_gate_up,
+)
 from megamoe_kernels.reference import (
     down_reference,
     expert_mlp_reference,
@@ -21,10 +26,6 @@ from megamoe_kernels.reference import (
 )
 from megamoe_kernels.shim.knobs import (
     CLUSTERS,
-    COL_TILES,
-    ROW_TILES,
-    SWAP_COL_TILES,
-    SWAP_ROW_TILES,
     default_knobs,
     max_stages,
 )
@@ -119,25 +120,11 @@ SMALL = (256, 192)  # H, I: I = 192 leaves a partial 128-wide output tile
 
 
 def every_valid_knob(op):
-    for swap_ab, row_tiles, col_tiles in (
-        (False, ROW_TILES, COL_TILES),
-        (True, SWAP_ROW_TILES, SWAP_COL_TILES),
-    ):
-        # K is 256 here (4 K tiles): split-K up to 4 slices, one K tile each at 4
-        for tile_rows, tile_cols, pingpong, cluster, split_k in itertools.product(
-            row_tiles, col_tiles, (False, True), CLUSTERS, (1, 2, 4)
-        ):
-            shape = GemmKnobs(
-                tile_rows=tile_rows,
-                tile_cols=tile_cols,
-                swap_ab=swap_ab,
-                pingpong=pingpong,
-                cluster=cluster,
-                split_k=split_k,
-            )
-            knobs = replace(shape, stages=min(4, max_stages(shape, op)))
-            if not knob_problems(knobs, op):
-                yield knobs
+    """Every tile shape the tuner may pick (candidate_knobs) with a ring of at most 4 stages. K is
+    256 here (4 K tiles): split-K up to 4 slices, one K tile each at 4."""
+    for candidate in candidate_knobs(op, stage_choices=("max",)):
+        if candidate.split_k <= 4:
+            yield replace(candidate, stages=min(4, candidate.stages))
 
 
 @pytest.mark.parametrize("knobs", list(every_valid_knob("gate_up")), ids=str)

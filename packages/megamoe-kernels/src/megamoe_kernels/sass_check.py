@@ -1,5 +1,5 @@
 """Checks that every default kernel profile, and each kernel variant no profile picks (pingpong,
-2-CTA clusters), compiles to wgmma: its SASS must hold HGMMA.
+2-CTA clusters, split-K), compiles to wgmma: its SASS must hold HGMMA.
 
     python -m megamoe_kernels.sass_check [--dump-dir DIR]
 
