@@ -52,6 +52,11 @@ def test_every_default_profile_compiles(rows_per_expert):
     )
 
 
+def test_the_default_launches_of_a_prefill_capacity_compile():
+    # knobs=None: the prefill tiles and the decode tiles for batches of few valid rows
+    compile_pair(512, gate_up_knobs=None, down_knobs=None, row_scale=True)
+
+
 @pytest.mark.parametrize(
     "knobs",
     [

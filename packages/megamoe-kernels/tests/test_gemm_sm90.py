@@ -365,3 +365,44 @@ def test_split_k_refuses_a_prefill_sized_workspace_and_a_short_k():
         gate_up_swiglu(rows_MH, offsets, interleave_gate_up(w13), knobs=knobs)
     with pytest.raises(ValueError, match="split_k=8 needs K >= 449"):
         gate_up_swiglu(rows_MH, offsets, interleave_gate_up(w13), knobs=replace(knobs, split_k=8))
+
+
+@pytest.mark.parametrize("rows_per_expert", [0, 1, 32, 33, 400])
+def test_the_default_launches_follow_the_valid_rows(rows_per_expert):
+    # a capacity for 512 rows per expert asks for prefill tiles; batches of at most 32 valid
+    # rows per expert (a sum of 256 here) run the decode launch instead: exactly one of the two
+    # stores each row, on either side of the boundary
+    experts = 8
+    counts = [rows_per_expert] * experts
+    counts[0], counts[1] = 2 * rows_per_expert, 0  # the same sum, with an empty expert
+    rows_MH, offsets, w13, w2, valid = make_problem(counts, *SMALL, capacity=512 * experts)
+    hidden_MI = check_gate_up(rows_MH, offsets, w13, valid)
+    hidden_MI[valid:] = float("nan")
+    check_down(hidden_MI, offsets, w2, valid, row_scale_M=torch.rand(512 * experts, device=DEVICE))
+
+
+def test_the_default_launches_replay_in_a_graph_across_the_boundary():
+    experts, capacity = 8, 512 * 8
+    rows_MH, offsets, w13, w2, _ = make_problem([capacity // experts] * experts, *SMALL)
+    w13_interleaved = interleave_gate_up(w13)
+
+    def layer():
+        return down(gate_up_swiglu(rows_MH, offsets, w13_interleaved), offsets, w2)
+
+    layer()  # compile both launches of each GEMM outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_MH = layer()
+    for valid in (0, 100, 32 * experts, 32 * experts + 1, 3000, capacity):
+        counts = random_counts(experts, valid, seed=valid)
+        routed = torch.zeros(experts + 1, dtype=torch.int32)
+        routed[1:] = torch.cumsum(torch.tensor(counts), 0)
+        offsets.copy_(routed)
+        out_MH.fill_(float("nan"))
+        graph.replay()
+        expected = expert_mlp_reference(
+            rows_MH, offsets, w13, w2, round_intermediate_to=torch.bfloat16
+        )
+        if valid:
+            assert relative_l2_error(out_MH[:valid], expected[:valid]) <= TOLERANCE, valid
+        assert torch.isnan(out_MH[valid:]).all(), valid

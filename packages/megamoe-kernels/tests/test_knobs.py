@@ -5,10 +5,19 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from megamoe_kernels import GemmKnobs, check_knobs, default_knobs, knob_problems, resolve_knobs
+from megamoe_kernels import (
+    GemmKnobs,
+    Launch,
+    check_knobs,
+    default_knobs,
+    default_launches,
+    knob_problems,
+    resolve_knobs,
+)
 from megamoe_kernels.shim.knobs import (
     OPS,
     PROFILE_ROWS_PER_EXPERT,
+    SMALL_BATCH_ROWS_PER_EXPERT,
     epilogue_smem_bytes,
     max_stages,
 )
@@ -68,3 +77,23 @@ def test_pingpong_stages_count_both_epilogue_buffers():
     assert max_stages(pingpong, "down") < max_stages(cooperative, "down")
     assert knob_problems(replace(pingpong, stages=max_stages(pingpong, "down")), "down") == []
     assert knob_problems(replace(pingpong, stages=max_stages(cooperative, "down")), "down")
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("capacity, experts", [(1, 32), (64 * 128, 128), (500, 8)])
+def test_a_decode_capacity_launches_one_kernel_for_every_batch(op, capacity, experts):
+    assert default_launches(op, capacity, experts) == (
+        Launch(default_knobs(op, capacity / experts), 0, None),
+    )
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_a_prefill_capacity_adds_decode_tiles_for_batches_of_few_rows(op):
+    # qwen3 at 8192 tokens: a capacity of 512 rows per expert; a batch of at most 32 rows per
+    # expert runs the decode tiles, a larger one the prefill tiles: the ranges tile [0, inf)
+    experts = 128
+    small, large = default_launches(op, 512 * experts, experts)
+    boundary = SMALL_BATCH_ROWS_PER_EXPERT * experts + 1
+    assert small == Launch(default_knobs(op, SMALL_BATCH_ROWS_PER_EXPERT), 0, boundary)
+    assert large == Launch(default_knobs(op, 512), boundary, None)
+    assert small.knobs.swap_ab and not large.knobs.swap_ab

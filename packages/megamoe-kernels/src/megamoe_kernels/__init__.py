@@ -10,10 +10,12 @@ from megamoe_kernels import reference
 
 _SHIM_NAMES = (
     "GemmKnobs",
+    "Launch",
     "cached_kernel_count",
     "candidate_knobs",
     "check_knobs",
     "default_knobs",
+    "default_launches",
     "down",
     "gate_up_swiglu",
     "interleave_gate_up",

@@ -50,6 +50,11 @@ itself in on the tile's arrival counter; the CTA that arrives last adds the S sl
 order (its own from registers), resets the counter for the next launch and runs the epilogue.
 The sum's order is fixed, so results are deterministic (not bitwise those of split_k = 1).
 
+min_valid_rows / max_valid_rows make a variant for a range of valid rows (offsets[E], read on
+the device): outside [min_valid_rows, max_valid_rows) it walks no experts and exits at once.
+Launching one variant per range, each with the tiles its rows want, lets a batch whose capacity
+is sized for the worst case pay for the tiles of the rows it holds, with no host sync.
+
 SwiGLU: w is the gate/up interleaved weight (gate_up_layout); out = silu(gate) * up in fp32.
 """
 
@@ -97,6 +102,8 @@ class ExpertGroupedGemmSm90:
     pingpong:  two consumer warpgroups on alternate tiles (epilogue overlaps the other's MMAs);
                without swap_ab, at most 64 x 256 accumulators per tile
     split_k:   CTAs that share each tile's K (swap_ab only; at most the K tiles of 64)
+    min_valid_rows, max_valid_rows: the range of offsets[E] this variant works on (None: no
+               upper bound); outside it the kernel does nothing
     """
 
     def __init__(
@@ -113,6 +120,8 @@ class ExpertGroupedGemmSm90:
         pingpong=False,
         cluster_rows=1,
         split_k=1,
+        min_valid_rows=0,
+        max_valid_rows=None,
     ):
         self.tile_rows = tile_rows
         self.tile_cols = tile_cols
@@ -125,6 +134,8 @@ class ExpertGroupedGemmSm90:
         self.pingpong = pingpong
         self.cluster_rows = cluster_rows
         self.split_k = split_k
+        self.min_valid_rows = min_valid_rows
+        self.max_valid_rows = max_valid_rows
         # rows of one schedule unit: a row tile per CTA of the cluster
         self.unit_rows = tile_rows * cluster_rows
         self.mma_m, self.mma_n = (tile_cols, tile_rows) if swap_ab else (tile_rows, tile_cols)
@@ -319,6 +330,20 @@ class ExpertGroupedGemmSm90:
         return expert_row0 + row_tile * self.tile_rows, col_tile, split
 
     @cute.jit
+    def experts_to_walk(self, mOffsets, num_experts):
+        """num_experts, or 0 when the batch's valid rows (offsets[E]) are outside this
+        variant's range [min_valid_rows, max_valid_rows)."""
+        walked = cutlass.Int32(num_experts)
+        if cutlass.const_expr(self.min_valid_rows > 0 or self.max_valid_rows is not None):
+            valid_rows = mOffsets[num_experts]
+            if valid_rows < self.min_valid_rows:
+                walked = cutlass.Int32(0)
+            if cutlass.const_expr(self.max_valid_rows is not None):
+                if valid_rows >= self.max_valid_rows:
+                    walked = cutlass.Int32(0)
+        return walked
+
+    @cute.jit
     def k_slice(self, split, k_tiles):
         """The K tiles [begin, end) of slice `split` (all of them without split_k)."""
         begin = split * k_tiles // self.split_k
@@ -375,6 +400,8 @@ class ExpertGroupedGemmSm90:
         cute.arch.griddepcontrol_launch_dependents()
 
         num_experts = cute.size(mOffsets) - 1
+        # the experts the walk visits: none when the valid rows are outside this variant's range
+        walked_experts = self.experts_to_walk(mOffsets, num_experts)
         n_cols = cute.size(mW, mode=[0])
         col_tiles = (n_cols + self.tile_cols - 1) // self.tile_cols
         k_tiles = (cute.size(mX, mode=[1]) + TILE_K - 1) // TILE_K
@@ -409,7 +436,7 @@ class ExpertGroupedGemmSm90:
                     cutlass.Int32(0),
                     cutlass.Int32(0),
                     mOffsets,
-                    num_experts,
+                    walked_experts,
                     col_units,
                     capacity,
                 )
@@ -461,7 +488,7 @@ class ExpertGroupedGemmSm90:
                         state.advance()
                     unit = unit + num_clusters
                     expert, first, row_units, expert_row0, expert_row_end, found = self.next_tile(
-                        unit, expert, first, mOffsets, num_experts, col_units, capacity
+                        unit, expert, first, mOffsets, walked_experts, col_units, capacity
                     )
                 ring.producer_tail(state)
         else:
@@ -511,7 +538,13 @@ class ExpertGroupedGemmSm90:
                 slab_row0 = (warpgroup_idx - 1) * 64
             unit = cutlass.Int32(cluster_idx) + team * num_clusters
             expert, first, row_units, expert_row0, row_end, found = self.next_tile(
-                unit, cutlass.Int32(0), cutlass.Int32(0), mOffsets, num_experts, col_units, capacity
+                unit,
+                cutlass.Int32(0),
+                cutlass.Int32(0),
+                mOffsets,
+                walked_experts,
+                col_units,
+                capacity,
             )
             while found:
                 row0, col_tile, split = self.tile_origin(
@@ -590,7 +623,7 @@ class ExpertGroupedGemmSm90:
                     )
                 unit = unit + unit_step
                 expert, first, row_units, expert_row0, row_end, found = self.next_tile(
-                    unit, expert, first, mOffsets, num_experts, col_units, capacity
+                    unit, expert, first, mOffsets, walked_experts, col_units, capacity
                 )
 
     @cute.jit

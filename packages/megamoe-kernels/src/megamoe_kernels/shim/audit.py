@@ -103,6 +103,8 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "pingpong",
             "cluster_rows",
             "split_k",
+            "min_valid_rows",
+            "max_valid_rows",
         ),
     ),
     DropSymbol(

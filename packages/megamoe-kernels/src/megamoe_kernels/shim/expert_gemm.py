@@ -10,8 +10,13 @@ B = I / GATE_UP_BLOCK pair blocks. The batch is tight and expert-major: expert e
 - `down(hidden_MI, expert_offsets, w2_EHI, row_scale_M=None)` -> [M, H].
 Rows past expert_offsets[E] of an output are left as they were (unspecified).
 
-Compiled kernels are cached by (op, knobs, weight shape, row scale or not, device): the capacity
-is a dynamic dim, so one kernel serves every batch size. They are compiled for CuTe DSL's TVM-FFI
+Without knobs a call runs the default profile: one kernel, or, when the capacity asks for
+prefill tiles, two (`default_launches`), launched from one host call: the one with decode tiles
+works instead of the other on a batch of few valid rows, chosen on the device from
+expert_offsets[E].
+
+Compiled kernels are cached by (op, the launches' knobs and valid-row ranges, weight shape, row
+scale or not, device): the capacity is a dynamic dim, so one compile serves every batch size. They are compiled for CuTe DSL's TVM-FFI
 launch path (shim/ffi_launch.py): a launch hands the torch tensors to the compiled function,
 which checks them against its signature in C and launches on torch's current stream (CUDA-graph
 capture records it). Nothing is converted in Python and nothing is held after a call.
@@ -38,7 +43,7 @@ import torch
 
 from megamoe_kernels.drop.gate_up_layout import GATE_UP_BLOCK, interleaved_source_row
 from megamoe_kernels.drop.tiling import TILE_K
-from megamoe_kernels.shim.knobs import GemmKnobs, resolve_knobs
+from megamoe_kernels.shim.knobs import GemmKnobs, Launch, default_launches, resolve_knobs
 
 _COMPILE_LOCK = threading.Lock()
 _COMPILED: dict[tuple, Callable] = {}
@@ -248,17 +253,25 @@ def _check_split_k(knobs: GemmKnobs, k: int) -> None:
         )
 
 
-def _resolve(op: str, knobs: GemmKnobs | None, x_MK: torch.Tensor, experts: int) -> GemmKnobs:
-    """The launch's knobs: `knobs` or the default profile for capacity / experts rows per
-    expert (resolve_knobs), with K long enough for their split-K."""
-    resolved = resolve_knobs(op, x_MK.shape[0] / max(1, experts), knobs)
-    _check_split_k(resolved, x_MK.shape[1])
-    return resolved
+def _launches(
+    op: str, knobs: GemmKnobs | None, x_MK: torch.Tensor, experts: int
+) -> tuple[Launch, ...]:
+    """The kernels a call launches: one with `knobs` (checked; invalid ones raise), or the
+    default profile's (default_launches: one per range of valid rows, for a capacity that
+    asks for prefill tiles), each with K long enough for its split-K."""
+    capacity = x_MK.shape[0]
+    if knobs is None:
+        launches = default_launches(op, capacity, experts)
+    else:
+        launches = (Launch(resolve_knobs(op, capacity / max(1, experts), knobs)),)
+    for launch in launches:
+        _check_split_k(launch.knobs, x_MK.shape[1])
+    return launches
 
 
 def _launch(
     op: str,
-    knobs: GemmKnobs,
+    launches: tuple[Launch, ...],
     x_MK: torch.Tensor,
     w: torch.Tensor,
     out_MN: torch.Tensor,
@@ -268,19 +281,21 @@ def _launch(
     compile_only: bool,
     check: Callable[[], None],
 ) -> None:
-    """Launches the compiled variant for (op, knobs, the weight's shape), compiling it first if
-    needed. `check` runs the op's argument checks before a compile and when nothing runs; a
-    launch that hits the cache leaves them to the compiled signature."""
+    """Launches the compiled kernels for (op, launches, the weight's shape) with one host call,
+    compiling them first if needed. `check` runs the op's argument checks before a compile and
+    when nothing runs; a launch that hits the cache leaves them to the compiled signature."""
     # a GPU index, or -1 (CPU, meta): compile only, nothing runs
     device_index = -1 if compile_only else x_MK.get_device()
-    key = (op, knobs, w.shape, row_scale_M is not None, device_index)
+    key = (op, launches, w.shape, row_scale_M is not None, device_index)
     compiled = _COMPILED.get(key)
     if compiled is None or device_index < 0:
         check()
     if compiled is None:
-        compiled = _compile(op, knobs, key)
+        compiled = _compile(op, launches, key)
     if device_index >= 0:
         partials = arrivals = None
+        # explicit knobs are a single launch; the default profile never splits K
+        knobs = launches[0].knobs
         if knobs.split_k > 1:
             # N, the weight rows: the gate-up's output holds half of them (SwiGLU pairs)
             n = out_MN.shape[1] * (2 if op == "gate_up" else 1)
@@ -288,7 +303,7 @@ def _launch(
         compiled(x_MK, w, out_MN, expert_offsets, row_scale_M, partials, arrivals)
 
 
-def _compile(op: str, knobs: GemmKnobs, key: tuple) -> Callable:
+def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> Callable:
     _, _, weight_shape, has_row_scale, device_index = key
     with _COMPILE_LOCK:
         compiled = _COMPILED.get(key)
@@ -306,28 +321,33 @@ def _compile(op: str, knobs: GemmKnobs, key: tuple) -> Callable:
         else:  # [E, H, I]
             _, n, k = weight_shape
             n_out = n
-        kernel = ExpertGroupedGemmSm90(
-            tile_rows=knobs.tile_rows,
-            tile_cols=knobs.tile_cols,
-            stages=knobs.stages,
-            swap_ab=knobs.swap_ab,
-            swiglu=op == "gate_up",
-            row_scale=has_row_scale,
-            rows_fastest=knobs.rows_fastest,
-            pingpong=knobs.pingpong,
-            cluster_rows=knobs.cluster[0],
-            split_k=knobs.split_k,
-            # persistent CTAs: those beyond the routed tiles find no work and exit
-            num_ctas=_persistent_ctas(device_index, knobs.cluster[0]),
-        )
+        kernels = [
+            ExpertGroupedGemmSm90(
+                tile_rows=launch.knobs.tile_rows,
+                tile_cols=launch.knobs.tile_cols,
+                stages=launch.knobs.stages,
+                swap_ab=launch.knobs.swap_ab,
+                swiglu=op == "gate_up",
+                row_scale=has_row_scale,
+                rows_fastest=launch.knobs.rows_fastest,
+                pingpong=launch.knobs.pingpong,
+                cluster_rows=launch.knobs.cluster[0],
+                split_k=launch.knobs.split_k,
+                min_valid_rows=launch.min_valid_rows,
+                max_valid_rows=launch.max_valid_rows,
+                # persistent CTAs: those beyond the routed tiles find no work and exit
+                num_ctas=_persistent_ctas(device_index, launch.knobs.cluster[0]),
+            )
+            for launch in launches
+        ]
         compiled = compile_stored_weight_launch(
-            kernel,
+            kernels,
             weight_shape=tuple(weight_shape),
             n=n,
             k=k,
             n_out=n_out,
             has_row_scale=has_row_scale,
-            split_k=knobs.split_k,
+            split_k=max(launch.knobs.split_k for launch in launches),
         )
         _COMPILED[key] = compiled
         return compiled
@@ -351,13 +371,13 @@ def gate_up_swiglu(
         capacity = rows_MH.shape[0]
         experts, blocks = w13_EB2GH.shape[:2]
         out = rows_MH.new_empty((capacity, blocks * GATE_UP_BLOCK)) if out_MI is None else out_MI
-        resolved = _resolve("gate_up", knobs, rows_MH, experts)
+        launches = _launches("gate_up", knobs, rows_MH, experts)
         if capacity == 0:
             check()
             return out
         _launch(
             "gate_up",
-            resolved,
+            launches,
             rows_MH,
             w13_EB2GH,
             out,
@@ -390,13 +410,13 @@ def down(
         capacity = hidden_MI.shape[0]
         experts, hidden = w2_EHI.shape[:2]
         out = hidden_MI.new_empty((capacity, hidden)) if out_MH is None else out_MH
-        resolved = _resolve("down", knobs, hidden_MI, experts)
+        launches = _launches("down", knobs, hidden_MI, experts)
         if capacity == 0:
             check()
             return out
         _launch(
             "down",
-            resolved,
+            launches,
             hidden_MI,
             w2_EHI,
             out,

@@ -27,10 +27,11 @@ TENSOR_ALIGN_BYTES = 16  # TMA and the 16-byte vector stores; the shim's checks 
 
 
 class StoredWeightLaunch:
-    """One compiled variant of the drop's kernel, taking the weight in its stored layout."""
+    """The drop's kernels of one call (one variant, or one per range of valid rows), launched
+    one after the other from one host call, taking the weight in its stored layout."""
 
-    def __init__(self, kernel, *, n: int, k: int, experts: int):
-        self.kernel = kernel
+    def __init__(self, kernels, *, n: int, k: int, experts: int):
+        self.kernels = kernels
         self.n, self.k, self.experts = n, k, experts
 
     @cute.jit
@@ -39,7 +40,8 @@ class StoredWeightLaunch:
         mW = cute.make_tensor(
             mWStored.iterator, cute.make_layout((n, k, experts), stride=(k, 1, n * k))
         )
-        self.kernel(mX, mW, mOut, mOffsets, mRowScale, mPartials, mArrivals, stream)
+        for kernel in self.kernels:
+            kernel(mX, mW, mOut, mOffsets, mRowScale, mPartials, mArrivals, stream)
 
 
 def _row_major(dtype, shape):
@@ -50,7 +52,7 @@ def _row_major(dtype, shape):
 
 
 def compile_stored_weight_launch(
-    kernel,
+    kernels,
     *,
     weight_shape: tuple[int, ...],
     n: int,
@@ -59,9 +61,10 @@ def compile_stored_weight_launch(
     has_row_scale: bool,
     split_k: int,
 ):
-    """cute.compile of `kernel` behind StoredWeightLaunch, for the TVM-FFI calling convention:
+    """cute.compile of `kernels` behind StoredWeightLaunch, for the TVM-FFI calling convention:
     the result is called as f(x, w, out, offsets, row_scale_or_None, partials_or_None,
-    arrivals_or_None) with torch tensors (the workspace when split_k > 1)."""
+    arrivals_or_None) with torch tensors (the workspace when split_k > 1: at most one of the
+    kernels splits K)."""
     experts = weight_shape[0]
     rows = cute.sym_int32(symbol="rows")
     x = _row_major(cutlass.BFloat16, (rows, k))
@@ -73,7 +76,7 @@ def compile_stored_weight_launch(
     if split_k > 1:
         partials = _row_major(cutlass.Float32, (cute.sym_int32(symbol="partial_words"),))
         arrivals = _row_major(cutlass.Int32, (cute.sym_int32(symbol="slots"),))
-    launch = StoredWeightLaunch(kernel, n=n, k=k, experts=experts)
+    launch = StoredWeightLaunch(kernels, n=n, k=k, experts=experts)
     return cute.compile(
         launch,
         x,

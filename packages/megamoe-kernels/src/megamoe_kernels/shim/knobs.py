@@ -141,6 +141,40 @@ def default_knobs(op: str, rows_per_expert: float) -> GemmKnobs:
     return replace(knobs, stages=max_stages(knobs, op))
 
 
+# rows per expert up to which decode (swap-AB) tiles beat the prefill ones when the capacity
+# asks for prefill tiles but the batch holds fewer rows (measured on the H200: swap-AB won by
+# 5-15% at 32 rows per expert, prefill tiles matched or won at 64)
+SMALL_BATCH_ROWS_PER_EXPERT = 32
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of the default profile: its knobs and the range of valid rows
+    [min_valid_rows, max_valid_rows) it works on (None: unbounded); outside, it does nothing."""
+
+    knobs: GemmKnobs
+    min_valid_rows: int = 0
+    max_valid_rows: int | None = None
+
+
+@lru_cache(maxsize=1024)
+def default_launches(op: str, capacity: int, experts: int) -> tuple[Launch, ...]:
+    """The default profile's launches for `capacity` rows over `experts`: exactly one of them
+    works on any batch, chosen on the device by the batch's valid rows (offsets[E]).
+
+    The profile is keyed on rows per expert, and the capacity only bounds them: when capacity / E
+    asks for prefill tiles, a second launch with the decode tiles of SMALL_BATCH_ROWS_PER_EXPERT
+    takes batches of at most that many valid rows per expert, so a capacity sized for the worst
+    case (an expert-parallel receiver, a fixed serving capacity) costs the tiles of what the
+    batch holds. The launch with nothing to do reads offsets[E] and exits."""
+    knobs = default_knobs(op, capacity / max(1, experts))
+    if knobs.swap_ab:
+        return (Launch(knobs),)
+    boundary = SMALL_BATCH_ROWS_PER_EXPERT * experts + 1
+    small = default_knobs(op, SMALL_BATCH_ROWS_PER_EXPERT)
+    return (Launch(small, 0, boundary), Launch(knobs, boundary, None))
+
+
 @lru_cache(maxsize=1024)
 def resolve_knobs(op: str, rows_per_expert: float, override: GemmKnobs | None) -> GemmKnobs:
     """An explicit override is checked like any combination: invalid ones raise, never run.
