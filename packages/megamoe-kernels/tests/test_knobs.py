@@ -79,12 +79,52 @@ def test_pingpong_stages_count_both_epilogue_buffers():
     assert knob_problems(replace(pingpong, stages=max_stages(cooperative, "down")), "down")
 
 
+H200_SMS = 132
+# (N, K) per expert: qwen3-30b-a3b's gate-up and down, dsv3's
+QWEN3 = {"gate_up": (1536, 2048), "down": (2048, 768)}
+DSV3 = {"gate_up": (4096, 7168), "down": (7168, 2048)}
+
+
+def launches(op, capacity, experts, dims):
+    return default_launches(op, capacity, experts, weight_dims=dims[op], sms=H200_SMS)
+
+
+@pytest.mark.parametrize(
+    "rows_per_expert, tile_rows, tile_cols", [(0, 16, 64), (1, 16, 64), (5, 16, 64), (8, 32, 128)]
+)
+def test_decode_tiles_narrow_with_the_row_tile(rows_per_expert, tile_rows, tile_cols):
+    # a 16-row tile is bound by its weight stream: 64 columns put twice the CTAs on it
+    for op in OPS:
+        knobs = default_knobs(op, rows_per_expert)
+        assert (knobs.tile_rows, knobs.tile_cols) == (tile_rows, tile_cols)
+
+
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("capacity, experts", [(1, 32), (64 * 128, 128), (500, 8)])
+@pytest.mark.parametrize("capacity, experts", [(2, 32), (64 * 128, 128), (500, 8)])
 def test_a_decode_capacity_launches_one_kernel_for_every_batch(op, capacity, experts):
-    assert default_launches(op, capacity, experts) == (
+    assert launches(op, capacity, experts, DSV3) == (
         Launch(default_knobs(op, capacity / experts), 0, None),
     )
+
+
+def test_the_decode_down_widens_its_tiles_to_fit_beside_its_gate_up():
+    # dsv3 on an 8-way expert-parallel rank, one token: one expert with rows. Gate-up takes 64
+    # CTAs (4096 / 64); down 112 at 64 columns (176 in all: more than the SMs), 56 at 128 (120)
+    (gate_up,) = launches("gate_up", 1, 32, DSV3)
+    (down,) = launches("down", 1, 32, DSV3)
+    assert gate_up.knobs == default_knobs("gate_up", 1 / 32)
+    assert (down.knobs.tile_rows, down.knobs.tile_cols) == (16, 128)
+    assert down.knobs.stages == max_stages(down.knobs, "down")
+    assert knob_problems(down.knobs, "down") == []
+    # two experts with rows need 240 CTAs even so: the profile's tiles stay
+    (down,) = launches("down", 2, 32, DSV3)
+    assert down.knobs == default_knobs("down", 2 / 32)
+    # qwen3, one token (8 experts with rows): neither fits
+    (down,) = launches("down", 8, 128, QWEN3)
+    assert down.knobs == default_knobs("down", 8 / 128)
+    # small weights, where both grids fit with the profile's tiles: nothing to widen
+    (down,) = launches("down", 1, 32, {"down": (1024, 256)})
+    assert down.knobs == default_knobs("down", 1 / 32)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -92,7 +132,7 @@ def test_a_prefill_capacity_adds_decode_tiles_for_batches_of_few_rows(op):
     # qwen3 at 8192 tokens: a capacity of 512 rows per expert; a batch of at most 32 rows per
     # expert runs the decode tiles, a larger one the prefill tiles: the ranges tile [0, inf)
     experts = 128
-    small, large = default_launches(op, 512 * experts, experts)
+    small, large = launches(op, 512 * experts, experts, QWEN3)
     boundary = SMALL_BATCH_ROWS_PER_EXPERT * experts + 1
     assert small == Launch(default_knobs(op, SMALL_BATCH_ROWS_PER_EXPERT), 0, boundary)
     assert large == Launch(default_knobs(op, 512), boundary, None)

@@ -61,9 +61,10 @@ def hgmma_shapes(cubin: Path, tools: Path) -> list[str]:
 
 
 def variants_to_check() -> list[tuple[str, str, object, int]]:
-    """(label, op, knobs, rows per expert): every default profile, plus the pingpong and the
-    2-CTA cluster and split-K decode variants, which no profile picks but a tuner may."""
-    from megamoe_kernels import GemmKnobs, default_knobs
+    """(label, op, knobs, rows per expert): every default profile and the decode down tile
+    that widens beside its gate-up, plus the pingpong and the 2-CTA cluster and split-K decode
+    variants, which no profile picks but a tuner may."""
+    from megamoe_kernels import GemmKnobs, default_knobs, default_launches
     from megamoe_kernels.shim.knobs import PROFILE_ROWS_PER_EXPERT, max_stages
 
     variants = [
@@ -83,6 +84,9 @@ def variants_to_check() -> list[tuple[str, str, object, int]]:
     variants += [
         ("split4", op, replace(default_knobs(op, 1), split_k=4), 1) for op in ("gate_up", "down")
     ]
+    # the wider decode down tile that fits beside its gate-up (dsv3, 8-way EP rank, 1 token)
+    (beside,) = default_launches("down", 1, 32, weight_dims=(7168, 2048), sms=132)
+    variants.append(("beside-gate-up", "down", beside.knobs, 1))
     return variants
 
 

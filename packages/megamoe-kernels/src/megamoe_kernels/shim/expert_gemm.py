@@ -33,6 +33,7 @@ they can share it.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -254,14 +255,18 @@ def _check_split_k(knobs: GemmKnobs, k: int) -> None:
 
 
 def _launches(
-    op: str, knobs: GemmKnobs | None, x_MK: torch.Tensor, experts: int
+    op: str, knobs: GemmKnobs | None, x_MK: torch.Tensor, w: torch.Tensor, *, compile_only: bool
 ) -> tuple[Launch, ...]:
     """The kernels a call launches: one with `knobs` (checked; invalid ones raise), or the
     default profile's (default_launches: one per range of valid rows, for a capacity that
     asks for prefill tiles), each with K long enough for its split-K."""
-    capacity = x_MK.shape[0]
+    capacity, experts = x_MK.shape[0], w.shape[0]
     if knobs is None:
-        launches = default_launches(op, capacity, experts)
+        # N: the weight rows per expert (gate-up [E, B, 16, H]: B x 16; down [E, H, I]: H)
+        weight_dims = (math.prod(w.shape[1:-1]), x_MK.shape[1])
+        device_index = -1 if compile_only else x_MK.get_device()
+        sms = _persistent_ctas(device_index, 1)
+        launches = default_launches(op, capacity, experts, weight_dims=weight_dims, sms=sms)
     else:
         launches = (Launch(resolve_knobs(op, capacity / max(1, experts), knobs)),)
     for launch in launches:
@@ -371,7 +376,9 @@ def gate_up_swiglu(
         capacity = rows_MH.shape[0]
         experts, blocks = w13_EB2GH.shape[:2]
         out = rows_MH.new_empty((capacity, blocks * GATE_UP_BLOCK)) if out_MI is None else out_MI
-        launches = _launches("gate_up", knobs, rows_MH, experts)
+        launches = _launches(
+            "gate_up", knobs, rows_MH, w13_EB2GH, compile_only=compile_only
+        )
         if capacity == 0:
             check()
             return out
@@ -410,7 +417,7 @@ def down(
         capacity = hidden_MI.shape[0]
         experts, hidden = w2_EHI.shape[:2]
         out = hidden_MI.new_empty((capacity, hidden)) if out_MH is None else out_MH
-        launches = _launches("down", knobs, hidden_MI, experts)
+        launches = _launches("down", knobs, hidden_MI, w2_EHI, compile_only=compile_only)
         if capacity == 0:
             check()
             return out

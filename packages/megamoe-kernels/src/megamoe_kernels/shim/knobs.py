@@ -130,12 +130,19 @@ def default_knobs(op: str, rows_per_expert: float) -> GemmKnobs:
     """The default profile, keyed on the expected rows per expert.
 
     Up to 64 rows per expert: swap-AB, with a row tile that holds nearly every expert's rows
-    (1.5x the mean + 8), so each expert's weights stream from memory once. Above: 128x256 tiles.
-    Both take the deepest ring that fits."""
+    (1.5x the mean + 8), so each expert's weights stream from memory once; 64 weight rows per
+    tile with the 16-row tile, 128 above. Above 64 rows per expert: 128x256 tiles. Both take
+    the deepest ring that fits.
+
+    Why 64 columns with 16 rows (up to ~5 rows per expert): so thin an MMA leaves the tile bound
+    by its weight stream, and halving the tile doubles the CTAs that stream (whole expert MLP on
+    the H200: 1-16% faster at 1-4 rows per expert; from 8 rows per expert, where the row tile is
+    32, equal or 1-5% slower: docs/benchmarks.md, "Decode column tiles")."""
     if rows_per_expert <= 64:
         wanted = 1.5 * rows_per_expert + 8
         tile_rows = next((size for size in SWAP_ROW_TILES if size >= wanted), SWAP_ROW_TILES[-1])
-        knobs = GemmKnobs(tile_rows=tile_rows, tile_cols=128, swap_ab=True)
+        tile_cols = SWAP_COL_TILES[0] if tile_rows == SWAP_ROW_TILES[0] else SWAP_COL_TILES[1]
+        knobs = GemmKnobs(tile_rows=tile_rows, tile_cols=tile_cols, swap_ab=True)
     else:
         knobs = GemmKnobs(tile_rows=128, tile_cols=256, swap_ab=False)
     return replace(knobs, stages=max_stages(knobs, op))
@@ -157,18 +164,56 @@ class Launch:
     max_valid_rows: int | None = None
 
 
+def _down_knobs_beside_gate_up(
+    knobs: GemmKnobs, *, capacity: int, experts: int, weight_dims: tuple[int, int], sms: int
+) -> GemmKnobs:
+    """The decode down GEMM's knobs when it follows the default gate-up GEMM of its batch.
+
+    With programmatic dependent launch the down grid's CTAs wait on the SMs the gate-up grid
+    leaves free and start the moment it ends; CTAs that find no free SM start later. So where
+    128-column down tiles let both grids fit on the GPU at once and `knobs`' narrower ones do
+    not, the wider tiles win (dsv3 on an 8-way expert-parallel rank, one token: the whole MLP
+    35.5 -> 28.2 us). Counts are bounds: at most min(E, capacity) experts have rows, each in
+    at most rows // tile_rows + 1 row tiles."""
+    hidden, intermediate = weight_dims
+    wide = replace(knobs, tile_cols=SWAP_COL_TILES[-1])
+    if knobs == wide:
+        return knobs
+    row_tiles = capacity // knobs.tile_rows + min(experts, capacity)
+    gate_up = default_knobs("gate_up", capacity / max(1, experts))
+
+    def ctas(columns: int, cols_per_tile: int) -> int:
+        return row_tiles * -(-columns // cols_per_tile)
+
+    gate_up_ctas = ctas(2 * intermediate, gate_up.tile_cols)
+    if gate_up_ctas + ctas(hidden, knobs.tile_cols) <= sms:
+        return knobs
+    if gate_up_ctas + ctas(hidden, wide.tile_cols) > sms:
+        return knobs
+    return replace(wide, stages=max_stages(wide, "down"))
+
+
 @lru_cache(maxsize=1024)
-def default_launches(op: str, capacity: int, experts: int) -> tuple[Launch, ...]:
-    """The default profile's launches for `capacity` rows over `experts`: exactly one of them
-    works on any batch, chosen on the device by the batch's valid rows (offsets[E]).
+def default_launches(
+    op: str, capacity: int, experts: int, *, weight_dims: tuple[int, int], sms: int
+) -> tuple[Launch, ...]:
+    """The default profile's launches for `capacity` rows over `experts`, for a weight of
+    (N, K) = weight_dims per expert on a GPU of `sms` SMs: exactly one of them works on any
+    batch, chosen on the device by the batch's valid rows (offsets[E]).
 
     The profile is keyed on rows per expert, and the capacity only bounds them: when capacity / E
     asks for prefill tiles, a second launch with the decode tiles of SMALL_BATCH_ROWS_PER_EXPERT
     takes batches of at most that many valid rows per expert, so a capacity sized for the worst
     case (an expert-parallel receiver, a fixed serving capacity) costs the tiles of what the
-    batch holds. The launch with nothing to do reads offsets[E] and exits."""
+    batch holds. The launch with nothing to do reads offsets[E] and exits. A decode down GEMM
+    may take wider tiles than the profile's, to fit beside its gate-up
+    (_down_knobs_beside_gate_up)."""
     knobs = default_knobs(op, capacity / max(1, experts))
     if knobs.swap_ab:
+        if op == "down":
+            knobs = _down_knobs_beside_gate_up(
+                knobs, capacity=capacity, experts=experts, weight_dims=weight_dims, sms=sms
+            )
         return (Launch(knobs),)
     boundary = SMALL_BATCH_ROWS_PER_EXPERT * experts + 1
     small = default_knobs(op, SMALL_BATCH_ROWS_PER_EXPERT)
