@@ -374,11 +374,9 @@ def gate_up_swiglu(
 
     try:
         capacity = rows_MH.shape[0]
-        experts, blocks = w13_EB2GH.shape[:2]
+        blocks = w13_EB2GH.shape[1]
         out = rows_MH.new_empty((capacity, blocks * GATE_UP_BLOCK)) if out_MI is None else out_MI
-        launches = _launches(
-            "gate_up", knobs, rows_MH, w13_EB2GH, compile_only=compile_only
-        )
+        launches = _launches("gate_up", knobs, rows_MH, w13_EB2GH, compile_only=compile_only)
         if capacity == 0:
             check()
             return out
@@ -415,7 +413,7 @@ def down(
 
     try:
         capacity = hidden_MI.shape[0]
-        experts, hidden = w2_EHI.shape[:2]
+        hidden = w2_EHI.shape[1]
         out = hidden_MI.new_empty((capacity, hidden)) if out_MH is None else out_MH
         launches = _launches("down", knobs, hidden_MI, w2_EHI, compile_only=compile_only)
         if capacity == 0:
