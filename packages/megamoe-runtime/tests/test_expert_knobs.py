@@ -1,3 +1,4 @@
+import pytest
 import torch
 from megamoe_kernels import candidate_knobs, knob_problems
 from megamoe_runtime.expert_batch import ExpertBatch
@@ -127,3 +128,33 @@ def test_the_users_cache_wins_over_the_shipped_entries(tmp_path, monkeypatch):
     assert CuteDSLExperts(knob_cache=users)._cached_knobs("down", batch, (256, 128)) == (
         users_knobs
     )
+
+
+def test_a_worst_case_capacity_looks_up_the_class_of_its_typical_rows(tmp_path):
+    # an expert-parallel receiver: capacity for 2 ranks' worth of rows, typically half valid
+    cache = KnobCache(tmp_path / "knobs.json")
+    offsets = torch.tensor([0, 30, 64], dtype=torch.int32)
+    typical = ExpertBatch(rows_MH=torch.randn(64, 256), expert_offsets=offsets)
+    worst_case = ExpertBatch(rows_MH=torch.randn(128, 256), expert_offsets=offsets, typical_rows=64)
+    key = gemm_key(
+        "down",
+        device=typical.rows_MH.device,
+        dtype=typical.rows_MH.dtype,
+        weight_dims=(256, 128),
+        capacity=typical.capacity,
+        num_experts=typical.num_experts,
+    )
+    tuned = candidate_knobs("down")[3]
+    cache.put(key, cache_fields(tuned), microseconds=1.0)
+    backend = CuteDSLExperts(knob_cache=cache)
+    assert backend._cached_knobs("down", worst_case, (256, 128)) == tuned
+    assert backend._cached_knobs("down", typical, (256, 128)) == tuned
+
+
+@pytest.mark.parametrize("typical_rows", [-1, 129])
+def test_typical_rows_outside_the_capacity_are_refused(typical_rows):
+    offsets = torch.tensor([0, 30, 64], dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"typical_rows.*capacity=128.*got {typical_rows}"):
+        ExpertBatch(
+            rows_MH=torch.randn(128, 256), expert_offsets=offsets, typical_rows=typical_rows
+        )

@@ -17,6 +17,11 @@ import torch
 class ExpertBatch:
     rows_MH: torch.Tensor
     expert_offsets: torch.Tensor
+    # the rows a batch of this capacity typically holds, where the capacity is sized for a worst
+    # case (an expert-parallel receiver: world x max tokens x top-k rows, of which uniform
+    # routing brings max tokens x top-k): tuned knobs are looked up for this class.
+    # None: the capacity (a tight batch)
+    typical_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.rows_MH.dim() != 2:
@@ -33,6 +38,11 @@ class ExpertBatch:
         if self.expert_offsets.device != self.rows_MH.device:
             raise ValueError(
                 f"expert_offsets on {self.expert_offsets.device} but rows on {self.rows_MH.device}"
+            )
+        if self.typical_rows is not None and not 0 <= self.typical_rows <= self.capacity:
+            raise ValueError(
+                f"typical_rows must be None or in [0, capacity={self.capacity}], "
+                f"got {self.typical_rows}"
             )
 
     @property

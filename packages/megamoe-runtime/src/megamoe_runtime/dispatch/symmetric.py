@@ -298,7 +298,11 @@ class SymmetricDispatcher:
                 adds_per_epoch=self.grid,
                 timeout_ns=self._timeout_ns,
             )
-        batch = ExpertBatch(rows_MH=self.buffers["rows"], expert_offsets=expert_offsets)
+        batch = ExpertBatch(
+            rows_MH=self.buffers["rows"],
+            expert_offsets=expert_offsets,
+            typical_rows=min(self.capacity, self.max_tokens_per_rank * self.top_k),
+        )
         handle = SymmetricHandle(
             tokens=tokens,
             weights_TK=weights_TK,

@@ -70,8 +70,8 @@ class CuteDSLExperts:
         self._knobs: dict[tuple, tuple] = {}
 
     def _cached_knobs(self, op: str, batch: ExpertBatch, weight_dims: tuple[int, int]):
-        """Tuned knobs for the batch's class from the knob cache or the shipped entries, or
-        None (defaults)."""
+        """Tuned knobs for the batch's class (its typical rows, else its capacity) from the
+        knob cache or the shipped entries, or None (defaults)."""
         from megamoe_runtime.tuning.expert_knobs import gemm_key, knobs_from_cache
 
         key = gemm_key(
@@ -79,7 +79,7 @@ class CuteDSLExperts:
             device=batch.rows_MH.device,
             dtype=batch.rows_MH.dtype,
             weight_dims=weight_dims,
-            capacity=batch.capacity,
+            capacity=batch.capacity if batch.typical_rows is None else batch.typical_rows,
             num_experts=batch.num_experts,
         )
         return knobs_from_cache(self.knob_cache, key) or knobs_from_cache(shipped_knob_cache(), key)
@@ -89,7 +89,13 @@ class CuteDSLExperts:
         ones, else None (the kernels' default profile). Looked up once per class; later calls
         cost one dict lookup."""
         rows_MH = batch.rows_MH
-        memo = (rows_MH.shape[0], rows_MH.get_device(), rows_MH.dtype, prepared.w2_EHI.shape)
+        memo = (
+            rows_MH.shape[0],
+            batch.typical_rows,
+            rows_MH.get_device(),
+            rows_MH.dtype,
+            prepared.w2_EHI.shape,
+        )
         knobs = self._knobs.get(memo)
         if knobs is None:
             _, hidden, intermediate = prepared.w2_EHI.shape
