@@ -104,6 +104,11 @@ class ExpertGroupedGemmSm90:
     split_k:   CTAs that share each tile's K (swap_ab only; at most the K tiles of 64)
     min_valid_rows, max_valid_rows: the range of offsets[E] this variant works on (None: no
                upper bound); outside it the kernel does nothing
+    weights_before_wait: the producer reads the offsets and starts loading the weights of its
+               first tile (up to a ring's worth) before waiting for the previous kernel on the
+               stream: only when neither the offsets nor the weights are written by that
+               kernel (the down GEMM after its gate-up); the rows load after the wait.
+               Ignored with cluster_rows > 1
     """
 
     def __init__(
@@ -122,6 +127,7 @@ class ExpertGroupedGemmSm90:
         split_k=1,
         min_valid_rows=0,
         max_valid_rows=None,
+        weights_before_wait=False,
     ):
         self.tile_rows = tile_rows
         self.tile_cols = tile_cols
@@ -136,6 +142,8 @@ class ExpertGroupedGemmSm90:
         self.split_k = split_k
         self.min_valid_rows = min_valid_rows
         self.max_valid_rows = max_valid_rows
+        # multicast loads write into the peer CTA's ring too: not before the wait
+        self.weights_before_wait = weights_before_wait and cluster_rows == 1
         # rows of one schedule unit: a row tile per CTA of the cluster
         self.unit_rows = tile_rows * cluster_rows
         self.mma_m, self.mma_n = (tile_cols, tile_rows) if swap_ab else (tile_rows, tile_cols)
@@ -395,9 +403,15 @@ class ExpertGroupedGemmSm90:
         sOut = storage.sOut.get_tensor(out_layout)
         # nothing above touched global memory: from here on, the previous kernel's writes are
         # visible (and it no longer reads what this one writes); a kernel launched after this one
-        # may already set up on SMs this grid leaves
-        cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()
+        # may already set up on SMs this grid leaves. With weights_before_wait the producer warp
+        # waits later, after its first weight loads
+        if cutlass.const_expr(self.weights_before_wait):
+            if warp_idx != 0:
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
+        else:
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
 
         num_experts = cute.size(mOffsets) - 1
         # the experts the walk visits: none when the valid rows are outside this variant's range
@@ -440,6 +454,31 @@ class ExpertGroupedGemmSm90:
                     col_units,
                     capacity,
                 )
+                # stages of the first tile whose weights are loading already (their full
+                # barriers armed for the whole stage; only the rows are left to load)
+                weights_loading = cutlass.Int32(0)
+                if cutlass.const_expr(self.weights_before_wait):
+                    if found:
+                        _, col_tile, split = self.tile_origin(
+                            unit - first, row_units, col_tiles, expert_row0, cluster_rank
+                        )
+                        k_begin, k_end = self.k_slice(split, k_tiles)
+                        weights_loading = cutlass.min(k_end - k_begin, self.stages)
+                        weight_state = pipeline.make_pipeline_state(
+                            pipeline.PipelineUserType.Producer, self.stages
+                        )
+                        tWgW_tile = tWgW[(None, col_tile, None, expert)]
+                        for k_tile in range(k_begin, k_begin + weights_loading):
+                            ring.producer_acquire(weight_state)
+                            cute.copy(
+                                tma_w,
+                                tWgW_tile[(None, k_tile)],
+                                tWsW[(None, weight_state.index)],
+                                tma_bar_ptr=ring.producer_get_barrier(weight_state),
+                            )
+                            weight_state.advance()
+                    cute.arch.griddepcontrol_wait()
+                    cute.arch.griddepcontrol_launch_dependents()
                 while found:
                     row0, col_tile, split = self.tile_origin(
                         unit - first, row_units, col_tiles, expert_row0, cluster_rank
@@ -461,7 +500,9 @@ class ExpertGroupedGemmSm90:
                     )
                     tWgW_tile = tWgW[(None, col_tile, None, expert)]
                     for k_tile in range(k_begin, k_end):
-                        ring.producer_acquire(state)
+                        weights_loaded = k_tile - k_begin < weights_loading
+                        if not weights_loaded:
+                            ring.producer_acquire(state)
                         barrier = ring.producer_get_barrier(state)
                         cute.copy(
                             tma_x,
@@ -477,7 +518,7 @@ class ExpertGroupedGemmSm90:
                                 tma_bar_ptr=barrier,
                                 mcast_mask=cluster_mask,
                             )
-                        else:
+                        elif not weights_loaded:
                             cute.copy(
                                 tma_w,
                                 tWgW_tile[(None, k_tile)],
@@ -486,6 +527,7 @@ class ExpertGroupedGemmSm90:
                             )
                         ring.producer_commit(state)
                         state.advance()
+                    weights_loading = cutlass.Int32(0)
                     unit = unit + num_clusters
                     expert, first, row_units, expert_row0, expert_row_end, found = self.next_tile(
                         unit, expert, first, mOffsets, walked_experts, col_units, capacity
