@@ -105,6 +105,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "split_k",
             "min_valid_rows",
             "max_valid_rows",
+            "weights_before_wait",
         ),
     ),
     DropSymbol(

@@ -342,8 +342,9 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> Callable:
                 max_valid_rows=launch.max_valid_rows,
                 # the down GEMM's offsets and weights are not written by the kernel before it
                 # (its gate-up; `down` says so), so its weights may start loading while that
-                # kernel runs
-                weights_before_wait=op == "down",
+                # kernel runs: measured 1-4% faster at decode, 0.2-1.2% slower with prefill
+                # tiles (docs/benchmarks.md, "Down weights before the wait")
+                weights_before_wait=op == "down" and launch.knobs.swap_ab,
                 # persistent CTAs: those beyond the routed tiles find no work and exit
                 num_ctas=_persistent_ctas(device_index, launch.knobs.cluster[0]),
             )
@@ -412,9 +413,10 @@ def down(
 ) -> torch.Tensor:
     """x W2^T per expert, each row optionally multiplied by row_scale_M (float32, [M]).
 
-    The kernel starts loading w2_EHI (it reads expert_offsets to know which experts) while the
-    kernel before it on the stream still runs, when that kernel lets it start early (megamoe's
-    GEMMs do: gate-up then down overlap): neither may be written by the kernel just before."""
+    With decode tiles the kernel starts loading w2_EHI (it reads expert_offsets to know which
+    experts) while the kernel before it on the stream still runs, when that kernel lets it start
+    early (megamoe's GEMMs do: gate-up then down overlap): neither may be written by the kernel
+    just before."""
 
     def check() -> None:
         _check_down(hidden_MI, expert_offsets, w2_EHI, row_scale_M, out_MH)
