@@ -16,10 +16,11 @@ works instead of the other on a batch of few valid rows, chosen on the device fr
 expert_offsets[E].
 
 Compiled kernels are cached by (op, the launches' knobs and valid-row ranges, weight shape, row
-scale or not, device): the capacity is a dynamic dim, so one compile serves every batch size. They are compiled for CuTe DSL's TVM-FFI
-launch path (shim/ffi_launch.py): a launch hands the torch tensors to the compiled function,
-which checks them against its signature in C and launches on torch's current stream (CUDA-graph
-capture records it). Nothing is converted in Python and nothing is held after a call.
+scale or not, device): the capacity is a dynamic dim, so one compile serves every batch size.
+They are compiled for CuTe DSL's TVM-FFI launch path (shim/ffi_launch.py): a launch hands the
+torch tensors to the compiled function, which checks them against its signature in C and
+launches on torch's current stream (CUDA-graph capture records it). Nothing is converted in
+Python and nothing is held after a call.
 
 The Python checks (clear errors naming the argument) run when a kernel is compiled, when
 compiling only, and when a launch fails; a launch that hits the cache relies on the compiled
