@@ -13,6 +13,29 @@ from megamoe_runtime.tuning.expert_knobs import (
     tune_gemm,
 )
 
+# a batch of 64 rows over 2 experts and its down GEMM's (N, K)
+DOWN_DIMS = (256, 128)
+
+
+def small_batch(capacity=64, typical_rows=None):
+    return ExpertBatch(
+        rows_MH=torch.randn(capacity, 256),
+        expert_offsets=torch.tensor([0, 30, 64], dtype=torch.int32),
+        typical_rows=typical_rows,
+    )
+
+
+def down_key(batch):
+    """The knob-cache key of the batch's down GEMM, for its capacity."""
+    return gemm_key(
+        "down",
+        device=batch.rows_MH.device,
+        dtype=batch.rows_MH.dtype,
+        weight_dims=DOWN_DIMS,
+        capacity=batch.capacity,
+        num_experts=batch.num_experts,
+    )
+
 
 def test_candidates_are_valid_and_cover_both_orientations():
     for op in ("gate_up", "down"):
@@ -41,17 +64,8 @@ def test_quick_candidates_are_the_deepest_ring_of_every_shape():
 
 def test_tuner_stores_the_fastest_and_the_backend_reads_it(tmp_path):
     cache = KnobCache(tmp_path / "knobs.json")
-    batch = ExpertBatch(
-        rows_MH=torch.randn(64, 256), expert_offsets=torch.tensor([0, 30, 64], dtype=torch.int32)
-    )
-    key = gemm_key(
-        "down",
-        device=batch.rows_MH.device,
-        dtype=torch.float32,
-        weight_dims=(256, 128),
-        capacity=batch.capacity,
-        num_experts=batch.num_experts,
-    )
+    batch = small_batch()
+    key = down_key(batch)
     candidates = candidate_knobs("down")
     fastest = candidates[len(candidates) // 2]
     best, seconds = tune_gemm(
@@ -64,7 +78,7 @@ def test_tuner_stores_the_fastest_and_the_backend_reads_it(tmp_path):
     assert best == fastest and seconds == 1.0
     assert knobs_from_cache(KnobCache(cache.path), key) == fastest
     backend = CuteDSLExperts(knob_cache=KnobCache(cache.path))
-    assert backend._cached_knobs("down", batch, (256, 128)) == fastest
+    assert backend._cached_knobs("down", batch, DOWN_DIMS) == fastest
     assert backend._cached_knobs("gate_up", batch, (256, 256)) is None  # not tuned: defaults
 
 
@@ -106,55 +120,31 @@ def test_every_shipped_entry_is_valid_for_its_op():
 
 
 def test_the_users_cache_wins_over_the_shipped_entries(tmp_path, monkeypatch):
-    batch = ExpertBatch(
-        rows_MH=torch.randn(64, 256), expert_offsets=torch.tensor([0, 30, 64], dtype=torch.int32)
-    )
-    key = gemm_key(
-        "down",
-        device=batch.rows_MH.device,
-        dtype=batch.rows_MH.dtype,
-        weight_dims=(256, 128),
-        capacity=batch.capacity,
-        num_experts=batch.num_experts,
-    )
+    batch = small_batch()
+    key = down_key(batch)
     shipped, users = KnobCache(tmp_path / "shipped.json"), KnobCache(tmp_path / "users.json")
     shipped_knobs, users_knobs = candidate_knobs("down")[:2]
     shipped.put(key, cache_fields(shipped_knobs), microseconds=2.0)
     monkeypatch.setattr(cutedsl, "shipped_knob_cache", lambda: shipped)
-    assert CuteDSLExperts(knob_cache=users)._cached_knobs("down", batch, (256, 128)) == (
+    assert CuteDSLExperts(knob_cache=users)._cached_knobs("down", batch, DOWN_DIMS) == (
         shipped_knobs
     )
     users.put(key, cache_fields(users_knobs), microseconds=1.0)
-    assert CuteDSLExperts(knob_cache=users)._cached_knobs("down", batch, (256, 128)) == (
-        users_knobs
-    )
+    assert CuteDSLExperts(knob_cache=users)._cached_knobs("down", batch, DOWN_DIMS) == (users_knobs)
 
 
 def test_a_worst_case_capacity_looks_up_the_class_of_its_typical_rows(tmp_path):
     # an expert-parallel receiver: capacity for 2 ranks' worth of rows, typically half valid
     cache = KnobCache(tmp_path / "knobs.json")
-    offsets = torch.tensor([0, 30, 64], dtype=torch.int32)
-    typical = ExpertBatch(rows_MH=torch.randn(64, 256), expert_offsets=offsets)
-    worst_case = ExpertBatch(rows_MH=torch.randn(128, 256), expert_offsets=offsets, typical_rows=64)
-    key = gemm_key(
-        "down",
-        device=typical.rows_MH.device,
-        dtype=typical.rows_MH.dtype,
-        weight_dims=(256, 128),
-        capacity=typical.capacity,
-        num_experts=typical.num_experts,
-    )
     tuned = candidate_knobs("down")[3]
-    cache.put(key, cache_fields(tuned), microseconds=1.0)
+    cache.put(down_key(small_batch()), cache_fields(tuned), microseconds=1.0)
     backend = CuteDSLExperts(knob_cache=cache)
-    assert backend._cached_knobs("down", worst_case, (256, 128)) == tuned
-    assert backend._cached_knobs("down", typical, (256, 128)) == tuned
+    worst_case = small_batch(capacity=128, typical_rows=64)
+    assert backend._cached_knobs("down", worst_case, DOWN_DIMS) == tuned
+    assert backend._cached_knobs("down", small_batch(capacity=128), DOWN_DIMS) is None
 
 
 @pytest.mark.parametrize("typical_rows", [-1, 129])
 def test_typical_rows_outside_the_capacity_are_refused(typical_rows):
-    offsets = torch.tensor([0, 30, 64], dtype=torch.int32)
     with pytest.raises(ValueError, match=f"typical_rows.*capacity=128.*got {typical_rows}"):
-        ExpertBatch(
-            rows_MH=torch.randn(128, 256), expert_offsets=offsets, typical_rows=typical_rows
-        )
+        small_batch(capacity=128, typical_rows=typical_rows)
