@@ -107,22 +107,10 @@ def compile_profiles(dump_dir: Path) -> dict[str, list[Path]]:
         if (op, knobs) in seen:  # compiled once already (the capacity is a dynamic dim)
             continue
         seen.add((op, knobs))
-        if op == "gate_up":
-            gate_up_swiglu(
-                torch.empty(capacity, HIDDEN, **meta),
-                offsets,
-                w13,
-                knobs=knobs,
-                compile_only=True,
-            )
-        else:
-            down(
-                torch.empty(capacity, INTERMEDIATE, **meta),
-                offsets,
-                w2,
-                knobs=knobs,
-                compile_only=True,
-            )
+        gemm, width, weight = (
+            (gate_up_swiglu, HIDDEN, w13) if op == "gate_up" else (down, INTERMEDIATE, w2)
+        )
+        gemm(torch.empty(capacity, width, **meta), offsets, weight, knobs=knobs, compile_only=True)
         # cubin names do not carry the knobs: move each away before the next compile
         variant = "-swap" if knobs.swap_ab else "-pingpong" if knobs.pingpong else ""
         variant += "-cluster2" if knobs.cluster != (1, 1) else ""
