@@ -30,16 +30,28 @@ pytestmark = pytest.mark.compile
 EXPERTS, HIDDEN, INTERMEDIATE = 8, 2880, 2880
 
 
-def compile_pair(rows_per_expert, *, gate_up_knobs, down_knobs, row_scale):
+def compile_pair(rows_per_expert, *, gate_up_knobs, down_knobs, row_scale, tuned=False):
+    """Compiles both GEMMs with these knobs (run exactly), or with tuned=True as tuned knobs in
+    place of the default profile's."""
     capacity = max(1, int(rows_per_expert * EXPERTS))
     meta = {"device": "meta", "dtype": torch.bfloat16}
     rows_MH = torch.empty(capacity, HIDDEN, **meta)
     offsets = torch.empty(EXPERTS + 1, dtype=torch.int32, device="meta")
     w13 = interleave_gate_up(torch.empty(EXPERTS, 2 * INTERMEDIATE, HIDDEN, **meta))
     w2 = torch.empty(EXPERTS, HIDDEN, INTERMEDIATE, **meta)
-    hidden_MI = gate_up_swiglu(rows_MH, offsets, w13, knobs=gate_up_knobs, compile_only=True)
+    knob_argument = "tuned_knobs" if tuned else "knobs"
+    hidden_MI = gate_up_swiglu(
+        rows_MH, offsets, w13, compile_only=True, **{knob_argument: gate_up_knobs}
+    )
     scale_M = torch.empty(capacity, device="meta") if row_scale else None
-    down(hidden_MI, offsets, w2, row_scale_M=scale_M, knobs=down_knobs, compile_only=True)
+    down(
+        hidden_MI,
+        offsets,
+        w2,
+        row_scale_M=scale_M,
+        compile_only=True,
+        **{knob_argument: down_knobs},
+    )
 
 
 @pytest.mark.parametrize("rows_per_expert", PROFILE_ROWS_PER_EXPERT)
@@ -55,6 +67,21 @@ def test_every_default_profile_compiles(rows_per_expert):
 def test_the_default_launches_of_a_prefill_capacity_compile():
     # knobs=None: the prefill tiles and the decode tiles for batches of few valid rows
     compile_pair(512, gate_up_knobs=None, down_knobs=None, row_scale=True)
+
+
+def test_tuned_knobs_at_a_prefill_capacity_compile_beside_the_decode_tiles():
+    tuned = GemmKnobs(tile_rows=128, tile_cols=128, stages=4, pingpong=True)
+    compile_pair(512, gate_up_knobs=tuned, down_knobs=tuned, row_scale=True, tuned=True)
+
+
+def test_knobs_and_tuned_knobs_together_are_refused():
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    w2 = torch.empty(EXPERTS, HIDDEN, INTERMEDIATE, **meta)
+    hidden_MI = torch.empty(64, INTERMEDIATE, **meta)
+    offsets = torch.empty(EXPERTS + 1, dtype=torch.int32, device="meta")
+    knobs = default_knobs("down", 8)
+    with pytest.raises(ValueError, match="not both"):
+        down(hidden_MI, offsets, w2, knobs=knobs, tuned_knobs=knobs, compile_only=True)
 
 
 @pytest.mark.parametrize(

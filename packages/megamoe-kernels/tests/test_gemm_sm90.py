@@ -74,10 +74,11 @@ def make_problem(counts, hidden, intermediate, *, capacity=None, seed=0):
     return rows_MH, offsets.to(DEVICE), w13_E2IH, w2_EHI, valid
 
 
-def check_gate_up(rows_MH, offsets, w13_E2IH, valid, knobs=None):
+def check_gate_up(rows_MH, offsets, w13_E2IH, valid, knobs=None, tuned_knobs=None):
     capacity, intermediate = rows_MH.shape[0], w13_E2IH.shape[1] // 2
     out_MI = torch.full((capacity, intermediate), float("nan"), device=DEVICE).bfloat16()
-    gate_up_swiglu(rows_MH, offsets, interleave_gate_up(w13_E2IH), out_MI=out_MI, knobs=knobs)
+    w13_EB2GH = interleave_gate_up(w13_E2IH)
+    gate_up_swiglu(rows_MH, offsets, w13_EB2GH, out_MI=out_MI, knobs=knobs, tuned_knobs=tuned_knobs)
     expected = gate_up_swiglu_reference(rows_MH, offsets, w13_E2IH)
     error = relative_l2_error(out_MI[:valid], expected[:valid])
     assert error <= TOLERANCE, f"gate_up rel-L2 {error} with {knobs}"
@@ -85,10 +86,20 @@ def check_gate_up(rows_MH, offsets, w13_E2IH, valid, knobs=None):
     return out_MI
 
 
-def check_down(hidden_MI, offsets, w2_EHI, valid, *, row_scale_M=None, knobs=None):
+def check_down(
+    hidden_MI, offsets, w2_EHI, valid, *, row_scale_M=None, knobs=None, tuned_knobs=None
+):
     capacity, hidden = hidden_MI.shape[0], w2_EHI.shape[1]
     out_MH = torch.full((capacity, hidden), float("nan"), device=DEVICE).bfloat16()
-    down(hidden_MI, offsets, w2_EHI, row_scale_M=row_scale_M, out_MH=out_MH, knobs=knobs)
+    down(
+        hidden_MI,
+        offsets,
+        w2_EHI,
+        row_scale_M=row_scale_M,
+        out_MH=out_MH,
+        knobs=knobs,
+        tuned_knobs=tuned_knobs,
+    )
     expected = down_reference(hidden_MI, offsets, w2_EHI, row_scale_M)
     error = relative_l2_error(out_MH[:valid], expected[:valid])
     assert error <= TOLERANCE, f"down rel-L2 {error} with {knobs}"
@@ -379,6 +390,27 @@ def test_the_default_launches_follow_the_valid_rows(rows_per_expert):
     hidden_MI = check_gate_up(rows_MH, offsets, w13, valid)
     hidden_MI[valid:] = float("nan")
     check_down(hidden_MI, offsets, w2, valid, row_scale_M=torch.rand(512 * experts, device=DEVICE))
+
+
+@pytest.mark.parametrize("rows_per_expert", [1, 32, 33, 400])
+def test_tuned_prefill_knobs_leave_small_batches_to_the_decode_tiles(rows_per_expert):
+    # a knob-cache entry for a prefill class at a capacity of 512 rows per expert: its tiles
+    # take batches of more than 32 valid rows per expert, the decode tiles the others
+    experts = 8
+    counts = [rows_per_expert] * experts
+    rows_MH, offsets, w13, w2, valid = make_problem(counts, *SMALL, capacity=512 * experts)
+    tuned = GemmKnobs(tile_rows=128, tile_cols=128, pingpong=True)
+    hidden_MI = check_gate_up(
+        rows_MH,
+        offsets,
+        w13,
+        valid,
+        tuned_knobs=replace(tuned, stages=max_stages(tuned, "gate_up")),
+    )
+    hidden_MI[valid:] = float("nan")
+    check_down(
+        hidden_MI, offsets, w2, valid, tuned_knobs=replace(tuned, stages=max_stages(tuned, "down"))
+    )
 
 
 def test_the_default_launches_replay_in_a_graph_across_the_boundary():

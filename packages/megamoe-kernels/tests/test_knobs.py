@@ -137,3 +137,39 @@ def test_a_prefill_capacity_adds_decode_tiles_for_batches_of_few_rows(op):
     assert small == Launch(default_knobs(op, SMALL_BATCH_ROWS_PER_EXPERT), 0, boundary)
     assert large == Launch(default_knobs(op, 512), boundary, None)
     assert small.knobs.swap_ab and not large.knobs.swap_ab
+
+
+def test_tuned_prefill_knobs_take_the_prefill_range_and_leave_small_batches_to_decode_tiles():
+    tuned = GemmKnobs(tile_rows=128, tile_cols=128, stages=5, pingpong=True)
+    experts = 128
+    small, large = default_launches(
+        "gate_up", 512 * experts, experts, weight_dims=QWEN3["gate_up"], sms=H200_SMS, tuned=tuned
+    )
+    boundary = SMALL_BATCH_ROWS_PER_EXPERT * experts + 1
+    assert small == Launch(default_knobs("gate_up", SMALL_BATCH_ROWS_PER_EXPERT), 0, boundary)
+    assert large == Launch(tuned, boundary, None)
+    # a capacity the decode launch would cover whole: the tuned knobs alone
+    assert default_launches(
+        "gate_up", 16 * experts, experts, weight_dims=QWEN3["gate_up"], sms=H200_SMS, tuned=tuned
+    ) == (Launch(tuned),)
+
+
+def test_tuned_decode_knobs_launch_alone_and_are_not_widened():
+    tuned = GemmKnobs(tile_rows=16, tile_cols=64, stages=12, swap_ab=True)
+    # dsv3 on an 8-way EP rank at one token, where the profile's down tile would widen
+    assert launches("down", 1, 32, DSV3) != (Launch(tuned),)
+    assert default_launches("down", 1, 32, weight_dims=DSV3["down"], sms=H200_SMS, tuned=tuned) == (
+        Launch(tuned),
+    )
+
+
+def test_invalid_tuned_knobs_fail_closed():
+    with pytest.raises(ValueError, match="pingpong with a 128x256 tile"):
+        default_launches(
+            "down",
+            512 * 8,
+            8,
+            weight_dims=QWEN3["down"],
+            sms=H200_SMS,
+            tuned=GemmKnobs(pingpong=True),
+        )

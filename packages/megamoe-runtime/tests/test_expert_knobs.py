@@ -148,3 +148,21 @@ def test_a_worst_case_capacity_looks_up_the_class_of_its_typical_rows(tmp_path):
 def test_typical_rows_outside_the_capacity_are_refused(typical_rows):
     with pytest.raises(ValueError, match=f"typical_rows.*capacity=128.*got {typical_rows}"):
         small_batch(capacity=128, typical_rows=typical_rows)
+
+
+def test_the_backend_runs_explicit_knobs_exactly_and_cached_ones_as_tuned(tmp_path):
+    # explicit knobs run alone; a cache entry replaces the default profile's knobs, which
+    # keeps the decode tiles for small batches (megamoe_kernels.default_launches)
+    cache = KnobCache(tmp_path / "knobs.json")
+    batch = small_batch()
+    tuned, explicit = candidate_knobs("down")[3:5]
+    cache.put(down_key(batch), cache_fields(tuned), microseconds=1.0)
+    prepared = cutedsl.CuteDSLWeights(
+        w13_EB2GH=torch.empty(0), w2_EHI=torch.empty(2, *DOWN_DIMS), source=None
+    )
+    gate_up, down = CuteDSLExperts(knob_cache=cache)._knobs_for(batch, prepared)
+    assert gate_up == {"tuned_knobs": None} and down == {"tuned_knobs": tuned}
+    gate_up, down = CuteDSLExperts(down_knobs=explicit, knob_cache=cache)._knobs_for(
+        batch, prepared
+    )
+    assert down == {"knobs": explicit}

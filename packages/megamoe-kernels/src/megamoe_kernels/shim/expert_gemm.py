@@ -256,18 +256,32 @@ def _check_split_k(knobs: GemmKnobs, k: int) -> None:
 
 
 def _launches(
-    op: str, knobs: GemmKnobs | None, x_MK: torch.Tensor, w: torch.Tensor, *, compile_only: bool
+    op: str,
+    knobs: GemmKnobs | None,
+    tuned_knobs: GemmKnobs | None,
+    x_MK: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    compile_only: bool,
 ) -> tuple[Launch, ...]:
     """The kernels a call launches: one with `knobs` (checked; invalid ones raise), or the
-    default profile's (default_launches: one per range of valid rows, for a capacity that
-    asks for prefill tiles), each with K long enough for its split-K."""
+    default profile's, with `tuned_knobs` in place of its own if given (default_launches: one
+    per range of valid rows, for a capacity that asks for prefill tiles), each with K long
+    enough for its split-K."""
     capacity, experts = x_MK.shape[0], w.shape[0]
+    if knobs is not None and tuned_knobs is not None:
+        raise ValueError(
+            f"pass knobs (exactly these) or tuned_knobs (these for the batch's class, decode tiles "
+            f"for a small batch), not both: got knobs={knobs}, tuned_knobs={tuned_knobs}"
+        )
     if knobs is None:
         # N: the weight rows per expert (gate-up [E, B, 16, H]: B x 16; down [E, H, I]: H)
         weight_dims = (math.prod(w.shape[1:-1]), x_MK.shape[1])
         device_index = -1 if compile_only else x_MK.get_device()
         sms = _persistent_ctas(device_index, 1)
-        launches = default_launches(op, capacity, experts, weight_dims=weight_dims, sms=sms)
+        launches = default_launches(
+            op, capacity, experts, weight_dims=weight_dims, sms=sms, tuned=tuned_knobs
+        )
     else:
         launches = (Launch(resolve_knobs(op, capacity / max(1, experts), knobs)),)
     for launch in launches:
@@ -300,7 +314,7 @@ def _launch(
         compiled = _compile(op, launches, key)
     if device_index >= 0:
         partials = arrivals = None
-        # explicit knobs are a single launch; the default profile never splits K
+        # split-K knobs (swap-AB) always launch alone
         knobs = launches[0].knobs
         if knobs.split_k > 1:
             # N, the weight rows: the gate-up's output holds half of them (SwiGLU pairs)
@@ -371,9 +385,14 @@ def gate_up_swiglu(
     *,
     out_MI: torch.Tensor | None = None,
     knobs: GemmKnobs | None = None,
+    tuned_knobs: GemmKnobs | None = None,
     compile_only: bool = False,
 ) -> torch.Tensor:
-    """silu(x Wg^T) * (x Wu^T) per expert, bf16 out, fp32 accumulation."""
+    """silu(x Wg^T) * (x Wu^T) per expert, bf16 out, fp32 accumulation.
+
+    knobs: run exactly these. tuned_knobs: knobs tuned for the batch's class (a knob-cache
+    entry), in place of the default profile's; with prefill ones a batch of few valid rows
+    still runs the decode tiles (default_launches). Neither: the default profile."""
 
     def check() -> None:
         _check_gate_up(rows_MH, expert_offsets, w13_EB2GH, out_MI)
@@ -382,7 +401,9 @@ def gate_up_swiglu(
         capacity = rows_MH.shape[0]
         blocks = w13_EB2GH.shape[1]
         out = rows_MH.new_empty((capacity, blocks * GATE_UP_BLOCK)) if out_MI is None else out_MI
-        launches = _launches("gate_up", knobs, rows_MH, w13_EB2GH, compile_only=compile_only)
+        launches = _launches(
+            "gate_up", knobs, tuned_knobs, rows_MH, w13_EB2GH, compile_only=compile_only
+        )
         if capacity == 0:
             check()
             return out
@@ -410,9 +431,11 @@ def down(
     row_scale_M: torch.Tensor | None = None,
     out_MH: torch.Tensor | None = None,
     knobs: GemmKnobs | None = None,
+    tuned_knobs: GemmKnobs | None = None,
     compile_only: bool = False,
 ) -> torch.Tensor:
-    """x W2^T per expert, each row optionally multiplied by row_scale_M (float32, [M]).
+    """x W2^T per expert, each row optionally multiplied by row_scale_M (float32, [M]);
+    knobs and tuned_knobs as for gate_up_swiglu.
 
     With decode tiles the kernel starts loading w2_EHI (it reads expert_offsets to know which
     experts) while the kernel before it on the stream still runs, when that kernel lets it start
@@ -426,7 +449,9 @@ def down(
         capacity = hidden_MI.shape[0]
         hidden = w2_EHI.shape[1]
         out = hidden_MI.new_empty((capacity, hidden)) if out_MH is None else out_MH
-        launches = _launches("down", knobs, hidden_MI, w2_EHI, compile_only=compile_only)
+        launches = _launches(
+            "down", knobs, tuned_knobs, hidden_MI, w2_EHI, compile_only=compile_only
+        )
         if capacity == 0:
             check()
             return out

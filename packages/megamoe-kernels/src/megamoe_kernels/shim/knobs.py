@@ -195,7 +195,13 @@ def _down_knobs_beside_gate_up(
 
 @lru_cache(maxsize=1024)
 def default_launches(
-    op: str, capacity: int, experts: int, *, weight_dims: tuple[int, int], sms: int
+    op: str,
+    capacity: int,
+    experts: int,
+    *,
+    weight_dims: tuple[int, int],
+    sms: int,
+    tuned: GemmKnobs | None = None,
 ) -> tuple[Launch, ...]:
     """The default profile's launches for `capacity` rows over `experts`, for a weight of
     (N, K) = weight_dims per expert on a GPU of `sms` SMs: exactly one of them works on any
@@ -207,15 +213,22 @@ def default_launches(
     case (an expert-parallel receiver, a fixed serving capacity) costs the tiles of what the
     batch holds. The launch with nothing to do reads offsets[E] and exits. A decode down GEMM
     may take wider tiles than the profile's, to fit beside its gate-up
-    (_down_knobs_beside_gate_up)."""
-    knobs = default_knobs(op, capacity / max(1, experts))
-    if knobs.swap_ab:
-        if op == "down":
+    (_down_knobs_beside_gate_up).
+
+    `tuned`: knobs tuned for the batch's class (a knob-cache entry; checked: invalid ones
+    raise) in place of the profile's. Prefill ones still leave batches of few valid rows to the
+    decode tiles, when the capacity holds more than those."""
+    if tuned is not None:
+        knobs = check_knobs(tuned, op)
+    else:
+        knobs = default_knobs(op, capacity / max(1, experts))
+        if knobs.swap_ab and op == "down":
             knobs = _down_knobs_beside_gate_up(
                 knobs, capacity=capacity, experts=experts, weight_dims=weight_dims, sms=sms
             )
-        return (Launch(knobs),)
     boundary = SMALL_BATCH_ROWS_PER_EXPERT * experts + 1
+    if knobs.swap_ab or capacity < boundary:
+        return (Launch(knobs),)
     small = default_knobs(op, SMALL_BATCH_ROWS_PER_EXPERT)
     return (Launch(small, 0, boundary), Launch(knobs, boundary, None))
 

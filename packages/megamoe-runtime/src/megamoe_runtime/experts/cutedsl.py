@@ -84,10 +84,11 @@ class CuteDSLExperts:
         )
         return knobs_from_cache(self.knob_cache, key) or knobs_from_cache(shipped_knob_cache(), key)
 
-    def _knobs_for(self, batch: ExpertBatch, prepared: CuteDSLWeights) -> tuple:
-        """(gate-up knobs, down knobs) for the batch's class: the explicit ones, else tuned
-        ones, else None (the kernels' default profile). Looked up once per class; later calls
-        cost one dict lookup."""
+    def _knobs_for(self, batch: ExpertBatch, prepared: CuteDSLWeights) -> tuple[dict, dict]:
+        """The gate-up and the down GEMM's knob arguments for the batch's class: the explicit
+        knobs (run exactly), else tuned ones (in place of the default profile's, which still
+        hands small batches to the decode tiles), else none (the default profile). Looked up
+        once per class; later calls cost one dict lookup."""
         rows_MH = batch.rows_MH
         memo = (
             rows_MH.shape[0],
@@ -99,10 +100,15 @@ class CuteDSLExperts:
         knobs = self._knobs.get(memo)
         if knobs is None:
             _, hidden, intermediate = prepared.w2_EHI.shape
+
+            def arguments(op: str, explicit, weight_dims: tuple[int, int]) -> dict:
+                if explicit is not None:
+                    return {"knobs": explicit}
+                return {"tuned_knobs": self._cached_knobs(op, batch, weight_dims)}
+
             knobs = (
-                self.gate_up_knobs
-                or self._cached_knobs("gate_up", batch, (2 * intermediate, hidden)),
-                self.down_knobs or self._cached_knobs("down", batch, (hidden, intermediate)),
+                arguments("gate_up", self.gate_up_knobs, (2 * intermediate, hidden)),
+                arguments("down", self.down_knobs, (hidden, intermediate)),
             )
             self._knobs[memo] = knobs
         return knobs
@@ -134,14 +140,14 @@ class CuteDSLExperts:
         try:
             gate_up_knobs, down_knobs = self._knobs_for(batch, prepared)
             hidden_MI = gate_up_swiglu(
-                batch.rows_MH, batch.expert_offsets, prepared.w13_EB2GH, knobs=gate_up_knobs
+                batch.rows_MH, batch.expert_offsets, prepared.w13_EB2GH, **gate_up_knobs
             )
             return down(
                 hidden_MI,
                 batch.expert_offsets,
                 prepared.w2_EHI,
                 row_scale_M=row_scale_M,
-                knobs=down_knobs,
+                **down_knobs,
             )
         except (TypeError, ValueError) as failure:
             try:
