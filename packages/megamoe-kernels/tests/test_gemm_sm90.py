@@ -240,6 +240,26 @@ def test_repeated_runs_are_bitwise_equal():
         assert torch.equal(first, again)
 
 
+def test_the_dynamic_schedule_repeats_bitwise_and_leaves_its_counter_zero():
+    # 288 tiles of 128x256 per GEMM on 132 CTAs: most tiles are taken from the counter, so
+    # which CTA works which tile changes from run to run; what each tile computes does not
+    from megamoe_kernels.shim.expert_gemm import _unit_counter
+
+    counts = random_counts(16, 16 * 1100, seed=11)
+    rows_MH, offsets, w13, w2, valid = make_problem(counts, 512, 256)
+    gate_up_knobs, down_knobs = (default_knobs(op, 1100) for op in ("gate_up", "down"))
+    assert not gate_up_knobs.swap_ab and not down_knobs.swap_ab
+    first = None
+    for _ in range(4):
+        hidden_MI = check_gate_up(rows_MH, offsets, w13, valid, knobs=gate_up_knobs)
+        assert _unit_counter(rows_MH).tolist() == [0, 0]
+        out_MH = check_down(hidden_MI, offsets, w2, valid, knobs=down_knobs)
+        assert _unit_counter(rows_MH).tolist() == [0, 0]
+        first = (hidden_MI, out_MH) if first is None else first
+        assert torch.equal(first[0][:valid], hidden_MI[:valid])
+        assert torch.equal(first[1][:valid], out_MH[:valid])
+
+
 def test_untransformed_or_malformed_weights_are_refused_before_launch():
     rows_MH, offsets, w13, w2, _ = make_problem([3, 4], 256, 128)
     with pytest.raises(ValueError, match="interleave_gate_up"):

@@ -12,6 +12,8 @@ Layouts (row-major, contiguous last dim):
   arrivals  [slots] int32, split_k > 1 only: zero before the first launch; each launch leaves
             it zero (slot t is the t-th tile of the schedule; tiles past the slots are skipped,
             which only bad offsets can produce)
+  unit_counter [2] int32, dynamic_schedule only: zero before the first launch; each launch
+            leaves it zero
 
 Structure: persistent CTAs; warpgroup 0 is the producer (one warp issues TMA loads into a
 `stages`-deep shared-memory ring), warpgroups 1..W consume with wgmma and run the epilogue.
@@ -50,6 +52,16 @@ itself in on the tile's arrival counter; the CTA that arrives last adds the S sl
 order (its own from registers), resets the counter for the next launch and runs the epilogue.
 The sum's order is fixed, so results are deterministic (not bitwise those of split_k = 1).
 
+dynamic_schedule: a CTA's first tile is its index; each later one is the next untaken one, taken
+from a global counter when the CTA's producer is ready for it (instead of every num_ctas-th tile
+of the schedule). The row tiles that share a weight tile sit next to each other in the schedule,
+so they are taken, and their weights read, within moments of each other: the second read hits
+L2. With a static stride, CTAs drift apart over a long schedule (tail tiles are short), and at
+256-512 rows per expert most weight tiles were read from HBM once per row tile. Which CTA works
+a tile changes from run to run; what a tile computes does not, so results stay bitwise
+repeatable. The producer hands each tile's index to the consumers through a small shared-memory queue;
+the CTA that finishes last puts the counter back to zero.
+
 min_valid_rows / max_valid_rows make a variant for a range of valid rows (offsets[E], read on
 the device): outside [min_valid_rows, max_valid_rows) it walks no experts and exits at once.
 Launching one variant per range, each with the tiles its rows want, lets a batch whose capacity
@@ -78,6 +90,8 @@ EPILOGUE_BARRIER_ID = 1
 MMA_TURN_BARRIER_ID = 3
 # experts each lane of a warp reads per trip of the expert walk (one memory round trip)
 EXPERTS_PER_LANE = 4
+# depth of the queue of tile indices from the producer to the consumers
+UNIT_QUEUE_SLOTS = 4
 
 
 @cute.jit
@@ -109,6 +123,8 @@ class ExpertGroupedGemmSm90:
                stream: only when neither the offsets nor the weights are written by that
                kernel (the down GEMM after its gate-up); the rows load after the wait.
                Ignored with cluster_rows > 1
+    dynamic_schedule: CTAs take their tiles after the first from a global counter (takes
+               unit_counter); not with cluster_rows > 1 or split_k > 1
     """
 
     def __init__(
@@ -128,7 +144,13 @@ class ExpertGroupedGemmSm90:
         min_valid_rows=0,
         max_valid_rows=None,
         weights_before_wait=False,
+        dynamic_schedule=False,
     ):
+        if dynamic_schedule and (cluster_rows > 1 or split_k > 1):
+            raise ValueError(
+                "dynamic_schedule: not with cluster_rows > 1 (both CTAs of a cluster work one "
+                "unit) or split_k > 1 (a tile's slices count on slots of the static schedule)"
+            )
         self.tile_rows = tile_rows
         self.tile_cols = tile_cols
         self.stages = stages
@@ -144,6 +166,7 @@ class ExpertGroupedGemmSm90:
         self.max_valid_rows = max_valid_rows
         # multicast loads write into the peer CTA's ring too: not before the wait
         self.weights_before_wait = weights_before_wait and cluster_rows == 1
+        self.dynamic_schedule = dynamic_schedule
         # rows of one schedule unit: a row tile per CTA of the cluster
         self.unit_rows = tile_rows * cluster_rows
         self.mma_m, self.mma_n = (tile_cols, tile_rows) if swap_ab else (tile_rows, tile_cols)
@@ -161,7 +184,9 @@ class ExpertGroupedGemmSm90:
         self.partner_offset = 2 if swap_ab else 4
 
     @cute.jit
-    def __call__(self, mX, mW, mOut, mOffsets, mRowScale, mPartials, mArrivals, stream):
+    def __call__(
+        self, mX, mW, mOut, mOffsets, mRowScale, mPartials, mArrivals, mUnitCounter, stream
+    ):
         ab_dtype = mX.element_type
         self.ab_dtype = ab_dtype
         k_major = cute.nvgpu.OperandMajorMode.K
@@ -211,6 +236,8 @@ class ExpertGroupedGemmSm90:
         @cute.struct
         class SharedStorage:
             ring_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            unit_barriers: cute.struct.MemRange[cutlass.Int64, UNIT_QUEUE_SLOTS * 2]
+            units: cute.struct.MemRange[cutlass.Int32, UNIT_QUEUE_SLOTS]
             # split_k: whether this CTA arrived last at the tile, told to the whole team
             last_arrival: cute.struct.MemRange[cutlass.Int32, 1]
             sX: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(x_layout)], 1024]
@@ -230,6 +257,7 @@ class ExpertGroupedGemmSm90:
             mRowScale,
             mPartials,
             mArrivals,
+            mUnitCounter,
             self.tiled_mma,
             x_layout,
             w_layout,
@@ -358,6 +386,52 @@ class ExpertGroupedGemmSm90:
         end = (split + 1) * k_tiles // self.split_k
         return begin, end
 
+    @cute.jit
+    def following_unit(self, unit, num_clusters, mUnitCounter):
+        """The producer's next schedule unit: the next untaken one (dynamic_schedule; the
+        counter starts at the first units, which are the CTAs' indices), or num_clusters on."""
+        following = unit + num_clusters
+        if cutlass.const_expr(self.dynamic_schedule):
+            taken = cutlass.Int32(0)
+            if cute.arch.lane_idx() == 0:
+                taken = cute.arch.atomic_add(
+                    mUnitCounter.iterator, cutlass.Int32(1), sem="relaxed", scope="gpu"
+                )
+            following = cute.arch.shuffle_sync(taken, 0) + num_clusters
+        return following
+
+    @cute.jit
+    def retire(self, mUnitCounter, num_ctas):
+        """dynamic_schedule: after a CTA's last take, counts it out; the last CTA out puts the
+        counter back to zero for the next launch (every take happened before it: each CTA's
+        take precedes its count, and the count orders them)."""
+        if cute.arch.lane_idx() == 0:
+            counter = mUnitCounter.iterator
+            retired = cute.arch.atomic_add(
+                counter + 1, cutlass.Int32(1), sem="acq_rel", scope="gpu"
+            )
+            if retired == num_ctas - 1:
+                cute.arch.store(counter, cutlass.Int32(0))
+                cute.arch.store(counter + 1, cutlass.Int32(0))
+
+    @cute.jit
+    def send_unit(self, unit_queue, sUnits, unit_state, unit):
+        """Producer warp: puts the next tile's schedule unit in the consumers' queue (the caller
+        advances unit_state: a state advanced in a helper is not carried through loops)."""
+        unit_queue.producer_acquire(unit_state)
+        if cute.arch.lane_idx() == 0:
+            sUnits[unit_state.index] = unit
+            unit_queue.producer_commit(unit_state)
+
+    @cute.jit
+    def receive_unit(self, unit_queue, sUnits, unit_state):
+        """Consumer team: the schedule unit of its next tile (the caller advances unit_state
+        past it, and with pingpong past the other team's next one)."""
+        unit_queue.consumer_wait(unit_state)
+        unit = sUnits[unit_state.index]
+        unit_queue.consumer_release(unit_state)
+        return unit
+
     @cute.kernel
     def kernel(
         self,
@@ -370,6 +444,7 @@ class ExpertGroupedGemmSm90:
         mRowScale,
         mPartials,
         mArrivals,
+        mUnitCounter,
         tiled_mma: cute.TiledMma,
         x_layout: cute.ComposedLayout,
         w_layout: cute.ComposedLayout,
@@ -383,6 +458,19 @@ class ExpertGroupedGemmSm90:
             cpasync.prefetch_descriptor(tma_w)
 
         storage = SmemAllocator().allocate(self.shared_storage)
+        # dynamic_schedule: the producer tells the consumers each tile's schedule unit (lane 0
+        # writes it; every thread of the team working that tile reads it); the ring's creation
+        # syncs both. A static schedule's units are known to all: consumers compute their own
+        unit_queue = None
+        if cutlass.const_expr(self.dynamic_schedule):
+            unit_queue = pipeline.PipelineAsync.create(
+                barrier_storage=storage.unit_barriers.data_ptr(),
+                num_stages=UNIT_QUEUE_SLOTS,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.tile_threads),
+                defer_sync=True,
+            )
+        sUnits = storage.units.get_tensor(cute.make_layout(UNIT_QUEUE_SLOTS))
         tx_bytes = cute.size_in_bytes(
             self.ab_dtype, cute.slice_(x_layout, (None, None, 0))
         ) + cute.size_in_bytes(self.ab_dtype, cute.slice_(w_layout, (None, None, 0)))
@@ -479,6 +567,12 @@ class ExpertGroupedGemmSm90:
                             weight_state.advance()
                     cute.arch.griddepcontrol_wait()
                     cute.arch.griddepcontrol_launch_dependents()
+                unit_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, UNIT_QUEUE_SLOTS
+                )
+                if cutlass.const_expr(self.dynamic_schedule):
+                    self.send_unit(unit_queue, sUnits, unit_state, unit)
+                    unit_state.advance()
                 while found:
                     row0, col_tile, split = self.tile_origin(
                         unit - first, row_units, col_tiles, expert_row0, cluster_rank
@@ -528,21 +622,28 @@ class ExpertGroupedGemmSm90:
                         ring.producer_commit(state)
                         state.advance()
                     weights_loading = cutlass.Int32(0)
-                    unit = unit + num_clusters
+                    unit = self.following_unit(unit, num_clusters, mUnitCounter)
+                    if cutlass.const_expr(self.dynamic_schedule):
+                        self.send_unit(unit_queue, sUnits, unit_state, unit)
+                        unit_state.advance()
                     expert, first, row_units, expert_row0, expert_row_end, found = self.next_tile(
                         unit, expert, first, mOffsets, walked_experts, col_units, capacity
                     )
+                if cutlass.const_expr(self.dynamic_schedule):
+                    if cutlass.const_expr(self.pingpong):
+                        # the unit past the schedule's end, for the other team too
+                        self.send_unit(unit_queue, sUnits, unit_state, unit)
+                    self.retire(mUnitCounter, num_clusters)
                 ring.producer_tail(state)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             consumer_tidx = tidx - THREADS_PER_WARPGROUP
             # the consumer warpgroups that work one tile together (all of them, or with pingpong
-            # one warpgroup taking every other tile of the CTA)
+            # one warpgroup taking every other tile of the CTA): `teams` teams take turns
             team = 0
-            unit_step = num_clusters
+            teams = self.num_consumer_warpgroups // self.tile_warpgroups
             if cutlass.const_expr(self.pingpong):
                 team = warpgroup_idx - 1
-                unit_step = num_clusters * 2
             team_tidx = consumer_tidx - team * self.tile_threads
             thr_mma = tiled_mma.get_slice(team_tidx)
             sA, sB = (sW, sX) if self.swap_ab else (sX, sW)
@@ -568,10 +669,15 @@ class ExpertGroupedGemmSm90:
             other_turn = pipeline.NamedBarrier(
                 barrier_id=MMA_TURN_BARRIER_ID + 1 - team, num_threads=self.num_consumer_threads
             )
+            unit_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, UNIT_QUEUE_SLOTS
+            )
             if cutlass.const_expr(self.pingpong):
-                # the ring holds the tiles in CTA order: skip the other team's first tile
+                # the ring and the unit queue hold the tiles in CTA order: skip the other team's
+                # first tile
                 read_state.advance(team * k_tiles)
                 release_state.advance(team * k_tiles)
+                unit_state.advance(team)
 
             # first batch row of this warpgroup's accumulator slab (the weight's side with swap_ab,
             # or a whole tile with pingpong: never skipped)
@@ -579,6 +685,9 @@ class ExpertGroupedGemmSm90:
             if cutlass.const_expr(not self.swap_ab and not self.pingpong):
                 slab_row0 = (warpgroup_idx - 1) * 64
             unit = cutlass.Int32(cluster_idx) + team * num_clusters
+            if cutlass.const_expr(self.dynamic_schedule):
+                unit = self.receive_unit(unit_queue, sUnits, unit_state)
+                unit_state.advance(teams)
             expert, first, row_units, expert_row0, row_end, found = self.next_tile(
                 unit,
                 cutlass.Int32(0),
@@ -663,7 +772,11 @@ class ExpertGroupedGemmSm90:
                         team_tidx=team_tidx,
                         barrier=epilogue_barrier,
                     )
-                unit = unit + unit_step
+                if cutlass.const_expr(self.dynamic_schedule):
+                    unit = self.receive_unit(unit_queue, sUnits, unit_state)
+                    unit_state.advance(teams)
+                else:
+                    unit = unit + num_clusters * teams
                 expert, first, row_units, expert_row0, row_end, found = self.next_tile(
                     unit, expert, first, mOffsets, walked_experts, col_units, capacity
                 )

@@ -106,6 +106,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "min_valid_rows",
             "max_valid_rows",
             "weights_before_wait",
+            "dynamic_schedule",
         ),
     ),
     DropSymbol(
@@ -120,6 +121,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "mRowScale",
             "mPartials",
             "mArrivals",
+            "mUnitCounter",
             "stream",
         ),
         passed_as="positional",  # shim/ffi_launch.py calls kernel(mX, mW, ..., stream)

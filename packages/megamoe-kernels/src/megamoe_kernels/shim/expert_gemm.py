@@ -29,7 +29,9 @@ signature, which refuses any tensor of another dtype, shape, layout, alignment o
 Split-K variants also take a workspace: fp32 slices and int32 arrival counters, allocated once
 per (device, stream, size), zeroed once and left zero by every launch, and never freed (a
 captured CUDA graph keeps addressing them). Launches on one stream run one after another, so
-they can share it.
+they can share it. Prefill tiles without clusters take their tiles from a counter (the drop's
+`dynamic_schedule`: the row tiles that share a weight tile run at once, so its second read hits
+L2), kept the same way: two int32 per (device, stream).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ _ALIGN_BYTES = 16  # TMA and 16-byte vector stores: every tensor's base address
 # split-K is for decode batches: a workspace beyond this means the knobs do not fit the batch
 _SPLIT_K_MAX_WORKSPACE_BYTES = 256 << 20
 _SPLIT_K_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_UNIT_COUNTERS: dict[tuple, torch.Tensor] = {}
 
 
 def interleave_gate_up(w13_E2IH: torch.Tensor) -> torch.Tensor:
@@ -246,6 +249,23 @@ def _split_k_workspace(
     return workspace
 
 
+def _dynamic_schedule(knobs: GemmKnobs) -> bool:
+    """Whether a kernel with `knobs` takes its tiles from the unit counter: prefill tiles
+    without clusters (both CTAs of a cluster work one unit; decode batches have about a tile
+    per CTA, where the counter's round trip would only add latency)."""
+    return not knobs.swap_ab and tuple(knobs.cluster) == (1, 1)
+
+
+def _unit_counter(x_MK: torch.Tensor) -> torch.Tensor:
+    """The dynamic schedule's counter for launches on the current stream."""
+    key = (x_MK.device, torch.cuda.current_stream(x_MK.device).cuda_stream)
+    counter = _UNIT_COUNTERS.get(key)
+    if counter is None:
+        counter = torch.zeros(2, dtype=torch.int32, device=x_MK.device)
+        _UNIT_COUNTERS[key] = counter
+    return counter
+
+
 def _check_split_k(knobs: GemmKnobs, k: int) -> None:
     k_tiles = -(-k // TILE_K)
     if knobs.split_k > k_tiles:
@@ -313,14 +333,16 @@ def _launch(
     if compiled is None:
         compiled = _compile(op, launches, key)
     if device_index >= 0:
-        partials = arrivals = None
+        partials = arrivals = unit_counter = None
         # split-K knobs (swap-AB) always launch alone
         knobs = launches[0].knobs
         if knobs.split_k > 1:
             # N, the weight rows: the gate-up's output holds half of them (SwiGLU pairs)
             n = out_MN.shape[1] * (2 if op == "gate_up" else 1)
             partials, arrivals = _split_k_workspace(knobs, x_MK, experts=w.shape[0], n=n)
-        compiled(x_MK, w, out_MN, expert_offsets, row_scale_M, partials, arrivals)
+        if any(_dynamic_schedule(launch.knobs) for launch in launches):
+            unit_counter = _unit_counter(x_MK)
+        compiled(x_MK, w, out_MN, expert_offsets, row_scale_M, partials, arrivals, unit_counter)
 
 
 def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> Callable:
@@ -360,6 +382,7 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> Callable:
                 # kernel runs: measured 1-4% faster at decode, 0.2-1.2% slower with prefill
                 # tiles (docs/benchmarks.md, "Down weights before the wait")
                 weights_before_wait=op == "down" and launch.knobs.swap_ab,
+                dynamic_schedule=_dynamic_schedule(launch.knobs),
                 # persistent CTAs: those beyond the routed tiles find no work and exit
                 num_ctas=_persistent_ctas(device_index, launch.knobs.cluster[0]),
             )
@@ -373,6 +396,7 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> Callable:
             n_out=n_out,
             has_row_scale=has_row_scale,
             split_k=max(launch.knobs.split_k for launch in launches),
+            dynamic_schedule=any(_dynamic_schedule(launch.knobs) for launch in launches),
         )
         _COMPILED[key] = compiled
         return compiled

@@ -8,8 +8,9 @@ a few microseconds per launch, against ~70 us for the pointer wrappers this repl
 
 The signature: x [rows, K], w as stored ([E, ...], contiguous, E * N * K elements, each expert's
 N x K block row-major), out [rows, N_out], offsets [E + 1] int32, row scale [rows] float32 or
-None, and for split-K variants the workspace: partials [words] float32 and arrivals [slots]
-int32 (else None, None). `rows` is one symbol shared by x, out and the row scale (so a row
+None, for split-K variants the workspace: partials [words] float32 and arrivals [slots]
+int32 (else None, None), and for variants with a dynamic schedule the unit counter [2] int32
+(else None). `rows` is one symbol shared by x, out and the row scale (so a row
 count that differs between them is refused before launch); the workspace sizes are runtime
 dims too. The jit wrapper views w as the
 (N, K, E) K-major tensor the kernel takes, so callers pass weights without a per-call permute.
@@ -35,13 +36,15 @@ class StoredWeightLaunch:
         self.n, self.k, self.experts = n, k, experts
 
     @cute.jit
-    def __call__(self, mX, mWStored, mOut, mOffsets, mRowScale, mPartials, mArrivals, stream):
+    def __call__(
+        self, mX, mWStored, mOut, mOffsets, mRowScale, mPartials, mArrivals, mUnitCounter, stream
+    ):
         n, k, experts = self.n, self.k, self.experts
         mW = cute.make_tensor(
             mWStored.iterator, cute.make_layout((n, k, experts), stride=(k, 1, n * k))
         )
         for kernel in self.kernels:
-            kernel(mX, mW, mOut, mOffsets, mRowScale, mPartials, mArrivals, stream)
+            kernel(mX, mW, mOut, mOffsets, mRowScale, mPartials, mArrivals, mUnitCounter, stream)
 
 
 def _row_major(dtype, shape):
@@ -60,11 +63,12 @@ def compile_stored_weight_launch(
     n_out: int,
     has_row_scale: bool,
     split_k: int,
+    dynamic_schedule: bool,
 ):
     """cute.compile of `kernels` behind StoredWeightLaunch, for the TVM-FFI calling convention:
     the result is called as f(x, w, out, offsets, row_scale_or_None, partials_or_None,
-    arrivals_or_None) with torch tensors (the workspace when split_k > 1: at most one of the
-    kernels splits K)."""
+    arrivals_or_None, unit_counter_or_None) with torch tensors (the workspace when split_k > 1:
+    at most one of the kernels splits K; the counter when one has a dynamic schedule)."""
     experts = weight_shape[0]
     rows = cute.sym_int32(symbol="rows")
     x = _row_major(cutlass.BFloat16, (rows, k))
@@ -76,6 +80,7 @@ def compile_stored_weight_launch(
     if split_k > 1:
         partials = _row_major(cutlass.Float32, (cute.sym_int32(symbol="partial_words"),))
         arrivals = _row_major(cutlass.Int32, (cute.sym_int32(symbol="slots"),))
+    unit_counter = _row_major(cutlass.Int32, (2,)) if dynamic_schedule else None
     launch = StoredWeightLaunch(kernels, n=n, k=k, experts=experts)
     return cute.compile(
         launch,
@@ -86,6 +91,7 @@ def compile_stored_weight_launch(
         row_scale,
         partials,
         arrivals,
+        unit_counter,
         make_fake_stream(use_tvm_ffi_env_stream=True),
         options="--enable-tvm-ffi",
     )
