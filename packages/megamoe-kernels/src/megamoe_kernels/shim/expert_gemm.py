@@ -50,7 +50,8 @@ from megamoe_kernels.drop.tiling import TILE_K
 from megamoe_kernels.shim.knobs import GemmKnobs, Launch, default_launches, resolve_knobs
 
 _COMPILE_LOCK = threading.Lock()
-_COMPILED: dict[tuple, Callable] = {}
+# key -> (the compiled launches, whether one of them takes the unit counter)
+_COMPILED: dict[tuple, tuple[Callable, bool]] = {}
 _SUPPORTED_DTYPES = (torch.bfloat16,)
 _DEFAULT_SM_COUNT = 132  # H200; only used when compiling without a GPU
 _ALIGN_BYTES = 16  # TMA and 16-byte vector stores: every tensor's base address
@@ -327,11 +328,10 @@ def _launch(
     # a GPU index, or -1 (CPU, meta): compile only, nothing runs
     device_index = -1 if compile_only else x_MK.get_device()
     key = (op, launches, w.shape, row_scale_M is not None, device_index)
-    compiled = _COMPILED.get(key)
-    if compiled is None or device_index < 0:
+    entry = _COMPILED.get(key)
+    if entry is None or device_index < 0:
         check()
-    if compiled is None:
-        compiled = _compile(op, launches, key)
+    compiled, takes_unit_counter = entry if entry is not None else _compile(op, launches, key)
     if device_index >= 0:
         partials = arrivals = unit_counter = None
         # split-K knobs (swap-AB) always launch alone
@@ -340,17 +340,17 @@ def _launch(
             # N, the weight rows: the gate-up's output holds half of them (SwiGLU pairs)
             n = out_MN.shape[1] * (2 if op == "gate_up" else 1)
             partials, arrivals = _split_k_workspace(knobs, x_MK, experts=w.shape[0], n=n)
-        if any(_dynamic_schedule(launch.knobs) for launch in launches):
+        if takes_unit_counter:
             unit_counter = _unit_counter(x_MK)
         compiled(x_MK, w, out_MN, expert_offsets, row_scale_M, partials, arrivals, unit_counter)
 
 
-def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> Callable:
+def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callable, bool]:
     _, _, weight_shape, has_row_scale, device_index = key
     with _COMPILE_LOCK:
-        compiled = _COMPILED.get(key)
-        if compiled is not None:
-            return compiled
+        entry = _COMPILED.get(key)
+        if entry is not None:
+            return entry
         if not torch.cuda.is_available():
             # without a GPU CuTe DSL guesses another architecture; set before it is imported
             os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -388,6 +388,7 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> Callable:
             )
             for launch in launches
         ]
+        takes_unit_counter = any(_dynamic_schedule(launch.knobs) for launch in launches)
         compiled = compile_stored_weight_launch(
             kernels,
             weight_shape=tuple(weight_shape),
@@ -396,10 +397,10 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> Callable:
             n_out=n_out,
             has_row_scale=has_row_scale,
             split_k=max(launch.knobs.split_k for launch in launches),
-            dynamic_schedule=any(_dynamic_schedule(launch.knobs) for launch in launches),
+            dynamic_schedule=takes_unit_counter,
         )
-        _COMPILED[key] = compiled
-        return compiled
+        _COMPILED[key] = (compiled, takes_unit_counter)
+        return _COMPILED[key]
 
 
 def gate_up_swiglu(
