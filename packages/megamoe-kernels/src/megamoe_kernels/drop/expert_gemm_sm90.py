@@ -59,8 +59,8 @@ so they are taken, and their weights read, within moments of each other: the sec
 L2. With a static stride, CTAs drift apart over a long schedule (tail tiles are short), and at
 256-512 rows per expert most weight tiles were read from HBM once per row tile. Which CTA works
 a tile changes from run to run; what a tile computes does not, so results stay bitwise
-repeatable. The producer hands each tile's index to the consumers through a small shared-memory queue;
-the CTA that finishes last puts the counter back to zero.
+repeatable. The producer hands each tile's index to the consumers through a small shared-memory
+queue; the CTA that finishes last puts the counter back to zero.
 
 min_valid_rows / max_valid_rows make a variant for a range of valid rows (offsets[E], read on
 the device): outside [min_valid_rows, max_valid_rows) it walks no experts and exits at once.
