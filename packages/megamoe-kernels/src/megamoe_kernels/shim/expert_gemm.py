@@ -31,7 +31,11 @@ per (device, stream, size), zeroed once and left zero by every launch, and never
 captured CUDA graph keeps addressing them). Launches on one stream run one after another, so
 they can share it. Prefill tiles without clusters take their tiles from a counter (the drop's
 `dynamic_schedule`: the row tiles that share a weight tile run at once, so its second read hits
-L2), kept the same way: two int32 per (device, stream).
+L2), kept the same way: two int32 per (device, stream). A CUDA graph keeps the scratch of the
+stream it was captured on, so two graphs captured on one stream (torch.cuda.graph's default
+capture stream included) must not replay at the same time on different streams; capture them
+on streams of their own for that. (A fresh counter per captured launch would need zeroing inside
+the graph, and a memset between the two GEMMs would cost the programmatic dependent launch.)
 """
 
 from __future__ import annotations
