@@ -51,7 +51,13 @@ import torch
 
 from megamoe_kernels.drop.gate_up_layout import GATE_UP_BLOCK, interleaved_source_row
 from megamoe_kernels.drop.tiling import TILE_K
-from megamoe_kernels.shim.knobs import GemmKnobs, Launch, default_launches, resolve_knobs
+from megamoe_kernels.shim.knobs import (
+    GemmKnobs,
+    Launch,
+    default_launches,
+    max_row_tiles,
+    resolve_knobs,
+)
 
 _COMPILE_LOCK = threading.Lock()
 # key -> (the compiled launches, whether one of them takes the unit counter)
@@ -61,8 +67,8 @@ _DEFAULT_SM_COUNT = 132  # H200; only used when compiling without a GPU
 _ALIGN_BYTES = 16  # TMA and 16-byte vector stores: every tensor's base address
 # split-K is for decode batches: a workspace beyond this means the knobs do not fit the batch
 _SPLIT_K_MAX_WORKSPACE_BYTES = 256 << 20
-_SPLIT_K_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-_UNIT_COUNTERS: dict[tuple, torch.Tensor] = {}
+# scratch of the launches on a stream, by (device, stream, what)
+_STREAM_SCRATCH: dict[tuple, object] = {}
 
 
 def interleave_gate_up(w13_E2IH: torch.Tensor) -> torch.Tensor:
@@ -225,10 +231,9 @@ def _persistent_ctas(device_index: int, cluster_size: int) -> int:
 
 
 def _split_k_slots(knobs: GemmKnobs, *, capacity: int, experts: int, n: int) -> int:
-    """Tiles a schedule can hold: each expert with rows has at most rows // tile_rows + 1 row
-    tiles, and at most min(E, capacity) experts have rows."""
+    """Tiles a schedule can hold (a bound: max_row_tiles row tiles of every column tile)."""
     col_tiles = -(-n // knobs.tile_cols)
-    return (capacity // knobs.tile_rows + min(experts, capacity)) * col_tiles
+    return max_row_tiles(capacity, experts, knobs.tile_rows) * col_tiles
 
 
 def _split_k_workspace(
@@ -243,15 +248,14 @@ def _split_k_workspace(
             f"workspace (at most {_SPLIT_K_MAX_WORKSPACE_BYTES >> 20} MiB): split-K is for decode "
             "batches; use split_k=1 or a smaller capacity"
         )
-    key = (x_MK.device, torch.cuda.current_stream(x_MK.device).cuda_stream, words, slots)
-    workspace = _SPLIT_K_WORKSPACES.get(key)
-    if workspace is None:
-        workspace = (
+    return _stream_scratch(
+        x_MK.device,
+        ("split_k", words, slots),
+        lambda: (
             torch.empty(words, dtype=torch.float32, device=x_MK.device),
             torch.zeros(slots, dtype=torch.int32, device=x_MK.device),
-        )
-        _SPLIT_K_WORKSPACES[key] = workspace
-    return workspace
+        ),
+    )
 
 
 def _dynamic_schedule(knobs: GemmKnobs) -> bool:
@@ -263,12 +267,21 @@ def _dynamic_schedule(knobs: GemmKnobs) -> bool:
 
 def _unit_counter(x_MK: torch.Tensor) -> torch.Tensor:
     """The dynamic schedule's counter for launches on the current stream."""
-    key = (x_MK.device, torch.cuda.current_stream(x_MK.device).cuda_stream)
-    counter = _UNIT_COUNTERS.get(key)
-    if counter is None:
-        counter = torch.zeros(2, dtype=torch.int32, device=x_MK.device)
-        _UNIT_COUNTERS[key] = counter
-    return counter
+    return _stream_scratch(
+        x_MK.device,
+        ("unit_counter",),
+        lambda: torch.zeros(2, dtype=torch.int32, device=x_MK.device),
+    )
+
+
+def _stream_scratch(device: torch.device, what: tuple, make: Callable[[], object]):
+    """Scratch that launches leave as they found it, shared by the launches on the current
+    stream (they run one after another): made by `make` on first use, then kept for good."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream, what)
+    scratch = _STREAM_SCRATCH.get(key)
+    if scratch is None:
+        scratch = _STREAM_SCRATCH[key] = make()
+    return scratch
 
 
 def _check_split_k(knobs: GemmKnobs, k: int) -> None:

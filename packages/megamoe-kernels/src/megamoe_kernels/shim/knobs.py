@@ -164,6 +164,12 @@ class Launch:
     max_valid_rows: int | None = None
 
 
+def max_row_tiles(capacity: int, experts: int, tile_rows: int) -> int:
+    """A bound on the row tiles of a batch of `capacity` rows over `experts`: at most
+    min(E, capacity) experts have rows, each in at most rows // tile_rows + 1 row tiles."""
+    return capacity // tile_rows + min(experts, capacity)
+
+
 def _down_knobs_beside_gate_up(
     knobs: GemmKnobs, *, capacity: int, experts: int, weight_dims: tuple[int, int], sms: int
 ) -> GemmKnobs:
@@ -173,13 +179,12 @@ def _down_knobs_beside_gate_up(
     leaves free and start the moment it ends; CTAs that find no free SM start later. So where
     128-column down tiles let both grids fit on the GPU at once and `knobs`' narrower ones do
     not, the wider tiles win (dsv3 on an 8-way expert-parallel rank, one token: the whole MLP
-    35.5 -> 28.2 us). Counts are bounds: at most min(E, capacity) experts have rows, each in
-    at most rows // tile_rows + 1 row tiles."""
+    35.5 -> 28.2 us). Counts are bounds (max_row_tiles)."""
     hidden, intermediate = weight_dims
     wide = replace(knobs, tile_cols=SWAP_COL_TILES[-1])
     if knobs == wide:
         return knobs
-    row_tiles = capacity // knobs.tile_rows + min(experts, capacity)
+    row_tiles = max_row_tiles(capacity, experts, knobs.tile_rows)
     gate_up = default_knobs("gate_up", capacity / max(1, experts))
 
     def ctas(columns: int, cols_per_tile: int) -> int:

@@ -1,0 +1,35 @@
+"""The scratch the grouped GEMMs' launches share (split-K workspaces, the dynamic schedule's
+counter): one per (device, stream, kind), made on first use and kept. Runs on any machine: the
+current stream is stood in for."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from megamoe_kernels.shim import expert_gemm
+
+
+def test_stream_scratch_is_made_once_per_device_stream_and_kind(monkeypatch):
+    current = SimpleNamespace(cuda_stream=1)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(expert_gemm, "_STREAM_SCRATCH", {})
+    made = []
+
+    def make():
+        made.append(object())
+        return made[-1]
+
+    first_device, second_device = torch.device("cuda", 0), torch.device("cuda", 1)
+    counter = expert_gemm._stream_scratch(first_device, ("unit_counter",), make)
+    assert expert_gemm._stream_scratch(first_device, ("unit_counter",), make) is counter
+    workspace = expert_gemm._stream_scratch(first_device, ("split_k", 64, 2), make)
+    other_size = expert_gemm._stream_scratch(first_device, ("split_k", 128, 4), make)
+    on_other_device = expert_gemm._stream_scratch(second_device, ("unit_counter",), make)
+    current.cuda_stream = 2
+    on_other_stream = expert_gemm._stream_scratch(first_device, ("unit_counter",), make)
+    assert len(made) == 5
+    assert (
+        len({id(s) for s in (counter, workspace, other_size, on_other_device, on_other_stream)})
+        == 5
+    )
