@@ -60,17 +60,22 @@ def median_graph_replay_seconds(
 
 
 def host_seconds_per_call(
-    fn: Callable[[], object], *, device: torch.device, calls: int = 50
+    fn: Callable[[], object], *, device: torch.device, calls: int = 10, rounds: int = 9
 ) -> float:
     """CPU time to issue one call (Python + launches), the GPU left to run behind: the overhead a
-    forward costs with CUDA graphs off. Few enough calls that the launch queue never fills."""
+    forward costs with CUDA graphs off. The median over `rounds` of the mean of `calls` calls in
+    a row, the GPU drained before each round: the launch queue stays shallow (a deep one makes
+    launches wait for the GPU), and a round that another process's burst on a shared host
+    slows down does not move the median."""
     fn()
+    samples = []
+    for _ in range(rounds):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return elapsed / calls
+    return statistics.median(samples)
