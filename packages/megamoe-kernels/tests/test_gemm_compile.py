@@ -84,6 +84,18 @@ def test_knobs_and_tuned_knobs_together_are_refused():
         down(hidden_MI, offsets, w2, knobs=knobs, tuned_knobs=knobs, compile_only=True)
 
 
+@pytest.mark.parametrize("valid_rows", [-1, 65, 2.0])
+def test_a_valid_row_count_outside_the_capacity_is_refused(valid_rows):
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    w2 = torch.empty(EXPERTS, HIDDEN, INTERMEDIATE, **meta)
+    hidden_MI = torch.empty(64, INTERMEDIATE, **meta)
+    offsets = torch.empty(EXPERTS + 1, dtype=torch.int32, device="meta")
+    with pytest.raises(
+        ValueError, match=r"valid_rows must be None or an int in \[0, capacity=64\]"
+    ):
+        down(hidden_MI, offsets, w2, valid_rows=valid_rows, compile_only=True)
+
+
 @pytest.mark.parametrize(
     "knobs",
     [

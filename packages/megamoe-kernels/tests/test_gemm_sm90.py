@@ -433,6 +433,28 @@ def test_tuned_prefill_knobs_leave_small_batches_to_the_decode_tiles(rows_per_ex
     )
 
 
+@pytest.mark.parametrize("valid_rows_hint", [0, 256, 257, 4096])
+def test_a_wrong_valid_row_hint_still_computes_every_row(valid_rows_hint):
+    # the hint picks the one launch (decode tiles up to 32 rows per expert = 256 here, prefill
+    # tiles above) and that launch takes any row count: 100 and 3000 valid rows, whatever it says
+    experts, capacity = 8, 512 * 8
+    for valid in (100, 3000):
+        counts = random_counts(experts, valid, seed=valid)
+        rows_MH, offsets, w13, w2, _ = make_problem(counts, *SMALL, capacity=capacity)
+        hidden_MI = torch.full((capacity, w13.shape[1] // 2), float("nan"), device=DEVICE)
+        hidden_MI = hidden_MI.bfloat16()
+        gate_up_swiglu(
+            rows_MH, offsets, interleave_gate_up(w13), out_MI=hidden_MI, valid_rows=valid_rows_hint
+        )
+        out_MH = torch.full((capacity, w2.shape[1]), float("nan"), device=DEVICE).bfloat16()
+        down(hidden_MI, offsets, w2, out_MH=out_MH, valid_rows=valid_rows_hint)
+        expected = expert_mlp_reference(
+            rows_MH, offsets, w13, w2, round_intermediate_to=torch.bfloat16
+        )
+        assert relative_l2_error(out_MH[:valid], expected[:valid]) <= TOLERANCE, valid
+        assert torch.isnan(out_MH[valid:]).all(), valid
+
+
 def test_the_default_launches_replay_in_a_graph_across_the_boundary():
     experts, capacity = 8, 512 * 8
     rows_MH, offsets, w13, w2, _ = make_problem([capacity // experts] * experts, *SMALL)

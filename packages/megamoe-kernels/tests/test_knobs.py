@@ -154,6 +154,34 @@ def test_tuned_prefill_knobs_take_the_prefill_range_and_leave_small_batches_to_d
     ) == (Launch(tuned),)
 
 
+@pytest.mark.parametrize(
+    "tuned", [None, GemmKnobs(tile_rows=128, tile_cols=128, stages=5, pingpong=True)]
+)
+def test_valid_rows_known_on_the_host_launch_one_kernel_without_a_range(tuned):
+    # a capacity of 512 rows per expert (qwen3 at 8192 tokens): the launch that the device
+    # would pick for the valid rows runs alone, over every row count (a wrong count costs speed)
+    experts = 128
+    small, large = default_launches(
+        "gate_up", 512 * experts, experts, weight_dims=QWEN3["gate_up"], sms=H200_SMS, tuned=tuned
+    )
+    boundary = SMALL_BATCH_ROWS_PER_EXPERT * experts + 1
+    for valid_rows, chosen in [
+        (0, small),
+        (boundary - 1, small),
+        (boundary, large),
+        (512 * experts, large),
+    ]:
+        assert default_launches(
+            "gate_up",
+            512 * experts,
+            experts,
+            weight_dims=QWEN3["gate_up"],
+            sms=H200_SMS,
+            tuned=tuned,
+            valid_rows=valid_rows,
+        ) == (Launch(chosen.knobs),), valid_rows
+
+
 def test_tuned_decode_knobs_launch_alone_and_are_not_widened():
     tuned = GemmKnobs(tile_rows=16, tile_cols=64, stages=12, swap_ab=True)
     # dsv3 on an 8-way EP rank at one token, where the profile's down tile would widen

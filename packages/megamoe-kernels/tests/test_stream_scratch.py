@@ -12,7 +12,7 @@ from megamoe_kernels.shim import expert_gemm
 
 def test_stream_scratch_is_made_once_per_device_stream_and_kind(monkeypatch):
     current = SimpleNamespace(cuda_stream=1)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(expert_gemm, "_current_stream_handle", lambda device: current.cuda_stream)
     monkeypatch.setattr(expert_gemm, "_STREAM_SCRATCH", {})
     made = []
 

@@ -22,6 +22,10 @@ class ExpertBatch:
     # routing brings max tokens x top-k): tuned knobs are looked up for this class.
     # None: the capacity (a tight batch)
     typical_rows: int | None = None
+    # expert_offsets[E] when the host knows it (a local batch holds tokens x top-k rows), so the
+    # kernels need not be chosen on the device from it; None: known on the device only. A hint:
+    # a wrong value costs speed, never rows
+    valid_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.rows_MH.dim() != 2:
@@ -39,11 +43,12 @@ class ExpertBatch:
             raise ValueError(
                 f"expert_offsets on {self.expert_offsets.device} but rows on {self.rows_MH.device}"
             )
-        if self.typical_rows is not None and not 0 <= self.typical_rows <= self.capacity:
-            raise ValueError(
-                f"typical_rows must be None or in [0, capacity={self.capacity}], "
-                f"got {self.typical_rows}"
-            )
+        for name in ("typical_rows", "valid_rows"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= self.capacity:
+                raise ValueError(
+                    f"{name} must be None or in [0, capacity={self.capacity}], got {value}"
+                )
 
     @property
     def capacity(self) -> int:

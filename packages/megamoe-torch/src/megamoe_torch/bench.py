@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import csv
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -166,6 +166,9 @@ def capacity_sweep(
         batch, _ = LocalDispatcher(geometry.num_experts, capacity=capacity).dispatch(
             x_TH, ids, weights
         )
+        # the valid rows known on the device only (as at an expert-parallel receiver): the
+        # sweep measures the device-side choice
+        batch = replace(batch, valid_rows=None)
         tight, _ = LocalDispatcher(geometry.num_experts).dispatch(x_TH, ids, weights)
         timer = median_graph_replay_seconds if device.type == "cuda" else median_seconds
         padded = timer(lambda b=batch: backend(b, prepared), device=device, repeats=repeats)

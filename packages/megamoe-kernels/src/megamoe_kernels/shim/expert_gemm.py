@@ -13,7 +13,8 @@ Rows past expert_offsets[E] of an output are left as they were (unspecified).
 Without knobs a call runs the default profile: one kernel, or, when the capacity asks for
 prefill tiles, two (`default_launches`), launched from one host call: the one with decode tiles
 works instead of the other on a batch of few valid rows, chosen on the device from
-expert_offsets[E].
+expert_offsets[E]. A caller that knows the valid rows on the host (`valid_rows`: a local batch
+holds tokens x top-k) launches only the kernel for them.
 
 Compiled kernels are cached by (op, the launches' knobs and valid-row ranges, weight shape, row
 scale or not, device): the capacity is a dynamic dim, so one compile serves every batch size.
@@ -274,10 +275,16 @@ def _unit_counter(x_MK: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _current_stream_handle(device: torch.device) -> int:
+    """The current stream's cudaStream_t as an int: torch's raw query, where
+    torch.cuda.current_stream() would build a Stream object on every launch."""
+    return torch._C._cuda_getCurrentRawStream(device.index)
+
+
 def _stream_scratch(device: torch.device, what: tuple, make: Callable[[], object]):
     """Scratch that launches leave as they found it, shared by the launches on the current
     stream (they run one after another): made by `make` on first use, then kept for good."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream, what)
+    key = (device, _current_stream_handle(device), what)
     scratch = _STREAM_SCRATCH.get(key)
     if scratch is None:
         scratch = _STREAM_SCRATCH[key] = make()
@@ -300,13 +307,19 @@ def _launches(
     x_MK: torch.Tensor,
     w: torch.Tensor,
     *,
+    valid_rows: int | None,
     compile_only: bool,
 ) -> tuple[Launch, ...]:
     """The kernels a call launches: one with `knobs` (checked; invalid ones raise), or the
     default profile's, with `tuned_knobs` in place of its own if given (default_launches: one
-    per range of valid rows, for a capacity that asks for prefill tiles), each with K long
-    enough for its split-K."""
+    per range of valid rows, for a capacity that asks for prefill tiles, or the one for
+    `valid_rows` when the caller knows them), each with K long enough for its split-K."""
     capacity, experts = x_MK.shape[0], w.shape[0]
+    if valid_rows is not None and not (isinstance(valid_rows, int) and 0 <= valid_rows <= capacity):
+        raise ValueError(
+            f"valid_rows must be None or an int in [0, capacity={capacity}] (the batch's "
+            f"expert_offsets[E]), got {valid_rows!r}"
+        )
     if knobs is not None and tuned_knobs is not None:
         raise ValueError(
             f"pass knobs (exactly these) or tuned_knobs (these for the batch's class, decode tiles "
@@ -318,7 +331,13 @@ def _launches(
         device_index = -1 if compile_only else x_MK.get_device()
         sms = _persistent_ctas(device_index, 1)
         launches = default_launches(
-            op, capacity, experts, weight_dims=weight_dims, sms=sms, tuned=tuned_knobs
+            op,
+            capacity,
+            experts,
+            weight_dims=weight_dims,
+            sms=sms,
+            tuned=tuned_knobs,
+            valid_rows=valid_rows,
         )
     else:
         launches = (Launch(resolve_knobs(op, capacity / max(1, experts), knobs)),)
@@ -428,13 +447,16 @@ def gate_up_swiglu(
     out_MI: torch.Tensor | None = None,
     knobs: GemmKnobs | None = None,
     tuned_knobs: GemmKnobs | None = None,
+    valid_rows: int | None = None,
     compile_only: bool = False,
 ) -> torch.Tensor:
     """silu(x Wg^T) * (x Wu^T) per expert, bf16 out, fp32 accumulation.
 
     knobs: run exactly these. tuned_knobs: knobs tuned for the batch's class (a knob-cache
     entry), in place of the default profile's; with prefill ones a batch of few valid rows
-    still runs the decode tiles (default_launches). Neither: the default profile."""
+    still runs the decode tiles (default_launches). Neither: the default profile.
+    valid_rows: expert_offsets[E] when the caller knows it on the host: the default profile
+    then launches only the kernel for that many rows (a wrong count costs speed, not rows)."""
 
     def check() -> None:
         _check_gate_up(rows_MH, expert_offsets, w13_EB2GH, out_MI)
@@ -444,7 +466,13 @@ def gate_up_swiglu(
         blocks = w13_EB2GH.shape[1]
         out = rows_MH.new_empty((capacity, blocks * GATE_UP_BLOCK)) if out_MI is None else out_MI
         launches = _launches(
-            "gate_up", knobs, tuned_knobs, rows_MH, w13_EB2GH, compile_only=compile_only
+            "gate_up",
+            knobs,
+            tuned_knobs,
+            rows_MH,
+            w13_EB2GH,
+            valid_rows=valid_rows,
+            compile_only=compile_only,
         )
         if capacity == 0:
             check()
@@ -474,10 +502,11 @@ def down(
     out_MH: torch.Tensor | None = None,
     knobs: GemmKnobs | None = None,
     tuned_knobs: GemmKnobs | None = None,
+    valid_rows: int | None = None,
     compile_only: bool = False,
 ) -> torch.Tensor:
     """x W2^T per expert, each row optionally multiplied by row_scale_M (float32, [M]);
-    knobs and tuned_knobs as for gate_up_swiglu.
+    knobs, tuned_knobs and valid_rows as for gate_up_swiglu.
 
     With decode tiles the kernel starts loading w2_EHI (it reads expert_offsets to know which
     experts) while the kernel before it on the stream still runs, when that kernel lets it start
@@ -492,7 +521,13 @@ def down(
         hidden = w2_EHI.shape[1]
         out = hidden_MI.new_empty((capacity, hidden)) if out_MH is None else out_MH
         launches = _launches(
-            "down", knobs, tuned_knobs, hidden_MI, w2_EHI, compile_only=compile_only
+            "down",
+            knobs,
+            tuned_knobs,
+            hidden_MI,
+            w2_EHI,
+            valid_rows=valid_rows,
+            compile_only=compile_only,
         )
         if capacity == 0:
             check()

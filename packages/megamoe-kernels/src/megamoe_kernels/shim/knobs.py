@@ -207,6 +207,7 @@ def default_launches(
     weight_dims: tuple[int, int],
     sms: int,
     tuned: GemmKnobs | None = None,
+    valid_rows: int | None = None,
 ) -> tuple[Launch, ...]:
     """The default profile's launches for `capacity` rows over `experts`, for a weight of
     (N, K) = weight_dims per expert on a GPU of `sms` SMs: exactly one of them works on any
@@ -222,7 +223,11 @@ def default_launches(
 
     `tuned`: knobs tuned for the batch's class (a knob-cache entry; checked: invalid ones
     raise) in place of the profile's. Prefill ones still leave batches of few valid rows to the
-    decode tiles, when the capacity holds more than those."""
+    decode tiles, when the capacity holds more than those.
+
+    `valid_rows`: the batch's valid rows when the host knows them (a local batch holds tokens x
+    top-k): only the launch for that many runs, with no range, so a wrong count costs speed,
+    never rows (each launch costs several us of host time)."""
     if tuned is not None:
         knobs = check_knobs(tuned, op)
     else:
@@ -235,6 +240,8 @@ def default_launches(
     if knobs.swap_ab or capacity < boundary:
         return (Launch(knobs),)
     small = default_knobs(op, SMALL_BATCH_ROWS_PER_EXPERT)
+    if valid_rows is not None:
+        return (Launch(small if valid_rows < boundary else knobs),)
     return (Launch(small, 0, boundary), Launch(knobs, boundary, None))
 
 

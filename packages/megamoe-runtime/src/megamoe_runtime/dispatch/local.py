@@ -73,7 +73,7 @@ class LocalDispatcher:
         expert_offsets = torch.searchsorted(
             sorted_experts, self._expert_boundaries(sorted_experts), out_int32=True
         )
-        batch = ExpertBatch(rows_MH=rows_MH, expert_offsets=expert_offsets)
+        batch = ExpertBatch(rows_MH=rows_MH, expert_offsets=expert_offsets, valid_rows=num_pairs)
         handle = LocalHandle(
             row_of_pair_TK=row_of_pair.view(tokens, top_k),
             topk_weights_TK=topk_weights_TK,

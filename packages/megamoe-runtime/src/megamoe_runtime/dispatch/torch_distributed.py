@@ -159,7 +159,8 @@ class TorchDistributedDispatcher:
             topk_weights_TK=topk_weights_TK,
             output_dtype=x_TH.dtype,
         )
-        return ExpertBatch(rows_MH=rows_MH, expert_offsets=expert_offsets), handle
+        batch = ExpertBatch(rows_MH=rows_MH, expert_offsets=expert_offsets, valid_rows=num_received)
+        return batch, handle
 
     def combine(
         self,

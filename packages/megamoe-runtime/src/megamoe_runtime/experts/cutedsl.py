@@ -140,13 +140,18 @@ class CuteDSLExperts:
         try:
             gate_up_knobs, down_knobs = self._knobs_for(batch, prepared)
             hidden_MI = gate_up_swiglu(
-                batch.rows_MH, batch.expert_offsets, prepared.w13_EB2GH, **gate_up_knobs
+                batch.rows_MH,
+                batch.expert_offsets,
+                prepared.w13_EB2GH,
+                valid_rows=batch.valid_rows,
+                **gate_up_knobs,
             )
             return down(
                 hidden_MI,
                 batch.expert_offsets,
                 prepared.w2_EHI,
                 row_scale_M=row_scale_M,
+                valid_rows=batch.valid_rows,
                 **down_knobs,
             )
         except (TypeError, ValueError) as failure:
