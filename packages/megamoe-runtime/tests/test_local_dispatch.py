@@ -53,7 +53,7 @@ def test_static_capacity_keeps_shape_and_marks_valid_rows():
     batch, handle = LocalDispatcher(4, capacity=64).dispatch(x, ids, weights)
     assert batch.capacity == 64
     assert int(batch.num_valid_rows) == 10
-    # the host knows them too: the kernels launch for 10 rows without reading the offsets
+    # the host knows them too: the expert GEMMs launch only their kernel for 10 rows
     assert batch.valid_rows == 10
     y = LocalDispatcher(4, capacity=64).combine(batch.rows_MH, handle)
     torch.testing.assert_close(y, x * weights.sum(-1, keepdim=True))
