@@ -241,13 +241,13 @@ def plot_speedups(rows: list[BenchRow], path: Path) -> str:
 
 
 def format_table(rows: list[BenchRow]) -> str:
-    header = f"{'geometry':<16}{'tokens':>7}{'rows':>7} {'backend':<11}{'mode':<8}{'us':>9}{'host us':>8}{'x base':>8}{'TFLOP/s':>9}{'roof':>6}{'rel-L2':>9}"
+    header = f"{'geometry':<16}{'tokens':>7}{'rows':>7} {'backend':<11}{'mode':<8}{'us':>9}{'host us':>8}{'x base':>8}{'TFLOP/s':>9}{'roof':>7}{'rel-L2':>9}"
     lines = [header, "-" * len(header)]
     for r in rows:
         speedup = "" if r.speedup is None else f"{r.speedup:.2f}"
         lines.append(
             f"{r.geometry:<16}{r.tokens:>7}{r.rows:>7} {r.backend:<11}{r.mode:<8}{r.microseconds:>9.1f}"
             f"{r.host_microseconds:>8.1f}"
-            f"{speedup:>8}{r.tflops:>9.1f}{r.roofline_fraction:>6.2f}{r.rel_l2:>9.1e}"
+            f"{speedup:>8}{r.tflops:>9.1f}{r.roofline_fraction:>7.3f}{r.rel_l2:>9.1e}"
         )
     return "\n".join(lines)
