@@ -45,7 +45,7 @@ import math
 import os
 import threading
 from collections.abc import Callable
-from functools import cache
+from functools import cache, lru_cache
 from typing import NoReturn
 
 import torch
@@ -314,7 +314,25 @@ def _launches(
     default profile's, with `tuned_knobs` in place of its own if given (default_launches: one
     per range of valid rows, for a capacity that asks for prefill tiles, or the one for
     `valid_rows` when the caller knows them), each with K long enough for its split-K."""
-    capacity, experts = x_MK.shape[0], w.shape[0]
+    device_index = -1 if compile_only else x_MK.get_device()
+    return _planned_launches(op, knobs, tuned_knobs, x_MK.shape, w.shape, valid_rows, device_index)
+
+
+# typed: a valid_rows of 2.0 or True is refused, not served the plan of 2
+@lru_cache(maxsize=4096, typed=True)
+def _planned_launches(
+    op: str,
+    knobs: GemmKnobs | None,
+    tuned_knobs: GemmKnobs | None,
+    x_shape: torch.Size,
+    weight_shape: torch.Size,
+    valid_rows: int | None,
+    device_index: int,
+) -> tuple[Launch, ...]:
+    """_launches, worked out once per kind of call (calls repeat their op, knobs, shapes and
+    valid rows): a repeated call costs one lookup."""
+    capacity, k = x_shape
+    experts = weight_shape[0]
     if valid_rows is not None and not (isinstance(valid_rows, int) and 0 <= valid_rows <= capacity):
         raise ValueError(
             f"valid_rows must be None or an int in [0, capacity={capacity}] (the batch's "
@@ -327,22 +345,20 @@ def _launches(
         )
     if knobs is None:
         # N: the weight rows per expert (gate-up [E, B, 16, H]: B x 16; down [E, H, I]: H)
-        weight_dims = (math.prod(w.shape[1:-1]), x_MK.shape[1])
-        device_index = -1 if compile_only else x_MK.get_device()
-        sms = _persistent_ctas(device_index, 1)
+        weight_dims = (math.prod(weight_shape[1:-1]), k)
         launches = default_launches(
             op,
             capacity,
             experts,
             weight_dims=weight_dims,
-            sms=sms,
+            sms=_persistent_ctas(device_index, 1),
             tuned=tuned_knobs,
             valid_rows=valid_rows,
         )
     else:
         launches = (Launch(resolve_knobs(op, capacity / max(1, experts), knobs)),)
     for launch in launches:
-        _check_split_k(launch.knobs, x_MK.shape[1])
+        _check_split_k(launch.knobs, k)
     return launches
 
 
