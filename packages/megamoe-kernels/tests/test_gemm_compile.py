@@ -74,11 +74,18 @@ def test_tuned_knobs_at_a_prefill_capacity_compile_beside_the_decode_tiles():
     compile_pair(512, gate_up_knobs=tuned, down_knobs=tuned, row_scale=True, tuned=True)
 
 
-def test_knobs_and_tuned_knobs_together_are_refused():
+def meta_down_operands():
+    """(hidden_MI, offsets, w2) of a 64-row down GEMM, as meta tensors."""
     meta = {"device": "meta", "dtype": torch.bfloat16}
-    w2 = torch.empty(EXPERTS, HIDDEN, INTERMEDIATE, **meta)
-    hidden_MI = torch.empty(64, INTERMEDIATE, **meta)
-    offsets = torch.empty(EXPERTS + 1, dtype=torch.int32, device="meta")
+    return (
+        torch.empty(64, INTERMEDIATE, **meta),
+        torch.empty(EXPERTS + 1, dtype=torch.int32, device="meta"),
+        torch.empty(EXPERTS, HIDDEN, INTERMEDIATE, **meta),
+    )
+
+
+def test_knobs_and_tuned_knobs_together_are_refused():
+    hidden_MI, offsets, w2 = meta_down_operands()
     knobs = default_knobs("down", 8)
     with pytest.raises(ValueError, match="not both"):
         down(hidden_MI, offsets, w2, knobs=knobs, tuned_knobs=knobs, compile_only=True)
@@ -86,10 +93,7 @@ def test_knobs_and_tuned_knobs_together_are_refused():
 
 @pytest.mark.parametrize("valid_rows", [-1, 65, 2.0])
 def test_a_valid_row_count_outside_the_capacity_is_refused(valid_rows):
-    meta = {"device": "meta", "dtype": torch.bfloat16}
-    w2 = torch.empty(EXPERTS, HIDDEN, INTERMEDIATE, **meta)
-    hidden_MI = torch.empty(64, INTERMEDIATE, **meta)
-    offsets = torch.empty(EXPERTS + 1, dtype=torch.int32, device="meta")
+    hidden_MI, offsets, w2 = meta_down_operands()
     with pytest.raises(
         ValueError, match=r"valid_rows must be None or an int in \[0, capacity=64\]"
     ):

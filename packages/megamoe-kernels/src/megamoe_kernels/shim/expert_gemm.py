@@ -300,27 +300,9 @@ def _check_split_k(knobs: GemmKnobs, k: int) -> None:
         )
 
 
-def _launches(
-    op: str,
-    knobs: GemmKnobs | None,
-    tuned_knobs: GemmKnobs | None,
-    x_MK: torch.Tensor,
-    w: torch.Tensor,
-    *,
-    valid_rows: int | None,
-    compile_only: bool,
-) -> tuple[Launch, ...]:
-    """The kernels a call launches: one with `knobs` (checked; invalid ones raise), or the
-    default profile's, with `tuned_knobs` in place of its own if given (default_launches: one
-    per range of valid rows, for a capacity that asks for prefill tiles, or the one for
-    `valid_rows` when the caller knows them), each with K long enough for its split-K."""
-    device_index = -1 if compile_only else x_MK.get_device()
-    return _planned_launches(op, knobs, tuned_knobs, x_MK.shape, w.shape, valid_rows, device_index)
-
-
 # typed: a valid_rows of 2.0 or True is refused, not served the plan of 2
 @lru_cache(maxsize=4096, typed=True)
-def _planned_launches(
+def _launches(
     op: str,
     knobs: GemmKnobs | None,
     tuned_knobs: GemmKnobs | None,
@@ -329,8 +311,12 @@ def _planned_launches(
     valid_rows: int | None,
     device_index: int,
 ) -> tuple[Launch, ...]:
-    """_launches, worked out once per kind of call (calls repeat their op, knobs, shapes and
-    valid rows): a repeated call costs one lookup."""
+    """The kernels a call launches: one with `knobs` (checked; invalid ones raise), or the
+    default profile's, with `tuned_knobs` in place of its own if given (default_launches: one
+    per range of valid rows, for a capacity that asks for prefill tiles, or the one for
+    `valid_rows` when the caller knows them), each with K long enough for its split-K.
+    Worked out once per kind of call (calls repeat their op, knobs, shapes and valid rows): a
+    repeated call costs one lookup."""
     capacity, k = x_shape
     experts = weight_shape[0]
     if valid_rows is not None and not (isinstance(valid_rows, int) and 0 <= valid_rows <= capacity):
@@ -371,14 +357,13 @@ def _launch(
     expert_offsets: torch.Tensor,
     row_scale_M: torch.Tensor | None,
     *,
-    compile_only: bool,
+    device_index: int,
     check: Callable[[], None],
 ) -> None:
     """Launches the compiled kernels for (op, launches, the weight's shape) with one host call,
     compiling them first if needed. `check` runs the op's argument checks before a compile and
-    when nothing runs; a launch that hits the cache leaves them to the compiled signature."""
-    # a GPU index, or -1 (CPU, meta): compile only, nothing runs
-    device_index = -1 if compile_only else x_MK.get_device()
+    when nothing runs; a launch that hits the cache leaves them to the compiled signature.
+    device_index: the GPU's, or -1 (CPU, meta): compile only, nothing runs."""
     key = (op, launches, w.shape, row_scale_M is not None, device_index)
     entry = _COMPILED.get(key)
     if entry is None or device_index < 0:
@@ -481,14 +466,9 @@ def gate_up_swiglu(
         capacity = rows_MH.shape[0]
         blocks = w13_EB2GH.shape[1]
         out = rows_MH.new_empty((capacity, blocks * GATE_UP_BLOCK)) if out_MI is None else out_MI
+        device_index = -1 if compile_only else rows_MH.get_device()
         launches = _launches(
-            "gate_up",
-            knobs,
-            tuned_knobs,
-            rows_MH,
-            w13_EB2GH,
-            valid_rows=valid_rows,
-            compile_only=compile_only,
+            "gate_up", knobs, tuned_knobs, rows_MH.shape, w13_EB2GH.shape, valid_rows, device_index
         )
         if capacity == 0:
             check()
@@ -501,7 +481,7 @@ def gate_up_swiglu(
             out,
             expert_offsets,
             None,
-            compile_only=compile_only,
+            device_index=device_index,
             check=check,
         )
     except Exception as failure:
@@ -536,14 +516,9 @@ def down(
         capacity = hidden_MI.shape[0]
         hidden = w2_EHI.shape[1]
         out = hidden_MI.new_empty((capacity, hidden)) if out_MH is None else out_MH
+        device_index = -1 if compile_only else hidden_MI.get_device()
         launches = _launches(
-            "down",
-            knobs,
-            tuned_knobs,
-            hidden_MI,
-            w2_EHI,
-            valid_rows=valid_rows,
-            compile_only=compile_only,
+            "down", knobs, tuned_knobs, hidden_MI.shape, w2_EHI.shape, valid_rows, device_index
         )
         if capacity == 0:
             check()
@@ -556,7 +531,7 @@ def down(
             out,
             expert_offsets,
             row_scale_M,
-            compile_only=compile_only,
+            device_index=device_index,
             check=check,
         )
     except Exception as failure:
