@@ -1,10 +1,11 @@
 """Expert-parallel combine over NVLink (sm_90a): expert outputs go home, then a fixed-order
 weighted top-k sum.
 
-combine_push (persistent grid, on the expert owner): one warp per valid batch row (the count is
-read on the device from expert_offsets[local_experts], clamped to capacity) copies the row of
-expert_out to slot `pair` of its source rank's returned buffer, using the (source, pair) that
-dispatch recorded. Each CTA then signals PHASE_RETURNED on every peer once.
+combine_push (persistent grid, on the expert owner): one warp per valid batch row (per slice
+of it when rows are fewer than warps; the count is read on the device from
+expert_offsets[local_experts], clamped to capacity) copies the row of expert_out to slot `pair`
+of its source rank's returned buffer, using the (source, pair) that dispatch recorded. Each CTA
+then signals PHASE_RETURNED on every peer once.
 
 combine_reduce (persistent grid, on the source): every CTA first waits until each owner's
 PHASE_RETURNED adds of this epoch arrived; then one thread per (token, 8-element chunk of the
@@ -13,14 +14,21 @@ order in fp32, and stores the bf16 result: the order of the single-GPU combine, 
 does not depend on the expert-parallel degree or on timing.
 
 The partial-sum combine (fewer NVLink bytes, not the single-GPU order):
-combine_partial (on the owner): a warp per valid batch row; only a token's leader row (its
-lowest k with a row here, from the table dispatch wrote) has work: it loads the token's up-to-
-top_k rows here (top_k x `unroll` 16-byte vectors per lane in flight), sums weight x output in k
-order in fp32 (products rounded on their own), and writes one bf16 row into its source's partials
-[world x max_tokens, hidden] at (rank, token) with 16-byte stores: one row per (token, owner)
-crosses NVLink. combine_partial_sum (on the source): waits, then a warp per token adds the
-partials of the owners the token touched, in rank order, in fp32. Deterministic; the bf16
-partials round once more than the exact combine.
+combine_partial (on the owner): a warp per valid batch row (per slice of it when the leaders
+are fewer than the warps); only a token's leader row (its lowest k with a row here, from the
+table dispatch wrote) has work: it loads the token's up-to-top_k rows here (top_k x `unroll`
+16-byte vectors per lane in flight), sums weight x output in k order in fp32 (products rounded
+on their own), and writes one bf16 row into its source's partials [world x max_tokens, hidden]
+at (rank, token) with 16-byte stores: one row per (token, owner) crosses NVLink.
+combine_partial_sum (on the source): waits, then a warp per token (per slice of it when tokens
+are fewer than warps) adds the partials of the owners the token touched, in rank order, in
+fp32. Deterministic; the bf16 partials round once more than the exact combine.
+
+Row slices: a warp that copies or sums a whole row issues its loads round after round, each
+waiting for the last (a 7168-wide bf16 row: 7 rounds of 4 16-byte vectors per lane in
+combine_push, 14 of 2 in the partial-sum kernels). With fewer rows than warps (a small batch),
+each row is split into up to MAX_ROW_SLICES slices of whole rounds, one warp each, so every warp
+has work and a row takes one or two rounds.
 
 Layouts: expert_out [capacity, hidden] and returned [max_pairs, hidden] bf16 row-major, weights
 float32 [tokens, top_k], y bf16 [tokens, hidden]; hidden a multiple of 8, rows 16-byte aligned.
@@ -48,6 +56,39 @@ REDUCE_WARPS = 8
 # one after another), so twice the exact reduce's warps keep twice the loads in flight
 PARTIAL_SUM_WARPS = 16
 CHUNK = 8  # bf16 elements per 16-byte vector
+MAX_ROW_SLICES = 8  # warps sharing one row, at most (row_slices)
+
+
+@cute.jit
+def copy_rounds(row_vectors, unroll: cutlass.Constexpr):
+    """Rounds of loads a warp needs for a whole row: 32 x `unroll` 16-byte vectors each."""
+    return (row_vectors + 32 * unroll - 1) // (32 * unroll)
+
+
+@cute.jit
+def row_slices(rows, rounds, warps):
+    """Warps that share each of `rows` rows so that about `warps` warps have work: between 1
+    and min(rounds, MAX_ROW_SLICES); 1 when rows are many."""
+    slices = cutlass.Int32(1)
+    if rows > 0:
+        slices = warps // rows
+    if slices > rounds:
+        slices = rounds
+    if slices > MAX_ROW_SLICES:
+        slices = MAX_ROW_SLICES
+    if slices < 1:
+        slices = cutlass.Int32(1)
+    return slices
+
+
+@cute.jit
+def slice_vectors(part, slices, rounds, row_vectors, unroll: cutlass.Constexpr):
+    """[first, end) 16-byte vectors of slice `part` of `slices` of a row: whole rounds."""
+    first = (part * rounds // slices) * (32 * unroll)
+    end = ((part + 1) * rounds // slices) * (32 * unroll)
+    if end > row_vectors:
+        end = row_vectors
+    return first, end
 
 
 def multiply_rounded(a, b):
@@ -90,15 +131,21 @@ def combine_push_kernel(
         valid_rows = capacity
     row_sources = global_ptr(cutlass.Int32, row_sources_address, 8)
     row_bytes = cutlass.Int64(row_vectors) * 16
-    # warp w of CTA b takes row w x grid + b: a few rows spread over every SM
-    for row in range(warp * grid + bidx, valid_rows, grid * PUSH_WARPS):
+    # a warp per slice of a row (fewer rows than warps: each split over several warps); warp w
+    # of CTA b takes item w x grid + b: a few rows spread over every SM
+    rounds = copy_rounds(row_vectors, unroll)
+    slices = row_slices(valid_rows, rounds, grid * PUSH_WARPS)
+    for item in range(warp * grid + bidx, valid_rows * slices, grid * PUSH_WARPS):
+        row = item // slices
+        first, end = slice_vectors(item - row * slices, slices, rounds, row_vectors, unroll)
         source = cute.arch.load(row_sources + row * 2, cutlass.Int32)
         pair = cute.arch.load(row_sources + (row * 2 + 1), cutlass.Int32)
         returned_base = peer_address(peer_table, BUFFER_RETURNED, world, source)
         copy_row(
             expert_out_address + cutlass.Int64(row) * row_bytes,
             returned_base + cutlass.Int64(pair) * row_bytes,
-            row_vectors,
+            first,
+            end,
             lane,
             unroll,
         )
@@ -288,11 +335,19 @@ def combine_partial_kernel(
     row_vectors = hidden // CHUNK
     total = cute.make_rmem_tensor(CHUNK * unroll, cutlass.Float32)
     contribution = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
-    # a warp per batch row; only the row of a token's lowest k here (its leader) has work: it
-    # sums all of the token's rows here, so the work follows (source, token) entries
-    # warp w of CTA b takes row b x PUSH_WARPS + w (spreading rows over the SMs instead, as the
-    # dispatch does, measured 12% slower here at 4096 tokens and no faster at 128)
-    for row in range(bidx * PUSH_WARPS + warp, valid_rows, grid * PUSH_WARPS):
+    # a warp per slice of a batch row; only the row of a token's lowest k here (its leader) has
+    # work: it sums all of the token's rows here, so the work follows (source, token) entries.
+    # Fewer leaders than warps (about valid_rows / (top_k / world) of them): each split over
+    # several warps. Warp w of CTA b takes item b x PUSH_WARPS + w (spreading items over the SMs
+    # instead, as the dispatch does, measured 12% slower here at 4096 tokens and no faster at 128)
+    rounds = copy_rounds(row_vectors, unroll)
+    rows_per_leader = top_k // world
+    if rows_per_leader < 1:
+        rows_per_leader = 1
+    slices = row_slices(valid_rows // rows_per_leader, rounds, grid * PUSH_WARPS)
+    for item in range(bidx * PUSH_WARPS + warp, valid_rows * slices, grid * PUSH_WARPS):
+        row = item // slices
+        first, end = slice_vectors(item - row * slices, slices, rounds, row_vectors, unroll)
         source = cute.arch.load(row_sources + row * 2, cutlass.Int32)
         pair = cute.arch.load(row_sources + (row * 2 + 1), cutlass.Int32)
         token = pair // top_k
@@ -324,11 +379,13 @@ def combine_partial_kernel(
                 addresses.append(expert_out_address + cutlass.Int64(safe_row) * row_bytes)
             partials = peer_address(peer_table, BUFFER_PARTIALS, world, source)
             partial_row = partials + (cutlass.Int64(rank) * max_tokens + token) * row_bytes
-            for first in range(lane, row_vectors, 32 * unroll):
+            for vector in range(first + lane, end, 32 * unroll):
                 values = []  # every load of the group in flight before the first add
                 for k in cutlass.range_constexpr(top_k):
                     for u in cutlass.range_constexpr(unroll):
-                        values.append(load_chunk(addresses[k] + cutlass.Int64(first + 32 * u) * 16))
+                        values.append(
+                            load_chunk(addresses[k] + cutlass.Int64(vector + 32 * u) * 16)
+                        )
                 total.fill(0.0)
                 for k in cutlass.range_constexpr(top_k):
                     if rows[k] >= 0:
@@ -343,7 +400,7 @@ def combine_partial_kernel(
                             )
                 for u in cutlass.range_constexpr(unroll):
                     store_chunk(
-                        partial_row + cutlass.Int64(first + 32 * u) * 16,
+                        partial_row + cutlass.Int64(vector + 32 * u) * 16,
                         cute.make_tensor(total.iterator + u * CHUNK, cute.make_layout(CHUNK)),
                     )
     cute.arch.fence_acq_rel_sys()  # every writer releases its stores
@@ -420,13 +477,19 @@ def combine_partial_sum_kernel(
     row_vectors = hidden // CHUNK
     total = cute.make_rmem_tensor(CHUNK * unroll, cutlass.Float32)
     contribution = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
-    # a warp per token: the owners it touched (a bit mask), then per group of 16-byte vectors
-    # the owners' partials added in rank order in fp32
-    # (tokens in block-contiguous runs; fewer tokens than warps are spread over every SM)
-    first_token = bidx * PARTIAL_SUM_WARPS + warp
-    if tokens < grid * PARTIAL_SUM_WARPS:
-        first_token = warp * grid + bidx
-    for token in range(first_token, tokens, grid * PARTIAL_SUM_WARPS):
+    # a warp per slice of a token (fewer tokens than warps: each split over several warps): the
+    # owners it touched (a bit mask), then per group of 16-byte vectors the owners' partials
+    # added in rank order in fp32 (items in block-contiguous runs; fewer items than warps are
+    # spread over every SM)
+    rounds = copy_rounds(row_vectors, unroll)
+    slices = row_slices(tokens, rounds, grid * PARTIAL_SUM_WARPS)
+    items = tokens * slices
+    first_item = bidx * PARTIAL_SUM_WARPS + warp
+    if items < grid * PARTIAL_SUM_WARPS:
+        first_item = warp * grid + bidx
+    for item in range(first_item, items, grid * PARTIAL_SUM_WARPS):
+        token = item // slices
+        first, end = slice_vectors(item - token * slices, slices, rounds, row_vectors, unroll)
         lane_owner = cutlass.Int32(0)
         if lane < top_k:
             lane_owner = cute.arch.load(expert_of_pair + (token * top_k + lane), cutlass.Int32)
@@ -435,7 +498,7 @@ def combine_partial_sum_kernel(
         for k in cutlass.range_constexpr(top_k):
             owner_mask = owner_mask | (cutlass.Int32(1) << cute.arch.shuffle_sync(lane_owner, k))
         y_row = y_address + cutlass.Int64(token) * row_bytes
-        for first in range(lane, row_vectors, 32 * unroll):
+        for vector in range(first + lane, end, 32 * unroll):
             total.fill(0.0)
             for owner in range(world):  # owners in rank order: a fixed summation order
                 if (owner_mask >> owner) & 1 == 1:
@@ -444,14 +507,14 @@ def combine_partial_sum_kernel(
                     )
                     values = []
                     for u in cutlass.range_constexpr(unroll):
-                        values.append(load_chunk(partial_row + cutlass.Int64(first + 32 * u) * 16))
+                        values.append(load_chunk(partial_row + cutlass.Int64(vector + 32 * u) * 16))
                     for u in cutlass.range_constexpr(unroll):
                         contribution.store(values[u].to(cutlass.Float32))
                         for i in cutlass.range_constexpr(CHUNK):
                             total[u * CHUNK + i] = total[u * CHUNK + i] + contribution[i]
             for u in cutlass.range_constexpr(unroll):
                 store_chunk(
-                    y_row + cutlass.Int64(first + 32 * u) * 16,
+                    y_row + cutlass.Int64(vector + 32 * u) * 16,
                     cute.make_tensor(total.iterator + u * CHUNK, cute.make_layout(CHUNK)),
                 )
 

@@ -58,18 +58,19 @@ SEND_WARPS = 8  # of TOKENS_WARPS: the rest expand arrived tokens
 
 
 @cute.jit
-def copy_row(source_address, destination_address, row_vectors, lane, unroll: cutlass.Constexpr):
-    """A warp copies one row of `row_vectors` 16-byte vectors; each lane issues `unroll` loads
-    before their stores, so several are in flight (row_vectors: a multiple of 32 x unroll)."""
+def copy_row(source_address, destination_address, first, end, lane, unroll: cutlass.Constexpr):
+    """A warp copies 16-byte vectors [first, end) of a row; each lane issues `unroll` loads
+    before their stores, so several are in flight (end - first: a multiple of 32 x unroll, or
+    unroll 1)."""
     vector_type = ir.VectorType.get([4], cutlass.Int32.mlir_type)
-    for first in range(lane, row_vectors, 32 * unroll):
+    for vector in range(first + lane, end, 32 * unroll):
         values = []
         for j in cutlass.range_constexpr(unroll):
-            offset = cutlass.Int64(first + 32 * j) * 16
+            offset = cutlass.Int64(vector + 32 * j) * 16
             source = global_ptr(cutlass.Int32, source_address + offset, 16)
             values.append(cute.arch.load(source, vector_type))
         for j in cutlass.range_constexpr(unroll):
-            offset = cutlass.Int64(first + 32 * j) * 16
+            offset = cutlass.Int64(vector + 32 * j) * 16
             cute.arch.store(global_ptr(cutlass.Int32, destination_address + offset, 16), values[j])
 
 
@@ -113,7 +114,7 @@ def dispatch_rows_kernel(
         if row < capacity:
             rows_base = peer_address(peer_table, BUFFER_ROWS, world, owner)
             copy_row(
-                token_row, rows_base + cutlass.Int64(row) * row_bytes, row_vectors, lane, unroll
+                token_row, rows_base + cutlass.Int64(row) * row_bytes, 0, row_vectors, lane, unroll
             )
         if row < capacity:
             if lane == 0:

@@ -5,7 +5,8 @@ Every argument is a device address or a scalar (no tensor conversion per call). 
 owned in contiguous blocks: expert e lives on rank e // local_experts.
 
 exchange_and_place (a grid of up to PLACE_MAX_CTAS CTAs of PLACE_WARPS warps, one warp per
-group of 32 pairs, so ranking is spread over the GPU instead of one CTA walking every pair):
+group of 32 pairs and at least one per expert, so ranking and the scan are spread over the GPU
+instead of one CTA walking every pair):
 1. each warp ranks the pairs of its contiguous slice inside their experts, in pair order (one
    `match.any` per 32 pairs, per-warp counters in shared memory): stable;
 2. each CTA turns its warps' counts into per-warp prefixes (shared memory) and writes its count
@@ -22,8 +23,9 @@ group of 32 pairs, so ranking is spread over the GPU instead of one CTA walking 
    [local_experts + 1], clamped to capacity) and each source's pair count of this epoch (in the
    scratch at `pairs_of_source_offset`, for dispatch_tokens).
 
-The grid (ceil(pairs / 32 / PLACE_WARPS), at most PLACE_MAX_CTAS) is small enough to be resident
-at once on any Hopper GPU, which the grid-wide barrier needs; its wait has the timeout too.
+The grid (ceil(pairs / 32 / PLACE_WARPS), at least ceil(E / PLACE_WARPS), at most
+PLACE_MAX_CTAS) is small enough to be resident at once on any Hopper GPU, which the grid-wide
+barrier needs; its wait has the timeout too.
 Scratch (int32, zeroed once when allocated): [E, PLACE_MAX_CTAS] CTA counts, PLACE_BARRIER_WORDS
 barrier words (never reset by the host: they return to their start state), [world] pairs per
 source. At most PLACE_MAX_EXPERTS experts (shared-memory counters).
@@ -303,8 +305,12 @@ def exchange_and_place(
     timeout_ns: cutlass.Int64,
     stream,
 ):
-    # a warp per group of 32 pairs, as many CTAs as that fills (at least one)
+    # a warp per group of 32 pairs, as many CTAs as that fills; at least a warp per expert, so
+    # the scan of step 3 takes one expert per warp, not several one after another
     grid = (num_pairs + PLACE_THREADS - 1) // PLACE_THREADS
+    expert_ctas = (num_experts + PLACE_WARPS - 1) // PLACE_WARPS
+    if grid < expert_ctas:
+        grid = expert_ctas
     if grid > PLACE_MAX_CTAS:
         grid = PLACE_MAX_CTAS
     if grid < 1:
