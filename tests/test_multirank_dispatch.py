@@ -21,11 +21,15 @@ NUM_EXPERTS = 16
 TOP_K = 4
 
 
-# the nvshmem dispatcher's variants: every pair's row over NVLink on its own (no staging), and
-# the partial-sum combine after either dispatch
+# the nvshmem dispatcher's variants ("nvshmem" alone: the defaults, the small-batch kernel for
+# these sizes but the 700-token test): the staged dispatch as one kernel or as placement + rows,
+# every pair's row over NVLink on its own (no staging), and the partial-sum combine after each
 NVSHMEM_OPTIONS = {
+    "nvshmem-small": {"small_batch": True},
+    "nvshmem-two-kernel": {"small_batch": False},
     "nvshmem-direct": {"stage_remote_rows": False},
-    "nvshmem-partial": {"combine_partial_sums": True},
+    "nvshmem-small-partial": {"small_batch": True, "combine_partial_sums": True},
+    "nvshmem-two-kernel-partial": {"small_batch": False, "combine_partial_sums": True},
     "nvshmem-direct-partial": {"stage_remote_rows": False, "combine_partial_sums": True},
 }
 
@@ -153,8 +157,9 @@ def test_repeated_dispatches_reuse_buffers(multirank, kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_many_tokens_spread_the_placement_over_ctas(multirank, kind):
-    # 700 x top-4 pairs: the nvshmem placement runs on 11 CTAs (a warp per 32 pairs) and meets
-    # at its grid barrier; the sizes above all fit one CTA
+    # 700 x top-4 pairs: the two-kernel placement runs on 11 CTAs (a warp per 32 pairs) and
+    # meets at its grid barrier, and the small-batch kernel's one placing CTA walks 5600 pairs
+    # of two sources (88 groups of 32 over 16 warps)
     skip_unless_runnable(multirank, kind)
     multirank(check_against_single_gpu, kind, [700, 300])
 

@@ -91,8 +91,14 @@ def check_graph_replay(rank, world_size, device, options):
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"stage_remote_rows": False}, {"combine_partial_sums": True}],
-    ids=["staged", "direct", "partial"],
+    [
+        {"small_batch": True},
+        {"small_batch": False},
+        {"stage_remote_rows": False},
+        {"combine_partial_sums": True, "small_batch": True},
+        {"combine_partial_sums": True, "small_batch": False},
+    ],
+    ids=["small", "staged", "direct", "small-partial", "staged-partial"],
 )
 def test_graph_capture_and_replay_with_changing_routing(gpu_multirank, options):
     gpu_multirank(check_graph_replay, options)
@@ -150,3 +156,14 @@ def check_lost_peer_times_out(rank, world_size, device):
 
 def test_peer_that_never_arrives_raises_timeout(gpu_multirank):
     gpu_multirank(check_lost_peer_times_out)
+
+
+def check_small_batch_refused_where_it_cannot_run(rank, world_size, device):
+    with pytest.raises(ValueError, match="small_batch=True needs stage_remote_rows=True"):
+        build(rank, world_size, device, max_tokens=8, stage_remote_rows=False, small_batch=True)
+    with pytest.raises(ValueError, match="world x max_tokens_per_rank x top_k <= 8192"):
+        build(rank, world_size, device, max_tokens=8192, small_batch=True)
+
+
+def test_small_batch_dispatch_refused_where_it_cannot_run(gpu_multirank):
+    gpu_multirank(check_small_batch_refused_where_it_cannot_run)

@@ -10,8 +10,10 @@ Run on the GPUs of one host, one rank per GPU:
 Per token count (per rank; hidden 7168, top-8 of 256 experts, random routing, bf16):
 - nvshmem: dispatch alone and combine alone, each captured in a CUDA graph and replayed back to
   back (events around each replay; median over iterations; slowest rank); "direct" is the
-  dispatch without staging (every pair's row over NVLink), "partial" the combine with
-  owner-side partial sums (one row per token and owner over NVLink);
+  dispatch without staging (every pair's row over NVLink), "small" the staged dispatch as the
+  one small-batch kernel (for the token counts within its limit; "dispatch" is the two-kernel
+  staged dispatch at every size), "partial" the combine with owner-side partial sums (one row
+  per token and owner over NVLink);
 - torch: the all_to_all_single reference dispatcher's dispatch and combine (eager: it syncs);
 - a2a: one NCCL all_to_all_single of the dispatch payload (rows sorted by destination, splits
   known), the floor of any all_to_all-based dispatch.
@@ -30,6 +32,7 @@ import statistics
 import torch
 import torch.distributed as dist
 from megamoe_kernels.reference import relative_l2_error
+from megamoe_kernels.shim import ep as ep_kernels
 
 from megamoe_runtime.dispatch.symmetric import SymmetricDispatcher
 from megamoe_runtime.dispatch.torch_distributed import TorchDistributedDispatcher
@@ -191,11 +194,28 @@ def run(token_counts: list[int], *, iterations: int = 30, breakdown: bool = Fals
             **options,
         )
         for options in (
-            {},
+            {"small_batch": False},
             {"stage_remote_rows": False},
-            {"combine_partial_sums": True},
+            {"combine_partial_sums": True, "small_batch": False},
         )
     )
+    # the one-kernel dispatch of a small batch, for the token counts within its kernel's limit
+    # (wider than the range the default picks it for)
+    small_limit = ep_kernels.small_dispatch_limits()["max_pairs"] // (world * TOP_K)
+    small_counts = [tokens for tokens in token_counts if tokens <= small_limit]
+    small = None
+    if small_counts:
+        small = SymmetricDispatcher(
+            NUM_EXPERTS,
+            top_k=TOP_K,
+            hidden_size=HIDDEN,
+            dtype=torch.bfloat16,
+            device=device,
+            process_group=dist.group.WORLD,
+            max_tokens_per_rank=max(small_counts),
+            layer_name="bench-small",
+            small_batch=True,
+        )
     reference = TorchDistributedDispatcher(NUM_EXPERTS, check_ids=False)
     rows, references = [], {}
     for tokens in token_counts:
@@ -205,6 +225,12 @@ def run(token_counts: list[int], *, iterations: int = 30, breakdown: bool = Fals
             symmetric, x_TH, ids_TK, weights_TK, iterations
         )
         direct_dispatch, _, y_direct = _time_graphs(direct, x_TH, ids_TK, weights_TK, iterations)
+        small_dispatch = small_combine = float("nan")
+        y_small = None
+        if tokens in small_counts:
+            small_dispatch, small_combine, y_small = _time_graphs(
+                small, x_TH, ids_TK, weights_TK, iterations
+            )
         torch_dispatch, torch_combine, y_torch = _time_torch_reference(
             reference, x_TH, ids_TK, weights_TK, max(5, iterations // 3)
         )
@@ -214,6 +240,7 @@ def run(token_counts: list[int], *, iterations: int = 30, breakdown: bool = Fals
                 (y_nv.float() - y_torch.float()).abs().max().item() if tokens else 0.0,
                 (y_direct.float() - y_torch.float()).abs().max().item() if tokens else 0.0,
                 float((y_nv != y_torch).sum()),
+                float((y_small != y_torch).sum()) if y_small is not None else 0.0,
             ],
             device=device,
         )
@@ -223,6 +250,8 @@ def run(token_counts: list[int], *, iterations: int = 30, breakdown: bool = Fals
             "nvshmem_dispatch_us": _slowest(nv_dispatch) * 1e3,
             "nvshmem_combine_us": _slowest(nv_combine) * 1e3,
             "nvshmem_direct_dispatch_us": _slowest(direct_dispatch) * 1e3,
+            "nvshmem_small_dispatch_us": _slowest(small_dispatch) * 1e3,
+            "nvshmem_small_combine_us": _slowest(small_combine) * 1e3,
             "torch_dispatch_us": _slowest(torch_dispatch) * 1e3,
             "torch_combine_us": _slowest(torch_combine) * 1e3,
             "nccl_all_to_all_us": _slowest(a2a) * 1e3,
@@ -231,8 +260,9 @@ def run(token_counts: list[int], *, iterations: int = 30, breakdown: bool = Fals
             "max_abs_difference_staged": differences[0].item(),
             "max_abs_difference_direct": differences[1].item(),
             "elements_differing_staged": int(differences[2].item()),
+            "elements_differing_small": int(differences[3].item()),
         }
-        _add_bandwidths(row, ("dispatch", "direct_dispatch", "combine"))
+        _add_bandwidths(row, ("dispatch", "direct_dispatch", "small_dispatch", "combine"))
         if breakdown:
             row["kernels_us"] = {
                 name: kernel_breakdown(dispatcher, x_TH, ids_TK, weights_TK)
@@ -266,6 +296,7 @@ def _add_bandwidths(row: dict, steps: tuple[str, ...]) -> None:
     bytes_over_nvlink = {
         "dispatch": row["nvlink_token_bytes"],
         "direct_dispatch": row["nvlink_pair_bytes"],
+        "small_dispatch": row["nvlink_token_bytes"],
         "combine": row["nvlink_pair_bytes"],
         "partial_combine": row["nvlink_token_bytes"],
     }
@@ -441,15 +472,18 @@ def format_layer_table(rows: list[dict]) -> str:
 
 def format_table(rows: list[dict]) -> str:
     header = (
-        "| tokens | dispatch us | NVLink GB/s | DeepEP GB/s | direct dispatch us | NVLink GB/s "
+        "| tokens | dispatch us | NVLink GB/s | DeepEP GB/s | small dispatch us | DeepEP GB/s "
+        "| direct dispatch us | NVLink GB/s "
         "| combine us | NVLink GB/s | DeepEP GB/s | partial combine us | DeepEP GB/s "
         "| torch dispatch us | torch combine us | NCCL a2a us | bitwise |"
     )
-    lines = [header, "|" + "---|" * 15]
+    lines = [header, "|" + "---|" * 17]
     for r in rows:
         lines.append(
             f"| {r['tokens']} | {r['nvshmem_dispatch_us']:.1f} | "
             f"{r['nvshmem_dispatch_nvlink_gbps']:.0f} | {r['nvshmem_dispatch_deepep_gbps']:.0f} | "
+            f"{r['nvshmem_small_dispatch_us']:.1f} | "
+            f"{r['nvshmem_small_dispatch_deepep_gbps']:.0f} | "
             f"{r['nvshmem_direct_dispatch_us']:.1f} | "
             f"{r['nvshmem_direct_dispatch_nvlink_gbps']:.0f} | "
             f"{r['nvshmem_combine_us']:.1f} | {r['nvshmem_combine_nvlink_gbps']:.0f} | "

@@ -24,11 +24,11 @@ combine_partial_sum (on the source): waits, then a warp per token (per slice of 
 are fewer than warps) adds the partials of the owners the token touched, in rank order, in
 fp32. Deterministic; the bf16 partials round once more than the exact combine.
 
-Row slices: a warp that copies or sums a whole row issues its loads round after round, each
-waiting for the last (a 7168-wide bf16 row: 7 rounds of 4 16-byte vectors per lane in
-combine_push, 14 of 2 in the partial-sum kernels). With fewer rows than warps (a small batch),
-each row is split into up to MAX_ROW_SLICES slices of whole rounds, one warp each, so every warp
-has work and a row takes one or two rounds.
+Row slices (ep_dispatch.row_slices): a warp that copies or sums a whole row issues its loads
+round after round, each waiting for the last (a 7168-wide bf16 row: 7 rounds of 4 16-byte
+vectors per lane in combine_push, 14 of 2 in the partial-sum kernels). With fewer rows than
+warps (a small batch), each row is split into up to MAX_ROW_SLICES slices of whole rounds, one
+warp each, so every warp has work and a row takes one or two rounds.
 
 Layouts: expert_out [capacity, hidden] and returned [max_pairs, hidden] bf16 row-major, weights
 float32 [tokens, top_k], y bf16 [tokens, hidden]; hidden a multiple of 8, rows 16-byte aligned.
@@ -38,7 +38,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 
-from .ep_dispatch import copy_row
+from .ep_dispatch import copy_rounds, copy_row, row_slices, slice_vectors
 from .ep_sync import (
     BUFFER_PARTIALS,
     BUFFER_RETURNED,
@@ -56,39 +56,6 @@ REDUCE_WARPS = 8
 # one after another), so twice the exact reduce's warps keep twice the loads in flight
 PARTIAL_SUM_WARPS = 16
 CHUNK = 8  # bf16 elements per 16-byte vector
-MAX_ROW_SLICES = 8  # warps sharing one row, at most (row_slices)
-
-
-@cute.jit
-def copy_rounds(row_vectors, unroll: cutlass.Constexpr):
-    """Rounds of loads a warp needs for a whole row: 32 x `unroll` 16-byte vectors each."""
-    return (row_vectors + 32 * unroll - 1) // (32 * unroll)
-
-
-@cute.jit
-def row_slices(rows, rounds, warps):
-    """Warps that share each of `rows` rows so that about `warps` warps have work: between 1
-    and min(rounds, MAX_ROW_SLICES); 1 when rows are many."""
-    slices = cutlass.Int32(1)
-    if rows > 0:
-        slices = warps // rows
-    if slices > rounds:
-        slices = rounds
-    if slices > MAX_ROW_SLICES:
-        slices = MAX_ROW_SLICES
-    if slices < 1:
-        slices = cutlass.Int32(1)
-    return slices
-
-
-@cute.jit
-def slice_vectors(part, slices, rounds, row_vectors, unroll: cutlass.Constexpr):
-    """[first, end) 16-byte vectors of slice `part` of `slices` of a row: whole rounds."""
-    first = (part * rounds // slices) * (32 * unroll)
-    end = ((part + 1) * rounds // slices) * (32 * unroll)
-    if end > row_vectors:
-        end = row_vectors
-    return first, end
 
 
 def multiply_rounded(a, b):

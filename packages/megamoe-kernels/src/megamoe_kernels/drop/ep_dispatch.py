@@ -55,6 +55,39 @@ from .ep_sync import (
 ROWS_WARPS = 16
 TOKENS_WARPS = 16
 SEND_WARPS = 8  # of TOKENS_WARPS: the rest expand arrived tokens
+MAX_ROW_SLICES = 8  # warps sharing one row, at most (row_slices)
+
+
+@cute.jit
+def copy_rounds(row_vectors, unroll: cutlass.Constexpr):
+    """Rounds of loads a warp needs for a whole row: 32 x `unroll` 16-byte vectors each."""
+    return (row_vectors + 32 * unroll - 1) // (32 * unroll)
+
+
+@cute.jit
+def row_slices(rows, rounds, warps):
+    """Warps that share each of `rows` rows so that about `warps` warps have work: between 1
+    and min(rounds, MAX_ROW_SLICES); 1 when rows are many."""
+    slices = cutlass.Int32(1)
+    if rows > 0:
+        slices = warps // rows
+    if slices > rounds:
+        slices = rounds
+    if slices > MAX_ROW_SLICES:
+        slices = MAX_ROW_SLICES
+    if slices < 1:
+        slices = cutlass.Int32(1)
+    return slices
+
+
+@cute.jit
+def slice_vectors(part, slices, rounds, row_vectors, unroll: cutlass.Constexpr):
+    """[first, end) 16-byte vectors of slice `part` of `slices` of a row: whole rounds."""
+    first = (part * rounds // slices) * (32 * unroll)
+    end = ((part + 1) * rounds // slices) * (32 * unroll)
+    if end > row_vectors:
+        end = row_vectors
+    return first, end
 
 
 @cute.jit

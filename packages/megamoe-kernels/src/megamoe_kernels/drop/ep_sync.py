@@ -42,7 +42,9 @@ BUFFER_PARTIALS = 8  # [world x max_tokens, hidden]
 # the staged dispatch: per (source, token) a flag the source sets to 2 x epoch + (1 if the token
 # has rows on this owner) once its staged row and table entries are here
 BUFFER_ARRIVED = 9  # int64 [world, max_tokens]
-NUM_BUFFERS = 10
+# the small-batch dispatch: per source its pair count, then its expert ids (pair order)
+BUFFER_IDS = 10  # int32 [world, 1 + max_tokens x top_k]
+NUM_BUFFERS = 11
 
 
 def global_ptr(dtype, address, align):

@@ -37,6 +37,11 @@ _KERNELS = {
         "dispatch_tokens",
         ("i64",) * 8 + ("i32",) * 8 + ("i64",),
     ),
+    "dispatch_small": (
+        "ep_dispatch_small",
+        "dispatch_small",
+        ("i64",) * 8 + ("i32",) * 8 + ("i64",),
+    ),
     "combine_push": ("ep_combine", "combine_push", ("i64",) * 4 + ("i32",) * 5),
     "combine_partial": ("ep_combine", "combine_partial", ("i64",) * 6 + ("i32",) * 6),
     "combine_partial_sum": (
@@ -82,6 +87,7 @@ def layout() -> dict[str, int]:
         "pair_weights": sync.BUFFER_PAIR_WEIGHTS,
         "partials": sync.BUFFER_PARTIALS,
         "arrived": sync.BUFFER_ARRIVED,
+        "ids": sync.BUFFER_IDS,
         "num_buffers": sync.NUM_BUFFERS,
         "num_phases": sync.NUM_PHASES,
         "status_words": sync.STATUS_WORDS,
@@ -161,6 +167,7 @@ def compile_all(*, top_k: int, grid: int, row_bytes: int = 7168 * 2) -> int:
     _compiled("exchange_and_place", fake=True)
     _compiled("dispatch_rows", (grid, unroll), fake=True)
     _compiled("dispatch_tokens", (top_k, grid, unroll), fake=True)
+    _compiled("dispatch_small", (top_k, grid, unroll), fake=True)
     _compiled("combine_push", (grid, unroll), fake=True)
     _compiled("combine_reduce", (top_k, grid), fake=True)
     partial_unroll = combine_unroll(row_bytes // 2)
@@ -302,6 +309,78 @@ def dispatch_tokens(
         dest_row_address,
         weights_address,
         pairs_of_source_address,
+        peer_table_address,
+        epoch_address,
+        status_address,
+        tokens,
+        local_experts,
+        row_bytes // 16,
+        capacity,
+        rank,
+        world,
+        max_tokens,
+        int(pair_weights),
+        timeout_ns,
+        _stream(),
+    )
+
+
+def small_dispatch_limits() -> dict[str, int]:
+    """What dispatch_small takes: at most `max_pairs` pairs over every source (world x
+    max_tokens x top_k), `max_local_experts` experts per rank; its scratch words (zeroed once)."""
+    from megamoe_kernels.drop import ep_dispatch_small
+
+    return {
+        "max_pairs": ep_dispatch_small.SMALL_MAX_PAIRS,
+        "max_local_experts": ep_dispatch_small.SMALL_MAX_LOCAL_EXPERTS,
+        "scratch_words": ep_dispatch_small.SMALL_SCRATCH_WORDS,
+    }
+
+
+def ids_words(max_tokens: int, top_k: int) -> int:
+    """int32 words of one source's row of the small dispatch's symmetric ids buffer."""
+    from megamoe_kernels.drop import ep_dispatch_small
+
+    return ep_dispatch_small.ids_words(max_tokens, top_k)
+
+
+def dispatch_small(
+    x_address: int,
+    expert_of_pair_address: int,
+    weights_address: int,
+    expert_offsets_address: int,
+    scratch_address: int,
+    *,
+    peer_table_address: int,
+    epoch_address: int,
+    status_address: int,
+    tokens: int,
+    top_k: int,
+    local_experts: int,
+    row_bytes: int,
+    capacity: int,
+    rank: int,
+    world: int,
+    max_tokens: int,
+    pair_weights: bool,
+    timeout_ns: int,
+    grid: int,
+) -> None:
+    """The whole staged dispatch of a small batch in one kernel (instead of exchange_and_place
+    and dispatch_tokens): each rank sends its expert ids and its token rows at once, and each
+    owner places its own rows from every source's ids. Writes this rank's batch, its
+    expert_offsets, the pair table and the rows' (source, pair) as the two-kernel dispatch does
+    (no dest_row). Returns (on the stream) with this rank's batch complete."""
+    if world > 32:
+        raise ValueError(f"dispatch_small supports up to 32 ranks, got {world}")
+    if grid < 2:
+        raise ValueError(f"dispatch_small needs a grid of at least 2 CTAs, got {grid}")
+    _compiled("dispatch_small", (top_k, grid, copy_unroll(row_bytes)))(
+        x_address,
+        expert_of_pair_address,
+        weights_address,
+        expert_offsets_address,
+        scratch_address,
         peer_table_address,
         epoch_address,
         status_address,

@@ -52,6 +52,8 @@ from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.workspace import workspace_for
 
 DEFAULT_TIMEOUT_S = 60.0
+# the default takes the one-kernel small-batch dispatch up to this many pairs over all ranks
+SMALL_BATCH_AUTO_PAIRS = 4096
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,15 @@ class SymmetricDispatcher:
     fewer combine bytes over NVLink (3.4x faster at 4096 tokens on 2 H200s), but not the
     single-GPU summation order (one more bf16 rounding), so EP=W no longer equals EP=1 bitwise.
     MegaMoEConfig(combine_order="owner_partials") selects it from the layer.
+
+    `small_batch` (staged only; by default on when world x max_tokens_per_rank x K <= 4096, e.g.
+    256 tokens per rank at top-8 on 2 ranks; True takes it up to the kernel's limit of 8192
+    pairs and 512 experts per rank): the dispatch is one
+    kernel in which every rank sends its expert ids and its token rows at once and each owner
+    places its own rows from every source's ids, so the rows cross NVLink while the placement
+    runs (34.9 -> 27.5 us at 128 tokens per rank on 2 H200s; slower than the two kernels from
+    512 tokens: docs/expert-parallel.md). Every rank of the group must make the same choice: it
+    depends only on the static sizes.
     """
 
     def __init__(
@@ -101,6 +112,7 @@ class SymmetricDispatcher:
         pool: str = "default",
         stage_remote_rows: bool = True,
         combine_partial_sums: bool = False,
+        small_batch: bool | None = None,
     ):
         device = torch.device(device)
         if dtype != torch.bfloat16:
@@ -132,6 +144,7 @@ class SymmetricDispatcher:
             timeout_s = float(os.environ.get("MEGAMOE_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         self.timeout_s = timeout_s
         self.grid = torch.cuda.get_device_properties(device).multi_processor_count
+        self.small_batch = self._choose_small_batch(small_batch)
         self.workspace = workspace_for(process_group, device, pool=pool)
         # written by the kernels through the host mapping: (phase + 1, peer, epoch, observed)
         self.status = torch.zeros(
@@ -143,7 +156,32 @@ class SymmetricDispatcher:
             dtype=torch.int32,
             device=device,
         )
+        # zeroed once: the small dispatch's words hold epochs and arrivals that return to 0
+        self.small_scratch = torch.zeros(
+            ep_kernels.small_dispatch_limits()["scratch_words"], dtype=torch.int32, device=device
+        )
         self._bind()
+
+    def _choose_small_batch(self, requested: bool | None) -> bool:
+        limits = ep_kernels.small_dispatch_limits()
+        pairs = self.world_size * self.max_tokens_per_rank * self.top_k
+        fits = (
+            self.stage_remote_rows
+            and self.num_local_experts <= limits["max_local_experts"]
+            and pairs <= limits["max_pairs"]
+            and self.grid >= 2
+        )
+        if requested is None:
+            return fits and pairs <= SMALL_BATCH_AUTO_PAIRS
+        if requested and not fits:
+            raise ValueError(
+                f"small_batch=True needs stage_remote_rows=True, at most "
+                f"{limits['max_local_experts']} experts per rank and world x max_tokens_per_rank "
+                f"x top_k <= {limits['max_pairs']}, got stage_remote_rows="
+                f"{self.stage_remote_rows}, {self.num_local_experts} experts per rank and "
+                f"{self.world_size} x {self.max_tokens_per_rank} x {self.top_k} = {pairs}"
+            )
+        return requested
 
     def _bind(self) -> None:
         """(Re)fetches the pooled buffers and the peer table; collective when they grow."""
@@ -161,6 +199,9 @@ class SymmetricDispatcher:
             shapes["arrived"] = ((slots,), torch.int64)
         if self.stage_remote_rows or self.combine_partial_sums:
             shapes["pair_rows"] = ((slots * self.top_k,), torch.int32)
+        if self.small_batch:
+            ids_words = ep_kernels.ids_words(self.max_tokens_per_rank, self.top_k)
+            shapes["ids"] = ((world, ids_words), torch.int32)
         if self.combine_partial_sums:
             shapes["pair_weights"] = ((slots * self.top_k,), torch.float32)
             shapes["partials"] = ((slots, self.hidden_size), self.dtype)
@@ -227,9 +268,33 @@ class SymmetricDispatcher:
         weights_TK = topk_weights_TK.float().contiguous()
         num_pairs = expert_of_pair_P.numel()
 
-        dest_row_P = torch.empty(num_pairs, dtype=torch.int32, device=self.device)
         expert_offsets = torch.empty(local + 1, dtype=torch.int32, device=self.device)
+        row_bytes = self.hidden_size * x_TH.element_size()
         # rows past capacity are dropped (only a capacity below the default can overflow)
+        if self.small_batch:
+            ep_kernels.dispatch_small(
+                x_TH.data_ptr(),
+                expert_of_pair_P.data_ptr(),
+                weights_TK.data_ptr(),
+                expert_offsets.data_ptr(),
+                self.small_scratch.data_ptr(),
+                peer_table_address=self.peer_table.data_ptr(),
+                epoch_address=self.epoch.data_ptr(),
+                status_address=self.status.data_ptr(),
+                tokens=tokens,
+                top_k=top_k,
+                local_experts=local,
+                row_bytes=row_bytes,
+                capacity=self.capacity,
+                rank=self.rank,
+                world=world,
+                max_tokens=self.max_tokens_per_rank,
+                pair_weights=self.combine_partial_sums,
+                timeout_ns=self._timeout_ns,
+                grid=self.grid,
+            )
+            return self._dispatched(x_TH, tokens, weights_TK, expert_of_pair_P, expert_offsets)
+        dest_row_P = torch.empty(num_pairs, dtype=torch.int32, device=self.device)
         ep_kernels.exchange_and_place(
             expert_of_pair_P.data_ptr(),
             dest_row_P.data_ptr(),
@@ -246,8 +311,6 @@ class SymmetricDispatcher:
             capacity=self.capacity,
             timeout_ns=self._timeout_ns,
         )
-
-        row_bytes = self.hidden_size * x_TH.element_size()
         if self.stage_remote_rows:
             ep_kernels.dispatch_tokens(
                 x_TH.data_ptr(),
@@ -298,6 +361,10 @@ class SymmetricDispatcher:
                 adds_per_epoch=self.grid,
                 timeout_ns=self._timeout_ns,
             )
+        return self._dispatched(x_TH, tokens, weights_TK, expert_of_pair_P, expert_offsets)
+
+    def _dispatched(self, x_TH, tokens, weights_TK, expert_of_pair_P, expert_offsets):
+        """The batch the kernels just filled, and what combine needs."""
         batch = ExpertBatch(
             rows_MH=self.buffers["rows"],
             expert_offsets=expert_offsets,
