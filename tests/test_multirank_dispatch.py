@@ -158,8 +158,8 @@ def test_repeated_dispatches_reuse_buffers(multirank, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_many_tokens_spread_the_placement_over_ctas(multirank, kind):
     # 700 x top-4 pairs: the two-kernel placement runs on 11 CTAs (a warp per 32 pairs) and
-    # meets at its grid barrier, and the small-batch kernel's one placing CTA walks 5600 pairs
-    # of two sources (88 groups of 32 over 16 warps)
+    # meets at its grid barrier, and the small-batch kernel's one placing CTA walks both
+    # sources' 4000 pairs (126 groups of 32 over its 16 warps)
     skip_unless_runnable(multirank, kind)
     multirank(check_against_single_gpu, kind, [700, 300])
 
