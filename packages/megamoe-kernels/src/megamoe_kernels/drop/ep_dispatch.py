@@ -241,6 +241,26 @@ def load_vectors(source_address, first, unroll: cutlass.Constexpr):
     return values
 
 
+@cute.jit
+def release_token_flags(peer_table, token, owner_mask, epoch, rank, world, max_tokens, lane):
+    """After a sender warp's stores of this rank's `token`: every lane fences at system scope,
+    then lane r (for each other rank r) releases arrived[rank, token] on rank r to 2 x epoch +
+    (1 if the token has rows there, bit r of owner_mask)."""
+    cute.arch.fence_acq_rel_sys()  # every lane releases its stores
+    cute.arch.sync_warp()
+    if lane < world:
+        if lane != rank:
+            arrived = global_ptr(
+                cutlass.Int64, peer_address(peer_table, BUFFER_ARRIVED, world, lane), 8
+            )
+            cute.arch.store(
+                arrived + (cutlass.Int64(rank) * max_tokens + token),
+                epoch * 2 + cutlass.Int64((owner_mask >> lane) & 1),
+                sem="release",
+                scope="sys",
+            )
+
+
 @cute.kernel
 def dispatch_tokens_kernel(
     x_address: cutlass.Int64,
@@ -354,19 +374,7 @@ def dispatch_tokens_kernel(
                                 4,
                             )
                             cute.arch.store(table_weights + entry, table_weight)
-            cute.arch.fence_acq_rel_sys()  # every lane releases its stores
-            cute.arch.sync_warp()
-            if lane < world:
-                if lane != rank:
-                    arrived = global_ptr(
-                        cutlass.Int64, peer_address(peer_table, BUFFER_ARRIVED, world, lane), 8
-                    )
-                    cute.arch.store(
-                        arrived + (cutlass.Int64(rank) * max_tokens + token),
-                        epoch * 2 + cutlass.Int64((owner_mask >> lane) & 1),
-                        sem="release",
-                        scope="sys",
-                    )
+            release_token_flags(peer_table, token, owner_mask, epoch, rank, world, max_tokens, lane)
     else:
         # 2. a warp per token slot of every other source: wait for its flag, then copy the staged
         #    row (local HBM, read once) into each of the token's batch rows here

@@ -45,7 +45,14 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.memory import SmemAllocator
 
-from .ep_dispatch import copy_rounds, load_vectors, row_slices, slice_vectors, store_vectors
+from .ep_dispatch import (
+    copy_rounds,
+    load_vectors,
+    release_token_flags,
+    row_slices,
+    slice_vectors,
+    store_vectors,
+)
 from .ep_sync import (
     BUFFER_ARRIVED,
     BUFFER_IDS,
@@ -255,21 +262,9 @@ def dispatch_small_kernel(
                             if (owner_mask >> peer) & 1 == 1:
                                 staged = peer_address(peer_table, BUFFER_STAGED, world, peer)
                                 store_vectors(staged + staged_offset, vector, values)
-                cute.arch.fence_acq_rel_sys()  # every lane releases its stores
-                cute.arch.sync_warp()
-                if lane < world:
-                    if lane != rank:
-                        arrived = global_ptr(
-                            cutlass.Int64,
-                            peer_address(peer_table, BUFFER_ARRIVED, world, lane),
-                            8,
-                        )
-                        cute.arch.store(
-                            arrived + (cutlass.Int64(rank) * max_tokens + token),
-                            epoch * 2 + cutlass.Int64((owner_mask >> lane) & 1),
-                            sem="release",
-                            scope="sys",
-                        )
+                release_token_flags(
+                    peer_table, token, owner_mask, epoch, rank, world, max_tokens, lane
+                )
 
     # 4. the batch rows here, once placed: a warp per (source, token, slice), this rank's
     #    tokens from x, the others' from their staged rows once their flags arrived
