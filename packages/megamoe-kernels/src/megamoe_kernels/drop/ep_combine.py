@@ -38,7 +38,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 
-from .ep_dispatch import copy_rounds, copy_row, row_slices, slice_vectors
+from .ep_dispatch import copy_rounds, copy_row, row_slices, slice_vectors, token_owners
 from .ep_sync import (
     BUFFER_PARTIALS,
     BUFFER_RETURNED,
@@ -457,13 +457,7 @@ def combine_partial_sum_kernel(
     for item in range(first_item, items, grid * PARTIAL_SUM_WARPS):
         token = item // slices
         first, end = slice_vectors(item - token * slices, slices, rounds, row_vectors, unroll)
-        lane_owner = cutlass.Int32(0)
-        if lane < top_k:
-            lane_owner = cute.arch.load(expert_of_pair + (token * top_k + lane), cutlass.Int32)
-            lane_owner = lane_owner // local_experts
-        owner_mask = cutlass.Int32(0)
-        for k in cutlass.range_constexpr(top_k):
-            owner_mask = owner_mask | (cutlass.Int32(1) << cute.arch.shuffle_sync(lane_owner, k))
+        owner_mask = token_owners(expert_of_pair, token, local_experts, lane, top_k)
         y_row = y_address + cutlass.Int64(token) * row_bytes
         for vector in range(first + lane, end, 32 * unroll):
             total.fill(0.0)

@@ -242,6 +242,19 @@ def load_vectors(source_address, first, unroll: cutlass.Constexpr):
 
 
 @cute.jit
+def token_owners(expert_of_pair, token, local_experts, lane, top_k: cutlass.Constexpr):
+    """Bit mask of the ranks that own one of the token's top_k experts (on every lane)."""
+    lane_owner = cutlass.Int32(0)
+    if lane < top_k:
+        lane_owner = cute.arch.load(expert_of_pair + (token * top_k + lane), cutlass.Int32)
+        lane_owner = lane_owner // local_experts
+    owner_mask = cutlass.Int32(0)
+    for k in cutlass.range_constexpr(top_k):
+        owner_mask = owner_mask | (cutlass.Int32(1) << cute.arch.shuffle_sync(lane_owner, k))
+    return owner_mask
+
+
+@cute.jit
 def release_token_flags(peer_table, token, owner_mask, epoch, rank, world, max_tokens, lane):
     """After a sender warp's stores of this rank's `token`: every lane fences at system scope,
     then lane r (for each other rank r) releases arrived[rank, token] on rank r to 2 x epoch +

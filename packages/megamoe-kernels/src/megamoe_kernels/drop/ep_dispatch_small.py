@@ -52,6 +52,7 @@ from .ep_dispatch import (
     row_slices,
     slice_vectors,
     store_vectors,
+    token_owners,
 )
 from .ep_sync import (
     BUFFER_ARRIVED,
@@ -106,19 +107,6 @@ def wait_local(word, epoch, status_address, rank, lane, timeout_ns):
                 record_timeout(status_address, PHASE_COUNTS, rank, epoch, cutlass.Int64(seen))
                 waiting = cutlass.Int32(0)
     cute.arch.sync_warp()
-
-
-@cute.jit
-def token_owners(expert_of_pair, token, local_experts, lane, top_k: cutlass.Constexpr):
-    """Bit mask of the ranks that own one of the token's top_k experts (on every lane)."""
-    lane_owner = cutlass.Int32(0)
-    if lane < top_k:
-        lane_owner = cute.arch.load(expert_of_pair + (token * top_k + lane), cutlass.Int32)
-        lane_owner = lane_owner // local_experts
-    owner_mask = cutlass.Int32(0)
-    for k in cutlass.range_constexpr(top_k):
-        owner_mask = owner_mask | (cutlass.Int32(1) << cute.arch.shuffle_sync(lane_owner, k))
-    return owner_mask
 
 
 @cute.kernel
