@@ -181,18 +181,22 @@ def run(token_counts: list[int], *, iterations: int = 30, breakdown: bool = Fals
     """Benchmarks every token count; every rank returns the same rows (slowest rank's times)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
-    symmetric, direct, partial = (
-        SymmetricDispatcher(
+
+    def dispatcher(max_tokens: int, layer_name: str, **options) -> SymmetricDispatcher:
+        return SymmetricDispatcher(
             NUM_EXPERTS,
             top_k=TOP_K,
             hidden_size=HIDDEN,
             dtype=torch.bfloat16,
             device=device,
             process_group=dist.group.WORLD,
-            max_tokens_per_rank=max(token_counts),
-            layer_name="bench",
+            max_tokens_per_rank=max_tokens,
+            layer_name=layer_name,
             **options,
         )
+
+    symmetric, direct, partial = (
+        dispatcher(max(token_counts), "bench", **options)
         for options in (
             {"small_batch": False},
             {"stage_remote_rows": False},
@@ -205,17 +209,7 @@ def run(token_counts: list[int], *, iterations: int = 30, breakdown: bool = Fals
     small_counts = [tokens for tokens in token_counts if tokens <= small_limit]
     small = None
     if small_counts:
-        small = SymmetricDispatcher(
-            NUM_EXPERTS,
-            top_k=TOP_K,
-            hidden_size=HIDDEN,
-            dtype=torch.bfloat16,
-            device=device,
-            process_group=dist.group.WORLD,
-            max_tokens_per_rank=max(small_counts),
-            layer_name="bench-small",
-            small_batch=True,
-        )
+        small = dispatcher(max(small_counts), "bench-small", small_batch=True)
     reference = TorchDistributedDispatcher(NUM_EXPERTS, check_ids=False)
     rows, references = [], {}
     for tokens in token_counts:
