@@ -26,7 +26,7 @@ dispatch_small (one CTA per SM, SMALL_WARPS warps; every argument a device addre
    order: the single-GPU order) give each pair's row. It writes the pair table [source, token,
    k] (the row here or -1), the batch rows' (source, pair) and expert_offsets (clamped to
    capacity), fences and sets the local "placed" word to the epoch; once every CTA has read the
-   old epoch (each counts itself in when it starts) it stores the new one.
+   old epoch (each counts itself in once all its threads have read it) it stores the new one.
 4. The other warps (and CTA 0's, once it has placed) wait for "placed", then a warp per (source,
    token, row slice) copies the token's row (from x for this rank's tokens, from the staged
    rows once its flag arrived for the others') into each of its batch rows here.
@@ -151,9 +151,12 @@ def dispatch_small_kernel(
     epoch_ptr = global_ptr(cutlass.Int64, epoch_address, 8)
     epoch = cute.arch.load(epoch_ptr, cutlass.Int64) + 1
     scratch = global_ptr(cutlass.Int32, scratch_address, 4)
+    # every thread of this CTA has read the old epoch (not thread 0 alone: a warp scheduled late
+    # could otherwise read the new one) before it counts itself in; CTA 0 stores the new epoch
+    # once every CTA has
+    cute.arch.sync_threads()
     if tidx == 0:
-        # this CTA has read the old epoch: CTA 0 stores the new one once every CTA has
-        cute.arch.atomic_add(scratch + STARTED, cutlass.Int32(1), sem="relaxed", scope="gpu")
+        cute.arch.atomic_add(scratch + STARTED, cutlass.Int32(1), sem="release", scope="gpu")
     expert_of_pair = global_ptr(cutlass.Int32, expert_of_pair_address, 4)
     row_bytes = cutlass.Int64(row_vectors) * 16
     ids_row = IDS_FIRST + max_tokens * top_k
