@@ -96,7 +96,7 @@ def multirank(session: nox.Session) -> None:
         env=COMPILE_ENV,
         success_codes=PYTEST_OK,
     )
-    pytest(session, "-m", "multirank", "-k", "more_ranks or four_ranks", "tests")
+    pytest(session, "-m", "multirank", "-k", "more_ranks", "tests")
 
 
 @nox.session(python=PYTHON)
