@@ -239,6 +239,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
     ),
     DropSymbol("ep_dispatch_small", "SMALL_MAX_PAIRS", "constant"),
     DropSymbol("ep_dispatch_small", "SMALL_MAX_LOCAL_EXPERTS", "constant"),
+    DropSymbol("ep_dispatch_small", "SMALL_MAX_RANKS", "constant"),
     DropSymbol("ep_dispatch_small", "SMALL_SCRATCH_WORDS", "constant"),
     DropSymbol("ep_dispatch_small", "ids_words", "function", parameters=("max_tokens", "top_k")),
     DropSymbol(

@@ -371,8 +371,27 @@ def dispatch_small(
     owner places its own rows from every source's ids. Writes this rank's batch, its
     expert_offsets, the pair table and the rows' (source, pair) as the two-kernel dispatch does
     (no dest_row). Returns (on the stream) with this rank's batch complete."""
-    if world > 32:
-        raise ValueError(f"dispatch_small supports up to 32 ranks, got {world}")
+    from megamoe_kernels.drop import ep_dispatch_small as small
+
+    # its shared memory holds every source's ids and a counter per (warp, local expert), and a
+    # source's ids row holds max_tokens x top_k: beyond these the kernel would write past them
+    pairs = world * max_tokens * top_k
+    if world > small.SMALL_MAX_RANKS:
+        raise ValueError(
+            f"dispatch_small supports up to {small.SMALL_MAX_RANKS} ranks, got {world}"
+        )
+    if pairs > small.SMALL_MAX_PAIRS:
+        raise ValueError(
+            f"dispatch_small takes world x max_tokens x top_k <= {small.SMALL_MAX_PAIRS} pairs, "
+            f"got {world} x {max_tokens} x {top_k} = {pairs}"
+        )
+    if local_experts > small.SMALL_MAX_LOCAL_EXPERTS:
+        raise ValueError(
+            f"dispatch_small supports up to {small.SMALL_MAX_LOCAL_EXPERTS} experts per rank, "
+            f"got local_experts={local_experts}"
+        )
+    if not 0 <= tokens <= max_tokens:
+        raise ValueError(f"tokens must be in [0, max_tokens={max_tokens}], got {tokens}")
     if grid < 2:
         raise ValueError(f"dispatch_small needs a grid of at least 2 CTAs, got {grid}")
     _compiled("dispatch_small", (top_k, grid, copy_unroll(row_bytes)))(
