@@ -19,6 +19,8 @@ from megamoe_kernels import (
     GemmKnobs,
     default_knobs,
     down,
+    down_launcher,
+    gate_up_launcher,
     gate_up_swiglu,
     interleave_gate_up,
 )
@@ -152,3 +154,34 @@ def test_bad_arguments_are_refused_naming_the_argument_on_every_call():
             down(hidden_MI, offsets, w2, row_scale_M=short_scale, compile_only=True)
         with pytest.raises(ValueError, match="w2 .* does not match rows"):
             down(rows_MH, offsets, w2, compile_only=True)
+
+
+def test_launchers_take_the_calls_they_were_bound_for_and_check_every_call_that_runs_nothing():
+    experts, hidden, intermediate, capacity = 4, 256, 128, 10
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    rows_MH = torch.empty(capacity, hidden, **meta)
+    offsets = torch.empty(experts + 1, dtype=torch.int32, device="meta")
+    w13 = interleave_gate_up(torch.empty(experts, 2 * intermediate, hidden, **meta))
+    w2 = torch.empty(experts, hidden, intermediate, **meta)
+    gate_up = gate_up_launcher(rows_MH, offsets, w13, compile_only=True)
+    hidden_MI = gate_up(rows_MH, offsets, w13)
+    assert hidden_MI.shape == (capacity, intermediate)
+    scale_M = torch.empty(capacity, device="meta")
+    down_ = down_launcher(hidden_MI, offsets, w2, row_scale_M=scale_M, compile_only=True)
+    assert down_(hidden_MI, offsets, w2, row_scale_M=scale_M).shape == (capacity, hidden)
+    with pytest.raises(ValueError, match="out_MI must be"):
+        gate_up(rows_MH, offsets, w13, out=torch.empty(capacity, intermediate + 8, **meta))
+    with pytest.raises(ValueError, match="row_scale_M is the down GEMM's"):
+        gate_up(rows_MH, offsets, w13, row_scale_M=scale_M)
+    with pytest.raises(ValueError, match="w2 .* does not match rows"):
+        down_(rows_MH, offsets, w2)
+
+
+def test_batch_rows_off_the_gpu_are_refused_unless_compiling_only():
+    experts, hidden, intermediate = 2, 256, 128
+    rows_MH = torch.randn(6, hidden, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 2, 6], dtype=torch.int32)
+    w13 = interleave_gate_up(torch.randn(experts, 2 * intermediate, hidden, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="the batch rows are on cpu: the kernels run on a CUDA"):
+        gate_up_swiglu(rows_MH, offsets, w13)
+    gate_up_swiglu(rows_MH, offsets, w13, compile_only=True)

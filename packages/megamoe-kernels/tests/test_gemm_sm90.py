@@ -15,6 +15,8 @@ from megamoe_kernels import (
     GemmKnobs,
     candidate_knobs,
     down,
+    down_launcher,
+    gate_up_launcher,
     gate_up_swiglu,
     interleave_gate_up,
 )
@@ -294,6 +296,29 @@ def test_a_cached_kernel_refuses_bad_tensors_naming_the_argument():
         down(hidden_MI, offsets, w2.cpu())
     # and a good call still runs after the refusals
     assert torch.equal(gate_up_swiglu(rows_MH, offsets, w13_interleaved), hidden_MI)
+
+
+def test_a_kept_launcher_equals_the_plain_call_and_explains_a_refusal():
+    counts = random_counts(8, 300, seed=5)
+    rows_MH, offsets, w13, w2, valid = make_problem(counts, 512, 256)
+    w13_interleaved = interleave_gate_up(w13)
+    scale_M = torch.rand(rows_MH.shape[0], device=DEVICE)
+    expected = down(
+        gate_up_swiglu(rows_MH, offsets, w13_interleaved), offsets, w2, row_scale_M=scale_M
+    )
+    gate_up = gate_up_launcher(rows_MH, offsets, w13_interleaved)
+    hidden_MI = gate_up(rows_MH, offsets, w13_interleaved)
+    down_ = down_launcher(hidden_MI, offsets, w2, row_scale_M=scale_M)
+    for _ in range(2):
+        out_MH = torch.full_like(expected, float("nan"))
+        down_(
+            gate_up(rows_MH, offsets, w13_interleaved), offsets, w2, row_scale_M=scale_M, out=out_MH
+        )
+        assert torch.equal(out_MH[:valid], expected[:valid])
+    with pytest.raises(ValueError, match="out_MH must be"):
+        down_(hidden_MI, offsets, w2, row_scale_M=scale_M, out=out_MH[:, :-8])
+    with pytest.raises(ValueError, match="row_scale_M must be float32"):
+        down_(hidden_MI, offsets, w2, row_scale_M=scale_M.double())
 
 
 @pytest.mark.parametrize(

@@ -160,9 +160,9 @@ def test_the_backend_runs_explicit_knobs_exactly_and_cached_ones_as_tuned(tmp_pa
     prepared = cutedsl.CuteDSLWeights(
         w13_EB2GH=torch.empty(0), w2_EHI=torch.empty(2, *DOWN_DIMS), source=None
     )
-    gate_up, down = CuteDSLExperts(knob_cache=cache)._knobs_for(batch, prepared)
+    gate_up, down = CuteDSLExperts(knob_cache=cache)._knob_arguments(batch, prepared)
     assert gate_up == {"tuned_knobs": None} and down == {"tuned_knobs": tuned}
-    gate_up, down = CuteDSLExperts(down_knobs=explicit, knob_cache=cache)._knobs_for(
+    gate_up, down = CuteDSLExperts(down_knobs=explicit, knob_cache=cache)._knob_arguments(
         batch, prepared
     )
     assert down == {"knobs": explicit}

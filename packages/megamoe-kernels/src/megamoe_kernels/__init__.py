@@ -10,6 +10,7 @@ from megamoe_kernels import reference
 
 _SHIM_NAMES = (
     "GemmKnobs",
+    "GemmLauncher",
     "Launch",
     "cached_kernel_count",
     "candidate_knobs",
@@ -17,6 +18,8 @@ _SHIM_NAMES = (
     "default_knobs",
     "default_launches",
     "down",
+    "down_launcher",
+    "gate_up_launcher",
     "gate_up_swiglu",
     "interleave_gate_up",
     "knob_problems",

@@ -4,8 +4,11 @@ Importing this package imports torch but not CuTe DSL; kernels compile on first 
 """
 
 from megamoe_kernels.shim.expert_gemm import (
+    GemmLauncher,
     cached_kernel_count,
     down,
+    down_launcher,
+    gate_up_launcher,
     gate_up_swiglu,
     interleave_gate_up,
 )
@@ -26,6 +29,7 @@ __all__ = [
     "OPS",
     "PROFILE_ROWS_PER_EXPERT",
     "GemmKnobs",
+    "GemmLauncher",
     "Launch",
     "cached_kernel_count",
     "candidate_knobs",
@@ -33,6 +37,8 @@ __all__ = [
     "default_knobs",
     "default_launches",
     "down",
+    "down_launcher",
+    "gate_up_launcher",
     "gate_up_swiglu",
     "interleave_gate_up",
     "knob_problems",

@@ -18,6 +18,9 @@ holds tokens x top-k) launches only the kernel for them.
 
 Compiled kernels are cached by (op, the launches' knobs and valid-row ranges, weight shape, row
 scale or not, device): the capacity is a dynamic dim, so one compile serves every batch size.
+Each kind of call (op, knobs, shapes, valid rows, row scale or not, device) gets a
+`GemmLauncher`, planned, checked and compiled once; `gate_up_launcher` / `down_launcher` hand it
+to a caller that repeats the call, which then skips even the lookup.
 They are compiled for CuTe DSL's TVM-FFI launch path (shim/ffi_launch.py): a launch hands the
 torch tensors to the compiled function, which checks them against its signature in C and
 launches on torch's current stream (CUDA-graph capture records it). Nothing is converted in
@@ -45,7 +48,7 @@ import math
 import os
 import threading
 from collections.abc import Callable
-from functools import cache, lru_cache
+from functools import cache
 from typing import NoReturn
 
 import torch
@@ -300,8 +303,6 @@ def _check_split_k(knobs: GemmKnobs, k: int) -> None:
         )
 
 
-# typed: a valid_rows of 2.0 or True is refused, not served the plan of 2
-@lru_cache(maxsize=4096, typed=True)
 def _launches(
     op: str,
     knobs: GemmKnobs | None,
@@ -315,8 +316,7 @@ def _launches(
     default profile's, with `tuned_knobs` in place of its own if given (default_launches: one
     per range of valid rows, for a capacity that asks for prefill tiles, or the one for
     `valid_rows` when the caller knows them), each with K long enough for its split-K.
-    Worked out once per kind of call (calls repeat their op, knobs, shapes and valid rows): a
-    repeated call costs one lookup."""
+    Worked out once per kind of call, when its launcher is bound."""
     capacity, k = x_shape
     experts = weight_shape[0]
     if valid_rows is not None and not (isinstance(valid_rows, int) and 0 <= valid_rows <= capacity):
@@ -348,38 +348,135 @@ def _launches(
     return launches
 
 
-def _launch(
+class GemmLauncher:
+    """One GEMM op for one kind of call (op, knobs, shapes, valid rows, row scale or not,
+    device), its launches planned, checked and compiled once: a call allocates the output
+    (unless given) and hands the tensors to the compiled function, whose signature checks them
+    in C. `gate_up_swiglu` and `down` look one up on every call; a caller that repeats a kind
+    of call keeps it and skips that lookup (measured: ~3.5 us of host time per GEMM call).
+
+    Calls take any tensors the compiled signature accepts (capacity is a dynamic dim); a
+    launch it refuses is re-raised as the op's check error that names the argument at fault."""
+
+    __slots__ = ("columns", "compiled", "knobs", "op", "takes_unit_counter", "weight_rows")
+
+    def __init__(self, op: str, knobs: GemmKnobs, *, columns: int, weight_rows: int, compiled):
+        self.op, self.knobs = op, knobs
+        self.columns = columns  # of the output
+        self.weight_rows = weight_rows  # N of the GEMM (the gate-up's output holds half)
+        # None: nothing to launch (no rows when bound, or compiled only)
+        self.compiled, self.takes_unit_counter = compiled if compiled else (None, False)
+
+    def __call__(
+        self,
+        x_MK: torch.Tensor,
+        expert_offsets: torch.Tensor,
+        w: torch.Tensor,
+        *,
+        row_scale_M: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        try:
+            out_MN = x_MK.new_empty((x_MK.shape[0], self.columns)) if out is None else out
+            if self.compiled is None or x_MK.shape[0] == 0:
+                # nothing runs, so no compiled signature checks the arguments
+                _check_op(self.op, x_MK, expert_offsets, w, row_scale_M, out)
+                return out_MN
+            partials = arrivals = unit_counter = None
+            # split-K knobs (swap-AB) always launch alone
+            if self.knobs.split_k > 1:
+                partials, arrivals = _split_k_workspace(
+                    self.knobs, x_MK, experts=w.shape[0], n=self.weight_rows
+                )
+            if self.takes_unit_counter:
+                unit_counter = _unit_counter(x_MK)
+            self.compiled(
+                x_MK, w, out_MN, expert_offsets, row_scale_M, partials, arrivals, unit_counter
+            )
+            return out_MN
+        except Exception as failure:
+            _raise_explained(
+                failure, lambda: _check_op(self.op, x_MK, expert_offsets, w, row_scale_M, out)
+            )
+
+
+def _check_op(op: str, x_MK, expert_offsets, w, row_scale_M, out) -> None:
+    if op == "gate_up":
+        if row_scale_M is not None:
+            raise ValueError("row_scale_M is the down GEMM's; the gate-up GEMM takes none")
+        _check_gate_up(x_MK, expert_offsets, w, out)
+    else:
+        _check_down(x_MK, expert_offsets, w, row_scale_M, out)
+
+
+# the launchers bound so far, by (op, knobs, tuned knobs, x shape, weight shape, valid rows and
+# their type, row scale or not, device)
+_LAUNCHERS: dict[tuple, GemmLauncher] = {}
+
+
+def _launcher(
     op: str,
-    launches: tuple[Launch, ...],
     x_MK: torch.Tensor,
-    w: torch.Tensor,
-    out_MN: torch.Tensor,
     expert_offsets: torch.Tensor,
-    row_scale_M: torch.Tensor | None,
+    w: torch.Tensor,
     *,
-    device_index: int,
-    check: Callable[[], None],
-) -> None:
-    """Launches the compiled kernels for (op, launches, the weight's shape) with one host call,
-    compiling them first if needed. `check` runs the op's argument checks before a compile and
-    when nothing runs; a launch that hits the cache leaves them to the compiled signature.
-    device_index: the GPU's, or -1 (CPU, meta): compile only, nothing runs."""
-    key = (op, launches, w.shape, row_scale_M is not None, device_index)
-    entry = _COMPILED.get(key)
-    if entry is None or device_index < 0:
+    row_scale_M: torch.Tensor | None,
+    knobs: GemmKnobs | None,
+    tuned_knobs: GemmKnobs | None,
+    valid_rows: int | None,
+    compile_only: bool,
+) -> GemmLauncher:
+    """The launcher for this kind of call: looked up, else the op's checks run, the launches
+    are planned and compiled (compile_only: compiled, nothing will run) and it is kept."""
+
+    def check() -> None:
+        _check_op(op, x_MK, expert_offsets, w, row_scale_M, None)
+
+    try:
+        device_index = -1 if compile_only else x_MK.get_device()
+        # typed: a valid_rows of 2.0 or True is refused, not served the launcher of 2
+        key = (
+            op,
+            knobs,
+            tuned_knobs,
+            x_MK.shape,
+            w.shape,
+            valid_rows,
+            type(valid_rows),
+            row_scale_M is not None,
+            device_index,
+        )
+        launcher = _LAUNCHERS.get(key)
+        if launcher is not None:
+            return launcher
         check()
-    compiled, takes_unit_counter = entry if entry is not None else _compile(op, launches, key)
+        if device_index < 0 and not compile_only:
+            raise ValueError(
+                f"the batch rows are on {x_MK.device}: the kernels run on a CUDA GPU "
+                "(compile_only=True compiles them without one)"
+            )
+        launches = _launches(op, knobs, tuned_knobs, x_MK.shape, w.shape, valid_rows, device_index)
+        has_row_scale = row_scale_M is not None
+        compiled = None
+        if x_MK.shape[0] > 0:
+            compiled = _compile(op, launches, (op, launches, w.shape, has_row_scale, device_index))
+        if op == "gate_up":  # [E, B, 16, H]: N = B x 16 weight rows, SwiGLU halves them
+            weight_rows = math.prod(w.shape[1:-1])
+            columns = weight_rows // 2
+        else:  # [E, H, I]
+            weight_rows = columns = w.shape[1]
+        launcher = GemmLauncher(
+            op,
+            launches[0].knobs,
+            columns=columns,
+            weight_rows=weight_rows,
+            compiled=compiled if device_index >= 0 else None,
+        )
+    except Exception as failure:
+        _raise_explained(failure, check)
     if device_index >= 0:
-        partials = arrivals = unit_counter = None
-        # split-K knobs (swap-AB) always launch alone
-        knobs = launches[0].knobs
-        if knobs.split_k > 1:
-            # N, the weight rows: the gate-up's output holds half of them (SwiGLU pairs)
-            n = out_MN.shape[1] * (2 if op == "gate_up" else 1)
-            partials, arrivals = _split_k_workspace(knobs, x_MK, experts=w.shape[0], n=n)
-        if takes_unit_counter:
-            unit_counter = _unit_counter(x_MK)
-        compiled(x_MK, w, out_MN, expert_offsets, row_scale_M, partials, arrivals, unit_counter)
+        _LAUNCHERS[key] = launcher
+    return launcher
 
 
 def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callable, bool]:
@@ -459,34 +556,16 @@ def gate_up_swiglu(
     valid_rows: expert_offsets[E] when the caller knows it on the host: the default profile
     then launches only the kernel for that many rows (a wrong count costs speed, not rows)."""
 
-    def check() -> None:
-        _check_gate_up(rows_MH, expert_offsets, w13_EB2GH, out_MI)
-
-    try:
-        capacity = rows_MH.shape[0]
-        blocks = w13_EB2GH.shape[1]
-        out = rows_MH.new_empty((capacity, blocks * GATE_UP_BLOCK)) if out_MI is None else out_MI
-        device_index = -1 if compile_only else rows_MH.get_device()
-        launches = _launches(
-            "gate_up", knobs, tuned_knobs, rows_MH.shape, w13_EB2GH.shape, valid_rows, device_index
-        )
-        if capacity == 0:
-            check()
-            return out
-        _launch(
-            "gate_up",
-            launches,
-            rows_MH,
-            w13_EB2GH,
-            out,
-            expert_offsets,
-            None,
-            device_index=device_index,
-            check=check,
-        )
-    except Exception as failure:
-        _raise_explained(failure, check)
-    return out
+    launcher = gate_up_launcher(
+        rows_MH,
+        expert_offsets,
+        w13_EB2GH,
+        knobs=knobs,
+        tuned_knobs=tuned_knobs,
+        valid_rows=valid_rows,
+        compile_only=compile_only,
+    )
+    return launcher(rows_MH, expert_offsets, w13_EB2GH, out=out_MI)
 
 
 def down(
@@ -509,34 +588,69 @@ def down(
     early (megamoe's GEMMs do: gate-up then down overlap): neither may be written by the kernel
     just before."""
 
-    def check() -> None:
-        _check_down(hidden_MI, expert_offsets, w2_EHI, row_scale_M, out_MH)
+    launcher = down_launcher(
+        hidden_MI,
+        expert_offsets,
+        w2_EHI,
+        row_scale_M=row_scale_M,
+        knobs=knobs,
+        tuned_knobs=tuned_knobs,
+        valid_rows=valid_rows,
+        compile_only=compile_only,
+    )
+    return launcher(hidden_MI, expert_offsets, w2_EHI, row_scale_M=row_scale_M, out=out_MH)
 
-    try:
-        capacity = hidden_MI.shape[0]
-        hidden = w2_EHI.shape[1]
-        out = hidden_MI.new_empty((capacity, hidden)) if out_MH is None else out_MH
-        device_index = -1 if compile_only else hidden_MI.get_device()
-        launches = _launches(
-            "down", knobs, tuned_knobs, hidden_MI.shape, w2_EHI.shape, valid_rows, device_index
-        )
-        if capacity == 0:
-            check()
-            return out
-        _launch(
-            "down",
-            launches,
-            hidden_MI,
-            w2_EHI,
-            out,
-            expert_offsets,
-            row_scale_M,
-            device_index=device_index,
-            check=check,
-        )
-    except Exception as failure:
-        _raise_explained(failure, check)
-    return out
+
+def gate_up_launcher(
+    rows_MH: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w13_EB2GH: torch.Tensor,
+    *,
+    knobs: GemmKnobs | None = None,
+    tuned_knobs: GemmKnobs | None = None,
+    valid_rows: int | None = None,
+    compile_only: bool = False,
+) -> GemmLauncher:
+    """gate_up_swiglu's launcher for calls like this one (arguments as there): keep it to
+    launch the same kind of call again with no lookup, as launcher(rows_MH, expert_offsets,
+    w13_EB2GH, out=None)."""
+    return _launcher(
+        "gate_up",
+        rows_MH,
+        expert_offsets,
+        w13_EB2GH,
+        row_scale_M=None,
+        knobs=knobs,
+        tuned_knobs=tuned_knobs,
+        valid_rows=valid_rows,
+        compile_only=compile_only,
+    )
+
+
+def down_launcher(
+    hidden_MI: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w2_EHI: torch.Tensor,
+    *,
+    row_scale_M: torch.Tensor | None = None,
+    knobs: GemmKnobs | None = None,
+    tuned_knobs: GemmKnobs | None = None,
+    valid_rows: int | None = None,
+    compile_only: bool = False,
+) -> GemmLauncher:
+    """down's launcher for calls like this one (with a row scale or without, as here): called
+    as launcher(hidden_MI, expert_offsets, w2_EHI, row_scale_M=None, out=None)."""
+    return _launcher(
+        "down",
+        hidden_MI,
+        expert_offsets,
+        w2_EHI,
+        row_scale_M=row_scale_M,
+        knobs=knobs,
+        tuned_knobs=tuned_knobs,
+        valid_rows=valid_rows,
+        compile_only=compile_only,
+    )
 
 
 def cached_kernel_count() -> int:

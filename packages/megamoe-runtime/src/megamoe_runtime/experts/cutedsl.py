@@ -11,7 +11,7 @@ import importlib.util
 from dataclasses import dataclass
 
 import torch
-from megamoe_kernels import down, gate_up_swiglu
+from megamoe_kernels import GemmLauncher, down_launcher, gate_up_launcher
 
 from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.experts.base import check_batch_matches_weights
@@ -67,7 +67,7 @@ class CuteDSLExperts:
         self.gate_up_knobs = gate_up_knobs
         self.down_knobs = down_knobs
         self.knob_cache = KnobCache() if knob_cache is None else knob_cache
-        self._knobs: dict[tuple, tuple] = {}
+        self._launchers: dict[tuple, tuple[GemmLauncher, GemmLauncher]] = {}
 
     def _cached_knobs(self, op: str, batch: ExpertBatch, weight_dims: tuple[int, int]):
         """Tuned knobs for the batch's class (its typical rows, else its capacity) from the
@@ -84,34 +84,42 @@ class CuteDSLExperts:
         )
         return knobs_from_cache(self.knob_cache, key) or knobs_from_cache(shipped_knob_cache(), key)
 
-    def _knobs_for(self, batch: ExpertBatch, prepared: CuteDSLWeights) -> tuple[dict, dict]:
+    def _knob_arguments(self, batch: ExpertBatch, prepared: CuteDSLWeights) -> tuple[dict, dict]:
         """The gate-up and the down GEMM's knob arguments for the batch's class: the explicit
         knobs (run exactly), else tuned ones (in place of the default profile's, which still
-        hands small batches to the decode tiles), else none (the default profile). Looked up
-        once per class; later calls cost one dict lookup."""
-        rows_MH = batch.rows_MH
-        memo = (
-            rows_MH.shape[0],
-            batch.typical_rows,
-            rows_MH.get_device(),
-            rows_MH.dtype,
-            prepared.w2_EHI.shape,
+        hands small batches to the decode tiles), else none (the default profile)."""
+        _, hidden, intermediate = prepared.w2_EHI.shape
+
+        def arguments(op: str, explicit, weight_dims: tuple[int, int]) -> dict:
+            if explicit is not None:
+                return {"knobs": explicit}
+            return {"tuned_knobs": self._cached_knobs(op, batch, weight_dims)}
+
+        return (
+            arguments("gate_up", self.gate_up_knobs, (2 * intermediate, hidden)),
+            arguments("down", self.down_knobs, (hidden, intermediate)),
         )
-        knobs = self._knobs.get(memo)
-        if knobs is None:
-            _, hidden, intermediate = prepared.w2_EHI.shape
 
-            def arguments(op: str, explicit, weight_dims: tuple[int, int]) -> dict:
-                if explicit is not None:
-                    return {"knobs": explicit}
-                return {"tuned_knobs": self._cached_knobs(op, batch, weight_dims)}
-
-            knobs = (
-                arguments("gate_up", self.gate_up_knobs, (2 * intermediate, hidden)),
-                arguments("down", self.down_knobs, (hidden, intermediate)),
-            )
-            self._knobs[memo] = knobs
-        return knobs
+    def _bind(
+        self, batch: ExpertBatch, prepared: CuteDSLWeights, row_scale_M: torch.Tensor | None
+    ) -> tuple[GemmLauncher, GemmLauncher]:
+        """The gate-up and the down GEMM's launchers for the batch's class (compiled here on
+        first use)."""
+        gate_up_knobs, down_knobs = self._knob_arguments(batch, prepared)
+        rows_MH, offsets = batch.rows_MH, batch.expert_offsets
+        gate_up = gate_up_launcher(
+            rows_MH, offsets, prepared.w13_EB2GH, valid_rows=batch.valid_rows, **gate_up_knobs
+        )
+        intermediate = prepared.w2_EHI.shape[2]
+        down = down_launcher(
+            rows_MH.new_empty((rows_MH.shape[0], intermediate)),
+            offsets,
+            prepared.w2_EHI,
+            row_scale_M=row_scale_M,
+            valid_rows=batch.valid_rows,
+            **down_knobs,
+        )
+        return gate_up, down
 
     def prepare(self, weights: Unquantized) -> CuteDSLWeights:
         from megamoe_kernels import interleave_gate_up
@@ -137,23 +145,25 @@ class CuteDSLExperts:
             )
         # the kernels' compiled signatures check every tensor on each launch; the batch-level
         # checks run only to name the culprit when a launch refuses its arguments
+        rows_MH, offsets = batch.rows_MH, batch.expert_offsets
         try:
-            gate_up_knobs, down_knobs = self._knobs_for(batch, prepared)
-            hidden_MI = gate_up_swiglu(
-                batch.rows_MH,
-                batch.expert_offsets,
-                prepared.w13_EB2GH,
-                valid_rows=batch.valid_rows,
-                **gate_up_knobs,
+            # the launchers of the batch's class, bound once: a later call costs this lookup,
+            # two output allocations and two launches
+            memo = (
+                rows_MH.shape[0],
+                batch.typical_rows,
+                batch.valid_rows,
+                rows_MH.get_device(),
+                rows_MH.dtype,
+                prepared.w2_EHI.shape,
+                row_scale_M is None,
             )
-            return down(
-                hidden_MI,
-                batch.expert_offsets,
-                prepared.w2_EHI,
-                row_scale_M=row_scale_M,
-                valid_rows=batch.valid_rows,
-                **down_knobs,
-            )
+            launchers = self._launchers.get(memo)
+            if launchers is None:
+                launchers = self._launchers[memo] = self._bind(batch, prepared, row_scale_M)
+            gate_up, down = launchers
+            hidden_MI = gate_up(rows_MH, offsets, prepared.w13_EB2GH)
+            return down(hidden_MI, offsets, prepared.w2_EHI, row_scale_M=row_scale_M)
         except (TypeError, ValueError) as failure:
             try:
                 check_batch_matches_weights(batch, prepared)
