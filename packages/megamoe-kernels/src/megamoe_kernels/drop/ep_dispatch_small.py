@@ -8,18 +8,21 @@ go out as soon as the ids are on their way, and each owner ranks every source's 
 own experts itself, in shared memory, while the rows cross.
 
 dispatch_small (one CTA per SM, SMALL_WARPS warps; every argument a device address or a scalar):
-1. CTA 0 loads this rank's expert ids (and with `pair_weights` its routing weights; every load
-   of a thread in flight at once) and writes them, with the pair count, into row `rank` of every
-   rank's ids / pair-weights buffers (this rank's too); it fences at system scope and adds 1 to
-   PHASE_COUNTS on every rank (the two-kernel dispatch's count signal: the counters stay in
-   step); then it sets the local "ids sent" word to the epoch. It also adds `grid` to every
-   rank's PHASE_ROWS once, as the two-kernel dispatch's CTAs do one each.
+1. CTA 0 loads this rank's expert ids (every load of a thread in flight at once) and writes
+   them, with the pair count, into row `rank` of this epoch's half of every rank's ids buffer
+   (this rank's too), each word tagged with the epoch (`ids_tag`): the tag tells the owner that
+   the word arrived, so there is no fence and no signal to wait for on the ids' path. It adds 1
+   to PHASE_COUNTS on every rank (the two-kernel dispatch's count signal: the counters stay in
+   step), sets the local "ids sent" word to the epoch, and adds `grid` to every rank's
+   PHASE_ROWS once, as the two-kernel dispatch's CTAs do one each.
 2. The first SMALL_SEND_WARPS warps of CTAs 1.. wait for that word (so the ids cross NVLink ahead of
    the rows), then a warp per token of this rank copies its row into its staged row (rank,
-   token) on each other owner, fences, and releases arrived[rank, token] there to 2 x epoch +
-   (1 if the token has rows on that rank), as dispatch_tokens does.
-3. CTA 0 waits for every source's ids and copies them into shared memory (each source's pairs
-   padded to whole groups of 32), then places this rank's rows: the groups in (source, pair)
+   token) on each other owner (with `pair_weights`, the token's routing weights into each
+   owner's pair-weights table, this rank's too), fences, and releases arrived[rank, token] there
+   to 2 x epoch + (1 if the token has rows on that rank), as dispatch_tokens does.
+3. CTA 0 reads every source's ids as their tags show them arriving, clearing each word it read,
+   and copies them into shared memory (each source's pairs padded to whole groups of 32), then
+   places this rank's rows: the groups in (source, pair)
    order, contiguous per warp (so warp order is pair order); each pair of a local expert is
    ranked among its warp's pairs of that expert (`match.any`, per-warp counters); per expert the
    warps' exclusive prefixes and the expert's first row (expert-major, then source, then pair
@@ -37,8 +40,14 @@ most 32 ranks (a lane per rank).
 
 Scratch (int32, zeroed once): SMALL_SCRATCH_WORDS words: the epoch whose ids are sent, the epoch
 whose rows are placed, the CTAs started (back to 0 after each launch), a pad word.
-Ids buffer (symmetric, int32 [world, ids_words]): per source its pair count, then (from word
-IDS_FIRST) its expert ids in pair order.
+Ids buffer (symmetric, int32 [IDS_HALVES x world, ids_words]): a half per epoch parity (a
+source may send its next epoch's ids before an owner has read this epoch's, when two dispatches
+run with no combine between them), a row per source: its tagged pair count (IDS_COUNT), the
+count as placed (IDS_COUNT_READ, for the expanders), then from word IDS_FIRST its tagged expert
+ids in pair order. A tagged word is the tag (`ids_tag`: a set top bit and the epoch's low 15
+bits) over a 16-bit value; the owner clears every word it reads, so a word left from an epoch
+32768 back never passes for this one's. 32-bit words: a 64-bit tagged variant (session 9) hit
+"Warp Illegal Address" on its reads of words a peer had written, a fault never explained.
 """
 
 import cutlass
@@ -68,9 +77,7 @@ from .ep_sync import (
     global_ptr,
     peer_address,
     record_timeout,
-    signal_peer,
     wait_flag,
-    wait_for_every_source,
 )
 from .warp import lanes_with_same_value, warp_inclusive_sum
 
@@ -84,12 +91,53 @@ SMALL_MAX_RANKS = 32
 SMALL_PAIR_SLOTS = SMALL_MAX_PAIRS + 32 * SMALL_MAX_RANKS
 SMALL_SCRATCH_WORDS = 4
 IDS_SENT, PLACED, STARTED = 0, 1, 2  # scratch words
-IDS_FIRST = 4  # word of a source's ids row where its ids start (word 0: its pair count)
+IDS_FIRST = 4  # word of a source's ids row where its ids start
+IDS_COUNT = 0  # word of a source's row: its tagged pair count, as the source sent it
+IDS_COUNT_READ = 1  # word of a source's row: its pair count as placed, for the expanders
+IDS_HALVES = 2  # the ids buffer's halves, by epoch parity
+IDS_VALUE_BITS = 16  # of a tagged word: the value (an expert id, a pair count) below the tag
+IDS_TAG_EPOCH_BITS = 15  # of a tag: the epoch's low bits (its top bit marks a written word)
+
+
+# an expert id (below SMALL_MAX_RANKS x SMALL_MAX_LOCAL_EXPERTS) and a pair count (at most
+# SMALL_MAX_PAIRS) fit a tagged word's value
+assert SMALL_MAX_RANKS * SMALL_MAX_LOCAL_EXPERTS <= 1 << IDS_VALUE_BITS
+assert SMALL_MAX_PAIRS < 1 << IDS_VALUE_BITS
 
 
 def ids_words(max_tokens: int, top_k: int) -> int:
-    """int32 words of one source's row of the ids buffer: its pair count, then its ids."""
+    """int32 words of one source's row of the ids buffer: its tagged pair count, the count as
+    placed, two pad words, then its tagged ids."""
     return IDS_FIRST + max_tokens * top_k
+
+
+def ids_rows(world: int) -> int:
+    """Rows of the ids buffer: one per source in each half."""
+    return IDS_HALVES * world
+
+
+@cute.jit
+def ids_tag(epoch):
+    """The high half of every ids word sent in `epoch`: the top bit set (a cleared word, 0,
+    never matches) and the epoch's low IDS_TAG_EPOCH_BITS bits; as a signed int32, so that
+    `word >> IDS_VALUE_BITS` of a tagged word equals it."""
+    return cutlass.Int32(epoch & ((1 << IDS_TAG_EPOCH_BITS) - 1)) - (1 << IDS_TAG_EPOCH_BITS)
+
+
+@cute.jit
+def tagged_value(word_ptr, epoch, status_address, source, timeout_ns):
+    """The value of the int32 ids word at `word_ptr` once it carries the epoch's tag (relaxed
+    system-scope loads; on timeout the source is recorded and 0 returned)."""
+    tag = ids_tag(epoch)
+    start = cute.arch.globaltimer()
+    word = cute.arch.load(word_ptr, cutlass.Int32, sem="relaxed", scope="sys")
+    while word >> IDS_VALUE_BITS != tag:
+        if cute.arch.globaltimer() - start > timeout_ns:
+            record_timeout(status_address, PHASE_COUNTS, source, epoch, cutlass.Int64(word))
+            word = tag << IDS_VALUE_BITS
+        else:
+            word = cute.arch.load(word_ptr, cutlass.Int32, sem="relaxed", scope="sys")
+    return word & ((1 << IDS_VALUE_BITS) - 1)
 
 
 @cute.jit
@@ -158,28 +206,19 @@ def dispatch_small_kernel(
     if tidx == 0:
         cute.arch.atomic_add(scratch + STARTED, cutlass.Int32(1), sem="release", scope="gpu")
     expert_of_pair = global_ptr(cutlass.Int32, expert_of_pair_address, 4)
+    weights = global_ptr(cutlass.Float32, weights_address, 4)
     row_bytes = cutlass.Int64(row_vectors) * 16
     ids_row = IDS_FIRST + max_tokens * top_k
+    # this epoch's half of the ids here: a source may send its next epoch's ids before this
+    # rank has read this epoch's (two dispatches with no combine between them)
     ids_here = global_ptr(cutlass.Int32, peer_address(peer_table, BUFFER_IDS, world, rank), 4)
+    ids_here = ids_here + (epoch % IDS_HALVES) * world * ids_row
     pair_rows = global_ptr(
         cutlass.Int32, peer_address(peer_table, BUFFER_PAIR_ROWS, world, rank), 4
     )
 
     if bidx == 0:
-        send_ids(
-            expert_of_pair,
-            weights_address,
-            peer_table,
-            scratch,
-            epoch,
-            tokens * top_k,
-            rank,
-            world,
-            max_tokens,
-            ids_row,
-            pair_weights,
-            top_k,
-        )
+        send_ids(expert_of_pair, peer_table, scratch, epoch, tokens * top_k, rank, world, ids_row)
         # the two-kernel dispatch adds one PHASE_ROWS per CTA (the direct dispatch waits for
         # grid adds per epoch): the same total, at once, keeps the counters in step
         if tidx < world:
@@ -194,11 +233,7 @@ def dispatch_small_kernel(
                 sem="relaxed",
                 scope="sys",
             )
-        # 3. every source's ids here: place this rank's rows
-        own_signals = peer_address(peer_table, BUFFER_SIGNALS, world, rank)
-        wait_for_every_source(
-            own_signals, status_address, world, PHASE_COUNTS, epoch, 1, timeout_ns
-        )
+        # 3. every source's ids here (as their tags show them arriving): place this rank's rows
         place_rows(
             ids_here,
             pair_rows,
@@ -209,12 +244,15 @@ def dispatch_small_kernel(
             source_groups,
             warp_counts,
             first_row,
+            status_address,
+            epoch,
             rank,
             world,
             local_experts,
             capacity,
             ids_row,
             max_tokens * top_k,
+            timeout_ns,
         )
         cute.arch.fence_acq_rel_gpu()
         cute.arch.sync_threads()
@@ -253,6 +291,20 @@ def dispatch_small_kernel(
                             if (owner_mask >> peer) & 1 == 1:
                                 staged = peer_address(peer_table, BUFFER_STAGED, world, peer)
                                 store_vectors(staged + staged_offset, vector, values)
+                if pair_weights != 0:
+                    # each owner's weights of this token (this rank's too) for its partial sums,
+                    # released with the token's flag
+                    if lane < top_k:
+                        weight = cute.arch.load(weights + (token * top_k + lane), cutlass.Float32)
+                        entry = (rank * max_tokens + token) * top_k + lane
+                        for peer in range(world):
+                            if (owner_mask >> peer) & 1 == 1:
+                                weights_there = global_ptr(
+                                    cutlass.Float32,
+                                    peer_address(peer_table, BUFFER_PAIR_WEIGHTS, world, peer),
+                                    4,
+                                )
+                                cute.arch.store(weights_there + entry, weight)
                 release_token_flags(
                     peer_table, token, owner_mask, epoch, rank, world, max_tokens, lane
                 )
@@ -283,56 +335,45 @@ def dispatch_small_kernel(
 
 
 @cute.jit
-def send_ids(
-    expert_of_pair,
-    weights_address,
-    peer_table,
-    scratch,
-    epoch,
-    pairs,
-    rank,
-    world,
-    max_tokens,
-    ids_row,
-    pair_weights,
-    top_k: cutlass.Constexpr,
-):
-    """Step 1 on CTA 0: this rank's pair count, ids (and weights) into row `rank` on every rank,
-    the ids signal, then the local word the row senders wait for."""
+def send_ids(expert_of_pair, peer_table, scratch, epoch, pairs, rank, world, ids_row):
+    """Step 1 on CTA 0: this rank's pair count and ids, each word tagged with the epoch (the tag
+    tells the owner it arrived: no fence, no signal to wait for), into row `rank` of this
+    epoch's half on every rank; then the local word the row senders wait for."""
     tidx, _, _ = cute.arch.thread_idx()
-    weights = global_ptr(cutlass.Float32, weights_address, 4)
     # a thread's pairs, every load in flight before the first store
     ids = []
-    pair_weight = []
     for j in cutlass.range_constexpr(SMALL_MAX_PAIRS // SMALL_THREADS):
         pair = tidx + j * SMALL_THREADS
         expert = cutlass.Int32(0)
-        weight = cutlass.Float32(0.0)
         if pair < pairs:
             expert = cute.arch.load(expert_of_pair + pair, cutlass.Int32)
-            if pair_weights != 0:
-                weight = cute.arch.load(weights + pair, cutlass.Float32)
         ids.append(expert)
-        pair_weight.append(weight)
+    tag = ids_tag(epoch) << IDS_VALUE_BITS
+    half = epoch % IDS_HALVES
     for peer in range(world):
         ids_there = global_ptr(cutlass.Int32, peer_address(peer_table, BUFFER_IDS, world, peer), 4)
-        ids_there = ids_there + rank * ids_row
-        weights_there = global_ptr(
-            cutlass.Float32, peer_address(peer_table, BUFFER_PAIR_WEIGHTS, world, peer), 4
-        )
-        weights_there = weights_there + rank * max_tokens * top_k
-        if tidx == 0:
-            cute.arch.store(ids_there, pairs)
+        ids_there = ids_there + (half * world + rank) * ids_row
         for j in cutlass.range_constexpr(SMALL_MAX_PAIRS // SMALL_THREADS):
             pair = tidx + j * SMALL_THREADS
             if pair < pairs:
-                cute.arch.store(ids_there + (IDS_FIRST + pair), ids[j])
-                if pair_weights != 0:
-                    cute.arch.store(weights_there + pair, pair_weight[j])
-    cute.arch.fence_acq_rel_sys()  # every writer releases its stores
-    cute.arch.sync_threads()
+                cute.arch.store(ids_there + (IDS_FIRST + pair), tag | ids[j])
+        if tidx == 0:
+            cute.arch.store(ids_there + IDS_COUNT, tag | pairs)
+    # PHASE_COUNTS: one add per epoch on every rank, as the two-kernel dispatch's count signal
+    # (the counters stay in step); nothing here waits for it
     if tidx < world:
-        signal_peer(peer_table, BUFFER_SIGNALS, world, tidx, PHASE_COUNTS, rank)
+        signals = global_ptr(
+            cutlass.Int64, peer_address(peer_table, BUFFER_SIGNALS, world, tidx), 8
+        )
+        cute.arch.red(
+            signals + (PHASE_COUNTS * world + rank),
+            cutlass.Int64(1),
+            op="add",
+            dtype="u64",
+            sem="relaxed",
+            scope="sys",
+        )
+    cute.arch.sync_threads()
     if tidx == 0:
         cute.arch.store(scratch + IDS_SENT, cutlass.Int32(epoch), sem="release", scope="gpu")
 
@@ -348,19 +389,28 @@ def place_rows(
     source_groups,
     warp_counts,
     first_row,
+    status_address,
+    epoch,
     rank,
     world,
     local_experts,
     capacity,
     ids_row,
     table_row,
+    timeout_ns,
 ):
-    """Step 3 on CTA 0: the row of every source's pair of a local expert, from the ids."""
+    """Step 3 on CTA 0: the row of every source's pair of a local expert, from the ids. Every
+    ids word read is cleared (a stale word never carries a tag), and each source's count kept
+    for the expanders."""
     tidx, _, _ = cute.arch.thread_idx()
     warp, lane = tidx // 32, tidx % 32
     # each source's pair count and first group of 32 pairs, the counters zeroed
     if tidx < world:
-        source_pairs[tidx] = cute.arch.load(ids_here + tidx * ids_row, cutlass.Int32, cop="cg")
+        count = ids_here + tidx * ids_row
+        pairs = tagged_value(count + IDS_COUNT, epoch, status_address, tidx, timeout_ns)
+        source_pairs[tidx] = pairs
+        cute.arch.store(count + IDS_COUNT, cutlass.Int32(0))
+        cute.arch.store(count + IDS_COUNT_READ, pairs)
     for i in range(tidx, SMALL_WARPS * local_experts, SMALL_THREADS):
         warp_counts[i] = cutlass.Int32(0)
     cute.arch.sync_threads()
@@ -372,26 +422,36 @@ def place_rows(
         source_groups[world] = groups
     cute.arch.sync_threads()
     # every source's pairs into shared memory: the local expert, or -1 - slot (matching no
-    # other lane) for another rank's expert or a group's padding
+    # other lane) for another rank's expert or a group's padding; every load of a thread in
+    # flight at once, then any word whose tag is not this epoch's yet waited for
+    tag = ids_tag(epoch)
     for source in range(world):
         ids = ids_here + source * ids_row
         pairs = source_pairs[source]
         padded = (source_groups[source + 1] - source_groups[source]) * 32
-        values = []
+        words = []
         for j in cutlass.range_constexpr(SMALL_MAX_PAIRS // SMALL_THREADS):
             pair = tidx + j * SMALL_THREADS
-            expert = cutlass.Int32(-1)
+            word = tag << IDS_VALUE_BITS
             if pair < pairs:
-                expert = cute.arch.load(ids + (IDS_FIRST + pair), cutlass.Int32, cop="cg")
-            values.append(expert)
+                word = cute.arch.load(
+                    ids + (IDS_FIRST + pair), cutlass.Int32, sem="relaxed", scope="sys"
+                )
+            words.append(word)
         for j in cutlass.range_constexpr(SMALL_MAX_PAIRS // SMALL_THREADS):
             pair = tidx + j * SMALL_THREADS
             if pair < padded:
                 slot = source_groups[source] * 32 + pair
                 local = cutlass.Int32(-1) - slot
                 if pair < pairs:
-                    if values[j] // local_experts == rank:
-                        local = values[j] - rank * local_experts
+                    expert = words[j] & ((1 << IDS_VALUE_BITS) - 1)
+                    if words[j] >> IDS_VALUE_BITS != tag:
+                        expert = tagged_value(
+                            ids + (IDS_FIRST + pair), epoch, status_address, source, timeout_ns
+                        )
+                    cute.arch.store(ids + (IDS_FIRST + pair), cutlass.Int32(0))
+                    if expert // local_experts == rank:
+                        local = expert - rank * local_experts
                 pair_slots[slot] = local
     cute.arch.sync_threads()
 
@@ -508,7 +568,9 @@ def expand_rows(
     wait_ns = timeout_ns
     for step in range(world):
         source = (rank + step) % world
-        source_tokens = cute.arch.load(ids_here + source * ids_row, cutlass.Int32, cop="cg")
+        source_tokens = cute.arch.load(
+            ids_here + (source * ids_row + IDS_COUNT_READ), cutlass.Int32, cop="cg"
+        )
         source_tokens = source_tokens // top_k
         if source_tokens > max_tokens:
             source_tokens = max_tokens

@@ -43,7 +43,7 @@ BUFFER_PARTIALS = 8  # [world x max_tokens, hidden]
 # has rows on this owner) once its staged row and table entries are here
 BUFFER_ARRIVED = 9  # int64 [world, max_tokens]
 # the small-batch dispatch: per source its pair count, then its expert ids (pair order)
-BUFFER_IDS = 10  # int32 [world, 1 + max_tokens x top_k]
+BUFFER_IDS = 10  # int32 [2 x world, 4 + max_tokens x top_k] (ep_dispatch_small)
 NUM_BUFFERS = 11
 
 

@@ -242,6 +242,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
     DropSymbol("ep_dispatch_small", "SMALL_MAX_RANKS", "constant"),
     DropSymbol("ep_dispatch_small", "SMALL_SCRATCH_WORDS", "constant"),
     DropSymbol("ep_dispatch_small", "ids_words", "function", parameters=("max_tokens", "top_k")),
+    DropSymbol("ep_dispatch_small", "ids_rows", "function", parameters=("world",)),
     DropSymbol(
         "ep_dispatch",
         "dispatch_tokens",

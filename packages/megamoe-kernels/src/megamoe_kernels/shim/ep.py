@@ -337,11 +337,11 @@ def small_dispatch_limits() -> dict[str, int]:
     }
 
 
-def ids_words(max_tokens: int, top_k: int) -> int:
-    """int32 words of one source's row of the small dispatch's symmetric ids buffer."""
+def ids_shape(world: int, max_tokens: int, top_k: int) -> tuple[int, int]:
+    """(rows, int32 words per row) of the small dispatch's symmetric ids buffer."""
     from megamoe_kernels.drop import ep_dispatch_small
 
-    return ep_dispatch_small.ids_words(max_tokens, top_k)
+    return ep_dispatch_small.ids_rows(world), ep_dispatch_small.ids_words(max_tokens, top_k)
 
 
 def dispatch_small(

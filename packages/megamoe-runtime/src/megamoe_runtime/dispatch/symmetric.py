@@ -52,8 +52,6 @@ from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.workspace import workspace_for
 
 DEFAULT_TIMEOUT_S = 60.0
-# the default takes the one-kernel small-batch dispatch up to this many pairs over all ranks
-SMALL_BATCH_AUTO_PAIRS = 4096
 
 
 @dataclass(frozen=True)
@@ -86,14 +84,14 @@ class SymmetricDispatcher:
     single-GPU summation order (one more bf16 rounding), so EP=W no longer equals EP=1 bitwise.
     MegaMoEConfig(combine_order="owner_partials") selects it from the layer.
 
-    `small_batch` (staged only; by default on when world x max_tokens_per_rank x K <= 4096, e.g.
-    256 tokens per rank at top-8 on 2 ranks; True takes it up to the kernel's limit of 8192
-    pairs and 512 experts per rank): the dispatch is one
-    kernel in which every rank sends its expert ids and its token rows at once and each owner
-    places its own rows from every source's ids, so the rows cross NVLink while the placement
-    runs (34.9 -> 27.5 us at 128 tokens per rank on 2 H200s; slower than the two kernels from
-    512 tokens: docs/expert-parallel.md). Every rank of the group must make the same choice: it
-    depends only on the static sizes.
+    `small_batch` (staged only; by default on wherever its kernel fits: world x
+    max_tokens_per_rank x K <= 8192 pairs, e.g. 512 tokens per rank at top-8 on 2 ranks, and at
+    most 512 experts per rank): the dispatch is one kernel in which every rank sends its
+    epoch-tagged expert ids and its token rows at once and each owner places its own rows from
+    every source's ids, so the rows cross NVLink while the placement runs (on 2 H200s 22.3 us
+    against the two kernels' 35.0 at 128 tokens per rank, 52.8 against 57.9 at 512:
+    docs/expert-parallel.md). Every rank of the group must make the same choice: it depends
+    only on the static sizes.
     """
 
     def __init__(
@@ -172,7 +170,7 @@ class SymmetricDispatcher:
             and self.grid >= 2
         )
         if requested is None:
-            return fits and pairs <= SMALL_BATCH_AUTO_PAIRS
+            return fits
         if requested and not fits:
             raise ValueError(
                 f"small_batch=True needs stage_remote_rows=True, at most "
@@ -200,8 +198,8 @@ class SymmetricDispatcher:
         if self.stage_remote_rows or self.combine_partial_sums:
             shapes["pair_rows"] = ((slots * self.top_k,), torch.int32)
         if self.small_batch:
-            ids_words = ep_kernels.ids_words(self.max_tokens_per_rank, self.top_k)
-            shapes["ids"] = ((world, ids_words), torch.int32)
+            ids_shape = ep_kernels.ids_shape(world, self.max_tokens_per_rank, self.top_k)
+            shapes["ids"] = (ids_shape, torch.int32)
         if self.combine_partial_sums:
             shapes["pair_weights"] = ((slots * self.top_k,), torch.float32)
             shapes["partials"] = ((slots, self.hidden_size), self.dtype)
