@@ -103,6 +103,13 @@ def check_against_single_gpu(
         batch, handle = dispatcher.dispatch(*shares[rank])
         offsets = single_batch.expert_offsets[rank * local : (rank + 1) * local + 1].cpu()
         assert torch.equal(batch.expert_offsets.cpu(), offsets - offsets[0]), (rank, repeat)
+        if getattr(dispatcher, "small_batch", False):
+            # the small dispatch clears every epoch-tagged ids word it read (a tagged word has
+            # its top bit set), in this epoch's half of the ids buffer (the peers' next dispatch
+            # may already be writing the other half)
+            half = int(dispatcher.epoch.item()) % 2
+            ids_here = dispatcher.buffers["ids"][half * world_size : (half + 1) * world_size]
+            assert (ids_here >= 0).all(), (rank, repeat)
         valid = int(offsets[-1] - offsets[0])
         expected_rows = single_batch.rows_MH[int(offsets[0]) : int(offsets[-1])]
         assert torch.equal(batch.rows_MH[:valid], expected_rows), (rank, repeat)

@@ -242,6 +242,27 @@ def load_vectors(source_address, first, unroll: cutlass.Constexpr):
 
 
 @cute.jit
+def copy_to_rows(
+    source_row,
+    rows_here,
+    rows,
+    row_bytes,
+    first,
+    end,
+    lane,
+    unroll: cutlass.Constexpr,
+    top_k: cutlass.Constexpr,
+):
+    """A warp copies 16-byte vectors [first, end) of the row at `source_row` into each batch
+    row rows[k] here that is not -1 (each vector loaded once, stored top_k times at most)."""
+    for vector in range(first + lane, end, 32 * unroll):
+        values = load_vectors(source_row, vector, unroll)
+        for k in cutlass.range_constexpr(top_k):
+            if rows[k] >= 0:
+                store_vectors(rows_here + cutlass.Int64(rows[k]) * row_bytes, vector, values)
+
+
+@cute.jit
 def token_owners(expert_of_pair, token, local_experts, lane, top_k: cutlass.Constexpr):
     """Bit mask of the ranks that own one of the token's top_k experts (on every lane)."""
     lane_owner = cutlass.Int32(0)
@@ -422,30 +443,25 @@ def dispatch_tokens_kernel(
                     lane_row = cutlass.Int32(-1)
                     if lane < top_k:
                         lane_row = cute.arch.load(table_here + (slot * top_k + lane), cutlass.Int32)
+                        if lane_row >= capacity:
+                            lane_row = cutlass.Int32(-1)
                         if lane_row >= 0:
-                            if lane_row < capacity:
-                                cute.arch.store(sources_here + lane_row * 2, source)
-                                cute.arch.store(
-                                    sources_here + (lane_row * 2 + 1), token * top_k + lane
-                                )
+                            cute.arch.store(sources_here + lane_row * 2, source)
+                            cute.arch.store(sources_here + (lane_row * 2 + 1), token * top_k + lane)
                     rows = []
-                    here = []
                     for k in cutlass.range_constexpr(top_k):
-                        row = cute.arch.shuffle_sync(lane_row, k)
-                        is_here = cutlass.Int32(0)
-                        if row >= 0:
-                            if row < capacity:
-                                is_here = cutlass.Int32(1)
-                        rows.append(row)
-                        here.append(is_here)
-                    staged_row = staged_here + slot * row_bytes
-                    for first in range(lane, row_vectors, 32 * unroll):
-                        values = load_vectors(staged_row, first, unroll)
-                        for k in cutlass.range_constexpr(top_k):
-                            if here[k] == 1:
-                                store_vectors(
-                                    rows_here + cutlass.Int64(rows[k]) * row_bytes, first, values
-                                )
+                        rows.append(cute.arch.shuffle_sync(lane_row, k))
+                    copy_to_rows(
+                        staged_here + slot * row_bytes,
+                        rows_here,
+                        rows,
+                        row_bytes,
+                        0,
+                        row_vectors,
+                        lane,
+                        unroll,
+                        top_k,
+                    )
     # PHASE_ROWS stays at grid adds per epoch on every rank, as the direct dispatch (which waits
     # on it) counts, whichever dispatch of a shared workspace ran before
     cute.arch.sync_threads()

@@ -56,6 +56,7 @@ from cutlass.memory import SmemAllocator
 
 from .ep_dispatch import (
     copy_rounds,
+    copy_to_rows,
     load_vectors,
     release_token_flags,
     row_slices,
@@ -141,15 +142,15 @@ def tagged_value(word_ptr, epoch, status_address, source, timeout_ns):
 
 
 @cute.jit
-def wait_local(word, epoch, status_address, rank, lane, timeout_ns):
-    """Lane 0 spins until the int32 scratch `word` holds this epoch (gpu-scope acquire), with
-    the timeout; then the warp meets."""
+def wait_local(word, value, epoch, status_address, rank, lane, timeout_ns):
+    """Lane 0 spins until the int32 scratch `word` holds `value` (gpu-scope acquire), with the
+    timeout (recorded for this epoch); then the warp meets."""
     if lane == 0:
         start = cute.arch.globaltimer()
         waiting = cutlass.Int32(1)
         while waiting == 1:
             seen = cute.arch.load(word, cutlass.Int32, sem="acquire", scope="gpu")
-            if seen == cutlass.Int32(epoch):
+            if seen == value:
                 waiting = cutlass.Int32(0)
             elif cute.arch.globaltimer() - start > timeout_ns:
                 record_timeout(status_address, PHASE_COUNTS, rank, epoch, cutlass.Int64(seen))
@@ -258,27 +259,25 @@ def dispatch_small_kernel(
         cute.arch.sync_threads()
         if tidx == 0:
             cute.arch.store(scratch + PLACED, cutlass.Int32(epoch), sem="release", scope="gpu")
+        if warp == 0:
             # every CTA counted itself in after reading the old epoch (long before, in practice)
-            start = cute.arch.globaltimer()
-            waiting = cutlass.Int32(1)
-            while waiting == 1:
-                started = cute.arch.load(
-                    scratch + STARTED, cutlass.Int32, sem="acquire", scope="gpu"
-                )
-                if started == grid:
-                    waiting = cutlass.Int32(0)
-                elif cute.arch.globaltimer() - start > timeout_ns:
-                    record_timeout(
-                        status_address, PHASE_COUNTS, rank, epoch, cutlass.Int64(started)
-                    )
-                    waiting = cutlass.Int32(0)
-            cute.arch.store(scratch + STARTED, cutlass.Int32(0))
-            cute.arch.store(epoch_ptr, epoch)
+            wait_local(scratch + STARTED, grid, epoch, status_address, rank, lane, timeout_ns)
+            if lane == 0:
+                cute.arch.store(scratch + STARTED, cutlass.Int32(0))
+                cute.arch.store(epoch_ptr, epoch)
     else:
         if warp < SMALL_SEND_WARPS:
             # 2. a warp per token of this rank: its row into its staged row on each other owner,
             #    then the token's flag there
-            wait_local(scratch + IDS_SENT, epoch, status_address, rank, lane, timeout_ns)
+            wait_local(
+                scratch + IDS_SENT,
+                cutlass.Int32(epoch),
+                epoch,
+                status_address,
+                rank,
+                lane,
+                timeout_ns,
+            )
             senders = (grid - 1) * SMALL_SEND_WARPS
             for token in range(warp * (grid - 1) + bidx - 1, tokens, senders):
                 owner_mask = token_owners(expert_of_pair, token, local_experts, lane, top_k)
@@ -313,7 +312,15 @@ def dispatch_small_kernel(
     #    tokens from x, the others' from their staged rows once their flags arrived
     if bidx == 0 or warp >= SMALL_SEND_WARPS:
         if bidx != 0:
-            wait_local(scratch + PLACED, epoch, status_address, rank, lane, timeout_ns)
+            wait_local(
+                scratch + PLACED,
+                cutlass.Int32(epoch),
+                epoch,
+                status_address,
+                rank,
+                lane,
+                timeout_ns,
+            )
         expand_rows(
             x_address,
             peer_table,
@@ -612,13 +619,7 @@ def expand_rows(
                 first, end = slice_vectors(
                     item - token * slices, slices, rounds, row_vectors, unroll
                 )
-                for vector in range(first + lane, end, 32 * unroll):
-                    values = load_vectors(from_row, vector, unroll)
-                    for k in cutlass.range_constexpr(top_k):
-                        if rows[k] >= 0:
-                            store_vectors(
-                                rows_here + cutlass.Int64(rows[k]) * row_bytes, vector, values
-                            )
+                copy_to_rows(from_row, rows_here, rows, row_bytes, first, end, lane, unroll, top_k)
 
 
 @cute.jit
