@@ -75,6 +75,7 @@ from .ep_sync import (
     BUFFER_STAGED,
     PHASE_COUNTS,
     PHASE_ROWS,
+    count_on_peer,
     global_ptr,
     peer_address,
     record_timeout,
@@ -223,17 +224,7 @@ def dispatch_small_kernel(
         # the two-kernel dispatch adds one PHASE_ROWS per CTA (the direct dispatch waits for
         # grid adds per epoch): the same total, at once, keeps the counters in step
         if tidx < world:
-            signals = global_ptr(
-                cutlass.Int64, peer_address(peer_table, BUFFER_SIGNALS, world, tidx), 8
-            )
-            cute.arch.red(
-                signals + (PHASE_ROWS * world + rank),
-                cutlass.Int64(grid),
-                op="add",
-                dtype="u64",
-                sem="relaxed",
-                scope="sys",
-            )
+            count_on_peer(peer_table, BUFFER_SIGNALS, world, tidx, PHASE_ROWS, rank, grid)
         # 3. every source's ids here (as their tags show them arriving): place this rank's rows
         place_rows(
             ids_here,
@@ -369,17 +360,7 @@ def send_ids(expert_of_pair, peer_table, scratch, epoch, pairs, rank, world, ids
     # PHASE_COUNTS: one add per epoch on every rank, as the two-kernel dispatch's count signal
     # (the counters stay in step); nothing here waits for it
     if tidx < world:
-        signals = global_ptr(
-            cutlass.Int64, peer_address(peer_table, BUFFER_SIGNALS, world, tidx), 8
-        )
-        cute.arch.red(
-            signals + (PHASE_COUNTS * world + rank),
-            cutlass.Int64(1),
-            op="add",
-            dtype="u64",
-            sem="relaxed",
-            scope="sys",
-        )
+        count_on_peer(peer_table, BUFFER_SIGNALS, world, tidx, PHASE_COUNTS, rank, 1)
     cute.arch.sync_threads()
     if tidx == 0:
         cute.arch.store(scratch + IDS_SENT, cutlass.Int32(epoch), sem="release", scope="gpu")

@@ -73,6 +73,21 @@ def signal_peer(peer_table, signals_buffer, world, peer, phase, source):
 
 
 @cute.jit
+def count_on_peer(peer_table, signals_buffer, world, peer, phase, source, amount):
+    """Adds `amount` to signal [phase, source] on `peer`, relaxed: it releases nothing, for a
+    counter kept in step that no reader takes as a sign that data arrived."""
+    signals = global_ptr(cutlass.Int64, peer_address(peer_table, signals_buffer, world, peer), 8)
+    cute.arch.red(
+        signals + (phase * world + source),
+        cutlass.Int64(amount),
+        op="add",
+        dtype="u64",
+        sem="relaxed",
+        scope="sys",
+    )
+
+
+@cute.jit
 def wait_signal(signals_address, status_address, world, phase, peer, target, epoch, timeout_ns):
     """Spins until local signal [phase, peer] >= target; on timeout records the status."""
     signals = global_ptr(cutlass.Int64, signals_address, 8)
