@@ -40,9 +40,9 @@ most 32 ranks (a lane per rank).
 
 Scratch (int32, zeroed once): SMALL_SCRATCH_WORDS words: the epoch whose ids are sent, the epoch
 whose rows are placed, the CTAs started (back to 0 after each launch), a pad word.
-Ids buffer (symmetric, int32 [IDS_HALVES x world, ids_words]): a half per epoch parity (a
-source may send its next epoch's ids before an owner has read this epoch's, when two dispatches
-run with no combine between them), a row per source: its tagged pair count (IDS_COUNT), the
+Ids buffer (symmetric, int32 [IDS_HALVES x world, ids_words]): a half per epoch parity, so
+that a source's next ids land where no owner can still be reading (the combine between two
+dispatches orders them as well; the ids path does not rely on it), a row per source: its tagged pair count (IDS_COUNT), the
 count as placed (IDS_COUNT_READ, for the expanders), then from word IDS_FIRST its tagged expert
 ids in pair order. A tagged word is the tag (`ids_tag`: a set top bit and the epoch's low 15
 bits) over a 16-bit value; the owner clears every word it reads, so a word left from an epoch
@@ -211,8 +211,7 @@ def dispatch_small_kernel(
     weights = global_ptr(cutlass.Float32, weights_address, 4)
     row_bytes = cutlass.Int64(row_vectors) * 16
     ids_row = IDS_FIRST + max_tokens * top_k
-    # this epoch's half of the ids here: a source may send its next epoch's ids before this
-    # rank has read this epoch's (two dispatches with no combine between them)
+    # this epoch's half of the ids here (a source's next ids go to the other half)
     ids_here = global_ptr(cutlass.Int32, peer_address(peer_table, BUFFER_IDS, world, rank), 4)
     ids_here = ids_here + (epoch % IDS_HALVES) * world * ids_row
     pair_rows = global_ptr(

@@ -29,7 +29,9 @@ combine:
 
 Buffers come from the process's pooled workspace (megamoe_runtime.workspace): layers share them
 (one dispatch/combine pair in flight per group at a time, as in a forward pass). Signals are
-monotonic counters checked against a device epoch, so nothing is reset between calls.
+monotonic counters checked against a device epoch, so nothing is reset between calls; hence
+every dispatch is followed by its combine before the group's next dispatch (two dispatches with
+no combine between them leave the combine's counters an epoch behind, and its waits time out).
 
 Waits give up after `timeout_s` (MEGAMOE_EP_TIMEOUT_S, default 60): the kernel records the phase,
 peer and epoch in host-mapped memory and carries on; the next dispatch or combine (or
