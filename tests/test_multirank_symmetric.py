@@ -167,3 +167,25 @@ def check_small_batch_refused_where_it_cannot_run(rank, world_size, device):
 
 def test_small_batch_dispatch_refused_where_it_cannot_run(gpu_multirank):
     gpu_multirank(check_small_batch_refused_where_it_cannot_run)
+
+
+def check_dispatch_without_combine_refused(rank, world_size, device):
+    dispatcher = build(rank, world_size, device, max_tokens=8, layer_name="layer-3")
+    x = torch.randn(8, HIDDEN, device=device, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(NUM_EXPERTS, device=device)[:TOP_K] for _ in range(8)])
+    weights = torch.rand(8, TOP_K, device=device)
+    batch, handle = dispatcher.dispatch(x, ids.to(torch.int32), weights)
+    with pytest.raises(RuntimeError, match="'layer-3'.*has not been combined"):
+        dispatcher.dispatch(x, ids.to(torch.int32), weights)
+    # refused before any launch: the group is still in step
+    for _ in range(2):
+        y = dispatcher.combine(batch.rows_MH, handle)
+        batch, handle = dispatcher.dispatch(x, ids.to(torch.int32), weights)
+    dispatcher.combine(batch.rows_MH, handle)
+    torch.cuda.synchronize()
+    dispatcher.raise_if_timed_out()
+    assert torch.isfinite(y.float()).all()
+
+
+def test_a_dispatch_without_its_combine_is_refused(gpu_multirank):
+    gpu_multirank(check_dispatch_without_combine_refused)

@@ -63,6 +63,9 @@ class SymmetricWorkspace:
     _buffers: dict[str, _Buffer] = field(default_factory=dict)
     # bumped on every (re)allocation: users caching views re-fetch when it moves
     generation: int = 0
+    # the layer whose expert-parallel dispatch on these buffers awaits its combine, if any: the
+    # combine's counters follow the dispatch epoch, so dispatches and combines must alternate
+    dispatch_awaiting_combine: str | None = None
 
     @property
     def allocated_bytes(self) -> int:

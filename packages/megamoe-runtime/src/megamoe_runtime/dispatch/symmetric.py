@@ -31,7 +31,8 @@ Buffers come from the process's pooled workspace (megamoe_runtime.workspace): la
 (one dispatch/combine pair in flight per group at a time, as in a forward pass). Signals are
 monotonic counters checked against a device epoch, so nothing is reset between calls; hence
 every dispatch is followed by its combine before the group's next dispatch (two dispatches with
-no combine between them leave the combine's counters an epoch behind, and its waits time out).
+no combine between them would leave the combine's counters an epoch behind, so its waits would
+time out: a second dispatch before the combine is refused with an error, before any launch).
 
 Waits give up after `timeout_s` (MEGAMOE_EP_TIMEOUT_S, default 60): the kernel records the phase,
 peer and epoch in host-mapped memory and carries on; the next dispatch or combine (or
@@ -262,6 +263,16 @@ class SymmetricDispatcher:
         if x_TH.device != self.device:
             raise ValueError(f"x is on {x_TH.device}, the dispatcher on {self.device}")
         self._check_ready()
+        awaiting = self.workspace.dispatch_awaiting_combine
+        if awaiting is not None:
+            raise RuntimeError(
+                f"layer {self.layer_name!r}: dispatch while layer {awaiting!r}'s dispatch on the "
+                "same expert-parallel buffers has not been combined; every dispatch must be "
+                "combined before the group's next one (the combine's waits count dispatches). "
+                "If a forward failed between the two, its peers are out of step as well: release "
+                "the workspace (megamoe_runtime.workspace.release_all_workspaces) and rebuild "
+                "the layers"
+            )
         world, local = self.world_size, self.num_local_experts
         x_TH = x_TH.contiguous()
         expert_of_pair_P = topk_ids_TK.reshape(-1).to(torch.int32).contiguous()
@@ -377,6 +388,7 @@ class SymmetricDispatcher:
             expert_offsets=expert_offsets,
             output_dtype=x_TH.dtype,
         )
+        self.workspace.dispatch_awaiting_combine = self.layer_name
         return batch, handle
 
     def combine(
@@ -391,6 +403,7 @@ class SymmetricDispatcher:
                 f"batch's shape), got {expert_out_MH.dtype} {tuple(expert_out_MH.shape)}"
             )
         self._check_ready()
+        self.workspace.dispatch_awaiting_combine = None
         expert_out_MH = expert_out_MH.contiguous()
         if self.combine_partial_sums:
             return self._combine_partial_sums(expert_out_MH, handle, weights_applied)
