@@ -21,8 +21,8 @@ NUM_EXPERTS = 16
 TOP_K = 4
 
 
-# the nvshmem dispatcher's variants ("nvshmem" alone: the defaults, the small-batch kernel for
-# these sizes but the 700-token test): the staged dispatch as one kernel or as placement + rows,
+# the nvshmem dispatcher's variants ("nvshmem" alone: the defaults, the small-batch kernel at
+# every size here on up to 2 ranks): the staged dispatch as one kernel or as placement + rows,
 # every pair's row over NVLink on its own (no staging), and the partial-sum combine after each
 NVSHMEM_OPTIONS = {
     "nvshmem-small": {"small_batch": True},
