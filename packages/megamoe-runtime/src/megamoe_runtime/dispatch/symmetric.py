@@ -289,20 +289,7 @@ class SymmetricDispatcher:
                 weights_TK.data_ptr(),
                 expert_offsets.data_ptr(),
                 self.small_scratch.data_ptr(),
-                peer_table_address=self.peer_table.data_ptr(),
-                epoch_address=self.epoch.data_ptr(),
-                status_address=self.status.data_ptr(),
-                tokens=tokens,
-                top_k=top_k,
-                local_experts=local,
-                row_bytes=row_bytes,
-                capacity=self.capacity,
-                rank=self.rank,
-                world=world,
-                max_tokens=self.max_tokens_per_rank,
-                pair_weights=self.combine_partial_sums,
-                timeout_ns=self._timeout_ns,
-                grid=self.grid,
+                **self._token_rows_arguments(tokens, row_bytes),
             )
             return self._dispatched(x_TH, tokens, weights_TK, expert_of_pair_P, expert_offsets)
         dest_row_P = torch.empty(num_pairs, dtype=torch.int32, device=self.device)
@@ -330,20 +317,7 @@ class SymmetricDispatcher:
                 weights_TK.data_ptr(),
                 pairs_of_source_address=self.placement_scratch.data_ptr()
                 + 4 * ep_kernels.pairs_of_source_offset(self.num_experts),
-                peer_table_address=self.peer_table.data_ptr(),
-                epoch_address=self.epoch.data_ptr(),
-                status_address=self.status.data_ptr(),
-                tokens=tokens,
-                top_k=top_k,
-                local_experts=local,
-                row_bytes=row_bytes,
-                capacity=self.capacity,
-                rank=self.rank,
-                world=world,
-                max_tokens=self.max_tokens_per_rank,
-                pair_weights=self.combine_partial_sums,
-                timeout_ns=self._timeout_ns,
-                grid=self.grid,
+                **self._token_rows_arguments(tokens, row_bytes),
             )
         else:
             ep_kernels.dispatch_rows(
@@ -373,6 +347,26 @@ class SymmetricDispatcher:
                 timeout_ns=self._timeout_ns,
             )
         return self._dispatched(x_TH, tokens, weights_TK, expert_of_pair_P, expert_offsets)
+
+    def _token_rows_arguments(self, tokens: int, row_bytes: int) -> dict:
+        """The arguments that the two kernels sending whole token rows (dispatch_small and
+        dispatch_tokens) take alike."""
+        return {
+            "peer_table_address": self.peer_table.data_ptr(),
+            "epoch_address": self.epoch.data_ptr(),
+            "status_address": self.status.data_ptr(),
+            "tokens": tokens,
+            "top_k": self.top_k,
+            "local_experts": self.num_local_experts,
+            "row_bytes": row_bytes,
+            "capacity": self.capacity,
+            "rank": self.rank,
+            "world": self.world_size,
+            "max_tokens": self.max_tokens_per_rank,
+            "pair_weights": self.combine_partial_sums,
+            "timeout_ns": self._timeout_ns,
+            "grid": self.grid,
+        }
 
     def _dispatched(self, x_TH, tokens, weights_TK, expert_of_pair_P, expert_offsets):
         """The batch the kernels just filled, and what combine needs."""
