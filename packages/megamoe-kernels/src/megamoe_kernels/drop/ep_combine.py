@@ -47,6 +47,7 @@ from .ep_sync import (
     global_ptr,
     peer_address,
     signal_peer,
+    thread_position,
     wait_for_every_source,
 )
 
@@ -87,10 +88,7 @@ def combine_push_kernel(
     world: cutlass.Int32,
     unroll: cutlass.Constexpr,
 ):
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    grid, _, _ = cute.arch.grid_dim()
-    warp, lane = tidx // 32, tidx % 32
+    tidx, bidx, grid, warp, lane = thread_position()
     peer_table = global_ptr(cutlass.Int64, peer_table_address, 8)
     offsets = global_ptr(cutlass.Int32, expert_offsets_address, 4)
     valid_rows = cute.arch.load(offsets + local_experts, cutlass.Int32)
@@ -166,10 +164,7 @@ def combine_reduce_kernel(
     timeout_ns: cutlass.Int64,
     top_k: cutlass.Constexpr,
 ):
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    grid, _, _ = cute.arch.grid_dim()
-    warp, lane = tidx // 32, tidx % 32
+    tidx, bidx, grid, warp, lane = thread_position()
     epoch = cute.arch.load(global_ptr(cutlass.Int64, epoch_address, 8), cutlass.Int64)
     wait_for_every_source(
         signals_address, status_address, world, PHASE_RETURNED, epoch, adds_per_epoch, timeout_ns
@@ -285,10 +280,7 @@ def combine_partial_kernel(
     top_k: cutlass.Constexpr,
     unroll: cutlass.Constexpr,
 ):
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    grid, _, _ = cute.arch.grid_dim()
-    warp, lane = tidx // 32, tidx % 32
+    tidx, bidx, grid, warp, lane = thread_position()
     peer_table = global_ptr(cutlass.Int64, peer_table_address, 8)
     valid_rows = cute.arch.load(
         global_ptr(cutlass.Int32, expert_offsets_address, 4) + local_experts, cutlass.Int32
@@ -431,10 +423,7 @@ def combine_partial_sum_kernel(
     top_k: cutlass.Constexpr,
     unroll: cutlass.Constexpr,
 ):
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    grid, _, _ = cute.arch.grid_dim()
-    warp, lane = tidx // 32, tidx % 32
+    tidx, bidx, grid, warp, lane = thread_position()
     epoch = cute.arch.load(global_ptr(cutlass.Int64, epoch_address, 8), cutlass.Int64)
     wait_for_every_source(
         signals_address, status_address, world, PHASE_RETURNED, epoch, adds_per_epoch, timeout_ns

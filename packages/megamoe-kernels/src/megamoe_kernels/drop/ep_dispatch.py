@@ -49,6 +49,7 @@ from .ep_sync import (
     global_ptr,
     peer_address,
     signal_peer,
+    thread_position,
     wait_flag,
 )
 
@@ -125,10 +126,7 @@ def dispatch_rows_kernel(
     pair_tables: cutlass.Int32,
     unroll: cutlass.Constexpr,
 ):
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    grid, _, _ = cute.arch.grid_dim()
-    warp, lane = tidx // 32, tidx % 32
+    tidx, bidx, grid, warp, lane = thread_position()
     peer_table = global_ptr(cutlass.Int64, peer_table_address, 8)
     expert_of_pair = global_ptr(cutlass.Int32, expert_of_pair_address, 4)
     dest_row = global_ptr(cutlass.Int32, dest_row_address, 4)
@@ -317,10 +315,7 @@ def dispatch_tokens_kernel(
     top_k: cutlass.Constexpr,
     unroll: cutlass.Constexpr,
 ):
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    grid, _, _ = cute.arch.grid_dim()
-    warp, lane = tidx // 32, tidx % 32
+    tidx, bidx, grid, warp, lane = thread_position()
     # the first SEND_WARPS warps of each CTA send this rank's tokens, the others expand the
     # tokens that land here, so the local expansion overlaps the NVLink traffic; sender (or
     # receiver) warp w of CTA b takes item w x grid + b: a few items spread over every SM

@@ -79,6 +79,7 @@ from .ep_sync import (
     global_ptr,
     peer_address,
     record_timeout,
+    thread_position,
     wait_flag,
 )
 from .warp import lanes_with_same_value, warp_inclusive_sum
@@ -181,10 +182,7 @@ def dispatch_small_kernel(
     top_k: cutlass.Constexpr,
     unroll: cutlass.Constexpr,
 ):
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    grid, _, _ = cute.arch.grid_dim()
-    warp, lane = tidx // 32, tidx % 32
+    tidx, bidx, grid, warp, lane = thread_position()
     smem = SmemAllocator()
     # every source's pairs (their local expert, then packed with their rank in their warp), each
     # source's pair count and first group, per-warp counters then prefixes, each expert's first
@@ -537,10 +535,7 @@ def expand_rows(
 ):
     """Step 4 for the calling warp (every warp of CTA 0, the last SMALL_WARPS - SMALL_SEND_WARPS
     of the others)."""
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    grid, _, _ = cute.arch.grid_dim()
-    warp, lane = tidx // 32, tidx % 32
+    tidx, bidx, grid, warp, lane = thread_position()
     # the other CTAs' expanders first (spread over the SMs), then CTA 0's
     role_warp = warp + (SMALL_WARPS - SMALL_SEND_WARPS) * (grid - 1)
     if bidx != 0:

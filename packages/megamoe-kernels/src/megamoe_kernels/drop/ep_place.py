@@ -45,6 +45,7 @@ from .ep_sync import (
     peer_address,
     record_timeout,
     signal_peer,
+    thread_position,
     wait_for_every_source,
 )
 from .warp import lanes_with_same_value, warp_inclusive_sum
@@ -112,10 +113,7 @@ def exchange_and_place_kernel(
     capacity: cutlass.Int32,
     timeout_ns: cutlass.Int64,
 ):
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    grid, _, _ = cute.arch.grid_dim()
-    warp, lane = tidx // 32, tidx % 32
+    tidx, bidx, grid, warp, lane = thread_position()
     smem = SmemAllocator()
     # per-warp counters, then prefixes, per expert; each expert's total and first row
     warp_counts = smem.allocate_tensor(

@@ -73,6 +73,15 @@ def signal_peer(peer_table, signals_buffer, world, peer, phase, source):
 
 
 @cute.jit
+def thread_position():
+    """(thread, block, grid size, warp, lane) of the calling thread in a 1-D launch."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    grid, _, _ = cute.arch.grid_dim()
+    return tidx, bidx, grid, tidx // 32, tidx % 32
+
+
+@cute.jit
 def count_on_peer(peer_table, signals_buffer, world, peer, phase, source, amount):
     """Adds `amount` to signal [phase, source] on `peer`, relaxed: it releases nothing, for a
     counter kept in step that no reader takes as a sign that data arrived."""
