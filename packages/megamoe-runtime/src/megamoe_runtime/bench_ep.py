@@ -182,7 +182,7 @@ def run(token_counts: list[int], *, iterations: int = 30, breakdown: bool = Fals
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
 
-    def dispatcher(max_tokens: int, layer_name: str, **options) -> SymmetricDispatcher:
+    def make_dispatcher(max_tokens: int, layer_name: str, **options) -> SymmetricDispatcher:
         return SymmetricDispatcher(
             NUM_EXPERTS,
             top_k=TOP_K,
@@ -196,7 +196,7 @@ def run(token_counts: list[int], *, iterations: int = 30, breakdown: bool = Fals
         )
 
     symmetric, direct, partial = (
-        dispatcher(max(token_counts), "bench", **options)
+        make_dispatcher(max(token_counts), "bench", **options)
         for options in (
             {"small_batch": False},
             {"stage_remote_rows": False},
@@ -209,7 +209,7 @@ def run(token_counts: list[int], *, iterations: int = 30, breakdown: bool = Fals
     small_counts = [tokens for tokens in token_counts if tokens <= small_limit]
     small = None
     if small_counts:
-        small = dispatcher(max(small_counts), "bench-small", small_batch=True)
+        small = make_dispatcher(max(small_counts), "bench-small", small_batch=True)
     reference = TorchDistributedDispatcher(NUM_EXPERTS, check_ids=False)
     rows, references = [], {}
     for tokens in token_counts:
