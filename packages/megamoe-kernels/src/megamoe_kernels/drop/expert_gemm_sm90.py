@@ -96,8 +96,13 @@ UNIT_QUEUE_SLOTS = 4
 
 @cute.jit
 def silu_times(gate, up):
-    """The pointwise SwiGLU: silu(gate) * up, in fp32."""
-    return gate * up / (cutlass.Float32(1.0) + cute.math.exp(-gate, fastmath=True))
+    """The pointwise SwiGLU: silu(gate) * up, in fp32. The reciprocal is the approximate one
+    (one MUFU.RCP; a far gate's 1 + exp(-gate) = inf still gives 0): an IEEE division is a
+    refinement, a check and a slow-path call per value, and the gate-up epilogue runs 64 of
+    them per thread and tile while the tensor cores wait."""
+    return (
+        gate * up * cute.arch.rcp_approx(cutlass.Float32(1.0) + cute.math.exp(-gate, fastmath=True))
+    )
 
 
 class ExpertGroupedGemmSm90:
@@ -868,9 +873,9 @@ class ExpertGroupedGemmSm90:
             else:
                 scale = cutlass.Float32(1.0)
                 if cutlass.const_expr(self.row_scale):
-                    scale = cutlass.Float32(0.0)
-                    if row0 + row < row_end:
-                        scale = mRowScale[row0 + row]
+                    # unmasked (rows past row_end are never stored; the index stays inside the
+                    # batch), so the values of one row share one load
+                    scale = mRowScale[cutlass.min(row0 + row, cute.size(mRowScale) - 1)]
                 for p in cutlass.range_constexpr(pair):
                     values[p] = (accumulators[i + p] * scale).to(out_dtype)
                 cute.copy(pair_atom, values, sOut_pairs[(None, (row, col // pair))])
