@@ -294,6 +294,13 @@ def _stream_scratch(device: torch.device, what: tuple, make: Callable[[], object
     return scratch
 
 
+def _gemm_dims(op: str, weight_shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(N, K, output columns) of an op's GEMM from its stored weight's shape: gate-up
+    [E, B, 16, H] has N = B x 16 weight rows, which SwiGLU halves; down [E, H, I] has N = H."""
+    n, k = math.prod(weight_shape[1:-1]), weight_shape[-1]
+    return n, k, n // 2 if op == "gate_up" else n
+
+
 def _check_split_k(knobs: GemmKnobs, k: int) -> None:
     k_tiles = -(-k // TILE_K)
     if knobs.split_k > k_tiles:
@@ -330,8 +337,8 @@ def _launches(
             f"for a small batch), not both: got knobs={knobs}, tuned_knobs={tuned_knobs}"
         )
     if knobs is None:
-        # N: the weight rows per expert (gate-up [E, B, 16, H]: B x 16; down [E, H, I]: H)
-        weight_dims = (math.prod(weight_shape[1:-1]), k)
+        n, _, _ = _gemm_dims(op, weight_shape)
+        weight_dims = (n, k)
         launches = default_launches(
             op,
             capacity,
@@ -470,11 +477,7 @@ def _launcher(
         entry = None
         if x_MK.shape[0] > 0:
             entry = _compile(op, launches, (op, launches, w.shape, has_row_scale, device_index))
-        if op == "gate_up":  # [E, B, 16, H]: N = B x 16 weight rows, SwiGLU halves them
-            weight_rows = math.prod(w.shape[1:-1])
-            columns = weight_rows // 2
-        else:  # [E, H, I]
-            weight_rows = columns = w.shape[1]
+        weight_rows, _, columns = _gemm_dims(op, w.shape)
         launcher = GemmLauncher(
             op,
             launches[0].knobs,
@@ -501,12 +504,7 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callabl
         from megamoe_kernels.drop.expert_gemm_sm90 import ExpertGroupedGemmSm90
         from megamoe_kernels.shim.ffi_launch import compile_stored_weight_launch
 
-        if op == "gate_up":  # [E, B, 16, H]: n = 2I weight rows, SwiGLU halves them
-            _, blocks, pair, k = weight_shape
-            n, n_out = blocks * pair, blocks * pair // 2
-        else:  # [E, H, I]
-            _, n, k = weight_shape
-            n_out = n
+        n, k, n_out = _gemm_dims(op, weight_shape)
         kernels = [
             ExpertGroupedGemmSm90(
                 tile_rows=launch.knobs.tile_rows,
