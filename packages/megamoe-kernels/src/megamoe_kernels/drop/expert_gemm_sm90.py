@@ -21,15 +21,21 @@ Producer and consumers walk the same device-side schedule: the tiles of expert e
 ceil(rows_e / tile_rows) x ceil(N / tile_cols), visited in order of e, so the schedule's length
 follows the valid rows, not the capacity. A tile's rows start at offsets[e] + m * tile_rows;
 the rows past offsets[e + 1] that a tile loads belong to another expert or are not data: they
-only feed output rows that the epilogue never stores. The epilogue writes the tile to shared
-memory, then copies it out in 16-byte vectors, masked to the expert's rows and to N_out.
+only feed output rows that the epilogue never stores. The epilogue writes the tile's output
+values to a shared-memory staging buffer, which is copied out in 16-byte vectors, only the
+expert's rows and the columns below N_out. Without swap_ab the producer warpgroup's other three
+warps (the store warps) do the copy-out while the consumers go on to the next tile's MMAs, so it
+runs beside the tensor cores; the buffer goes back to the consumers through a second mbarrier
+once drained. With swap_ab (a tile or two per CTA: nothing to overlap, and the handoff's wake-up
+would only lengthen the kernel's tail) the consumers copy out themselves.
 Launched with programmatic dependent launch: a kernel that follows (the down GEMM after the
 gate-up one) sets up while this one drains.
 
 pingpong gives each of two consumer warpgroups whole tiles of its own (the CTA's tiles alternate
 between them): while one runs its epilogue, the other's MMAs keep the tensor cores busy. The
 mainloops take turns (two named barriers), which also keeps each warpgroup's waits on the shared
-ring within one phase of the producer. Each warpgroup stages its epilogue in its own buffer.
+ring within one phase of the producer. Each warpgroup stages its epilogue in its own buffer;
+the store warps drain the buffers in the CTA's tile order (the warpgroups' tiles alternate).
 
 swap_ab puts the weight's N on the MMA's M side (tile_cols = MMA M, tile_rows = MMA N): the
 decode shape, where a few rows per expert would waste a 64-row MMA and the weight stream is
@@ -88,6 +94,8 @@ CONSUMER_REGISTERS = 232
 # MMA_TURN_BARRIER_ID + w is where warpgroup w hands the tensor cores to the other
 EPILOGUE_BARRIER_ID = 1
 MMA_TURN_BARRIER_ID = 3
+# the producer warpgroup's warps after the TMA warp copy staged tiles out
+STORE_THREADS = THREADS_PER_WARPGROUP - 32
 # experts each lane of a warp reads per trip of the expert walk (one memory round trip)
 EXPERTS_PER_LANE = 4
 # depth of the queue of tile indices from the producer to the consumers
@@ -181,6 +189,7 @@ class ExpertGroupedGemmSm90:
         self.tile_threads = self.tile_warpgroups * THREADS_PER_WARPGROUP
         self.num_consumer_threads = self.num_consumer_warpgroups * THREADS_PER_WARPGROUP
         self.epilogue_buffers = 2 if pingpong else 1
+        self.store_warps = not swap_ab
         self.threads_per_cta = THREADS_PER_WARPGROUP + self.num_consumer_threads
         self.out_tile_cols = tile_cols // 2 if swiglu else tile_cols
         self.out_row_stride = self.out_tile_cols + EPILOGUE_ROW_PAD
@@ -245,6 +254,9 @@ class ExpertGroupedGemmSm90:
             units: cute.struct.MemRange[cutlass.Int32, UNIT_QUEUE_SLOTS]
             # split_k: whether this CTA arrived last at the tile, told to the whole team
             last_arrival: cute.struct.MemRange[cutlass.Int32, 1]
+            # staging buffer b: full/empty mbarriers and the staged tile's (row0, rows, col tile)
+            store_barriers: cute.struct.MemRange[cutlass.Int64, self.epilogue_buffers * 2]
+            staged_tiles: cute.struct.MemRange[cutlass.Int32, 3 * self.epilogue_buffers]
             sX: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(x_layout)], 1024]
             sW: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(w_layout)], 1024]
             sOut: cute.struct.Align[
@@ -476,6 +488,18 @@ class ExpertGroupedGemmSm90:
                 defer_sync=True,
             )
         sUnits = storage.units.get_tensor(cute.make_layout(UNIT_QUEUE_SLOTS))
+        # staging buffer b holds the b-th of every epilogue_buffers tiles of the CTA (with
+        # pingpong, buffer b is team b's): the consumer team fills it, the store warps drain it
+        store_queue = None
+        if cutlass.const_expr(self.store_warps):
+            store_queue = pipeline.PipelineAsync.create(
+                barrier_storage=storage.store_barriers.data_ptr(),
+                num_stages=self.epilogue_buffers,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.tile_threads),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, STORE_THREADS),
+                defer_sync=True,
+            )
+        sStagedTiles = storage.staged_tiles.get_tensor(cute.make_layout((3, self.epilogue_buffers)))
         tx_bytes = cute.size_in_bytes(
             self.ab_dtype, cute.slice_(x_layout, (None, None, 0))
         ) + cute.size_in_bytes(self.ab_dtype, cute.slice_(w_layout, (None, None, 0)))
@@ -640,6 +664,8 @@ class ExpertGroupedGemmSm90:
                         self.send_unit(unit_queue, sUnits, unit_state, unit)
                     self.retire(mUnitCounter, num_clusters)
                 ring.producer_tail(state)
+            elif cutlass.const_expr(self.store_warps):
+                self.copy_out_tiles(sOut, sStagedTiles, mOut, store_queue, tidx - 32)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             consumer_tidx = tidx - THREADS_PER_WARPGROUP
@@ -677,12 +703,17 @@ class ExpertGroupedGemmSm90:
             unit_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, UNIT_QUEUE_SLOTS
             )
+            # this team's staging buffer (its index stays `team`; the phase follows its tiles)
+            store_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Producer, self.epilogue_buffers
+            )
             if cutlass.const_expr(self.pingpong):
                 # the ring and the unit queue hold the tiles in CTA order: skip the other team's
                 # first tile
                 read_state.advance(team * k_tiles)
                 release_state.advance(team * k_tiles)
                 unit_state.advance(team)
+                store_state.advance(team)
 
             # first batch row of this warpgroup's accumulator slab (the weight's side with swap_ab,
             # or a whole tile with pingpong: never skipped)
@@ -764,19 +795,25 @@ class ExpertGroupedGemmSm90:
                         team_tidx=team_tidx,
                         barrier=epilogue_barrier,
                     )
+                stored_rows = cutlass.Int32(0)
                 if stores:
-                    self.epilogue(
-                        accumulators,
-                        tCcC,
-                        sOut_team,
-                        mOut,
-                        mRowScale,
-                        row0=row0,
-                        row_end=row_end,
-                        col_tile=col_tile,
-                        team_tidx=team_tidx,
-                        barrier=epilogue_barrier,
-                    )
+                    stored_rows = cutlass.min(row_end - row0, self.tile_rows)
+                self.stage_tile(
+                    accumulators,
+                    tCcC,
+                    sOut_team,
+                    sStagedTiles[(None, team)],
+                    mOut,
+                    mRowScale,
+                    store_queue,
+                    store_state,
+                    row0=row0,
+                    rows=stored_rows,
+                    col_tile=col_tile,
+                    team_tidx=team_tidx,
+                    barrier=epilogue_barrier,
+                )
+                store_state.advance(teams)
                 if cutlass.const_expr(self.dynamic_schedule):
                     unit = self.receive_unit(unit_queue, sUnits, unit_state)
                     unit_state.advance(teams)
@@ -784,6 +821,11 @@ class ExpertGroupedGemmSm90:
                     unit = unit + num_clusters * teams
                 expert, first, row_units, expert_row0, row_end, found = self.next_tile(
                     unit, expert, first, mOffsets, walked_experts, col_units, capacity
+                )
+            if cutlass.const_expr(self.store_warps):
+                # the team's schedule ended: the store warps stop at the first team that says so
+                self.end_staging(
+                    sStagedTiles[(None, team)], store_queue, store_state, team_tidx=team_tidx
                 )
 
     @cute.jit
@@ -833,54 +875,92 @@ class ExpertGroupedGemmSm90:
         return arrived_last
 
     @cute.jit
-    def epilogue(
+    def stage_tile(
         self,
         accumulators,
         tCcC,
         sOut,
+        sStagedTile,
         mOut,
         mRowScale,
+        store_queue,
+        store_state,
         *,
         row0,
-        row_end,
+        rows,
         col_tile,
         team_tidx,
         barrier,
     ):
-        """Registers -> shared tile (SwiGLU or plain, optional row scale) -> masked 16-byte
-        stores of the rows in [row0, row_end) and the columns below N_out."""
-        out_dtype = mOut.element_type
-        # accumulator values i, i + 1 are adjacent columns of one row: stored as one 32-bit word
-        # (with swap_ab they are adjacent rows: stored one by one)
-        pair = 1 if self.swap_ab else 2
-        sOut_pairs = cute.zipped_divide(sOut, (1, pair))
-        pair_atom = cute.make_copy_atom(
-            cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=out_dtype.width * pair
-        )
-        for j in cutlass.range_constexpr(cute.size(accumulators) // pair):
-            i = j * pair
-            m, n = tCcC[i]
-            row, col = (n, m) if self.swap_ab else (m, n)
-            values = cute.make_rmem_tensor((pair,), out_dtype)
-            if cutlass.const_expr(self.swiglu):
-                if cutlass.const_expr((i // self.partner_offset) % 2 == 0):
+        """Consumer team: writes the tile's output values (SwiGLU or plain, optional row scale)
+        into its staging buffer, for the batch rows [row0, row0 + rows) to be stored (rows = 0:
+        none). With store warps it waits for them to have drained the buffer first, then hands
+        it over with the rows and the column tile; otherwise the team copies it out itself."""
+        if cutlass.const_expr(self.store_warps):
+            store_queue.producer_acquire(store_state)
+        if rows > 0:
+            out_dtype = sOut.element_type
+            # accumulator values i, i + 1 are adjacent columns of one row: staged as one 32-bit
+            # word (with swap_ab they are adjacent rows: staged one by one)
+            pair = 1 if self.swap_ab else 2
+            sOut_pairs = cute.zipped_divide(sOut, (1, pair))
+            pair_atom = cute.make_copy_atom(
+                cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=out_dtype.width * pair
+            )
+            for j in cutlass.range_constexpr(cute.size(accumulators) // pair):
+                i = j * pair
+                m, n = tCcC[i]
+                row, col = (n, m) if self.swap_ab else (m, n)
+                values = cute.make_rmem_tensor((pair,), out_dtype)
+                if cutlass.const_expr(self.swiglu):
+                    if cutlass.const_expr((i // self.partner_offset) % 2 == 0):
+                        for p in cutlass.range_constexpr(pair):
+                            gate = accumulators[i + p]
+                            up = accumulators[i + p + self.partner_offset]
+                            values[p] = silu_times(gate, up).to(out_dtype)
+                        out_col = interleaved_output_column(col)
+                        cute.copy(pair_atom, values, sOut_pairs[(None, (row, out_col // pair))])
+                else:
+                    scale = cutlass.Float32(1.0)
+                    if cutlass.const_expr(self.row_scale):
+                        # unmasked (rows past row_end are never stored; the index stays inside
+                        # the batch), so the values of one row share one load
+                        scale = mRowScale[cutlass.min(row0 + row, cute.size(mRowScale) - 1)]
                     for p in cutlass.range_constexpr(pair):
-                        gate = accumulators[i + p]
-                        up = accumulators[i + p + self.partner_offset]
-                        values[p] = silu_times(gate, up).to(out_dtype)
-                    out_col = interleaved_output_column(col)
-                    cute.copy(pair_atom, values, sOut_pairs[(None, (row, out_col // pair))])
-            else:
-                scale = cutlass.Float32(1.0)
-                if cutlass.const_expr(self.row_scale):
-                    # unmasked (rows past row_end are never stored; the index stays inside the
-                    # batch), so the values of one row share one load
-                    scale = mRowScale[cutlass.min(row0 + row, cute.size(mRowScale) - 1)]
-                for p in cutlass.range_constexpr(pair):
-                    values[p] = (accumulators[i + p] * scale).to(out_dtype)
-                cute.copy(pair_atom, values, sOut_pairs[(None, (row, col // pair))])
-        barrier.arrive_and_wait()
+                        values[p] = (accumulators[i + p] * scale).to(out_dtype)
+                    cute.copy(pair_atom, values, sOut_pairs[(None, (row, col // pair))])
+        if cutlass.const_expr(self.store_warps):
+            if team_tidx == 0:
+                sStagedTile[0] = row0
+                sStagedTile[1] = rows
+                sStagedTile[2] = col_tile
+            store_queue.producer_commit(store_state)
+        else:
+            barrier.arrive_and_wait()
+            self.copy_out(
+                sOut,
+                mOut,
+                row0=row0,
+                rows=rows,
+                col_tile=col_tile,
+                tidx=team_tidx,
+                threads=self.tile_threads,
+            )
+            barrier.arrive_and_wait()
 
+    @cute.jit
+    def end_staging(self, sStagedTile, store_queue, store_state, *, team_tidx):
+        """Consumer team: tells the store warps its schedule ended (rows = -1)."""
+        store_queue.producer_acquire(store_state)
+        if team_tidx == 0:
+            sStagedTile[1] = cutlass.Int32(-1)
+        store_queue.producer_commit(store_state)
+
+    @cute.jit
+    def copy_out(self, sOut, mOut, *, row0, rows, col_tile, tidx, threads):
+        """Copies a staged tile out to the batch rows [row0, row0 + rows), in 16-byte vectors,
+        the columns below N_out; `threads` threads share it, this one is `tidx`."""
+        out_dtype = mOut.element_type
         vector = 8
         vectors_per_row = self.out_tile_cols // vector
         n_out = cute.size(mOut, mode=[1])
@@ -890,13 +970,37 @@ class ExpertGroupedGemmSm90:
         copy_atom = cute.make_copy_atom(
             cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=128
         )
-        for v in cutlass.range(team_tidx, self.tile_rows * vectors_per_row, self.tile_threads):
+        for v in cutlass.range(tidx, rows * vectors_per_row, threads):
             row = v // vectors_per_row
             col = (v % vectors_per_row) * vector
-            if row0 + row < row_end and col0 + col < n_out:
+            if col0 + col < n_out:
                 cute.copy(
                     copy_atom,
                     sOut_vectors[(None, (row, col // vector))],
                     mOut_vectors[(None, (row0 + row, (col0 + col) // vector))],
                 )
-        barrier.arrive_and_wait()
+
+    @cute.jit
+    def copy_out_tiles(self, sOut, sStagedTiles, mOut, store_queue, store_tidx):
+        """Store warps: copy each staged tile out and give its buffer back, in the CTA's tile
+        order, until a team's end."""
+        state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Consumer, self.epilogue_buffers
+        )
+        running = cutlass.Boolean(True)
+        while running:
+            store_queue.consumer_wait(state)
+            buffer = state.index
+            rows = sStagedTiles[(1, buffer)]
+            running = rows >= 0
+            self.copy_out(
+                sOut[(None, None, buffer)],
+                mOut,
+                row0=sStagedTiles[(0, buffer)],
+                rows=rows,
+                col_tile=sStagedTiles[(2, buffer)],
+                tidx=store_tidx,
+                threads=STORE_THREADS,
+            )
+            store_queue.consumer_release(state)
+            state.advance()
