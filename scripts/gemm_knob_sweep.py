@@ -3,13 +3,18 @@
     python3 scripts/gemm_knob_sweep.py --geometry qwen3-30b-a3b dsv3 --tokens 2048 8192 \
         [--clusters 1 2] [--stages 3 max]
     python3 scripts/gemm_knob_sweep.py --geometry dsv3-ep8-local --tokens 1 --split-k 1 2 4 8
+    python3 scripts/gemm_knob_sweep.py --geometry qwen3-30b-a3b --tokens 8192 --shapes 128x256 \
+        --clusters 1 2 --rounds 3
 
 Per (geometry, tokens): the layer's own router on random tokens, the tight expert-major batch,
 then each GEMM with each tile shape of SHAPES, in each cluster size and ring depth asked for
 ("max": the deepest that fits; default), CUDA-graph replay; prints us, TFLOP/s and the largest
 difference from the first variant's output (every variant computes the same sums in the same
 order, so 0 is expected). `megamoe tune` searches every
-valid combination and stores the winner; this is the quick side-by-side look.
+valid combination and stores the winner; this is the quick side-by-side look. --shapes keeps
+only the named tile shapes (ROWSxCOLS, ROWSxCOLSpp for pingpong); --rounds times every variant
+that many times, alternating, and prints each reading: a difference smaller than the readings'
+spread is noise.
 
 --split-k times the batch's default-profile knobs (swap-AB at decode) with each split-K instead
 of SHAPES, and also prints the weight stream's rate (the bytes of every expert with rows over the
@@ -40,6 +45,17 @@ SHAPES = [
 ]
 
 
+def parse_shape(text: str) -> tuple[int, int, bool]:
+    """A tile shape argument: 128x256 -> (128, 256, False), 64x256pp -> (64, 256, True)."""
+    pingpong = text.endswith("pp")
+    rows, _, cols = text.removesuffix("pp").partition("x")
+    if not (rows.isdigit() and cols.isdigit()):
+        raise argparse.ArgumentTypeError(
+            f"tile shape {text!r}: expected ROWSxCOLS or ROWSxCOLSpp, e.g. 128x256 or 64x256pp"
+        )
+    return int(rows), int(cols), pingpong
+
+
 @torch.no_grad()
 def sweep(
     geometry_name: str,
@@ -49,6 +65,8 @@ def sweep(
     clusters: list[int],
     stages: list[str],
     splits: list[int] | None,
+    shapes: list[tuple[int, int, bool]],
+    rounds: int,
 ) -> None:
     device = torch.device("cuda")
     geometry = GEOMETRIES[geometry_name]
@@ -64,7 +82,7 @@ def sweep(
             profile = default_knobs(op, batch.capacity / geometry.num_experts)
             variants = [replace(profile, split_k=split) for split in splits]
         for (tile_rows, tile_cols, pingpong), cluster in itertools.product(
-            [] if splits else SHAPES, clusters
+            [] if splits else shapes, clusters
         ):
             shape = GemmKnobs(
                 tile_rows=tile_rows, tile_cols=tile_cols, pingpong=pingpong, cluster=(cluster, 1)
@@ -75,21 +93,32 @@ def sweep(
                 )
                 if knobs not in variants and not knob_problems(knobs, op):
                     variants.append(knobs)
+        differences = []
         for knobs in variants:
-            tile_rows, tile_cols, pingpong = knobs.tile_rows, knobs.tile_cols, knobs.pingpong
             out = run(knobs)[:valid].float()
             first = out if first is None else first
-            difference = (out - first).abs().max().item()
-            seconds = median_graph_replay_seconds(
-                lambda knobs=knobs, run=run: run(knobs), device=device, repeats=repeats
-            )
+            differences.append((out - first).abs().max().item())
+        readings = [[] for _ in variants]
+        for _ in range(rounds):
+            for knobs, variant_readings in zip(variants, readings, strict=True):
+                variant_readings.append(
+                    median_graph_replay_seconds(
+                        lambda knobs=knobs, run=run: run(knobs), device=device, repeats=repeats
+                    )
+                )
+        for knobs, variant_readings, difference in zip(
+            variants, readings, differences, strict=True
+        ):
+            seconds = min(variant_readings)
+            all_readings = "/".join(f"{reading * 1e6:.1f}" for reading in variant_readings)
             print(
-                f"{geometry_name:16s} {tokens:6d} {op:8s} {tile_rows}x{tile_cols}"
-                f"{' swap' if knobs.swap_ab else ''}{' pingpong' if pingpong else '':9s} "
+                f"{geometry_name:16s} {tokens:6d} {op:8s} {knobs.tile_rows}x{knobs.tile_cols}"
+                f"{' swap' if knobs.swap_ab else ''}{' pingpong' if knobs.pingpong else '':9s} "
                 f"cluster={knobs.cluster[0]} split_k={knobs.split_k} stages={knobs.stages:2d} "
                 f"{seconds * 1e6:9.1f} us {flops / seconds / 1e12:6.0f} TFLOP/s "
                 f"weights {weight_bytes / seconds / 1e12:5.2f} TB/s "
-                f"max difference {difference:.3g}",
+                f"max difference {difference:.3g}"
+                + (f" (readings {all_readings} us)" if rounds > 1 else ""),
                 flush=True,
             )
 
@@ -104,6 +133,14 @@ def main() -> None:
     parser.add_argument(
         "--split-k", nargs="+", type=int, help="time the default profile with these split-Ks"
     )
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        type=parse_shape,
+        default=SHAPES,
+        help="tile shapes ROWSxCOLS, ROWSxCOLSpp for pingpong (default: all of SHAPES)",
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="alternating timings per variant")
     args = parser.parse_args()
     for geometry_name in args.geometry:
         for tokens in args.tokens:
@@ -114,6 +151,8 @@ def main() -> None:
                 clusters=args.clusters,
                 stages=args.stages,
                 splits=args.split_k,
+                shapes=args.shapes,
+                rounds=args.rounds,
             )
 
 

@@ -1,0 +1,155 @@
+"""Burst and sustained rate of the expert GEMMs and of a dense matmul, with the SM clock and power.
+
+    python3 scripts/sustained_rate.py --geometry qwen3-30b-a3b dsv3-ep8-local --tokens 8192
+
+TARGETS.md's 788 TFLOP/s is a burst: ten 8192^3 products after three warm-ups, about 20 ms, in
+which the SM clock stays at its 1980 MHz boost. A benchmark that keeps the GPU busy for longer
+runs into the board's power limit, and the clock drops to what the limit allows. For each
+workload this script idles a few seconds (the clock and the power budget recover), runs ten
+calls to warm up and times ten more (the burst), then keeps replaying for `--hold` seconds and takes the median rate of the
+last half (sustained). nvidia-smi samples the SM clock, the power draw and the clock-limit
+reasons every 50 ms meanwhile (0x4: the software power cap). Each workload is one CUDA graph of
+ten calls; the expert GEMMs run on the default-profile knobs and read their weights cold (the
+same runners as `megamoe tune` and scripts/gemm_knob_sweep.py). The dense matmul runs first and
+last, so a drift of the card between them shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import threading
+import time
+
+import torch
+from megamoe_kernels import default_knobs
+from megamoe_runtime.geometries import GEOMETRIES
+from megamoe_torch.tune import gemm_runners
+
+SMI_FIELDS = "clocks.sm,power.draw,clocks_event_reasons.active"
+
+
+class SmiSampler:
+    """nvidia-smi in the background; each line stamped with the host clock when it arrives."""
+
+    def __init__(self, period_ms: int = 50):
+        self.samples: list[tuple[float, float, float, str]] = []
+        self.process = subprocess.Popen(
+            [
+                "nvidia-smi",
+                f"--query-gpu={SMI_FIELDS}",
+                "--format=csv,noheader,nounits",
+                "-lms",
+                str(period_ms),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.reader = threading.Thread(target=self.read, daemon=True)
+        self.reader.start()
+
+    def read(self) -> None:
+        for line in self.process.stdout:
+            fields = [field.strip() for field in line.split(",")]
+            try:
+                self.samples.append((time.time(), float(fields[0]), float(fields[1]), fields[2]))
+            except (ValueError, IndexError):
+                continue  # a header or a line nvidia-smi could not fill
+
+    def between(self, start: float, end: float):
+        return [sample for sample in self.samples if start <= sample[0] <= end]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait()
+
+
+def graph_of(fn, calls: int = 10) -> torch.cuda.CUDAGraph:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def seconds_per_call(graph: torch.cuda.CUDAGraph, replays: int, calls: int = 10) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / (replays * calls)
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--geometry", nargs="+", required=True, choices=sorted(GEOMETRIES))
+    parser.add_argument("--tokens", nargs="+", type=int, default=[8192])
+    parser.add_argument("--idle", type=float, default=3.0, help="seconds idle before each")
+    parser.add_argument("--hold", type=float, default=4.0, help="seconds of replay after it")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+
+    size = 8192
+    a, b = (torch.randn(size, size, device=device, dtype=torch.bfloat16) for _ in range(2))
+    product = torch.empty(size, size, device=device, dtype=torch.bfloat16)
+    dense = ("dense matmul 8192^3", lambda: torch.mm(a, b, out=product), 2 * size**3)
+    workloads = [dense]
+    for geometry_name in args.geometry:
+        geometry = GEOMETRIES[geometry_name]
+        for tokens in args.tokens:
+            batch, runners = gemm_runners(geometry, tokens, device=device)
+            valid = int(batch.expert_offsets[-1])
+            rows_per_expert = batch.capacity / geometry.num_experts
+            for op, ((n, k), run) in runners.items():
+                knobs = default_knobs(op, rows_per_expert)
+                workloads.append(
+                    (
+                        f"{geometry_name} {tokens} {op}",
+                        lambda run=run, knobs=knobs: run(knobs),
+                        2 * valid * n * k,
+                    )
+                )
+    workloads.append((dense[0] + " (again)", *dense[1:]))
+    graphs = [graph_of(fn) for _, fn, _ in workloads]
+    torch.cuda.synchronize()
+
+    sampler = SmiSampler()
+    print(
+        f"{'workload':34s} {'burst':>6s} {'sustained':>9s} TFLOP/s   SM MHz  power W  limits",
+        flush=True,
+    )
+    for (name, _, flops), graph in zip(workloads, graphs, strict=True):
+        time.sleep(args.idle)
+        began = time.time()
+        graph.replay()  # the warm-up: the clock leaves its idle state
+        burst = seconds_per_call(graph, replays=1)
+        readings = []
+        while time.time() - began < args.hold:
+            readings.append((time.time(), seconds_per_call(graph, replays=10)))
+        ended = time.time()
+        late_start = ended - args.hold / 2
+        sustained = statistics.median(s for at, s in readings if at >= late_start)
+        late = sampler.between(late_start, ended)
+        clock = statistics.median(sample[1] for sample in late) if late else float("nan")
+        power = statistics.median(sample[2] for sample in late) if late else float("nan")
+        reasons = " ".join(sorted({sample[3] for sample in late})) or "-"
+        print(
+            f"{name:34s} {flops / burst / 1e12:6.0f} {flops / sustained / 1e12:9.0f}"
+            f"           {clock:6.0f} {power:8.0f}  {reasons}",
+            flush=True,
+        )
+    sampler.stop()
+
+
+if __name__ == "__main__":
+    main()
