@@ -18,3 +18,18 @@ def test_host_time_is_the_median_round_not_the_slow_one(monkeypatch):
     seconds = timing.host_seconds_per_call(call, device=torch.device("cpu"), calls=10, rounds=5)
     assert clock["calls"] == 1 + 5 * 10
     assert abs(seconds - 0.001) < 1e-9
+
+
+def test_keep_busy_calls_until_the_time_has_passed_and_at_least_once(monkeypatch):
+    """The settle step before timing: calls go on until `seconds` of wall time have passed (each
+    call here takes 30 ms, so 0.1 s takes four), and a zero budget still makes one call."""
+    clock = {"now": 0.0, "calls": 0}
+
+    def call():
+        clock["calls"] += 1
+        clock["now"] += 0.030
+
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock["now"])
+    assert timing.keep_busy(call, device=torch.device("cpu"), seconds=0.1) == 4
+    assert clock["calls"] == 4
+    assert timing.keep_busy(call, device=torch.device("cpu"), seconds=0.0) == 1

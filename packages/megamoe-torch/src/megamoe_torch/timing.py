@@ -8,11 +8,38 @@ from collections.abc import Callable
 
 import torch
 
+# How long a GPU is kept busy before it is timed. An H200 leaves its boost clock within about
+# 100 ms of a heavy load starting (its power limit pulls it down by up to a third), so without
+# this the first backend timed after an idle pause (a compile, a reference computation) would
+# run on a faster clock than the one timed right after it (docs/benchmarks.md, "Clusters on
+# the counter, and the power limit").
+SETTLE_SECONDS = 0.2
+
+
+def keep_busy(fn: Callable[[], object], *, device: torch.device, seconds: float) -> int:
+    """Calls `fn()` (at least once) until `seconds` have passed, waiting for the device after
+    each call, so that a GPU's clock settles where the load holds it. Returns the calls made."""
+    calls = 0
+    start = time.perf_counter()
+    while calls == 0 or time.perf_counter() - start < seconds:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        calls += 1
+    return calls
+
 
 def median_seconds(
-    fn: Callable[[], object], *, device: torch.device, repeats: int = 30, warmup: int = 3
+    fn: Callable[[], object],
+    *,
+    device: torch.device,
+    repeats: int = 30,
+    warmup: int = 3,
+    settle_seconds: float = SETTLE_SECONDS,
 ) -> float:
-    """Median wall time of `fn()` over `repeats` calls, after `warmup` calls."""
+    """Median wall time of `fn()` over `repeats` calls, after `warmup` calls and, on a GPU,
+    after `settle_seconds` of calls (keep_busy): every workload is timed on the clock that a
+    sustained load gets, whatever ran or idled before it."""
     for _ in range(warmup):
         fn()
     if device.type != "cuda":
@@ -22,7 +49,7 @@ def median_seconds(
             fn()
             samples.append(time.perf_counter() - start)
         return statistics.median(samples)
-    torch.cuda.synchronize(device)
+    keep_busy(fn, device=device, seconds=settle_seconds)
     events = [
         (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         for _ in range(repeats)
