@@ -25,9 +25,11 @@ import time
 import torch
 from megamoe_kernels import default_knobs
 from megamoe_runtime.geometries import GEOMETRIES
+from megamoe_torch.timing import captured_graph
 from megamoe_torch.tune import gemm_runners
 
 SMI_FIELDS = "clocks.sm,power.draw,clocks_event_reasons.active"
+CALLS = 10  # calls per captured graph
 
 
 class SmiSampler:
@@ -65,28 +67,14 @@ class SmiSampler:
         self.process.wait()
 
 
-def graph_of(fn, calls: int = 10) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return graph
-
-
-def seconds_per_call(graph: torch.cuda.CUDAGraph, replays: int, calls: int = 10) -> float:
+def seconds_per_call(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
         graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / 1e3 / (replays * calls)
+    return start.elapsed_time(end) / 1e3 / (replays * CALLS)
 
 
 @torch.no_grad()
@@ -120,7 +108,7 @@ def main() -> None:
                     )
                 )
     workloads.append((dense[0] + " (again)", *dense[1:]))
-    graphs = [graph_of(fn) for _, fn, _ in workloads]
+    graphs = [captured_graph(fn, device=device, calls=CALLS) for _, fn, _ in workloads]
     torch.cuda.synchronize()
 
     sampler = SmiSampler()
@@ -138,7 +126,9 @@ def main() -> None:
             readings.append((time.time(), seconds_per_call(graph, replays=10)))
         ended = time.time()
         late_start = ended - args.hold / 2
-        sustained = statistics.median(s for at, s in readings if at >= late_start)
+        sustained = statistics.median(
+            [s for at, s in readings if at >= late_start] or [readings[-1][1]]
+        )
         late = sampler.between(late_start, ended)
         clock = statistics.median(sample[1] for sample in late) if late else float("nan")
         power = statistics.median(sample[2] for sample in late) if late else float("nan")

@@ -72,6 +72,16 @@ def median_graph_replay_seconds(
 ) -> float:
     """Captures `calls_per_graph` calls of `fn()` in one CUDA graph and times its replays: the
     per-call kernel time without launch gaps (the replay's own launch is amortised)."""
+    graph = captured_graph(fn, device=device, calls=calls_per_graph, warmup=warmup)
+    seconds = median_seconds(graph.replay, device=device, repeats=repeats, warmup=warmup)
+    return seconds / calls_per_graph
+
+
+def captured_graph(
+    fn: Callable[[], object], *, device: torch.device, calls: int, warmup: int = 3
+) -> torch.cuda.CUDAGraph:
+    """`calls` calls of `fn()` in one CUDA graph, captured after `warmup` calls on a side stream
+    (compiles, allocations and lazy initialisation stay out of the capture)."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -80,10 +90,9 @@ def median_graph_replay_seconds(
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls_per_graph):
+        for _ in range(calls):
             fn()
-    seconds = median_seconds(graph.replay, device=device, repeats=repeats, warmup=warmup)
-    return seconds / calls_per_graph
+    return graph
 
 
 def host_seconds_per_call(
