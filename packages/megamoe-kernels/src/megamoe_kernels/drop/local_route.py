@@ -1,0 +1,484 @@
+"""Routing and dispatch on one GPU (sm_90a): router logits in, the expert-major batch out.
+
+route_and_place, one launch: a grid of up to ROUTE_MAX_CTAS CTAs of ROUTE_WARPS warps (small
+enough to be resident at once on any Hopper GPU, which its grid-wide barriers need):
+1. a warp per token, each warp walking a contiguous slice of the tokens in order: the scores
+   (softmax over the experts; or sigmoid, plus the correction bias for choosing), the grouped
+   top-k mask (groups scored by the sum of their two best choice scores, the best `top_groups`
+   kept, the others' experts given `dropped_score`), then the top-k by repeated warp arg-max
+   (ties to the lower expert id, NaN above every number as torch.topk ranks it); the weights are
+   the chosen experts' unbiased scores, renormalised (k order, fp32; + 1e-20 for sigmoid) and
+   scaled. Lane k writes topk_ids[t, k] and topk_weights[t, k], and the pair's rank among the
+   warp's pairs of its expert so far (per-warp counters in shared memory): a token's experts are
+   distinct, and the warp takes its tokens in order, so the ranks follow the (token, k) order;
+2. per expert, each warp's exclusive prefix inside the CTA; the CTA's count into the scratch;
+3. grid-wide barrier; a warp per expert scans the CTAs' counts (each CTA's exclusive prefix, in
+   place) and stores the expert's total (a grid of one CTA, up to ROUTE_WARPS tokens, skips the
+   scratch, the barriers and this step: its counts are the totals);
+4. grid-wide barrier; every CTA scans the experts' totals into their first rows (CTA 0 writes
+   expert_offsets) and finishes its pairs' rows: row_of_pair[t, k] = first row of the expert +
+   the CTA's prefix + the warp's prefix + the rank in the warp, which is where a stable sort of
+   the flattened ids by expert puts pair t x top_k + k;
+5. the CTA's warps copy the token row of each of its pairs into the batch, a warp per pair
+   (`unroll` 16-byte loads per lane in flight).
+
+Layouts: logits [T, E] float32 or bfloat16; correction_bias [E] float32 (optional); x [T, H]
+and rows [M, H] bfloat16 row-major, H a multiple of 8, rows 16-byte aligned; topk_ids and
+row_of_pair int32 [T, top_k]; topk_weights float32 [T, top_k]; expert_offsets int32 [E + 1];
+scratch int32 [scratch_words(E)], zeroed once when allocated (its barrier words return to their
+start state, so launches, graph replays included, need no host work); status int64 [4]: a
+barrier wait that times out records (phase + 1, 0, 0, observed) there and carries on.
+Constraints: E <= ROUTE_MAX_EXPERTS, top_k <= 32, T x top_k <= M (the caller checks).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.memory import SmemAllocator
+
+from .ep_dispatch import copy_row
+from .ep_place import grid_barrier
+from .ep_sync import thread_position
+from .warp import warp_inclusive_sum
+
+ROUTE_WARPS = 16
+ROUTE_THREADS = ROUTE_WARPS * 32
+ROUTE_MAX_CTAS = 128
+ROUTE_MAX_EXPERTS = 512  # shared memory: 16 warps x E counters fit in 48 KB
+ROUTE_MAX_TOP_K = 32
+ROUTE_BARRIER_WORDS = 4  # two barriers' arrivals and generations
+NO_EXPERT = 1 << 30  # an arg-max that has seen no expert yet
+
+
+def scratch_words(num_experts: int) -> int:
+    """int32 words of scratch route_and_place needs: [E, ROUTE_MAX_CTAS] CTA counts, each
+    expert's total, then the barrier words."""
+    return num_experts * (ROUTE_MAX_CTAS + 1) + ROUTE_BARRIER_WORDS
+
+
+@cute.jit
+def ranks_above(value, index, other_value, other_index):
+    """1 if (other_value, other_index) comes first in top-k order (the larger value, NaN above
+    every number, ties to the lower index), else 0."""
+    other_nan = cutlass.Int32(0)
+    if other_value != other_value:
+        other_nan = cutlass.Int32(1)
+    value_nan = cutlass.Int32(0)
+    if value != value:
+        value_nan = cutlass.Int32(1)
+    above = cutlass.Int32(0)
+    if other_value > value:
+        above = cutlass.Int32(1)
+    if other_nan != value_nan:
+        above = other_nan
+    tie = cutlass.Int32(0)
+    if other_value == value:
+        tie = cutlass.Int32(1)
+    if other_nan + value_nan == 2:
+        tie = cutlass.Int32(1)
+    if tie == 1:
+        above = cutlass.Int32(0)
+        if other_index < index:
+            above = cutlass.Int32(1)
+    return above
+
+
+@cute.jit
+def warp_arg_max(value, index, payload):
+    """The (value, index, payload) of the warp's first in top-k order, on every lane."""
+    for step in cutlass.range_constexpr(5):
+        other_value = cute.arch.shuffle_sync_bfly(value, 1 << step)
+        other_index = cute.arch.shuffle_sync_bfly(index, 1 << step)
+        other_payload = cute.arch.shuffle_sync_bfly(payload, 1 << step)
+        if ranks_above(value, index, other_value, other_index) == 1:
+            value = other_value
+            index = other_index
+            payload = other_payload
+    return value, index, payload
+
+
+@cute.jit
+def top_of_two(a, b):
+    """The larger of a and b in top-k order (NaN above every number)."""
+    top = a
+    if ranks_above(a, 0, b, 0) == 1:
+        top = b
+    return top
+
+
+@cute.jit
+def push_top_two(first, second, value):
+    """(first, second) after `value` joins the two largest so far, in top-k order."""
+    if ranks_above(first, 0, value, 0) == 1:
+        second = first
+        first = value
+    else:
+        second = top_of_two(second, value)
+    return first, second
+
+
+@cute.jit
+def warp_top_two_sum(first, second):
+    """Sum of the two largest of the warp's (first, second) pairs (top-k order), on every
+    lane."""
+    for step in cutlass.range_constexpr(5):
+        other_first = cute.arch.shuffle_sync_bfly(first, 1 << step)
+        other_second = cute.arch.shuffle_sync_bfly(second, 1 << step)
+        first, second = push_top_two(first, second, other_first)
+        second = top_of_two(second, other_second)
+    return first + second
+
+
+@cute.jit
+def warp_sum(value):
+    for step in cutlass.range_constexpr(5):
+        value = value + cute.arch.shuffle_sync_bfly(value, 1 << step)
+    return value
+
+
+@cute.jit
+def warp_max(value):
+    for step in cutlass.range_constexpr(5):
+        value = cute.arch.fmax(value, cute.arch.shuffle_sync_bfly(value, 1 << step))
+    return value
+
+
+@cute.jit
+def score_token(
+    mLogits,
+    mBias,
+    token,
+    lane,
+    num_experts: cutlass.Constexpr,
+    sigmoid: cutlass.Constexpr,
+    num_groups: cutlass.Constexpr,
+    top_groups: cutlass.Constexpr,
+    dropped_score: cutlass.Constexpr,
+):
+    """Lane l's scores and choice scores of experts l, l + 32, ... (lists, -inf past E)."""
+    per_lane = (num_experts + 31) // 32
+    minus_inf = cutlass.Float32(-float("inf"))
+    logits = []
+    for j in cutlass.range_constexpr(per_lane):
+        logit = minus_inf
+        if lane + 32 * j < num_experts:
+            logit = cutlass.Float32(mLogits[token, lane + 32 * j])
+        logits.append(logit)
+    scores = []
+    choices = []
+    if cutlass.const_expr(not sigmoid):
+        largest = logits[0]
+        for j in cutlass.range_constexpr(1, per_lane):
+            largest = cute.arch.fmax(largest, logits[j])
+        largest = warp_max(largest)
+        exps = []
+        local_sum = cutlass.Float32(0.0)
+        for j in cutlass.range_constexpr(per_lane):
+            value = cutlass.Float32(0.0)
+            if lane + 32 * j < num_experts:
+                value = cute.math.exp(logits[j] - largest)
+            exps.append(value)
+            local_sum = local_sum + value
+        total = warp_sum(local_sum)
+        for j in cutlass.range_constexpr(per_lane):
+            scores.append(exps[j] / total)
+            choices.append(exps[j] / total)
+    else:
+        for j in cutlass.range_constexpr(per_lane):
+            score = cutlass.Float32(1.0) / (cutlass.Float32(1.0) + cute.math.exp(-logits[j]))
+            choice = score
+            if cutlass.const_expr(mBias is not None):
+                if lane + 32 * j < num_experts:
+                    choice = score + mBias[lane + 32 * j]
+            if lane + 32 * j >= num_experts:
+                choice = minus_inf
+            scores.append(score)
+            choices.append(choice)
+        if cutlass.const_expr(num_groups > 1):
+            group_size = num_experts // num_groups
+            group_scores = []
+            for g in cutlass.range_constexpr(num_groups):
+                first = minus_inf
+                second = minus_inf
+                for j in cutlass.range_constexpr(per_lane):
+                    if (lane + 32 * j) // group_size == g:
+                        first, second = push_top_two(first, second, choices[j])
+                group_scores.append(warp_top_two_sum(first, second))
+            kept = cutlass.Int32(0)
+            for _ in cutlass.range_constexpr(top_groups):
+                best = minus_inf
+                best_group = cutlass.Int32(NO_EXPERT)
+                for g in cutlass.range_constexpr(num_groups):
+                    if ((kept >> g) & 1) == 0:
+                        if ranks_above(best, best_group, group_scores[g], cutlass.Int32(g)) == 1:
+                            best = group_scores[g]
+                            best_group = cutlass.Int32(g)
+                kept = kept | (cutlass.Int32(1) << best_group)
+            masked = []
+            for j in cutlass.range_constexpr(per_lane):
+                choice = choices[j]
+                group = (lane + 32 * j) // group_size
+                if lane + 32 * j < num_experts:
+                    if ((kept >> group) & 1) == 0:
+                        choice = cutlass.Float32(dropped_score)
+                masked.append(choice)
+            choices = masked
+    return scores, choices
+
+
+@cute.jit
+def choose_top_k(scores, choices, lane, num_experts: cutlass.Constexpr, top_k: cutlass.Constexpr):
+    """Lane k < top_k's k-th expert and its score, by top_k rounds of warp arg-max."""
+    per_lane = (num_experts + 31) // 32
+    taken = cutlass.Int32(0)
+    my_expert = cutlass.Int32(0)
+    my_score = cutlass.Float32(0.0)
+    for k in cutlass.range_constexpr(top_k):
+        best = cutlass.Float32(-float("inf"))
+        best_expert = cutlass.Int32(NO_EXPERT)
+        best_score = cutlass.Float32(0.0)
+        for j in cutlass.range_constexpr(per_lane):
+            if lane + 32 * j < num_experts:
+                if ((taken >> j) & 1) == 0:
+                    if ranks_above(best, best_expert, choices[j], lane + 32 * j) == 1:
+                        best = choices[j]
+                        best_expert = lane + 32 * j
+                        best_score = scores[j]
+        best, best_expert, best_score = warp_arg_max(best, best_expert, best_score)
+        if best_expert % 32 == lane:
+            taken = taken | (cutlass.Int32(1) << (best_expert // 32))
+        if lane == k:
+            my_expert = best_expert
+            my_score = best_score
+    return my_expert, my_score
+
+
+@cute.kernel
+def route_and_place_kernel(
+    mLogits: cute.Tensor,
+    mBias,
+    mX: cute.Tensor,
+    mTopkIds: cute.Tensor,
+    mTopkWeights: cute.Tensor,
+    mRowOfPair: cute.Tensor,
+    mExpertOffsets: cute.Tensor,
+    mRows: cute.Tensor,
+    mScratch: cute.Tensor,
+    mStatus: cute.Tensor,
+    num_experts: cutlass.Constexpr,
+    top_k: cutlass.Constexpr,
+    sigmoid: cutlass.Constexpr,
+    renormalize: cutlass.Constexpr,
+    num_groups: cutlass.Constexpr,
+    top_groups: cutlass.Constexpr,
+    dropped_score: cutlass.Constexpr,
+    scaling: cutlass.Constexpr,
+    unroll: cutlass.Constexpr,
+    timeout_ns: cutlass.Constexpr,
+):
+    tidx, bidx, grid, warp, lane = thread_position()
+    tokens = mLogits.shape[0]
+    hidden = mX.shape[1]
+    smem = SmemAllocator()
+    # per-warp counters, then per-warp prefixes, per expert; each expert's first row; the CTA's
+    # prefix and the total per expert
+    warp_counts = smem.allocate_tensor(
+        cutlass.Int32, cute.make_layout(ROUTE_WARPS * num_experts), 16
+    )
+    first_row = smem.allocate_tensor(cutlass.Int32, cute.make_layout(num_experts + 1), 16)
+    cta_prefix = smem.allocate_tensor(cutlass.Int32, cute.make_layout(num_experts), 16)
+    totals = smem.allocate_tensor(cutlass.Int32, cute.make_layout(num_experts), 16)
+
+    scratch = mScratch.iterator
+    cta_counts = scratch  # [E, ROUTE_MAX_CTAS]
+    expert_totals = scratch + ROUTE_MAX_CTAS * num_experts
+    barrier = expert_totals + num_experts
+    status_address = mStatus.iterator.toint()
+
+    # this warp's contiguous tokens (CTA b: tokens [b x per_cta, ...))
+    per_cta = (tokens + grid - 1) // grid
+    per_warp = (per_cta + ROUTE_WARPS - 1) // ROUTE_WARPS
+    cta_begin = bidx * per_cta
+    cta_end = cta_begin + per_cta
+    if cta_end > tokens:
+        cta_end = tokens
+    warp_begin = cta_begin + warp * per_warp
+    warp_end = warp_begin + per_warp
+    if warp_end > cta_end:
+        warp_end = cta_end
+
+    for i in range(tidx, ROUTE_WARPS * num_experts, ROUTE_THREADS):
+        warp_counts[i] = cutlass.Int32(0)
+    cute.arch.sync_threads()
+
+    # 1. route each token; rank its pairs inside their experts among the warp's pairs
+    for token in range(warp_begin, warp_end):
+        scores, choices = score_token(
+            mLogits,
+            mBias,
+            token,
+            lane,
+            num_experts,
+            sigmoid,
+            num_groups,
+            top_groups,
+            dropped_score,
+        )
+        expert, weight = choose_top_k(scores, choices, lane, num_experts, top_k)
+        if cutlass.const_expr(renormalize):
+            denominator = cutlass.Float32(0.0)
+            for k in cutlass.range_constexpr(top_k):
+                denominator = denominator + cute.arch.shuffle_sync(weight, k)
+            if cutlass.const_expr(sigmoid):
+                denominator = denominator + cutlass.Float32(1e-20)
+            weight = weight / denominator
+        if cutlass.const_expr(scaling != 1.0):
+            weight = weight * cutlass.Float32(scaling)
+        if lane < top_k:
+            mTopkIds[token, lane] = expert
+            mTopkWeights[token, lane] = weight
+            rank = warp_counts[warp * num_experts + expert]
+            warp_counts[warp * num_experts + expert] = rank + 1
+            mRowOfPair[token, lane] = rank  # finished in step 4
+        cute.arch.sync_warp()
+    cute.arch.sync_threads()
+
+    # 2. per expert: each warp's exclusive prefix inside the CTA; the CTA's count to the
+    #    scratch (a grid of one CTA: its counts are the totals, kept in shared memory)
+    for expert in range(tidx, num_experts, ROUTE_THREADS):
+        running = cutlass.Int32(0)
+        for w in cutlass.range_constexpr(ROUTE_WARPS):
+            count = warp_counts[w * num_experts + expert]
+            warp_counts[w * num_experts + expert] = running
+            running = running + count
+        if grid == 1:
+            totals[expert] = running
+            cta_prefix[expert] = cutlass.Int32(0)
+        else:
+            cute.arch.store(cta_counts + (expert * ROUTE_MAX_CTAS + bidx), running)
+    if grid > 1:
+        grid_barrier(barrier, barrier + 1, grid, status_address, 0, 0, timeout_ns)
+
+        # 3. a warp per expert: each CTA's exclusive prefix (in place), the expert's total
+        for expert in range(bidx * ROUTE_WARPS + warp, num_experts, grid * ROUTE_WARPS):
+            carry = cutlass.Int32(0)
+            for first in range(0, grid, 32):
+                cta = first + lane
+                count = cutlass.Int32(0)
+                slot = cta_counts + (expert * ROUTE_MAX_CTAS + cta)
+                if cta < grid:
+                    count = cute.arch.load(slot, cutlass.Int32, cop="cg")  # other CTAs wrote it
+                inclusive = warp_inclusive_sum(count, lane)
+                if cta < grid:
+                    cute.arch.store(slot, carry + inclusive - count)
+                carry = carry + cute.arch.shuffle_sync(inclusive, 31)
+            if lane == 0:
+                cute.arch.store(expert_totals + expert, carry)
+        grid_barrier(barrier + 2, barrier + 3, grid, status_address, 1, 0, timeout_ns)
+        for expert in range(tidx, num_experts, ROUTE_THREADS):
+            cta_prefix[expert] = cute.arch.load(
+                cta_counts + (expert * ROUTE_MAX_CTAS + bidx), cutlass.Int32, cop="cg"
+            )
+            totals[expert] = cute.arch.load(expert_totals + expert, cutlass.Int32, cop="cg")
+    cute.arch.sync_threads()
+
+    # 4. the experts' first rows (warp 0 scans their totals), then the pairs' rows
+    if warp == 0:
+        carry = cutlass.Int32(0)
+        for group in range(0, num_experts, 32):
+            expert = group + lane
+            rows = cutlass.Int32(0)
+            if expert < num_experts:
+                rows = totals[expert]
+            inclusive = warp_inclusive_sum(rows, lane)
+            if expert < num_experts:
+                first_row[expert] = carry + inclusive - rows
+            carry = carry + cute.arch.shuffle_sync(inclusive, 31)
+        if lane == 0:
+            first_row[num_experts] = carry
+    cute.arch.sync_threads()
+    if bidx == 0:
+        for expert in range(tidx, num_experts + 1, ROUTE_THREADS):
+            mExpertOffsets[expert] = first_row[expert]
+    for token in range(warp_begin, warp_end):
+        if lane < top_k:
+            expert = mTopkIds[token, lane]
+            row = first_row[expert] + cta_prefix[expert] + warp_counts[warp * num_experts + expert]
+            mRowOfPair[token, lane] = row + mRowOfPair[token, lane]
+    cute.arch.sync_threads()
+
+    # 5. a warp per pair of this CTA copies its token's row into the batch
+    row_bytes = cutlass.Int64(hidden) * 2
+    row_vectors = hidden // 8
+    x_address = mX.iterator.toint()
+    rows_address = mRows.iterator.toint()
+    for pair in range(cta_begin * top_k + warp, cta_end * top_k, ROUTE_WARPS):
+        token = pair // top_k
+        row = mRowOfPair[token, pair - token * top_k]
+        copy_row(
+            x_address + cutlass.Int64(token) * row_bytes,
+            rows_address + cutlass.Int64(row) * row_bytes,
+            0,
+            row_vectors,
+            lane,
+            unroll,
+        )
+
+
+@cute.jit
+def route_and_place(
+    mLogits: cute.Tensor,
+    mBias,
+    mX: cute.Tensor,
+    mTopkIds: cute.Tensor,
+    mTopkWeights: cute.Tensor,
+    mRowOfPair: cute.Tensor,
+    mExpertOffsets: cute.Tensor,
+    mRows: cute.Tensor,
+    mScratch: cute.Tensor,
+    mStatus: cute.Tensor,
+    num_experts: cutlass.Constexpr,
+    top_k: cutlass.Constexpr,
+    sigmoid: cutlass.Constexpr,
+    renormalize: cutlass.Constexpr,
+    num_groups: cutlass.Constexpr,
+    top_groups: cutlass.Constexpr,
+    dropped_score: cutlass.Constexpr,
+    scaling: cutlass.Constexpr,
+    unroll: cutlass.Constexpr,
+    timeout_ns: cutlass.Constexpr,
+    stream,
+):
+    # a warp per token, as many CTAs as that fills, at most ROUTE_MAX_CTAS (all resident); one
+    # CTA while the tokens fit in it (no grid barrier), else at least a warp per expert, so the
+    # scan of step 3 takes one expert per warp, not several one after another
+    tokens = mLogits.shape[0]
+    grid = (tokens + ROUTE_WARPS - 1) // ROUTE_WARPS
+    expert_ctas = (num_experts + ROUTE_WARPS - 1) // ROUTE_WARPS
+    if grid > 1 and grid < expert_ctas:
+        grid = expert_ctas
+    if grid > ROUTE_MAX_CTAS:
+        grid = ROUTE_MAX_CTAS
+    if grid < 1:
+        grid = 1
+    route_and_place_kernel(
+        mLogits,
+        mBias,
+        mX,
+        mTopkIds,
+        mTopkWeights,
+        mRowOfPair,
+        mExpertOffsets,
+        mRows,
+        mScratch,
+        mStatus,
+        num_experts,
+        top_k,
+        sigmoid,
+        renormalize,
+        num_groups,
+        top_groups,
+        dropped_score,
+        scaling,
+        unroll,
+        timeout_ns,
+    ).launch(grid=[grid, 1, 1], block=[ROUTE_THREADS, 1, 1], stream=stream)

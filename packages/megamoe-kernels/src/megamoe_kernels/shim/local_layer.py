@@ -1,0 +1,384 @@
+"""Stable API of the one-GPU routing, dispatch and combine kernels (drop/local_route.py,
+drop/local_combine.py): checks, compile cache, launches.
+
+Shape legend: T tokens, E experts, K experts per token (top-k), H hidden size, M batch rows
+(capacity).
+
+- `RouteLauncher` (`route_launcher(...)`): router logits [T, E] and tokens x [T, H] in, one
+  launch out: topk_ids [T, K] int32, topk_weights [T, K] float32, row_of_pair [T, K] int32 (the
+  batch row of pair (t, k): the order of a stable sort of the flattened ids by expert),
+  expert_offsets [E + 1] int32 and the expert-major batch rows [M, H] (rows past T x K
+  unspecified). Every routing family of megamoe: softmax or sigmoid scoring, grouped top-k
+  with a correction bias, renormalisation, routed scaling.
+- `CombineLauncher` (`combine_launcher(...)`): y[t] = sum over k in order of weight[t, k] x
+  out[row_of_pair[t, k]] in fp32 (+ an optional addend row), bf16 out; no atomics.
+
+Both are compiled for CuTe DSL's TVM-FFI launch path (torch tensors passed as they are, checked
+against the compiled signature in C, launched on torch's current stream, so CUDA graphs capture
+them), once per (routing or combine constants, hidden size, dtypes, device); T and M are
+dynamic dims. The routing kernel's scratch (grid-barrier words, zeroed once, left as found) is
+kept per (device, stream), as the GEMMs' counters are.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+
+import torch
+
+from megamoe_kernels.shim.expert_gemm import _stream_scratch
+
+_COMPILE_LOCK = threading.Lock()
+_COMPILED: dict[tuple, Callable] = {}
+SCORINGS = ("softmax", "sigmoid")
+LOGITS_DTYPES = (torch.float32, torch.bfloat16)
+ROW_DTYPES = (torch.bfloat16,)
+# a grid-barrier wait longer than this records a timeout in the status block and carries on
+_BARRIER_TIMEOUT_NS = 10_000_000_000
+
+
+def _drop_route():
+    if not torch.cuda.is_available():
+        # without a GPU CuTe DSL guesses another architecture; set before it is imported
+        os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    from megamoe_kernels.drop import local_route
+
+    return local_route
+
+
+def routing_problems(
+    *, num_experts: int, top_k: int, hidden_size: int, num_groups: int = 1
+) -> list[str]:
+    """Why the routing and combine kernels cannot serve this layer ([] when they can)."""
+    from megamoe_kernels.drop.local_route import ROUTE_MAX_EXPERTS, ROUTE_MAX_TOP_K
+
+    problems = []
+    if not 1 <= num_experts <= ROUTE_MAX_EXPERTS:
+        problems.append(f"num_experts={num_experts} is outside [1, {ROUTE_MAX_EXPERTS}]")
+    if not 1 <= top_k <= min(ROUTE_MAX_TOP_K, num_experts):
+        problems.append(f"top_k={top_k} is outside [1, min({ROUTE_MAX_TOP_K}, num_experts)]")
+    if hidden_size % 8:
+        problems.append(f"hidden_size={hidden_size} is not a multiple of 8 (16-byte row vectors)")
+    if num_groups > 32:
+        problems.append(f"num_groups={num_groups} exceeds 32")
+    return problems
+
+
+def _copy_unroll(hidden_size: int) -> int:
+    """16-byte loads per lane in flight when a warp copies a row: the largest of 8, 4, 2 whose
+    32 x unroll vectors divide the row, else 1."""
+    vectors = hidden_size // 8
+    return next((u for u in (8, 4, 2) if vectors % (32 * u) == 0), 1)
+
+
+def _fake(dtype, shape):
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    order = tuple(reversed(range(len(shape))))
+    return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=16)
+
+
+def _cutlass_dtype(dtype: torch.dtype):
+    import cutlass
+
+    return {
+        torch.float32: cutlass.Float32,
+        torch.bfloat16: cutlass.BFloat16,
+        torch.int32: cutlass.Int32,
+        torch.int64: cutlass.Int64,
+    }[dtype]
+
+
+class RouteLauncher:
+    """Routing + dispatch of one layer's routing constants, compiled once; a call allocates the
+    outputs and launches one kernel. See the module docstring for the tensors."""
+
+    def __init__(
+        self,
+        *,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        scoring: str = "softmax",
+        renormalize: bool = True,
+        num_groups: int = 1,
+        top_groups: int = 1,
+        routed_scaling_factor: float = 1.0,
+        dropped_group_score: float = float("-inf"),
+        has_correction_bias: bool = False,
+        logits_dtype: torch.dtype = torch.float32,
+        rows_dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+        compile_only: bool = False,
+    ):
+        problems = routing_problems(
+            num_experts=num_experts, top_k=top_k, hidden_size=hidden_size, num_groups=num_groups
+        )
+        if scoring not in SCORINGS:
+            problems.append(f"scoring={scoring!r} is not one of {SCORINGS}")
+        if has_correction_bias and scoring != "sigmoid":
+            problems.append("a correction bias applies to scoring='sigmoid' only")
+        if num_groups < 1 or num_experts % num_groups or not 1 <= top_groups <= num_groups:
+            problems.append(
+                f"num_groups={num_groups} must divide num_experts={num_experts} and "
+                f"top_groups={top_groups} lie in [1, num_groups]"
+            )
+        if logits_dtype not in LOGITS_DTYPES:
+            problems.append(f"logits dtype {logits_dtype} is not one of {LOGITS_DTYPES}")
+        if rows_dtype not in ROW_DTYPES:
+            problems.append(f"rows dtype {rows_dtype} is not one of {ROW_DTYPES}")
+        if problems:
+            raise ValueError("the routing kernel cannot serve this layer: " + "; ".join(problems))
+        self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
+        self.logits_dtype, self.rows_dtype = logits_dtype, rows_dtype
+        self.has_correction_bias = has_correction_bias
+        self.device = None if device is None else torch.device(device)
+        self._scratch_words = _drop_route().scratch_words(num_experts)
+        constants = (
+            num_experts,
+            top_k,
+            scoring == "sigmoid",
+            bool(renormalize),
+            num_groups if scoring == "sigmoid" else 1,
+            top_groups if scoring == "sigmoid" else 1,
+            float(dropped_group_score),
+            float(routed_scaling_factor),
+            _copy_unroll(hidden_size),
+            _BARRIER_TIMEOUT_NS,
+        )
+        device_index = -1 if compile_only or self.device is None else self.device.index
+        key = ("route", constants, hidden_size, logits_dtype, rows_dtype, has_correction_bias)
+        self._compiled = _compile((*key, device_index), lambda: self._compile(constants))
+
+    def _compile(self, constants: tuple) -> Callable:
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_fake_stream
+
+        route = _drop_route().route_and_place
+        tokens = cute.sym_int32(symbol="tokens")
+        rows = cute.sym_int32(symbol="rows")
+        experts, top_k, hidden = self.num_experts, self.top_k, self.hidden_size
+        return cute.compile(
+            route,
+            _fake(_cutlass_dtype(self.logits_dtype), (tokens, experts)),
+            _fake(cutlass.Float32, (experts,)) if self.has_correction_bias else None,
+            _fake(_cutlass_dtype(self.rows_dtype), (tokens, hidden)),
+            _fake(cutlass.Int32, (tokens, top_k)),
+            _fake(cutlass.Float32, (tokens, top_k)),
+            _fake(cutlass.Int32, (tokens, top_k)),
+            _fake(cutlass.Int32, (experts + 1,)),
+            _fake(_cutlass_dtype(self.rows_dtype), (rows, hidden)),
+            _fake(cutlass.Int32, (self._scratch_words,)),
+            _fake(cutlass.Int64, (4,)),
+            *constants,
+            make_fake_stream(use_tvm_ffi_env_stream=True),
+            options="--enable-tvm-ffi",
+        )
+
+    def _scratch(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device.index is None:
+            device = torch.device(device.type, torch.cuda.current_device())
+        return _stream_scratch(
+            device,
+            ("route", self._scratch_words),
+            lambda: (
+                torch.zeros(self._scratch_words, dtype=torch.int32, device=device),
+                torch.zeros(4, dtype=torch.int64, device=device),
+            ),
+        )
+
+    def status(self, device: torch.device) -> list[int]:
+        """The status block of the current stream's launches: all 0 unless a grid-barrier wait
+        timed out (then phase + 1, barrier, 0, observed). Reads the GPU: a host sync."""
+        return self._scratch(torch.device(device))[1].tolist()
+
+    def __call__(
+        self,
+        router_logits_TE: torch.Tensor,
+        x_TH: torch.Tensor,
+        *,
+        capacity: int,
+        correction_bias_E: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(topk_ids_TK, topk_weights_TK, row_of_pair_TK, expert_offsets, rows_MH); capacity >=
+        T x K rows (checked here: the kernel writes rows up to T x K - 1)."""
+        tokens = router_logits_TE.shape[0]
+        if tokens * self.top_k > capacity:
+            raise ValueError(
+                f"{tokens} tokens x top_k {self.top_k} = {tokens * self.top_k} rows exceed the "
+                f"capacity {capacity}; raise capacity or send fewer tokens per call"
+            )
+        device = x_TH.device
+        ids_TK = torch.empty((tokens, self.top_k), dtype=torch.int32, device=device)
+        weights_TK = torch.empty((tokens, self.top_k), dtype=torch.float32, device=device)
+        row_of_pair_TK = torch.empty((tokens, self.top_k), dtype=torch.int32, device=device)
+        offsets = torch.empty(self.num_experts + 1, dtype=torch.int32, device=device)
+        rows_MH = x_TH.new_empty((capacity, self.hidden_size))
+        scratch, status = self._scratch(device)
+        try:
+            self._compiled(
+                router_logits_TE,
+                correction_bias_E,
+                x_TH,
+                ids_TK,
+                weights_TK,
+                row_of_pair_TK,
+                offsets,
+                rows_MH,
+                scratch,
+                status,
+            )
+        except Exception as failure:
+            self._explain(failure, router_logits_TE, x_TH, correction_bias_E)
+        return ids_TK, weights_TK, row_of_pair_TK, offsets, rows_MH
+
+    def _explain(self, failure, router_logits_TE, x_TH, correction_bias_E) -> None:
+        """Re-raises a refused launch as an error that names the argument at fault."""
+        checks = [
+            ("router_logits", router_logits_TE, self.logits_dtype, (None, self.num_experts)),
+            ("x", x_TH, self.rows_dtype, (router_logits_TE.shape[0], self.hidden_size)),
+        ]
+        if self.has_correction_bias:
+            checks.append(
+                ("correction_bias", correction_bias_E, torch.float32, (self.num_experts,))
+            )
+        elif correction_bias_E is not None:
+            raise ValueError(
+                "correction_bias given to a launcher compiled without one"
+            ) from failure
+        for name, tensor, dtype, shape in checks:
+            _check_tensor(name, tensor, dtype, shape, failure)
+        raise failure
+
+
+class CombineLauncher:
+    """The fixed-order weighted top-k sum for (top_k, hidden, weighted or not, addend or
+    not), compiled once; a call allocates y and launches one kernel."""
+
+    def __init__(
+        self,
+        *,
+        top_k: int,
+        hidden_size: int,
+        weighted: bool = True,
+        has_addend: bool = False,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+        compile_only: bool = False,
+    ):
+        if hidden_size % 8:
+            raise ValueError(f"hidden_size={hidden_size} must be a multiple of 8")
+        if dtype not in ROW_DTYPES:
+            raise ValueError(f"the combine kernel runs {ROW_DTYPES}, got {dtype}")
+        if not 1 <= top_k <= 32:
+            raise ValueError(f"top_k={top_k} must lie in [1, 32]")
+        self.top_k, self.hidden_size, self.dtype = top_k, hidden_size, dtype
+        self.weighted, self.has_addend = weighted, has_addend
+        device = None if device is None else torch.device(device)
+        device_index = -1 if compile_only or device is None else device.index
+        key = ("combine", top_k, hidden_size, weighted, has_addend, dtype, device_index)
+        self._compiled = _compile(key, self._compile)
+
+    def _compile(self) -> Callable:
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_fake_stream
+
+        _drop_route()  # sets the architecture without a GPU
+        from megamoe_kernels.drop.local_combine import combine_pairs
+
+        tokens = cute.sym_int32(symbol="tokens")
+        rows = cute.sym_int32(symbol="rows")
+        element = _cutlass_dtype(self.dtype)
+        hidden, top_k = self.hidden_size, self.top_k
+        return cute.compile(
+            combine_pairs,
+            _fake(element, (rows, hidden)),
+            _fake(cutlass.Int32, (tokens, top_k)),
+            _fake(cutlass.Float32, (tokens, top_k)) if self.weighted else None,
+            _fake(element, (tokens, hidden)) if self.has_addend else None,
+            _fake(element, (tokens, hidden)),
+            top_k,
+            make_fake_stream(use_tvm_ffi_env_stream=True),
+            options="--enable-tvm-ffi",
+        )
+
+    def __call__(
+        self,
+        expert_out_MH: torch.Tensor,
+        row_of_pair_TK: torch.Tensor,
+        topk_weights_TK: torch.Tensor | None,
+        *,
+        addend_TH: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        y_TH = expert_out_MH.new_empty((row_of_pair_TK.shape[0], self.hidden_size))
+        try:
+            self._compiled(expert_out_MH, row_of_pair_TK, topk_weights_TK, addend_TH, y_TH)
+        except Exception as failure:
+            tokens = row_of_pair_TK.shape[0]
+            _check_tensor(
+                "expert_out", expert_out_MH, self.dtype, (None, self.hidden_size), failure
+            )
+            _check_tensor("row_of_pair", row_of_pair_TK, torch.int32, (None, self.top_k), failure)
+            if self.weighted:
+                _check_tensor(
+                    "topk_weights", topk_weights_TK, torch.float32, (tokens, self.top_k), failure
+                )
+            if self.has_addend:
+                _check_tensor("addend", addend_TH, self.dtype, (tokens, self.hidden_size), failure)
+            raise failure
+        return y_TH
+
+
+def _check_tensor(name, tensor, dtype, shape, failure) -> None:
+    """Raises a ValueError/TypeError naming `name` if it does not match (dtype, shape with None
+    for any size, contiguous, 16-byte aligned), chained to the launch's `failure`."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}") from failure
+    if tensor.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {tensor.dtype}") from failure
+    if tensor.dim() != len(shape) or any(
+        want is not None and have != want for have, want in zip(tensor.shape, shape, strict=True)
+    ):
+        expected = tuple("any" if want is None else want for want in shape)
+        raise ValueError(
+            f"{name} must have shape {expected}, got {tuple(tensor.shape)}"
+        ) from failure
+    if not tensor.is_contiguous() or tensor.data_ptr() % 16:
+        raise ValueError(f"{name} must be contiguous and 16-byte aligned") from failure
+
+
+def _compile(key: tuple, compile_fn: Callable[[], Callable]) -> Callable:
+    compiled = _COMPILED.get(key)
+    if compiled is not None:
+        return compiled
+    with _COMPILE_LOCK:
+        compiled = _COMPILED.get(key)
+        if compiled is None:
+            compiled = _COMPILED[key] = compile_fn()
+    return compiled
+
+
+def route_launcher(**constants) -> RouteLauncher:
+    """A RouteLauncher, kept per set of constants (its compiled kernel is shared anyway)."""
+    key = tuple(sorted(constants.items(), key=lambda item: item[0]))
+    launcher = _ROUTE_LAUNCHERS.get(key)
+    if launcher is None:
+        launcher = _ROUTE_LAUNCHERS[key] = RouteLauncher(**constants)
+    return launcher
+
+
+def combine_launcher(**constants) -> CombineLauncher:
+    """A CombineLauncher, kept per set of constants."""
+    key = tuple(sorted(constants.items(), key=lambda item: item[0]))
+    launcher = _COMBINE_LAUNCHERS.get(key)
+    if launcher is None:
+        launcher = _COMBINE_LAUNCHERS[key] = CombineLauncher(**constants)
+    return launcher
+
+
+_ROUTE_LAUNCHERS: dict[tuple, RouteLauncher] = {}
+_COMBINE_LAUNCHERS: dict[tuple, CombineLauncher] = {}

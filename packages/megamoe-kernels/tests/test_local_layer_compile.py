@@ -1,0 +1,59 @@
+"""Compile-only: the single-GPU routing/dispatch and combine kernels compile for sm_90a on a CPU
+for every routing family and row width they serve, and refuse what they cannot serve."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megamoe_kernels.shim.local_layer import CombineLauncher, RouteLauncher, routing_problems
+
+pytestmark = pytest.mark.compile
+
+ROUTERS = [
+    dict(num_experts=128, top_k=8, hidden_size=2048),  # qwen3: softmax, 8 vectors per lane
+    dict(num_experts=8, top_k=2, hidden_size=4096, logits_dtype=torch.bfloat16),  # mixtral
+    dict(num_experts=40, top_k=6, hidden_size=2880, renormalize=False),  # unroll 1, E % 32 != 0
+    dict(  # dsv3: sigmoid, grouped top-k, bias, scaling
+        num_experts=256,
+        top_k=8,
+        hidden_size=7168,
+        scoring="sigmoid",
+        num_groups=8,
+        top_groups=4,
+        routed_scaling_factor=2.5,
+        has_correction_bias=True,
+    ),
+    dict(num_experts=512, top_k=32, hidden_size=8, scoring="sigmoid", dropped_group_score=0.0),
+]
+
+
+@pytest.mark.parametrize("constants", ROUTERS, ids=lambda c: f"E{c['num_experts']}-K{c['top_k']}")
+def test_route_and_place_compiles(constants):
+    assert RouteLauncher(**constants, compile_only=True)._compiled is not None
+
+
+@pytest.mark.parametrize(
+    "constants",
+    [
+        dict(top_k=8, hidden_size=2048),
+        dict(top_k=2, hidden_size=4096, weighted=False),
+        dict(top_k=8, hidden_size=7168, has_addend=True),
+    ],
+)
+def test_combine_compiles(constants):
+    assert CombineLauncher(**constants, compile_only=True)._compiled is not None
+
+
+def test_what_the_kernels_cannot_serve_is_refused_with_the_reason():
+    assert routing_problems(num_experts=128, top_k=8, hidden_size=2048) == []
+    assert "top_k=33" in routing_problems(num_experts=128, top_k=33, hidden_size=2048)[0]
+    assert "num_experts=1024" in routing_problems(num_experts=1024, top_k=8, hidden_size=2048)[0]
+    assert "multiple of 8" in routing_problems(num_experts=8, top_k=2, hidden_size=100)[0]
+    with pytest.raises(ValueError, match="correction bias applies to scoring='sigmoid'"):
+        RouteLauncher(
+            num_experts=8, top_k=2, hidden_size=64, has_correction_bias=True, compile_only=True
+        )
+    with pytest.raises(ValueError, match="logits dtype"):
+        RouteLauncher(
+            num_experts=8, top_k=2, hidden_size=64, logits_dtype=torch.float16, compile_only=True
+        )
