@@ -94,8 +94,8 @@ def route(
         raise TypeError(f"router_logits must be floating point, got {router_logits_TE.dtype}")
     if config.use_correction_bias and correction_bias_E is None:
         raise ValueError("config.use_correction_bias is set but no correction_bias_E was given")
-    if check_finite and not bool(torch.isfinite(router_logits_TE).all()):
-        raise ValueError("router_logits hold NaN or Inf")
+    if check_finite:
+        check_finite_logits(router_logits_TE)
     logits_TE = router_logits_TE.float()
     if config.scoring == "softmax":
         scores_TE = torch.softmax(logits_TE, dim=-1)
@@ -117,6 +117,12 @@ def route(
     if config.routed_scaling_factor != 1.0:
         topk_weights_TK = topk_weights_TK * config.routed_scaling_factor
     return topk_ids_TK.to(torch.int32), topk_weights_TK
+
+
+def check_finite_logits(router_logits_TE: torch.Tensor) -> None:
+    """Raises if the router logits hold NaN or Inf. Reads the data: a host sync."""
+    if not bool(torch.isfinite(router_logits_TE).all()):
+        raise ValueError("router_logits hold NaN or Inf")
 
 
 def _mask_to_top_groups(choice_TE: torch.Tensor, config: RouterConfig) -> torch.Tensor:

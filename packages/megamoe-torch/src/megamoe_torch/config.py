@@ -12,6 +12,8 @@ from megamoe_runtime.geometries import Geometry
 from megamoe_runtime.routing import RouterConfig, Scoring
 
 DISPATCHER_NAMES = ("auto", "torch", "nvshmem")
+KNOB_MODES = ("lookup", "auto")
+LAYER_PATHS = ("auto", "fused", "torch")
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,10 @@ class MegaMoEConfig:
     capacity: int | None = None
     # data-dependent input checks (finite logits, ...): each costs a host sync
     check_inputs: bool = False
+    # how a single-GPU forward routes, dispatches and combines: "fused" (device kernels: one
+    # launch routes and dispatches, one combines; sm_90 GPUs), "torch" (torch ops, any device,
+    # and the path autograd takes), "auto" (fused where it can run)
+    layer_path: Literal["auto", "fused", "torch"] = "auto"
     # expert parallelism, MegaMoE(config, process_group=...): "auto" picks "nvshmem" (symmetric
     # memory kernels) where CUDA GPUs and nvshmem4py are present, else "torch" (all_to_all_single)
     dispatcher: str = "auto"
@@ -52,6 +58,14 @@ class MegaMoEConfig:
     # top_k x fewer NVLink bytes and faster, but one more bf16 rounding, so not bitwise equal to
     # one GPU). The torch dispatcher always combines exactly.
     combine_order: Literal["exact", "owner_partials"] = "exact"
+    # where the cutedsl GEMMs' knobs come from. "lookup": the knob cache (`megamoe tune`), else
+    # the entries megamoe ships, else the default profile; nothing is measured at run time.
+    # "auto": the same, and a batch class none of them holds is tuned at the forward that first
+    # meets it (expert parallel: at the first forward, every rank in lockstep): the candidates
+    # that keep the numbers are compiled and timed, a few minutes per class, and the winner is
+    # stored in the knob cache, where later processes look it up (docs/tuning.md). Backends
+    # without knobs ignore it.
+    knobs: Literal["lookup", "auto"] = "lookup"
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
@@ -69,12 +83,16 @@ class MegaMoEConfig:
             raise ValueError(
                 f"backend must be one of {('auto', *BACKEND_NAMES)}, got {self.backend!r}"
             )
+        if self.layer_path not in LAYER_PATHS:
+            raise ValueError(f"layer_path must be one of {LAYER_PATHS}, got {self.layer_path!r}")
         if self.dispatcher not in DISPATCHER_NAMES:
             raise ValueError(
                 f"dispatcher must be one of {DISPATCHER_NAMES}, got {self.dispatcher!r}"
             )
         if self.max_tokens_per_rank < 1:
             raise ValueError(f"max_tokens_per_rank must be >= 1, got {self.max_tokens_per_rank}")
+        if self.knobs not in KNOB_MODES:
+            raise ValueError(f"knobs must be one of {KNOB_MODES}, got {self.knobs!r}")
         if self.combine_order not in COMBINE_ORDERS:
             raise ValueError(
                 f"combine_order must be one of {COMBINE_ORDERS}, got {self.combine_order!r}"

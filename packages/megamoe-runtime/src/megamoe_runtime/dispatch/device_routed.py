@@ -1,0 +1,157 @@
+"""Routing, dispatch and combine on one GPU as two device kernels (megamoe_kernels' local layer).
+
+Shape legend: T tokens, E experts, K experts per token, H hidden size, M batch capacity.
+
+`DeviceRoutedDispatcher.route_and_dispatch(x_TH, router_logits_TE)` is one launch: scoring,
+(grouped) top-k, renormalisation and scaling, per-expert counts, `expert_offsets`, each
+(token, k) pair's batch row and the expert-major copy of the tokens, in the order of
+LocalDispatcher's stable sort. Against `route`: the same experts in the same order except
+between equal scores (the kernel breaks ties towards the lower expert id, torch.topk in an
+unspecified way), weights within an ulp or two (the softmax's sum is a warp tree); on the same
+routing, the batch, offsets and pair rows are LocalDispatcher's bit for bit. `combine` is one
+launch: the fixed-order fp32 weighted top-k sum of
+`weighted_sum_over_topk`, with the shared experts' output added the way `y + shared` adds it in
+bf16. No host sync, fixed shapes for a fixed capacity: the pair captures in a CUDA graph.
+Replaces about 25 torch launches of the routing (`route`), LocalDispatcher and its combine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from megamoe_runtime.dispatch.local import LocalHandle
+from megamoe_runtime.expert_batch import ExpertBatch
+from megamoe_runtime.routing import RouterConfig
+
+
+def device_routing_status(
+    router: RouterConfig, *, hidden_size: int, dtype: torch.dtype, device: torch.device
+) -> tuple[bool, str]:
+    """(can run, why) for the device routing kernels with this router on `device`."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False, f"the device routing kernels need an sm_90 CUDA GPU, got device {device}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        return (
+            False,
+            f"the device routing kernels are built for sm_90a; this GPU is sm_{major}{minor}",
+        )
+    for module, package in (("cutlass", "nvidia-cutlass-dsl"), ("tvm_ffi", "apache-tvm-ffi")):
+        if importlib.util.find_spec(module) is None:
+            return False, f"{package} (import {module}) is not installed"
+    if dtype != torch.bfloat16:
+        return False, f"the device routing kernels move bf16 rows, got {dtype}"
+    from megamoe_kernels.shim.local_layer import routing_problems
+
+    problems = routing_problems(
+        num_experts=router.num_experts,
+        top_k=router.top_k,
+        hidden_size=hidden_size,
+        num_groups=router.num_groups,
+    )
+    if problems:
+        return False, "; ".join(problems)
+    return True, "sm_90 GPU with CuTe DSL: routing, dispatch and combine on the device"
+
+
+class DeviceRoutedDispatcher:
+    """One GPU holding all the router's experts: route + dispatch in one launch, combine in one.
+
+    `capacity` fixes the batch's row count (>= tokens x top_k, checked on the host from shapes)
+    so shapes never change between calls, which CUDA-graph replay needs; None sizes each batch
+    to exactly tokens x top_k. Compiles on first use per (logits dtype, device).
+    """
+
+    def __init__(self, router: RouterConfig, *, hidden_size: int, capacity: int | None = None):
+        if capacity is not None and capacity < 0:
+            raise ValueError(f"capacity must be >= 0 or None, got {capacity}")
+        self.router = router
+        self.hidden_size = hidden_size
+        self.capacity = capacity
+        self.num_experts = self.num_local_experts = router.num_experts
+        self._route_launchers: dict[tuple, object] = {}
+        self._combine_launchers: dict[tuple, object] = {}
+
+    def _route_launcher(self, logits_dtype: torch.dtype, device: torch.device):
+        key = (logits_dtype, device)
+        launcher = self._route_launchers.get(key)
+        if launcher is None:
+            from megamoe_kernels.shim.local_layer import route_launcher
+
+            router = self.router
+            launcher = self._route_launchers[key] = route_launcher(
+                num_experts=router.num_experts,
+                top_k=router.top_k,
+                hidden_size=self.hidden_size,
+                scoring=router.scoring,
+                renormalize=router.renormalize,
+                num_groups=router.num_groups,
+                top_groups=router.top_groups,
+                routed_scaling_factor=router.routed_scaling_factor,
+                dropped_group_score=router.dropped_group_score,
+                has_correction_bias=router.use_correction_bias,
+                logits_dtype=logits_dtype,
+                device=device,
+            )
+        return launcher
+
+    def route_and_dispatch(
+        self,
+        x_TH: torch.Tensor,
+        router_logits_TE: torch.Tensor,
+        *,
+        correction_bias_E: torch.Tensor | None = None,
+    ) -> tuple[ExpertBatch, LocalHandle, torch.Tensor]:
+        """(batch, handle for combine, topk_ids_TK int32); the routing weights are
+        handle.topk_weights_TK (float32)."""
+        if self.router.use_correction_bias and correction_bias_E is None:
+            raise ValueError("the router uses a correction bias but no correction_bias_E was given")
+        tokens = x_TH.shape[0]
+        num_pairs = tokens * self.router.top_k
+        capacity = num_pairs if self.capacity is None else self.capacity
+        launcher = self._route_launcher(router_logits_TE.dtype, x_TH.device)
+        if correction_bias_E is not None and correction_bias_E.dtype != torch.float32:
+            correction_bias_E = correction_bias_E.float()
+        ids_TK, weights_TK, row_of_pair_TK, offsets, rows_MH = launcher(
+            router_logits_TE,
+            x_TH,
+            capacity=capacity,
+            correction_bias_E=correction_bias_E if self.router.use_correction_bias else None,
+        )
+        batch = ExpertBatch(rows_MH=rows_MH, expert_offsets=offsets, valid_rows=num_pairs)
+        handle = LocalHandle(
+            row_of_pair_TK=row_of_pair_TK, topk_weights_TK=weights_TK, output_dtype=x_TH.dtype
+        )
+        return batch, handle, ids_TK
+
+    def combine(
+        self,
+        expert_out_MH: torch.Tensor,
+        handle: LocalHandle,
+        *,
+        addend_TH: torch.Tensor | None = None,
+        weights_applied: bool = False,
+    ) -> torch.Tensor:
+        """y[t] = sum over k of weight[t, k] x expert_out[row[t, k]] (+ addend[t]), bf16."""
+        key = (not weights_applied, addend_TH is not None, expert_out_MH.device)
+        launcher = self._combine_launchers.get(key)
+        if launcher is None:
+            from megamoe_kernels.shim.local_layer import combine_launcher
+
+            launcher = self._combine_launchers[key] = combine_launcher(
+                top_k=self.router.top_k,
+                hidden_size=self.hidden_size,
+                weighted=not weights_applied,
+                has_addend=addend_TH is not None,
+                dtype=expert_out_MH.dtype,
+                device=expert_out_MH.device,
+            )
+        return launcher(
+            expert_out_MH,
+            handle.row_of_pair_TK,
+            None if weights_applied else handle.topk_weights_TK,
+            addend_TH=addend_TH,
+        )

@@ -1,0 +1,219 @@
+"""The device routing, dispatch and combine kernels against the torch path (route +
+LocalDispatcher + weighted_sum_over_topk), which is their oracle: same ids and weights up to
+ties, then the same batch, offsets, pair rows and combine bits on the kernel's own routing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megamoe_runtime.dispatch.device_routed import DeviceRoutedDispatcher, device_routing_status
+from megamoe_runtime.dispatch.local import LocalDispatcher, weighted_sum_over_topk
+from megamoe_runtime.routing import RouterConfig, route
+
+pytestmark = pytest.mark.gpu
+
+
+def _needs_kernels(router: RouterConfig, hidden: int) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    ok, why = device_routing_status(
+        router, hidden_size=hidden, dtype=torch.bfloat16, device=torch.device("cuda")
+    )
+    if not ok:
+        pytest.skip(why)
+
+
+ROUTERS = {
+    "qwen3": RouterConfig(num_experts=128, top_k=8),
+    "mixtral": RouterConfig(num_experts=8, top_k=2),
+    "top_k_equals_experts": RouterConfig(num_experts=8, top_k=8),
+    "odd_experts": RouterConfig(num_experts=40, top_k=6, renormalize=False),
+    "dsv3": RouterConfig(
+        num_experts=256,
+        top_k=8,
+        scoring="sigmoid",
+        num_groups=8,
+        top_groups=4,
+        routed_scaling_factor=2.5,
+        use_correction_bias=True,
+    ),
+    "dsv3_dropped_zero": RouterConfig(
+        num_experts=256,
+        top_k=8,
+        scoring="sigmoid",
+        num_groups=8,
+        top_groups=4,
+        use_correction_bias=True,
+        dropped_group_score=0.0,
+    ),
+    "small_groups": RouterConfig(
+        num_experts=64, top_k=4, scoring="sigmoid", num_groups=8, top_groups=3, renormalize=False
+    ),
+    "sigmoid_plain": RouterConfig(num_experts=32, top_k=4, scoring="sigmoid"),
+}
+
+
+def _choice_scores(logits_TE: torch.Tensor, router: RouterConfig, bias_E) -> torch.Tensor:
+    """What the experts are ranked by (before the group mask)."""
+    logits = logits_TE.float()
+    if router.scoring == "softmax":
+        return torch.softmax(logits, dim=-1)
+    scores = torch.sigmoid(logits)
+    return scores + bias_E if router.use_correction_bias else scores
+
+
+def _poison_allocator(device) -> None:
+    # the next allocations reuse this memory: anything the kernels leave unwritten reads NaN
+    torch.full((64 << 20,), float("nan"), dtype=torch.float32, device=device)
+
+
+def _check_against_torch(router, tokens, hidden, *, logits_dtype=torch.float32, capacity=None):
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(tokens * 7 + router.num_experts)
+    x_TH = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, generator=generator)
+    logits_TE = torch.randn(tokens, router.num_experts, device=device, generator=generator).to(
+        logits_dtype
+    )
+    bias_E = (
+        0.1 * torch.randn(router.num_experts, device=device, generator=generator)
+        if router.use_correction_bias
+        else None
+    )
+    dispatcher = DeviceRoutedDispatcher(router, hidden_size=hidden, capacity=capacity)
+    _poison_allocator(device)
+    batch, handle, ids_TK = dispatcher.route_and_dispatch(x_TH, logits_TE, correction_bias_E=bias_E)
+    ref_ids_TK, ref_weights_TK = route(logits_TE, router, correction_bias_E=bias_E)
+
+    # the same choice scores are chosen in the same order (ids may swap between equal scores)
+    choice_TE = _choice_scores(logits_TE, router, bias_E)
+    assert torch.equal(choice_TE.gather(1, ids_TK.long()), choice_TE.gather(1, ref_ids_TK.long()))
+    assert ((ids_TK >= 0) & (ids_TK < router.num_experts)).all()
+    unique_ids = (ids_TK == ref_ids_TK).all(dim=1)
+    torch.testing.assert_close(
+        handle.topk_weights_TK[unique_ids], ref_weights_TK[unique_ids], rtol=2e-6, atol=1e-7
+    )
+    # placement and copy: exactly LocalDispatcher's on the kernel's own routing
+    oracle, oracle_handle = LocalDispatcher(router.num_experts, capacity=capacity).dispatch(
+        x_TH, ids_TK, handle.topk_weights_TK
+    )
+    valid = tokens * router.top_k
+    assert torch.equal(batch.expert_offsets, oracle.expert_offsets)
+    assert torch.equal(handle.row_of_pair_TK.long(), oracle_handle.row_of_pair_TK.long())
+    assert torch.equal(batch.rows_MH[:valid], oracle.rows_MH[:valid])
+    assert batch.capacity == (valid if capacity is None else capacity)
+    assert dispatcher._route_launcher(logits_dtype, device).status(device) == [0, 0, 0, 0]
+
+    # combine: the torch combine's bits, with and without the shared experts' addend
+    expert_out_MH = torch.randn_like(batch.rows_MH)
+    y_TH = dispatcher.combine(expert_out_MH, handle)
+    expected_TH = weighted_sum_over_topk(
+        expert_out_MH, handle.row_of_pair_TK, handle.topk_weights_TK, output_dtype=torch.bfloat16
+    )
+    assert torch.equal(y_TH, expected_TH)
+    shared_TH = torch.randn_like(x_TH)
+    assert torch.equal(
+        dispatcher.combine(expert_out_MH, handle, addend_TH=shared_TH), expected_TH + shared_TH
+    )
+    unweighted_TH = dispatcher.combine(expert_out_MH, handle, weights_applied=True)
+    assert torch.equal(
+        unweighted_TH,
+        weighted_sum_over_topk(
+            expert_out_MH, handle.row_of_pair_TK, None, output_dtype=torch.bfloat16
+        ),
+    )
+
+
+@pytest.mark.parametrize("name", sorted(ROUTERS))
+@pytest.mark.parametrize("tokens", [0, 1, 5, 300, 4099])
+def test_routing_dispatch_combine_match_torch(name, tokens):
+    router = ROUTERS[name]
+    _needs_kernels(router, 264)
+    _check_against_torch(router, tokens, 264)
+
+
+@pytest.mark.parametrize("hidden", [2048, 2880, 7168])
+def test_row_widths_and_many_tokens_per_warp(hidden):
+    router = ROUTERS["qwen3"]
+    _needs_kernels(router, hidden)
+    _check_against_torch(router, 9000, hidden)
+
+
+def test_bf16_logits_with_ties():
+    router = ROUTERS["qwen3"]
+    _needs_kernels(router, 512)
+    _check_against_torch(router, 2000, 512, logits_dtype=torch.bfloat16)
+
+
+def test_capacity_tail_and_overflow():
+    router = ROUTERS["dsv3"]
+    _needs_kernels(router, 512)
+    _check_against_torch(router, 37, 512, capacity=37 * 8 + 100)
+    dispatcher = DeviceRoutedDispatcher(router, hidden_size=512, capacity=10)
+    x_TH = torch.randn(2, 512, device="cuda", dtype=torch.bfloat16)
+    logits_TE = torch.randn(2, 256, device="cuda")
+    with pytest.raises(ValueError, match="exceed the capacity"):
+        dispatcher.route_and_dispatch(
+            x_TH, logits_TE, correction_bias_E=torch.zeros(256, device="cuda")
+        )
+
+
+def test_one_expert_takes_everything_and_empty_experts():
+    router = RouterConfig(num_experts=64, top_k=1)
+    _needs_kernels(router, 256)
+    x_TH = torch.randn(3000, 256, device="cuda", dtype=torch.bfloat16)
+    logits_TE = torch.randn(3000, 64, device="cuda")
+    logits_TE[:, 17] += 100.0
+    batch, handle, ids_TK = DeviceRoutedDispatcher(router, hidden_size=256).route_and_dispatch(
+        x_TH, logits_TE
+    )
+    assert (ids_TK == 17).all()
+    offsets = batch.expert_offsets.tolist()
+    assert offsets[:18] == [0] * 18 and offsets[18:] == [3000] * 47
+    assert torch.equal(batch.rows_MH, x_TH)
+    assert torch.equal(
+        handle.row_of_pair_TK[:, 0], torch.arange(3000, device="cuda", dtype=torch.int32)
+    )
+
+
+def test_nan_logits_stay_in_their_token():
+    router = ROUTERS["dsv3"]
+    _needs_kernels(router, 256)
+    x_TH = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    logits_TE = torch.randn(64, 256, device="cuda")
+    logits_TE[5, 3] = float("nan")
+    bias_E = torch.zeros(256, device="cuda")
+    dispatcher = DeviceRoutedDispatcher(router, hidden_size=256)
+    _, handle, ids_TK = dispatcher.route_and_dispatch(x_TH, logits_TE, correction_bias_E=bias_E)
+    assert ((ids_TK >= 0) & (ids_TK < 256)).all()  # ids never leave the range
+    assert 3 in ids_TK[5].tolist()  # NaN ranks above every number, as in torch.topk
+    assert torch.isnan(handle.topk_weights_TK[5]).all()
+    assert torch.isfinite(handle.topk_weights_TK[torch.arange(64, device="cuda") != 5]).all()
+
+
+def test_bitwise_repeat_and_graph_replay_with_new_routing():
+    router = ROUTERS["qwen3"]
+    _needs_kernels(router, 512)
+    tokens, capacity = 96, 96 * 8
+    dispatcher = DeviceRoutedDispatcher(router, hidden_size=512, capacity=capacity)
+    x_TH = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
+    logits_TE = torch.randn(tokens, 128, device="cuda")
+
+    def forward():
+        batch, handle, _ = dispatcher.route_and_dispatch(x_TH, logits_TE)
+        return dispatcher.combine(batch.rows_MH * 2, handle)
+
+    first, second = forward(), forward()
+    assert torch.equal(first, second)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_TH = forward()
+    for _ in range(3):
+        x_TH.copy_(torch.randn_like(x_TH))
+        logits_TE.copy_(torch.randn_like(logits_TE))
+        graph.replay()
+        assert torch.equal(y_TH, forward())
