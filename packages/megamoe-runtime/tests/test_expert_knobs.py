@@ -4,7 +4,7 @@ from megamoe_kernels import candidate_knobs, knob_problems
 from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.experts import cutedsl
 from megamoe_runtime.experts.cutedsl import CuteDSLExperts
-from megamoe_runtime.tuning import KnobCache, KnobKey
+from megamoe_runtime.tuning import KnobCache, KnobKey, expert_knobs
 from megamoe_runtime.tuning.cache import shipped_knob_cache
 from megamoe_runtime.tuning.expert_knobs import (
     cache_fields,
@@ -125,7 +125,7 @@ def test_the_users_cache_wins_over_the_shipped_entries(tmp_path, monkeypatch):
     shipped, users = KnobCache(tmp_path / "shipped.json"), KnobCache(tmp_path / "users.json")
     shipped_knobs, users_knobs = candidate_knobs("down")[:2]
     shipped.put(key, cache_fields(shipped_knobs), microseconds=2.0)
-    monkeypatch.setattr(cutedsl, "shipped_knob_cache", lambda: shipped)
+    monkeypatch.setattr(expert_knobs, "shipped_knob_cache", lambda: shipped)
     assert CuteDSLExperts(knob_cache=users)._cached_knobs("down", batch, DOWN_DIMS) == (
         shipped_knobs
     )

@@ -7,12 +7,11 @@ import itertools
 from dataclasses import dataclass
 
 import torch
-from megamoe_kernels import candidate_knobs
 from megamoe_runtime.dispatch import LocalDispatcher
 from megamoe_runtime.experts.cutedsl import CuteDSLExperts
 from megamoe_runtime.geometries import Geometry
 from megamoe_runtime.tuning.cache import KnobCache
-from megamoe_runtime.tuning.expert_knobs import gemm_key, tune_gemm
+from megamoe_runtime.tuning.expert_knobs import gemm_candidates, gemm_key, tune_gemm
 from megamoe_runtime.weights import Unquantized
 
 from megamoe_torch import bench
@@ -118,7 +117,7 @@ def tune_point(
             capacity=batch.capacity,
             num_experts=geometry.num_experts,
         )
-        candidates = candidate_knobs(op, stage_choices=("max",)) if quick else candidate_knobs(op)
+        candidates = gemm_candidates(op, quick=quick)
         default_seconds = seconds_of(None)
         best, best_seconds = tune_gemm(
             op, key=key, seconds_of=seconds_of, cache=cache, candidates=candidates

@@ -8,14 +8,15 @@ host sync, fixed shapes for a fixed capacity, so the pair replays in a CUDA grap
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-from megamoe_kernels import GemmLauncher, down_launcher, gate_up_launcher
+from megamoe_kernels import GemmKnobs, GemmLauncher, down_launcher, gate_up_launcher
 
 from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.experts.base import check_batch_matches_weights
-from megamoe_runtime.tuning.cache import KnobCache, shipped_knob_cache
+from megamoe_runtime.tuning.cache import KnobCache, KnobKey
 from megamoe_runtime.weights import Unquantized
 
 
@@ -69,43 +70,110 @@ class CuteDSLExperts:
         self.knob_cache = KnobCache() if knob_cache is None else knob_cache
         self._launchers: dict[tuple, tuple[GemmLauncher, GemmLauncher]] = {}
 
+    @staticmethod
+    def _weight_dims(prepared: CuteDSLWeights) -> dict[str, tuple[int, int]]:
+        """(N, K) of each op's weight: gate-up (2I, H), down (H, I)."""
+        _, hidden, intermediate = prepared.w2_EHI.shape
+        return {"gate_up": (2 * intermediate, hidden), "down": (hidden, intermediate)}
+
+    def knob_keys(self, batch: ExpertBatch, prepared: CuteDSLWeights) -> dict[str, KnobKey]:
+        """The knob-cache key of the batch's class for each op whose knobs are looked up (not
+        given explicitly), gate-up first."""
+        from megamoe_runtime.tuning.expert_knobs import batch_gemm_key
+
+        explicit = {"gate_up": self.gate_up_knobs, "down": self.down_knobs}
+        return {
+            op: batch_gemm_key(op, batch, weight_dims=weight_dims)
+            for op, weight_dims in self._weight_dims(prepared).items()
+            if explicit[op] is None
+        }
+
+    def knob_candidates(
+        self, op: str, batch: ExpertBatch, prepared: CuteDSLWeights
+    ) -> list[GemmKnobs]:
+        """What the online autotuner times for `op` on this batch: first the knobs that run it
+        without a tuned entry (the default profile's for the batch's capacity: stored as a tuned
+        entry they launch the same kernels), then every candidate that keeps the numbers (no
+        split-K; `gemm_candidates`), the deepest ring of each tile shape. The list's length does
+        not depend on the batch (ranks time it in lockstep), so the first may appear twice."""
+        from megamoe_kernels import default_launches
+
+        from megamoe_runtime.tuning.expert_knobs import gemm_candidates
+
+        device = batch.rows_MH.device
+        untuned = default_launches(
+            op,
+            batch.capacity,
+            batch.num_experts,
+            weight_dims=self._weight_dims(prepared)[op],
+            sms=torch.cuda.get_device_properties(device).multi_processor_count,
+        )[-1].knobs
+        return [untuned, *gemm_candidates(op, quick=True, same_numbers=True)]
+
+    def expert_runner(
+        self,
+        batch: ExpertBatch,
+        prepared: CuteDSLWeights,
+        *,
+        knobs: Mapping[str, GemmKnobs],
+    ) -> Callable[[], torch.Tensor]:
+        """The expert MLP on `batch` with `knobs` (op -> knobs) in place of the looked-up ones,
+        as a knob-cache entry would put them (compiled here): what the online autotuner times."""
+        gate_up, down = self._bind(batch, prepared, None, tuned=knobs)
+        rows_MH, offsets = batch.rows_MH, batch.expert_offsets
+
+        def run() -> torch.Tensor:
+            return down(gate_up(rows_MH, offsets, prepared.w13_EB2GH), offsets, prepared.w2_EHI)
+
+        return run
+
+    def forget_launchers(self) -> None:
+        """Drops the launchers bound so far: the next call of each class looks its knobs up again
+        (after the knob cache gained an entry)."""
+        self._launchers.clear()
+
     def _cached_knobs(self, op: str, batch: ExpertBatch, weight_dims: tuple[int, int]):
         """Tuned knobs for the batch's class (its typical rows, else its capacity) from the
         knob cache or the shipped entries, or None (defaults)."""
-        from megamoe_runtime.tuning.expert_knobs import gemm_key, knobs_from_cache
+        from megamoe_runtime.tuning.expert_knobs import batch_gemm_key, looked_up_knobs
 
-        key = gemm_key(
-            op,
-            device=batch.rows_MH.device,
-            dtype=batch.rows_MH.dtype,
-            weight_dims=weight_dims,
-            capacity=batch.capacity if batch.typical_rows is None else batch.typical_rows,
-            num_experts=batch.num_experts,
-        )
-        return knobs_from_cache(self.knob_cache, key) or knobs_from_cache(shipped_knob_cache(), key)
+        key = batch_gemm_key(op, batch, weight_dims=weight_dims)
+        return looked_up_knobs(self.knob_cache, key)
 
-    def _knob_arguments(self, batch: ExpertBatch, prepared: CuteDSLWeights) -> tuple[dict, dict]:
+    def _knob_arguments(
+        self,
+        batch: ExpertBatch,
+        prepared: CuteDSLWeights,
+        tuned: Mapping[str, GemmKnobs] | None = None,
+    ) -> tuple[dict, dict]:
         """The gate-up and the down GEMM's knob arguments for the batch's class: the explicit
-        knobs (run exactly), else tuned ones (in place of the default profile's, which still
-        hands small batches to the decode tiles), else none (the default profile)."""
-        _, hidden, intermediate = prepared.w2_EHI.shape
+        knobs (run exactly), else tuned ones (`tuned`'s, else the knob cache's or the shipped
+        entries'; in place of the default profile's, which still hands small batches to the
+        decode tiles), else none (the default profile)."""
+        tuned = tuned or {}
+        explicit = {"gate_up": self.gate_up_knobs, "down": self.down_knobs}
+        weight_dims = self._weight_dims(prepared)
 
-        def arguments(op: str, explicit, weight_dims: tuple[int, int]) -> dict:
-            if explicit is not None:
-                return {"knobs": explicit}
-            return {"tuned_knobs": self._cached_knobs(op, batch, weight_dims)}
+        def arguments(op: str) -> dict:
+            if explicit[op] is not None:
+                return {"knobs": explicit[op]}
+            if op in tuned:
+                return {"tuned_knobs": tuned[op]}
+            return {"tuned_knobs": self._cached_knobs(op, batch, weight_dims[op])}
 
-        return (
-            arguments("gate_up", self.gate_up_knobs, (2 * intermediate, hidden)),
-            arguments("down", self.down_knobs, (hidden, intermediate)),
-        )
+        return arguments("gate_up"), arguments("down")
 
     def _bind(
-        self, batch: ExpertBatch, prepared: CuteDSLWeights, row_scale_M: torch.Tensor | None
+        self,
+        batch: ExpertBatch,
+        prepared: CuteDSLWeights,
+        row_scale_M: torch.Tensor | None,
+        *,
+        tuned: Mapping[str, GemmKnobs] | None = None,
     ) -> tuple[GemmLauncher, GemmLauncher]:
         """The gate-up and the down GEMM's launchers for the batch's class (compiled here on
-        first use)."""
-        gate_up_knobs, down_knobs = self._knob_arguments(batch, prepared)
+        first use); `tuned`: knobs for some ops in place of the looked-up ones."""
+        gate_up_knobs, down_knobs = self._knob_arguments(batch, prepared, tuned)
         rows_MH, offsets = batch.rows_MH, batch.expert_offsets
         gate_up = gate_up_launcher(
             rows_MH, offsets, prepared.w13_EB2GH, valid_rows=batch.valid_rows, **gate_up_knobs

@@ -34,18 +34,22 @@ def pick_fastest(
             seconds.append(float("inf"))
             failures.append(f"{candidate}: {error}")
     if process_group is not None:
-        import torch.distributed as dist
-
-        backend = dist.get_backend(process_group)
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if backend == "nccl"
-            else torch.device("cpu")
-        )
-        times = torch.tensor(seconds, dtype=torch.float64, device=device)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=process_group)
-        seconds = times.tolist()
+        seconds = all_reduce_max(seconds, process_group)
     best = min(range(len(candidates)), key=lambda index: seconds[index])
     if seconds[best] == float("inf"):
         raise RuntimeError("every candidate failed: " + "; ".join(failures))
     return candidates[best], seconds
+
+
+def all_reduce_max(values: Sequence[float], process_group) -> list[float]:
+    """Each value's maximum over the ranks of `process_group` (every rank passes as many)."""
+    import torch.distributed as dist
+
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(process_group) == "nccl"
+        else torch.device("cpu")
+    )
+    reduced = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=process_group)
+    return reduced.tolist()

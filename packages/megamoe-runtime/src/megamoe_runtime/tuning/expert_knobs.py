@@ -1,8 +1,11 @@
-"""Tuning the cutedsl expert GEMMs: candidate knobs, the cache key of a batch, the offline tuner.
+"""Tuning the cutedsl expert GEMMs: candidate knobs, the cache key of a batch, the lookup of
+tuned knobs, and the tuning of one GEMM class.
 
 The key of a GEMM is its op, the GPU's name, the dtype, the weight dims and the bucket of rows per
-expert (capacity / E, as the kernels' default profile keys it), so one tuned entry serves every
-batch of the same class. The cutedsl backend reads the cache when no knobs are given explicitly.
+expert (capacity / E, as the kernels' default profile keys it; a batch's typical rows / E where
+its capacity is sized for a worst case), so one tuned entry serves every batch of the same class.
+The cutedsl backend reads the cache when no knobs are given explicitly; `megamoe tune` (offline)
+and `OnlineAutotuner` (in the layer, `knobs="auto"`) fill it.
 """
 
 from __future__ import annotations
@@ -13,8 +16,26 @@ from dataclasses import asdict
 import torch
 from megamoe_kernels import GemmKnobs, candidate_knobs, knob_problems
 
+from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.tuning.autotune import pick_fastest
-from megamoe_runtime.tuning.cache import KnobCache, KnobKey, rows_per_expert_bucket
+from megamoe_runtime.tuning.cache import (
+    KnobCache,
+    KnobKey,
+    rows_per_expert_bucket,
+    shipped_knob_cache,
+)
+
+
+def gemm_candidates(op: str, *, quick: bool = False, same_numbers: bool = False) -> list[GemmKnobs]:
+    """The knobs a tuner times for `op`: every valid tile shape in both orientations, with the
+    pingpong, 2-CTA cluster and split-K variants (`candidate_knobs`); `quick`: only the deepest
+    ring of each shape. `same_numbers`: only knobs that sum each output over K whole, in
+    ascending K tiles, as the default profile does: no split-K (its slices are added in a fixed
+    order, deterministic but not bitwise equal to the unsplit sum; docs/tuning.md)."""
+    candidates = candidate_knobs(op, stage_choices=("max",)) if quick else candidate_knobs(op)
+    if same_numbers:
+        candidates = [knobs for knobs in candidates if knobs.split_k == 1]
+    return candidates
 
 
 def gemm_key(
@@ -35,6 +56,19 @@ def gemm_key(
         out_features=weight_dims[0],
         in_features=weight_dims[1],
         rows_per_expert_bucket=rows_per_expert_bucket(capacity / max(num_experts, 1)),
+    )
+
+
+def batch_gemm_key(op: str, batch: ExpertBatch, *, weight_dims: tuple[int, int]) -> KnobKey:
+    """The class of `batch` for `op`: its typical rows where the batch has them (a capacity sized
+    for a worst case), else its capacity, over its experts."""
+    return gemm_key(
+        op,
+        device=batch.rows_MH.device,
+        dtype=batch.rows_MH.dtype,
+        weight_dims=weight_dims,
+        capacity=batch.capacity if batch.typical_rows is None else batch.typical_rows,
+        num_experts=batch.num_experts,
     )
 
 
@@ -59,6 +93,16 @@ def knobs_from_cache(cache: KnobCache, key: KnobKey) -> GemmKnobs | None:
     return None if knob_problems(knobs, key.op) else knobs
 
 
+def looked_up_knobs(cache: KnobCache, key: KnobKey) -> GemmKnobs | None:
+    """The tuned knobs for `key`: from `cache`, else from the entries megamoe ships, else None
+    (the default profile)."""
+    return knobs_from_cache(cache, key) or knobs_from_cache(shipped_knob_cache(), key)
+
+
+def store_tuned(cache: KnobCache, key: KnobKey, knobs: GemmKnobs, *, seconds: float) -> None:
+    cache.put(key, cache_fields(knobs), microseconds=seconds * 1e6)
+
+
 def tune_gemm(
     op: str,
     *,
@@ -73,5 +117,5 @@ def tune_gemm(
     candidates = candidate_knobs(op) if candidates is None else candidates
     best, seconds = pick_fastest(candidates, seconds_of, process_group=process_group)
     best_seconds = min(seconds)
-    cache.put(key, cache_fields(best), microseconds=best_seconds * 1e6)
+    store_tuned(cache, key, best, seconds=best_seconds)
     return best, best_seconds
