@@ -1,14 +1,17 @@
 """Benchmarks of expert compute and of the whole layer, backend against backend in one run.
 
-Every point reports time, the ratio to the grouped_mm baseline measured in the same run, TFLOP/s,
-the fraction of the roofline floor (shared/TARGETS.md) and rel-L2 against the fp32 oracle.
+`bench_point` (modes "kernels" and "eager"): time, the ratio to the grouped_mm baseline measured in
+the same run, TFLOP/s, the fraction of the roofline floor (shared/TARGETS.md) and rel-L2 against
+the fp32 oracle. `bench_layer_point` (mode "layer"): the whole forward, router GEMM to combine,
+eager and as a CUDA-graph replay, with the ops it launches and its host time, against the expert
+GEMMs alone and against the grouped_mm layer.
 """
 
 from __future__ import annotations
 
 import csv
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, is_dataclass, replace
 from pathlib import Path
 
 import torch
@@ -41,6 +44,38 @@ class BenchRow:
     tflops: float
     roofline_fraction: float
     rel_l2: float
+
+
+@dataclass(frozen=True)
+class LayerBenchRow:
+    """One backend's whole forward (router GEMM, routing, dispatch, expert MLP, combine, shared
+    experts) at one point, per forward.
+
+    `graph_microseconds` is a CUDA-graph replay's time, None on a CPU. `gpu_ops` counts what
+    `ops_counted` names: on a GPU "kernels", the CUDA kernels one eager forward launches, with its
+    memcpy and memset apart in `gpu_memory_ops`; on a CPU "aten ops", the aten ops the forward
+    calls from Python (not those inside other aten ops), and `gpu_memory_ops` is None.
+    `gemm_microseconds` is the expert compute alone on the same batch (the "kernels" mode).
+    `layer_over_gemms` and `speedup` (grouped_mm's layer time over this backend's) compare graph
+    replays on a GPU and eager forwards on a CPU; the baseline fields are None when grouped_mm
+    was not among the backends of the run.
+    """
+
+    geometry: str
+    tokens: int
+    backend: str
+    layer_path: str  # "fused" (device routing, dispatch, combine) or "torch"
+    eager_microseconds: float
+    graph_microseconds: float | None
+    host_microseconds: float  # CPU time to issue one eager forward
+    gpu_ops: int
+    gpu_memory_ops: int | None
+    ops_counted: str
+    gemm_microseconds: float
+    layer_over_gemms: float
+    baseline_eager_microseconds: float | None
+    baseline_graph_microseconds: float | None
+    speedup: float | None
 
 
 def build_layer(
@@ -108,7 +143,9 @@ def bench_point(
         error = relative_l2_error(backend(batch, prepared)[:rows], oracle_MH)
         for mode in modes:
             if mode == "kernels":
-                timer = median_graph_replay_seconds if device.type == "cuda" else median_seconds
+                # the reference backend reads the offsets on the host: it cannot be captured
+                capturable = device.type == "cuda" and name != "reference"
+                timer = median_graph_replay_seconds if capturable else median_seconds
 
                 def call(backend=backend, prepared=prepared):
                     return backend(batch, prepared)
@@ -139,6 +176,133 @@ def bench_point(
                 tflops=geometry.expert_flops(rows) / seconds / 1e12,
                 roofline_fraction=floor / seconds,
                 rel_l2=error,
+            )
+        )
+    return out
+
+
+def with_capacity(layer: MegaMoE, capacity: int, **overrides) -> MegaMoE:
+    """The same layer, sharing its parameter tensors (no copy), with a fixed expert-batch capacity
+    of `capacity` rows (and any other config `overrides`): every shape of its forward is static,
+    so the forward captures in a CUDA graph."""
+    config = replace(layer.config, capacity=capacity, **overrides)
+    fixed = MegaMoE(config, device="meta", dtype=layer.w13.dtype)
+    fixed.load_state_dict(layer.state_dict(), assign=True)
+    return fixed
+
+
+def ops_per_call(fn: Callable[[], object], *, device: torch.device) -> tuple[int, int | None, str]:
+    """(ops, memory ops, what was counted) for one call of `fn()` after a warm-up call, from the
+    torch profiler. On a GPU: the CUDA kernels it launches and, apart, its memcpy and memset,
+    "kernels". On a CPU, which has no kernels to count: the aten ops it calls from Python (an op
+    inside another aten op is not counted), None, "aten ops"."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+            fn()
+            torch.cuda.synchronize(device)
+        names = [e.name for e in profiler.events() if e.device_type == DeviceType.CUDA]
+        memory_ops = sum(1 for name in names if name.startswith(("Memcpy", "Memset")))
+        return len(names) - memory_ops, memory_ops, "kernels"
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        fn()
+
+    def is_aten(event) -> bool:
+        return event.name.startswith("aten::")
+
+    def called_from_python(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if is_aten(parent):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    events = profiler.events()
+    return sum(1 for e in events if is_aten(e) and called_from_python(e)), None, "aten ops"
+
+
+@torch.no_grad()
+def bench_layer_point(
+    layer: MegaMoE,
+    geometry: Geometry,
+    tokens: int,
+    *,
+    backends: list[str],
+    repeats: int = 30,
+    kernel_rows: Iterable[BenchRow] = (),
+) -> list[LayerBenchRow]:
+    """The whole forward of `layer` on `tokens` random tokens, per backend: median eager time,
+    median per-forward time of a CUDA-graph replay (graphs of several forwards, as the "kernels"
+    mode times the expert compute), the ops one eager forward launches (ops_per_call) and the
+    host time to issue it. The layer runs with a fixed capacity of tokens x top_k rows (the
+    routed rows exactly, so nothing is padded) on its own parameters. The expert compute alone
+    comes from this point's "kernels" rows in `kernel_rows`, measured here for the backends
+    they lack."""
+    device = layer.w13.device
+    fixed = with_capacity(layer, tokens * geometry.top_k)
+    # the baseline is the torch composition end to end: torch routing, dispatch and combine
+    all_torch = with_capacity(layer, tokens * geometry.top_k, layer_path="torch")
+    x_TH, _, _ = routed_tokens(layer, tokens)  # the tokens bench_point dispatches
+    gemm_seconds = {
+        row.backend: row.microseconds / 1e6
+        for row in kernel_rows
+        if (row.geometry, row.tokens, row.mode) == (geometry.name, tokens, "kernels")
+    }
+    missing = [name for name in backends if name not in gemm_seconds]
+    if missing:
+        for row in bench_point(
+            layer, geometry, tokens, backends=missing, modes=("kernels",), repeats=repeats
+        ):
+            gemm_seconds[row.backend] = row.microseconds / 1e6
+    measured = {}
+    for name in backends:
+        measured_layer = all_torch if name == BASELINE else fixed
+        measured_layer.use_backend(name)
+
+        def forward(measured_layer=measured_layer):
+            return measured_layer(x_TH)
+
+        eager = median_seconds(forward, device=device, repeats=repeats)
+        # the reference backend reads the offsets on the host: it cannot be captured
+        graph = (
+            median_graph_replay_seconds(forward, device=device, repeats=repeats)
+            if device.type == "cuda" and name != "reference"
+            else None
+        )
+        host = host_seconds_per_call(forward, device=device)
+        path = "fused" if measured_layer.fused_path_status(device)[0] else "torch"
+        measured[name] = (path, eager, graph, host, *ops_per_call(forward, device=device))
+    baseline_eager, baseline_graph = measured.get(BASELINE, (None, None, None))[1:3]
+    out = []
+    for name, (path, eager, graph, host, ops, memory_ops, counted) in measured.items():
+        seconds = eager if graph is None else graph
+        baseline = baseline_eager if graph is None else baseline_graph
+        out.append(
+            LayerBenchRow(
+                geometry=geometry.name,
+                tokens=tokens,
+                backend=name,
+                layer_path=path,
+                eager_microseconds=eager * 1e6,
+                graph_microseconds=None if graph is None else graph * 1e6,
+                host_microseconds=host * 1e6,
+                gpu_ops=ops,
+                gpu_memory_ops=memory_ops,
+                ops_counted=counted,
+                gemm_microseconds=gemm_seconds[name] * 1e6,
+                layer_over_gemms=seconds / gemm_seconds[name],
+                baseline_eager_microseconds=None
+                if baseline_eager is None
+                else baseline_eager * 1e6,
+                baseline_graph_microseconds=None
+                if baseline_graph is None
+                else baseline_graph * 1e6,
+                speedup=None if baseline is None else baseline / seconds,
             )
         )
     return out
@@ -189,7 +353,8 @@ def capacity_sweep(
 
 
 def write_csv(rows: list, path: Path) -> None:
-    records = [asdict(row) if isinstance(row, BenchRow) else row for row in rows]
+    """One CSV of rows of one kind (BenchRow, LayerBenchRow or dicts), written whole."""
+    records = [asdict(row) if is_dataclass(row) else row for row in rows]
     if not records:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -249,5 +414,38 @@ def format_table(rows: list[BenchRow]) -> str:
             f"{r.geometry:<16}{r.tokens:>7}{r.rows:>7} {r.backend:<11}{r.mode:<8}{r.microseconds:>9.1f}"
             f"{r.host_microseconds:>8.1f}"
             f"{speedup:>8}{r.tflops:>9.1f}{r.roofline_fraction:>7.3f}{r.rel_l2:>9.1e}"
+        )
+    return "\n".join(lines)
+
+
+def format_layer_table(rows: list[LayerBenchRow]) -> str:
+    """The layer mode's rows; "-" where a value does not exist (no graph on a CPU, no baseline)."""
+
+    def cell(value: float | int | None, width: int, spec: str) -> str:
+        return f"{'-' if value is None else format(value, spec):>{width}}"
+
+    header = f"{'geometry':<16}{'tokens':>7} {'backend':<11}{'path':<6}{'eager us':>10}{'graph us':>10}{'host us':>9}{'ops':>6}{'mem':>5}{'gemm us':>9}{'/gemm':>7}{'base eager':>11}{'base graph':>11}{'x base':>8}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(
+            f"{r.geometry:<16}{r.tokens:>7} {r.backend:<11}{r.layer_path:<6}"
+            f"{r.eager_microseconds:>10.1f}"
+            + cell(r.graph_microseconds, 10, ".1f")
+            + f"{r.host_microseconds:>9.1f}{r.gpu_ops:>6}"
+            + cell(r.gpu_memory_ops, 5, "d")
+            + f"{r.gemm_microseconds:>9.1f}{r.layer_over_gemms:>7.2f}"
+            + cell(r.baseline_eager_microseconds, 11, ".1f")
+            + cell(r.baseline_graph_microseconds, 11, ".1f")
+            + cell(r.speedup, 8, ".2f")
+        )
+    if rows and rows[0].graph_microseconds is not None:
+        lines.append(
+            "ops: CUDA kernels of one eager forward, mem: its memcpy + memset; "
+            "/gemm and x base: graph replays"
+        )
+    elif rows:
+        lines.append(
+            "ops: aten ops of one eager forward (a CPU has no kernels); "
+            "/gemm and x base: eager forwards"
         )
     return "\n".join(lines)

@@ -88,27 +88,43 @@ def run_bench(args: argparse.Namespace) -> int:
     if not backends:
         print(f"none of {args.backends} can run on {device}", file=sys.stderr)
         return 2
-    rows = []
+    point_modes = tuple(mode for mode in args.modes if mode != "layer")
+    rows, layer_rows = [], []
     out = Path(args.out)
     progress = tqdm(total=len(geometries) * len(token_counts), desc="bench")
     for name in geometries:
         layer = bench.build_layer(GEOMETRIES[name], device=device, dtype=torch.bfloat16)
         for tokens in token_counts:
-            rows += bench.bench_point(
-                layer,
-                GEOMETRIES[name],
-                tokens,
-                backends=backends,
-                modes=tuple(args.modes),
-                repeats=args.repeats,
+            point_rows = (
+                bench.bench_point(
+                    layer,
+                    GEOMETRIES[name],
+                    tokens,
+                    backends=backends,
+                    modes=point_modes,
+                    repeats=args.repeats,
+                )
+                if point_modes
+                else []
             )
-            bench.write_csv(
-                rows, out / "bench.csv"
-            )  # after every point: a cut-short run keeps what it measured
+            rows += point_rows
+            if "layer" in args.modes:
+                layer_rows += bench.bench_layer_point(
+                    layer,
+                    GEOMETRIES[name],
+                    tokens,
+                    backends=backends,
+                    repeats=args.repeats,
+                    kernel_rows=point_rows,
+                )
+            # after every point: a cut-short run keeps what it measured
+            bench.write_csv(rows, out / "bench.csv")
+            bench.write_csv(layer_rows, out / "layer.csv")
             progress.update()
         del layer
     progress.close()
-    print(bench.plot_speedups(rows, out / "bench.png"))
+    if rows:
+        print(bench.plot_speedups(rows, out / "bench.png"))
     if args.capacity_sweep:
         sweep = []
         for name in geometries:
@@ -128,7 +144,10 @@ def run_bench(args: argparse.Namespace) -> int:
                 f"of {record['capacity']} rows: {record['microseconds_at_capacity']:.1f} us at capacity, "
                 f"{record['microseconds_tight']:.1f} us tight ({record['overhead']:+.1%})"
             )
-    print(bench.format_table(rows))
+    if rows:
+        print(bench.format_table(rows))
+    if layer_rows:
+        print(bench.format_layer_table(layer_rows))
     return 0
 
 
@@ -185,7 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="sweep geometries x token counts, backend against grouped_mm in the same run",
         description="Times expert compute (kernels: CUDA-graph replay) and/or the whole layer (eager) per backend, "
         "with the speedup over grouped_mm, TFLOP/s, fraction of the roofline floor and rel-L2 against the fp32 "
-        "oracle; writes bench.csv and bench.png under --out.",
+        "oracle; writes bench.csv and bench.png under --out. Mode layer times the whole forward (router GEMM to "
+        "combine) eager and as a CUDA-graph replay, counts the GPU kernels one eager forward launches and its host "
+        "time, against the expert GEMMs alone and the grouped_mm layer; writes layer.csv.",
     )
     bench_parser.add_argument("--geometry", nargs="+", choices=sorted(GEOMETRIES))
     bench_parser.add_argument(
@@ -195,11 +216,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--backends", nargs="+", default=list(BACKEND_NAMES[:2]), choices=BACKEND_NAMES
     )
     bench_parser.add_argument(
-        "--modes", nargs="+", default=["kernels"], choices=("kernels", "eager")
+        "--modes",
+        nargs="+",
+        default=["kernels"],
+        choices=("kernels", "eager", "layer"),
+        help="kernels: expert compute, graph replay; eager: the layer, eager; layer: the layer "
+        "eager and graphed, its kernel count and host time, against its GEMMs (default: kernels)",
     )
     bench_parser.add_argument("--repeats", type=int, default=30)
     bench_parser.add_argument(
-        "--out", default="bench-out", help="folder for bench.csv and bench.png"
+        "--out", default="bench-out", help="folder for bench.csv, bench.png and layer.csv"
     )
     bench_parser.add_argument(
         "--capacity-sweep",

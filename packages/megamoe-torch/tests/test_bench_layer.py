@@ -1,0 +1,149 @@
+"""`megamoe bench`'s layer mode: the whole forward timed eager (and graphed on a GPU), its ops
+counted, against the expert GEMMs alone and the grouped_mm layer; through the Python API and the
+command line."""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from megamoe_runtime.experts import backend_status
+from megamoe_runtime.geometries import Geometry
+from megamoe_torch import bench
+from megamoe_torch.cli import main
+
+# a DeepSeek-like router (sigmoid, grouped top-k, correction bias) and a shared expert: every
+# part of the forward runs
+TINY = Geometry(
+    "test-tiny",
+    num_experts=8,
+    top_k=2,
+    hidden_size=64,
+    intermediate_size=32,
+    scoring="sigmoid",
+    num_groups=4,
+    top_groups=2,
+    use_correction_bias=True,
+    num_shared_experts=1,
+)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_layer():
+    return bench.build_layer(TINY, device=CPU, dtype=torch.bfloat16, seed=3)
+
+
+def test_layer_rows_time_the_forward_and_count_its_ops_on_a_cpu(tiny_layer, tmp_path):
+    rows = bench.bench_layer_point(tiny_layer, TINY, 7, backends=["reference"], repeats=2)
+    assert [(row.geometry, row.tokens, row.backend) for row in rows] == [
+        ("test-tiny", 7, "reference")
+    ]
+    row = rows[0]
+    assert row.eager_microseconds > 0 and row.host_microseconds > 0
+    assert row.gemm_microseconds > 0
+    # a CPU has neither graphs nor kernels: aten ops are counted instead, and said so
+    assert row.graph_microseconds is None
+    assert row.ops_counted == "aten ops" and row.gpu_ops > 0 and row.gpu_memory_ops is None
+    assert math.isclose(row.layer_over_gemms, row.eager_microseconds / row.gemm_microseconds)
+    # grouped_mm was not in the run: nothing to compare with
+    assert row.speedup is None and row.baseline_eager_microseconds is None
+
+    bench.write_csv(rows, tmp_path / "layer.csv")
+    with (tmp_path / "layer.csv").open() as handle:
+        records = list(csv.DictReader(handle))
+    assert len(records) == 1
+    assert float(records[0]["eager_microseconds"]) == pytest.approx(row.eager_microseconds)
+    assert int(records[0]["gpu_ops"]) == row.gpu_ops
+    assert records[0]["graph_microseconds"] == ""
+
+
+def test_layer_point_reuses_the_kernels_rows_of_its_point(tiny_layer):
+    measured = bench.bench_point(tiny_layer, TINY, 5, backends=["reference"], repeats=2)
+    # a sentinel time shows the rows were used, not measured again
+    kernels = [replace(measured[0], microseconds=123.0)]
+    rows = bench.bench_layer_point(
+        tiny_layer, TINY, 5, backends=["reference"], repeats=2, kernel_rows=kernels
+    )
+    assert rows[0].gemm_microseconds == pytest.approx(123.0)
+    # rows of another point are not this point's GEMMs
+    other = bench.bench_layer_point(
+        tiny_layer, TINY, 6, backends=["reference"], repeats=2, kernel_rows=kernels
+    )
+    assert other[0].gemm_microseconds != pytest.approx(123.0)
+
+
+def test_the_baseline_backend_compares_with_itself(tiny_layer, monkeypatch):
+    monkeypatch.setattr(bench, "BASELINE", "reference")
+    (row,) = bench.bench_layer_point(tiny_layer, TINY, 3, backends=["reference"], repeats=2)
+    assert row.baseline_eager_microseconds == row.eager_microseconds
+    assert row.speedup == pytest.approx(1.0)
+
+
+def test_fixed_capacity_layer_shares_the_weights_and_computes_the_same(tiny_layer):
+    tokens = 9
+    fixed = bench.with_capacity(tiny_layer, tokens * TINY.top_k)
+    x_TH = torch.randn(tokens, TINY.hidden_size, dtype=torch.bfloat16)
+    tiny_layer.use_backend("reference")
+    fixed.use_backend("reference")
+    with torch.no_grad():
+        torch.testing.assert_close(fixed(x_TH), tiny_layer(x_TH), rtol=0, atol=0)
+        assert fixed.w13.data_ptr() == tiny_layer.w13.data_ptr()
+        tiny_layer.w2.mul_(2)  # a change to the layer's weights is a change to the fixed one's
+        torch.testing.assert_close(fixed(x_TH), tiny_layer(x_TH), rtol=0, atol=0)
+        tiny_layer.w2.div_(2)
+
+
+def test_op_count_on_a_cpu_is_the_aten_ops_called_from_python():
+    a, b = torch.randn(4, 8), torch.randn(3, 8)
+    # linear runs transposes and a matmul inside it: one op called, one counted
+    assert bench.ops_per_call(lambda: torch.nn.functional.linear(a, b), device=CPU)[0] == 1
+    assert bench.ops_per_call(lambda: (a + 1).sum() * 2, device=CPU)[0] == 3
+
+
+def test_bench_command_writes_the_layer_table_and_csv(tmp_path, capsys):
+    args = ["bench", "--geometry", "tiny-qwen3", "--tokens", "3", "--backends", "reference"]
+    args += ["--repeats", "2", "--out", str(tmp_path)]
+    assert main([*args, "--modes", "kernels", "layer"]) == 0
+    out = capsys.readouterr().out
+    assert "eager us" in out and "graph us" in out and "/gemm" in out
+    with (tmp_path / "layer.csv").open() as handle:
+        (layer_record,) = csv.DictReader(handle)
+    with (tmp_path / "bench.csv").open() as handle:
+        (kernels_record,) = csv.DictReader(handle)
+    assert layer_record["backend"] == "reference" and int(layer_record["tokens"]) == 3
+    assert float(layer_record["eager_microseconds"]) > 0
+    # the expert GEMMs of the layer row are the kernels row measured in the same run
+    assert float(layer_record["gemm_microseconds"]) == pytest.approx(
+        float(kernels_record["microseconds"])
+    )
+
+
+def test_bench_command_in_layer_mode_alone_writes_only_the_layer_csv(tmp_path):
+    args = ["bench", "--geometry", "tiny-qwen3", "--tokens", "2", "--backends", "reference"]
+    assert main([*args, "--modes", "layer", "--repeats", "2", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "layer.csv").exists() and not (tmp_path / "bench.csv").exists()
+
+
+@pytest.mark.gpu
+def test_layer_rows_on_a_gpu_count_kernels_and_time_graph_replays():
+    device = torch.device("cuda") if torch.cuda.is_available() else None
+    backends = [
+        name
+        for name in ("cutedsl", "grouped_mm")
+        if device is not None and backend_status(name, device)[0]
+    ]
+    if not backends:
+        pytest.skip("neither cutedsl nor grouped_mm can run here")
+    geometry = Geometry("test-gpu", 16, 4, 512, 384)
+    layer = bench.build_layer(geometry, device=device, dtype=torch.bfloat16)
+    rows = bench.bench_layer_point(layer, geometry, 1, backends=backends, repeats=5)
+    for row in rows:
+        assert row.ops_counted == "kernels" and row.gpu_ops > 0 and row.gpu_memory_ops >= 0
+        assert 0 < row.graph_microseconds < row.eager_microseconds  # one token: host-bound
+        assert math.isclose(row.layer_over_gemms, row.graph_microseconds / row.gemm_microseconds)
+        if "grouped_mm" in backends:
+            assert row.baseline_graph_microseconds is not None and row.speedup > 0
