@@ -3,15 +3,23 @@ profiler) and the host time of each step of the forward, for the geometries and 
 given. Run on the GPU machine from the project root:
 
     python3 scripts/layer_kernels.py --geometry qwen3-30b-a3b --tokens 1 16 2048 8192
+
+--route-ab times the routing kernel's knobs (graph replays, alternating rounds); --router-host
+the host time of the ways to compute fp32 router logits; --host-profile prints where the host
+time of 200 eager forwards goes (cProfile, by own time).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
+from megamoe_kernels.shim.local_layer import RouteLauncher
 from megamoe_runtime.geometries import GEOMETRIES
+from megamoe_runtime.timing import median_graph_replay_seconds
 from megamoe_torch.bench import build_layer, routed_tokens, with_capacity
 from torch.profiler import ProfilerActivity, profile
 
@@ -35,6 +43,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--geometry", nargs="+", default=["qwen3-30b-a3b"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 2048, 8192])
+    parser.add_argument("--route-ab", action="store_true")
+    parser.add_argument("--host-profile", action="store_true")
+    parser.add_argument("--router-host", action="store_true")
     args = parser.parse_args()
     for name in args.geometry:
         geometry = GEOMETRIES[name]
@@ -44,6 +55,93 @@ def main() -> None:
             layer.use_backend("cutedsl")
             x_TH, _, _ = routed_tokens(base, tokens)
             report(layer, x_TH, f"{name} {tokens} tokens")
+            if args.route_ab:
+                route_ab(layer, x_TH)
+            if args.host_profile:
+                host_profile(layer, x_TH)
+            if args.router_host:
+                router_host(layer, x_TH)
+
+
+def router_host(layer, x_TH) -> None:
+    """Host us of the ways to compute fp32 router logits from bf16 tokens and weights."""
+    weight = layer.gate.weight.detach()
+    weight_t = weight.t()
+    weight_t_contiguous = weight.t().contiguous()
+    weight_float32 = weight.float()
+    mm_dtype = torch.ops.aten.mm.dtype
+    ways = {
+        "mm(x, w.t(), out_dtype)": lambda: torch.mm(x_TH, weight.t(), out_dtype=torch.float32),
+        "mm(x, w_t view, out_dtype)": lambda: torch.mm(x_TH, weight_t, out_dtype=torch.float32),
+        "mm(x, w_t contiguous)": lambda: torch.mm(
+            x_TH, weight_t_contiguous, out_dtype=torch.float32
+        ),
+        "aten.mm.dtype": lambda: mm_dtype(x_TH, weight_t, torch.float32),
+        "linear(x.float(), w fp32)": lambda: torch.nn.functional.linear(
+            x_TH.float(), weight_float32
+        ),
+        "linear bf16 (bf16 out)": lambda: torch.nn.functional.linear(x_TH, weight),
+    }
+    print("  router host us: " + ", ".join(f"{k} {host_us(f):.1f}" for k, f in ways.items()))
+
+
+def route_ab(layer, x_TH) -> None:
+    """The routing kernel's knobs (row copy by token or by pair; one CTA up to 16 tokens or 1),
+    graph replays, three alternating rounds."""
+    config = layer.config
+    logits = layer.router_logits(x_TH)
+    variants = {
+        "by token, one CTA to 16": dict(copy_by_token=True, one_cta_tokens=16),
+        "by pair, one CTA to 16": dict(copy_by_token=False, one_cta_tokens=16),
+        "by token, one CTA to 1": dict(copy_by_token=True, one_cta_tokens=1),
+    }
+    launchers = {
+        name: RouteLauncher(
+            num_experts=config.num_experts,
+            top_k=config.top_k,
+            hidden_size=config.hidden_size,
+            scoring=config.scoring,
+            renormalize=config.renormalize,
+            num_groups=config.num_groups,
+            top_groups=config.top_groups,
+            routed_scaling_factor=config.routed_scaling_factor,
+            has_correction_bias=config.use_correction_bias,
+            device=x_TH.device,
+            **knobs,
+        )
+        for name, knobs in variants.items()
+    }
+    bias = layer.e_score_correction_bias
+    capacity = x_TH.shape[0] * config.top_k
+    times = {name: [] for name in launchers}
+    for _ in range(3):
+        for name, launcher in launchers.items():
+            seconds = median_graph_replay_seconds(
+                lambda launcher=launcher: launcher(
+                    logits, x_TH, capacity=capacity, correction_bias_E=bias
+                ),
+                device=x_TH.device,
+                repeats=10,
+            )
+            times[name].append(seconds * 1e6)
+    print(
+        "  route+dispatch us: "
+        + " | ".join(f"{name} " + " ".join(f"{t:.1f}" for t in ts) for name, ts in times.items())
+    )
+
+
+def host_profile(layer, x_TH) -> None:
+    """Own host time per function over 200 eager forwards (cProfile)."""
+    for _ in range(20):
+        layer(x_TH)
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(200):
+        layer(x_TH)
+    profiler.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
 
 
 def report(layer, x_TH, title: str) -> None:

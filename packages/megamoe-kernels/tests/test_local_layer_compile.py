@@ -28,8 +28,10 @@ ROUTERS = [
 
 
 @pytest.mark.parametrize("constants", ROUTERS, ids=lambda c: f"E{c['num_experts']}-K{c['top_k']}")
-def test_route_and_place_compiles(constants):
-    assert RouteLauncher(**constants, compile_only=True)._compiled is not None
+def test_route_and_place_and_the_routing_alone_compile(constants):
+    launcher = RouteLauncher(**constants, compile_only=True)
+    assert launcher.compile() is not None
+    assert launcher.compile(route_only=True) is not None
 
 
 @pytest.mark.parametrize(
@@ -41,7 +43,7 @@ def test_route_and_place_compiles(constants):
     ],
 )
 def test_combine_compiles(constants):
-    assert CombineLauncher(**constants, compile_only=True)._compiled is not None
+    assert CombineLauncher(**constants, compile_only=True).compiled is not None
 
 
 def test_what_the_kernels_cannot_serve_is_refused_with_the_reason():

@@ -131,6 +131,25 @@ def test_routing_dispatch_combine_match_torch(name, tokens):
     _check_against_torch(router, tokens, 264)
 
 
+@pytest.mark.parametrize("name", sorted(ROUTERS))
+@pytest.mark.parametrize("tokens", [0, 1, 300])
+def test_routing_alone_matches_the_fused_launch(name, tokens):
+    """route() (the expert-parallel dispatchers' input) is the fused launch's routing."""
+    router = ROUTERS[name]
+    _needs_kernels(router, 264)
+    x_TH = torch.randn(tokens, 264, device="cuda", dtype=torch.bfloat16)
+    logits_TE = torch.randn(tokens, router.num_experts, device="cuda")
+    bias_E = 0.1 * torch.randn(router.num_experts, device="cuda")
+    bias_E = bias_E if router.use_correction_bias else None
+    dispatcher = DeviceRoutedDispatcher(router, hidden_size=264)
+    ids_TK, weights_TK = dispatcher.route(logits_TE, correction_bias_E=bias_E)
+    _, handle, fused_ids_TK = dispatcher.route_and_dispatch(
+        x_TH, logits_TE, correction_bias_E=bias_E
+    )
+    assert torch.equal(ids_TK, fused_ids_TK)
+    assert torch.equal(weights_TK, handle.topk_weights_TK)
+
+
 @pytest.mark.parametrize("hidden", [2048, 2880, 7168])
 def test_row_widths_and_many_tokens_per_warp(hidden):
     router = ROUTERS["qwen3"]

@@ -15,6 +15,7 @@ _SHIM_NAMES = (
     "cached_kernel_count",
     "candidate_knobs",
     "check_knobs",
+    "current_stream_handle",
     "default_knobs",
     "default_launches",
     "down",

@@ -43,9 +43,10 @@ class MegaMoEConfig:
     capacity: int | None = None
     # data-dependent input checks (finite logits, ...): each costs a host sync
     check_inputs: bool = False
-    # how a single-GPU forward routes, dispatches and combines: "fused" (device kernels: one
-    # launch routes and dispatches, one combines; sm_90 GPUs), "torch" (torch ops, any device,
-    # and the path autograd takes), "auto" (fused where it can run)
+    # where a forward routes: "fused" (device kernels, sm_90 GPUs: on one GPU one launch routes
+    # and dispatches and one combines; under expert parallelism one launch routes and the
+    # dispatcher places), "torch" (torch ops, any device, and the path autograd takes), "auto"
+    # (fused where it can run)
     layer_path: Literal["auto", "fused", "torch"] = "auto"
     # expert parallelism, MegaMoE(config, process_group=...): "auto" picks "nvshmem" (symmetric
     # memory kernels) where CUDA GPUs and nvshmem4py are present, else "torch" (all_to_all_single)

@@ -121,8 +121,9 @@ class MegaMoE(nn.Module):
         self._gate_float32_key: tuple | None = None
         self._gate_float32: torch.Tensor | None = None
         # the fused path's dispatcher and, per (device, dtype), whether it can serve the layer
+        # (a forward is done with its batch once its own launches have read it)
         self._device_routed = DeviceRoutedDispatcher(
-            config.router, hidden_size=hidden, capacity=config.capacity
+            config.router, hidden_size=hidden, capacity=config.capacity, reuse_outputs=True
         )
         self._fused_status: dict[tuple, tuple[bool, str]] = {}
         # knobs="auto": times the GEMM knobs of each new batch class once (collectively under
@@ -276,16 +277,16 @@ class MegaMoE(nn.Module):
         return self._gate_float32
 
     def fused_path_status(self, device: torch.device | str | None = None) -> tuple[bool, str]:
-        """(whether a forward on `device` runs the fused path, why); autograd aside: a forward
-        that records gradients always takes the torch path."""
+        """(whether a forward on `device` runs the device routing kernels, why): on one GPU the
+        fused path (routing, dispatch and combine); under expert parallelism the routing alone,
+        whose ids and weights the dispatcher takes. Autograd aside: a forward that records
+        gradients always takes the torch path."""
         device = self.w13.device if device is None else torch.device(device)
         key = (device, self.w13.dtype)
         status = self._fused_status.get(key)
         if status is None:
             if self.config.layer_path == "torch":
                 status = (False, "layer_path='torch'")
-            elif self.expert_parallel:
-                status = (False, "expert parallel: the dispatcher routes the tokens")
             else:
                 status = device_routing_status(
                     self.config.router,
@@ -327,14 +328,21 @@ class MegaMoE(nn.Module):
         self._resolve_dispatcher(x_TH)
         router_logits_TE = self.router_logits(x_TH)
         if self._runs_fused(x_TH):
-            y = self._fused_forward(x_TH, router_logits_TE).view(x.shape)
-            return (y, router_logits_TE) if return_router_logits else y
-        topk_ids_TK, topk_weights_TK = route(
-            router_logits_TE,
-            self.config.router,
-            correction_bias_E=self.e_score_correction_bias,
-            check_finite=self.config.check_inputs,
-        )
+            if not self.expert_parallel:
+                y = self._fused_forward(x_TH, router_logits_TE).view(x.shape)
+                return (y, router_logits_TE) if return_router_logits else y
+            if self.config.check_inputs:
+                check_finite_logits(router_logits_TE)
+            topk_ids_TK, topk_weights_TK = self._device_routed.route(
+                router_logits_TE, correction_bias_E=self.e_score_correction_bias
+            )
+        else:
+            topk_ids_TK, topk_weights_TK = route(
+                router_logits_TE,
+                self.config.router,
+                correction_bias_E=self.e_score_correction_bias,
+                check_finite=self.config.check_inputs,
+            )
         batch, handle = self.dispatcher.dispatch(x_TH, topk_ids_TK, topk_weights_TK)
         expert_out_MH = self._expert_compute(batch)
         y_TH = self.dispatcher.combine(expert_out_MH, handle)

@@ -35,6 +35,9 @@ def combine_pairs_kernel(
     top_k: cutlass.Constexpr,
 ):
     tidx, bidx, grid, _, _ = thread_position()
+    # launched with programmatic dependent launch: set up while the down GEMM drains, then wait
+    # for it (and everything before it) before reading
+    cute.arch.griddepcontrol_wait()
     tokens = mY.shape[0]
     hidden = mY.shape[1]
     chunks = hidden // CHUNK
@@ -88,5 +91,5 @@ def combine_pairs(
     if grid < 1:
         grid = 1
     combine_pairs_kernel(mExpertOut, mRowOfPair, mWeights, mAddend, mY, top_k).launch(
-        grid=[grid, 1, 1], block=[COMBINE_THREADS, 1, 1], stream=stream
+        grid=[grid, 1, 1], block=[COMBINE_THREADS, 1, 1], stream=stream, use_pdl=True
     )

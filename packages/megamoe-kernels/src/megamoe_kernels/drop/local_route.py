@@ -13,14 +13,19 @@ enough to be resident at once on any Hopper GPU, which its grid-wide barriers ne
    distinct, and the warp takes its tokens in order, so the ranks follow the (token, k) order;
 2. per expert, each warp's exclusive prefix inside the CTA; the CTA's count into the scratch;
 3. grid-wide barrier; a warp per expert scans the CTAs' counts (each CTA's exclusive prefix, in
-   place) and stores the expert's total (a grid of one CTA, up to ROUTE_WARPS tokens, skips the
-   scratch, the barriers and this step: its counts are the totals);
+   place) and stores the expert's total (a grid of one CTA, up to `one_cta_tokens` <=
+   ROUTE_WARPS tokens, skips the scratch, the barriers and this step: its counts are the
+   totals);
 4. grid-wide barrier; every CTA scans the experts' totals into their first rows (CTA 0 writes
    expert_offsets) and finishes its pairs' rows: row_of_pair[t, k] = first row of the expert +
    the CTA's prefix + the warp's prefix + the rank in the warp, which is where a stable sort of
    the flattened ids by expert puts pair t x top_k + k;
-5. the CTA's warps copy the token row of each of its pairs into the batch, a warp per pair
-   (`unroll` 16-byte loads per lane in flight).
+5. the token rows go into the batch: with `copy_by_token` each warp copies its own tokens, each
+   16-byte vector loaded once and stored in the token's top_k rows; without it, after a CTA
+   barrier, the CTA's warps copy a pair each (`unroll` 16-byte loads per lane in flight).
+
+route_tokens is step 1 alone (topk_ids and topk_weights; no placement, no copy, no barrier), for
+the expert-parallel dispatchers, which place the pairs themselves.
 
 Layouts: logits [T, E] float32 or bfloat16; correction_bias [E] float32 (optional); x [T, H]
 and rows [M, H] bfloat16 row-major, H a multiple of 8, rows 16-byte aligned; topk_ids and
@@ -35,7 +40,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.memory import SmemAllocator
 
-from .ep_dispatch import copy_row
+from .ep_dispatch import copy_row, copy_to_rows
 from .ep_place import grid_barrier
 from .ep_sync import thread_position
 from .warp import warp_inclusive_sum
@@ -252,6 +257,38 @@ def choose_top_k(scores, choices, lane, num_experts: cutlass.Constexpr, top_k: c
     return my_expert, my_score
 
 
+@cute.jit
+def route_token(
+    mLogits,
+    mBias,
+    token,
+    lane,
+    num_experts: cutlass.Constexpr,
+    top_k: cutlass.Constexpr,
+    sigmoid: cutlass.Constexpr,
+    renormalize: cutlass.Constexpr,
+    num_groups: cutlass.Constexpr,
+    top_groups: cutlass.Constexpr,
+    dropped_score: cutlass.Constexpr,
+    scaling: cutlass.Constexpr,
+):
+    """Lane k < top_k's k-th expert of `token` and its final weight (renormalised, scaled)."""
+    scores, choices = score_token(
+        mLogits, mBias, token, lane, num_experts, sigmoid, num_groups, top_groups, dropped_score
+    )
+    expert, weight = choose_top_k(scores, choices, lane, num_experts, top_k)
+    if cutlass.const_expr(renormalize):
+        denominator = cutlass.Float32(0.0)
+        for k in cutlass.range_constexpr(top_k):
+            denominator = denominator + cute.arch.shuffle_sync(weight, k)
+        if cutlass.const_expr(sigmoid):
+            denominator = denominator + cutlass.Float32(1e-20)
+        weight = weight / denominator
+    if cutlass.const_expr(scaling != 1.0):
+        weight = weight * cutlass.Float32(scaling)
+    return expert, weight
+
+
 @cute.kernel
 def route_and_place_kernel(
     mLogits: cute.Tensor,
@@ -273,9 +310,14 @@ def route_and_place_kernel(
     dropped_score: cutlass.Constexpr,
     scaling: cutlass.Constexpr,
     unroll: cutlass.Constexpr,
+    copy_by_token: cutlass.Constexpr,
     timeout_ns: cutlass.Constexpr,
 ):
     tidx, bidx, grid, warp, lane = thread_position()
+    # the kernel after this one (the gate-up GEMM, launched with programmatic dependent launch)
+    # may set up on the SMs this grid leaves; it waits for this grid to finish before it reads
+    # anything. Every CTA of this grid is resident once all have passed here
+    cute.arch.griddepcontrol_launch_dependents()
     tokens = mLogits.shape[0]
     hidden = mX.shape[1]
     smem = SmemAllocator()
@@ -312,27 +354,20 @@ def route_and_place_kernel(
 
     # 1. route each token; rank its pairs inside their experts among the warp's pairs
     for token in range(warp_begin, warp_end):
-        scores, choices = score_token(
+        expert, weight = route_token(
             mLogits,
             mBias,
             token,
             lane,
             num_experts,
+            top_k,
             sigmoid,
+            renormalize,
             num_groups,
             top_groups,
             dropped_score,
+            scaling,
         )
-        expert, weight = choose_top_k(scores, choices, lane, num_experts, top_k)
-        if cutlass.const_expr(renormalize):
-            denominator = cutlass.Float32(0.0)
-            for k in cutlass.range_constexpr(top_k):
-                denominator = denominator + cute.arch.shuffle_sync(weight, k)
-            if cutlass.const_expr(sigmoid):
-                denominator = denominator + cutlass.Float32(1e-20)
-            weight = weight / denominator
-        if cutlass.const_expr(scaling != 1.0):
-            weight = weight * cutlass.Float32(scaling)
         if lane < top_k:
             mTopkIds[token, lane] = expert
             mTopkWeights[token, lane] = weight
@@ -399,29 +434,47 @@ def route_and_place_kernel(
     if bidx == 0:
         for expert in range(tidx, num_experts + 1, ROUTE_THREADS):
             mExpertOffsets[expert] = first_row[expert]
-    for token in range(warp_begin, warp_end):
-        if lane < top_k:
-            expert = mTopkIds[token, lane]
-            row = first_row[expert] + cta_prefix[expert] + warp_counts[warp * num_experts + expert]
-            mRowOfPair[token, lane] = row + mRowOfPair[token, lane]
-    cute.arch.sync_threads()
-
-    # 5. a warp per pair of this CTA copies its token's row into the batch
     row_bytes = cutlass.Int64(hidden) * 2
     row_vectors = hidden // 8
     x_address = mX.iterator.toint()
     rows_address = mRows.iterator.toint()
-    for pair in range(cta_begin * top_k + warp, cta_end * top_k, ROUTE_WARPS):
-        token = pair // top_k
-        row = mRowOfPair[token, pair - token * top_k]
-        copy_row(
-            x_address + cutlass.Int64(token) * row_bytes,
-            rows_address + cutlass.Int64(row) * row_bytes,
-            0,
-            row_vectors,
-            lane,
-            unroll,
-        )
+    for token in range(warp_begin, warp_end):
+        row = cutlass.Int32(-1)
+        if lane < top_k:
+            expert = mTopkIds[token, lane]
+            row = first_row[expert] + cta_prefix[expert] + warp_counts[warp * num_experts + expert]
+            row = row + mRowOfPair[token, lane]
+            mRowOfPair[token, lane] = row
+        if cutlass.const_expr(copy_by_token):
+            # 5. the warp copies the token's row into its top_k batch rows: each 16-byte vector
+            #    loaded once, stored top_k times
+            rows = []
+            for k in cutlass.range_constexpr(top_k):
+                rows.append(cute.arch.shuffle_sync(row, k))
+            copy_to_rows(
+                x_address + cutlass.Int64(token) * row_bytes,
+                rows_address,
+                rows,
+                row_bytes,
+                0,
+                row_vectors,
+                lane,
+                unroll,
+                top_k,
+            )
+    if cutlass.const_expr(not copy_by_token):
+        # 5. a warp per pair of this CTA copies its token's row into the batch
+        cute.arch.sync_threads()
+        for pair in range(cta_begin * top_k + warp, cta_end * top_k, ROUTE_WARPS):
+            token = pair // top_k
+            copy_row(
+                x_address + cutlass.Int64(token) * row_bytes,
+                rows_address + cutlass.Int64(mRowOfPair[token, pair - token * top_k]) * row_bytes,
+                0,
+                row_vectors,
+                lane,
+                unroll,
+            )
 
 
 @cute.jit
@@ -445,16 +498,19 @@ def route_and_place(
     dropped_score: cutlass.Constexpr,
     scaling: cutlass.Constexpr,
     unroll: cutlass.Constexpr,
+    copy_by_token: cutlass.Constexpr,
     timeout_ns: cutlass.Constexpr,
+    one_cta_tokens: cutlass.Constexpr,
     stream,
 ):
     # a warp per token, as many CTAs as that fills, at most ROUTE_MAX_CTAS (all resident); one
-    # CTA while the tokens fit in it (no grid barrier), else at least a warp per expert, so the
-    # scan of step 3 takes one expert per warp, not several one after another
+    # CTA up to `one_cta_tokens` tokens (no grid barrier; its SM copies every row), else at
+    # least a warp per expert, so the scan of step 3 takes one expert per warp, not several one
+    # after another
     tokens = mLogits.shape[0]
     grid = (tokens + ROUTE_WARPS - 1) // ROUTE_WARPS
     expert_ctas = (num_experts + ROUTE_WARPS - 1) // ROUTE_WARPS
-    if grid > 1 and grid < expert_ctas:
+    if tokens > one_cta_tokens and grid < expert_ctas:
         grid = expert_ctas
     if grid > ROUTE_MAX_CTAS:
         grid = ROUTE_MAX_CTAS
@@ -480,5 +536,80 @@ def route_and_place(
         dropped_score,
         scaling,
         unroll,
+        copy_by_token,
         timeout_ns,
+    ).launch(grid=[grid, 1, 1], block=[ROUTE_THREADS, 1, 1], stream=stream)
+
+
+@cute.kernel
+def route_tokens_kernel(
+    mLogits: cute.Tensor,
+    mBias,
+    mTopkIds: cute.Tensor,
+    mTopkWeights: cute.Tensor,
+    num_experts: cutlass.Constexpr,
+    top_k: cutlass.Constexpr,
+    sigmoid: cutlass.Constexpr,
+    renormalize: cutlass.Constexpr,
+    num_groups: cutlass.Constexpr,
+    top_groups: cutlass.Constexpr,
+    dropped_score: cutlass.Constexpr,
+    scaling: cutlass.Constexpr,
+):
+    _, bidx, _, warp, lane = thread_position()
+    token = bidx * ROUTE_WARPS + warp
+    if token < mLogits.shape[0]:
+        expert, weight = route_token(
+            mLogits,
+            mBias,
+            token,
+            lane,
+            num_experts,
+            top_k,
+            sigmoid,
+            renormalize,
+            num_groups,
+            top_groups,
+            dropped_score,
+            scaling,
+        )
+        if lane < top_k:
+            mTopkIds[token, lane] = expert
+            mTopkWeights[token, lane] = weight
+
+
+@cute.jit
+def route_tokens(
+    mLogits: cute.Tensor,
+    mBias,
+    mTopkIds: cute.Tensor,
+    mTopkWeights: cute.Tensor,
+    num_experts: cutlass.Constexpr,
+    top_k: cutlass.Constexpr,
+    sigmoid: cutlass.Constexpr,
+    renormalize: cutlass.Constexpr,
+    num_groups: cutlass.Constexpr,
+    top_groups: cutlass.Constexpr,
+    dropped_score: cutlass.Constexpr,
+    scaling: cutlass.Constexpr,
+    stream,
+):
+    """Step 1 of route_and_place alone: topk_ids and topk_weights, a warp per token (for the
+    expert-parallel dispatchers, which place the pairs themselves)."""
+    grid = (mLogits.shape[0] + ROUTE_WARPS - 1) // ROUTE_WARPS
+    if grid < 1:
+        grid = 1
+    route_tokens_kernel(
+        mLogits,
+        mBias,
+        mTopkIds,
+        mTopkWeights,
+        num_experts,
+        top_k,
+        sigmoid,
+        renormalize,
+        num_groups,
+        top_groups,
+        dropped_score,
+        scaling,
     ).launch(grid=[grid, 1, 1], block=[ROUTE_THREADS, 1, 1], stream=stream)

@@ -6,6 +6,7 @@ Importing this package imports torch but not CuTe DSL; kernels compile on first 
 from megamoe_kernels.shim.expert_gemm import (
     GemmLauncher,
     cached_kernel_count,
+    current_stream_handle,
     down,
     down_launcher,
     gate_up_launcher,
@@ -34,6 +35,7 @@ __all__ = [
     "cached_kernel_count",
     "candidate_knobs",
     "check_knobs",
+    "current_stream_handle",
     "default_knobs",
     "default_launches",
     "down",

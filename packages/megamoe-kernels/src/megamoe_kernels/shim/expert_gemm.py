@@ -284,6 +284,12 @@ def _current_stream_handle(device: torch.device) -> int:
     return torch._C._cuda_getCurrentRawStream(device.index)
 
 
+def current_stream_handle(device: torch.device) -> int:
+    """The current stream of `device` (an indexed CUDA device) as an int, cheaply: a key for
+    buffers that launches on one stream share."""
+    return _current_stream_handle(device)
+
+
 def _stream_scratch(device: torch.device, what: tuple, make: Callable[[], object]):
     """Scratch that launches leave as they found it, shared by the launches on the current
     stream (they run one after another): made by `make` on first use, then kept for good."""

@@ -10,6 +10,8 @@ Shape legend: T tokens, E experts, K experts per token (top-k), H hidden size, M
   expert_offsets [E + 1] int32 and the expert-major batch rows [M, H] (rows past T x K
   unspecified). Every routing family of megamoe: softmax or sigmoid scoring, grouped top-k
   with a correction bias, renormalisation, routed scaling.
+  `RouteLauncher.route(logits)`: the routing alone (ids and weights, one launch), for the
+  expert-parallel dispatchers.
 - `CombineLauncher` (`combine_launcher(...)`): y[t] = sum over k in order of weight[t, k] x
   out[row_of_pair[t, k]] in fp32 (+ an optional addend row), bf16 out; no atomics.
 
@@ -28,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from megamoe_kernels.shim.expert_gemm import _stream_scratch
+from megamoe_kernels.shim.expert_gemm import _current_stream_handle, _stream_scratch
 
 _COMPILE_LOCK = threading.Lock()
 _COMPILED: dict[tuple, Callable] = {}
@@ -37,6 +39,8 @@ LOGITS_DTYPES = (torch.float32, torch.bfloat16)
 ROW_DTYPES = (torch.bfloat16,)
 # a grid-barrier wait longer than this records a timeout in the status block and carries on
 _BARRIER_TIMEOUT_NS = 10_000_000_000
+# the routing kernel's rows one CTA copies at most (_one_cta_tokens)
+_ONE_CTA_COPY_BYTES = 256 << 10
 
 
 def _drop_route():
@@ -71,6 +75,14 @@ def _copy_unroll(hidden_size: int) -> int:
     32 x unroll vectors divide the row, else 1."""
     vectors = hidden_size // 8
     return next((u for u in (8, 4, 2) if vectors % (32 * u) == 0), 1)
+
+
+def _one_cta_tokens(top_k: int, hidden_size: int) -> int:
+    """Up to how many tokens the routing kernel runs as one CTA (no grid barrier, but one SM
+    copies every row): while their rows total at most _ONE_CTA_COPY_BYTES. Measured at
+    qwen3-30b-a3b (4 KB rows, top-8; scripts/layer_kernels.py --route-ab): one CTA 7.4 us at 4
+    tokens and 16.8 at 16, the grid 10.0 and 10.5."""
+    return max(1, min(16, _ONE_CTA_COPY_BYTES // (top_k * hidden_size * 2)))
 
 
 def _fake(dtype, shape):
@@ -110,6 +122,8 @@ class RouteLauncher:
         has_correction_bias: bool = False,
         logits_dtype: torch.dtype = torch.float32,
         rows_dtype: torch.dtype = torch.bfloat16,
+        copy_by_token: bool = True,
+        one_cta_tokens: int | None = None,
         device: torch.device | str | None = None,
         compile_only: bool = False,
     ):
@@ -136,6 +150,9 @@ class RouteLauncher:
         self.has_correction_bias = has_correction_bias
         self.device = None if device is None else torch.device(device)
         self._scratch_words = _drop_route().scratch_words(num_experts)
+        # reuse_outputs: the last outputs per (device, stream), with the (tokens, capacity) they
+        # were made for
+        self._kept_outputs: dict[tuple, tuple[tuple[int, int], tuple]] = {}
         constants = (
             num_experts,
             top_k,
@@ -146,11 +163,41 @@ class RouteLauncher:
             float(dropped_group_score),
             float(routed_scaling_factor),
             _copy_unroll(hidden_size),
+            bool(copy_by_token),
             _BARRIER_TIMEOUT_NS,
+            _one_cta_tokens(top_k, hidden_size) if one_cta_tokens is None else int(one_cta_tokens),
         )
         device_index = -1 if compile_only or self.device is None else self.device.index
-        key = ("route", constants, hidden_size, logits_dtype, rows_dtype, has_correction_bias)
-        self._compiled = _compile((*key, device_index), lambda: self._compile(constants))
+        self._constants = constants
+        self._key = (
+            "route",
+            constants,
+            hidden_size,
+            logits_dtype,
+            rows_dtype,
+            has_correction_bias,
+            device_index,
+        )
+        # route_tokens takes the routing constants alone (the first eight)
+        self._route_only_key = (
+            "route_tokens",
+            constants[:8],
+            logits_dtype,
+            has_correction_bias,
+            device_index,
+        )
+        # each kernel compiled on its first use (or by compile())
+        self._route_and_place = self._route_only = None
+
+    def compile(self, *, route_only: bool = False) -> Callable:
+        """The compiled route_and_place (or route_tokens), compiling it if needed."""
+        if route_only:
+            if self._route_only is None:
+                self._route_only = _compile(self._route_only_key, self._compile_route_only)
+            return self._route_only
+        if self._route_and_place is None:
+            self._route_and_place = _compile(self._key, lambda: self._compile(self._constants))
+        return self._route_and_place
 
     def _compile(self, constants: tuple) -> Callable:
         import cutlass
@@ -178,6 +225,40 @@ class RouteLauncher:
             options="--enable-tvm-ffi",
         )
 
+    def _compile_route_only(self) -> Callable:
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_fake_stream
+
+        tokens = cute.sym_int32(symbol="tokens")
+        experts, top_k = self.num_experts, self.top_k
+        return cute.compile(
+            _drop_route().route_tokens,
+            _fake(_cutlass_dtype(self.logits_dtype), (tokens, experts)),
+            _fake(cutlass.Float32, (experts,)) if self.has_correction_bias else None,
+            _fake(cutlass.Int32, (tokens, top_k)),
+            _fake(cutlass.Float32, (tokens, top_k)),
+            *self._constants[:8],
+            make_fake_stream(use_tvm_ffi_env_stream=True),
+            options="--enable-tvm-ffi",
+        )
+
+    def route(
+        self, router_logits_TE: torch.Tensor, *, correction_bias_E: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_ids_TK int32, topk_weights_TK float32) alone, one launch: the routing of
+        __call__ without the placement and the copy (for the expert-parallel dispatchers)."""
+        compiled = self.compile(route_only=True)
+        tokens = router_logits_TE.shape[0]
+        device = router_logits_TE.device
+        ids_TK = torch.empty((tokens, self.top_k), dtype=torch.int32, device=device)
+        weights_TK = torch.empty((tokens, self.top_k), dtype=torch.float32, device=device)
+        try:
+            compiled(router_logits_TE, correction_bias_E, ids_TK, weights_TK)
+        except Exception as failure:
+            self._explain(failure, router_logits_TE, None, correction_bias_E)
+        return ids_TK, weights_TK
+
     def _scratch(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device.index is None:
             device = torch.device(device.type, torch.cuda.current_device())
@@ -202,9 +283,17 @@ class RouteLauncher:
         *,
         capacity: int,
         correction_bias_E: torch.Tensor | None = None,
+        reuse_outputs: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(topk_ids_TK, topk_weights_TK, row_of_pair_TK, expert_offsets, rows_MH); capacity >=
-        T x K rows (checked here: the kernel writes rows up to T x K - 1)."""
+        T x K rows (checked here: the kernel writes rows up to T x K - 1).
+
+        `reuse_outputs`: the outputs of the last call on this stream with the same tokens and
+        capacity are written again instead of allocating new ones (five allocations fewer per
+        call), for a caller that is done with them once its later launches on this stream have
+        read them (the layer's forward). Calls on one stream run one after another, so that is
+        safe there; a CUDA graph keeps the buffers of its capture stream, so two graphs captured
+        on one stream must not replay at the same time on different streams."""
         tokens = router_logits_TE.shape[0]
         if tokens * self.top_k > capacity:
             raise ValueError(
@@ -212,14 +301,20 @@ class RouteLauncher:
                 f"capacity {capacity}; raise capacity or send fewer tokens per call"
             )
         device = x_TH.device
-        ids_TK = torch.empty((tokens, self.top_k), dtype=torch.int32, device=device)
-        weights_TK = torch.empty((tokens, self.top_k), dtype=torch.float32, device=device)
-        row_of_pair_TK = torch.empty((tokens, self.top_k), dtype=torch.int32, device=device)
-        offsets = torch.empty(self.num_experts + 1, dtype=torch.int32, device=device)
-        rows_MH = x_TH.new_empty((capacity, self.hidden_size))
+        if reuse_outputs:
+            key = (device, _current_stream_handle(device))
+            kept = self._kept_outputs.get(key)
+            if kept is None or kept[0] != (tokens, capacity):
+                kept = (tokens, capacity), self._new_outputs(tokens, capacity, x_TH)
+                self._kept_outputs[key] = kept
+            outputs = kept[1]
+        else:
+            outputs = self._new_outputs(tokens, capacity, x_TH)
+        ids_TK, weights_TK, row_of_pair_TK, offsets, rows_MH = outputs
         scratch, status = self._scratch(device)
+        compiled = self.compile()
         try:
-            self._compiled(
+            compiled(
                 router_logits_TE,
                 correction_bias_E,
                 x_TH,
@@ -235,12 +330,22 @@ class RouteLauncher:
             self._explain(failure, router_logits_TE, x_TH, correction_bias_E)
         return ids_TK, weights_TK, row_of_pair_TK, offsets, rows_MH
 
+    def _new_outputs(self, tokens: int, capacity: int, x_TH: torch.Tensor) -> tuple:
+        device = x_TH.device
+        return (
+            torch.empty((tokens, self.top_k), dtype=torch.int32, device=device),
+            torch.empty((tokens, self.top_k), dtype=torch.float32, device=device),
+            torch.empty((tokens, self.top_k), dtype=torch.int32, device=device),
+            torch.empty(self.num_experts + 1, dtype=torch.int32, device=device),
+            x_TH.new_empty((capacity, self.hidden_size)),
+        )
+
     def _explain(self, failure, router_logits_TE, x_TH, correction_bias_E) -> None:
         """Re-raises a refused launch as an error that names the argument at fault."""
-        checks = [
-            ("router_logits", router_logits_TE, self.logits_dtype, (None, self.num_experts)),
-            ("x", x_TH, self.rows_dtype, (router_logits_TE.shape[0], self.hidden_size)),
-        ]
+        checks = [("router_logits", router_logits_TE, self.logits_dtype, (None, self.num_experts))]
+        if x_TH is not None:
+            tokens = router_logits_TE.shape[0]
+            checks.append(("x", x_TH, self.rows_dtype, (tokens, self.hidden_size)))
         if self.has_correction_bias:
             checks.append(
                 ("correction_bias", correction_bias_E, torch.float32, (self.num_experts,))
@@ -280,7 +385,7 @@ class CombineLauncher:
         device = None if device is None else torch.device(device)
         device_index = -1 if compile_only or device is None else device.index
         key = ("combine", top_k, hidden_size, weighted, has_addend, dtype, device_index)
-        self._compiled = _compile(key, self._compile)
+        self.compiled = _compile(key, self._compile)
 
     def _compile(self) -> Callable:
         import cutlass
@@ -316,7 +421,7 @@ class CombineLauncher:
     ) -> torch.Tensor:
         y_TH = expert_out_MH.new_empty((row_of_pair_TK.shape[0], self.hidden_size))
         try:
-            self._compiled(expert_out_MH, row_of_pair_TK, topk_weights_TK, addend_TH, y_TH)
+            self.compiled(expert_out_MH, row_of_pair_TK, topk_weights_TK, addend_TH, y_TH)
         except Exception as failure:
             tokens = row_of_pair_TK.shape[0]
             _check_tensor(

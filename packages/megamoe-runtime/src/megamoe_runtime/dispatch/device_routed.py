@@ -63,14 +63,26 @@ class DeviceRoutedDispatcher:
     `capacity` fixes the batch's row count (>= tokens x top_k, checked on the host from shapes)
     so shapes never change between calls, which CUDA-graph replay needs; None sizes each batch
     to exactly tokens x top_k. Compiles on first use per (logits dtype, device).
+    `reuse_outputs`: a call writes the batch, ids, weights and pair rows into the buffers of the
+    last call on this stream with the same shapes (shared by every dispatcher of the same
+    routing constants) instead of allocating them: for a caller done with them once its own
+    later launches on the stream have read them, as a layer's forward is.
     """
 
-    def __init__(self, router: RouterConfig, *, hidden_size: int, capacity: int | None = None):
+    def __init__(
+        self,
+        router: RouterConfig,
+        *,
+        hidden_size: int,
+        capacity: int | None = None,
+        reuse_outputs: bool = False,
+    ):
         if capacity is not None and capacity < 0:
             raise ValueError(f"capacity must be >= 0 or None, got {capacity}")
         self.router = router
         self.hidden_size = hidden_size
         self.capacity = capacity
+        self.reuse_outputs = reuse_outputs
         self.num_experts = self.num_local_experts = router.num_experts
         self._route_launchers: dict[tuple, object] = {}
         self._combine_launchers: dict[tuple, object] = {}
@@ -120,12 +132,28 @@ class DeviceRoutedDispatcher:
             x_TH,
             capacity=capacity,
             correction_bias_E=correction_bias_E if self.router.use_correction_bias else None,
+            reuse_outputs=self.reuse_outputs,
         )
         batch = ExpertBatch(rows_MH=rows_MH, expert_offsets=offsets, valid_rows=num_pairs)
         handle = LocalHandle(
             row_of_pair_TK=row_of_pair_TK, topk_weights_TK=weights_TK, output_dtype=x_TH.dtype
         )
         return batch, handle, ids_TK
+
+    def route(
+        self, router_logits_TE: torch.Tensor, *, correction_bias_E: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_ids_TK int32, topk_weights_TK float32) alone, one launch (no placement): the
+        routing an expert-parallel dispatcher takes in place of `route`'s torch ops."""
+        if self.router.use_correction_bias and correction_bias_E is None:
+            raise ValueError("the router uses a correction bias but no correction_bias_E was given")
+        launcher = self._route_launcher(router_logits_TE.dtype, router_logits_TE.device)
+        if correction_bias_E is not None and correction_bias_E.dtype != torch.float32:
+            correction_bias_E = correction_bias_E.float()
+        return launcher.route(
+            router_logits_TE,
+            correction_bias_E=correction_bias_E if self.router.use_correction_bias else None,
+        )
 
     def combine(
         self,

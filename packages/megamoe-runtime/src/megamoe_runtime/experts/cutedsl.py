@@ -12,7 +12,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-from megamoe_kernels import GemmKnobs, GemmLauncher, down_launcher, gate_up_launcher
+from megamoe_kernels import (
+    GemmKnobs,
+    GemmLauncher,
+    current_stream_handle,
+    down_launcher,
+    gate_up_launcher,
+)
 
 from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.experts.base import check_batch_matches_weights
@@ -69,6 +75,7 @@ class CuteDSLExperts:
         self.down_knobs = down_knobs
         self.knob_cache = KnobCache() if knob_cache is None else knob_cache
         self._launchers: dict[tuple, tuple[GemmLauncher, GemmLauncher]] = {}
+        self._kept_intermediate: dict[tuple, torch.Tensor] = {}
 
     @staticmethod
     def _weight_dims(prepared: CuteDSLWeights) -> dict[str, tuple[int, int]]:
@@ -189,6 +196,21 @@ class CuteDSLExperts:
         )
         return gate_up, down
 
+    def _intermediate(self, rows_MH: torch.Tensor, gate_up: GemmLauncher) -> torch.Tensor:
+        """The gate-up GEMM's output, kept per (device, stream) for the last shape instead of
+        allocated per call: the same call's down GEMM is its only reader, and calls on one
+        stream run in order (a later gate-up waits for the down GEMM before it)."""
+        device = rows_MH.device
+        if device.type != "cuda":
+            return rows_MH.new_empty((rows_MH.shape[0], gate_up.columns))
+        key = (device, current_stream_handle(device))
+        kept = self._kept_intermediate.get(key)
+        if kept is None or kept.shape != (rows_MH.shape[0], gate_up.columns):
+            kept = self._kept_intermediate[key] = rows_MH.new_empty(
+                (rows_MH.shape[0], gate_up.columns)
+            )
+        return kept
+
     def prepare(self, weights: Unquantized) -> CuteDSLWeights:
         from megamoe_kernels import interleave_gate_up
 
@@ -230,7 +252,9 @@ class CuteDSLExperts:
             if launchers is None:
                 launchers = self._launchers[memo] = self._bind(batch, prepared, row_scale_M)
             gate_up, down = launchers
-            hidden_MI = gate_up(rows_MH, offsets, prepared.w13_EB2GH)
+            hidden_MI = gate_up(
+                rows_MH, offsets, prepared.w13_EB2GH, out=self._intermediate(rows_MH, gate_up)
+            )
             return down(hidden_MI, offsets, prepared.w2_EHI, row_scale_M=row_scale_M)
         except (TypeError, ValueError) as failure:
             try:
