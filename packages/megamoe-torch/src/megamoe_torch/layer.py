@@ -314,6 +314,7 @@ class MegaMoE(nn.Module):
         shared experts' output added in it."""
         if self.config.check_inputs:
             check_finite_logits(router_logits_TE)
+        x_TH = x_TH.contiguous()  # the kernels take row-major rows (a no-op for most inputs)
         batch, handle, _ = self._device_routed.route_and_dispatch(
             x_TH, router_logits_TE, correction_bias_E=self.e_score_correction_bias
         )

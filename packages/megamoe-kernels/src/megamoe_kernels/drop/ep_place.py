@@ -96,6 +96,23 @@ def grid_barrier(arrivals, generation, grid, status_address, rank, epoch, timeou
     cute.arch.sync_threads()
 
 
+@cute.jit
+def scan_cta_counts(counts, grid, lane):
+    """A warp turns the `grid` CTAs' counts at `counts` (int32, written by other CTAs before a
+    grid barrier) into each CTA's exclusive prefix, in place, and returns their total."""
+    carry = cutlass.Int32(0)
+    for first in range(0, grid, 32):
+        cta = first + lane
+        count = cutlass.Int32(0)
+        if cta < grid:
+            count = cute.arch.load(counts + cta, cutlass.Int32, cop="cg")  # other CTAs wrote it
+        inclusive = warp_inclusive_sum(count, lane)
+        if cta < grid:
+            cute.arch.store(counts + cta, carry + inclusive - count)
+        carry = carry + cute.arch.shuffle_sync(inclusive, 31)
+    return carry
+
+
 @cute.kernel
 def exchange_and_place_kernel(
     expert_of_pair_address: cutlass.Int64,
@@ -183,17 +200,7 @@ def exchange_and_place_kernel(
     # 3. a warp per expert: each CTA's exclusive prefix (in place) and the total, which goes
     #    into row `rank` of every peer's counts
     for expert in range(bidx * PLACE_WARPS + warp, num_experts, grid * PLACE_WARPS):
-        carry = cutlass.Int32(0)
-        for first in range(0, grid, 32):
-            cta = first + lane
-            count = cutlass.Int32(0)
-            slot = cta_counts + (expert * PLACE_MAX_CTAS + cta)
-            if cta < grid:
-                count = cute.arch.load(slot, cutlass.Int32, cop="cg")  # other CTAs wrote it
-            inclusive = warp_inclusive_sum(count, lane)
-            if cta < grid:
-                cute.arch.store(slot, carry + inclusive - count)
-            carry = carry + cute.arch.shuffle_sync(inclusive, 31)
+        carry = scan_cta_counts(cta_counts + expert * PLACE_MAX_CTAS, grid, lane)
         if lane < world:
             counts = global_ptr(
                 cutlass.Int32, peer_address(peer_table, BUFFER_COUNTS, world, lane), 4

@@ -41,7 +41,7 @@ import cutlass.cute as cute
 from cutlass.memory import SmemAllocator
 
 from .ep_dispatch import copy_row, copy_to_rows
-from .ep_place import grid_barrier
+from .ep_place import grid_barrier, scan_cta_counts
 from .ep_sync import thread_position
 from .warp import warp_inclusive_sum
 
@@ -395,17 +395,7 @@ def route_and_place_kernel(
 
         # 3. a warp per expert: each CTA's exclusive prefix (in place), the expert's total
         for expert in range(bidx * ROUTE_WARPS + warp, num_experts, grid * ROUTE_WARPS):
-            carry = cutlass.Int32(0)
-            for first in range(0, grid, 32):
-                cta = first + lane
-                count = cutlass.Int32(0)
-                slot = cta_counts + (expert * ROUTE_MAX_CTAS + cta)
-                if cta < grid:
-                    count = cute.arch.load(slot, cutlass.Int32, cop="cg")  # other CTAs wrote it
-                inclusive = warp_inclusive_sum(count, lane)
-                if cta < grid:
-                    cute.arch.store(slot, carry + inclusive - count)
-                carry = carry + cute.arch.shuffle_sync(inclusive, 31)
+            carry = scan_cta_counts(cta_counts + expert * ROUTE_MAX_CTAS, grid, lane)
             if lane == 0:
                 cute.arch.store(expert_totals + expert, carry)
         grid_barrier(barrier + 2, barrier + 3, grid, status_address, 1, 0, timeout_ns)

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 
+from megamoe_kernels.shim.ep import copy_unroll
 from megamoe_kernels.shim.expert_gemm import _current_stream_handle, _stream_scratch
 
 _COMPILE_LOCK = threading.Lock()
@@ -70,13 +71,6 @@ def routing_problems(
     return problems
 
 
-def _copy_unroll(hidden_size: int) -> int:
-    """16-byte loads per lane in flight when a warp copies a row: the largest of 8, 4, 2 whose
-    32 x unroll vectors divide the row, else 1."""
-    vectors = hidden_size // 8
-    return next((u for u in (8, 4, 2) if vectors % (32 * u) == 0), 1)
-
-
 def _one_cta_tokens(top_k: int, hidden_size: int) -> int:
     """Up to how many tokens the routing kernel runs as one CTA (no grid barrier, but one SM
     copies every row): while their rows total at most _ONE_CTA_COPY_BYTES. Measured at
@@ -104,8 +98,9 @@ def _cutlass_dtype(dtype: torch.dtype):
 
 
 class RouteLauncher:
-    """Routing + dispatch of one layer's routing constants, compiled once; a call allocates the
-    outputs and launches one kernel. See the module docstring for the tensors."""
+    """Routing + dispatch of one layer's routing constants, compiled on first use; a call
+    allocates (or reuses) the outputs and launches one kernel. See the module docstring for the
+    tensors; `copy_by_token` and `one_cta_tokens` are the kernel's knobs (docs/kernels-design.md)."""
 
     def __init__(
         self,
@@ -162,7 +157,7 @@ class RouteLauncher:
             top_groups if scoring == "sigmoid" else 1,
             float(dropped_group_score),
             float(routed_scaling_factor),
-            _copy_unroll(hidden_size),
+            copy_unroll(hidden_size * 2),
             bool(copy_by_token),
             _BARRIER_TIMEOUT_NS,
             _one_cta_tokens(top_k, hidden_size) if one_cta_tokens is None else int(one_cta_tokens),
