@@ -1,0 +1,58 @@
+"""torch.library custom ops: the layer's expert compute as one opaque op, so torch.compile traces
+the whole forward around it with no graph break.
+
+`megamoe::expert_mlp(rows_MH, expert_offsets, w13_E2IH, w2_EHI, layer_id, valid_rows)` runs the
+expert MLP of the MegaMoE registered under `layer_id` on an expert-major batch, on that layer's
+backend and its prepared weights (the layer's own cache: the backend's weight layout is built
+once per weight version, outside any graph). Its fake implementation gives dynamo and inductor
+the output's shape ([M, H], the rows' dtype) without running anything; the weights are inputs so
+the graph records that the op reads them. Inside, the backends read `expert_offsets` on the host
+(the reference oracle) or launch CuTe DSL / grouped GEMM kernels: none of that is traced.
+
+Layers register themselves at construction (`register_layer`), held weakly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+from megamoe_runtime.expert_batch import ExpertBatch
+
+_LAYERS: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
+_NEXT_ID = itertools.count()
+
+
+def register_layer(layer: torch.nn.Module) -> int:
+    """An id under which `expert_mlp` finds `layer` (held weakly)."""
+    layer_id = next(_NEXT_ID)
+    _LAYERS[layer_id] = layer
+    return layer_id
+
+
+@torch.library.custom_op("megamoe::expert_mlp", mutates_args=())
+def expert_mlp(
+    rows_MH: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w13_E2IH: torch.Tensor,
+    w2_EHI: torch.Tensor,
+    layer_id: int,
+    valid_rows: int,
+) -> torch.Tensor:
+    """expert_out_MH of layer `layer_id`'s backend; `valid_rows` < 0: known on the device only."""
+    layer = _LAYERS.get(layer_id)
+    if layer is None:
+        raise RuntimeError(f"megamoe::expert_mlp: no live MegaMoE layer has id {layer_id}")
+    batch = ExpertBatch(
+        rows_MH=rows_MH,
+        expert_offsets=expert_offsets,
+        valid_rows=None if valid_rows < 0 else valid_rows,
+    )
+    layer._resolve_backend()
+    return layer._run_expert_backend(batch)  # a fresh tensor: a custom op's output aliases nothing
+
+
+@expert_mlp.register_fake
+def _expert_mlp_fake(rows_MH, expert_offsets, w13_E2IH, w2_EHI, layer_id, valid_rows):
+    return rows_MH.new_empty(rows_MH.shape)
