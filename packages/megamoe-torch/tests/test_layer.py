@@ -152,8 +152,11 @@ def test_bad_input_is_refused():
         layer(torch.randn(3, 32, dtype=torch.float64))
     with pytest.raises(TypeError, match="torch.Tensor"):
         layer([[0.0] * 32])
-    with pytest.raises(ValueError, match="NaN"):
+    with pytest.raises(ValueError, match="x holds NaN"):
         make_layer(QWEN3, check_inputs=True)(torch.full((2, 32), float("nan")))
+    layer = make_layer(QWEN3)
+    with pytest.raises(KeyError, match="lacks 'w2'"):
+        layer.load_full_state_dict({k: v for k, v in layer.state_dict().items() if k != "w2"})
     with pytest.raises(ValueError, match="backend"):
         MegaMoEConfig(**QWEN3, backend="triton")
     with pytest.raises(ValueError, match="cannot run on cpu"):

@@ -33,6 +33,7 @@ from megamoe_runtime.weights import Unquantized
 from torch import nn
 
 from megamoe_torch.config import MegaMoEConfig
+from megamoe_torch.ops import expert_mlp, register_layer
 
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=), torch >= 2.9
 
@@ -129,6 +130,9 @@ class MegaMoE(nn.Module):
         # knobs="auto": times the GEMM knobs of each new batch class once (collectively under
         # expert parallelism) and keeps the winner in the knob cache
         self._autotuner = OnlineAutotuner(process_group=process_group)
+        # under torch.compile the expert compute is the custom op megamoe::expert_mlp, which
+        # finds this layer by its id
+        self._layer_id = register_layer(self)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -149,6 +153,11 @@ class MegaMoE(nn.Module):
         """Loads a single-GPU layer's state dict, keeping only this rank's experts of w13/w2."""
         local_state = dict(full_state_dict)
         for name in ("w13", "w2"):
+            if name not in full_state_dict:
+                raise KeyError(
+                    f"the full state dict lacks {name!r} (a single-GPU MegaMoE's state dict holds "
+                    f"'gate.weight', 'w13', 'w2', ...); its keys: {sorted(full_state_dict)}"
+                )
             full = full_state_dict[name]
             if full.shape[0] != self.config.num_experts:
                 raise ValueError(
@@ -220,6 +229,16 @@ class MegaMoE(nn.Module):
             self.w13.requires_grad or self.w2.requires_grad or batch.rows_MH.requires_grad
         )
         if not needs_autograd:
+            if torch.compiler.is_compiling():
+                valid_rows = -1 if batch.valid_rows is None else batch.valid_rows
+                return expert_mlp(
+                    batch.rows_MH,
+                    batch.expert_offsets,
+                    self.w13,
+                    self.w2,
+                    self._layer_id,
+                    valid_rows,
+                )
             return self._run_expert_backend(batch)
         backend = self._autograd_backend()
         # autograd backends take the live parameters as they are (their prepare is the identity)
@@ -266,10 +285,15 @@ class MegaMoE(nn.Module):
 
     def _gate_weight_float32(self) -> torch.Tensor:
         """The router weight in fp32. Without autograd the cast is kept until the weight changes
-        (in place or replaced), so an inference forward does not cast [E, H] again."""
+        (in place or replaced), so an inference forward does not cast [E, H] again (under
+        torch.compile the compiled graph holds the cast)."""
         weight = self.gate.weight
-        if weight.dtype == torch.float32 or (torch.is_grad_enabled() and weight.requires_grad):
-            return weight.float()  # a no-op, or a cast autograd records
+        if (
+            weight.dtype == torch.float32
+            or (torch.is_grad_enabled() and weight.requires_grad)
+            or torch.compiler.is_compiling()
+        ):
+            return weight.float()  # a no-op, or a cast autograd records or the graph holds
         key = (weight.data_ptr(), weight._version, weight.device)
         if key != self._gate_float32_key:
             self._gate_float32 = weight.detach().float()
@@ -300,6 +324,10 @@ class MegaMoE(nn.Module):
         return status
 
     def _runs_fused(self, x_TH: torch.Tensor) -> bool:
+        # under torch.compile the torch steps are traced (inductor fuses them) around the
+        # expert-compute custom op; the device routing kernels have no fake implementation yet
+        if torch.compiler.is_compiling():
+            return False
         if torch.is_grad_enabled() and (
             x_TH.requires_grad
             or self.w13.requires_grad
@@ -324,7 +352,10 @@ class MegaMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, *, return_router_logits: bool = False):
         self._check_input(x)
-        self._resolve_backend()
+        if self.config.check_inputs and not bool(torch.isfinite(x).all()):
+            raise ValueError("x holds NaN or Inf (check_inputs=True)")
+        if not torch.compiler.is_compiling():  # the expert-compute op resolves it when it runs
+            self._resolve_backend()
         x_TH = x.reshape(-1, self.config.hidden_size)
         self._resolve_dispatcher(x_TH)
         router_logits_TE = self.router_logits(x_TH)
