@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from megamoe_torch import (
     hf_state_dict_from_megamoe,
     megamoe_state_dict_from_hf,
     swap_moe_blocks,
+    unswap_moe_blocks,
 )
 from megamoe_torch.hf import read_hf_config
 from torch import nn
@@ -174,6 +176,49 @@ def test_per_expert_state_dict_round_trips(block_class):
     )
     assert sorted(back) == sorted(hf_state)
     assert all(torch.equal(back[key], hf_state[key]) for key in hf_state)
+
+
+@pytest.mark.parametrize(
+    "block_class", [MixtralSparseMoeBlock, Qwen2MoeSparseMoeBlock, DeepseekV3MoE]
+)
+def test_swapped_per_expert_block_saves_loads_and_unswaps_under_its_own_names(block_class):
+    def hidden_states(output):
+        return output[0] if isinstance(output, tuple) else output
+
+    model = nn.ModuleDict({"mlp": _randomised(block_class())})
+    original_state = {key: tensor.clone() for key, tensor in model.state_dict().items()}
+    x = torch.randn(2, 5, HIDDEN)
+    with torch.no_grad():
+        expected = hidden_states(model["mlp"](x))
+    swap_moe_blocks(model, backend="reference")
+    other = nn.ModuleDict({"mlp": _randomised(block_class())})
+    swap_moe_blocks(other, backend="reference")
+
+    saved = model.state_dict()
+    other.load_state_dict(original_state)
+    unswapped = unswap_moe_blocks(model)
+
+    assert sorted(saved) == sorted(original_state)
+    assert all(torch.equal(saved[key], original_state[key]) for key in original_state)
+    assert unswapped == ["mlp"] and type(model["mlp"]) is block_class
+    with torch.no_grad():
+        assert relative_l2_error(hidden_states(other["mlp"](x)), expected) < 1e-5
+        torch.testing.assert_close(hidden_states(model["mlp"](x)), expected)
+
+
+def test_model_without_moe_blocks_warns_and_names_the_recognised_families():
+    model = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.SiLU())
+    with pytest.warns(UserWarning, match="no MoE block") as caught:
+        report = swap_moe_blocks(model)
+    assert report.swapped == report.skipped == []
+    message = str(caught[0].message)
+    assert all(name in message for name in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"))
+
+    swapped = nn.ModuleDict({"mlp": _randomised(Qwen2MoeSparseMoeBlock())})
+    swap_moe_blocks(swapped, backend="reference")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # swapped already: nothing to warn about
+        assert swap_moe_blocks(swapped, backend="reference").swapped == []
 
 
 def test_deepseek_zero_masked_groups_are_detected_and_reproduced():

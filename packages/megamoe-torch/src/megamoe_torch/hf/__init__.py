@@ -16,7 +16,12 @@ from megamoe_torch.hf.state_dict import (
     hf_state_dict_from_megamoe,
     megamoe_state_dict_from_hf,
 )
-from megamoe_torch.hf.swap import SwappedMoEBlock, SwapReport, swap_moe_blocks
+from megamoe_torch.hf.swap import (
+    SwappedMoEBlock,
+    SwapReport,
+    swap_moe_blocks,
+    unswap_moe_blocks,
+)
 
 __all__ = [
     "FAMILIES",
@@ -32,4 +37,5 @@ __all__ = [
     "moe_layer_indices",
     "read_hf_config",
     "swap_moe_blocks",
+    "unswap_moe_blocks",
 ]

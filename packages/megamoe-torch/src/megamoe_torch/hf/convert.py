@@ -16,12 +16,20 @@ from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.hf.families import (
     DEEPSEEK_V3,
     BlockReading,
+    Family,
+    Layout,
     UnsupportedBlockError,
     correction_bias_of,
     read_block,
     read_hf_config,
 )
-from megamoe_torch.hf.state_dict import block_state_dict, megamoe_state_dict_from_hf
+from megamoe_torch.hf.state_dict import (
+    block_state_dict,
+    check_shapes,
+    hf_state_dict_from_megamoe,
+    layout_of,
+    megamoe_state_dict_from_hf,
+)
 from megamoe_torch.layer import MegaMoE
 
 # MegaMoEConfig fields that change how a layer runs, not what it computes
@@ -56,7 +64,8 @@ def from_hf_state_dict(
     `hf_config`: the model's transformers config or its config.json as a dict. The block's tensors
     are those under `prefix`, or, given `layer`, under 'model.layers.{layer}.mlp.' (or Mixtral's
     '.block_sparse_moe.'). `state_dict` may also hold just the block's tensors (no prefix).
-    DeepSeek-V3 groups not kept are masked with -inf, as DeepSeek's reference does.
+    DeepSeek-V3 groups not kept are masked with -inf, as DeepSeek's reference does. A tensor of
+    another shape than the config implies raises ValueError naming its key and both shapes.
     """
     family, fields = read_hf_config(hf_config)
     if prefix is None and layer is not None:
@@ -67,6 +76,16 @@ def from_hf_state_dict(
     block_tensors = block_state_dict(state_dict, prefix=prefix) if prefix else dict(state_dict)
     if not block_tensors:
         raise ValueError(f"state_dict holds no tensors under prefix {prefix!r}")
+    config = semantic_config(fields)
+    check_shapes(
+        block_tensors,
+        expected_hf_shapes(config, family=family, layout=layout_of(block_tensors)),
+        reference=(
+            f"the config: hidden_size={config.hidden_size}, intermediate_size="
+            f"{config.intermediate_size}, num_experts={config.num_experts}"
+        ),
+        prefix=prefix or "",
+    )
     megamoe_state = megamoe_state_dict_from_hf(block_tensors, family=family)
     return build_layer(
         fields,
@@ -115,10 +134,7 @@ def build_layer(
             f"unexpected options {unknown}: accepted are {[*RUN_OPTIONS, 'process_group']} "
             "(routing semantics come from the source and cannot be overridden)"
         )
-    try:
-        MegaMoEConfig(**fields)
-    except ValueError as error:
-        raise UnsupportedBlockError(f"megamoe cannot express this routing: {error}") from error
+    semantic_config(fields)
     config = MegaMoEConfig(**fields, **options)  # a bad run option is the caller's ValueError
     gate_dtype = megamoe_state["gate.weight"].dtype
     if process_group is not None:
@@ -133,6 +149,23 @@ def build_layer(
         {name: tensor.to(device) for name, tensor in megamoe_state.items()}, assign=True
     )
     return layer
+
+
+def semantic_config(fields: dict[str, Any]) -> MegaMoEConfig:
+    """The MegaMoEConfig of what a source computes (run options at their defaults)."""
+    try:
+        return MegaMoEConfig(**fields)
+    except ValueError as error:
+        raise UnsupportedBlockError(f"megamoe cannot express this routing: {error}") from error
+
+
+def expected_hf_shapes(
+    config: MegaMoEConfig, *, family: Family, layout: Layout
+) -> dict[str, tuple[int, ...]]:
+    """Shapes of a Hugging Face block's tensors (block-relative keys, all experts) for `config`."""
+    all_experts = MegaMoE(config, device="meta")  # the layer's own parameter shapes, no memory
+    hf_tensors = hf_state_dict_from_megamoe(all_experts.state_dict(), family=family, layout=layout)
+    return {key: tuple(tensor.shape) for key, tensor in hf_tensors.items()}
 
 
 def _dropped_group_score_of(block: nn.Module, fields: dict[str, Any]) -> float:

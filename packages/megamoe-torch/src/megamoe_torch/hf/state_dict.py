@@ -125,17 +125,68 @@ def _stack_per_expert(
     if sorted(found) != list(range(len(found))):
         raise UnsupportedBlockError(f"expert indices are not 0..{len(found) - 1}: {sorted(found)}")
     gate_name, up_name, down_name = family.expert_projection_names
-    w13, w2 = [], []
     for expert in range(len(found)):
-        projections = found[expert]
-        if set(projections) != {gate_name, up_name, down_name}:
+        if set(found[expert]) != {gate_name, up_name, down_name}:
             raise UnsupportedBlockError(
-                f"expert {expert} has projections {sorted(projections)}, expected "
+                f"expert {expert} has projections {sorted(found[expert])}, expected "
                 f"{family.expert_projection_names}"
             )
-        w13.append(torch.cat([projections[gate_name], projections[up_name]], dim=0))
-        w2.append(projections[down_name])
+    # without the model's config, expert 0 is the reference every expert must match
+    reference_key = f"experts.0.{gate_name}.weight"
+    if found[0][gate_name].dim() != 2:
+        raise ValueError(
+            f"{reference_key} has shape {tuple(found[0][gate_name].shape)}, expected "
+            "[intermediate_size, hidden_size]"
+        )
+    intermediate, hidden = found[0][gate_name].shape
+    projection_shapes = (
+        (gate_name, (intermediate, hidden)),
+        (up_name, (intermediate, hidden)),
+        (down_name, (hidden, intermediate)),
+    )
+    check_shapes(
+        {
+            f"experts.{expert}.{name}.weight": found[expert][name]
+            for expert in found
+            for name in (gate_name, up_name, down_name)
+        },
+        {
+            f"experts.{expert}.{name}.weight": shape
+            for expert in found
+            for name, shape in projection_shapes
+        },
+        reference=f"{reference_key} {(intermediate, hidden)}",
+    )
+    w13 = [torch.cat([found[e][gate_name], found[e][up_name]], dim=0) for e in range(len(found))]
+    w2 = [found[expert][down_name] for expert in range(len(found))]
     return torch.stack(w13), torch.stack(w2)
+
+
+def check_shapes(
+    tensors: dict[str, torch.Tensor],
+    expected_shapes: dict[str, tuple[int, ...]],
+    *,
+    reference: str,
+    prefix: str = "",
+) -> None:
+    """Raises ValueError naming every tensor whose shape is not the expected one.
+
+    Keys only one side has are left to the caller. `reference` names where the expected shapes
+    come from; `prefix` goes before the keys in the message (the checkpoint's full names).
+    """
+    wrong = [
+        f"{prefix + key!r} has shape {tuple(tensor.shape)}, expected {tuple(expected_shapes[key])}"
+        for key, tensor in tensors.items()
+        if key in expected_shapes and tuple(tensor.shape) != tuple(expected_shapes[key])
+    ]
+    if wrong:
+        more = f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else ""
+        raise ValueError(f"{'; '.join(wrong[:4])}{more} (expected shapes from {reference})")
+
+
+def layout_of(hf_block_state_dict: dict[str, torch.Tensor]) -> Layout:
+    """'fused' (transformers >= 5 in memory) or 'per_expert' (checkpoints on disk, 4.x)."""
+    return "fused" if "experts.gate_up_proj" in hf_block_state_dict else "per_expert"
 
 
 def _take(remaining: dict[str, torch.Tensor], key: str) -> torch.Tensor:

@@ -5,25 +5,44 @@ and their model records router logits with a forward hook on the router class
 (`output_router_logits`); 4.x Mixtral and Qwen blocks return (hidden_states, router_logits).
 A small probe module of the original router's class stands in the swapped block so those hooks
 still see the logits, and hooks already installed on the block or its router move along.
+
+A swapped block saves and loads under the replaced block's names and layout (see checkpoint.py),
+and `unswap_moe_blocks` puts the transformers blocks back with the current weights.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from megamoe_torch.hf.checkpoint import keep_hf_checkpoint_format, restored_hf_block
 from megamoe_torch.hf.convert import convert_block
-from megamoe_torch.hf.families import UnsupportedBlockError, family_of_block, looks_like_moe_block
+from megamoe_torch.hf.families import (
+    FAMILIES,
+    Family,
+    Layout,
+    UnsupportedBlockError,
+    family_of_block,
+    looks_like_moe_block,
+)
 from megamoe_torch.layer import MegaMoE
 
 
 class SwappedMoEBlock(MegaMoE):
-    """A MegaMoE standing where a transformers MoE block stood, answering as that block did."""
+    """A MegaMoE standing where a transformers MoE block stood, answering as that block did.
+
+    Its state_dict() and load_state_dict() use the replaced block's Hugging Face names and
+    layout (`hf_family`, `hf_layout`); `hf_checkpoint_format = False` gives megamoe's own.
+    """
 
     returns_router_logits: bool = False
+    hf_family: Family
+    hf_layout: Layout
+    hf_checkpoint_format: bool = True
 
     def forward(self, hidden_states: torch.Tensor):
         y, router_logits = super().forward(hidden_states, return_router_logits=True)
@@ -69,12 +88,29 @@ def swap_moe_blocks(model: nn.Module, *, backend: str = "auto", **options: Any) 
     """Replaces every supported MoE block of `model` with a MegaMoE computing the same, in place.
 
     A block megamoe cannot reproduce exactly is left as it is and listed in the report's
-    `skipped` with the reason. `options`: see `from_hf` (capacity, check_inputs, ...).
+    `skipped` with the reason; a model with no MoE block at all gets a warning.
+    `options`: see `from_hf` (capacity, check_inputs, process_group, ...).
+
+    The swapped model's state_dict() holds the original Hugging Face names and layout, so
+    `save_pretrained` writes a checkpoint the unswapped model class loads, and load_state_dict()
+    takes the original model's state dict. Expert-parallel layers (`process_group`) load such a
+    state dict (keeping their rank's experts) but raise on state_dict(): a Hugging Face block
+    holds every expert. `unswap_moe_blocks` undoes the swap.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     report = SwapReport()
-    for name, block in _moe_blocks(model):
+    blocks = _moe_blocks(model)
+    if not blocks and not any(isinstance(m, SwappedMoEBlock) for m in model.modules()):
+        recognised = ", ".join(
+            f"{family.name} ({'/'.join(family.block_class_names)})" for family in FAMILIES.values()
+        )
+        warnings.warn(
+            f"swap_moe_blocks found no MoE block in {type(model).__name__}, so nothing was "
+            f"swapped; the families megamoe recognises are {recognised}",
+            stacklevel=2,
+        )
+    for name, block in blocks:
         class_name = type(block).__name__
         if family_of_block(block) is None:
             report.skipped.append(
@@ -86,6 +122,7 @@ def swap_moe_blocks(model: nn.Module, *, backend: str = "auto", **options: Any) 
                 block, layer_class=SwappedMoEBlock, options={"backend": backend, **options}
             )
             _answer_like(swapped, block, reading.returns_router_logits, reading.layout)
+            keep_hf_checkpoint_format(swapped, block, family=reading.family, layout=reading.layout)
         except UnsupportedBlockError as error:
             report.skipped.append(SkippedEntry(name, class_name, str(error)))
             continue
@@ -98,6 +135,32 @@ def swap_moe_blocks(model: nn.Module, *, backend: str = "auto", **options: Any) 
             SwappedEntry(name, reading.family.name, reading.layout, swapped.backend)
         )
     return report
+
+
+def unswap_moe_blocks(model: nn.Module) -> list[str]:
+    """Puts back the transformers block in place of every swapped one, in place; their names.
+
+    Each block gets the swapped layer's current weights (shared, not copied), its training mode,
+    and the forward hooks now on the layer and its router stand-in. Raises for expert-parallel
+    layers, which hold only their rank's experts.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    swapped = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, SwappedMoEBlock)
+    ]
+    # every block first: an expert-parallel layer raises before the model is changed
+    blocks = [restored_hf_block(layer) for _, layer in swapped]
+    for (name, layer), block in zip(swapped, blocks, strict=True):
+        probe = layer._modules.get("router_logits_probe")
+        if probe is not None:
+            _move_hooks(probe, block.gate, pre=False)
+        _move_hooks(layer, block, pre=True)
+        parent_name, _, child_name = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child_name, block)
+    return [name for name, _ in swapped]
 
 
 def _moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -1,0 +1,181 @@
+"""A swapped block's checkpoint under the names and layout of the Hugging Face block it replaced.
+
+`swap_moe_blocks` calls `keep_hf_checkpoint_format` on every block it swaps. From then on:
+
+- `state_dict()` answers with the replaced block's keys and layout: the fused
+  `experts.gate_up_proj` / `experts.down_proj` of transformers >= 5 (which `save_pretrained` turns
+  into the per-expert names on disk, as for the unswapped model), or the per-expert modules of
+  4.x, and the family's router, correction bias and shared expert names;
+- `load_state_dict()` takes those keys, in either layout, or megamoe's own (`w13`, `w2`, ...);
+- `restored_hf_block` rebuilds the replaced block around the layer's current weights, from a
+  weightless copy of it kept aside (meta tensors: no memory).
+
+Expert-parallel layers hold only their rank's experts: loading keeps that slice of the full
+block, and `state_dict()` raises, since a Hugging Face block holds every expert. Setting
+`hf_checkpoint_format = False` on a layer turns both hooks off (megamoe's names, local experts).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from megamoe_torch.hf.convert import expected_hf_shapes
+from megamoe_torch.hf.families import Family, Layout
+from megamoe_torch.hf.state_dict import (
+    check_shapes,
+    hf_state_dict_from_megamoe,
+    layout_of,
+    megamoe_state_dict_from_hf,
+)
+from megamoe_torch.layer import MegaMoE
+
+_FORWARD_HOOK_REGISTRIES = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+)
+
+
+def keep_hf_checkpoint_format(
+    layer: MegaMoE, block: nn.Module, *, family: Family, layout: Layout
+) -> None:
+    """Makes `layer` save and load as `block` (the block it replaces) does; see the module doc.
+
+    The forward hooks of the block and its router are not kept in the copy: they move to the
+    swapped layer, and back from it on restore.
+    """
+    layer.hf_family = family
+    layer.hf_layout = layout
+    layer.hf_checkpoint_format = True
+    weightless_block = _weightless_copy(block)
+    for module in (weightless_block, weightless_block.gate):
+        for registry in _FORWARD_HOOK_REGISTRIES:
+            getattr(module, registry).clear()
+    # kept out of _modules: not a submodule the model would walk, move or save
+    layer.__dict__["_weightless_hf_block"] = weightless_block
+    layer.register_state_dict_post_hook(_hf_state_dict_hook)
+    layer.register_load_state_dict_pre_hook(_hf_load_state_dict_pre_hook)
+
+
+def restored_hf_block(layer: MegaMoE) -> nn.Module:
+    """The Hugging Face block `layer` replaced, holding the layer's current weights (shared).
+
+    Raises RuntimeError for an expert-parallel layer: it holds only its rank's experts.
+    """
+    _require_every_expert(layer, where="the layer")
+    megamoe_state = {
+        name: tensor.detach()
+        for name, tensor in (*layer.named_parameters(), *layer.named_buffers())
+    }
+    block = _weightless_copy(layer.__dict__["_weightless_hf_block"])
+    block.load_state_dict(
+        hf_state_dict_from_megamoe(megamoe_state, family=layer.hf_family, layout=layer.hf_layout),
+        assign=True,
+    )
+    block.train(layer.training)
+    if not any(parameter.requires_grad for parameter in layer.parameters()):
+        block.requires_grad_(False)
+    return block
+
+
+def _hf_state_dict_hook(
+    layer: MegaMoE, state_dict: dict[str, Any], prefix: str, local_metadata: dict
+) -> None:
+    if not layer.hf_checkpoint_format:
+        return
+    _require_every_expert(layer, where=prefix or "the layer")
+    own_keys = [key for key in state_dict if key.startswith(prefix)]
+    megamoe_state = {key[len(prefix) :]: state_dict.pop(key) for key in own_keys}
+    hf_state = hf_state_dict_from_megamoe(
+        megamoe_state, family=layer.hf_family, layout=layer.hf_layout
+    )
+    for key, tensor in hf_state.items():
+        state_dict[prefix + key] = tensor
+
+
+def _require_every_expert(layer: MegaMoE, *, where: str) -> None:
+    if layer.expert_parallel:
+        experts = layer.local_experts
+        raise RuntimeError(
+            f"{where}: this expert-parallel MegaMoE holds experts {experts.start}.."
+            f"{experts.stop - 1} of {layer.config.num_experts} only, and a Hugging Face "
+            f"{layer.hf_family.name} block holds all of them. Save or unswap a model swapped "
+            "without process_group, or set hf_checkpoint_format = False on the layer for "
+            "megamoe's names with this rank's experts"
+        )
+
+
+def _hf_load_state_dict_pre_hook(
+    layer: MegaMoE,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: dict,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    if not layer.hf_checkpoint_format:
+        return
+    own_keys = [key for key in state_dict if key.startswith(prefix)]
+    megamoe_names = {name for name, _ in layer.named_parameters()}
+    megamoe_names |= {name for name, _ in layer.named_buffers()}
+    if all(key[len(prefix) :] in megamoe_names for key in own_keys):
+        return  # megamoe's own names (or none of the block's): nothing to convert
+    hf_state = {key[len(prefix) :]: state_dict.pop(key) for key in own_keys}
+    family = layer.hf_family
+    check_shapes(
+        hf_state,
+        expected_hf_shapes(layer.config, family=family, layout=layout_of(hf_state)),
+        reference=f"this {family.name} layer",
+        prefix=prefix,
+    )
+    try:
+        megamoe_state = megamoe_state_dict_from_hf(hf_state, family=family)
+    except ValueError as error:
+        raise ValueError(
+            f"the tensors under {prefix!r} are not a Hugging Face {family.name} block: {error}"
+        ) from error
+    experts = layer.local_experts
+    for name in ("w13", "w2"):  # an expert-parallel layer keeps its rank's experts
+        megamoe_state[name] = megamoe_state[name][experts.start : experts.stop]
+    for key, tensor in megamoe_state.items():
+        state_dict[prefix + key] = tensor
+
+
+def _weightless_copy(module: nn.Module) -> nn.Module:
+    """A copy of `module` and its submodules whose parameters and saved buffers are on meta.
+
+    Attributes are shared with `module` except the tensor, submodule and hook registries;
+    `module` itself is left as it is.
+    """
+    twin = copy.copy(module)
+    twin._parameters = {
+        name: None
+        if parameter is None
+        else nn.Parameter(
+            torch.empty_like(parameter, device="meta"), requires_grad=parameter.requires_grad
+        )
+        for name, parameter in module._parameters.items()
+    }
+    twin._buffers = {
+        name: buffer
+        if buffer is None or name in module._non_persistent_buffers_set
+        else torch.empty_like(buffer, device="meta")
+        for name, buffer in module._buffers.items()
+    }
+    twin._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
+    twin._modules = {
+        name: None if child is None else _weightless_copy(child)
+        for name, child in module._modules.items()
+    }
+    for name, value in vars(module).items():
+        if name.startswith("_") and "hooks" in name and isinstance(value, dict):
+            twin.__dict__[name] = copy.copy(value)
+    return twin
