@@ -5,8 +5,11 @@ attribute access, and CuTe DSL itself only when a kernel compiles.
 """
 
 import importlib
+import importlib.metadata
 
 from megamoe_kernels import reference
+
+__version__ = importlib.metadata.version("megamoe-kernels")
 
 _SHIM_NAMES = (
     "GemmKnobs",
@@ -27,7 +30,7 @@ _SHIM_NAMES = (
     "resolve_knobs",
 )
 
-__all__ = ["reference", *_SHIM_NAMES]
+__all__ = ["__version__", "reference", *_SHIM_NAMES]
 
 
 def __getattr__(name: str):

@@ -1,5 +1,7 @@
 """megamoe for PyTorch: the MegaMoE layer and its configuration."""
 
+import importlib.metadata
+
 from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.hf import (
     SwapReport,
@@ -9,8 +11,11 @@ from megamoe_torch.hf import (
     hf_state_dict_from_megamoe,
     megamoe_state_dict_from_hf,
     swap_moe_blocks,
+    unswap_moe_blocks,
 )
 from megamoe_torch.layer import MegaMoE, SharedExperts
+
+__version__ = importlib.metadata.version("megamoe-torch")
 
 __all__ = [
     "MegaMoE",
@@ -18,9 +23,11 @@ __all__ = [
     "SharedExperts",
     "SwapReport",
     "UnsupportedBlockError",
+    "__version__",
     "from_hf",
     "from_hf_state_dict",
     "hf_state_dict_from_megamoe",
     "megamoe_state_dict_from_hf",
     "swap_moe_blocks",
+    "unswap_moe_blocks",
 ]

@@ -364,27 +364,28 @@ def write_csv(rows: list, path: Path) -> None:
         writer.writerows(records)
 
 
-def plot_speedups(rows: list[BenchRow], path: Path) -> str:
-    """Speedup over grouped_mm per point, one bar per backend and mode. Returns what it did."""
+def plot_bench(rows: list[BenchRow], path: Path) -> str:
+    """bench.png: one bar per backend and mode at each point, the speedup over grouped_mm where
+    grouped_mm ran next to another backend, else the time per call. Returns what it did."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "no plot: matplotlib is not installed (pip install 'megamoe-torch[plot]')"
-    series = sorted(
-        {(r.backend, r.mode) for r in rows if r.speedup is not None and r.backend != BASELINE}
-    )
-    points = sorted({(r.geometry, r.tokens) for r in rows})
-    if not series or not points:
-        return "no plot: no backend to compare with the grouped_mm baseline"
+        return "no plot: matplotlib is not installed (pip install matplotlib, or megamoe-torch's extra plot)"
+    if not rows:
+        return "no plot: nothing was timed in mode kernels or eager"
+    compared = [r for r in rows if r.speedup is not None and r.backend != BASELINE]
+    plotted = compared or rows
+    series = sorted({(r.backend, r.mode) for r in plotted})
+    points = sorted({(r.geometry, r.tokens) for r in plotted})
     figure, axes = plt.subplots(figsize=(max(6, len(points) * 0.6), 4))
     width = 0.8 / len(series)
     for index, (backend, mode) in enumerate(series):
         lookup = {
-            (r.geometry, r.tokens): r.speedup
-            for r in rows
+            (r.geometry, r.tokens): r.speedup if compared else r.microseconds
+            for r in plotted
             if (r.backend, r.mode) == (backend, mode)
         }
         axes.bar(
@@ -393,10 +394,16 @@ def plot_speedups(rows: list[BenchRow], path: Path) -> str:
             width=width,
             label=f"{backend} ({mode})",
         )
-    axes.axhline(1.0, color="black", linewidth=0.8)
+    if compared:
+        axes.axhline(1.0, color="black", linewidth=0.8)
+        axes.set_ylabel("speedup over torch._grouped_mm")
+    else:
+        # token counts span orders of magnitude, and so do the times
+        axes.set_yscale("log")
+        axes.set_ylabel("microseconds per call")
+        axes.set_title("time per call (no grouped_mm in this run to compare with)", fontsize=8)
     axes.set_xticks([p + 0.4 - width / 2 for p in range(len(points))])
     axes.set_xticklabels([f"{g}\n{t}" for g, t in points], rotation=60, fontsize=7)
-    axes.set_ylabel("speedup over torch._grouped_mm")
     axes.legend(fontsize=7)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

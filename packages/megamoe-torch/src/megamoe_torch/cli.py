@@ -3,26 +3,128 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import NoReturn
 
+import megamoe_kernels
+import megamoe_runtime
 import torch
 from megamoe_kernels.reference import relative_l2_error
-from megamoe_runtime.experts import BACKEND_NAMES
+from megamoe_runtime.experts import BACKEND_NAMES, backend_status
 from megamoe_runtime.geometries import GEOMETRIES, TOKEN_COUNTS
 from tqdm import tqdm
 
+import megamoe_torch
 from megamoe_torch import bench
 from megamoe_torch.layer import MegaMoE
 from megamoe_torch.timing import median_seconds
 
 GPU_GEOMETRIES = ("qwen3-30b-a3b", "mixtral-8x7b", "dsv3", "dsv3-ep8-local", "gpt-oss-120b")
 CPU_GEOMETRIES = ("tiny-qwen3",)
+# bench's backends unless --backends names others: megamoe's kernels against the baseline
+BENCH_BACKENDS = ("cutedsl", "grouped_mm")
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line: the usage it would print first runs over
+    several lines (the geometry and backend choices)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def version_line() -> str:
+    return (
+        f"megamoe {megamoe_torch.__version__} (megamoe-kernels {megamoe_kernels.__version__}, "
+        f"megamoe-runtime {megamoe_runtime.__version__}, torch {torch.__version__})"
+    )
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer (need >= 1)")
+    return value
+
+
+def available_devices() -> list[str]:
+    return ["cpu", *(f"cuda:{index}" for index in range(torch.cuda.device_count()))]
+
+
+def usable_device(text: str) -> torch.device:
+    """argparse type: a cpu or cuda device this machine has."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a torch device (cpu, cuda, cuda:N)"
+        ) from None
+    available = ", ".join(available_devices())
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = (
+            f"torch {torch.__version__} is built without CUDA"
+            if torch.version.cuda is None
+            else "torch sees no CUDA GPU here"
+        )
+        raise argparse.ArgumentTypeError(f"{text}: {why}; available: {available}")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text}: no such GPU; available: {available}")
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(
+            f"{text}: megamoe runs on cpu or cuda; available: {available}"
+        )
+    return device
+
+
+def output_folder(text: str) -> Path:
+    """argparse type: a folder that exists and is writable, or can be created (not created here)."""
+    path = Path(text)
+    existing = path
+    while not existing.exists():  # the nearest ancestor that exists: the folders start there
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == path else f"cannot be created: {existing} is a file"
+        raise argparse.ArgumentTypeError(f"{text} {what}, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text}: {existing} is not writable")
+    return path
+
+
+def runnable_backends(
+    parser: argparse.ArgumentParser, requested: list[str] | None, device: torch.device
+) -> list[str]:
+    """The backends bench times, said aloud: those requested (default BENCH_BACKENDS) that run on
+    `device`; where none of the defaults does, those that run; where none requested does, an
+    argparse error naming the ones that would."""
+    statuses = {name: backend_status(name, device) for name in requested or BENCH_BACKENDS}
+    runnable = [name for name, (ok, _) in statuses.items() if ok]
+    skipped = "; ".join(f"{name}: {reason}" for name, (ok, reason) in statuses.items() if not ok)
+    if runnable:
+        if skipped:
+            print(f"timing {', '.join(runnable)} (skipped {skipped})")
+        return runnable
+    elsewhere = bench.available_backends(device, BACKEND_NAMES)
+    if requested:
+        parser.error(
+            f"argument --backends: none of {' '.join(requested)} can run on {device} ({skipped}); "
+            f"what can: --backends {' '.join(elsewhere)}"
+        )
+    print(
+        f"none of the default backends can run on {device} ({skipped}): timing "
+        f"{', '.join(elsewhere)} instead (--backends chooses)"
+    )
+    return elsewhere
 
 
 def fp32_oracle_of(layer: MegaMoE) -> MegaMoE:
@@ -35,7 +137,14 @@ def fp32_oracle_of(layer: MegaMoE) -> MegaMoE:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    device = torch.device(args.device) if args.device else default_device()
+    device = args.device or default_device()
+    if args.backend != "auto":
+        available, reason = backend_status(args.backend, device)
+        if not available:
+            args.parser.error(
+                f"argument --backend: {args.backend} cannot run on {device} ({reason}); what can: "
+                f"--backend auto or {' or '.join(bench.available_backends(device, BACKEND_NAMES))}"
+            )
     geometries = args.geometry or (GPU_GEOMETRIES if device.type == "cuda" else CPU_GEOMETRIES)
     tokens = args.tokens or (512 if device.type == "cuda" else 64)
     print(
@@ -81,16 +190,13 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    device = torch.device(args.device) if args.device else default_device()
+    device = args.device or default_device()
     geometries = args.geometry or (GPU_GEOMETRIES if device.type == "cuda" else CPU_GEOMETRIES)
     token_counts = args.tokens or (TOKEN_COUNTS if device.type == "cuda" else (16, 64))
-    backends = bench.available_backends(device, args.backends)
-    if not backends:
-        print(f"none of {args.backends} can run on {device}", file=sys.stderr)
-        return 2
+    backends = runnable_backends(args.parser, args.backends, device)
     point_modes = tuple(mode for mode in args.modes if mode != "layer")
     rows, layer_rows = [], []
-    out = Path(args.out)
+    out = args.out
     progress = tqdm(total=len(geometries) * len(token_counts), desc="bench")
     for name in geometries:
         layer = bench.build_layer(GEOMETRIES[name], device=device, dtype=torch.bfloat16)
@@ -124,7 +230,7 @@ def run_bench(args: argparse.Namespace) -> int:
         del layer
     progress.close()
     if rows:
-        print(bench.plot_speedups(rows, out / "bench.png"))
+        print(bench.plot_bench(rows, out / "bench.png"))
     if args.capacity_sweep:
         sweep = []
         for name in geometries:
@@ -179,9 +285,10 @@ def run_tune(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="megamoe", description="megamoe: a fast Mixture-of-Experts layer for Hopper GPUs"
     )
+    parser.add_argument("--version", action="version", version=version_line())
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
         "demo",
@@ -192,28 +299,52 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--geometry", nargs="+", choices=sorted(GEOMETRIES), help="geometries to run")
     demo.add_argument(
-        "--tokens", type=int, help="tokens per forward (default: 512 on a GPU, 64 on a CPU)"
+        "--tokens",
+        type=positive_int,
+        help="tokens per forward (default: 512 on a GPU, 64 on a CPU)",
     )
-    demo.add_argument("--backend", default="auto", choices=("auto", *BACKEND_NAMES))
-    demo.add_argument("--repeats", type=int, default=20, help="timed forwards per backend (median)")
-    demo.add_argument("--device", help="torch device (default: cuda if present, else cpu)")
-    demo.set_defaults(run=run_demo)
+    demo.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", *BACKEND_NAMES),
+        help="backend of the checked forward (default auto: the best that runs here, said why); "
+        "the timing table has every backend that runs here",
+    )
+    demo.add_argument(
+        "--repeats", type=positive_int, default=20, help="timed forwards per backend (median)"
+    )
+    demo.add_argument(
+        "--device",
+        type=usable_device,
+        help="cpu, cuda or cuda:N (default: cuda if present, else cpu)",
+    )
+    demo.set_defaults(run=run_demo, parser=demo)
 
     bench_parser = commands.add_parser(
         "bench",
         help="sweep geometries x token counts, backend against grouped_mm in the same run",
         description="Times expert compute (kernels: CUDA-graph replay) and/or the whole layer (eager) per backend, "
         "with the speedup over grouped_mm, TFLOP/s, fraction of the roofline floor and rel-L2 against the fp32 "
-        "oracle; writes bench.csv and bench.png under --out. Mode layer times the whole forward (router GEMM to "
+        "oracle; for modes kernels and eager writes bench.csv and bench.png under --out (bench.png: the speedup "
+        "over grouped_mm where grouped_mm ran next to another backend, else the time per call; it needs "
+        "matplotlib, megamoe-torch's extra plot). "
+        "Mode layer times the whole forward (router GEMM to "
         "combine) eager and as a CUDA-graph replay, counts the GPU kernels one eager forward launches and its host "
         "time, against the expert GEMMs alone and the grouped_mm layer; writes layer.csv.",
     )
     bench_parser.add_argument("--geometry", nargs="+", choices=sorted(GEOMETRIES))
     bench_parser.add_argument(
-        "--tokens", nargs="+", type=int, help=f"token counts (default on a GPU: {TOKEN_COUNTS})"
+        "--tokens",
+        nargs="+",
+        type=positive_int,
+        help=f"token counts (default: {' '.join(map(str, TOKEN_COUNTS))} on a GPU, 16 64 on a CPU)",
     )
     bench_parser.add_argument(
-        "--backends", nargs="+", default=list(BACKEND_NAMES[:2]), choices=BACKEND_NAMES
+        "--backends",
+        nargs="+",
+        choices=BACKEND_NAMES,
+        help=f"backends to time, those that run here (default: {' '.join(BENCH_BACKENDS)}; where "
+        "neither runs, those that do: reference on a CPU)",
     )
     bench_parser.add_argument(
         "--modes",
@@ -223,17 +354,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="kernels: expert compute, graph replay; eager: the layer, eager; layer: the layer "
         "eager and graphed, its kernel count and host time, against its GEMMs (default: kernels)",
     )
-    bench_parser.add_argument("--repeats", type=int, default=30)
+    bench_parser.add_argument("--repeats", type=positive_int, default=30)
     bench_parser.add_argument(
-        "--out", default="bench-out", help="folder for bench.csv, bench.png and layer.csv"
+        "--out",
+        type=output_folder,
+        default="bench-out",
+        help="folder for bench.csv, bench.png and layer.csv, created if missing (default: bench-out)",
     )
     bench_parser.add_argument(
         "--capacity-sweep",
         action="store_true",
         help="also time a fixed capacity with 1%%..100%% valid rows",
     )
-    bench_parser.add_argument("--device")
-    bench_parser.set_defaults(run=run_bench)
+    bench_parser.add_argument(
+        "--device",
+        type=usable_device,
+        help="cpu, cuda or cuda:N (default: cuda if present, else cpu)",
+    )
+    bench_parser.set_defaults(run=run_bench, parser=bench_parser)
 
     tune = commands.add_parser(
         "tune",
@@ -243,12 +381,12 @@ def build_parser() -> argparse.ArgumentParser:
         "($MEGAMOE_KNOB_CACHE, default ~/.cache/megamoe/knobs.json), which the cutedsl backend reads.",
     )
     tune.add_argument("--geometry", nargs="+", required=True, choices=sorted(GEOMETRIES))
-    tune.add_argument("--tokens", nargs="+", type=int, required=True)
+    tune.add_argument("--tokens", nargs="+", type=positive_int, required=True)
     tune.add_argument(
         "--cache",
         help="knob cache file (default: $MEGAMOE_KNOB_CACHE or ~/.cache/megamoe/knobs.json)",
     )
-    tune.add_argument("--repeats", type=int, default=10)
+    tune.add_argument("--repeats", type=positive_int, default=10)
     tune.add_argument(
         "--quick",
         action="store_true",
