@@ -47,7 +47,9 @@ class StoredWeightLaunch:
             kernel(mX, mW, mOut, mOffsets, mRowScale, mPartials, mArrivals, mUnitCounter, stream)
 
 
-def _row_major(dtype, shape):
+def row_major(dtype, shape):
+    """A fake row-major tensor of `shape` (symbolic dims allowed), 16-byte aligned: a compiled
+    signature's argument."""
     order = tuple(reversed(range(len(shape))))
     return make_fake_compact_tensor(
         dtype, shape, stride_order=order, assumed_align=TENSOR_ALIGN_BYTES
@@ -71,16 +73,16 @@ def compile_stored_weight_launch(
     at most one of the kernels splits K; the counter when one has a dynamic schedule)."""
     experts = weight_shape[0]
     rows = cute.sym_int32(symbol="rows")
-    x = _row_major(cutlass.BFloat16, (rows, k))
-    w = _row_major(cutlass.BFloat16, tuple(weight_shape))
-    out = _row_major(cutlass.BFloat16, (rows, n_out))
-    offsets = _row_major(cutlass.Int32, (experts + 1,))
-    row_scale = _row_major(cutlass.Float32, (rows,)) if has_row_scale else None
+    x = row_major(cutlass.BFloat16, (rows, k))
+    w = row_major(cutlass.BFloat16, tuple(weight_shape))
+    out = row_major(cutlass.BFloat16, (rows, n_out))
+    offsets = row_major(cutlass.Int32, (experts + 1,))
+    row_scale = row_major(cutlass.Float32, (rows,)) if has_row_scale else None
     partials = arrivals = None
     if split_k > 1:
-        partials = _row_major(cutlass.Float32, (cute.sym_int32(symbol="partial_words"),))
-        arrivals = _row_major(cutlass.Int32, (cute.sym_int32(symbol="slots"),))
-    unit_counter = _row_major(cutlass.Int32, (2,)) if dynamic_schedule else None
+        partials = row_major(cutlass.Float32, (cute.sym_int32(symbol="partial_words"),))
+        arrivals = row_major(cutlass.Int32, (cute.sym_int32(symbol="slots"),))
+    unit_counter = row_major(cutlass.Int32, (2,)) if dynamic_schedule else None
     launch = StoredWeightLaunch(kernels, n=n, k=k, experts=experts)
     return cute.compile(
         launch,

@@ -79,13 +79,6 @@ def _one_cta_tokens(top_k: int, hidden_size: int) -> int:
     return max(1, min(16, _ONE_CTA_COPY_BYTES // (top_k * hidden_size * 2)))
 
 
-def _fake(dtype, shape):
-    from cutlass.cute.runtime import make_fake_compact_tensor
-
-    order = tuple(reversed(range(len(shape))))
-    return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=16)
-
-
 def _cutlass_dtype(dtype: torch.dtype):
     import cutlass
 
@@ -199,22 +192,24 @@ class RouteLauncher:
         import cutlass.cute as cute
         from cutlass.cute.runtime import make_fake_stream
 
+        from megamoe_kernels.shim.ffi_launch import row_major
+
         route = _drop_route().route_and_place
         tokens = cute.sym_int32(symbol="tokens")
         rows = cute.sym_int32(symbol="rows")
         experts, top_k, hidden = self.num_experts, self.top_k, self.hidden_size
         return cute.compile(
             route,
-            _fake(_cutlass_dtype(self.logits_dtype), (tokens, experts)),
-            _fake(cutlass.Float32, (experts,)) if self.has_correction_bias else None,
-            _fake(_cutlass_dtype(self.rows_dtype), (tokens, hidden)),
-            _fake(cutlass.Int32, (tokens, top_k)),
-            _fake(cutlass.Float32, (tokens, top_k)),
-            _fake(cutlass.Int32, (tokens, top_k)),
-            _fake(cutlass.Int32, (experts + 1,)),
-            _fake(_cutlass_dtype(self.rows_dtype), (rows, hidden)),
-            _fake(cutlass.Int32, (self._scratch_words,)),
-            _fake(cutlass.Int64, (4,)),
+            row_major(_cutlass_dtype(self.logits_dtype), (tokens, experts)),
+            row_major(cutlass.Float32, (experts,)) if self.has_correction_bias else None,
+            row_major(_cutlass_dtype(self.rows_dtype), (tokens, hidden)),
+            row_major(cutlass.Int32, (tokens, top_k)),
+            row_major(cutlass.Float32, (tokens, top_k)),
+            row_major(cutlass.Int32, (tokens, top_k)),
+            row_major(cutlass.Int32, (experts + 1,)),
+            row_major(_cutlass_dtype(self.rows_dtype), (rows, hidden)),
+            row_major(cutlass.Int32, (self._scratch_words,)),
+            row_major(cutlass.Int64, (4,)),
             *constants,
             make_fake_stream(use_tvm_ffi_env_stream=True),
             options="--enable-tvm-ffi",
@@ -225,14 +220,16 @@ class RouteLauncher:
         import cutlass.cute as cute
         from cutlass.cute.runtime import make_fake_stream
 
+        from megamoe_kernels.shim.ffi_launch import row_major
+
         tokens = cute.sym_int32(symbol="tokens")
         experts, top_k = self.num_experts, self.top_k
         return cute.compile(
             _drop_route().route_tokens,
-            _fake(_cutlass_dtype(self.logits_dtype), (tokens, experts)),
-            _fake(cutlass.Float32, (experts,)) if self.has_correction_bias else None,
-            _fake(cutlass.Int32, (tokens, top_k)),
-            _fake(cutlass.Float32, (tokens, top_k)),
+            row_major(_cutlass_dtype(self.logits_dtype), (tokens, experts)),
+            row_major(cutlass.Float32, (experts,)) if self.has_correction_bias else None,
+            row_major(cutlass.Int32, (tokens, top_k)),
+            row_major(cutlass.Float32, (tokens, top_k)),
             *self._constants[:8],
             make_fake_stream(use_tvm_ffi_env_stream=True),
             options="--enable-tvm-ffi",
@@ -387,6 +384,8 @@ class CombineLauncher:
         import cutlass.cute as cute
         from cutlass.cute.runtime import make_fake_stream
 
+        from megamoe_kernels.shim.ffi_launch import row_major
+
         _drop_route()  # sets the architecture without a GPU
         from megamoe_kernels.drop.local_combine import combine_pairs
 
@@ -396,11 +395,11 @@ class CombineLauncher:
         hidden, top_k = self.hidden_size, self.top_k
         return cute.compile(
             combine_pairs,
-            _fake(element, (rows, hidden)),
-            _fake(cutlass.Int32, (tokens, top_k)),
-            _fake(cutlass.Float32, (tokens, top_k)) if self.weighted else None,
-            _fake(element, (tokens, hidden)) if self.has_addend else None,
-            _fake(element, (tokens, hidden)),
+            row_major(element, (rows, hidden)),
+            row_major(cutlass.Int32, (tokens, top_k)),
+            row_major(cutlass.Float32, (tokens, top_k)) if self.weighted else None,
+            row_major(element, (tokens, hidden)) if self.has_addend else None,
+            row_major(element, (tokens, hidden)),
             top_k,
             make_fake_stream(use_tvm_ffi_env_stream=True),
             options="--enable-tvm-ffi",

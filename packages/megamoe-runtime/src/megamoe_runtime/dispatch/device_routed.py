@@ -110,6 +110,19 @@ class DeviceRoutedDispatcher:
             )
         return launcher
 
+    def _correction_bias(self, correction_bias_E: torch.Tensor | None) -> torch.Tensor | None:
+        """The bias the kernels take: float32 when the router uses one (refused if missing),
+        else None."""
+        if not self.router.use_correction_bias:
+            return None
+        if correction_bias_E is None:
+            raise ValueError("the router uses a correction bias but no correction_bias_E was given")
+        return (
+            correction_bias_E
+            if correction_bias_E.dtype == torch.float32
+            else correction_bias_E.float()
+        )
+
     def route_and_dispatch(
         self,
         x_TH: torch.Tensor,
@@ -119,19 +132,15 @@ class DeviceRoutedDispatcher:
     ) -> tuple[ExpertBatch, LocalHandle, torch.Tensor]:
         """(batch, handle for combine, topk_ids_TK int32); the routing weights are
         handle.topk_weights_TK (float32)."""
-        if self.router.use_correction_bias and correction_bias_E is None:
-            raise ValueError("the router uses a correction bias but no correction_bias_E was given")
         tokens = x_TH.shape[0]
         num_pairs = tokens * self.router.top_k
         capacity = num_pairs if self.capacity is None else self.capacity
         launcher = self._route_launcher(router_logits_TE.dtype, x_TH.device)
-        if correction_bias_E is not None and correction_bias_E.dtype != torch.float32:
-            correction_bias_E = correction_bias_E.float()
         ids_TK, weights_TK, row_of_pair_TK, offsets, rows_MH = launcher(
             router_logits_TE,
             x_TH,
             capacity=capacity,
-            correction_bias_E=correction_bias_E if self.router.use_correction_bias else None,
+            correction_bias_E=self._correction_bias(correction_bias_E),
             reuse_outputs=self.reuse_outputs,
         )
         batch = ExpertBatch(rows_MH=rows_MH, expert_offsets=offsets, valid_rows=num_pairs)
@@ -145,14 +154,10 @@ class DeviceRoutedDispatcher:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_ids_TK int32, topk_weights_TK float32) alone, one launch (no placement): the
         routing an expert-parallel dispatcher takes in place of `route`'s torch ops."""
-        if self.router.use_correction_bias and correction_bias_E is None:
-            raise ValueError("the router uses a correction bias but no correction_bias_E was given")
         launcher = self._route_launcher(router_logits_TE.dtype, router_logits_TE.device)
-        if correction_bias_E is not None and correction_bias_E.dtype != torch.float32:
-            correction_bias_E = correction_bias_E.float()
         return launcher.route(
             router_logits_TE,
-            correction_bias_E=correction_bias_E if self.router.use_correction_bias else None,
+            correction_bias_E=self._correction_bias(correction_bias_E),
         )
 
     def combine(
