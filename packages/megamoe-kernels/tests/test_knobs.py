@@ -15,11 +15,13 @@ from megamoe_kernels import (
     resolve_knobs,
 )
 from megamoe_kernels.shim.knobs import (
+    FP8_OPS,
     OPS,
     PROFILE_ROWS_PER_EXPERT,
     SMALL_BATCH_ROWS_PER_EXPERT,
     epilogue_smem_bytes,
     max_stages,
+    stage_smem_bytes,
 )
 
 
@@ -62,7 +64,7 @@ def test_invalid_combination_says_why_and_fails_closed(knobs, reason):
 
 
 def test_unknown_op_is_refused():
-    assert knob_problems(GemmKnobs(), "up") == ["op must be one of ('gate_up', 'down'), got 'up'"]
+    assert knob_problems(GemmKnobs(), "up") == [f"op must be one of {OPS}, got 'up'"]
 
 
 def test_override_wins_when_valid():
@@ -86,7 +88,8 @@ DSV3 = {"gate_up": (4096, 7168), "down": (7168, 2048)}
 
 
 def launches(op, capacity, experts, dims):
-    return default_launches(op, capacity, experts, weight_dims=dims[op], sms=H200_SMS)
+    dims_of_op = dims[op.removesuffix("_fp8")]
+    return default_launches(op, capacity, experts, weight_dims=dims_of_op, sms=H200_SMS)
 
 
 @pytest.mark.parametrize(
@@ -94,7 +97,7 @@ def launches(op, capacity, experts, dims):
 )
 def test_decode_tiles_narrow_with_the_row_tile(rows_per_expert, tile_rows, tile_cols):
     # a 16-row tile is bound by its weight stream: 64 columns put twice the CTAs on it
-    for op in OPS:
+    for op in ("gate_up", "down", "down_fp8"):
         knobs = default_knobs(op, rows_per_expert)
         assert (knobs.tile_rows, knobs.tile_cols) == (tile_rows, tile_cols)
 
@@ -201,3 +204,43 @@ def test_invalid_tuned_knobs_fail_closed():
             sms=H200_SMS,
             tuned=GemmKnobs(pingpong=True),
         )
+
+
+@pytest.mark.parametrize("op", FP8_OPS)
+@pytest.mark.parametrize("rows_per_expert", [1, 16, 128, 512])
+def test_fp8_profiles_keep_two_accumulator_sets_in_registers(op, rows_per_expert):
+    knobs = default_knobs(op, rows_per_expert)
+    assert knob_problems(knobs, op) == []
+    if rows_per_expert > 64:
+        assert (knobs.tile_rows, knobs.tile_cols) == (128, 128)
+    if op == "gate_up_fp8":
+        # the tile's output columns are whole 64-column quantization groups
+        assert knobs.tile_cols == 128
+
+
+@pytest.mark.parametrize(
+    "op, knobs, reason",
+    [
+        ("gate_up_fp8", GemmKnobs(tile_rows=128, tile_cols=256), "128 accumulators per thread"),
+        ("down_fp8", GemmKnobs(tile_rows=64, tile_cols=192), "tile_cols=192 for down_fp8"),
+        (
+            "gate_up_fp8",
+            GemmKnobs(tile_rows=16, tile_cols=64, swap_ab=True),
+            "quantization groups",
+        ),
+        (
+            "down_fp8",
+            GemmKnobs(tile_rows=128, tile_cols=128, pingpong=True),
+            "with pingpong holds 128",
+        ),
+    ],
+)
+def test_fp8_tiles_that_do_not_fit_are_refused(op, knobs, reason):
+    assert any(reason in problem for problem in knob_problems(knobs, op))
+
+
+def test_a_stage_holds_128_bytes_of_k_per_row_in_bf16_and_fp8():
+    # 64 bf16 or 128 e4m3 values of K per row of x and w: the same stages fit both dtypes
+    knobs = GemmKnobs(tile_rows=128, tile_cols=128)
+    assert stage_smem_bytes(knobs) == 256 * 128
+    assert max_stages(knobs, "down_fp8") == max_stages(knobs, "down")

@@ -9,9 +9,13 @@ import importlib.metadata
 
 from megamoe_kernels import reference
 
-__version__ = importlib.metadata.version("megamoe-kernels")
+try:
+    __version__ = importlib.metadata.version("megamoe-kernels")
+except importlib.metadata.PackageNotFoundError:  # imported from a source tree, not installed
+    __version__ = "0+source"
 
 _SHIM_NAMES = (
+    "FP8_DTYPE",
     "GemmKnobs",
     "GemmLauncher",
     "Launch",
@@ -21,13 +25,22 @@ _SHIM_NAMES = (
     "current_stream_handle",
     "default_knobs",
     "default_launches",
+    "dequantize_rows",
+    "dequantize_weight_blocks",
     "down",
+    "down_fp8",
+    "down_fp8_launcher",
     "down_launcher",
+    "gate_up_fp8_launcher",
     "gate_up_launcher",
     "gate_up_swiglu",
+    "gate_up_swiglu_fp8",
     "interleave_gate_up",
     "knob_problems",
+    "quantize_rows",
+    "quantize_weight_blocks",
     "resolve_knobs",
+    "row_scales_buffer",
 )
 
 __all__ = ["__version__", "reference", *_SHIM_NAMES]

@@ -13,10 +13,24 @@ from __future__ import annotations
 import torch
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, computed in fp32."""
-    gate = gate.float()
-    return gate * torch.sigmoid(gate) * up.float()
+def swiglu(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    *,
+    limit: float | None = None,
+    alpha: float = 1.0,
+    up_offset: float = 0.0,
+) -> torch.Tensor:
+    """gate * sigmoid(alpha * gate) * (up + up_offset), computed in fp32.
+
+    The defaults give silu(gate) * up. `limit` clamps gate to at most `limit` and up to
+    [-limit, limit] first; gpt-oss computes limit=7.0, alpha=1.702, up_offset=1.0.
+    """
+    gate, up = gate.float(), up.float()
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(alpha * gate) * (up + up_offset)
 
 
 def _expert_row_ranges(expert_offsets: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -29,14 +43,31 @@ def _expert_row_ranges(expert_offsets: torch.Tensor) -> list[tuple[int, int, int
 
 
 def gate_up_swiglu_reference(
-    rows_MH: torch.Tensor, expert_offsets: torch.Tensor, w13_E2IH: torch.Tensor
+    rows_MH: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w13_E2IH: torch.Tensor,
+    *,
+    w13_bias_E2I: torch.Tensor | None = None,
+    limit: float | None = None,
+    alpha: float = 1.0,
+    up_offset: float = 0.0,
 ) -> torch.Tensor:
-    """silu(x Wg^T) * (x Wu^T) per expert; `w13_E2IH` holds gate rows [0, I) then up rows [I, 2I)."""
+    """swiglu(x Wg^T + bg, x Wu^T + bu) per expert; `w13_E2IH` holds gate rows [0, I) then up rows
+    [I, 2I), `w13_bias_E2I` (optional) their biases in the same order. `limit`, `alpha` and
+    `up_offset`: see `swiglu`."""
     intermediate = w13_E2IH.shape[1] // 2
     out_MI = torch.zeros(rows_MH.shape[0], intermediate, dtype=torch.float32, device=rows_MH.device)
     for expert, start, end in _expert_row_ranges(expert_offsets):
         gate_up = rows_MH[start:end].float() @ w13_E2IH[expert].float().t()
-        out_MI[start:end] = swiglu(gate_up[:, :intermediate], gate_up[:, intermediate:])
+        if w13_bias_E2I is not None:
+            gate_up = gate_up + w13_bias_E2I[expert].float()
+        out_MI[start:end] = swiglu(
+            gate_up[:, :intermediate],
+            gate_up[:, intermediate:],
+            limit=limit,
+            alpha=alpha,
+            up_offset=up_offset,
+        )
     return out_MI
 
 
@@ -45,13 +76,18 @@ def down_reference(
     expert_offsets: torch.Tensor,
     w2_EHI: torch.Tensor,
     row_scale_M: torch.Tensor | None = None,
+    *,
+    w2_bias_EH: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x W2^T per expert, each row optionally multiplied by `row_scale_M` (its routing weight)."""
+    """x W2^T (+ b2) per expert, each row optionally multiplied by `row_scale_M` (its routing
+    weight)."""
     out_MH = torch.zeros(
         hidden_MI.shape[0], w2_EHI.shape[1], dtype=torch.float32, device=hidden_MI.device
     )
     for expert, start, end in _expert_row_ranges(expert_offsets):
         out_MH[start:end] = hidden_MI[start:end].float() @ w2_EHI[expert].float().t()
+        if w2_bias_EH is not None:
+            out_MH[start:end] += w2_bias_EH[expert].float()
     if row_scale_M is not None:
         out_MH *= row_scale_M.float().unsqueeze(-1)
     return out_MH
@@ -65,16 +101,31 @@ def expert_mlp_reference(
     row_scale_M: torch.Tensor | None = None,
     *,
     round_intermediate_to: torch.dtype | None = None,
+    w13_bias_E2I: torch.Tensor | None = None,
+    w2_bias_EH: torch.Tensor | None = None,
+    limit: float | None = None,
+    alpha: float = 1.0,
+    up_offset: float = 0.0,
 ) -> torch.Tensor:
     """The whole expert MLP, fp32 throughout.
 
     `round_intermediate_to` rounds the SwiGLU output to a dtype before the down GEMM, as a kernel
     that stores the intermediate in bf16 does; None keeps it in fp32 (the exact oracle).
+    `w13_bias_E2I` / `w2_bias_EH`: per-expert biases of the two projections; `limit`, `alpha`,
+    `up_offset`: the SwiGLU variant (see `swiglu`).
     """
-    hidden_MI = gate_up_swiglu_reference(rows_MH, expert_offsets, w13_E2IH)
+    hidden_MI = gate_up_swiglu_reference(
+        rows_MH,
+        expert_offsets,
+        w13_E2IH,
+        w13_bias_E2I=w13_bias_E2I,
+        limit=limit,
+        alpha=alpha,
+        up_offset=up_offset,
+    )
     if round_intermediate_to is not None:
         hidden_MI = hidden_MI.to(round_intermediate_to)
-    return down_reference(hidden_MI, expert_offsets, w2_EHI, row_scale_M)
+    return down_reference(hidden_MI, expert_offsets, w2_EHI, row_scale_M, w2_bias_EH=w2_bias_EH)
 
 
 def relative_l2_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -85,3 +136,13 @@ def relative_l2_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     if denominator == 0:
         return float((actual64 - expected64).norm())
     return float((actual64 - expected64).norm() / denominator)
+
+
+def fp8_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """DeepGEMM's accuracy measure of FP8 GEMMs, 1 - 2 sum(xy) / sum(x^2 + y^2), in float64:
+    0 for equal tensors, about rel-L2^2 / 2 for small errors."""
+    x, y = actual.detach().double(), expected.detach().double()
+    denominator = (x * x + y * y).sum()
+    if denominator == 0:
+        return 0.0
+    return float(1 - 2 * (x * y).sum() / denominator)

@@ -1,12 +1,13 @@
 """Checks that every default kernel profile, and each kernel variant no profile picks (pingpong,
-2-CTA clusters, split-K), compiles to wgmma: its SASS must hold HGMMA.
+2-CTA clusters, split-K), compiles to wgmma: its SASS must hold HGMMA, or for the FP8 ops QGMMA
+with e4m3 inputs (the SASS name of an FP8 wgmma).
 
     python -m megamoe_kernels.sass_check [--dump-dir DIR]
 
-Compiles each default profile of both ops for sm_90a (no GPU needed), keeps each cubin, and
+Compiles each default profile of the four ops for sm_90a (no GPU needed), keeps each cubin, and
 disassembles it with cuobjdump (which needs nvdisasm beside it: the `nvidia-cuda-cuobjdump` and
 `nvidia-cuda-nvdisasm` wheels, the CUDA toolkit, or CUDA_HOME/bin). Exits non-zero when a kernel
-lacks HGMMA (it would run on a slow path whatever its tests say) or no tool is found.
+lacks them (it would run on a slow path whatever its tests say) or no tool is found.
 CuTe DSL reads CUTE_DSL_KEEP/CUTE_DSL_DUMP_DIR once per process: run it in a process of its own.
 """
 
@@ -23,6 +24,8 @@ from pathlib import Path
 
 # one gate-up (2I x H) and one down (H x I) shape per profile; 2880 also compiles masked tiles
 EXPERTS, HIDDEN, INTERMEDIATE = 8, 2880, 2880
+# FP8: I a multiple of the 128-row weight block; H = 16.5 K tiles (a partial last one)
+FP8_HIDDEN, FP8_INTERMEDIATE = 2112, 1408
 
 
 def disassembler_bin_dir() -> Path | None:
@@ -55,7 +58,7 @@ def hgmma_shapes(cubin: Path, tools: Path) -> list[str]:
             word
             for line in result.stdout.splitlines()
             for word in line.split()
-            if word.startswith("HGMMA.")
+            if word.startswith(("HGMMA.", "QGMMA."))
         }
     )
 
@@ -70,7 +73,7 @@ def variants_to_check() -> list[tuple[str, str, object, int]]:
     variants = [
         (f"rows{rows}", op, default_knobs(op, rows), rows)
         for rows in PROFILE_ROWS_PER_EXPERT
-        for op in ("gate_up", "down")
+        for op in ("gate_up", "down", "gate_up_fp8", "down_fp8")
     ]
     tuned = (
         GemmKnobs(tile_rows=64, tile_cols=256, pingpong=True),
@@ -94,12 +97,35 @@ def compile_profiles(dump_dir: Path) -> dict[str, list[Path]]:
     """Compiles every variant to check; returns the cubins of each, by a readable name."""
     import torch
 
-    from megamoe_kernels import down, gate_up_swiglu, interleave_gate_up
+    from megamoe_kernels import (
+        FP8_DTYPE,
+        down,
+        down_fp8_launcher,
+        gate_up_fp8_launcher,
+        gate_up_swiglu,
+        interleave_gate_up,
+    )
 
     meta = {"device": "meta", "dtype": torch.bfloat16}
+    fp8_meta = {"device": "meta", "dtype": FP8_DTYPE}
     offsets = torch.empty(EXPERTS + 1, dtype=torch.int32, device="meta")
     w13 = interleave_gate_up(torch.empty(EXPERTS, 2 * INTERMEDIATE, HIDDEN, **meta))
     w2 = torch.empty(EXPERTS, HIDDEN, INTERMEDIATE, **meta)
+    w13_fp8 = torch.empty(EXPERTS, 2 * FP8_INTERMEDIATE // 16, 16, FP8_HIDDEN, **fp8_meta)
+    w2_fp8 = torch.empty(EXPERTS, FP8_HIDDEN, FP8_INTERMEDIATE, **fp8_meta)
+
+    def gate_up_fp8(rows, offsets, weight, *, knobs, compile_only):
+        return gate_up_fp8_launcher(rows, offsets, weight, knobs=knobs, compile_only=compile_only)
+
+    def down_fp8(rows, offsets, weight, *, knobs, compile_only):
+        return down_fp8_launcher(rows, offsets, weight, knobs=knobs, compile_only=compile_only)
+
+    gemms = {
+        "gate_up": (gate_up_swiglu, HIDDEN, w13, meta),
+        "down": (down, INTERMEDIATE, w2, meta),
+        "gate_up_fp8": (gate_up_fp8, FP8_HIDDEN, w13_fp8, fp8_meta),
+        "down_fp8": (down_fp8, FP8_INTERMEDIATE, w2_fp8, fp8_meta),
+    }
     cubins = {}
     seen = set()
     for label, op, knobs, rows_per_expert in variants_to_check():
@@ -107,10 +133,14 @@ def compile_profiles(dump_dir: Path) -> dict[str, list[Path]]:
         if (op, knobs) in seen:  # compiled once already (the capacity is a dynamic dim)
             continue
         seen.add((op, knobs))
-        gemm, width, weight = (
-            (gate_up_swiglu, HIDDEN, w13) if op == "gate_up" else (down, INTERMEDIATE, w2)
+        gemm, width, weight, rows_meta = gemms[op]
+        gemm(
+            torch.empty(capacity, width, **rows_meta),
+            offsets,
+            weight,
+            knobs=knobs,
+            compile_only=True,
         )
-        gemm(torch.empty(capacity, width, **meta), offsets, weight, knobs=knobs, compile_only=True)
         # cubin names do not carry the knobs: move each away before the next compile
         variant = "-swap" if knobs.swap_ab else "-pingpong" if knobs.pingpong else ""
         variant += "-cluster2" if knobs.cluster != (1, 1) else ""
@@ -142,8 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, cubins in compile_profiles(dump_dir).items():
         shapes = sorted({shape for cubin in cubins for shape in hgmma_shapes(cubin, tools)})
         ok = bool(cubins) and bool(shapes)
+        if "_fp8-" in name:
+            ok = ok and all(shape.startswith("QGMMA.") and "E4M3" in shape for shape in shapes)
         failures += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} {name:<32} {', '.join(shapes) or 'no HGMMA'}")
+        print(f"{'ok  ' if ok else 'FAIL'} {name:<32} {', '.join(shapes) or 'no wgmma'}")
     return 1 if failures else 0
 
 

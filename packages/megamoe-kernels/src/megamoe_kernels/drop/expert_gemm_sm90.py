@@ -74,6 +74,21 @@ Launching one variant per range, each with the tiles its rows want, lets a batch
 is sized for the worst case pay for the tiles of the rows it holds, with no host sync.
 
 SwiGLU: w is the gate/up interleaved weight (gate_up_layout); out = silu(gate) * up in fp32.
+
+FP8 (scale_group set): x and w are e4m3 with float32 block scales (fp8_scaling): x_scales
+[K / scale_group, rows] (a row's scale for each group of scale_group columns, group-major so a
+tile's scales for one group are contiguous) and w_scales [E, ceil(N_source / 128), ceil(K / 128)]
+(the checkpoint's 128 x 128 blocks, over the weight rows before the gate/up interleave). A K
+tile is 128 values (one weight block); the MMAs of each scale group accumulate into a second
+set of registers, which is then added to the running sum times the row's and the block's
+scales in fp32: the promotion DeepGEMM does, since Hopper's FP8 MMAs accumulate with fewer
+bits than fp32. The consumers load the scales they need from global memory before each
+stage's wait (their latency hides behind it): the x scales of the few batch rows each thread
+accumulates and the tile's two weight scales (gate and up blocks with SwiGLU, the two halves
+of a 256-column tile). The scales take no shared memory, so FP8 and BF16 tiles of the same
+shape hold the same stages. quantize_out: the gate-up output is e4m3 with one scale per row and
+INTERMEDIATE_GROUP columns (out_scales [N_out / 64, rows]): the tile is staged in bf16 and
+each group quantized as it is copied out (8 lanes share a group's amax by shuffles).
 """
 
 import cutlass
@@ -83,8 +98,9 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
+from .fp8_scaling import AMAX_FLOOR, E4M3_MAX, INTERMEDIATE_GROUP, WEIGHT_BLOCK
 from .gate_up_layout import interleaved_output_column
-from .tiling import EPILOGUE_ROW_PAD, TILE_K
+from .tiling import EPILOGUE_ROW_PAD, tile_k
 from .warp import warp_inclusive_sum
 
 THREADS_PER_WARPGROUP = 128
@@ -100,6 +116,10 @@ STORE_THREADS = THREADS_PER_WARPGROUP - 32
 EXPERTS_PER_LANE = 4
 # depth of the queue of tile indices from the producer to the consumers
 UNIT_QUEUE_SLOTS = 4
+# the copy-out's vectors of 8 values, and the shuffle steps that join a quantization group's
+# vectors (on neighbouring lanes)
+OUT_VECTOR = 8
+GROUP_SHUFFLE_STEPS = (INTERMEDIATE_GROUP // OUT_VECTOR).bit_length() - 1
 
 
 @cute.jit
@@ -138,6 +158,9 @@ class ExpertGroupedGemmSm90:
                Ignored with cluster_rows > 1
     dynamic_schedule: CTAs take their tiles after the first from a global counter (takes
                unit_counter); not with cluster_rows > 1 or split_k > 1
+    scale_group: FP8: K columns per scale of x (128, or 64 for the down GEMM fed by a
+               quantizing gate-up); None: bf16, no scales
+    quantize_out: FP8 gate-up: the output is e4m3 with INTERMEDIATE_GROUP-column scales
     """
 
     def __init__(
@@ -158,6 +181,8 @@ class ExpertGroupedGemmSm90:
         max_valid_rows=None,
         weights_before_wait=False,
         dynamic_schedule=False,
+        scale_group=None,
+        quantize_out=False,
     ):
         if dynamic_schedule and (cluster_rows > 1 or split_k > 1):
             raise ValueError(
@@ -180,6 +205,9 @@ class ExpertGroupedGemmSm90:
         # multicast loads write into the peer CTA's ring too: not before the wait
         self.weights_before_wait = weights_before_wait and cluster_rows == 1
         self.dynamic_schedule = dynamic_schedule
+        self.block_scaled = scale_group is not None
+        self.scale_group = scale_group
+        self.quantize_out = quantize_out
         # rows of one schedule unit: a row tile per CTA of the cluster
         self.unit_rows = tile_rows * cluster_rows
         self.mma_m, self.mma_n = (tile_cols, tile_rows) if swap_ab else (tile_rows, tile_cols)
@@ -199,10 +227,23 @@ class ExpertGroupedGemmSm90:
 
     @cute.jit
     def __call__(
-        self, mX, mW, mOut, mOffsets, mRowScale, mPartials, mArrivals, mUnitCounter, stream
+        self,
+        mX,
+        mW,
+        mOut,
+        mOffsets,
+        mRowScale,
+        mPartials,
+        mArrivals,
+        mUnitCounter,
+        mXScales,
+        mWScales,
+        mOutScales,
+        stream,
     ):
         ab_dtype = mX.element_type
         self.ab_dtype = ab_dtype
+        self.tile_k = tile_k(ab_dtype.width // 8)
         k_major = cute.nvgpu.OperandMajorMode.K
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             ab_dtype,
@@ -215,13 +256,13 @@ class ExpertGroupedGemmSm90:
         )
         a_layout = sm90_utils.make_smem_layout_a(
             cutlass.tensor_utils.LayoutEnum.ROW_MAJOR,
-            (self.mma_m, self.mma_n, TILE_K),
+            (self.mma_m, self.mma_n, self.tile_k),
             ab_dtype,
             self.stages,
         )
         b_layout = sm90_utils.make_smem_layout_b(
             cutlass.tensor_utils.LayoutEnum.ROW_MAJOR,
-            (self.mma_m, self.mma_n, TILE_K),
+            (self.mma_m, self.mma_n, self.tile_k),
             ab_dtype,
             self.stages,
         )
@@ -230,7 +271,7 @@ class ExpertGroupedGemmSm90:
             cpasync.CopyBulkTensorTileG2SOp(),
             mX,
             cute.slice_(x_layout, (None, None, 0)),
-            (self.tile_rows, TILE_K),
+            (self.tile_rows, self.tile_k),
         )
         tma_w, tma_mW = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SMulticastOp()
@@ -238,38 +279,41 @@ class ExpertGroupedGemmSm90:
             else cpasync.CopyBulkTensorTileG2SOp(),
             mW,
             cute.slice_(w_layout, (None, None, 0)),
-            (self.tile_cols, TILE_K),
+            (self.tile_cols, self.tile_k),
             num_multicast=self.cluster_rows,
         )
-        # one staging buffer per warpgroup that runs epilogues on its own
+        # FP8: the scale groups of one K tile (the consumers load their rows' scales)
+        self.groups_per_tile = 1
+        if cutlass.const_expr(self.block_scaled):
+            self.groups_per_tile = self.tile_k // self.scale_group
+        if cutlass.const_expr(self.quantize_out):
+            mOutScales = cute.make_tensor(
+                mOutScales.iterator,
+                cute.make_layout(
+                    (cute.size(mOutScales, mode=[1]), cute.size(mOutScales, mode=[0])),
+                    stride=(1, mOutScales.stride[0]),
+                ),
+            )
+        # one staging buffer per warpgroup that runs epilogues on its own; a quantized output
+        # is staged in bf16
+        staged_dtype = cutlass.BFloat16 if self.quantize_out else mOut.element_type
         out_layout = cute.make_layout(
             (self.tile_rows, self.out_tile_cols, self.epilogue_buffers),
             stride=(self.out_row_stride, 1, self.tile_rows * self.out_row_stride),
         )
 
-        @cute.struct
-        class SharedStorage:
-            ring_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            unit_barriers: cute.struct.MemRange[cutlass.Int64, UNIT_QUEUE_SLOTS * 2]
-            units: cute.struct.MemRange[cutlass.Int32, UNIT_QUEUE_SLOTS]
-            # split_k: whether this CTA arrived last at the tile, told to the whole team
-            last_arrival: cute.struct.MemRange[cutlass.Int32, 1]
-            # staging buffer b: full/empty mbarriers and the staged tile's (row0, rows, col tile)
-            store_barriers: cute.struct.MemRange[cutlass.Int64, self.epilogue_buffers * 2]
-            staged_tiles: cute.struct.MemRange[cutlass.Int32, 3 * self.epilogue_buffers]
-            sX: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(x_layout)], 1024]
-            sW: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(w_layout)], 1024]
-            sOut: cute.struct.Align[
-                cute.struct.MemRange[mOut.element_type, cute.cosize(out_layout)], 128
-            ]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = self.shared_storage_type(
+            ab_dtype, x_layout, w_layout, staged_dtype, out_layout
+        )
         self.kernel(
             tma_x,
             tma_mX,
             tma_w,
             tma_mW,
+            mXScales,
+            mWScales,
             mOut,
+            mOutScales,
             mOffsets,
             mRowScale,
             mPartials,
@@ -449,6 +493,25 @@ class ExpertGroupedGemmSm90:
         unit_queue.consumer_release(unit_state)
         return unit
 
+    def shared_storage_type(self, ab_dtype, x_layout, w_layout, staged_dtype, out_layout):
+        """The kernel's shared memory as a cute.struct (plain Python, run while tracing)."""
+        fields = {
+            "ring_barriers": cute.struct.MemRange[cutlass.Int64, self.stages * 2],
+            "unit_barriers": cute.struct.MemRange[cutlass.Int64, UNIT_QUEUE_SLOTS * 2],
+            "units": cute.struct.MemRange[cutlass.Int32, UNIT_QUEUE_SLOTS],
+            # split_k: whether this CTA arrived last at the tile, told to the whole team
+            "last_arrival": cute.struct.MemRange[cutlass.Int32, 1],
+            # staging buffer b: full/empty mbarriers and the staged tile's (row0, rows, col tile)
+            "store_barriers": cute.struct.MemRange[cutlass.Int64, self.epilogue_buffers * 2],
+            "staged_tiles": cute.struct.MemRange[cutlass.Int32, 3 * self.epilogue_buffers],
+            "sX": cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(x_layout)], 1024],
+            "sW": cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(w_layout)], 1024],
+        }
+        fields["sOut"] = cute.struct.Align[
+            cute.struct.MemRange[staged_dtype, cute.cosize(out_layout)], 128
+        ]
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
     @cute.kernel
     def kernel(
         self,
@@ -456,7 +519,10 @@ class ExpertGroupedGemmSm90:
         mX: cute.Tensor,
         tma_w: cute.CopyAtom,
         mW: cute.Tensor,
+        mXScales,
+        mWScales,
         mOut: cute.Tensor,
+        mOutScales,
         mOffsets: cute.Tensor,
         mRowScale,
         mPartials,
@@ -535,7 +601,7 @@ class ExpertGroupedGemmSm90:
         walked_experts = self.experts_to_walk(mOffsets, num_experts)
         n_cols = cute.size(mW, mode=[0])
         col_tiles = (n_cols + self.tile_cols - 1) // self.tile_cols
-        k_tiles = (cute.size(mX, mode=[1]) + TILE_K - 1) // TILE_K
+        k_tiles = (cute.size(mX, mode=[1]) + self.tile_k - 1) // self.tile_k
         col_units = col_tiles * self.split_k
         capacity = cute.size(mX, mode=[0])
         # the cluster walks the schedule's units; this CTA takes row tile `cluster_rank` of each
@@ -544,7 +610,7 @@ class ExpertGroupedGemmSm90:
         num_clusters = cute.arch.grid_dim()[0] // self.cluster_rows
         # (tile_cols, TILE_K, col tiles, k tiles, E); this CTA loads its slice of each weight
         # tile and multicasts it to the cluster
-        gW = cute.local_tile(mW, (self.tile_cols, TILE_K), (None, None, None))
+        gW = cute.local_tile(mW, (self.tile_cols, self.tile_k), (None, None, None))
         tWsW, tWgW = cpasync.tma_partition(
             tma_w,
             cluster_rank,
@@ -612,7 +678,7 @@ class ExpertGroupedGemmSm90:
                         # load rows that exist; nothing reads them
                         row0 = expert_row0
                     gX = cute.local_tile(
-                        cute.domain_offset((row0, 0), mX), (self.tile_rows, TILE_K), (0, None)
+                        cute.domain_offset((row0, 0), mX), (self.tile_rows, self.tile_k), (0, None)
                     )
                     tXsX, tXgX = cpasync.tma_partition(
                         tma_x,
@@ -665,7 +731,7 @@ class ExpertGroupedGemmSm90:
                     self.retire(mUnitCounter, num_clusters)
                 ring.producer_tail(state)
             elif cutlass.const_expr(self.store_warps):
-                self.copy_out_tiles(sOut, sStagedTiles, mOut, store_queue, tidx - 32)
+                self.copy_out_tiles(sOut, sStagedTiles, mOut, mOutScales, store_queue, tidx - 32)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             consumer_tidx = tidx - THREADS_PER_WARPGROUP
@@ -683,6 +749,10 @@ class ExpertGroupedGemmSm90:
             tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.mma_m, self.mma_n)))
             accumulators = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
             num_k_blocks = cute.size(tCrA, mode=[2])
+            # FP8: one scale group's MMAs accumulate here before they are scaled into the sum
+            group_products = None
+            if cutlass.const_expr(self.block_scaled):
+                group_products = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
             read_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.stages
             )
@@ -750,31 +820,81 @@ class ExpertGroupedGemmSm90:
                 # a warpgroup whose 64-row slab lies wholly past the expert's rows skips its
                 # MMAs (it still drains the ring): tail tiles cost what their rows need
                 slab_has_rows = row0 + slab_row0 < row_end
-                if slab_has_rows:
-                    warpgroup.fence()
-                    for k_tile in range(slice_tiles):
-                        ring.consumer_wait(read_state)
-                        for k_block in cutlass.range_constexpr(num_k_blocks):
-                            coord = (None, None, k_block, read_state.index)
-                            cute.gemm(
-                                tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators
+                if cutlass.const_expr(self.block_scaled):
+                    if slab_has_rows:
+                        k_blocks_per_group = num_k_blocks // self.groups_per_tile
+                        for k_tile in range(slice_tiles):
+                            # issued before the wait: the loads' latency hides behind it
+                            weight_scales = self.weight_scales(
+                                mWScales, expert, col_tile, k_begin + k_tile, n_cols
                             )
-                        warpgroup.commit_group()
-                        # keep one wgmma batch in flight; release the stage before it
-                        warpgroup.wait_group(1)
-                        if k_tile > 0:
+                            x_scales = self.row_scales(
+                                mXScales,
+                                tCcC,
+                                row0=row0,
+                                capacity=capacity,
+                                k_tile=k_begin + k_tile,
+                            )
+                            ring.consumer_wait(read_state)
+                            stage = read_state.index
+                            for group in cutlass.range_constexpr(self.groups_per_tile):
+                                warpgroup.fence()
+                                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                                for k_block in cutlass.range_constexpr(k_blocks_per_group):
+                                    coord = (
+                                        None,
+                                        None,
+                                        group * k_blocks_per_group + k_block,
+                                        stage,
+                                    )
+                                    cute.gemm(
+                                        tiled_mma,
+                                        group_products,
+                                        tCrA[coord],
+                                        tCrB[coord],
+                                        group_products,
+                                    )
+                                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                                warpgroup.commit_group()
+                                warpgroup.wait_group(0)
+                                self.promote(
+                                    accumulators, group_products, x_scales[group], weight_scales
+                                )
                             ring.consumer_release(release_state)
                             release_state.advance()
-                        read_state.advance()
-                    warpgroup.wait_group(0)
-                    ring.consumer_release(release_state)
-                    release_state.advance()
+                            read_state.advance()
+                    else:
+                        for k_tile in range(slice_tiles):
+                            ring.consumer_wait(read_state)
+                            ring.consumer_release(release_state)
+                            release_state.advance()
+                            read_state.advance()
                 else:
-                    for k_tile in range(slice_tiles):
-                        ring.consumer_wait(read_state)
+                    if slab_has_rows:
+                        warpgroup.fence()
+                        for k_tile in range(slice_tiles):
+                            ring.consumer_wait(read_state)
+                            for k_block in cutlass.range_constexpr(num_k_blocks):
+                                coord = (None, None, k_block, read_state.index)
+                                cute.gemm(
+                                    tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators
+                                )
+                            warpgroup.commit_group()
+                            # keep one wgmma batch in flight; release the stage before it
+                            warpgroup.wait_group(1)
+                            if k_tile > 0:
+                                ring.consumer_release(release_state)
+                                release_state.advance()
+                            read_state.advance()
+                        warpgroup.wait_group(0)
                         ring.consumer_release(release_state)
                         release_state.advance()
-                        read_state.advance()
+                    else:
+                        for k_tile in range(slice_tiles):
+                            ring.consumer_wait(read_state)
+                            ring.consumer_release(release_state)
+                            release_state.advance()
+                            read_state.advance()
                 if cutlass.const_expr(self.pingpong):
                     other_turn.arrive()
                     # the other team's next tile sits between this tile and my next one
@@ -804,6 +924,7 @@ class ExpertGroupedGemmSm90:
                     sOut_team,
                     sStagedTiles[(None, team)],
                     mOut,
+                    mOutScales,
                     mRowScale,
                     store_queue,
                     store_state,
@@ -827,6 +948,117 @@ class ExpertGroupedGemmSm90:
                 self.end_staging(
                     sStagedTiles[(None, team)], store_queue, store_state, team_tidx=team_tidx
                 )
+
+    @cute.jit
+    def weight_scales(self, mWScales, expert, col_tile, k_tile, n_cols):
+        """FP8: the scales of K tile `k_tile` (one weight block along K) for the two weight
+        blocks a tile's columns fall in: with SwiGLU its gate rows and its up rows (each in one
+        128-row block of the source w13, since I is a multiple of 128), else the tile's two
+        128-column halves (one block, twice, for tiles of at most 128 columns)."""
+        blocks = cute.size(mWScales, mode=[1])
+        first = cutlass.Int32(0)
+        second = cutlass.Int32(0)
+        if cutlass.const_expr(self.swiglu):
+            half = self.tile_cols // 2
+            first = col_tile * half // WEIGHT_BLOCK
+            second = (n_cols // 2 + col_tile * half) // WEIGHT_BLOCK
+        elif cutlass.const_expr(self.tile_cols > WEIGHT_BLOCK):
+            first = col_tile * (self.tile_cols // WEIGHT_BLOCK)
+            second = cutlass.min(first + 1, blocks - 1)
+        else:
+            first = col_tile * self.tile_cols // WEIGHT_BLOCK
+            second = first
+        return mWScales[(expert, first, k_tile)], mWScales[(expert, second, k_tile)]
+
+    def x_scale_slot(self, i, fragment_shape):
+        """Which of a thread's batch rows accumulator value i belongs to (plain Python). A
+        thread's fragment is ((2 adjacent columns, 2 rows 8 apart, column blocks of 8), MMA
+        atoms along M, along N), values in that order; the batch rows are the M side (2 rows
+        per atom: a pingpong warpgroup holds two 64-row atoms of its 128-row tile) or, with
+        swap_ab, the N side (2 columns per block of 8)."""
+        (_, _, blocks), m_atoms, _ = fragment_shape
+        column, row_half, block = i % 2, (i // 2) % 2, (i // 4) % blocks
+        m_atom, n_atom = (i // (4 * blocks)) % m_atoms, i // (4 * blocks * m_atoms)
+        if self.swap_ab:
+            return column + 2 * block + 2 * blocks * n_atom
+        return row_half + 2 * m_atom
+
+    def weight_scale_slot(self, i):
+        """Which of weight_scales' two values accumulator value i takes (plain Python)."""
+        if self.swiglu:
+            return (i // self.partner_offset) % 2
+        if not self.swap_ab and self.tile_cols > WEIGHT_BLOCK:
+            return (8 * (i // 4)) // WEIGHT_BLOCK
+        return 0
+
+    @cute.jit
+    def row_scales(self, mXScales, tCcC, *, row0, capacity, k_tile):
+        """FP8: the x scales of this thread's batch rows for each scale group of K tile
+        `k_tile`, [group][x_scale_slot], loaded from global memory (each thread holds the
+        accumulators of a few rows: 2, or 2 per 8 columns of the N side with swap_ab). A row
+        past the batch's capacity reads the last row's scale: its outputs are never stored."""
+        values, shape = cute.size(tCcC), tCcC.shape
+        slots = sorted({self.x_scale_slot(i, shape) for i in range(values)})
+        firsts = [
+            min(i for i in range(values) if self.x_scale_slot(i, shape) == slot) for slot in slots
+        ]
+        tile_rows = [tCcC[first][1] if self.swap_ab else tCcC[first][0] for first in firsts]
+        rows = [cutlass.min(row0 + row, capacity - 1) for row in tile_rows]
+        return [
+            [mXScales[(k_tile * self.groups_per_tile + group, row)] for row in rows]
+            for group in range(self.groups_per_tile)
+        ]
+
+    @cute.jit
+    def promote(self, accumulators, group_products, x_scales, weight_scales):
+        """FP8: accumulators += group_products x (the row's x scale) x (the block's weight
+        scale), in fp32; x_scales: this scale group's values of row_scales."""
+        values, shape = cute.size(accumulators), accumulators.shape
+        for i in cutlass.range_constexpr(values):
+            x_scale = x_scales[self.x_scale_slot(i, shape)]
+            scale = x_scale * weight_scales[self.weight_scale_slot(i)]
+            accumulators[i] = accumulators[i] + group_products[i] * scale
+
+    @cute.jit
+    def copy_out_quantized(self, sOut, mOut, mOutScales, *, row0, rows, col_tile, tidx, threads):
+        """copy_out of an e4m3 output: each row's groups of INTERMEDIATE_GROUP staged columns
+        get the scale amax / E4M3_MAX (fp8_scaling), stored in mOutScales (rows, groups). The
+        8-value vectors of a group sit on 8 neighbouring lanes, which share its amax by
+        shuffles; every lane runs the same trips (a lane past the tile's vectors works on a
+        clamped row whose group is wholly outside, and stores nothing)."""
+        vector = OUT_VECTOR
+        vectors_per_group = INTERMEDIATE_GROUP // OUT_VECTOR
+        vectors_per_row = self.out_tile_cols // vector
+        n_out = cute.size(mOut, mode=[1])
+        col0 = col_tile * self.out_tile_cols
+        sOut_vectors = cute.zipped_divide(sOut, (1, vector))
+        mOut_vectors = cute.zipped_divide(mOut, (1, vector))
+        store_atom = cute.make_copy_atom(
+            cute.nvgpu.CopyUniversalOp(), mOut.element_type, num_bits_per_copy=8 * vector
+        )
+        total = rows * vectors_per_row
+        for first in cutlass.range(0, total, threads):
+            v = first + tidx
+            row = cutlass.min(v // vectors_per_row, self.tile_rows - 1)
+            col = (v % vectors_per_row) * vector
+            staged = cute.make_rmem_tensor((vector,), cutlass.Float32)
+            staged.store(sOut_vectors[(None, (row, col // vector))].load().to(cutlass.Float32))
+            amax = cutlass.Float32(0.0)
+            for j in cutlass.range_constexpr(vector):
+                amax = cute.arch.fmax(amax, cute.arch.fmax(staged[j], -staged[j]))
+            for shift in cutlass.range_constexpr(GROUP_SHUFFLE_STEPS):
+                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << shift))
+            if v < total and col0 + col < n_out:
+                scale = cutlass.max(amax, cutlass.Float32(AMAX_FLOOR)) / cutlass.Float32(E4M3_MAX)
+                quantized = cute.make_rmem_tensor((vector,), mOut.element_type)
+                quantized.store((staged.load() / scale).to(mOut.element_type))
+                cute.copy(
+                    store_atom,
+                    quantized,
+                    mOut_vectors[(None, (row0 + row, (col0 + col) // vector))],
+                )
+                if (v % vectors_per_group) == 0:
+                    mOutScales[(row0 + row, (col0 + col) // INTERMEDIATE_GROUP)] = scale
 
     @cute.jit
     def sum_slices(
@@ -882,6 +1114,7 @@ class ExpertGroupedGemmSm90:
         sOut,
         sStagedTile,
         mOut,
+        mOutScales,
         mRowScale,
         store_queue,
         store_state,
@@ -940,6 +1173,7 @@ class ExpertGroupedGemmSm90:
             self.copy_out(
                 sOut,
                 mOut,
+                mOutScales,
                 row0=row0,
                 rows=rows,
                 col_tile=col_tile,
@@ -957,9 +1191,28 @@ class ExpertGroupedGemmSm90:
         store_queue.producer_commit(store_state)
 
     @cute.jit
-    def copy_out(self, sOut, mOut, *, row0, rows, col_tile, tidx, threads):
+    def copy_out(self, sOut, mOut, mOutScales, *, row0, rows, col_tile, tidx, threads):
         """Copies a staged tile out to the batch rows [row0, row0 + rows), in 16-byte vectors,
         the columns below N_out; `threads` threads share it, this one is `tidx`."""
+        if cutlass.const_expr(self.quantize_out):
+            self.copy_out_quantized(
+                sOut,
+                mOut,
+                mOutScales,
+                row0=row0,
+                rows=rows,
+                col_tile=col_tile,
+                tidx=tidx,
+                threads=threads,
+            )
+        else:
+            self.copy_out_plain(
+                sOut, mOut, row0=row0, rows=rows, col_tile=col_tile, tidx=tidx, threads=threads
+            )
+
+    @cute.jit
+    def copy_out_plain(self, sOut, mOut, *, row0, rows, col_tile, tidx, threads):
+        """copy_out of an output stored as staged."""
         out_dtype = mOut.element_type
         vector = 8
         vectors_per_row = self.out_tile_cols // vector
@@ -981,7 +1234,7 @@ class ExpertGroupedGemmSm90:
                 )
 
     @cute.jit
-    def copy_out_tiles(self, sOut, sStagedTiles, mOut, store_queue, store_tidx):
+    def copy_out_tiles(self, sOut, sStagedTiles, mOut, mOutScales, store_queue, store_tidx):
         """Store warps: copy each staged tile out and give its buffer back, in the CTA's tile
         order, until a team's end."""
         state = pipeline.make_pipeline_state(
@@ -996,6 +1249,7 @@ class ExpertGroupedGemmSm90:
             self.copy_out(
                 sOut[(None, None, buffer)],
                 mOut,
+                mOutScales,
                 row0=sStagedTiles[(0, buffer)],
                 rows=rows,
                 col_tile=sStagedTiles[(2, buffer)],

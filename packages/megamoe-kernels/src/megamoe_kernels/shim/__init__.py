@@ -8,10 +8,22 @@ from megamoe_kernels.shim.expert_gemm import (
     cached_kernel_count,
     current_stream_handle,
     down,
+    down_fp8,
+    down_fp8_launcher,
     down_launcher,
+    gate_up_fp8_launcher,
     gate_up_launcher,
     gate_up_swiglu,
+    gate_up_swiglu_fp8,
     interleave_gate_up,
+)
+from megamoe_kernels.shim.fp8 import (
+    FP8_DTYPE,
+    dequantize_rows,
+    dequantize_weight_blocks,
+    quantize_rows,
+    quantize_weight_blocks,
+    row_scales_buffer,
 )
 from megamoe_kernels.shim.knobs import (
     OPS,
@@ -27,6 +39,7 @@ from megamoe_kernels.shim.knobs import (
 )
 
 __all__ = [
+    "FP8_DTYPE",
     "OPS",
     "PROFILE_ROWS_PER_EXPERT",
     "GemmKnobs",
@@ -38,11 +51,20 @@ __all__ = [
     "current_stream_handle",
     "default_knobs",
     "default_launches",
+    "dequantize_rows",
+    "dequantize_weight_blocks",
     "down",
+    "down_fp8",
+    "down_fp8_launcher",
     "down_launcher",
+    "gate_up_fp8_launcher",
     "gate_up_launcher",
     "gate_up_swiglu",
+    "gate_up_swiglu_fp8",
     "interleave_gate_up",
     "knob_problems",
+    "quantize_rows",
+    "quantize_weight_blocks",
     "resolve_knobs",
+    "row_scales_buffer",
 ]

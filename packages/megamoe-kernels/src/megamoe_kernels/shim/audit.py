@@ -107,6 +107,8 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "max_valid_rows",
             "weights_before_wait",
             "dynamic_schedule",
+            "scale_group",
+            "quantize_out",
         ),
     ),
     DropSymbol(
@@ -122,6 +124,9 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "mPartials",
             "mArrivals",
             "mUnitCounter",
+            "mXScales",
+            "mWScales",
+            "mOutScales",
             "stream",
         ),
         passed_as="positional",  # shim/ffi_launch.py calls kernel(mX, mW, ..., stream)
@@ -137,6 +142,14 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
     ),
     # shim/knobs.py: shared-memory budget of the knob validity rule
     DropSymbol("tiling", "TILE_K", "constant"),
+    DropSymbol("tiling", "FP8_TILE_K", "constant"),
+    DropSymbol("tiling", "TILE_K_BYTES", "constant"),
+    # shim/fp8.py and shim/knobs.py: the FP8 block-scaling recipe
+    DropSymbol("fp8_scaling", "E4M3_MAX", "constant"),
+    DropSymbol("fp8_scaling", "AMAX_FLOOR", "constant"),
+    DropSymbol("fp8_scaling", "WEIGHT_BLOCK", "constant"),
+    DropSymbol("fp8_scaling", "ACTIVATION_GROUP", "constant"),
+    DropSymbol("fp8_scaling", "INTERMEDIATE_GROUP", "constant"),
     DropSymbol("tiling", "SMEM_CAPACITY_BYTES", "constant"),
     DropSymbol("tiling", "SMEM_RESERVED_BYTES", "constant"),
     DropSymbol("tiling", "EPILOGUE_ROW_PAD", "constant"),

@@ -8,6 +8,11 @@ B = I / GATE_UP_BLOCK pair blocks. The batch is tight and expert-major: expert e
   gate-up kernel takes; the kernel refuses anything else (a plain [E, 2I, H] w13 included).
 - `gate_up_swiglu(rows_MH, expert_offsets, w13_EB2GH)` -> [M, I] = silu(x Wg^T) * (x Wu^T).
 - `down(hidden_MI, expert_offsets, w2_EHI, row_scale_M=None)` -> [M, H].
+- FP8 (shim/fp8.py has the layouts and the host quantizers): `gate_up_swiglu_fp8(rows_MH,
+  rows_scales, expert_offsets, w13_EB2GH, w13_scales)` -> (e4m3 [M, I], its scales
+  [I / 64, M]), the SwiGLU output quantized in the epilogue; `down_fp8(hidden_MI,
+  hidden_scales, expert_offsets, w2_EHI, w2_scales, row_scale_M=None)` -> bf16 [M, H]. The
+  weight scales are per 128 x 128 block of the weight before the gate/up interleave.
 Rows past expert_offsets[E] of an output are left as they were (unspecified).
 
 Without knobs a call runs the default profile: one kernel, or, when the capacity asks for
@@ -54,19 +59,22 @@ from typing import NoReturn
 import torch
 
 from megamoe_kernels.drop.gate_up_layout import GATE_UP_BLOCK, interleaved_source_row
-from megamoe_kernels.drop.tiling import TILE_K
+from megamoe_kernels.drop.tiling import FP8_TILE_K, TILE_K
+from megamoe_kernels.shim.fp8 import FP8_DTYPE, INTERMEDIATE_GROUP, WEIGHT_BLOCK, row_scales_buffer
 from megamoe_kernels.shim.knobs import (
     GemmKnobs,
     Launch,
     default_launches,
+    is_fp8,
+    is_gate_up,
     max_row_tiles,
     resolve_knobs,
+    scale_group,
 )
 
 _COMPILE_LOCK = threading.Lock()
 # key -> (the compiled launches, whether one of them takes the unit counter)
 _COMPILED: dict[tuple, tuple[Callable, bool]] = {}
-_SUPPORTED_DTYPES = (torch.bfloat16,)
 _DEFAULT_SM_COUNT = 132  # H200; only used when compiling without a GPU
 _ALIGN_BYTES = 16  # TMA and 16-byte vector stores: every tensor's base address
 # split-K is for decode batches: a workspace beyond this means the knobs do not fit the batch
@@ -87,10 +95,13 @@ def interleave_gate_up(w13_E2IH: torch.Tensor) -> torch.Tensor:
     source_rows = interleaved_source_row(
         torch.arange(two_intermediate, device=w13_E2IH.device), two_intermediate // 2
     )
+    # e4m3 moves as bytes (index_select has no float8 kernel on every device)
+    source = w13_E2IH.view(torch.uint8) if w13_E2IH.dtype == FP8_DTYPE else w13_E2IH
     return (
-        w13_E2IH.index_select(1, source_rows)
+        source.index_select(1, source_rows)
         .reshape(experts, two_intermediate // (2 * GATE_UP_BLOCK), 2 * GATE_UP_BLOCK, hidden)
         .contiguous()
+        .view(w13_E2IH.dtype)
     )
 
 
@@ -109,16 +120,20 @@ def _check_common(name: str, tensor: torch.Tensor, *, dim: int, device: torch.de
         )
 
 
-def _check_batch(rows_MK: torch.Tensor, expert_offsets: torch.Tensor, num_experts: int) -> None:
+def _check_batch(
+    rows_MK: torch.Tensor, expert_offsets: torch.Tensor, num_experts: int, dtype: torch.dtype
+) -> None:
     if not isinstance(rows_MK, torch.Tensor):
         raise TypeError(f"rows must be a torch.Tensor, got {type(rows_MK).__name__}")
     device = rows_MK.device
     _check_common("rows", rows_MK, dim=2, device=device)
-    if rows_MK.dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(f"rows must be one of {_SUPPORTED_DTYPES}, got {rows_MK.dtype}")
-    if rows_MK.shape[1] % 8:
+    if rows_MK.dtype != dtype:
+        raise TypeError(f"rows must be {dtype}, got {rows_MK.dtype}")
+    multiple = 16 // dtype.itemsize
+    if rows_MK.shape[1] % multiple:
         raise ValueError(
-            f"rows' last dim (K={rows_MK.shape[1]}) must be a multiple of 8 (16-byte TMA strides)"
+            f"rows' last dim (K={rows_MK.shape[1]}) must be a multiple of {multiple} (16-byte "
+            "TMA strides)"
         )
     if (
         not isinstance(expert_offsets, torch.Tensor)
@@ -141,20 +156,65 @@ def _check_batch(rows_MK: torch.Tensor, expert_offsets: torch.Tensor, num_expert
         )
 
 
-def _check_out(name: str, out: torch.Tensor | None, rows_MK: torch.Tensor, columns: int) -> None:
+def _check_out(
+    name: str, out: torch.Tensor | None, rows_MK: torch.Tensor, columns: int, dtype: torch.dtype
+) -> None:
     if out is None:
         return
     capacity = rows_MK.shape[0]
     if (
         not isinstance(out, torch.Tensor)
         or tuple(out.shape) != (capacity, columns)
-        or out.dtype != rows_MK.dtype
+        or out.dtype != dtype
     ):
-        raise ValueError(f"{name} must be {rows_MK.dtype} [{capacity}, {columns}]")
+        raise ValueError(f"{name} must be {dtype} [{capacity}, {columns}]")
     _check_common(name, out, dim=2, device=rows_MK.device)
 
 
-def _check_gate_up(rows_MH, expert_offsets, w13_EB2GH, out_MI) -> None:
+def _check_row_scales(name: str, scales: torch.Tensor, *, groups: int, rows: int, device) -> None:
+    """FP8 row scales: float32 [groups, rows], rows contiguous (shim/fp8.row_scales_buffer)."""
+    if (
+        not isinstance(scales, torch.Tensor)
+        or scales.dtype != torch.float32
+        or tuple(scales.shape) != (groups, rows)
+    ):
+        got = (
+            f"{scales.dtype} {list(scales.shape)}"
+            if isinstance(scales, torch.Tensor)
+            else type(scales).__name__
+        )
+        raise ValueError(f"{name} must be float32 [{groups}, {rows}], got {got}")
+    if scales.device != device:
+        raise ValueError(f"{name} is on {scales.device}, the batch rows on {device}")
+    if scales.stride(1) != 1 or (groups > 1 and scales.stride(0) < rows):
+        raise ValueError(
+            f"{name} must have contiguous rows, one group after another "
+            f"(fp8.row_scales_buffer makes one), got strides {scales.stride()}"
+        )
+
+
+def _check_weight_scales(
+    name: str, scales: torch.Tensor, *, experts: int, n: int, k: int, device
+) -> None:
+    blocks = [experts, -(-n // WEIGHT_BLOCK), -(-k // WEIGHT_BLOCK)]
+    if (
+        not isinstance(scales, torch.Tensor)
+        or scales.dtype != torch.float32
+        or list(scales.shape) != blocks
+    ):
+        got = (
+            f"{scales.dtype} {list(scales.shape)}"
+            if isinstance(scales, torch.Tensor)
+            else type(scales).__name__
+        )
+        raise ValueError(
+            f"{name} must be float32 [E, ceil(N/{WEIGHT_BLOCK}), ceil(K/{WEIGHT_BLOCK})] = "
+            f"{blocks}, got {got}"
+        )
+    _check_common(name, scales, dim=3, device=device)
+
+
+def _check_gate_up(rows_MH, expert_offsets, w13_EB2GH, out_MI, *, fp8=False) -> None:
     """Every rule of gate_up_swiglu's arguments, with an error that names the argument."""
     if (
         not isinstance(w13_EB2GH, torch.Tensor)
@@ -167,23 +227,30 @@ def _check_gate_up(rows_MH, expert_offsets, w13_EB2GH, out_MI) -> None:
             f"from interleave_gate_up(w13_E2IH), got shape {shape}"
         )
     experts, blocks, _, hidden = w13_EB2GH.shape
-    _check_batch(rows_MH, expert_offsets, experts)
+    dtype = FP8_DTYPE if fp8 else torch.bfloat16
+    _check_batch(rows_MH, expert_offsets, experts, dtype)
     _check_common("w13", w13_EB2GH, dim=4, device=rows_MH.device)
     if w13_EB2GH.dtype != rows_MH.dtype or hidden != rows_MH.shape[1]:
         raise ValueError(
             f"w13 {w13_EB2GH.dtype} [..., H={hidden}] does not match rows {rows_MH.dtype} "
             f"[M, H={rows_MH.shape[1]}]"
         )
-    _check_out("out_MI", out_MI, rows_MH, blocks * GATE_UP_BLOCK)
+    intermediate = blocks * GATE_UP_BLOCK
+    if fp8 and intermediate % WEIGHT_BLOCK:
+        raise ValueError(
+            f"FP8 w13: I={intermediate} must be a multiple of {WEIGHT_BLOCK} (the gate and the up "
+            "rows of a tile each lie in one weight block)"
+        )
+    _check_out("out_MI", out_MI, rows_MH, intermediate, dtype)
 
 
-def _check_down(hidden_MI, expert_offsets, w2_EHI, row_scale_M, out_MH) -> None:
+def _check_down(hidden_MI, expert_offsets, w2_EHI, row_scale_M, out_MH, *, fp8=False) -> None:
     """Every rule of down's arguments, with an error that names the argument."""
     if not isinstance(hidden_MI, torch.Tensor):
         raise TypeError(f"rows must be a torch.Tensor, got {type(hidden_MI).__name__}")
     _check_common("w2", w2_EHI, dim=3, device=hidden_MI.device)
     experts, hidden, intermediate = w2_EHI.shape
-    _check_batch(hidden_MI, expert_offsets, experts)
+    _check_batch(hidden_MI, expert_offsets, experts, FP8_DTYPE if fp8 else torch.bfloat16)
     if w2_EHI.dtype != hidden_MI.dtype or intermediate != hidden_MI.shape[1]:
         raise ValueError(
             f"w2 {w2_EHI.dtype} [E, H, I={intermediate}] does not match rows {hidden_MI.dtype} "
@@ -199,7 +266,12 @@ def _check_down(hidden_MI, expert_offsets, w2_EHI, row_scale_M, out_MH) -> None:
                 f"row_scale_M must be float32 [{capacity}], got {row_scale_M.dtype} "
                 f"{tuple(row_scale_M.shape)}"
             )
-    _check_out("out_MH", out_MH, hidden_MI, hidden)
+    if fp8 and intermediate % INTERMEDIATE_GROUP:
+        raise ValueError(
+            f"FP8 w2: I={intermediate} must be a multiple of {INTERMEDIATE_GROUP} (the "
+            "intermediate's quantization group)"
+        )
+    _check_out("out_MH", out_MH, hidden_MI, hidden, torch.bfloat16)
 
 
 def _raise_explained(failure: Exception, check: Callable[[], None]) -> NoReturn:
@@ -292,7 +364,11 @@ def current_stream_handle(device: torch.device) -> int:
 
 def _stream_scratch(device: torch.device, what: tuple, make: Callable[[], object]):
     """Scratch that launches leave as they found it, shared by the launches on the current
-    stream (they run one after another): made by `make` on first use, then kept for good."""
+    stream (they run one after another): made by `make` on first use, then kept for good.
+    Under CUDA-graph capture it is made anew, inside the graph: the graph's memory pool owns
+    it (torch.compile's CUDA graphs refuse pool memory that outlives the call)."""
+    if torch.cuda.is_current_stream_capturing():
+        return make()
     key = (device, _current_stream_handle(device), what)
     scratch = _STREAM_SCRATCH.get(key)
     if scratch is None:
@@ -304,15 +380,16 @@ def _gemm_dims(op: str, weight_shape: tuple[int, ...]) -> tuple[int, int, int]:
     """(N, K, output columns) of an op's GEMM from its stored weight's shape: gate-up
     [E, B, 16, H] has N = B x 16 weight rows, which SwiGLU halves; down [E, H, I] has N = H."""
     n, k = math.prod(weight_shape[1:-1]), weight_shape[-1]
-    return n, k, n // 2 if op == "gate_up" else n
+    return n, k, n // 2 if is_gate_up(op) else n
 
 
-def _check_split_k(knobs: GemmKnobs, k: int) -> None:
-    k_tiles = -(-k // TILE_K)
+def _check_split_k(op: str, knobs: GemmKnobs, k: int) -> None:
+    tile_k = FP8_TILE_K if is_fp8(op) else TILE_K
+    k_tiles = -(-k // tile_k)
     if knobs.split_k > k_tiles:
         raise ValueError(
-            f"split_k={knobs.split_k} needs K >= {(knobs.split_k - 1) * TILE_K + 1} (one K tile "
-            f"of {TILE_K} per slice), got K={k}"
+            f"split_k={knobs.split_k} needs K >= {(knobs.split_k - 1) * tile_k + 1} (one K tile "
+            f"of {tile_k} per slice), got K={k}"
         )
 
 
@@ -357,7 +434,7 @@ def _launches(
     else:
         launches = (Launch(resolve_knobs(op, capacity / max(1, experts), knobs)),)
     for launch in launches:
-        _check_split_k(launch.knobs, k)
+        _check_split_k(op, launch.knobs, k)
     return launches
 
 
@@ -398,13 +475,30 @@ class GemmLauncher:
         *,
         row_scale_M: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        x_scales: torch.Tensor | None = None,
+        w_scales: torch.Tensor | None = None,
+        out_scales: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The output; with "gate_up_fp8" (the output, its scales)."""
+        scales = (x_scales, w_scales, out_scales)
         try:
-            out_MN = x_MK.new_empty((x_MK.shape[0], self.columns)) if out is None else out
-            if self.compiled is None or x_MK.shape[0] == 0:
+            rows = x_MK.shape[0]
+            quantized = self.op == "gate_up_fp8"
+            if out is None:
+                out = torch.empty(
+                    (rows, self.columns),
+                    dtype=FP8_DTYPE if quantized else torch.bfloat16,
+                    device=x_MK.device,
+                )
+            if quantized and out_scales is None:
+                out_scales = row_scales_buffer(
+                    -(-self.columns // INTERMEDIATE_GROUP), rows, device=x_MK.device
+                )
+            result = (out, out_scales) if quantized else out
+            if self.compiled is None or rows == 0:
                 # nothing runs, so no compiled signature checks the arguments
-                _check_op(self.op, x_MK, expert_offsets, w, row_scale_M, out)
-                return out_MN
+                _check_op(self.op, x_MK, expert_offsets, w, row_scale_M, out, scales)
+                return result
             partials = arrivals = unit_counter = None
             # split-K knobs (swap-AB) always launch alone
             if self.knobs.split_k > 1:
@@ -414,22 +508,57 @@ class GemmLauncher:
             if self.takes_unit_counter:
                 unit_counter = _unit_counter(x_MK)
             self.compiled(
-                x_MK, w, out_MN, expert_offsets, row_scale_M, partials, arrivals, unit_counter
+                x_MK,
+                w,
+                out,
+                expert_offsets,
+                row_scale_M,
+                partials,
+                arrivals,
+                unit_counter,
+                x_scales,
+                w_scales,
+                out_scales,
             )
-            return out_MN
+            return result
         except Exception as failure:
             _raise_explained(
-                failure, lambda: _check_op(self.op, x_MK, expert_offsets, w, row_scale_M, out)
+                failure,
+                lambda: _check_op(self.op, x_MK, expert_offsets, w, row_scale_M, out, scales),
             )
 
 
-def _check_op(op: str, x_MK, expert_offsets, w, row_scale_M, out) -> None:
-    if op == "gate_up":
+def _check_op(op: str, x_MK, expert_offsets, w, row_scale_M, out, scales=None) -> None:
+    """Every rule of an op's arguments; scales = (x_scales, w_scales, out_scales), or None to
+    leave them out."""
+    fp8 = is_fp8(op)
+    if is_gate_up(op):
         if row_scale_M is not None:
             raise ValueError("row_scale_M is the down GEMM's; the gate-up GEMM takes none")
-        _check_gate_up(x_MK, expert_offsets, w, out)
+        _check_gate_up(x_MK, expert_offsets, w, out, fp8=fp8)
     else:
-        _check_down(x_MK, expert_offsets, w, row_scale_M, out)
+        _check_down(x_MK, expert_offsets, w, row_scale_M, out, fp8=fp8)
+    if scales is None:
+        return
+    x_scales, w_scales, out_scales = scales
+    if not fp8:
+        if any(scale is not None for scale in scales):
+            raise ValueError(f"the {op} GEMM is bf16: it takes no scales")
+        return
+    n, k, n_out = _gemm_dims(op, w.shape)
+    rows, device = x_MK.shape[0], x_MK.device
+    _check_row_scales(
+        "x_scales", x_scales, groups=-(-k // scale_group(op)), rows=rows, device=device
+    )
+    _check_weight_scales("w_scales", w_scales, experts=w.shape[0], n=n, k=k, device=device)
+    if out_scales is not None:
+        _check_row_scales(
+            "out_scales",
+            out_scales,
+            groups=-(-n_out // INTERMEDIATE_GROUP),
+            rows=rows,
+            device=device,
+        )
 
 
 # the launchers bound so far, by (op, knobs, tuned knobs, x shape, weight shape, valid rows and
@@ -453,6 +582,7 @@ def _launcher(
     are planned and compiled (compile_only: compiled, nothing will run) and it is kept."""
 
     def check() -> None:
+        # the scales are not part of the kind of call: a call's own are checked with it
         _check_op(op, x_MK, expert_offsets, w, row_scale_M, None)
 
     try:
@@ -517,7 +647,7 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callabl
                 tile_cols=launch.knobs.tile_cols,
                 stages=launch.knobs.stages,
                 swap_ab=launch.knobs.swap_ab,
-                swiglu=op == "gate_up",
+                swiglu=is_gate_up(op),
                 row_scale=has_row_scale,
                 rows_fastest=launch.knobs.rows_fastest,
                 pingpong=launch.knobs.pingpong,
@@ -529,8 +659,10 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callabl
                 # (its gate-up; `down` says so), so its weights may start loading while that
                 # kernel runs: measured 1-4% faster at decode, 0.2-1.2% slower with prefill
                 # tiles (docs/benchmarks.md, "Down weights before the wait")
-                weights_before_wait=op == "down" and launch.knobs.swap_ab,
+                weights_before_wait=not is_gate_up(op) and launch.knobs.swap_ab,
                 dynamic_schedule=_dynamic_schedule(launch.knobs),
+                scale_group=scale_group(op),
+                quantize_out=op == "gate_up_fp8",
                 # persistent CTAs: those beyond the routed tiles find no work and exit
                 num_ctas=_persistent_ctas(device_index, launch.knobs.cluster[0]),
             )
@@ -546,6 +678,8 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callabl
             has_row_scale=has_row_scale,
             split_k=max(launch.knobs.split_k for launch in launches),
             dynamic_schedule=takes_unit_counter,
+            scale_group=scale_group(op),
+            quantize_out=op == "gate_up_fp8",
         )
         _COMPILED[key] = (compiled, takes_unit_counter)
         return _COMPILED[key]
@@ -656,6 +790,131 @@ def down_launcher(
     as launcher(hidden_MI, expert_offsets, w2_EHI, row_scale_M=None, out=None)."""
     return _launcher(
         "down",
+        hidden_MI,
+        expert_offsets,
+        w2_EHI,
+        row_scale_M=row_scale_M,
+        knobs=knobs,
+        tuned_knobs=tuned_knobs,
+        valid_rows=valid_rows,
+        compile_only=compile_only,
+    )
+
+
+def gate_up_swiglu_fp8(
+    rows_MH: torch.Tensor,
+    rows_scales: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w13_EB2GH: torch.Tensor,
+    w13_scales: torch.Tensor,
+    *,
+    out_MI: torch.Tensor | None = None,
+    out_scales: torch.Tensor | None = None,
+    knobs: GemmKnobs | None = None,
+    tuned_knobs: GemmKnobs | None = None,
+    valid_rows: int | None = None,
+    compile_only: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up_swiglu on e4m3 rows (scales [H / 128, M]) and an e4m3 interleaved w13 (scales
+    [E, 2I / 128, H / 128], per block of the w13 before the interleave): the SwiGLU output
+    quantized per 64 columns, (e4m3 [M, I], scales [I / 64, M]). Arguments as there."""
+    launcher = gate_up_fp8_launcher(
+        rows_MH,
+        expert_offsets,
+        w13_EB2GH,
+        knobs=knobs,
+        tuned_knobs=tuned_knobs,
+        valid_rows=valid_rows,
+        compile_only=compile_only,
+    )
+    return launcher(
+        rows_MH,
+        expert_offsets,
+        w13_EB2GH,
+        out=out_MI,
+        x_scales=rows_scales,
+        w_scales=w13_scales,
+        out_scales=out_scales,
+    )
+
+
+def down_fp8(
+    hidden_MI: torch.Tensor,
+    hidden_scales: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w2_EHI: torch.Tensor,
+    w2_scales: torch.Tensor,
+    *,
+    row_scale_M: torch.Tensor | None = None,
+    out_MH: torch.Tensor | None = None,
+    knobs: GemmKnobs | None = None,
+    tuned_knobs: GemmKnobs | None = None,
+    valid_rows: int | None = None,
+    compile_only: bool = False,
+) -> torch.Tensor:
+    """down on e4m3 rows (scales [I / 64, M], as gate_up_swiglu_fp8 leaves them) and an e4m3
+    w2 (scales [E, H / 128, I / 128]): bf16 [M, H]. Arguments as for down."""
+    launcher = down_fp8_launcher(
+        hidden_MI,
+        expert_offsets,
+        w2_EHI,
+        row_scale_M=row_scale_M,
+        knobs=knobs,
+        tuned_knobs=tuned_knobs,
+        valid_rows=valid_rows,
+        compile_only=compile_only,
+    )
+    return launcher(
+        hidden_MI,
+        expert_offsets,
+        w2_EHI,
+        row_scale_M=row_scale_M,
+        out=out_MH,
+        x_scales=hidden_scales,
+        w_scales=w2_scales,
+    )
+
+
+def gate_up_fp8_launcher(
+    rows_MH: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w13_EB2GH: torch.Tensor,
+    *,
+    knobs: GemmKnobs | None = None,
+    tuned_knobs: GemmKnobs | None = None,
+    valid_rows: int | None = None,
+    compile_only: bool = False,
+) -> GemmLauncher:
+    """gate_up_swiglu_fp8's launcher: called as launcher(rows_MH, expert_offsets, w13_EB2GH,
+    x_scales=..., w_scales=..., out=None, out_scales=None) -> (out, out_scales)."""
+    return _launcher(
+        "gate_up_fp8",
+        rows_MH,
+        expert_offsets,
+        w13_EB2GH,
+        row_scale_M=None,
+        knobs=knobs,
+        tuned_knobs=tuned_knobs,
+        valid_rows=valid_rows,
+        compile_only=compile_only,
+    )
+
+
+def down_fp8_launcher(
+    hidden_MI: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w2_EHI: torch.Tensor,
+    *,
+    row_scale_M: torch.Tensor | None = None,
+    knobs: GemmKnobs | None = None,
+    tuned_knobs: GemmKnobs | None = None,
+    valid_rows: int | None = None,
+    compile_only: bool = False,
+) -> GemmLauncher:
+    """down_fp8's launcher: called as launcher(hidden_MI, expert_offsets, w2_EHI,
+    x_scales=..., w_scales=..., row_scale_M=None, out=None)."""
+    return _launcher(
+        "down_fp8",
         hidden_MI,
         expert_offsets,
         w2_EHI,

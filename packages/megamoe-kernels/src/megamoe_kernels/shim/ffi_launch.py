@@ -10,9 +10,11 @@ The signature: x [rows, K], w as stored ([E, ...], contiguous, E * N * K element
 N x K block row-major), out [rows, N_out], offsets [E + 1] int32, row scale [rows] float32 or
 None, for split-K variants the workspace: partials [words] float32 and arrivals [slots]
 int32 (else None, None), and for variants with a dynamic schedule the unit counter [2] int32
-(else None). `rows` is one symbol shared by x, out and the row scale (so a row
-count that differs between them is refused before launch); the workspace sizes are runtime
-dims too. The jit wrapper views w as the
+(else None), and for FP8 variants the scales (fp8_scaling): x_scales [K groups, rows],
+w_scales [E, N blocks, K blocks] and, with a quantized output, out_scales [N_out groups, rows]
+(else None). `rows` is one symbol shared by x, out, the row scale and the scales' rows (so a
+row count that differs between them is refused before launch); the scales' row stride is a
+runtime value (they may be views of a wider buffer); the workspace sizes are runtime dims too. The jit wrapper views w as the
 (N, K, E) K-major tensor the kernel takes, so callers pass weights without a per-call permute.
 
 Imported on first compile only: it imports CuTe DSL.
@@ -22,7 +24,9 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+
+from megamoe_kernels.drop.fp8_scaling import INTERMEDIATE_GROUP, WEIGHT_BLOCK
 
 TENSOR_ALIGN_BYTES = 16  # TMA and the 16-byte vector stores; the shim's checks say the same
 
@@ -37,14 +41,39 @@ class StoredWeightLaunch:
 
     @cute.jit
     def __call__(
-        self, mX, mWStored, mOut, mOffsets, mRowScale, mPartials, mArrivals, mUnitCounter, stream
+        self,
+        mX,
+        mWStored,
+        mOut,
+        mOffsets,
+        mRowScale,
+        mPartials,
+        mArrivals,
+        mUnitCounter,
+        mXScales,
+        mWScales,
+        mOutScales,
+        stream,
     ):
         n, k, experts = self.n, self.k, self.experts
         mW = cute.make_tensor(
             mWStored.iterator, cute.make_layout((n, k, experts), stride=(k, 1, n * k))
         )
         for kernel in self.kernels:
-            kernel(mX, mW, mOut, mOffsets, mRowScale, mPartials, mArrivals, mUnitCounter, stream)
+            kernel(
+                mX,
+                mW,
+                mOut,
+                mOffsets,
+                mRowScale,
+                mPartials,
+                mArrivals,
+                mUnitCounter,
+                mXScales,
+                mWScales,
+                mOutScales,
+                stream,
+            )
 
 
 def row_major(dtype, shape):
@@ -54,6 +83,13 @@ def row_major(dtype, shape):
     return make_fake_compact_tensor(
         dtype, shape, stride_order=order, assumed_align=TENSOR_ALIGN_BYTES
     )
+
+
+def rows_contiguous(dtype, groups, rows):
+    """A fake [groups, rows] tensor with contiguous rows and a runtime row stride: the FP8 row
+    scales' layout (fp8_scaling), which may be a view of a wider buffer."""
+    stride = cute.sym_int32(symbol="scale_stride")
+    return make_fake_tensor(dtype, (groups, rows), stride=(stride, 1), assumed_align=4)
 
 
 def compile_stored_weight_launch(
@@ -66,16 +102,30 @@ def compile_stored_weight_launch(
     has_row_scale: bool,
     split_k: int,
     dynamic_schedule: bool,
+    scale_group: int | None = None,
+    quantize_out: bool = False,
 ):
     """cute.compile of `kernels` behind StoredWeightLaunch, for the TVM-FFI calling convention:
     the result is called as f(x, w, out, offsets, row_scale_or_None, partials_or_None,
-    arrivals_or_None, unit_counter_or_None) with torch tensors (the workspace when split_k > 1:
-    at most one of the kernels splits K; the counter when one has a dynamic schedule)."""
+    arrivals_or_None, unit_counter_or_None, x_scales_or_None, w_scales_or_None,
+    out_scales_or_None) with torch tensors (the workspace when split_k > 1: at most one of the
+    kernels splits K; the counter when one has a dynamic schedule; the scales for FP8 kernels,
+    scale_group set: e4m3 x and w, and an e4m3 out with quantize_out)."""
     experts = weight_shape[0]
     rows = cute.sym_int32(symbol="rows")
-    x = row_major(cutlass.BFloat16, (rows, k))
-    w = row_major(cutlass.BFloat16, tuple(weight_shape))
-    out = row_major(cutlass.BFloat16, (rows, n_out))
+    ab_dtype = cutlass.BFloat16 if scale_group is None else cutlass.Float8E4M3FN
+    out_dtype = cutlass.Float8E4M3FN if quantize_out else cutlass.BFloat16
+    x = row_major(ab_dtype, (rows, k))
+    w = row_major(ab_dtype, tuple(weight_shape))
+    out = row_major(out_dtype, (rows, n_out))
+    x_scales = w_scales = out_scales = None
+    if scale_group is not None:
+        x_scales = rows_contiguous(cutlass.Float32, -(-k // scale_group), rows)
+        w_scales = row_major(
+            cutlass.Float32, (experts, -(-n // WEIGHT_BLOCK), -(-k // WEIGHT_BLOCK))
+        )
+    if quantize_out:
+        out_scales = rows_contiguous(cutlass.Float32, -(-n_out // INTERMEDIATE_GROUP), rows)
     offsets = row_major(cutlass.Int32, (experts + 1,))
     row_scale = row_major(cutlass.Float32, (rows,)) if has_row_scale else None
     partials = arrivals = None
@@ -94,6 +144,9 @@ def compile_stored_weight_launch(
         partials,
         arrivals,
         unit_counter,
+        x_scales,
+        w_scales,
+        out_scales,
         make_fake_stream(use_tvm_ffi_env_stream=True),
         options="--enable-tvm-ffi",
     )

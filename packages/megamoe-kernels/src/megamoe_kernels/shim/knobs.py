@@ -1,8 +1,10 @@
 """Knobs of the expert grouped GEMMs, the rule that says why a combination is invalid, and the
 default profile keyed on rows per expert.
 
-Two ops share one kernel: "gate_up" (SwiGLU epilogue on the gate/up interleaved w13) and
-"down" (optional row-scale epilogue). No CuTe DSL import here: knobs are checked on any machine.
+Four ops share one kernel: "gate_up" (SwiGLU epilogue on the gate/up interleaved w13) and
+"down" (optional row-scale epilogue) in bf16, and their FP8 forms "gate_up_fp8" (e4m3 rows and
+weights with block scales, the output quantized per 64 columns) and "down_fp8". No CuTe DSL
+import here: knobs are checked on any machine.
 """
 
 from __future__ import annotations
@@ -11,14 +13,19 @@ import itertools
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from megamoe_kernels.drop.fp8_scaling import ACTIVATION_GROUP, INTERMEDIATE_GROUP
 from megamoe_kernels.drop.tiling import (
     EPILOGUE_ROW_PAD,
     SMEM_CAPACITY_BYTES,
     SMEM_RESERVED_BYTES,
-    TILE_K,
+    TILE_K_BYTES,
 )
 
-OPS = ("gate_up", "down")
+OPS = ("gate_up", "down", "gate_up_fp8", "down_fp8")
+FP8_OPS = ("gate_up_fp8", "down_fp8")
+# FP8 keeps two accumulator sets (the running sum and a scale group's products): at most 64
+# fp32 accumulators per consumer thread each, 128 registers in all
+FP8_MAX_ACCUMULATORS_PER_THREAD = 64
 ROW_TILES = (64, 128)
 COL_TILES = (64, 128, 192, 256)
 SWAP_ROW_TILES = (16, 32, 64, 128)
@@ -57,14 +64,33 @@ class GemmKnobs:
     split_k: int = 1
 
 
+def is_gate_up(op: str) -> bool:
+    return op.startswith("gate_up")
+
+
+def is_fp8(op: str) -> bool:
+    return op in FP8_OPS
+
+
+def scale_group(op: str) -> int | None:
+    """K columns per scale of an FP8 op's rows (None for bf16): the hidden rows' groups for the
+    gate-up GEMM, the quantized intermediate's for the down GEMM."""
+    if not is_fp8(op):
+        return None
+    return ACTIVATION_GROUP if is_gate_up(op) else INTERMEDIATE_GROUP
+
+
 def epilogue_smem_bytes(knobs: GemmKnobs, op: str) -> int:
-    out_cols = knobs.tile_cols // 2 if op == "gate_up" else knobs.tile_cols
+    out_cols = knobs.tile_cols // 2 if is_gate_up(op) else knobs.tile_cols
     buffers = 2 if knobs.pingpong else 1  # one staging tile per pingpong warpgroup
+    # staged in bf16 (a quantized output is quantized on its way out)
     return buffers * knobs.tile_rows * (out_cols + EPILOGUE_ROW_PAD) * 2
 
 
 def stage_smem_bytes(knobs: GemmKnobs) -> int:
-    return (knobs.tile_rows + knobs.tile_cols) * TILE_K * 2
+    """A ring stage: a K tile of 128 bytes per row of x and w (64 bf16 or 128 e4m3 values; the
+    FP8 kernels' consumers load the row scales from global memory)."""
+    return (knobs.tile_rows + knobs.tile_cols) * TILE_K_BYTES
 
 
 def max_stages(knobs: GemmKnobs, op: str) -> int:
@@ -106,6 +132,8 @@ def knob_problems(knobs: GemmKnobs, op: str) -> list[str]:
             f"pingpong with a {knobs.tile_rows}x{knobs.tile_cols} tile: one warpgroup holds at "
             f"most {PINGPONG_MAX_ACCUMULATORS} accumulators (64x256, 128x128)"
         )
+    if is_fp8(op):
+        problems += _fp8_problems(knobs, op)
     # every accepted tile keeps the accumulator at <= 128 fp32 registers per consumer thread
     if not problems:
         limit = max_stages(knobs, op)
@@ -115,6 +143,32 @@ def knob_problems(knobs: GemmKnobs, op: str) -> list[str]:
                 f"{knobs.tile_cols} tile ({stage_smem_bytes(knobs)} B per stage, "
                 f"{epilogue_smem_bytes(knobs, op)} B epilogue, {SMEM_CAPACITY_BYTES} B shared memory)"
             )
+    return problems
+
+
+def _fp8_problems(knobs: GemmKnobs, op: str) -> list[str]:
+    problems = []
+    # a consumer thread's share of one tile: a warpgroup holds 64 rows of the MMA's M side
+    mma_m = knobs.tile_cols if knobs.swap_ab else knobs.tile_rows
+    mma_n = knobs.tile_rows if knobs.swap_ab else knobs.tile_cols
+    threads = 128 if knobs.pingpong else mma_m // 64 * 128
+    per_thread = mma_m * mma_n // threads
+    if per_thread > FP8_MAX_ACCUMULATORS_PER_THREAD:
+        problems.append(
+            f"a {knobs.tile_rows}x{knobs.tile_cols} FP8 tile{' with pingpong' if knobs.pingpong else ''}"
+            f" holds {per_thread} accumulators per thread: FP8 keeps two sets (the running sum "
+            f"and a scale group's products), at most {FP8_MAX_ACCUMULATORS_PER_THREAD} each"
+        )
+    if is_gate_up(op) and knobs.tile_cols % (2 * INTERMEDIATE_GROUP):
+        problems.append(
+            f"tile_cols={knobs.tile_cols} for {op}: a multiple of {2 * INTERMEDIATE_GROUP} (the "
+            f"tile's output columns are whole {INTERMEDIATE_GROUP}-column quantization groups)"
+        )
+    elif knobs.tile_cols not in (64, 128):
+        problems.append(
+            f"tile_cols={knobs.tile_cols} for {op}: accepted (64, 128) (each tile's columns "
+            "lie in one 128-row weight block)"
+        )
     return problems
 
 
@@ -137,14 +191,19 @@ def default_knobs(op: str, rows_per_expert: float) -> GemmKnobs:
     Why 64 columns with 16 rows (up to ~5 rows per expert): so thin an MMA leaves the tile bound
     by its weight stream, and halving the tile doubles the CTAs that stream (whole expert MLP on
     the H200: 1-16% faster at 1-4 rows per expert; from 8 rows per expert, where the row tile is
-    32, equal or 1-5% slower: docs/benchmarks.md, "Decode column tiles")."""
+    32, equal or 1-5% slower: docs/benchmarks.md, "Decode column tiles").
+
+    FP8 ops take 128x128 prefill tiles (two accumulator sets of a 128x256 tile would not fit
+    in registers), and the FP8 gate-up's decode tiles 128 columns (whole quantization groups)."""
     if rows_per_expert <= 64:
         wanted = 1.5 * rows_per_expert + 8
         tile_rows = next((size for size in SWAP_ROW_TILES if size >= wanted), SWAP_ROW_TILES[-1])
         tile_cols = SWAP_COL_TILES[0] if tile_rows == SWAP_ROW_TILES[0] else SWAP_COL_TILES[1]
+        if op == "gate_up_fp8":
+            tile_cols = SWAP_COL_TILES[1]
         knobs = GemmKnobs(tile_rows=tile_rows, tile_cols=tile_cols, swap_ab=True)
     else:
-        knobs = GemmKnobs(tile_rows=128, tile_cols=256, swap_ab=False)
+        knobs = GemmKnobs(tile_rows=128, tile_cols=128 if is_fp8(op) else 256, swap_ab=False)
     return replace(knobs, stages=max_stages(knobs, op))
 
 
@@ -171,7 +230,13 @@ def max_row_tiles(capacity: int, experts: int, tile_rows: int) -> int:
 
 
 def _down_knobs_beside_gate_up(
-    knobs: GemmKnobs, *, capacity: int, experts: int, weight_dims: tuple[int, int], sms: int
+    op: str,
+    knobs: GemmKnobs,
+    *,
+    capacity: int,
+    experts: int,
+    weight_dims: tuple[int, int],
+    sms: int,
 ) -> GemmKnobs:
     """The decode down GEMM's knobs when it follows the default gate-up GEMM of its batch.
 
@@ -185,7 +250,7 @@ def _down_knobs_beside_gate_up(
     if knobs == wide:
         return knobs
     row_tiles = max_row_tiles(capacity, experts, knobs.tile_rows)
-    gate_up = default_knobs("gate_up", capacity / max(1, experts))
+    gate_up = default_knobs("gate_up_fp8" if is_fp8(op) else "gate_up", capacity / max(1, experts))
 
     def ctas(columns: int, cols_per_tile: int) -> int:
         return row_tiles * -(-columns // cols_per_tile)
@@ -195,7 +260,7 @@ def _down_knobs_beside_gate_up(
         return knobs
     if gate_up_ctas + ctas(hidden, wide.tile_cols) > sms:
         return knobs
-    return replace(wide, stages=max_stages(wide, "down"))
+    return replace(wide, stages=max_stages(wide, op))
 
 
 @lru_cache(maxsize=1024)
@@ -232,9 +297,9 @@ def default_launches(
         knobs = check_knobs(tuned, op)
     else:
         knobs = default_knobs(op, capacity / max(1, experts))
-        if knobs.swap_ab and op == "down":
+        if knobs.swap_ab and not is_gate_up(op):
             knobs = _down_knobs_beside_gate_up(
-                knobs, capacity=capacity, experts=experts, weight_dims=weight_dims, sms=sms
+                op, knobs, capacity=capacity, experts=experts, weight_dims=weight_dims, sms=sms
             )
     boundary = SMALL_BATCH_ROWS_PER_EXPERT * experts + 1
     if knobs.swap_ab or capacity < boundary:

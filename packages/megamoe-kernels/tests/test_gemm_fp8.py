@@ -1,0 +1,300 @@
+"""The FP8 grouped GEMMs on an sm_90 GPU against fp32 oracles on the dequantized operands.
+
+Every case: fresh random rows and weights quantized with the host recipe (shim/fp8.py), rows
+past the valid count NaN (they must never reach an output), outputs and output scales poisoned
+with NaN (valid rows must be overwritten, the rest left untouched).
+- down_fp8: bf16 out against the fp32 product of its dequantized operands, rel-L2 <= 1e-2;
+- gate_up_swiglu_fp8: its e4m3 output dequantized against the fp32 SwiGLU of the dequantized
+  operands (the output's own e4m3 rounding included), rel-L2 <= 5e-2, and each scale within
+  2% of the oracle row group's amax / 448.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megamoe_kernels import (
+    FP8_DTYPE,
+    GemmKnobs,
+    candidate_knobs,
+    dequantize_rows,
+    dequantize_weight_blocks,
+    down_fp8,
+    down_fp8_launcher,
+    gate_up_fp8_launcher,
+    gate_up_swiglu_fp8,
+    interleave_gate_up,
+    quantize_rows,
+    quantize_weight_blocks,
+    row_scales_buffer,
+)
+from megamoe_kernels.reference import (
+    down_reference,
+    expert_mlp_reference,
+    fp8_difference,
+    gate_up_swiglu_reference,
+    relative_l2_error,
+)
+
+pytestmark = pytest.mark.gpu
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+if not _sm90():
+    pytest.skip("needs an sm_90 GPU", allow_module_level=True)
+
+DEVICE = torch.device("cuda")
+DOWN_TOLERANCE = 1e-2
+GATE_UP_TOLERANCE = 5e-2
+GEOMETRY_DIMS = {
+    "qwen3-30b-a3b": (16, 2048, 768),
+    "dsv3": (16, 7168, 2048),
+    "mixtral-8x7b": (4, 4096, 14336),
+    "partial-k": (8, 2112, 1408),
+    "tiny": (16, 256, 128),
+}
+E4M3_NAN = 0x7F
+
+
+def poisoned(shape, dtype):
+    if dtype == FP8_DTYPE:
+        return torch.full(shape, E4M3_NAN, dtype=torch.uint8, device=DEVICE).view(FP8_DTYPE)
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def poisoned_scales(groups, rows):
+    return row_scales_buffer(groups, rows, device=DEVICE).fill_(float("nan"))
+
+
+class Problem:
+    """A random FP8 expert batch: bf16 sources, their quantized forms and offsets."""
+
+    def __init__(self, counts, hidden, intermediate, *, capacity=None, seed=0):
+        generator = torch.Generator(device=DEVICE).manual_seed(seed)
+        experts = len(counts)
+        self.valid = sum(counts)
+        capacity = self.valid if capacity is None else capacity
+        self.rows_MH = torch.randn(capacity, hidden, device=DEVICE, generator=generator).bfloat16()
+        self.rows_MH[self.valid :] = float("nan")
+        offsets = torch.zeros(experts + 1, dtype=torch.int32)
+        offsets[1:] = torch.cumsum(torch.tensor(counts), 0)
+        self.offsets = offsets.to(DEVICE)
+        w13 = torch.randn(experts, 2 * intermediate, hidden, device=DEVICE, generator=generator)
+        w2 = torch.randn(experts, hidden, intermediate, device=DEVICE, generator=generator)
+        self.w13, self.w13_scales = quantize_weight_blocks(w13 / hidden**0.5)
+        self.w2, self.w2_scales = quantize_weight_blocks(w2 / intermediate**0.5)
+        self.w13_interleaved = interleave_gate_up(self.w13)
+        self.rows, self.rows_scales = quantize_rows(self.rows_MH, 128)
+        self.hidden_MI = torch.randn(
+            capacity, intermediate, device=DEVICE, generator=generator
+        ).bfloat16()
+        self.hidden, self.hidden_scales = quantize_rows(self.hidden_MI, 64)
+
+
+def check_gate_up(problem, knobs=None):
+    capacity, intermediate = problem.rows.shape[0], problem.w13.shape[1] // 2
+    out = poisoned((capacity, intermediate), FP8_DTYPE)
+    out_scales = poisoned_scales(intermediate // 64, capacity)
+    gate_up_swiglu_fp8(
+        problem.rows,
+        problem.rows_scales,
+        problem.offsets,
+        problem.w13_interleaved,
+        problem.w13_scales,
+        out_MI=out,
+        out_scales=out_scales,
+        knobs=knobs,
+    )
+    valid = problem.valid
+    expected = gate_up_swiglu_reference(
+        dequantize_rows(problem.rows, problem.rows_scales, 128),
+        problem.offsets,
+        dequantize_weight_blocks(problem.w13, problem.w13_scales),
+    )
+    actual = dequantize_rows(out[:valid], out_scales[:, :valid], 64)
+    error = relative_l2_error(actual, expected[:valid])
+    assert error <= GATE_UP_TOLERANCE, f"gate_up_fp8 rel-L2 {error} with {knobs}"
+    oracle_scales = expected[:valid].view(valid, intermediate // 64, 64).abs().amax(dim=2).t() / 448
+    torch.testing.assert_close(out_scales[:, :valid], oracle_scales, rtol=2e-2, atol=1e-9)
+    assert torch.isnan(out[valid:].float()).all(), "gate_up_fp8 wrote rows past the valid count"
+    assert torch.isnan(out_scales[:, valid:]).all(), "gate_up_fp8 wrote scales past the valid count"
+    return out, out_scales
+
+
+def check_down(problem, knobs=None, row_scale_M=None):
+    capacity, hidden = problem.hidden.shape[0], problem.w2.shape[1]
+    out = poisoned((capacity, hidden), torch.bfloat16)
+    down_fp8(
+        problem.hidden,
+        problem.hidden_scales,
+        problem.offsets,
+        problem.w2,
+        problem.w2_scales,
+        row_scale_M=row_scale_M,
+        out_MH=out,
+        knobs=knobs,
+    )
+    valid = problem.valid
+    expected = down_reference(
+        dequantize_rows(problem.hidden, problem.hidden_scales, 64),
+        problem.offsets,
+        dequantize_weight_blocks(problem.w2, problem.w2_scales),
+        row_scale_M,
+    )
+    error = relative_l2_error(out[:valid], expected[:valid])
+    assert error <= DOWN_TOLERANCE, f"down_fp8 rel-L2 {error} with {knobs}"
+    assert torch.isnan(out[valid:]).all(), "down_fp8 wrote rows past the valid count"
+
+
+def random_counts(experts, rows, seed):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, experts, (rows,), generator=generator)
+    return torch.bincount(ids, minlength=experts).tolist()
+
+
+@pytest.mark.parametrize("geometry", sorted(GEOMETRY_DIMS))
+@pytest.mark.parametrize("rows_per_expert", [1, 3, 40, 300])
+def test_geometry_matches_oracle(geometry, rows_per_expert):
+    experts, hidden, intermediate = GEOMETRY_DIMS[geometry]
+    counts = random_counts(experts, rows_per_expert * experts, seed=rows_per_expert)
+    problem = Problem(counts, hidden, intermediate, capacity=sum(counts) + 5)
+    check_gate_up(problem)
+    check_down(problem)
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [
+        [0, 0, 0, 0],  # zero tokens
+        [0, 517, 0, 0],  # one expert takes everything
+        [3, 0, 0, 130, 0, 1, 0, 64],  # empty experts between full ones
+        [129, 1, 127, 255],  # tails of every tile size
+    ],
+)
+def test_edge_cases(counts):
+    problem = Problem(counts, 256, 256, capacity=sum(counts) + 3)
+    check_gate_up(problem)
+    row_scale = torch.rand(problem.hidden.shape[0], device=DEVICE)
+    check_down(problem, row_scale_M=row_scale)
+
+
+@pytest.mark.parametrize(
+    "op, knobs",
+    [
+        (op, knobs)
+        for op in ("gate_up_fp8", "down_fp8")
+        for knobs in candidate_knobs(op, stage_choices=("max",))
+    ],
+    ids=str,
+)
+def test_every_fp8_candidate_matches_oracle(op, knobs):
+    counts = random_counts(8, 8 * 48, seed=3)
+    # K = 1024 for both GEMMs: every split-K candidate has a K tile per slice
+    problem = Problem(counts, 1024, 1024, capacity=sum(counts))
+    if op == "gate_up_fp8":
+        check_gate_up(problem, knobs)
+    else:
+        check_down(problem, knobs)
+
+
+def test_repeated_runs_are_bitwise_equal():
+    counts = random_counts(16, 16 * 200, seed=4)
+    problem = Problem(counts, 2048, 768)
+    first, first_scales = gate_up_swiglu_fp8(
+        problem.rows,
+        problem.rows_scales,
+        problem.offsets,
+        problem.w13_interleaved,
+        problem.w13_scales,
+    )
+    for _ in range(3):
+        again, again_scales = gate_up_swiglu_fp8(
+            problem.rows,
+            problem.rows_scales,
+            problem.offsets,
+            problem.w13_interleaved,
+            problem.w13_scales,
+        )
+        assert torch.equal(again.view(torch.uint8), first.view(torch.uint8))
+        assert torch.equal(again_scales, first_scales)
+
+
+def test_the_fp8_mlp_in_a_cuda_graph_follows_changing_counts_and_meets_the_accuracy_target():
+    experts, hidden, intermediate = 16, 2048, 768
+    capacity = 16 * 64
+    problem = Problem(random_counts(experts, capacity, seed=5), hidden, intermediate)
+    gate_up = gate_up_fp8_launcher(
+        problem.rows, problem.offsets, problem.w13_interleaved, valid_rows=capacity
+    )
+    down = down_fp8_launcher(problem.hidden, problem.offsets, problem.w2, valid_rows=capacity)
+    out = torch.empty(capacity, hidden, dtype=torch.bfloat16, device=DEVICE)
+
+    def mlp():
+        hidden_q, hidden_scales = gate_up(
+            problem.rows,
+            problem.offsets,
+            problem.w13_interleaved,
+            x_scales=problem.rows_scales,
+            w_scales=problem.w13_scales,
+        )
+        down(
+            hidden_q,
+            problem.offsets,
+            problem.w2,
+            x_scales=hidden_scales,
+            w_scales=problem.w2_scales,
+            out=out,
+        )
+
+    mlp()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mlp()
+    w13 = dequantize_weight_blocks(problem.w13, problem.w13_scales)
+    w2 = dequantize_weight_blocks(problem.w2, problem.w2_scales)
+    for seed in (6, 7):
+        counts = random_counts(experts, capacity, seed=seed)
+        offsets = torch.zeros(experts + 1, dtype=torch.int32)
+        offsets[1:] = torch.cumsum(torch.tensor(counts), 0)
+        problem.offsets.copy_(offsets)
+        graph.replay()
+        torch.cuda.synchronize()
+        # against the fp32 oracle on the bf16 rows and the dequantized weights
+        expected = expert_mlp_reference(problem.rows_MH, problem.offsets, w13, w2)
+        assert fp8_difference(out, expected) <= 1e-3
+        assert relative_l2_error(out, expected) <= 6e-2
+
+
+def test_bf16_ops_refuse_scales_and_fp8_ops_refuse_bf16_rows():
+    # hidden 512: the rows' scales [4, M] are not the intermediate's [2, M]
+    problem = Problem([4, 4], 512, 128)
+    with pytest.raises(TypeError, match="rows must be torch.float8_e4m3fn"):
+        gate_up_swiglu_fp8(
+            problem.rows_MH,
+            problem.rows_scales,
+            problem.offsets,
+            problem.w13_interleaved,
+            problem.w13_scales,
+        )
+    with pytest.raises(ValueError, match="x_scales must be float32"):
+        down_fp8(
+            problem.hidden, problem.rows_scales, problem.offsets, problem.w2, problem.w2_scales
+        )
+    with pytest.raises(ValueError, match="w_scales must be float32"):
+        down_fp8(
+            problem.hidden, problem.hidden_scales, problem.offsets, problem.w2, problem.w13_scales
+        )
+    knobs = GemmKnobs(tile_rows=128, tile_cols=256)
+    with pytest.raises(ValueError, match="accumulators per thread"):
+        down_fp8(
+            problem.hidden,
+            problem.hidden_scales,
+            problem.offsets,
+            problem.w2,
+            problem.w2_scales,
+            knobs=knobs,
+        )

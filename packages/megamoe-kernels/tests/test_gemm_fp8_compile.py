@@ -1,0 +1,92 @@
+"""Compile-only: the FP8 grouped GEMMs' default profiles compile for sm_90a on a CPU, and their
+scale arguments are refused when they do not have the layout the kernels read.
+
+Meta tensors carry the shapes; CuTe DSL compiles against fake tensors (CUTE_DSL_ARCH=sm_90a).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # before CuTe DSL is first imported: without a GPU it would guess another architecture
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+pytest.importorskip("cutlass")
+
+from megamoe_kernels import (
+    FP8_DTYPE,
+    default_knobs,
+    down_fp8,
+    down_fp8_launcher,
+    gate_up_fp8_launcher,
+    row_scales_buffer,
+)
+from megamoe_kernels.shim.knobs import PROFILE_ROWS_PER_EXPERT
+
+pytestmark = pytest.mark.compile
+
+# I a multiple of the 128-row weight block; H = 16.5 K tiles (a partial last one)
+EXPERTS, HIDDEN, INTERMEDIATE = 8, 2112, 1408
+META = {"device": "meta", "dtype": FP8_DTYPE}
+
+
+def meta_operands(rows: int):
+    return (
+        torch.empty(rows, HIDDEN, **META),
+        torch.empty(EXPERTS + 1, dtype=torch.int32, device="meta"),
+        # interleave_gate_up's layout: [E, 2I / 16, 16, H]
+        torch.empty(EXPERTS, 2 * INTERMEDIATE // 16, 16, HIDDEN, **META),
+        torch.empty(rows, INTERMEDIATE, **META),
+        torch.empty(EXPERTS, HIDDEN, INTERMEDIATE, **META),
+    )
+
+
+@pytest.mark.parametrize("rows_per_expert", PROFILE_ROWS_PER_EXPERT)
+def test_every_default_fp8_profile_compiles(rows_per_expert):
+    rows = max(1, int(rows_per_expert * EXPERTS))
+    rows_MH, offsets, w13, hidden_MI, w2 = meta_operands(rows)
+    for op, launcher, x, w in (
+        ("gate_up_fp8", gate_up_fp8_launcher, rows_MH, w13),
+        ("down_fp8", down_fp8_launcher, hidden_MI, w2),
+    ):
+        knobs = default_knobs(op, rows_per_expert)
+        launcher(x, offsets, w, knobs=knobs, compile_only=True)
+
+
+def test_the_default_fp8_launches_of_a_prefill_capacity_compile():
+    # knobs=None: the prefill tiles and the decode tiles for batches of few valid rows
+    rows_MH, offsets, w13, hidden_MI, w2 = meta_operands(512 * EXPERTS)
+    gate_up_fp8_launcher(rows_MH, offsets, w13, compile_only=True)
+    down_fp8_launcher(hidden_MI, offsets, w2, compile_only=True)
+
+
+@pytest.mark.parametrize(
+    "make_scales, message",
+    [
+        # rows-major: the kernels read a group's rows contiguous
+        (lambda groups, rows: torch.empty(rows, groups, device="meta").t(), "contiguous rows"),
+        (lambda groups, rows: torch.empty(groups, rows + 1, device="meta"), "must be float32"),
+        (lambda groups, rows: row_scales_buffer(groups, rows, device="meta").half(), "float32"),
+    ],
+)
+def test_fp8_row_scales_in_another_layout_are_refused(make_scales, message):
+    rows = 24
+    _, offsets, _, hidden_MI, w2 = meta_operands(rows)
+    w2_scales = torch.empty(EXPERTS, HIDDEN // 128 + 1, INTERMEDIATE // 128, device="meta")
+    good = row_scales_buffer(INTERMEDIATE // 64, rows, device="meta")
+    down_fp8(hidden_MI, good, offsets, w2, w2_scales, compile_only=True)
+    # a view of a wider buffer is taken as it is
+    wider = row_scales_buffer(INTERMEDIATE // 64, rows + 8, device="meta")[:, :rows]
+    down_fp8(hidden_MI, wider, offsets, w2, w2_scales, compile_only=True)
+    with pytest.raises(ValueError, match=message):
+        down_fp8(
+            hidden_MI,
+            make_scales(INTERMEDIATE // 64, rows),
+            offsets,
+            w2,
+            w2_scales,
+            compile_only=True,
+        )
