@@ -236,3 +236,25 @@ def test_bitwise_repeat_and_graph_replay_with_new_routing():
         logits_TE.copy_(torch.randn_like(logits_TE))
         graph.replay()
         assert torch.equal(y_TH, forward())
+
+
+@pytest.mark.parametrize("tokens", [1, 37, 2048])
+def test_fp8_tokens_dispatch_to_the_rows_and_scales_quantizing_each_row_gives(tokens):
+    from megamoe_kernels import quantize_rows
+
+    router, hidden = ROUTERS["qwen3"], 2048
+    _needs_kernels(router, hidden)
+    generator = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, hidden, device="cuda", generator=generator).bfloat16()
+    logits = torch.randn(tokens, router.num_experts, device="cuda", generator=generator)
+    capacity = tokens * router.top_k + 5  # a tail of rows past the pairs
+    dispatcher = DeviceRoutedDispatcher(router, hidden_size=hidden, capacity=capacity)
+    batch, _, _ = dispatcher.route_and_dispatch(x, logits)
+    x_q, x_scales = quantize_rows(x)
+    fp8_batch, fp8_handle, _ = dispatcher.route_and_dispatch(x_q, logits, x_scales_GT=x_scales)
+    assert fp8_batch.rows_MH.dtype == torch.float8_e4m3fn and fp8_handle.output_dtype == x.dtype
+    assert torch.equal(fp8_batch.expert_offsets, batch.expert_offsets)
+    valid = tokens * router.top_k
+    expected_rows, expected_scales = quantize_rows(batch.rows_MH[:valid])
+    assert torch.equal(fp8_batch.rows_MH[:valid].view(torch.uint8), expected_rows.view(torch.uint8))
+    assert torch.equal(fp8_batch.row_scales_GM[:, :valid], expected_scales)

@@ -53,6 +53,39 @@ def test_sigmoid_renormalized_then_scaled():
     torch.testing.assert_close(weights.sum(-1), torch.full((5,), 2.0))
 
 
+def test_softmax_with_correction_bias_chooses_on_biased_probabilities():
+    # ERNIE 4.5: the bias moves the choice, the weights stay the unbiased probabilities
+    logits = torch.randn(6, 8)
+    bias = torch.zeros(8)
+    bias[5] = 2.0  # every token picks expert 5 first
+    config = RouterConfig(num_experts=8, top_k=2, renormalize=False, use_correction_bias=True)
+    ids, weights = route(logits, config, correction_bias_E=bias)
+    probabilities = torch.softmax(logits, dim=-1)
+    assert (ids[:, 0] == 5).all()
+    torch.testing.assert_close(weights, probabilities.gather(1, ids.long()))
+
+
+def test_softmax_renormalized_equals_softmax_over_the_top_k_logits():
+    logits = torch.randn(9, 16) * 3
+    ids, weights = route(logits, RouterConfig(num_experts=16, top_k=4))
+    top_logits, top_ids = logits.topk(4, dim=-1)
+    assert torch.equal(ids.long(), top_ids)
+    torch.testing.assert_close(weights, torch.softmax(top_logits, dim=-1))
+
+
+def test_group_score_max_keeps_the_groups_of_the_best_experts():
+    # DeepSeek-V2 group-limited greedy: 8 experts in 4 groups, a group scored by its best expert
+    logits = torch.tensor([[5.0, -9.0, 3.5, 3.4, 0.0, 0.0, 4.0, -9.0]])
+    config = RouterConfig(
+        num_experts=8, top_k=2, num_groups=4, top_groups=2, renormalize=False, group_score="max"
+    )
+    ids, _ = route(logits, config)
+    assert sorted(ids[0].tolist()) == [0, 6]  # groups 0 (max 5) and 3 (max 4) are kept
+    top2_sum = RouterConfig(num_experts=8, top_k=2, num_groups=4, top_groups=2, renormalize=False)
+    ids, _ = route(logits, top2_sum)
+    assert sorted(ids[0].tolist()) == [0, 2]  # group 1 (3.5, 3.4) outranks group 3 (4, -9)
+
+
 def test_top_k_equal_to_num_experts_takes_every_expert():
     ids, weights = route(torch.randn(3, 4), RouterConfig(num_experts=4, top_k=4))
     assert sorted(ids[0].tolist()) == [0, 1, 2, 3]
@@ -84,7 +117,8 @@ def test_nan_logits_poison_only_their_token_and_check_finite_raises():
         (dict(num_experts=8, top_k=2, num_groups=2, top_groups=3), "top_groups"),
         (dict(num_experts=8, top_k=5, num_groups=2, top_groups=1), "exceeds"),
         (dict(num_experts=4, top_k=1, scoring="relu"), "scoring"),
-        (dict(num_experts=4, top_k=1, use_correction_bias=True), "sigmoid"),
+        (dict(num_experts=4, top_k=1, num_groups=2, group_score="min"), "group_score"),
+        (dict(num_experts=4, top_k=1, num_groups=4), "two best"),
     ],
 )
 def test_bad_router_config_is_refused(fields, message):

@@ -4,6 +4,10 @@ Rows are sorted expert-major and packed tight (no per-expert padding). `expert_o
 GPU-resident int32 with E + 1 entries: expert e owns rows [offsets[e], offsets[e + 1]).
 `capacity` rows are allocated so shapes never change and CUDA graphs replay; the valid-row count
 is the device view `expert_offsets[-1:]`, never a host int. Rows past it are unspecified.
+
+FP8 rows: `rows_MH` e4m3 with `row_scales_GM`, float32 [ceil(H / 128), capacity], one scale
+per row and 128 columns (value = e4m3 x scale), as a dispatch of pre-quantized tokens leaves
+them for FP8 experts.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+ROW_SCALE_GROUP = 128  # FP8 rows: columns per scale (megamoe_kernels' ACTIVATION_GROUP)
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,8 @@ class ExpertBatch:
     # kernels need not be chosen on the device from it; None: known on the device only. A hint:
     # a wrong value costs speed, never rows
     valid_rows: int | None = None
+    # FP8 rows' scales (see the module docstring); None: rows in full precision
+    row_scales_GM: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.rows_MH.dim() != 2:
@@ -43,6 +51,20 @@ class ExpertBatch:
             raise ValueError(
                 f"expert_offsets on {self.expert_offsets.device} but rows on {self.rows_MH.device}"
             )
+        if self.row_scales_GM is not None:
+            groups = -(-self.rows_MH.shape[1] // ROW_SCALE_GROUP)
+            if self.rows_MH.dtype != torch.float8_e4m3fn:
+                raise TypeError(f"rows with row_scales_GM must be e4m3, got {self.rows_MH.dtype}")
+            scales = self.row_scales_GM
+            if scales.dtype != torch.float32 or tuple(scales.shape) != (groups, self.capacity):
+                raise ValueError(
+                    f"row_scales_GM must be float32 [{groups}, {self.capacity}], got "
+                    f"{scales.dtype} {list(scales.shape)}"
+                )
+            if scales.device != self.rows_MH.device:
+                raise ValueError(
+                    f"row_scales_GM on {scales.device} but rows on {self.rows_MH.device}"
+                )
         for name in ("typical_rows", "valid_rows"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= self.capacity:
@@ -53,6 +75,11 @@ class ExpertBatch:
     @property
     def capacity(self) -> int:
         return self.rows_MH.shape[0]
+
+    @property
+    def output_dtype(self) -> torch.dtype:
+        """The dtype of the expert outputs: the rows', bf16 for FP8 rows."""
+        return torch.bfloat16 if self.row_scales_GM is not None else self.rows_MH.dtype
 
     @property
     def hidden_size(self) -> int:

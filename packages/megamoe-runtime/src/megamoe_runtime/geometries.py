@@ -1,4 +1,4 @@
-"""The MoE geometries megamoe is measured on (shared/TARGETS.md), and their arithmetic."""
+"""The MoE geometries megamoe is measured on (docs/benchmarks.md), and their arithmetic."""
 
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ GEOMETRIES: dict[str, Geometry] = {
 
 TOKEN_COUNTS = (1, 16, 128, 512, 2048, 8192)
 
-# Limits measured on the H200 (shared/TARGETS.md)
+# Limits measured on the H200: a dense bf16 8192^3 product in a burst, the HBM copy rate
+# (docs/benchmarks.md, "Roofline floor and targets")
 H200_BF16_FLOPS = 788e12
 H200_HBM_BYTES_PER_S = 4.24e12
 

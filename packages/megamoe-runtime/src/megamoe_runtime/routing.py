@@ -4,7 +4,10 @@ Shape legend: T tokens, E experts, K experts per token (top-k).
 
 Semantics follow the model families megamoe serves:
 - softmax (Mixtral, Qwen2/3-MoE): softmax over E in fp32, top-k, optionally renormalised so the K
-  weights sum to one.
+  weights sum to one. Renormalised, these are also the weights of a softmax over the K largest
+  logits (gpt-oss, Granite-MoE, Aria compute it that way): the same numbers up to rounding.
+  With a correction bias (ERNIE 4.5), the choice is made on softmax + bias, the weights are the
+  unbiased probabilities.
 - sigmoid (DeepSeek-V3): sigmoid scores; a per-expert correction bias is added for *choosing*
   experts only; experts are split into groups, each group scored by the sum of its two best biased
   scores, the best `top_groups` groups kept; top-k among their experts; the weights are the
@@ -12,6 +15,8 @@ Semantics follow the model families megamoe serves:
   Experts of the groups not kept get the choice score `dropped_group_score`: -inf (never chosen,
   as DeepSeek's reference and current transformers do) or 0.0 (transformers before its 2026 fix,
   which picks them over kept experts whose biased scores are negative).
+- grouped top-k with `group_score="max"` (DeepSeek-V2's group-limited greedy): a group is scored by
+  its best expert instead of its two best; any scoring.
 
 Non-finite logits are not checked on the hot path (that would need a host sync): a token whose
 logits hold NaN gets NaN weights, so its output row is NaN and no other token is affected. Pass
@@ -26,6 +31,8 @@ from typing import Literal
 import torch
 
 Scoring = Literal["softmax", "sigmoid"]
+GroupScore = Literal["top2_sum", "max"]
+GROUP_SCORES = ("top2_sum", "max")
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,9 @@ class RouterConfig:
     use_correction_bias: bool = False
     # choice score of the experts in groups not kept (see the module docstring)
     dropped_group_score: float = float("-inf")
+    # how a group is scored for grouped top-k: the sum of its two best choice scores (DeepSeek-V3)
+    # or its best one (DeepSeek-V2)
+    group_score: GroupScore = "top2_sum"
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -65,12 +75,16 @@ class RouterConfig:
                 f"top_k={self.top_k} exceeds the {experts_in_kept_groups} experts in the "
                 f"top_groups={self.top_groups} kept groups"
             )
-        if self.num_groups > 1 and self.num_experts // self.num_groups < 2:
+        if self.group_score not in GROUP_SCORES:
+            raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {self.group_score!r}")
+        if (
+            self.num_groups > 1
+            and self.group_score == "top2_sum"
+            and self.num_experts // self.num_groups < 2
+        ):
             raise ValueError(
-                "grouped top-k scores a group by its two best experts: need >= 2 per group"
+                "group_score='top2_sum' scores a group by its two best experts: need >= 2 per group"
             )
-        if self.use_correction_bias and self.scoring != "sigmoid":
-            raise ValueError("use_correction_bias applies to scoring='sigmoid' only")
         if self.dropped_group_score not in (float("-inf"), 0.0):
             raise ValueError(
                 f"dropped_group_score must be -inf or 0.0, got {self.dropped_group_score}"
@@ -99,16 +113,18 @@ def route(
     logits_TE = router_logits_TE.float()
     if config.scoring == "softmax":
         scores_TE = torch.softmax(logits_TE, dim=-1)
-        topk_weights_TK, topk_ids_TK = torch.topk(scores_TE, config.top_k, dim=-1)
     else:
         scores_TE = torch.sigmoid(logits_TE)
+    if config.use_correction_bias or config.num_groups > 1:
         choice_TE = scores_TE
         if config.use_correction_bias:
-            choice_TE = scores_TE + correction_bias_E.float().unsqueeze(0)
+            choice_TE = scores_TE + correction_bias_E.float().reshape(1, -1)
         if config.num_groups > 1:
             choice_TE = _mask_to_top_groups(choice_TE, config)
         _, topk_ids_TK = torch.topk(choice_TE, config.top_k, dim=-1)
         topk_weights_TK = scores_TE.gather(1, topk_ids_TK)
+    else:
+        topk_weights_TK, topk_ids_TK = torch.topk(scores_TE, config.top_k, dim=-1)
     if config.renormalize:
         denominator = topk_weights_TK.sum(dim=-1, keepdim=True)
         if config.scoring == "sigmoid":
@@ -129,7 +145,10 @@ def _mask_to_top_groups(choice_TE: torch.Tensor, config: RouterConfig) -> torch.
     tokens = choice_TE.shape[0]
     # explicit group width: -1 is ambiguous when a rank has zero tokens
     grouped_TGX = choice_TE.view(tokens, config.num_groups, config.num_experts // config.num_groups)
-    group_scores_TG = grouped_TGX.topk(2, dim=-1).values.sum(dim=-1)
+    if config.group_score == "max":
+        group_scores_TG = grouped_TGX.amax(dim=-1)
+    else:
+        group_scores_TG = grouped_TGX.topk(2, dim=-1).values.sum(dim=-1)
     kept_groups_TG = group_scores_TG.topk(config.top_groups, dim=-1).indices
     # the dropped groups' mask built directly and broadcast over each group's experts: no
     # negation and no expanded copy (two launches fewer than masking with ~keep_TE)

@@ -15,8 +15,8 @@ import torch
 # How long a GPU is kept busy before it is timed. An H200 leaves its boost clock within about
 # 100 ms of a heavy load starting (its power limit pulls it down by up to a third), so without
 # this the first backend timed after an idle pause (a compile, a reference computation) would
-# run on a faster clock than the one timed right after it (docs/benchmarks.md, "Clusters on
-# the counter, and the power limit").
+# run on a faster clock than the one timed right after it (docs/benchmarks.md, "The power
+# limit").
 SETTLE_SECONDS = 0.2
 
 

@@ -3,6 +3,12 @@
 Shape legend: E experts, I intermediate size, H hidden size.
 `w13_E2IH` holds each expert's gate rows [0, I) then up rows [I, 2I); `w2_EHI` the down projection.
 Backends transform a pack into their own layout once (ExpertBackend.prepare) and cache it.
+
+- `Unquantized`: bf16/fp16/fp32 weights.
+- `Prequantized`: e4m3 weights with one float32 scale per 128 x 128 block (value = e4m3 x
+  scale: the `weight_scale_inv` of DeepSeek-V3's and Qwen3's FP8 checkpoints), the blocks of
+  w13 over its stored rows (gate rows, then up rows). `quantize` makes one from an Unquantized
+  pack (deterministic: each block's amax / 448); `dequantize` gives the values it stands for.
 """
 
 from __future__ import annotations
@@ -10,6 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
+WEIGHT_BLOCK = 128  # the FP8 checkpoints' block (megamoe_kernels' fp8_scaling)
 
 
 @dataclass(frozen=True)
@@ -49,4 +58,85 @@ class Unquantized:
         return self.w13_E2IH.shape[1] // 2
 
 
-WeightPack = Unquantized
+def _blocks(size: int) -> int:
+    return -(-size // WEIGHT_BLOCK)
+
+
+@dataclass(frozen=True)
+class Prequantized:
+    """FP8 expert weights: e4m3 `w13_E2IH` [E, 2I, H] and `w2_EHI` [E, H, I] with float32 block
+    scales `w13_scales` [E, ceil(2I/128), ceil(H/128)] and `w2_scales` [E, ceil(H/128),
+    ceil(I/128)]."""
+
+    w13_E2IH: torch.Tensor
+    w13_scales: torch.Tensor
+    w2_EHI: torch.Tensor
+    w2_scales: torch.Tensor
+
+    def __post_init__(self) -> None:
+        for name in ("w13_E2IH", "w2_EHI"):
+            tensor = getattr(self, name)
+            if not isinstance(tensor, torch.Tensor) or tensor.dtype != FP8_WEIGHT_DTYPE:
+                got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                raise TypeError(f"{name} must be {FP8_WEIGHT_DTYPE}, got {got}")
+        # the shapes' rules are Unquantized's
+        Unquantized(w13_E2IH=self.w13_E2IH, w2_EHI=self.w2_EHI)
+        experts, two_intermediate, hidden = self.w13_E2IH.shape
+        expected = {
+            "w13_scales": (experts, _blocks(two_intermediate), _blocks(hidden)),
+            "w2_scales": (experts, _blocks(hidden), _blocks(two_intermediate // 2)),
+        }
+        for name, shape in expected.items():
+            scales = getattr(self, name)
+            if (
+                not isinstance(scales, torch.Tensor)
+                or scales.dtype != torch.float32
+                or tuple(scales.shape) != shape
+            ):
+                got = (
+                    f"{scales.dtype} {list(scales.shape)}"
+                    if isinstance(scales, torch.Tensor)
+                    else type(scales).__name__
+                )
+                raise ValueError(
+                    f"{name} must be float32 {list(shape)} (one scale per 128 x 128 block), "
+                    f"got {got}"
+                )
+            if scales.device != self.w13_E2IH.device:
+                raise ValueError(
+                    f"{name} is on {scales.device}, the weights on {self.w13_E2IH.device}"
+                )
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13_E2IH.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w13_E2IH.shape[2]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w13_E2IH.shape[1] // 2
+
+
+WeightPack = Unquantized | Prequantized
+
+
+def quantize(weights: Unquantized) -> Prequantized:
+    """e4m3 weights with per-128x128-block scales (amax / 448), deterministic on any device."""
+    from megamoe_kernels import quantize_weight_blocks
+
+    w13, w13_scales = quantize_weight_blocks(weights.w13_E2IH)
+    w2, w2_scales = quantize_weight_blocks(weights.w2_EHI)
+    return Prequantized(w13_E2IH=w13, w13_scales=w13_scales, w2_EHI=w2, w2_scales=w2_scales)
+
+
+def dequantize(weights: Prequantized, dtype: torch.dtype = torch.float32) -> Unquantized:
+    """The values an FP8 pack stands for, in `dtype` (float32: exactly)."""
+    from megamoe_kernels import dequantize_weight_blocks
+
+    return Unquantized(
+        w13_E2IH=dequantize_weight_blocks(weights.w13_E2IH, weights.w13_scales).to(dtype),
+        w2_EHI=dequantize_weight_blocks(weights.w2_EHI, weights.w2_scales).to(dtype),
+    )

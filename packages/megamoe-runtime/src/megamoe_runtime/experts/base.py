@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from megamoe_runtime.expert_batch import ExpertBatch
-from megamoe_runtime.weights import Unquantized
+from megamoe_runtime.weights import WeightPack
 
 
 class ExpertBackend(Protocol):
@@ -19,8 +19,9 @@ class ExpertBackend(Protocol):
     # whether autograd can differentiate its output (the layer trains only through such backends)
     supports_autograd: bool
 
-    def prepare(self, weights: Unquantized) -> Any:
-        """Transforms the weights into this backend's layout; run once, the result is cached."""
+    def prepare(self, weights: WeightPack) -> Any:
+        """Transforms the weights (bf16 or FP8) into this backend's layout; run once, the result
+        is cached."""
         ...
 
     def __call__(
@@ -31,7 +32,11 @@ class ExpertBackend(Protocol):
         ...
 
 
-def check_batch_matches_weights(batch: ExpertBatch, weights: Unquantized) -> None:
+def check_batch_matches_weights(
+    batch: ExpertBatch, weights: WeightPack, *, same_dtype: bool = True
+) -> None:
+    """The batch fits the weights: experts, hidden size, device, and with `same_dtype` the
+    rows' dtype (FP8 weights and the reference's fp32 ones take bf16 rows)."""
     if batch.num_experts != weights.num_experts:
         raise ValueError(
             f"batch has {batch.num_experts} experts but the weights hold {weights.num_experts}"
@@ -40,7 +45,7 @@ def check_batch_matches_weights(batch: ExpertBatch, weights: Unquantized) -> Non
         raise ValueError(
             f"batch rows have hidden size {batch.hidden_size}, weights expect {weights.hidden_size}"
         )
-    if batch.rows_MH.dtype != weights.w13_E2IH.dtype:
+    if same_dtype and batch.row_scales_GM is None and batch.rows_MH.dtype != weights.w13_E2IH.dtype:
         raise TypeError(
             f"batch rows are {batch.rows_MH.dtype} but weights are {weights.w13_E2IH.dtype}"
         )

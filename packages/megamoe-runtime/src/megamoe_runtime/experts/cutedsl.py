@@ -3,6 +3,11 @@
 gate-up GEMM with the SwiGLU epilogue on the gate/up interleaved w13, then the down GEMM
 (optionally scaling each row by its routing weight). Both read `expert_offsets` on the GPU: no
 host sync, fixed shapes for a fixed capacity, so the pair replays in a CUDA graph.
+
+FP8 weights (a Prequantized pack) run the FP8 GEMMs: the batch rows are quantized to e4m3 per
+row and 128 columns, the gate-up GEMM's epilogue quantizes its output per 64 columns for the
+down GEMM, which writes bf16. Their knobs are the kernels' default profiles (no knob-cache
+lookup and no online tuning yet).
 """
 
 from __future__ import annotations
@@ -16,14 +21,16 @@ from megamoe_kernels import (
     GemmKnobs,
     GemmLauncher,
     current_stream_handle,
+    down_fp8_launcher,
     down_launcher,
+    gate_up_fp8_launcher,
     gate_up_launcher,
 )
 
 from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.experts.base import check_batch_matches_weights
 from megamoe_runtime.tuning.cache import KnobCache, KnobKey
-from megamoe_runtime.weights import Unquantized
+from megamoe_runtime.weights import Prequantized, Unquantized, WeightPack
 
 
 def cutedsl_status(device: torch.device) -> tuple[bool, str]:
@@ -61,6 +68,29 @@ class CuteDSLWeights:
     @property
     def w13_E2IH(self) -> torch.Tensor:
         return self.source.w13_E2IH
+
+
+@dataclass(frozen=True)
+class CuteDSLFP8Weights:
+    """FP8 weights in the kernels' layout: e4m3 w13 gate/up interleaved ([E, I/8, 16, H]) with
+    its block scales over the source rows, e4m3 w2 with its block scales."""
+
+    w13_EB2GH: torch.Tensor
+    w13_scales: torch.Tensor
+    w2_EHI: torch.Tensor
+    w2_scales: torch.Tensor
+
+    @property
+    def num_experts(self) -> int:
+        return self.w2_EHI.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w2_EHI.shape[1]
+
+    @property
+    def w13_E2IH(self) -> torch.Tensor:  # what check_batch_matches_weights reads: the device
+        return self.w13_EB2GH
 
 
 class CuteDSLExperts:
@@ -199,9 +229,10 @@ class CuteDSLExperts:
     def _intermediate(self, rows_MH: torch.Tensor, gate_up: GemmLauncher) -> torch.Tensor:
         """The gate-up GEMM's output, kept per (device, stream) for the last shape instead of
         allocated per call: the same call's down GEMM is its only reader, and calls on one
-        stream run in order (a later gate-up waits for the down GEMM before it)."""
+        stream run in order (a later gate-up waits for the down GEMM before it). Under CUDA-graph
+        capture it is allocated anew, in the graph's pool (which owns it)."""
         device = rows_MH.device
-        if device.type != "cuda":
+        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return rows_MH.new_empty((rows_MH.shape[0], gate_up.columns))
         key = (device, current_stream_handle(device))
         kept = self._kept_intermediate.get(key)
@@ -211,9 +242,22 @@ class CuteDSLExperts:
             )
         return kept
 
-    def prepare(self, weights: Unquantized) -> CuteDSLWeights:
+    def prepare(self, weights: WeightPack) -> CuteDSLWeights | CuteDSLFP8Weights:
         from megamoe_kernels import interleave_gate_up
 
+        if isinstance(weights, Prequantized):
+            if weights.intermediate_size % 128:
+                raise ValueError(
+                    "the FP8 kernels take an intermediate size that is a multiple of 128 (a "
+                    f"tile's gate and up rows each lie in one weight block), got "
+                    f"{weights.intermediate_size}: use backend='reference' or bf16 weights"
+                )
+            return CuteDSLFP8Weights(
+                w13_EB2GH=interleave_gate_up(weights.w13_E2IH),
+                w13_scales=weights.w13_scales.contiguous(),
+                w2_EHI=weights.w2_EHI.contiguous(),
+                w2_scales=weights.w2_scales.contiguous(),
+            )
         if weights.w13_E2IH.dtype != torch.bfloat16:
             raise TypeError(f"the cutedsl backend runs bf16 weights, got {weights.w13_E2IH.dtype}")
         return CuteDSLWeights(
@@ -229,6 +273,10 @@ class CuteDSLExperts:
         *,
         row_scale_M: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if isinstance(prepared, CuteDSLFP8Weights):
+            return self._fp8_expert_mlp(batch, prepared, row_scale_M)
+        if batch.row_scales_GM is not None:
+            raise TypeError("FP8 batch rows need FP8 weights (a Prequantized pack)")
         if not isinstance(prepared, CuteDSLWeights):
             raise TypeError(
                 f"prepared must come from CuteDSLExperts.prepare, got {type(prepared).__name__}"
@@ -262,3 +310,61 @@ class CuteDSLExperts:
             except (TypeError, ValueError) as explained:
                 raise explained from failure
             raise
+
+    def _fp8_expert_mlp(
+        self,
+        batch: ExpertBatch,
+        prepared: CuteDSLFP8Weights,
+        row_scale_M: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The FP8 expert MLP: the rows quantized per 128 columns (unless the batch holds FP8
+        rows already), gate-up (its output quantized per 64 columns in its epilogue), down to
+        bf16."""
+        from megamoe_kernels import quantize_rows
+
+        rows_MH, offsets = batch.rows_MH, batch.expert_offsets
+        check_batch_matches_weights(batch, prepared, same_dtype=False)
+        if batch.row_scales_GM is None and rows_MH.dtype != torch.bfloat16:
+            raise TypeError(f"the FP8 kernels take bf16 or FP8 batch rows, got {rows_MH.dtype}")
+        memo = (
+            "fp8",
+            rows_MH.shape[0],
+            batch.valid_rows,
+            rows_MH.get_device(),
+            prepared.w2_EHI.shape,
+            row_scale_M is None,
+        )
+        if batch.row_scales_GM is not None:
+            rows_q, rows_scales = rows_MH, batch.row_scales_GM
+        else:
+            rows_q, rows_scales = quantize_rows(rows_MH)  # one scale per row and 128 columns
+        launchers = self._launchers.get(memo)
+        if launchers is None:
+            gate_up = gate_up_fp8_launcher(
+                rows_q, offsets, prepared.w13_EB2GH, valid_rows=batch.valid_rows
+            )
+            intermediate = prepared.w2_EHI.shape[2]
+            down = down_fp8_launcher(
+                rows_q.new_empty((rows_q.shape[0], intermediate)),
+                offsets,
+                prepared.w2_EHI,
+                row_scale_M=row_scale_M,
+                valid_rows=batch.valid_rows,
+            )
+            launchers = self._launchers[memo] = (gate_up, down)
+        gate_up, down = launchers
+        hidden_q, hidden_scales = gate_up(
+            rows_q,
+            offsets,
+            prepared.w13_EB2GH,
+            x_scales=rows_scales,
+            w_scales=prepared.w13_scales,
+        )
+        return down(
+            hidden_q,
+            offsets,
+            prepared.w2_EHI,
+            row_scale_M=row_scale_M,
+            x_scales=hidden_scales,
+            w_scales=prepared.w2_scales,
+        )

@@ -1,4 +1,6 @@
-"""The baseline to beat: two torch._grouped_mm calls with an unfused SwiGLU between them."""
+"""The baseline to beat: two torch._grouped_mm calls with an unfused SwiGLU between them.
+
+FP8 weights are dequantized once to bf16 (the baseline has no FP8 path of its own)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import torch.nn.functional as F
 
 from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.experts.base import check_batch_matches_weights
-from megamoe_runtime.weights import Unquantized
+from megamoe_runtime.weights import Prequantized, Unquantized, WeightPack, dequantize
 
 
 def grouped_mm_status(device: torch.device) -> tuple[bool, str]:
@@ -25,7 +27,9 @@ class GroupedMMExperts:
     name = "grouped_mm"
     supports_autograd = True
 
-    def prepare(self, weights: Unquantized) -> Unquantized:
+    def prepare(self, weights: WeightPack) -> Unquantized:
+        if isinstance(weights, Prequantized):
+            return dequantize(weights, torch.bfloat16)
         if weights.w13_E2IH.dtype != torch.bfloat16:
             raise TypeError(f"grouped_mm runs bf16 weights, got {weights.w13_E2IH.dtype}")
         return weights
@@ -33,6 +37,8 @@ class GroupedMMExperts:
     def __call__(
         self, batch: ExpertBatch, prepared: Unquantized, *, row_scale_M: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if batch.row_scales_GM is not None:
+            raise TypeError("grouped_mm takes full-precision batch rows, not FP8 ones")
         check_batch_matches_weights(batch, prepared)
         group_ends_E = batch.expert_offsets[1:]
         intermediate = prepared.intermediate_size

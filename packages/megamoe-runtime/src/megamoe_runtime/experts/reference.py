@@ -1,4 +1,6 @@
-"""The oracle as a backend: fp32 accumulation per expert, on any device (it syncs: not for speed)."""
+"""The oracle as a backend: fp32 accumulation per expert, on any device (it syncs: not for speed).
+
+FP8 weights are dequantized once, to float32 (exactly the values they stand for)."""
 
 from __future__ import annotations
 
@@ -7,21 +9,28 @@ from megamoe_kernels.reference import expert_mlp_reference
 
 from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.experts.base import check_batch_matches_weights
-from megamoe_runtime.weights import Unquantized
+from megamoe_runtime.weights import Prequantized, Unquantized, WeightPack, dequantize
 
 
 class ReferenceExperts:
     name = "reference"
     supports_autograd = True
 
-    def prepare(self, weights: Unquantized) -> Unquantized:
+    def prepare(self, weights: WeightPack) -> Unquantized:
+        if isinstance(weights, Prequantized):
+            return dequantize(weights, torch.float32)
         return weights
 
     def __call__(
         self, batch: ExpertBatch, prepared: Unquantized, *, row_scale_M: torch.Tensor | None = None
     ) -> torch.Tensor:
-        check_batch_matches_weights(batch, prepared)
+        check_batch_matches_weights(batch, prepared, same_dtype=False)
+        rows_MH = batch.rows_MH
+        if batch.row_scales_GM is not None:  # FP8 rows: the values they stand for
+            from megamoe_kernels import dequantize_rows
+
+            rows_MH = dequantize_rows(rows_MH, batch.row_scales_GM)
         out_MH = expert_mlp_reference(
-            batch.rows_MH, batch.expert_offsets, prepared.w13_E2IH, prepared.w2_EHI, row_scale_M
+            rows_MH, batch.expert_offsets, prepared.w13_E2IH, prepared.w2_EHI, row_scale_M
         )
-        return out_MH.to(batch.rows_MH.dtype)
+        return out_MH.to(batch.output_dtype)
