@@ -83,8 +83,24 @@ def test_hugging_face_model_with_swapped_blocks_compiles_fullgraph():
     torch.testing.assert_close(compiled(input_ids).logits, eager, rtol=1e-4, atol=1e-5)
 
 
+REDUCE_OVERHEAD_LIMIT = (
+    "torch.compile's CUDA-graph trees refuse buffers the cutedsl backend keeps across calls "
+    "(its prepared weight layout, the kept gate-up output, the kernels' stream scratch) when "
+    "their warm-up made them in the graphs' memory pool; capture the layer with "
+    "torch.cuda.graph instead (README, 'Decode: capture the layer in a CUDA graph')"
+)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        None,
+        pytest.param(
+            "reduce-overhead", marks=pytest.mark.xfail(reason=REDUCE_OVERHEAD_LIMIT, strict=True)
+        ),
+    ],
+)
 @torch.no_grad()
 def test_cutedsl_layer_compiles_on_a_gpu(mode):
     from megamoe_runtime.experts import backend_status

@@ -15,7 +15,10 @@ from megamoe_torch.hf import (
 )
 from megamoe_torch.layer import MegaMoE, SharedExperts
 
-__version__ = importlib.metadata.version("megamoe-torch")
+try:
+    __version__ = importlib.metadata.version("megamoe-torch")
+except importlib.metadata.PackageNotFoundError:  # imported from a source tree, not installed
+    __version__ = "0+source"
 
 __all__ = [
     "MegaMoE",

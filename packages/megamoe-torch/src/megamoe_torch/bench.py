@@ -1,7 +1,7 @@
 """Benchmarks of expert compute and of the whole layer, backend against backend in one run.
 
 `bench_point` (modes "kernels" and "eager"): time, the ratio to the grouped_mm baseline measured in
-the same run, TFLOP/s, the fraction of the roofline floor (shared/TARGETS.md) and rel-L2 against
+the same run, TFLOP/s, the fraction of the roofline floor (docs/benchmarks.md) and rel-L2 against
 the fp32 oracle. `bench_layer_point` (mode "layer"): the whole forward, router GEMM to combine,
 eager and as a CUDA-graph replay, with the ops it launches and its host time, against the expert
 GEMMs alone and against the grouped_mm layer.
@@ -20,7 +20,6 @@ from megamoe_runtime.dispatch import LocalDispatcher
 from megamoe_runtime.experts import backend_status, make_backend
 from megamoe_runtime.geometries import Geometry, roofline_floor_seconds
 from megamoe_runtime.routing import route
-from megamoe_runtime.weights import Unquantized
 
 from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.layer import MegaMoE
@@ -79,15 +78,22 @@ class LayerBenchRow:
 
 
 def build_layer(
-    geometry: Geometry, *, device: torch.device, dtype: torch.dtype, seed: int = 0
+    geometry: Geometry,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int = 0,
+    weight_dtype: str | None = None,
 ) -> MegaMoE:
-    """A layer of `geometry` with random weights scaled so bf16 activations stay O(1)."""
+    """A layer of `geometry` with random weights scaled so bf16 activations stay O(1);
+    weight_dtype="fp8": the same weights quantized per 128 x 128 block."""
     torch.manual_seed(seed)
-    config = MegaMoEConfig.from_geometry(geometry, backend="reference")
+    config = MegaMoEConfig.from_geometry(geometry, backend="reference", weight_dtype=weight_dtype)
     layer = MegaMoE(config, device=device, dtype=dtype)
     with torch.no_grad():
-        layer.w13.normal_(0, geometry.hidden_size**-0.5)
-        layer.w2.normal_(0, geometry.intermediate_size**-0.5)
+        for name, fan_in in (("w13", geometry.hidden_size), ("w2", geometry.intermediate_size)):
+            values = torch.empty(getattr(layer, name).shape, device=device, dtype=dtype)
+            layer.load_expert_weights(**{name: values.normal_(0, fan_in**-0.5)})
         if layer.e_score_correction_bias is not None:
             layer.e_score_correction_bias.normal_(0, 0.01)
     return layer
@@ -100,7 +106,7 @@ def routed_tokens(layer: MegaMoE, tokens: int, *, seed: int = 1):
         tokens,
         layer.config.hidden_size,
         device=layer.w13.device,
-        dtype=layer.w13.dtype,
+        dtype=layer.activation_dtype,
         generator=generator,
     )
     ids, weights = route(
@@ -109,6 +115,11 @@ def routed_tokens(layer: MegaMoE, tokens: int, *, seed: int = 1):
         correction_bias_E=layer.e_score_correction_bias,
     )
     return x_TH, ids, weights
+
+
+def backend_label(layer: MegaMoE, name: str) -> str:
+    """How rows name a backend: `name`, with "+fp8" for a layer of FP8 experts."""
+    return name if layer.config.weight_dtype is None else f"{name}+{layer.config.weight_dtype}"
 
 
 def available_backends(device: torch.device, requested: Iterable[str]) -> list[str]:
@@ -131,9 +142,10 @@ def bench_point(
     offsets = batch.expert_offsets.tolist()
     rows = offsets[-1]
     active = sum(1 for e in range(geometry.num_experts) if offsets[e + 1] > offsets[e])
-    pack = Unquantized(w13_E2IH=layer.w13.detach(), w2_EHI=layer.w2.detach())
+    pack = layer.expert_weight_pack()
+    exact = make_backend("reference").prepare(pack)  # FP8: the dequantized values, in fp32
     oracle_MH = expert_mlp_reference(
-        batch.rows_MH, batch.expert_offsets, pack.w13_E2IH, pack.w2_EHI
+        batch.rows_MH, batch.expert_offsets, exact.w13_E2IH, exact.w2_EHI
     )[:rows]
     floor = roofline_floor_seconds(geometry, rows, active)
     results: dict[tuple[str, str], tuple[float, float, float]] = {}
@@ -167,7 +179,7 @@ def bench_point(
                 tokens=tokens,
                 rows=rows,
                 active_experts=active,
-                backend=name,
+                backend=backend_label(layer, name),
                 mode=mode,
                 microseconds=seconds * 1e6,
                 host_microseconds=host_seconds * 1e6,
@@ -186,7 +198,7 @@ def with_capacity(layer: MegaMoE, capacity: int, **overrides) -> MegaMoE:
     of `capacity` rows (and any other config `overrides`): every shape of its forward is static,
     so the forward captures in a CUDA graph."""
     config = replace(layer.config, capacity=capacity, **overrides)
-    fixed = MegaMoE(config, device="meta", dtype=layer.w13.dtype)
+    fixed = MegaMoE(config, device="meta", dtype=layer.activation_dtype)
     fixed.load_state_dict(layer.state_dict(), assign=True)
     return fixed
 
@@ -253,7 +265,7 @@ def bench_layer_point(
         for row in kernel_rows
         if (row.geometry, row.tokens, row.mode) == (geometry.name, tokens, "kernels")
     }
-    missing = [name for name in backends if name not in gemm_seconds]
+    missing = [name for name in backends if backend_label(layer, name) not in gemm_seconds]
     if missing:
         for row in bench_point(
             layer, geometry, tokens, backends=missing, modes=("kernels",), repeats=repeats
@@ -286,7 +298,7 @@ def bench_layer_point(
             LayerBenchRow(
                 geometry=geometry.name,
                 tokens=tokens,
-                backend=name,
+                backend=backend_label(layer, name),
                 layer_path=path,
                 eager_microseconds=eager * 1e6,
                 graph_microseconds=None if graph is None else graph * 1e6,
@@ -294,8 +306,8 @@ def bench_layer_point(
                 gpu_ops=ops,
                 gpu_memory_ops=memory_ops,
                 ops_counted=counted,
-                gemm_microseconds=gemm_seconds[name] * 1e6,
-                layer_over_gemms=seconds / gemm_seconds[name],
+                gemm_microseconds=gemm_seconds[backend_label(layer, name)] * 1e6,
+                layer_over_gemms=seconds / gemm_seconds[backend_label(layer, name)],
                 baseline_eager_microseconds=None
                 if baseline_eager is None
                 else baseline_eager * 1e6,
@@ -322,7 +334,7 @@ def capacity_sweep(
     device = layer.w13.device
     capacity = capacity_tokens * geometry.top_k
     backend = make_backend(backend_name)
-    prepared = backend.prepare(Unquantized(w13_E2IH=layer.w13.detach(), w2_EHI=layer.w2.detach()))
+    prepared = backend.prepare(layer.expert_weight_pack())
     out = []
     for fraction in fractions:
         tokens = max(1, round(capacity_tokens * fraction))

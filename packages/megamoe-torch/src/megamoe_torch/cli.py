@@ -198,8 +198,11 @@ def run_bench(args: argparse.Namespace) -> int:
     rows, layer_rows = [], []
     out = args.out
     progress = tqdm(total=len(geometries) * len(token_counts), desc="bench")
+    weight_dtype = None if args.weight_dtype == "bf16" else args.weight_dtype
     for name in geometries:
-        layer = bench.build_layer(GEOMETRIES[name], device=device, dtype=torch.bfloat16)
+        layer = bench.build_layer(
+            GEOMETRIES[name], device=device, dtype=torch.bfloat16, weight_dtype=weight_dtype
+        )
         for tokens in token_counts:
             point_rows = (
                 bench.bench_point(
@@ -293,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo",
         help="build a layer, run it on the best backend here, check it against the fp32 oracle and time it",
-        description="Builds MegaMoE layers (TARGETS.md geometries on a GPU, a small Qwen3-like one on a CPU), "
+        description="Builds MegaMoE layers (the benchmark geometries on a GPU, a small Qwen3-like one on a CPU), "
         "runs them on the best backend available, prints the backend, the rel-L2 error against the fp32 oracle "
         "and a timing table against the other backends.",
     )
@@ -353,6 +356,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("kernels", "eager", "layer"),
         help="kernels: expert compute, graph replay; eager: the layer, eager; layer: the layer "
         "eager and graphed, its kernel count and host time, against its GEMMs (default: kernels)",
+    )
+    bench_parser.add_argument(
+        "--weight-dtype",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="the experts' weights: bf16, or fp8 (e4m3 with 128x128 block scales; rows name the "
+        "backend with +fp8, accuracy is against the oracle on the dequantized weights; run the "
+        "bench once per dtype for the comparison) (default: bf16)",
     )
     bench_parser.add_argument("--repeats", type=positive_int, default=30)
     bench_parser.add_argument(

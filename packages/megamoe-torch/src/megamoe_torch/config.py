@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
@@ -9,11 +10,12 @@ from typing import Literal
 from megamoe_runtime.distributed import COMBINE_ORDERS
 from megamoe_runtime.experts import BACKEND_NAMES
 from megamoe_runtime.geometries import Geometry
-from megamoe_runtime.routing import RouterConfig, Scoring
+from megamoe_runtime.routing import GROUP_SCORES, GroupScore, RouterConfig, Scoring
 
 DISPATCHER_NAMES = ("auto", "torch", "nvshmem")
 KNOB_MODES = ("lookup", "auto")
 LAYER_PATHS = ("auto", "fused", "torch")
+WEIGHT_DTYPES = (None, "fp8")
 
 
 @dataclass(frozen=True)
@@ -30,15 +32,41 @@ class MegaMoEConfig:
     use_correction_bias: bool = False
     # grouped top-k: choice score of experts in groups not kept, -inf or 0.0 (RouterConfig)
     dropped_group_score: float = float("-inf")
+    # grouped top-k: a group's score, the sum of its two best experts' ("top2_sum", DeepSeek-V3)
+    # or its best expert's ("max", DeepSeek-V2)
+    group_score: GroupScore = "top2_sum"
     # the router's matmul: "float32" (accurate) or "input" (in the hidden states' dtype, as
     # Mixtral and Qwen blocks in transformers do)
     router_dtype: Literal["float32", "input"] = "float32"
+    # the router adds a bias to its logits, x W_gate^T + b (gpt-oss): `gate.bias` [E]
+    router_bias: bool = False
+    # The expert math below is computed by the reference backend only (`torch_only_features`
+    # names what a config uses of it): backend "auto" then picks reference, and the fused layer
+    # path is not taken.
+    # each expert projection adds a per-expert bias (gpt-oss): `w13_bias` [E, 2I], `w2_bias` [E, H]
+    expert_bias: bool = False
+    # the experts' SwiGLU, gate * sigmoid(swiglu_alpha * gate) * (up + swiglu_up_offset), with
+    # gate clamped to at most swiglu_limit and up to [-swiglu_limit, swiglu_limit] when it is set;
+    # the defaults are silu(gate) * up. gpt-oss: 7.0, 1.702, 1.0
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
+    swiglu_up_offset: float = 0.0
+    # each chosen expert computes on its routing weight times the token, f_e(w_e x), and the
+    # top-k outputs are summed unweighted (Llama 4); otherwise the sum of w_e f_e(x)
+    routing_weights_on_input: bool = False
     num_shared_experts: int = 0
     # defaults to intermediate_size * num_shared_experts
     shared_intermediate_size: int | None = None
     # Qwen2-MoE: the shared experts' output is scaled by sigmoid(x . w_gate)
     shared_expert_gate: bool = False
     backend: str = "auto"
+    # the routed experts' weights: None, in the layer's dtype; "fp8", e4m3 with one float32
+    # scale per 128 x 128 block (the format of DeepSeek-V3's and Qwen3's FP8 checkpoints): the
+    # layer holds `w13`/`w2` in e4m3 and `w13_scale_inv`/`w2_scale_inv`, quantizes weights it is
+    # given in another dtype when they load, and on an sm_90 GPU runs the FP8 kernels (the
+    # activations quantized per row and 128 channels); the reference backend computes with the
+    # dequantized weights (the FP8 oracle)
+    weight_dtype: Literal["fp8"] | None = None
     # rows of the expert batch; None: tokens x top_k of each call. Fix it for CUDA graphs.
     capacity: int | None = None
     # data-dependent input checks (finite logits, ...): each costs a host sync
@@ -80,6 +108,23 @@ class MegaMoEConfig:
             raise ValueError(
                 f"router_dtype must be 'float32' or 'input', got {self.router_dtype!r}"
             )
+        if self.group_score not in GROUP_SCORES:
+            raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {self.group_score!r}")
+        if self.swiglu_limit is not None and not 0 < self.swiglu_limit < math.inf:
+            raise ValueError(
+                f"swiglu_limit must be a finite number > 0 or None, got {self.swiglu_limit}"
+            )
+        for name in ("swiglu_alpha", "swiglu_up_offset"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(
+                f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}"
+            )
+        if self.weight_dtype == "fp8" and self.torch_only_features:
+            raise ValueError(
+                f"weight_dtype='fp8' does not combine with {', '.join(self.torch_only_features)}"
+            )
         if self.backend not in ("auto", *BACKEND_NAMES):
             raise ValueError(
                 f"backend must be one of {('auto', *BACKEND_NAMES)}, got {self.backend!r}"
@@ -112,7 +157,24 @@ class MegaMoEConfig:
             routed_scaling_factor=self.routed_scaling_factor,
             use_correction_bias=self.use_correction_bias,
             dropped_group_score=self.dropped_group_score,
+            group_score=self.group_score,
         )
+
+    @property
+    def torch_only_features(self) -> tuple[str, ...]:
+        """The expert math this config uses that only the reference backend computes (the
+        cutedsl and grouped_mm backends and the fused layer path do not): () when none."""
+        features = []
+        if self.expert_bias:
+            features.append("expert_bias=True")
+        if (self.swiglu_limit, self.swiglu_alpha, self.swiglu_up_offset) != (None, 1.0, 0.0):
+            features.append(
+                f"a clamped/scaled SwiGLU (swiglu_limit={self.swiglu_limit}, "
+                f"swiglu_alpha={self.swiglu_alpha}, swiglu_up_offset={self.swiglu_up_offset})"
+            )
+        if self.routing_weights_on_input:
+            features.append("routing_weights_on_input=True")
+        return tuple(features)
 
     @property
     def shared_size(self) -> int:

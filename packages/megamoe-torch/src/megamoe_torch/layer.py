@@ -19,6 +19,7 @@ import math
 from dataclasses import replace
 
 import torch
+from megamoe_kernels.reference import expert_mlp_reference
 from megamoe_runtime.dispatch import LocalDispatcher
 from megamoe_runtime.dispatch.device_routed import DeviceRoutedDispatcher, device_routing_status
 from megamoe_runtime.distributed import (
@@ -29,7 +30,7 @@ from megamoe_runtime.distributed import (
 from megamoe_runtime.experts import backend_status, make_backend, select_backend
 from megamoe_runtime.routing import check_finite_logits, route
 from megamoe_runtime.tuning.online import OnlineAutotuner
-from megamoe_runtime.weights import Unquantized
+from megamoe_runtime.weights import FP8_WEIGHT_DTYPE, Prequantized, Unquantized, WeightPack
 from torch import nn
 
 from megamoe_torch.config import MegaMoEConfig
@@ -60,12 +61,68 @@ class SharedExperts(nn.Module):
         return y_TH
 
 
+def _check_torch_only_features(
+    config: MegaMoEConfig,
+    *,
+    backend: str,
+    process_group: torch.distributed.ProcessGroup | None = None,
+) -> None:
+    """Refuses a backend, layer path or expert parallelism that cannot compute the config's
+    expert math (MegaMoEConfig.torch_only_features)."""
+    features = config.torch_only_features
+    if not features:
+        return
+    if backend not in ("auto", "reference"):
+        raise ValueError(
+            f"backend {backend!r} does not compute {', '.join(features)}: use backend='reference' "
+            "or 'auto' (which picks it for this config)"
+        )
+    if config.layer_path == "fused":
+        raise ValueError(
+            f"layer_path='fused' does not compute {', '.join(features)}: use layer_path='torch' "
+            "or 'auto'"
+        )
+    if config.routing_weights_on_input and process_group is not None:
+        raise ValueError(
+            "routing_weights_on_input=True needs each batch row's routing weight where the expert "
+            "runs, which the expert-parallel dispatchers do not send: build the layer without "
+            "process_group"
+        )
+
+
+def _blocks(size: int) -> int:
+    """128 x 128 weight blocks along a dim of `size` (the FP8 scales' extent)."""
+    return -(-size // 128)
+
+
+def _quantize_loaded_expert_weights(
+    module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+) -> None:
+    """load_state_dict pre-hook of an FP8 layer: full-precision `w13`/`w2` without their
+    `*_scale_inv` are quantized per 128 x 128 block as they load (a bf16 checkpoint into an
+    FP8 layer); e4m3 ones with their scales load as they are."""
+    from megamoe_kernels import quantize_weight_blocks
+
+    for name in ("w13", "w2"):
+        weight, scales = prefix + name, prefix + name + "_scale_inv"
+        if weight not in state_dict or state_dict[weight].dtype == FP8_WEIGHT_DTYPE:
+            continue
+        if scales in state_dict:
+            raise ValueError(
+                f"{weight} is {state_dict[weight].dtype} but comes with {scales}: an FP8 layer "
+                f"takes e4m3 weights with their scales, or full-precision weights alone (it "
+                f"quantizes them)"
+            )
+        state_dict[weight], state_dict[scales] = quantize_weight_blocks(state_dict[weight])
+
+
 class MegaMoE(nn.Module):
     """A Mixture-of-Experts block.
 
-    Parameters: `gate.weight` [E, H]; `w13` [E, 2I, H] (each expert's gate rows, then up rows);
-    `w2` [E, H, I]; `e_score_correction_bias` [E] (fp32 buffer) when the config asks for it;
-    `shared_experts` when num_shared_experts > 0.
+    Parameters: `gate.weight` [E, H] (and `gate.bias` [E] with router_bias); `w13` [E, 2I, H]
+    (each expert's gate rows, then up rows); `w2` [E, H, I]; `w13_bias` [E, 2I] and `w2_bias`
+    [E, H] with expert_bias; `e_score_correction_bias` [E] (fp32 buffer) when the config asks
+    for it; `shared_experts` when num_shared_experts > 0.
 
     Expert parallel with `process_group` of W ranks: this rank owns the E / W contiguous experts
     `local_experts` and `w13`/`w2` hold only those (router and shared experts are replicated);
@@ -89,12 +146,40 @@ class MegaMoE(nn.Module):
             config.hidden_size,
             config.intermediate_size,
         )
+        _check_torch_only_features(config, backend=config.backend, process_group=process_group)
         self.process_group = process_group
         self.local_experts = local_expert_range(experts, process_group)
         local = len(self.local_experts)
-        self.gate = nn.Linear(hidden, experts, bias=False, **factory)
-        self.w13 = nn.Parameter(torch.empty(local, 2 * intermediate, hidden, **factory))
-        self.w2 = nn.Parameter(torch.empty(local, hidden, intermediate, **factory))
+        self.gate = nn.Linear(hidden, experts, bias=config.router_bias, **factory)
+        if config.weight_dtype == "fp8":
+            # e4m3 weights are not trained: only the routing and the activations take gradients
+            fp8 = {"device": device, "dtype": FP8_WEIGHT_DTYPE}
+            self.w13 = nn.Parameter(
+                torch.empty(local, 2 * intermediate, hidden, **fp8), requires_grad=False
+            )
+            self.w2 = nn.Parameter(
+                torch.empty(local, hidden, intermediate, **fp8), requires_grad=False
+            )
+            scales = {"device": device, "dtype": torch.float32}
+            self.register_buffer(
+                "w13_scale_inv",
+                torch.empty(local, _blocks(2 * intermediate), _blocks(hidden), **scales),
+            )
+            self.register_buffer(
+                "w2_scale_inv", torch.empty(local, _blocks(hidden), _blocks(intermediate), **scales)
+            )
+            self.register_load_state_dict_pre_hook(_quantize_loaded_expert_weights)
+        else:
+            self.w13 = nn.Parameter(torch.empty(local, 2 * intermediate, hidden, **factory))
+            self.w2 = nn.Parameter(torch.empty(local, hidden, intermediate, **factory))
+            self.register_buffer("w13_scale_inv", None)
+            self.register_buffer("w2_scale_inv", None)
+        if config.expert_bias:
+            self.w13_bias = nn.Parameter(torch.empty(local, 2 * intermediate, **factory))
+            self.w2_bias = nn.Parameter(torch.empty(local, hidden, **factory))
+        else:
+            self.register_parameter("w13_bias", None)
+            self.register_parameter("w2_bias", None)
         if config.use_correction_bias:
             self.register_buffer(
                 "e_score_correction_bias", torch.zeros(experts, device=device, dtype=torch.float32)
@@ -139,12 +224,22 @@ class MegaMoE(nn.Module):
     def reset_parameters(self) -> None:
         """nn.Linear's default initialisation, per expert."""
         hidden, intermediate = self.config.hidden_size, self.config.intermediate_size
-        self.w13.uniform_(-1 / math.sqrt(hidden), 1 / math.sqrt(hidden))
-        self.w2.uniform_(-1 / math.sqrt(intermediate), 1 / math.sqrt(intermediate))
+        for name, fan_in in (("w13", hidden), ("w2", intermediate)):
+            weight = getattr(self, name)
+            if weight.dtype == FP8_WEIGHT_DTYPE:
+                values = torch.empty(weight.shape, device=weight.device, dtype=torch.float32)
+                values.uniform_(-1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+                self.load_expert_weights(**{name: values})
+            else:
+                weight.uniform_(-1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+        if self.w13_bias is not None:
+            self.w13_bias.uniform_(-1 / math.sqrt(hidden), 1 / math.sqrt(hidden))
+            self.w2_bias.uniform_(-1 / math.sqrt(intermediate), 1 / math.sqrt(intermediate))
         self.gate.reset_parameters()
 
     def use_backend(self, backend: str) -> None:
         """Switches the expert-compute backend ('auto' or a name); weights are re-prepared lazily."""
+        _check_torch_only_features(self.config, backend=backend)
         self.config = replace(self.config, backend=backend)
         self._backend_name = None
 
@@ -152,7 +247,14 @@ class MegaMoE(nn.Module):
     def load_full_state_dict(self, full_state_dict: dict[str, torch.Tensor]) -> None:
         """Loads a single-GPU layer's state dict, keeping only this rank's experts of w13/w2."""
         local_state = dict(full_state_dict)
-        for name in ("w13", "w2"):
+        expert_tensors = ("w13", "w2", "w13_bias", "w2_bias") if self.config.expert_bias else ()
+        for name in expert_tensors or ("w13", "w2"):
+            # an FP8 layer's scales travel with their weights (a bf16 state dict has none: its
+            # weights are quantized as they load)
+            scale_name = f"{name}_scale_inv"
+            if self.config.weight_dtype == "fp8" and scale_name in full_state_dict:
+                scales = full_state_dict[scale_name]
+                local_state[scale_name] = scales[self.local_experts.start : self.local_experts.stop]
             if name not in full_state_dict:
                 raise KeyError(
                     f"the full state dict lacks {name!r} (a single-GPU MegaMoE's state dict holds "
@@ -203,26 +305,68 @@ class MegaMoE(nn.Module):
         device = self.w13.device
         if self._backend_name is None or self._backend_device != device:
             self._backend_name, self._backend_reason = select_backend(self.config.backend, device)
+            features = self.config.torch_only_features
+            if features and self._backend_name != "reference":  # backend "auto" (else refused)
+                self._backend_name = "reference"
+                self._backend_reason = (
+                    f"auto: reference, the only backend that computes {', '.join(features)}"
+                )
             self._backend_device = device
             self._expert_backend = make_backend(self._backend_name)
             self._prepared_key = None
 
     def _prepared_weights(self):
         # the backend's layout is rebuilt only when the weights change (in place or replaced)
+        weights = (self.w13, self.w2, self.w13_scale_inv, self.w2_scale_inv)
         key = (
             self._backend_name,
-            self.w13.data_ptr(),
-            self.w13._version,
-            self.w2.data_ptr(),
-            self.w2._version,
+            *((tensor.data_ptr(), tensor._version) for tensor in weights if tensor is not None),
         )
         if key != self._prepared_key:
             with torch.no_grad():
-                self._prepared = self._expert_backend.prepare(
-                    Unquantized(w13_E2IH=self.w13.detach(), w2_EHI=self.w2.detach())
-                )
+                self._prepared = self._expert_backend.prepare(self.expert_weight_pack())
             self._prepared_key = key
         return self._prepared
+
+    def expert_weight_pack(self, *, detach: bool = True) -> WeightPack:
+        """The routed experts' weights as a runtime pack: Unquantized, or with
+        weight_dtype='fp8' Prequantized (e4m3 and their block scales)."""
+
+        def tensor(t: torch.Tensor) -> torch.Tensor:
+            return t.detach() if detach else t
+
+        if self.w13_scale_inv is None:
+            return Unquantized(w13_E2IH=tensor(self.w13), w2_EHI=tensor(self.w2))
+        return Prequantized(
+            w13_E2IH=self.w13.detach(),
+            w13_scales=self.w13_scale_inv,
+            w2_EHI=self.w2.detach(),
+            w2_scales=self.w2_scale_inv,
+        )
+
+    @torch.no_grad()
+    def load_expert_weights(
+        self, *, w13: torch.Tensor | None = None, w2: torch.Tensor | None = None
+    ) -> None:
+        """Copies full-precision expert weights ([local experts, 2I, H] and [local experts, H,
+        I], any float dtype) into the layer: as they are, or with weight_dtype='fp8' quantized
+        per 128 x 128 block (each block's amax / 448: deterministic)."""
+        from megamoe_kernels import quantize_weight_blocks
+
+        for name, values in (("w13", w13), ("w2", w2)):
+            if values is None:
+                continue
+            weight = getattr(self, name)
+            if tuple(values.shape) != tuple(weight.shape):
+                raise ValueError(
+                    f"{name} must have shape {list(weight.shape)}, got {list(values.shape)}"
+                )
+            if weight.dtype != FP8_WEIGHT_DTYPE:
+                weight.copy_(values)
+                continue
+            quantized, scales = quantize_weight_blocks(values.to(weight.device))
+            weight.copy_(quantized)
+            getattr(self, f"{name}_scale_inv").copy_(scales)
 
     def _expert_compute(self, batch):
         needs_autograd = torch.is_grad_enabled() and (
@@ -240,16 +384,38 @@ class MegaMoE(nn.Module):
                     valid_rows,
                 )
             return self._run_expert_backend(batch)
+        if self.config.torch_only_features:
+            return self._reference_expert_mlp(batch)
         backend = self._autograd_backend()
         # autograd backends take the live parameters as they are (their prepare is the identity)
-        return backend(batch, backend.prepare(Unquantized(w13_E2IH=self.w13, w2_EHI=self.w2)))
+        return backend(batch, backend.prepare(self.expert_weight_pack(detach=False)))
 
     def _run_expert_backend(self, batch):
         """The chosen backend on its prepared weights (tuned first when knobs='auto')."""
+        if self.config.torch_only_features:
+            return self._reference_expert_mlp(batch)
         prepared = self._prepared_weights()
-        if self.config.knobs == "auto":
+        # FP8 GEMMs run their default profiles: nothing to tune yet
+        if self.config.knobs == "auto" and self.config.weight_dtype is None:
             self._autotuner.ensure_tuned(self._expert_backend, batch, prepared)
         return self._expert_backend(batch, prepared)
+
+    def _reference_expert_mlp(self, batch):
+        """The expert MLP with every part of the config's expert math (biases, SwiGLU variant),
+        pure torch in fp32: the reference backend's computation, differentiable."""
+        config = self.config
+        out_MH = expert_mlp_reference(
+            batch.rows_MH,
+            batch.expert_offsets,
+            self.w13,
+            self.w2,
+            w13_bias_E2I=self.w13_bias,
+            w2_bias_EH=self.w2_bias,
+            limit=config.swiglu_limit,
+            alpha=config.swiglu_alpha,
+            up_offset=config.swiglu_up_offset,
+        )
+        return out_MH.to(batch.rows_MH.dtype)
 
     def _autograd_backend(self):
         """The backend for a forward that autograd records: the chosen one if it has a backward;
@@ -279,9 +445,17 @@ class MegaMoE(nn.Module):
                 # (at qwen3-30b-a3b 8192 tokens 180 us of cast + fp32 GEMM)
                 logits_TE = _bf16_mm_to_float32(x_TH, weight.t())
                 if logits_TE is not None:
-                    return logits_TE
-            return nn.functional.linear(x_TH.float(), self._gate_weight_float32())
+                    return self._add_router_bias(logits_TE)
+            return self._add_router_bias(
+                nn.functional.linear(x_TH.float(), self._gate_weight_float32())
+            )
         return self.gate(x_TH)
+
+    def _add_router_bias(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        """fp32 logits plus the router bias (router_bias=True), added in fp32."""
+        if self.gate.bias is None:
+            return logits_TE
+        return logits_TE + self.gate.bias.float()
 
     def _gate_weight_float32(self) -> torch.Tensor:
         """The router weight in fp32. Without autograd the cast is kept until the weight changes
@@ -306,16 +480,19 @@ class MegaMoE(nn.Module):
         whose ids and weights the dispatcher takes. Autograd aside: a forward that records
         gradients always takes the torch path."""
         device = self.w13.device if device is None else torch.device(device)
-        key = (device, self.w13.dtype)
+        key = (device, self.activation_dtype)
         status = self._fused_status.get(key)
         if status is None:
             if self.config.layer_path == "torch":
                 status = (False, "layer_path='torch'")
+            elif self.config.torch_only_features:
+                features = ", ".join(self.config.torch_only_features)
+                status = (False, f"the fused path's kernels do not compute {features}")
             else:
                 status = device_routing_status(
                     self.config.router,
                     hidden_size=self.config.hidden_size,
-                    dtype=self.w13.dtype,
+                    dtype=self.activation_dtype,
                     device=device,
                 )
             if self.config.layer_path == "fused" and not status[0]:
@@ -343,12 +520,32 @@ class MegaMoE(nn.Module):
         if self.config.check_inputs:
             check_finite_logits(router_logits_TE)
         x_TH = x_TH.contiguous()  # the kernels take row-major rows (a no-op for most inputs)
+        tokens_TH, scales_GT = x_TH, None
+        if self._dispatches_fp8_tokens():
+            # each token is quantized once, before the dispatch copies it top-k times: the
+            # batch holds the e4m3 rows quantizing each row would give, for half the bytes
+            from megamoe_kernels import quantize_rows
+
+            tokens_TH, scales_GT = quantize_rows(x_TH)
         batch, handle, _ = self._device_routed.route_and_dispatch(
-            x_TH, router_logits_TE, correction_bias_E=self.e_score_correction_bias
+            tokens_TH,
+            router_logits_TE,
+            correction_bias_E=self.e_score_correction_bias,
+            x_scales_GT=scales_GT,
         )
         expert_out_MH = self._run_expert_backend(batch)
         shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH)
         return self._device_routed.combine(expert_out_MH, handle, addend_TH=shared_TH)
+
+    def _dispatches_fp8_tokens(self) -> bool:
+        """Whether the fused path hands the FP8 kernels e4m3 tokens (quantized before the
+        dispatch) rather than bf16 rows they quantize: FP8 weights on the cutedsl backend, a
+        hidden size the byte copy takes (a multiple of 16)."""
+        return (
+            self.config.weight_dtype == "fp8"
+            and self._backend_name == "cutedsl"
+            and self.config.hidden_size % 16 == 0
+        )
 
     def forward(self, x: torch.Tensor, *, return_router_logits: bool = False):
         self._check_input(x)
@@ -376,8 +573,15 @@ class MegaMoE(nn.Module):
                 check_finite=self.config.check_inputs,
             )
         batch, handle = self.dispatcher.dispatch(x_TH, topk_ids_TK, topk_weights_TK)
-        expert_out_MH = self._expert_compute(batch)
-        y_TH = self.dispatcher.combine(expert_out_MH, handle)
+        if self.config.routing_weights_on_input:
+            # each row is its routing weight times the token (in x's dtype, as Llama 4 does)
+            row_weights_M1 = self.dispatcher.row_weights(batch, handle).unsqueeze(-1)
+            batch = replace(batch, rows_MH=batch.rows_MH * row_weights_M1.to(batch.rows_MH.dtype))
+            expert_out_MH = self._expert_compute(batch)
+            y_TH = self.dispatcher.combine(expert_out_MH, handle, weights_applied=True)
+        else:
+            expert_out_MH = self._expert_compute(batch)
+            y_TH = self.dispatcher.combine(expert_out_MH, handle)
         if self.shared_experts is not None:
             y_TH = y_TH + self.shared_experts(x_TH)
         y = y_TH.reshape(x.shape).to(x.dtype)
@@ -390,10 +594,16 @@ class MegaMoE(nn.Module):
             raise ValueError(
                 f"x must have shape [..., hidden_size={self.config.hidden_size}], got {tuple(x.shape)}"
             )
-        if x.dtype != self.w13.dtype:
-            raise TypeError(f"x is {x.dtype} but the layer's weights are {self.w13.dtype}")
+        if x.dtype != self.activation_dtype:
+            raise TypeError(f"x is {x.dtype} but the layer's weights are {self.activation_dtype}")
         if x.device != self.w13.device:
             raise ValueError(f"x is on {x.device} but the layer's weights are on {self.w13.device}")
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype of the hidden states the layer takes (its router's: the experts' weights
+        may be FP8)."""
+        return self.gate.weight.dtype
 
     def extra_repr(self) -> str:
         c = self.config

@@ -1,0 +1,180 @@
+"""MegaMoE with FP8 experts (weight_dtype="fp8"): e4m3 weights with 128 x 128 block scales,
+loaded as they are or quantized as they load, against the fp32 oracle on the dequantized
+weights; on an sm_90 GPU the FP8 kernels against that oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megamoe_kernels import dequantize_weight_blocks, quantize_weight_blocks
+from megamoe_kernels.reference import fp8_difference, relative_l2_error
+from megamoe_torch import MegaMoE, MegaMoEConfig
+
+HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 256, 256, 8, 2
+
+
+def fp8_config(**overrides) -> MegaMoEConfig:
+    fields = dict(
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_experts=EXPERTS,
+        top_k=TOP_K,
+        weight_dtype="fp8",
+    )
+    return MegaMoEConfig(**{**fields, **overrides})
+
+
+def random_bf16_state(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "gate.weight": torch.randn(EXPERTS, HIDDEN, generator=generator) / HIDDEN**0.5,
+        "w13": torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=generator) / HIDDEN**0.5,
+        "w2": torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, generator=generator) / INTERMEDIATE**0.5,
+    }
+
+
+def test_a_full_precision_state_dict_is_quantized_per_block_as_it_loads():
+    state = random_bf16_state(0)
+    layer = MegaMoE(fp8_config(), dtype=torch.float32)
+    layer.load_state_dict(state)
+    expected_w13, expected_scales = quantize_weight_blocks(state["w13"])
+    assert layer.w13.dtype == torch.float8_e4m3fn
+    assert torch.equal(layer.w13.view(torch.uint8), expected_w13.view(torch.uint8))
+    assert torch.equal(layer.w13_scale_inv, expected_scales)
+    # each block's scale is its amax / 448
+    block = state["w2"][3, 128:256, 0:128]
+    torch.testing.assert_close(layer.w2_scale_inv[3, 1, 0], block.abs().max() / 448)
+
+
+def test_the_fp8_state_dict_round_trips_bitwise_and_holds_e4m3_with_its_scales():
+    first = MegaMoE(fp8_config(), dtype=torch.float32)
+    first.load_state_dict(random_bf16_state(1))
+    saved = first.state_dict()
+    assert saved["w13"].dtype == torch.float8_e4m3fn and saved["w13_scale_inv"].shape == (8, 4, 2)
+    second = MegaMoE(fp8_config(), dtype=torch.float32)
+    second.load_state_dict(saved)
+    x = torch.randn(7, HIDDEN)
+    assert torch.equal(first(x), second(x))
+
+
+def test_the_fp8_layer_computes_with_its_dequantized_weights():
+    # the reference backend is the FP8 oracle: fp32 math on the values the e4m3 weights stand for
+    fp8 = MegaMoE(fp8_config(), dtype=torch.float32)
+    fp8.load_state_dict(random_bf16_state(2))
+    exact = MegaMoE(fp8_config(weight_dtype=None), dtype=torch.float32)
+    exact.load_state_dict(
+        {
+            "gate.weight": fp8.gate.weight.detach(),
+            "w13": dequantize_weight_blocks(fp8.w13, fp8.w13_scale_inv),
+            "w2": dequantize_weight_blocks(fp8.w2, fp8.w2_scale_inv),
+        }
+    )
+    x = torch.randn(2, 9, HIDDEN)
+    assert torch.equal(fp8(x), exact(x))
+    # and stays near the unquantized layer (e4m3 keeps about 2 significant digits)
+    full = MegaMoE(fp8_config(weight_dtype=None), dtype=torch.float32)
+    full.load_state_dict(random_bf16_state(2))
+    assert relative_l2_error(fp8(x), full(x)) < 0.08
+
+
+def test_the_fp8_layer_trains_its_router_and_passes_gradients_to_its_input():
+    layer = MegaMoE(fp8_config(), dtype=torch.float32)
+    x = torch.randn(6, HIDDEN, requires_grad=True)
+    layer(x).square().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    assert layer.gate.weight.grad is not None
+    assert not layer.w13.requires_grad and layer.w13.grad is None
+
+
+def test_an_expert_parallel_slice_takes_the_scales_of_its_experts():
+    full = MegaMoE(fp8_config(), dtype=torch.float32)
+    full.load_state_dict(random_bf16_state(3))
+    layer = MegaMoE(fp8_config(), dtype=torch.float32)
+    layer.load_full_state_dict(full.state_dict())
+    assert torch.equal(layer.w2_scale_inv, full.w2_scale_inv)
+
+
+def test_bad_fp8_configs_and_state_dicts_are_refused_naming_the_problem():
+    with pytest.raises(ValueError, match="weight_dtype must be one of"):
+        fp8_config(weight_dtype="int4")
+    with pytest.raises(ValueError, match="does not combine with expert_bias"):
+        fp8_config(expert_bias=True)
+    layer = MegaMoE(fp8_config(), dtype=torch.float32)
+    state = random_bf16_state(4)
+    state["w13_scale_inv"] = layer.w13_scale_inv.clone()
+    with pytest.raises(ValueError, match="comes with w13_scale_inv"):
+        layer.load_state_dict(state)
+    with pytest.raises(ValueError, match="w2 must have shape"):
+        layer.load_expert_weights(w2=torch.randn(EXPERTS, HIDDEN, INTERMEDIATE + 1))
+    with pytest.raises(TypeError, match="weights are torch.float32"):
+        layer(torch.randn(3, HIDDEN, dtype=torch.bfloat16))
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("tokens", [0, 1, 5, 300, 2048])
+@pytest.mark.parametrize("layer_path", ["fused", "torch"])
+def test_the_fp8_kernels_meet_the_fp8_oracle(tokens, layer_path):
+    hidden, intermediate, experts = 2048, 768, 32
+    config = MegaMoEConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_experts=experts,
+        top_k=4,
+        weight_dtype="fp8",
+        backend="cutedsl",
+        layer_path=layer_path,
+    )
+    torch.manual_seed(tokens)
+    layer = MegaMoE(config, device="cuda", dtype=torch.bfloat16)
+    oracle = MegaMoE(replace_backend(config, "reference"), device="cuda", dtype=torch.bfloat16)
+    oracle.load_state_dict(layer.state_dict())
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        y, expected = layer(x), oracle(x)
+        again = layer(x)
+    assert torch.equal(y, again), "the FP8 layer is not bitwise repeatable"
+    if tokens:
+        assert fp8_difference(y.float(), expected.float()) <= 2e-3
+        assert relative_l2_error(y, expected) <= 6e-2
+
+
+def replace_backend(config: MegaMoEConfig, backend: str) -> MegaMoEConfig:
+    from dataclasses import replace
+
+    return replace(config, backend=backend, layer_path="torch")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+def test_the_fp8_layer_replays_in_a_cuda_graph_with_new_tokens():
+    hidden, tokens = 2048, 48
+    config = MegaMoEConfig(
+        hidden_size=hidden,
+        intermediate_size=768,
+        num_experts=32,
+        top_k=4,
+        weight_dtype="fp8",
+        backend="cutedsl",
+        capacity=tokens * 4,
+    )
+    layer = MegaMoE(config, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        layer(x)  # compiles and prepares outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        y = layer(x)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        x.copy_(torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16))
+        graph.replay()
+        with torch.no_grad():
+            assert torch.equal(y, layer(x))
