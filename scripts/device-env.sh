@@ -1,5 +1,5 @@
-# Sourced on the GPU machine after .device/setup.sh:
-#   source .device/setup.sh && source scripts/device-env.sh && <command>
+# Sourced on the GPU machine, from the project root, once the other dependencies are installed:
+#   source scripts/device-env.sh && <command>
 # Unpacks .device-extras/ (scripts/device-extras.sh) once per machine and puts it on PYTHONPATH.
 _extras=/tmp/megamoe/extras
 if [ -f .device-extras/tvm_ffi-cp312.tar.xz ] && [ ! -f "$_extras/ok" ]; then

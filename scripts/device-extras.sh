@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Packs what the GPU machines lack beyond ../shared/device/pack.sh's wheels: apache-tvm-ffi,
-# which CuTe DSL's TVM-FFI launch path needs. Run here (a registry is reachable), from the project
-# root; it writes .device-extras/tvm_ffi-cp312.tar.xz (~1.4 MB: the package without its headers
-# and its C++, Cython and third-party sources, so that it fits beside .device/ under the 64 MiB a
-# device call carries).
-# On the GPU machine: source .device/setup.sh && source scripts/device-env.sh && <command>
+# Packs apache-tvm-ffi, which CuTe DSL's TVM-FFI launch path needs, for a GPU machine without a
+# package registry whose other dependencies (torch, nvidia-cutlass-dsl, nvshmem4py) are installed
+# some other way. Run where a registry is reachable, from the project root; it writes
+# .device-extras/tvm_ffi-cp312.tar.xz (~1.4 MB: the package without its headers and its C++,
+# Cython and third-party sources, small enough to travel with a copy of the checkout).
+# On the GPU machine: source scripts/device-env.sh && <command>
 set -euo pipefail
 version=$(python3 - <<'PY'
 import re, pathlib

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Everything megamoe checks on a Hopper machine, logs and CSVs under ${OUT:-gpu-out}:
-#   source .device/setup.sh && source scripts/device-env.sh && bash scripts/gpu-check.sh [tests] [kernel-tests] [demo] [bench] [multirank]
+# Everything megamoe checks on a Hopper machine (set up as docs/benchmarks.md, "Setting up a GPU
+# machine", says), logs and CSVs under ${OUT:-gpu-out}:
+#   bash scripts/gpu-check.sh [tests] [kernel-tests] [demo] [bench] [multirank]
 # (no argument: all of them). A short summary is printed last.
 set -uo pipefail
 out=${OUT:-gpu-out}

@@ -8,9 +8,9 @@ implementation of --hf-experts ('eager' loops over the experts; from_pretrained 
 fixed at tokens x top_k); of the transformers block as a CUDA-graph replay, '-' where its forward
 does not capture (host syncs); the speedups of megamoe eager and graph over the transformers eager
 forward; megamoe's rel-L2 against the transformers output. Needs transformers >= 5. Run on the
-GPU machine from the project root:
+GPU machine from the project root (docs/benchmarks.md, "Setting up a GPU machine"):
 
-    source .device/setup.sh && source scripts/device-env.sh && python3 scripts/hf_block_speed.py
+    python3 scripts/hf_block_speed.py
 
 --tiny shrinks every size so the script runs on a CPU in seconds (no CUDA graphs there):
 

@@ -2,7 +2,7 @@
 
     python3 scripts/sustained_rate.py --geometry qwen3-30b-a3b dsv3-ep8-local --tokens 8192
 
-TARGETS.md's 788 TFLOP/s is a burst: ten 8192^3 products after three warm-ups, about 20 ms, in
+The roofline floor's 788 TFLOP/s (docs/benchmarks.md) is a burst: ten 8192^3 products after three warm-ups, about 20 ms, in
 which the SM clock stays at its 1980 MHz boost. A benchmark that keeps the GPU busy for longer
 runs into the board's power limit, and the clock drops to what the limit allows. For each
 workload this script idles a few seconds (the clock and the power budget recover), runs ten
