@@ -48,15 +48,11 @@ def cutedsl_status(device: torch.device) -> tuple[bool, str]:
     return True, "sm_90 GPU with CuTe DSL"
 
 
-@dataclass(frozen=True)
-class CuteDSLWeights:
-    """Weights in the kernels' layout: w13 gate/up interleaved ([E, I/8, 16, H]), w2 as given."""
+class _KernelLayoutDims:
+    """What check_batch_matches_weights reads of weights in the kernels' layout."""
 
-    w13_EB2GH: torch.Tensor
     w2_EHI: torch.Tensor
-    source: Unquantized
 
-    # what check_batch_matches_weights reads
     @property
     def num_experts(self) -> int:
         return self.w2_EHI.shape[0]
@@ -65,13 +61,22 @@ class CuteDSLWeights:
     def hidden_size(self) -> int:
         return self.w2_EHI.shape[1]
 
+
+@dataclass(frozen=True)
+class CuteDSLWeights(_KernelLayoutDims):
+    """Weights in the kernels' layout: w13 gate/up interleaved ([E, I/8, 16, H]), w2 as given."""
+
+    w13_EB2GH: torch.Tensor
+    w2_EHI: torch.Tensor
+    source: Unquantized
+
     @property
     def w13_E2IH(self) -> torch.Tensor:
         return self.source.w13_E2IH
 
 
 @dataclass(frozen=True)
-class CuteDSLFP8Weights:
+class CuteDSLFP8Weights(_KernelLayoutDims):
     """FP8 weights in the kernels' layout: e4m3 w13 gate/up interleaved ([E, I/8, 16, H]) with
     its block scales over the source rows, e4m3 w2 with its block scales."""
 
@@ -81,15 +86,7 @@ class CuteDSLFP8Weights:
     w2_scales: torch.Tensor
 
     @property
-    def num_experts(self) -> int:
-        return self.w2_EHI.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.w2_EHI.shape[1]
-
-    @property
-    def w13_E2IH(self) -> torch.Tensor:  # what check_batch_matches_weights reads: the device
+    def w13_E2IH(self) -> torch.Tensor:  # check_batch_matches_weights reads its device
         return self.w13_EB2GH
 
 
