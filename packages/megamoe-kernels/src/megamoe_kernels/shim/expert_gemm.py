@@ -362,12 +362,18 @@ def current_stream_handle(device: torch.device) -> int:
     return _current_stream_handle(device)
 
 
+@cache
+def _cuda_available() -> bool:
+    """Whether this torch has CUDA (a CPU build cannot ask whether a stream is capturing)."""
+    return torch.cuda.is_available()
+
+
 def _stream_scratch(device: torch.device, what: tuple, make: Callable[[], object]):
     """Scratch that launches leave as they found it, shared by the launches on the current
     stream (they run one after another): made by `make` on first use, then kept for good.
     Under CUDA-graph capture it is made anew, inside the graph: the graph's memory pool owns
     it (torch.compile's CUDA graphs refuse pool memory that outlives the call)."""
-    if torch.cuda.is_current_stream_capturing():
+    if _cuda_available() and torch.cuda.is_current_stream_capturing():
         return make()
     key = (device, _current_stream_handle(device), what)
     scratch = _STREAM_SCRATCH.get(key)
