@@ -211,9 +211,9 @@ def test_mixtral_with_router_jitter_is_refused_and_left_in_place():
 
     assert report.swapped == []
     assert len(report.skipped) == 2
-    assert all("router_jitter_noise" in entry.reason for entry in report.skipped)
+    assert all("jitter_noise=0.1" in entry.reason for entry in report.skipped)
     assert [block for _, block in moe_blocks(model)] == blocks_before
-    with pytest.raises(UnsupportedBlockError, match="router_jitter_noise"):
+    with pytest.raises(UnsupportedBlockError, match="jitter_noise=0.1"):
         from_hf(blocks_before[0])
 
 
@@ -223,19 +223,45 @@ def test_other_activation_is_refused():
     assert report.swapped == [] and all("SiLU" in e.reason for e in report.skipped)
 
 
-def test_unknown_moe_family_is_reported_not_swapped():
-    olmoe = getattr(transformers, "OlmoeForCausalLM", None)
-    if olmoe is None:
-        pytest.skip("this transformers has no OLMoE to stand for an unknown family")
-    config = transformers.OlmoeConfig(
-        **ATTENTION, intermediate_size=32, num_experts=4, num_experts_per_tok=2
-    )
-    model = olmoe(config).eval()
+class _UngatedExperts(torch.nn.Module):
+    """relu(x W_up^T)^2 W_down^T experts (Nemotron-H's kind): no gate, so no SwiGLU."""
+
+    def __init__(self, experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.up_proj = torch.nn.Parameter(torch.randn(experts, intermediate, hidden) * 0.1)
+        self.down_proj = torch.nn.Parameter(torch.randn(experts, hidden, intermediate) * 0.1)
+
+    def forward(self, x_TH, top_k_index, top_k_weights):
+        y_TH = torch.zeros_like(x_TH)
+        for k in range(top_k_index.shape[1]):
+            up_proj, down_proj = self.up_proj[top_k_index[:, k]], self.down_proj[top_k_index[:, k]]
+            hidden = torch.relu(torch.einsum("th,tih->ti", x_TH, up_proj)) ** 2
+            y_TH += torch.einsum("ti,thi->th", hidden, down_proj) * top_k_weights[:, k, None]
+        return y_TH
+
+
+class _UngatedMoE(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(64, 4, bias=False)
+        self.experts = _UngatedExperts(4, 64, 32)
+
+    def forward(self, x):
+        x_TH = x.reshape(-1, 64)
+        weights_TK, ids_TK = torch.softmax(self.gate(x_TH), dim=-1).topk(2, dim=-1)
+        return self.experts(x_TH, ids_TK, weights_TK).reshape(x.shape)
+
+
+def test_block_megamoe_cannot_reproduce_is_reported_with_its_reason_and_left_in_place():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), _UngatedMoE())
+    block = model[1]
     report = swap_moe_blocks(model, backend="reference")
-    assert report.swapped == []
-    assert len(report.skipped) == config.num_hidden_layers
-    assert "no megamoe conversion" in report.skipped[0].reason
-    assert "skipped" in str(report)
+    assert report.swapped == [] and model[1] is block
+    assert [(entry.name, entry.class_name) for entry in report.skipped] == [("1", "_UngatedMoE")]
+    assert "experts.up_proj" in report.skipped[0].reason
+    assert "skipped 1 (_UngatedMoE)" in str(report)
+    with pytest.raises(UnsupportedBlockError, match="experts.up_proj"):
+        from_hf(block)
 
 
 def test_transformers_weight_init_walks_the_swapped_model():

@@ -2,10 +2,10 @@
 
 `swap_moe_blocks` calls `keep_hf_checkpoint_format` on every block it swaps. From then on:
 
-- `state_dict()` answers with the replaced block's keys and layout: the fused
-  `experts.gate_up_proj` / `experts.down_proj` of transformers >= 5 (which `save_pretrained` turns
-  into the per-expert names on disk, as for the unswapped model), or the per-expert modules of
-  4.x, and the family's router, correction bias and shared expert names;
+- `state_dict()` answers with the replaced block's keys and layout (its BlockNaming): the fused
+  experts of transformers >= 5 in the block's own layout (which `save_pretrained` turns into the
+  names on disk, as for the unswapped model), or the per-expert modules of 4.x, and the block's
+  router, biases, correction bias and shared expert names, and the tensors it holds unused;
 - `load_state_dict()` takes those keys, in either layout, or megamoe's own (`w13`, `w2`, ...);
 - `restored_hf_block` rebuilds the replaced block around the layer's current weights, from a
   weightless copy of it kept aside (meta tensors: no memory).
@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from megamoe_torch.hf.convert import expected_hf_shapes
-from megamoe_torch.hf.families import Family, Layout
+from megamoe_torch.hf.families import Layout
+from megamoe_torch.hf.naming import BlockNaming
 from megamoe_torch.hf.state_dict import (
     check_shapes,
     hf_state_dict_from_megamoe,
@@ -43,18 +44,20 @@ _FORWARD_HOOK_REGISTRIES = (
 
 
 def keep_hf_checkpoint_format(
-    layer: MegaMoE, block: nn.Module, *, family: Family, layout: Layout
+    layer: MegaMoE, block: nn.Module, *, naming: BlockNaming, layout: Layout, router_name: str
 ) -> None:
     """Makes `layer` save and load as `block` (the block it replaces) does; see the module doc.
 
     The forward hooks of the block and its router are not kept in the copy: they move to the
     swapped layer, and back from it on restore.
     """
-    layer.hf_family = family
+    layer.hf_naming = naming
     layer.hf_layout = layout
     layer.hf_checkpoint_format = True
+    block_tensors = block.state_dict()
+    layer.__dict__["_hf_ignored_tensors"] = {key: block_tensors[key] for key in naming.ignored}
     weightless_block = _weightless_copy(block)
-    for module in (weightless_block, weightless_block.gate):
+    for module in (weightless_block, getattr(weightless_block, router_name)):
         for registry in _FORWARD_HOOK_REGISTRIES:
             getattr(module, registry).clear()
     # kept out of _modules: not a submodule the model would walk, move or save
@@ -75,7 +78,12 @@ def restored_hf_block(layer: MegaMoE) -> nn.Module:
     }
     block = _weightless_copy(layer.__dict__["_weightless_hf_block"])
     block.load_state_dict(
-        hf_state_dict_from_megamoe(megamoe_state, family=layer.hf_family, layout=layer.hf_layout),
+        {
+            **hf_state_dict_from_megamoe(
+                megamoe_state, family=layer.hf_naming, layout=layer.hf_layout
+            ),
+            **layer.__dict__["_hf_ignored_tensors"],
+        },
         assign=True,
     )
     block.train(layer.training)
@@ -93,8 +101,9 @@ def _hf_state_dict_hook(
     own_keys = [key for key in state_dict if key.startswith(prefix)]
     megamoe_state = {key[len(prefix) :]: state_dict.pop(key) for key in own_keys}
     hf_state = hf_state_dict_from_megamoe(
-        megamoe_state, family=layer.hf_family, layout=layer.hf_layout
+        megamoe_state, family=layer.hf_naming, layout=layer.hf_layout
     )
+    hf_state.update(layer.__dict__["_hf_ignored_tensors"])
     for key, tensor in hf_state.items():
         state_dict[prefix + key] = tensor
 
@@ -105,7 +114,7 @@ def _require_every_expert(layer: MegaMoE, *, where: str) -> None:
         raise RuntimeError(
             f"{where}: this expert-parallel MegaMoE holds experts {experts.start}.."
             f"{experts.stop - 1} of {layer.config.num_experts} only, and a Hugging Face "
-            f"{layer.hf_family.name} block holds all of them. Save or unswap a model swapped "
+            f"{layer.hf_naming.family} block holds all of them. Save or unswap a model swapped "
             "without process_group, or set hf_checkpoint_format = False on the layer for "
             "megamoe's names with this rank's experts"
         )
@@ -129,22 +138,27 @@ def _hf_load_state_dict_pre_hook(
     if all(key[len(prefix) :] in megamoe_names for key in own_keys):
         return  # megamoe's own names (or none of the block's): nothing to convert
     hf_state = {key[len(prefix) :]: state_dict.pop(key) for key in own_keys}
-    family = layer.hf_family
+    naming = layer.hf_naming
     check_shapes(
         hf_state,
-        expected_hf_shapes(layer.config, family=family, layout=layout_of(hf_state)),
-        reference=f"this {family.name} layer",
+        expected_hf_shapes(layer.config, family=naming, layout=layout_of(hf_state, naming)),
+        reference=f"this {naming.family} layer",
         prefix=prefix,
     )
+    ignored = layer.__dict__["_hf_ignored_tensors"]
+    for key in naming.ignored:
+        if key in hf_state:
+            ignored[key] = hf_state[key]
     try:
-        megamoe_state = megamoe_state_dict_from_hf(hf_state, family=family)
+        megamoe_state = megamoe_state_dict_from_hf(hf_state, family=naming)
     except ValueError as error:
         raise ValueError(
-            f"the tensors under {prefix!r} are not a Hugging Face {family.name} block: {error}"
+            f"the tensors under {prefix!r} are not a Hugging Face {naming.family} block: {error}"
         ) from error
     experts = layer.local_experts
-    for name in ("w13", "w2"):  # an expert-parallel layer keeps its rank's experts
-        megamoe_state[name] = megamoe_state[name][experts.start : experts.stop]
+    for name in ("w13", "w2", "w13_bias", "w2_bias"):  # an expert-parallel layer: its experts
+        if name in megamoe_state:
+            megamoe_state[name] = megamoe_state[name][experts.start : experts.stop]
     for key, tensor in megamoe_state.items():
         state_dict[prefix + key] = tensor
 

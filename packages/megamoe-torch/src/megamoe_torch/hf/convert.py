@@ -20,9 +20,10 @@ from megamoe_torch.hf.families import (
     Layout,
     UnsupportedBlockError,
     correction_bias_of,
-    read_block,
     read_hf_config,
 )
+from megamoe_torch.hf.naming import BlockNaming
+from megamoe_torch.hf.reader import read_block
 from megamoe_torch.hf.state_dict import (
     block_state_dict,
     check_shapes,
@@ -39,12 +40,14 @@ RUN_OPTIONS = ("backend", "capacity", "check_inputs", "dispatcher", "max_tokens_
 def from_hf(block: nn.Module, **options: Any) -> MegaMoE:
     """A MegaMoE computing what a transformers MoE block computes, with the block's weights.
 
-    Supported: MixtralSparseMoeBlock, Qwen2MoeSparseMoeBlock (shared expert and its sigmoid
-    gate), Qwen3MoeSparseMoeBlock, DeepseekV3MoE (sigmoid scores, grouped top-k, correction
-    bias, routed scaling, shared experts), in the fused layout of transformers >= 5 and the
-    per-expert layout of 4.x. The layer shares the block's tensors where the layouts agree (no
-    copy). `options`: any of RUN_OPTIONS, and `process_group` for expert parallelism.
-    Raises UnsupportedBlockError (a ValueError) saying why a block cannot be reproduced exactly.
+    Any transformers >= 5 block of a structure megamoe reads (reader.py: a router with softmax
+    or sigmoid scores, renormalised or not, grouped top-k, correction bias, router bias,
+    scaling; experts in any fused layout, with biases and clamped SwiGLU; shared experts with or
+    without a gate; routing weights on the expert input), and the per-expert blocks of the
+    transformers 4.x Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3. The layer shares the block's
+    tensors where the layouts agree (no copy). `options`: any of RUN_OPTIONS, and
+    `process_group` for expert parallelism. Raises UnsupportedBlockError (a ValueError) saying
+    why a block cannot be reproduced exactly.
     """
     layer, _ = convert_block(block, layer_class=MegaMoE, options=options)
     return layer
@@ -103,9 +106,9 @@ def convert_block(
     """(layer of `layer_class`, what was read of the block): the one conversion path."""
     reading = read_block(block)
     fields = dict(reading.config_fields)
-    if reading.family is DEEPSEEK_V3:
+    if reading.layout == "per_expert" and reading.family == DEEPSEEK_V3.name:
         fields["dropped_group_score"] = _dropped_group_score_of(block, fields)
-    megamoe_state = megamoe_state_dict_from_hf(block.state_dict(), family=reading.family)
+    megamoe_state = megamoe_state_dict_from_hf(block.state_dict(), family=reading.naming)
     layer = build_layer(
         fields,
         megamoe_state,
@@ -160,7 +163,7 @@ def semantic_config(fields: dict[str, Any]) -> MegaMoEConfig:
 
 
 def expected_hf_shapes(
-    config: MegaMoEConfig, *, family: Family, layout: Layout
+    config: MegaMoEConfig, *, family: Family | BlockNaming, layout: Layout
 ) -> dict[str, tuple[int, ...]]:
     """Shapes of a Hugging Face block's tensors (block-relative keys, all experts) for `config`."""
     all_experts = MegaMoE(config, device="meta")  # the layer's own parameter shapes, no memory

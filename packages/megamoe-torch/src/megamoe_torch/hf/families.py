@@ -1,13 +1,12 @@
-"""The Hugging Face MoE families megamoe reproduces, and how to read a block of each.
+"""Families megamoe knows by name, what every reading of a block gives, and config reading.
 
-A family says how its block routes (scores, renormalisation, groups, router matmul dtype), where
-its tensors live in a checkpoint, and how its decoder layer expects the block to answer. Two
-readers turn a source into MegaMoEConfig fields: `read_block` from a live transformers module
-(what its forward actually uses), `read_hf_config` from a model config (a checkpoint on disk).
+transformers >= 5 blocks are read by their structure (reader.py), whatever their class. Four
+families are also known by name, for what structure cannot show: blocks of transformers 4.x,
+whose per-expert modules route inside the block's own forward (`read_legacy_block`), and
+config.json files read without transformers installed (`read_hf_config`).
 
 Only exact reproductions pass: anything a block does that MegaMoE does not (another activation,
-router jitter, biased or transposed experts, quantized tensors) raises `UnsupportedBlockError`
-with the reason.
+router jitter, quantized tensors) raises `UnsupportedBlockError` with the reason.
 """
 
 from __future__ import annotations
@@ -18,7 +17,12 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from megamoe_torch.hf.naming import BlockNaming
+
 Layout = Literal["fused", "per_expert"]
+# how a block's forward answers: the hidden states, or a pair of them and the router logits or
+# the top-k routing weights
+Answer = Literal["hidden", "hidden_and_router_logits", "hidden_and_topk_weights"]
 
 
 class UnsupportedBlockError(ValueError):
@@ -44,6 +48,16 @@ class Family:
     # model config keys of the routed experts' count (aliases, first set wins) and width
     num_experts_keys: tuple[str, ...] = ("num_experts", "num_local_experts")
     intermediate_size_key: str = "moe_intermediate_size"
+
+    @property
+    def naming(self) -> BlockNaming:
+        return BlockNaming(
+            family=self.name,
+            correction_bias="gate.e_score_correction_bias" if self.scoring == "sigmoid" else None,
+            per_expert_projections=self.expert_projection_names,
+            shared_prefix=self.shared_expert_prefix,
+            shared_gate=self.shared_expert_gate_key,
+        )
 
 
 MIXTRAL = Family(
@@ -106,44 +120,109 @@ def family_named(name: str) -> Family:
 
 
 def looks_like_moe_block(module: nn.Module) -> bool:
-    """An MoE block of a family megamoe may not know: routed experts next to a router."""
+    """A module that routes tokens to experts: a router (a child named `gate`, `router` or
+    `*router*`) next to routed experts (a child named `experts` or of an *Experts class, as
+    JetMoE's, or expert embeddings, as Doge's)."""
     children = dict(module.named_children())
-    return "experts" in children and ("gate" in children or "router" in children)
+    if not any(name in ("gate", "router") or "router" in name for name in children):
+        return False
+    return any(
+        name == "experts"
+        or "Experts" in type(child).__name__
+        or "expert" in name.lower()
+        or (isinstance(child, nn.Embedding) and "embed" in name and name != "embed_tokens")
+        for name, child in children.items()
+    )
 
 
 @dataclass(frozen=True)
 class BlockReading:
-    """What a live block computes, as MegaMoEConfig fields plus how it is laid out."""
+    """What a live block computes, as MegaMoEConfig fields, plus how it names and lays out its
+    tensors and how it answers."""
 
-    family: Family
+    naming: BlockNaming
     config_fields: dict[str, Any]
     layout: Layout
-    # the block's forward returns (hidden_states, router_logits), not hidden_states alone
-    returns_router_logits: bool
+    answer: Answer
     expert_dtype: torch.dtype
     # the routed experts' device, where the layer is built
     device: torch.device
+    # the router child ("gate" or "router")
+    router_name: str = "gate"
+    # the block answers [tokens, hidden] whatever the input's leading shape
+    flat_output: bool = False
+    # where the router's forward puts the logits among its outputs, and how many it has (for
+    # a stand-in of its class that hands the logits to transformers' hooks); None: no stand-in
+    router_logits_index: int | None = None
+    router_outputs: int = 3
+    # the router's logits are fp32 whatever the input dtype
+    router_logits_float32: bool = False
+
+    @property
+    def family(self) -> str:
+        return self.naming.family
+
+    def describe(self) -> str:
+        """What the block computes, in a few words (for reports and the family table)."""
+        fields, naming = self.config_fields, self.naming
+        routing = [fields["scoring"]]
+        if fields.get("num_groups", 1) > 1:
+            best = "best" if fields.get("group_score") == "max" else "two best"
+            routing.append(
+                f"top {fields['top_groups']} of {fields['num_groups']} groups (by their {best})"
+            )
+        routing.append(f"top-{fields['top_k']} of {fields['num_experts']}")
+        routing.append("renormalised" if fields["renormalize"] else "not renormalised")
+        if fields.get("use_correction_bias"):
+            routing.append("correction bias for the choice")
+        if fields.get("routed_scaling_factor", 1.0) != 1.0:
+            routing.append(f"scaled by {fields['routed_scaling_factor']:g}")
+        if fields.get("router_bias"):
+            routing.append("router bias")
+        if fields.get("router_dtype") == "float32":
+            routing.append("fp32 router")
+        experts = ["[E, H, 2I] experts" if naming.experts_transposed else "[E, 2I, H] experts"]
+        if self.layout == "per_expert":
+            experts = ["per-expert modules"]
+        if naming.gate_up_interleaved:
+            experts.append("gate/up interleaved")
+        if fields.get("expert_bias"):
+            experts.append("biased")
+        if fields.get("swiglu_limit") is not None:
+            experts.append(
+                f"SwiGLU clamped at {fields['swiglu_limit']:g}, alpha "
+                f"{fields.get('swiglu_alpha', 1.0):g}, up + {fields.get('swiglu_up_offset', 0.0):g}"
+            )
+        elif (fields.get("swiglu_alpha", 1.0), fields.get("swiglu_up_offset", 0.0)) != (1.0, 0.0):
+            experts.append(
+                f"SwiGLU alpha {fields.get('swiglu_alpha', 1.0):g}, up + "
+                f"{fields.get('swiglu_up_offset', 0.0):g}"
+            )
+        if fields.get("routing_weights_on_input"):
+            experts.append("routing weights on the expert input")
+        parts = [", ".join(routing), ", ".join(experts)]
+        if fields.get("num_shared_experts"):
+            gate = "with a sigmoid gate" if fields.get("shared_expert_gate") else "ungated"
+            parts.append(f"shared expert {gate}")
+        return "; ".join(parts)
 
 
-def read_block(block: nn.Module) -> BlockReading:
-    """MegaMoEConfig fields (semantics only) of a transformers MoE block instance."""
+def read_legacy_block(block: nn.Module) -> BlockReading:
+    """MegaMoEConfig fields (semantics only) of a transformers 4.x MoE block, whose experts are a
+    ModuleList of per-expert MLPs, of a family known by name."""
     family = family_of_block(block)
     if family is None:
         raise UnsupportedBlockError(
-            f"{type(block).__name__} is not a supported MoE block (supported: "
-            f"{', '.join(name for f in FAMILIES.values() for name in f.block_class_names)})"
-        )
-    if getattr(block, "_hf_hook", None) is not None:
-        raise UnsupportedBlockError(
-            "the block is managed by accelerate (device map / offload hooks): convert it "
-            "before dispatching the model"
+            f"{type(block).__name__} keeps per-expert modules and routes in its own forward: "
+            "megamoe reads such blocks for the transformers 4.x families "
+            f"{', '.join(name for f in FAMILIES.values() for name in f.block_class_names)} only"
         )
     router = _child(block, "gate")
     experts = _child(block, "experts")
     router_weight = _tensor(router, "weight", what="router weight")
     num_experts, hidden_size = router_weight.shape
-    layout, intermediate_size, expert_weight = _read_experts(experts, num_experts, hidden_size)
-    _check_activation(experts, layout)
+    intermediate_size, expert_weight = _read_per_expert_modules(experts, num_experts)
+    _check_activation(experts[0])
     holders = (router, block)  # transformers >= 5 keeps routing fields on the router
     is_deepseek = family is DEEPSEEK_V3
     fields = _routing_fields(
@@ -160,12 +239,12 @@ def read_block(block: nn.Module) -> BlockReading:
     )
     if is_deepseek and correction_bias_of(block) is None:
         raise UnsupportedBlockError("the DeepSeek-V3 router has no e_score_correction_bias")
-    fields.update(_read_shared_experts(block, family, hidden_size))
+    fields.update(_read_shared_experts(block, family))
     return BlockReading(
-        family=family,
+        naming=family.naming,
         config_fields=fields,
-        layout=layout,
-        returns_router_logits=layout == "per_expert" and family is not DEEPSEEK_V3,
+        layout="per_expert",
+        answer="hidden" if family is DEEPSEEK_V3 else "hidden_and_router_logits",
         expert_dtype=expert_weight.dtype,
         device=expert_weight.device,
     )
@@ -274,67 +353,43 @@ def moe_layer_indices(hf_config: Any) -> list[int]:
     return list(layers)
 
 
-def _read_experts(
-    experts: nn.Module, num_experts: int, hidden_size: int
-) -> tuple[Layout, int, torch.Tensor]:
-    """(layout, intermediate size, one expert weight tensor: its dtype and device)."""
-    if hasattr(experts, "gate_up_proj"):
-        for flag, wanted in (
-            ("is_transposed", False),
-            ("is_concatenated", True),
-            ("has_bias", False),
-            ("has_gate", True),
-        ):
-            if getattr(experts, flag, wanted) != wanted:
-                raise UnsupportedBlockError(f"experts with {flag}={not wanted} are not supported")
-        gate_up = _tensor(experts, "gate_up_proj", what="experts.gate_up_proj")
-        down = _tensor(experts, "down_proj", what="experts.down_proj")
-        intermediate_size = gate_up.shape[1] // 2 if gate_up.dim() == 3 else -1
-        if (
-            gate_up.dim() != 3
-            or tuple(gate_up.shape) != (num_experts, 2 * intermediate_size, hidden_size)
-            or tuple(down.shape) != (num_experts, hidden_size, intermediate_size)
-        ):
-            raise UnsupportedBlockError(
-                f"experts.gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} "
-                f"are not [{num_experts}, 2I, {hidden_size}] and [{num_experts}, {hidden_size}, I]"
-            )
-        return "fused", intermediate_size, gate_up
-    if isinstance(experts, nn.ModuleList):
-        if len(experts) != num_experts:
-            raise UnsupportedBlockError(
-                f"{len(experts)} experts but the router scores {num_experts}"
-            )
-        first = experts[0]
-        for gate_name, _, _ in (MIXTRAL.expert_projection_names, QWEN3_MOE.expert_projection_names):
-            if isinstance(getattr(first, gate_name, None), nn.Linear):
-                projection = getattr(first, gate_name)
-                if projection.bias is not None:
-                    raise UnsupportedBlockError("experts with biases are not supported")
-                weight = _tensor(projection, "weight", what=f"experts.0.{gate_name}.weight")
-                return "per_expert", weight.shape[0], weight
+def _read_per_expert_modules(experts: nn.Module, num_experts: int) -> tuple[int, torch.Tensor]:
+    """(intermediate size, one expert weight tensor: its dtype and device)."""
+    if not isinstance(experts, nn.ModuleList):
         raise UnsupportedBlockError(
-            f"per-expert modules of type {type(first).__name__} have neither w1/w2/w3 nor "
-            "gate_proj/up_proj/down_proj linear layers"
+            f"experts of type {type(experts).__name__} are not a ModuleList of per-expert MLPs"
         )
+    if len(experts) != num_experts:
+        raise UnsupportedBlockError(f"{len(experts)} experts but the router scores {num_experts}")
+    first = experts[0]
+    for gate_name, _, _ in (MIXTRAL.expert_projection_names, QWEN3_MOE.expert_projection_names):
+        if isinstance(getattr(first, gate_name, None), nn.Linear):
+            projection = getattr(first, gate_name)
+            if projection.bias is not None:
+                raise UnsupportedBlockError("experts with biases are not supported")
+            weight = _tensor(projection, "weight", what=f"experts.0.{gate_name}.weight")
+            return weight.shape[0], weight
     raise UnsupportedBlockError(
-        f"experts of type {type(experts).__name__} are neither fused (gate_up_proj/down_proj) "
-        "nor a ModuleList of per-expert MLPs"
+        f"per-expert modules of type {type(first).__name__} have neither w1/w2/w3 nor "
+        "gate_proj/up_proj/down_proj linear layers"
     )
 
 
-def _check_activation(experts: nn.Module, layout: Layout) -> None:
-    holder = experts if layout == "fused" else experts[0]
+def is_silu(activation: Any) -> bool:
+    return isinstance(activation, nn.SiLU) or type(activation).__name__ == "SiLUActivation"
+
+
+def _check_activation(holder: nn.Module) -> None:
     activation = getattr(holder, "act_fn", None)
     if activation is None:
         raise UnsupportedBlockError(f"{type(holder).__name__} has no act_fn to check")
-    if not (isinstance(activation, nn.SiLU) or type(activation).__name__ == "SiLUActivation"):
+    if not is_silu(activation):
         raise UnsupportedBlockError(
             f"experts use {type(activation).__name__}; MegaMoE computes SwiGLU (SiLU) only"
         )
 
 
-def _read_shared_experts(block: nn.Module, family: Family, hidden_size: int) -> dict[str, Any]:
+def _read_shared_experts(block: nn.Module, family: Family) -> dict[str, Any]:
     if family.shared_expert_prefix is None:
         return {}
     shared = getattr(block, family.shared_expert_prefix, None)
@@ -347,7 +402,7 @@ def _read_shared_experts(block: nn.Module, family: Family, hidden_size: int) -> 
         )
     if gate_proj.out_features == 0:  # DeepSeek-V3 with n_shared_experts=0 builds an empty MLP
         return {}
-    _check_activation(shared, "fused")
+    _check_activation(shared)
     fields: dict[str, Any] = dict(
         num_shared_experts=1, shared_intermediate_size=gate_proj.out_features
     )
@@ -381,6 +436,11 @@ def _tensor(module: nn.Module, name: str, *, what: str) -> torch.Tensor:
     tensor = getattr(module, name, None)
     if not isinstance(tensor, torch.Tensor):
         raise UnsupportedBlockError(f"{what} is missing")
+    return check_tensor(tensor, what=what)
+
+
+def check_tensor(tensor: torch.Tensor, *, what: str) -> torch.Tensor:
+    """`tensor` if megamoe can take it: floating point, not quantized, not on the meta device."""
     if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise UnsupportedBlockError(
             f"{what} is {tensor.dtype}: quantized weights are not supported, dequantize first"

@@ -1,15 +1,9 @@
 """One MoE block's tensors between Hugging Face key names and MegaMoE's, both ways.
 
-Keys are relative to the block (`gate.weight`, `experts.3.w1.weight`, ...). Hugging Face blocks
-come in two layouts, both read here:
-
-| layout     | where                                   | routed expert tensors                      |
-|------------|-----------------------------------------|--------------------------------------------|
-| fused      | transformers >= 5 modules in memory     | experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I] |
-| per_expert | checkpoints on disk, transformers 4.x   | experts.{e}.{gate, up, down}.weight, names per family |
-
-MegaMoE: gate.weight [E, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
-e_score_correction_bias [E] fp32; shared_experts.{gate_proj, up_proj, down_proj, gate}.weight.
+Keys are relative to the block (`gate.weight`, `experts.3.w1.weight`, ...); a `BlockNaming`
+(naming.py) says where each tensor lives and how it is laid out, for the fused layout of
+transformers >= 5 modules and the per-expert layout of checkpoints on disk and transformers 4.x.
+`family` arguments take a BlockNaming, a Family, or a known family's name.
 """
 
 from __future__ import annotations
@@ -19,32 +13,54 @@ import re
 import torch
 
 from megamoe_torch.hf.families import Family, Layout, UnsupportedBlockError, family_named
+from megamoe_torch.hf.naming import (
+    PER_EXPERT_PROJECTION_NAMES,
+    SHARED_PROJECTIONS,
+    BlockNaming,
+    hf_experts_from_megamoe,
+    hf_gate_up_bias_from_megamoe,
+    megamoe_experts_from_hf,
+    megamoe_gate_up_bias_from_hf,
+)
 
-_SHARED_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+def naming_of(family: str | Family | BlockNaming) -> BlockNaming:
+    """The BlockNaming of a family name, a Family or a BlockNaming."""
+    if isinstance(family, BlockNaming):
+        return family
+    return (family_named(family) if isinstance(family, str) else family).naming
 
 
 def megamoe_state_dict_from_hf(
-    hf_block_state_dict: dict[str, torch.Tensor], *, family: str | Family
+    hf_block_state_dict: dict[str, torch.Tensor], *, family: str | Family | BlockNaming
 ) -> dict[str, torch.Tensor]:
     """MegaMoE's state dict from one Hugging Face block's tensors (either layout)."""
-    family = family_named(family) if isinstance(family, str) else family
+    naming = naming_of(family)
     remaining = dict(hf_block_state_dict)
-    out: dict[str, torch.Tensor] = {"gate.weight": _take(remaining, "gate.weight")}
-    for key in ("gate.e_score_correction_bias", "e_score_correction_bias"):
-        if key in remaining:
-            out["e_score_correction_bias"] = remaining.pop(key).float()
-    if "experts.gate_up_proj" in remaining:
-        out["w13"] = _take(remaining, "experts.gate_up_proj")
-        out["w2"] = _take(remaining, "experts.down_proj")
+    out: dict[str, torch.Tensor] = {"gate.weight": _take(remaining, naming.router_weight)}
+    if naming.router_bias is not None:
+        out["gate.bias"] = _take(remaining, naming.router_bias)
+    if naming.correction_bias is not None and naming.correction_bias in remaining:
+        out["e_score_correction_bias"] = remaining.pop(naming.correction_bias).float().reshape(-1)
+    for key in naming.ignored:  # held by the block, unused by its computation
+        remaining.pop(key, None)
+    if naming.gate_up in remaining:
+        out["w13"], out["w2"] = megamoe_experts_from_hf(
+            naming, remaining.pop(naming.gate_up), _take(remaining, naming.down)
+        )
+        if naming.gate_up_bias is not None:
+            bias = _take(remaining, naming.gate_up_bias)
+            out["w13_bias"] = megamoe_gate_up_bias_from_hf(naming, bias)
+            out["w2_bias"] = _take(remaining, naming.down_bias)
     else:
-        out["w13"], out["w2"] = _stack_per_expert(remaining, family)
-    if family.shared_expert_prefix is not None:
-        for name in _SHARED_PROJECTIONS:
-            key = f"{family.shared_expert_prefix}.{name}.weight"
+        out["w13"], out["w2"] = _stack_per_expert(remaining, naming)
+    if naming.shared_prefix is not None:
+        for name in SHARED_PROJECTIONS:
+            key = f"{naming.shared_prefix}.{name}.weight"
             if key in remaining:
                 out[f"shared_experts.{name}.weight"] = remaining.pop(key)
-    if family.shared_expert_gate_key is not None and family.shared_expert_gate_key in remaining:
-        out["shared_experts.gate.weight"] = remaining.pop(family.shared_expert_gate_key)
+    if naming.shared_gate is not None and naming.shared_gate in remaining:
+        out["shared_experts.gate.weight"] = remaining.pop(naming.shared_gate)
     if remaining:
         quantized = [key for key in remaining if "scale" in key]
         if quantized:
@@ -52,47 +68,70 @@ def megamoe_state_dict_from_hf(
                 f"quantized tensors {sorted(quantized)[:4]} are not supported: dequantize first"
             )
         raise UnsupportedBlockError(
-            f"{family.name} block tensors not understood: {sorted(remaining)[:8]}"
+            f"{naming.family} block tensors not understood: {sorted(remaining)[:8]}"
         )
     return out
 
 
 def hf_state_dict_from_megamoe(
-    state_dict: dict[str, torch.Tensor], *, family: str | Family, layout: Layout = "per_expert"
+    state_dict: dict[str, torch.Tensor],
+    *,
+    family: str | Family | BlockNaming,
+    layout: Layout = "per_expert",
 ) -> dict[str, torch.Tensor]:
     """One Hugging Face block's tensors (block-relative keys) from a MegaMoE state dict.
 
     layout "per_expert" gives the names of checkpoints on disk, "fused" those of transformers >= 5
     modules in memory. Tensors are views where the layout allows.
     """
-    family = family_named(family) if isinstance(family, str) else family
+    naming = naming_of(family)
     if layout not in ("fused", "per_expert"):
         raise ValueError(f"layout must be 'fused' or 'per_expert', got {layout!r}")
-    out: dict[str, torch.Tensor] = {"gate.weight": state_dict["gate.weight"]}
+    out: dict[str, torch.Tensor] = {naming.router_weight: state_dict["gate.weight"]}
+    if "gate.bias" in state_dict:
+        if naming.router_bias is None:
+            raise ValueError(f"family {naming.family!r} has no router bias")
+        out[naming.router_bias] = state_dict["gate.bias"]
     if "e_score_correction_bias" in state_dict:
-        out["gate.e_score_correction_bias"] = state_dict["e_score_correction_bias"]
+        bias_E = state_dict["e_score_correction_bias"]
+        if naming.correction_bias_shape is not None:
+            bias_E = bias_E.reshape(naming.correction_bias_shape)
+        if naming.correction_bias_dtype is not None:
+            bias_E = bias_E.to(naming.correction_bias_dtype)
+        if naming.correction_bias is None:
+            raise ValueError(f"family {naming.family!r} has no correction bias")
+        out[naming.correction_bias] = bias_E
     w13_E2IH, w2_EHI = state_dict["w13"], state_dict["w2"]
+    has_biases = "w13_bias" in state_dict
     if layout == "fused":
-        out["experts.gate_up_proj"] = w13_E2IH
-        out["experts.down_proj"] = w2_EHI
+        out[naming.gate_up], out[naming.down] = hf_experts_from_megamoe(naming, w13_E2IH, w2_EHI)
+        if has_biases:
+            if naming.gate_up_bias is None:
+                raise ValueError(f"family {naming.family!r} has no expert biases")
+            bias = hf_gate_up_bias_from_megamoe(naming, state_dict["w13_bias"])
+            out[naming.gate_up_bias], out[naming.down_bias] = bias, state_dict["w2_bias"]
     else:
-        gate_name, up_name, down_name = family.expert_projection_names
+        if has_biases:
+            raise ValueError(
+                "expert biases have no per-expert checkpoint names: use layout='fused'"
+            )
+        gate_name, up_name, down_name = naming.per_expert_projections
         intermediate = w13_E2IH.shape[1] // 2
         for expert in range(w13_E2IH.shape[0]):
             out[f"experts.{expert}.{gate_name}.weight"] = w13_E2IH[expert, :intermediate]
             out[f"experts.{expert}.{up_name}.weight"] = w13_E2IH[expert, intermediate:]
             out[f"experts.{expert}.{down_name}.weight"] = w2_EHI[expert]
     shared_keys = [key for key in state_dict if key.startswith("shared_experts.")]
-    if shared_keys and family.shared_expert_prefix is None:
-        raise ValueError(f"family {family.name!r} has no shared experts, got {shared_keys}")
-    for name in _SHARED_PROJECTIONS:
+    if shared_keys and naming.shared_prefix is None:
+        raise ValueError(f"family {naming.family!r} has no shared experts, got {shared_keys}")
+    for name in SHARED_PROJECTIONS:
         key = f"shared_experts.{name}.weight"
         if key in state_dict:
-            out[f"{family.shared_expert_prefix}.{name}.weight"] = state_dict[key]
+            out[f"{naming.shared_prefix}.{name}.weight"] = state_dict[key]
     if "shared_experts.gate.weight" in state_dict:
-        if family.shared_expert_gate_key is None:
-            raise ValueError(f"family {family.name!r} has no shared expert gate")
-        out[family.shared_expert_gate_key] = state_dict["shared_experts.gate.weight"]
+        if naming.shared_gate is None:
+            raise ValueError(f"family {naming.family!r} has no shared expert gate")
+        out[naming.shared_gate] = state_dict["shared_experts.gate.weight"]
     return out
 
 
@@ -110,26 +149,30 @@ def block_state_dict(
 
 
 def _stack_per_expert(
-    remaining: dict[str, torch.Tensor], family: Family
+    remaining: dict[str, torch.Tensor], naming: BlockNaming
 ) -> tuple[torch.Tensor, torch.Tensor]:
     expert_key = re.compile(r"experts\.(\d+)\.(\w+)\.weight")
     found: dict[int, dict[str, torch.Tensor]] = {}
     for key in [key for key in remaining if expert_key.fullmatch(key)]:
         match = expert_key.fullmatch(key)
         found.setdefault(int(match.group(1)), {})[match.group(2)] = remaining.pop(key)
+    expected = (naming.gate_up, naming.down, *naming.per_expert_projections)
     if not found:
         raise UnsupportedBlockError(
-            "no routed expert tensors: expected experts.gate_up_proj/down_proj or "
-            f"experts.{{e}}.{{{', '.join(family.expert_projection_names)}}}.weight"
+            f"no routed expert tensors: expected {naming.gate_up}/{naming.down} or "
+            f"experts.{{e}}.{{{', '.join(naming.per_expert_projections)}}}.weight"
         )
     if sorted(found) != list(range(len(found))):
         raise UnsupportedBlockError(f"expert indices are not 0..{len(found) - 1}: {sorted(found)}")
-    gate_name, up_name, down_name = family.expert_projection_names
+    # the family's names, else the other names checkpoints use for the same projections
+    candidates = (naming.per_expert_projections, *PER_EXPERT_PROJECTION_NAMES)
+    names = next((n for n in candidates if set(found[0]) == set(n)), naming.per_expert_projections)
+    gate_name, up_name, down_name = names
     for expert in range(len(found)):
-        if set(found[expert]) != {gate_name, up_name, down_name}:
+        if set(found[expert]) != set(names):
             raise UnsupportedBlockError(
-                f"expert {expert} has projections {sorted(found[expert])}, expected "
-                f"{family.expert_projection_names}"
+                f"expert {expert} has projections {sorted(found[expert])}, expected {names} "
+                f"(or {expected[0]}/{expected[1]})"
             )
     # without the model's config, expert 0 is the reference every expert must match
     reference_key = f"experts.0.{gate_name}.weight"
@@ -148,7 +191,7 @@ def _stack_per_expert(
         {
             f"experts.{expert}.{name}.weight": found[expert][name]
             for expert in found
-            for name in (gate_name, up_name, down_name)
+            for name in names
         },
         {
             f"experts.{expert}.{name}.weight": shape
@@ -184,9 +227,12 @@ def check_shapes(
         raise ValueError(f"{'; '.join(wrong[:4])}{more} (expected shapes from {reference})")
 
 
-def layout_of(hf_block_state_dict: dict[str, torch.Tensor]) -> Layout:
+def layout_of(
+    hf_block_state_dict: dict[str, torch.Tensor], naming: BlockNaming | None = None
+) -> Layout:
     """'fused' (transformers >= 5 in memory) or 'per_expert' (checkpoints on disk, 4.x)."""
-    return "fused" if "experts.gate_up_proj" in hf_block_state_dict else "per_expert"
+    gate_up = "experts.gate_up_proj" if naming is None else naming.gate_up
+    return "fused" if gate_up in hf_block_state_dict else "per_expert"
 
 
 def _take(remaining: dict[str, torch.Tensor], key: str) -> torch.Tensor:

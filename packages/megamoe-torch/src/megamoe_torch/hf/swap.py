@@ -1,10 +1,11 @@
 """Swap every supported MoE block of a loaded transformers model for a MegaMoE, in place.
 
-The swapped module answers as the block did: transformers >= 5 blocks return the hidden states
-and their model records router logits with a forward hook on the router class
-(`output_router_logits`); 4.x Mixtral and Qwen blocks return (hidden_states, router_logits).
-A small probe module of the original router's class stands in the swapped block so those hooks
-still see the logits, and hooks already installed on the block or its router move along.
+The swapped module answers as the block did (the reading's `answer`): the hidden states, or a
+pair of them and the router logits (4.x Mixtral and Qwen, Granite-MoE, Jamba, ...) or the top-k
+routing weights, in the block's output shape. transformers >= 5 models record router logits with a
+forward hook on the router class (`output_router_logits`): a weightless module of the original
+router's class stands in the swapped block and hands those hooks the logits where the router's
+own output held them; hooks already installed on the block or its router move along.
 
 A swapped block saves and loads under the replaced block's names and layout (see checkpoint.py),
 and `unswap_moe_blocks` puts the transformers blocks back with the current weights.
@@ -17,18 +18,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from megamoe_runtime.routing import route
 from torch import nn
 
 from megamoe_torch.hf.checkpoint import keep_hf_checkpoint_format, restored_hf_block
 from megamoe_torch.hf.convert import convert_block
 from megamoe_torch.hf.families import (
-    FAMILIES,
-    Family,
+    Answer,
+    BlockReading,
     Layout,
     UnsupportedBlockError,
-    family_of_block,
     looks_like_moe_block,
 )
+from megamoe_torch.hf.naming import BlockNaming
 from megamoe_torch.layer import MegaMoE
 
 
@@ -36,20 +38,35 @@ class SwappedMoEBlock(MegaMoE):
     """A MegaMoE standing where a transformers MoE block stood, answering as that block did.
 
     Its state_dict() and load_state_dict() use the replaced block's Hugging Face names and
-    layout (`hf_family`, `hf_layout`); `hf_checkpoint_format = False` gives megamoe's own.
+    layout (`hf_naming`, `hf_layout`); `hf_checkpoint_format = False` gives megamoe's own.
     """
 
-    returns_router_logits: bool = False
-    hf_family: Family
+    hf_answer: Answer = "hidden"
+    hf_flat_output: bool = False
+    hf_router_logits_float32: bool = False
+    hf_naming: BlockNaming
     hf_layout: Layout
     hf_checkpoint_format: bool = True
 
     def forward(self, hidden_states: torch.Tensor):
         y, router_logits = super().forward(hidden_states, return_router_logits=True)
+        if self.hf_router_logits_float32:
+            router_logits = router_logits.float()
         probe = self._modules.get("router_logits_probe")
         if probe is not None:
             probe(router_logits)
-        return (y, router_logits) if self.returns_router_logits else y
+        if self.hf_flat_output:
+            y = y.reshape(-1, y.shape[-1])
+        if self.hf_answer == "hidden_and_router_logits":
+            return y, router_logits
+        if self.hf_answer == "hidden_and_topk_weights":
+            # gpt-oss answers its top-k routing weights too (its decoder layer drops them): the
+            # routing again, on the same logits, rather than a second output of every forward
+            _, topk_weights_TK = route(
+                router_logits, self.config.router, correction_bias_E=self.e_score_correction_bias
+            )
+            return y, topk_weights_TK.to(router_logits.dtype)
+        return y
 
 
 @dataclass(frozen=True)
@@ -58,6 +75,8 @@ class SwappedEntry:
     family: str
     layout: str
     backend: str
+    # what the block computes (BlockReading.describe)
+    computes: str = ""
 
 
 @dataclass(frozen=True)
@@ -77,7 +96,7 @@ class SwapReport:
     def __str__(self) -> str:
         lines = [f"swapped {len(self.swapped)} MoE block(s), skipped {len(self.skipped)}"]
         lines += [
-            f"  swapped {e.name}: {e.family} ({e.layout} layout) on {e.backend}"
+            f"  swapped {e.name}: {e.family} ({e.layout} layout) on {e.backend}: {e.computes}"
             for e in self.swapped
         ]
         lines += [f"  skipped {e.name} ({e.class_name}): {e.reason}" for e in self.skipped]
@@ -102,27 +121,26 @@ def swap_moe_blocks(model: nn.Module, *, backend: str = "auto", **options: Any) 
     report = SwapReport()
     blocks = _moe_blocks(model)
     if not blocks and not any(isinstance(m, SwappedMoEBlock) for m in model.modules()):
-        recognised = ", ".join(
-            f"{family.name} ({'/'.join(family.block_class_names)})" for family in FAMILIES.values()
-        )
         warnings.warn(
             f"swap_moe_blocks found no MoE block in {type(model).__name__}, so nothing was "
-            f"swapped; the families megamoe recognises are {recognised}",
+            "swapped: megamoe looks for modules holding a router child (`gate` or `router`) next "
+            "to routed experts (`experts`)",
             stacklevel=2,
         )
     for name, block in blocks:
         class_name = type(block).__name__
-        if family_of_block(block) is None:
-            report.skipped.append(
-                SkippedEntry(name, class_name, "no megamoe conversion for this MoE family")
-            )
-            continue
         try:
             swapped, reading = convert_block(
                 block, layer_class=SwappedMoEBlock, options={"backend": backend, **options}
             )
-            _answer_like(swapped, block, reading.returns_router_logits, reading.layout)
-            keep_hf_checkpoint_format(swapped, block, family=reading.family, layout=reading.layout)
+            _answer_like(swapped, block, reading)
+            keep_hf_checkpoint_format(
+                swapped,
+                block,
+                naming=reading.naming,
+                layout=reading.layout,
+                router_name=reading.router_name,
+            )
         except UnsupportedBlockError as error:
             report.skipped.append(SkippedEntry(name, class_name, str(error)))
             continue
@@ -132,7 +150,7 @@ def swap_moe_blocks(model: nn.Module, *, backend: str = "auto", **options: Any) 
         parent_name, _, child_name = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child_name, swapped)
         report.swapped.append(
-            SwappedEntry(name, reading.family.name, reading.layout, swapped.backend)
+            SwappedEntry(name, reading.family, reading.layout, swapped.backend, reading.describe())
         )
     return report
 
@@ -164,27 +182,32 @@ def unswap_moe_blocks(model: nn.Module) -> list[str]:
 
 
 def _moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Outermost modules that are MoE blocks (known families, or anything shaped like one)."""
+    """Outermost modules shaped like MoE blocks (a router next to routed experts)."""
     found: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if not name or any(name.startswith(f"{outer}.") for outer, _ in found):
             continue
-        if family_of_block(module) is not None or looks_like_moe_block(module):
+        if isinstance(module, SwappedMoEBlock):
+            continue
+        if looks_like_moe_block(module):
             found.append((name, module))
     return found
 
 
-def _answer_like(
-    swapped: SwappedMoEBlock, block: nn.Module, returns_router_logits: bool, layout: str
-) -> None:
-    swapped.returns_router_logits = returns_router_logits
-    router = block.gate
+def _answer_like(swapped: SwappedMoEBlock, block: nn.Module, reading: BlockReading) -> None:
+    swapped.hf_answer = reading.answer
+    swapped.hf_flat_output = reading.flat_output
+    swapped.hf_router_logits_float32 = reading.router_logits_float32
+    router = getattr(block, reading.router_name)
     if _has_hooks(router, "_forward_pre_hooks"):
         raise UnsupportedBlockError(
             "the router has forward pre-hooks, which would see other inputs after the swap"
         )
-    if layout == "fused" and not isinstance(router, nn.Linear):
-        swapped.router_logits_probe = _router_logits_probe_class(type(router))()
+    if reading.router_logits_index is not None and not isinstance(router, nn.Linear):
+        probe_class = _router_logits_probe_class(
+            type(router), index=reading.router_logits_index, outputs=reading.router_outputs
+        )
+        swapped.router_logits_probe = probe_class()
         _move_hooks(router, swapped.router_logits_probe, pre=False)
     elif _has_hooks(router, "_forward_hooks"):
         raise UnsupportedBlockError(
@@ -193,25 +216,30 @@ def _answer_like(
     _move_hooks(block, swapped, pre=True)
 
 
-_PROBE_CLASSES: dict[type, type] = {}
+_PROBE_CLASSES: dict[tuple[type, int, int], type] = {}
 
 
-def _router_logits_probe_class(router_class: type) -> type:
+def _router_logits_probe_class(router_class: type, *, index: int, outputs: int) -> type:
     """A weightless module of the router's class whose forward hands the logits to hooks.
 
-    transformers records router logits with a hook on every instance of the router class; an
-    instance of a subclass is found by the same isinstance test.
+    transformers records router logits with a hook on every instance of the router class (an
+    instance of a subclass is found by the same isinstance test), reading them at the position
+    the router's own output holds them: `index` of `outputs` values (a bare tensor for 1).
     """
-    if router_class not in _PROBE_CLASSES:
+    key = (router_class, index, outputs)
+    if key not in _PROBE_CLASSES:
 
         def __init__(self) -> None:
             nn.Module.__init__(self)
 
         def forward(self, router_logits: torch.Tensor):
-            # the original router answers (logits, top-k weights, top-k ids); hooks read index 0
-            return router_logits, None, None
+            if outputs == 1:
+                return router_logits
+            answer: list = [None] * outputs
+            answer[index] = router_logits
+            return tuple(answer)
 
-        _PROBE_CLASSES[router_class] = type(
+        _PROBE_CLASSES[key] = type(
             f"{router_class.__name__}LogitsProbe",
             (router_class,),
             {
@@ -222,7 +250,7 @@ def _router_logits_probe_class(router_class: type) -> type:
                 "_is_hf_initialized": True,
             },
         )
-    return _PROBE_CLASSES[router_class]
+    return _PROBE_CLASSES[key]
 
 
 def _has_hooks(module: nn.Module, registry: str) -> bool:

@@ -1,0 +1,366 @@
+"""Which of megamoe's computations a probed block's parts match: its routing, its router's
+matmul dtype, its experts' layout and SwiGLU variant, its shared experts.
+
+Shape legend: T probe tokens, H hidden size, E experts, K experts per token, I intermediate size.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from typing import Any
+
+import torch
+from megamoe_kernels.reference import expert_mlp_reference
+from megamoe_runtime.routing import RouterConfig, route
+from torch import nn
+
+from megamoe_torch.hf.families import UnsupportedBlockError
+from megamoe_torch.hf.naming import (
+    BlockNaming,
+    megamoe_experts_from_hf,
+    megamoe_gate_up_bias_from_hf,
+)
+from megamoe_torch.hf.probes import (
+    MATCH_TOLERANCE,
+    BlockRun,
+    ProbeRandom,
+    Routed,
+    clear_forward_hooks,
+    random_copy,
+    relative_error,
+)
+from megamoe_torch.hf.structure import BlockParts
+
+# attribute names under which routers and blocks keep the grouped top-k sizes
+GROUP_COUNT_ATTRIBUTES = ("n_group", "num_group", "num_expert_group", "num_groups", "n_groups")
+KEPT_GROUP_ATTRIBUTES = ("topk_group", "num_topk_group", "top_groups", "topk_groups")
+# attribute names of the SwiGLU variants' constants
+LIMIT_ATTRIBUTES = ("limit", "swiglu_limit", "clamp_limit")
+ALPHA_ATTRIBUTES = ("alpha", "swiglu_alpha")
+
+
+def _routing_candidates(
+    parts: BlockParts, top_k: int, *, has_bias: bool
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """(the RouterConfig fields worth matching, why the block's own group sizes cannot be
+    expressed, if they cannot)."""
+    group_count = _int_attribute((parts.router, parts.block), GROUP_COUNT_ATTRIBUTES)
+    kept_groups = _int_attribute((parts.router, parts.block), KEPT_GROUP_ATTRIBUTES)
+    groupings: list[dict[str, Any]] = [dict(num_groups=1, top_groups=1)]
+    if group_count and kept_groups and group_count > 1 and parts.num_experts % group_count == 0:
+        for group_score, dropped in itertools.product(("top2_sum", "max"), (-math.inf, 0.0)):
+            groupings.append(
+                dict(
+                    num_groups=group_count,
+                    top_groups=kept_groups,
+                    group_score=group_score,
+                    dropped_group_score=dropped,
+                )
+            )
+    candidates, refusals = [], []
+    for use_bias, scoring, renormalize, grouping in itertools.product(
+        (True, False) if has_bias else (False,), ("softmax", "sigmoid"), (True, False), groupings
+    ):
+        fields = dict(
+            num_experts=parts.num_experts,
+            top_k=top_k,
+            scoring=scoring,
+            renormalize=renormalize,
+            use_correction_bias=use_bias,
+            **grouping,
+        )
+        try:
+            RouterConfig(**fields)
+        except ValueError as error:
+            if str(error) not in refusals:
+                refusals.append(str(error))
+            continue
+        candidates.append(fields)
+    return candidates, refusals
+
+
+def _int_attribute(holders: tuple, names: tuple[str, ...]) -> int | None:
+    for holder in holders:
+        for name in names:
+            value = getattr(holder, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return None
+
+
+def match_routing(
+    parts: BlockParts, runs: list[BlockRun], routed: list[Routed]
+) -> tuple[dict[str, Any], float]:
+    """The RouterConfig fields (and the weights' scale) that give the recorded routing."""
+    top_k = routed[0].ids_TK.shape[1]
+    has_bias = runs[0].correction_bias_E is not None
+    nearest = (-1, None)
+    candidates, refusals = _routing_candidates(parts, top_k, has_bias=has_bias)
+    for fields in candidates:
+        config = RouterConfig(**fields)
+        scales, matching_tokens = [], 0
+        for run, seen in zip(runs, routed, strict=True):
+            ids_TK, weights_TK = route(
+                run.logits_TE,
+                config,
+                correction_bias_E=run.correction_bias_E if config.use_correction_bias else None,
+            )
+            expected_ids, order = ids_TK.long().sort(dim=-1)
+            expected_weights = weights_TK.gather(1, order)
+            seen_ids, seen_order = seen.ids_TK.sort(dim=-1)
+            same_TK = (seen_ids == expected_ids).all(dim=-1)
+            matching_tokens += int(same_TK.sum())
+            if not bool(same_TK.all()):
+                scales = None
+                continue
+            if scales is not None:
+                ratio = seen.weights_TK.gather(1, seen_order) / expected_weights
+                scales.append(ratio)
+        if matching_tokens > nearest[0]:
+            nearest = (matching_tokens, fields)
+        if not scales:
+            continue
+        ratio = torch.cat([r.reshape(-1) for r in scales])
+        scale = float(ratio.mean())
+        if scale > 0 and float((ratio - scale).abs().max()) <= 1e-4 * scale:
+            return fields, scale
+    if refusals:
+        raise UnsupportedBlockError(
+            f"the block routes by grouped top-k with sizes megamoe cannot express: {refusals[0]}"
+        )
+    total = sum(r.ids_TK.shape[0] for r in routed)
+    count, fields = nearest
+    closest = (
+        ""
+        if fields is None
+        else (
+            f"; the nearest, {_describe_routing(fields)}, picks the same experts for {count} of "
+            f"{total} probe tokens"
+        )
+    )
+    raise UnsupportedBlockError(
+        "the router's choice or weights match none of megamoe's routings (softmax or sigmoid "
+        f"scores, renormalised or not, correction bias, grouped top-k, scaling){closest}"
+    )
+
+
+def _describe_routing(fields: dict[str, Any]) -> str:
+    words = [fields["scoring"], "renormalised" if fields["renormalize"] else "not renormalised"]
+    if fields["use_correction_bias"]:
+        words.append("with the correction bias")
+    if fields.get("num_groups", 1) > 1:
+        words.append(f"{fields['num_groups']} groups")
+    return " ".join(words)
+
+
+def read_router_dtype(parts: BlockParts, run: BlockRun, logits_index: int) -> tuple[str, bool]:
+    """("float32" or "input", whether the logits come out fp32) of the router on bf16 tokens."""
+    args, kwargs, _ = run.router_calls[0]
+    expert_dtype = parts.experts.gate_up_proj.dtype
+    originals = dict(parts.router.state_dict(keep_vars=True))
+    twin = copy.deepcopy(run.router_twin)
+    clear_forward_hooks(twin)
+    for name, tensor in list(twin.state_dict(keep_vars=True).items()):
+        keep_fp32 = originals[name].dtype == torch.float32 and expert_dtype != torch.float32
+        if tensor.is_floating_point() and not keep_fp32:
+            tensor.data = tensor.data.to(torch.bfloat16)
+    hidden = parts.hidden_size
+
+    def bf16(value):
+        if (
+            isinstance(value, torch.Tensor)
+            and value.is_floating_point()
+            and value.shape[-1] == hidden
+        ):
+            return value.to(torch.bfloat16)
+        return value
+
+    with torch.no_grad():
+        output = twin(*map(bf16, args), **{k: bf16(v) for k, v in kwargs.items()})
+    logits = output[logits_index] if isinstance(output, (tuple, list)) else output
+    x_TH = run.x_TH.to(torch.bfloat16).float()
+    weights = dict(twin.named_parameters())
+    weight_key = parts.naming.router_weight[len(parts.router_name) + 1 :]
+    exact_TE = x_TH @ weights[weight_key].float().t()
+    if parts.naming.router_bias is not None:
+        exact_TE = (
+            exact_TE + weights[parts.naming.router_bias[len(parts.router_name) + 1 :]].float()
+        )
+    error = relative_error(logits.float().reshape(exact_TE.shape), exact_TE)
+    return ("float32" if error < 1e-6 else "input"), logits.dtype == torch.float32
+
+
+def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_input: bool) -> dict:
+    """The expert layout and SwiGLU variant (as naming and config fields) the experts compute."""
+    experts = parts.experts
+    num_experts, hidden, intermediate = (
+        parts.num_experts,
+        parts.hidden_size,
+        parts.intermediate_size,
+    )
+    probe_experts = 2
+    stand_ins = {}
+    for tensor in experts.parameters(recurse=False):
+        if tensor.shape[0] == num_experts:
+            fan_in = tensor.shape[-1] if tensor.dim() == 3 else hidden
+            stand_ins[id(tensor)] = random.normal(
+                probe_experts, *tensor.shape[1:], std=1.0 / math.sqrt(fan_in)
+            )
+    if len(stand_ins) != len(list(experts.parameters())):
+        raise UnsupportedBlockError("the experts hold tensors that are not per-expert")
+    twin = random_copy(experts, random, replace=stand_ins)
+    for name, value in list(vars(twin).items()):
+        if isinstance(value, int) and not isinstance(value, bool) and value == num_experts:
+            setattr(twin, name, probe_experts)
+    tokens = 16
+    magnitudes = torch.tensor([0.25, 1.0, 4.0, 16.0]).repeat(tokens // 4).unsqueeze(-1)
+    x_TH = random.normal(tokens, hidden) * magnitudes
+    expert_of_token = torch.arange(tokens) % probe_experts
+    weights_T1 = random.uniform(tokens, 1, low=0.5, high=1.5)
+    try:
+        with torch.no_grad():
+            if weights_on_input:
+                rows = torch.zeros(probe_experts, tokens, hidden)
+                rows[expert_of_token, torch.arange(tokens)] = x_TH
+                out = twin(rows.reshape(-1, hidden)).view(probe_experts, tokens, hidden)
+                seen_TH = out[expert_of_token, torch.arange(tokens)]
+            else:
+                seen_TH = twin(x_TH, expert_of_token.unsqueeze(-1), weights_T1)
+    except Exception as error:
+        raise UnsupportedBlockError(
+            f"the experts' forward failed when probed ({type(error).__name__}: {error})"
+        ) from error
+    tensors = dict(twin.named_parameters())
+    limits = {None} | set(_float_attributes(experts, LIMIT_ATTRIBUTES))
+    alphas = {1.0} | set(_float_attributes(experts, ALPHA_ATTRIBUTES))
+    layouts = [
+        (transposed, interleaved)
+        for transposed in (False, True)
+        for interleaved in (False, True)
+        if (tuple(tensors["gate_up_proj"].shape[1:]), tuple(tensors["down_proj"].shape[1:]))
+        == (
+            ((hidden, 2 * intermediate), (intermediate, hidden))
+            if transposed
+            else ((2 * intermediate, hidden), (hidden, intermediate))
+        )
+    ]
+    for (transposed, interleaved), limit, alpha, up_offset in itertools.product(
+        layouts, sorted(limits, key=lambda v: -1 if v is None else v), sorted(alphas), (0.0, 1.0)
+    ):
+        naming = BlockNaming(
+            family="", experts_transposed=transposed, gate_up_interleaved=interleaved
+        )
+        w13, w2 = megamoe_experts_from_hf(naming, tensors["gate_up_proj"], tensors["down_proj"])
+        gate_up_bias = tensors.get("gate_up_proj_bias")
+        if gate_up_bias is not None:
+            gate_up_bias = megamoe_gate_up_bias_from_hf(naming, gate_up_bias)
+        expected_TH = _expert_math(
+            x_TH,
+            expert_of_token,
+            w13,
+            w2,
+            gate_up_bias,
+            tensors.get("down_proj_bias"),
+            limit=limit,
+            alpha=alpha,
+            up_offset=up_offset,
+        )
+        if not weights_on_input:
+            expected_TH = expected_TH * weights_T1
+        if relative_error(seen_TH.float(), expected_TH) < MATCH_TOLERANCE:
+            return dict(
+                experts_transposed=transposed,
+                gate_up_interleaved=interleaved,
+                swiglu_limit=limit,
+                swiglu_alpha=alpha,
+                swiglu_up_offset=up_offset,
+            )
+    activation = getattr(experts, "act_fn", None)
+    named = "" if activation is None else f" (act_fn {type(activation).__name__})"
+    raise UnsupportedBlockError(
+        f"the experts compute something other than a SiLU-gated MLP{named}: megamoe computes "
+        "silu(gate) * up (SwiGLU), optionally clamped with alpha and (up + 1), with or without "
+        "biases"
+    )
+
+
+def _expert_math(
+    x_TH, expert_of_token, w13, w2, gate_up_bias, down_bias, *, limit, alpha, up_offset
+) -> torch.Tensor:
+    """The reference expert MLP of each token's one expert, in the tokens' order."""
+    order = torch.argsort(expert_of_token, stable=True)
+    counts = torch.bincount(expert_of_token, minlength=w13.shape[0])
+    expert_offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+    out_TH = expert_mlp_reference(
+        x_TH[order],
+        expert_offsets,
+        w13,
+        w2,
+        w13_bias_E2I=gate_up_bias,
+        w2_bias_EH=down_bias,
+        limit=limit,
+        alpha=alpha,
+        up_offset=up_offset,
+    )
+    return out_TH[torch.argsort(order)]
+
+
+def _float_attributes(module: nn.Module, names: tuple[str, ...]) -> list[float]:
+    values = []
+    for name in names:
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            values.append(float(value))
+    return values
+
+
+def read_shared_experts(parts: BlockParts, random: ProbeRandom) -> dict[str, Any]:
+    shared = parts.shared
+    if shared is None:
+        return {}
+    projections = [getattr(shared, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    if not all(isinstance(p, nn.Linear) and p.bias is None for p in projections) or any(
+        True
+        for key in shared.state_dict()
+        if key.split(".")[0] not in ("gate_proj", "up_proj", "down_proj")
+    ):
+        raise UnsupportedBlockError(
+            f"the shared experts ({type(shared).__name__}) are not a bias-free "
+            "gate_proj/up_proj/down_proj MLP"
+        )
+    if projections[0].out_features == 0:  # DeepSeek-V3 with n_shared_experts=0
+        return {}
+    twin = random_copy(shared, random)
+    x_TH = random.normal(8, parts.hidden_size)
+    with torch.no_grad():
+        seen = twin(x_TH)
+        gate, up, down = twin.gate_proj, twin.up_proj, twin.down_proj
+        expected = down(nn.functional.silu(gate(x_TH)) * up(x_TH))
+    if relative_error(seen, expected) > MATCH_TOLERANCE:
+        activation = type(getattr(shared, "act_fn", None)).__name__
+        raise UnsupportedBlockError(
+            f"the shared experts compute something other than a SiLU-gated MLP (act_fn "
+            f"{activation})"
+        )
+    return dict(
+        num_shared_experts=1,
+        shared_intermediate_size=projections[0].out_features,
+        shared_expert_gate=parts.shared_gate is not None,
+    )
+
+
+def snapped_scale(scale: float, parts: BlockParts) -> float:
+    """A measured scale, snapped to 1 or to a scaling attribute of the router or the block when
+    it is one of them up to rounding."""
+    named = [
+        float(value)
+        for holder in (parts.router, parts.block)
+        for name, value in vars(holder).items()
+        if "scal" in name and isinstance(value, (int, float)) and not isinstance(value, bool)
+    ]
+    for candidate in (1.0, *named):
+        if candidate > 0 and abs(scale - candidate) <= 1e-4 * candidate:
+            return candidate
+    return scale

@@ -1,0 +1,96 @@
+"""How one Hugging Face MoE block names and lays out its tensors, and the maps to MegaMoE's.
+
+Shape legend: E experts, H hidden size, I intermediate size.
+
+A `BlockNaming` is read from a live block (reader.py) or given by a known family (families.py).
+Keys are block-relative. The routed experts come in two layouts:
+
+| layout     | where                                  | routed expert tensors                          |
+|------------|----------------------------------------|------------------------------------------------|
+| fused      | transformers >= 5 modules in memory    | `gate_up` [E, 2I, H] and `down` [E, H, I], or transposed [E, H, 2I] and [E, I, H] (`experts_transposed`); gate and up halves, or alternating columns (`gate_up_interleaved`); optional biases [E, 2I] and [E, H] |
+| per_expert | checkpoints on disk, transformers 4.x  | experts.{e}.{gate, up, down}.weight, names per family |
+
+MegaMoE: gate.weight [E, H] (gate.bias [E]); w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
+w13_bias [E, 2I]; w2_bias [E, H]; e_score_correction_bias [E] fp32;
+shared_experts.{gate_proj, up_proj, down_proj, gate}.weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PER_EXPERT_PROJECTION_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+SHARED_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class BlockNaming:
+    """The keys (block-relative) and layouts of one Hugging Face MoE block's tensors."""
+
+    # the transformers model family the block belongs to (e.g. "qwen3_moe"), for reports
+    family: str
+    router_weight: str = "gate.weight"
+    router_bias: str | None = None
+    # where the correction bias lives (on the router, the block, a statistics submodule), its
+    # shape there ([E] or [1, E]) and dtype (megamoe keeps an fp32 [E] buffer)
+    correction_bias: str | None = None
+    correction_bias_shape: tuple[int, ...] | None = None
+    correction_bias_dtype: torch.dtype | None = None
+    gate_up: str = "experts.gate_up_proj"
+    down: str = "experts.down_proj"
+    gate_up_bias: str | None = None
+    down_bias: str | None = None
+    experts_transposed: bool = False
+    gate_up_interleaved: bool = False
+    # per-expert checkpoint names of the (gate, up, down) projections
+    per_expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # block-relative prefix of the shared expert MLP, and its sigmoid gate's weight
+    shared_prefix: str | None = None
+    shared_gate: str | None = None
+    # keys of tensors the block holds but its forward does not use (a correction bias switched
+    # off): a swapped block keeps them as they are, for its checkpoint
+    ignored: tuple[str, ...] = ()
+
+
+def megamoe_experts_from_hf(
+    naming: BlockNaming, gate_up: torch.Tensor, down: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w13_E2IH, w2_EHI) from a fused block's expert tensors: views where the layouts agree,
+    contiguous copies where they do not (transposed or interleaved)."""
+    if naming.experts_transposed:
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    if naming.gate_up_interleaved:
+        gate_up = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)
+    if naming.experts_transposed:
+        gate_up, down = gate_up.contiguous(), down.contiguous()
+    return gate_up, down
+
+
+def hf_experts_from_megamoe(
+    naming: BlockNaming, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `megamoe_experts_from_hf`: the block's (gate_up, down) layout."""
+    gate_up, down = w13_E2IH, w2_EHI
+    if naming.gate_up_interleaved:
+        gate_up = _interleaved(gate_up, dim=1)
+    if naming.experts_transposed:
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    return gate_up, down
+
+
+def megamoe_gate_up_bias_from_hf(naming: BlockNaming, bias_E2I: torch.Tensor) -> torch.Tensor:
+    if naming.gate_up_interleaved:
+        return torch.cat([bias_E2I[:, 0::2], bias_E2I[:, 1::2]], dim=1)
+    return bias_E2I
+
+
+def hf_gate_up_bias_from_megamoe(naming: BlockNaming, bias_E2I: torch.Tensor) -> torch.Tensor:
+    return _interleaved(bias_E2I, dim=1) if naming.gate_up_interleaved else bias_E2I
+
+
+def _interleaved(gate_then_up: torch.Tensor, *, dim: int) -> torch.Tensor:
+    """[.., 2I, ..] of gate rows then up rows -> gate and up alternating (g0, u0, g1, u1, ...)."""
+    gate, up = gate_then_up.chunk(2, dim=dim)
+    return torch.stack([gate, up], dim=dim + 1).flatten(dim, dim + 1)

@@ -1,0 +1,152 @@
+"""What a transformers MoE block computes, read from its structure and confirmed by probes.
+
+Shape legend: T probe tokens, H hidden size, E experts, K experts per token, I intermediate size.
+
+A transformers >= 5 MoE block is a router child (`gate` or `router`) holding one [E, H] weight
+(and maybe a bias), stacked expert weights in an `experts` child, maybe a shared expert MLP and its
+sigmoid gate, and maybe a correction bias on the router, the block or a statistics submodule. The
+structure says where every tensor lives; what the code does with them (which scores, which
+renormalisation, which groups, which SwiGLU, how the parts are summed) is observed by running
+copies of the block's own modules on random probe inputs:
+
+- routing: a copy of the block whose router, correction bias and shared expert gate hold random
+  fp32 weights, whose experts module records what it is called with, and whose shared experts
+  answer a fixed random tensor. The recorded (ids, weights) are matched against megamoe's routings
+  (softmax or sigmoid scores, renormalised or not, with or without the correction bias, grouped
+  top-k); the ratio of the weights gives the routed scaling. The block's output, fitted against
+  the recorded parts, shows how they combine (scaled routed sum, shared experts, their gate).
+  Experts called on the weighted token copies of every expert (Llama 4) show routing weights
+  applied to the input.
+- experts: a copy holding two random experts, on tokens of several magnitudes, matched against
+  the SwiGLU variants (plain, clamped with alpha and (up + 1)) in each layout (gate/up halves or
+  interleaved, [E, 2I, H] or transposed [E, H, 2I]), with the biases it holds.
+- router dtype: the router's copy on bf16 inputs shows whether its logits are an fp32 product.
+
+No probe touches the block or its weights, and none depends on the weights' values (random
+values show what zeros or equal values would hide). A reading is cached per block structure (its
+classes, tensor shapes and scalar attributes), so a model's blocks are probed once. A block that
+none of megamoe's computations reproduces raises UnsupportedBlockError saying what differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from torch import nn
+
+from megamoe_torch.config import MegaMoEConfig
+from megamoe_torch.hf.families import BlockReading, UnsupportedBlockError, read_legacy_block
+from megamoe_torch.hf.matching import (
+    match_routing,
+    read_experts_math,
+    read_router_dtype,
+    read_shared_experts,
+    snapped_scale,
+)
+from megamoe_torch.hf.naming import BlockNaming
+from megamoe_torch.hf.probes import (
+    ProbeRandom,
+    answer_of,
+    combination,
+    routed_of,
+    router_logits_position,
+    run_block,
+)
+from megamoe_torch.hf.structure import BlockParts, block_parts, structure_key
+
+
+def read_block(block: nn.Module) -> BlockReading:
+    """What a transformers MoE block computes (MegaMoEConfig fields), how it names its tensors
+    and how it answers. Raises UnsupportedBlockError saying why a block cannot be reproduced."""
+    if getattr(block, "_hf_hook", None) is not None:
+        raise UnsupportedBlockError(
+            "the block is managed by accelerate (device map / offload hooks): convert it "
+            "before dispatching the model"
+        )
+    if isinstance(getattr(block, "experts", None), nn.ModuleList):
+        return read_legacy_block(block)
+    parts = block_parts(block)
+    key = structure_key(block)
+    recipe = _RECIPES.get(key)
+    if recipe is None:
+        try:
+            recipe = _Recipe(reading=_read_by_probes(block, parts), error=None)
+        except UnsupportedBlockError as error:
+            recipe = _Recipe(reading=None, error=str(error))
+        _RECIPES[key] = recipe
+    if recipe.error is not None:
+        raise UnsupportedBlockError(recipe.error)
+    expert_weight = parts.experts.gate_up_proj
+    return replace(recipe.reading, expert_dtype=expert_weight.dtype, device=expert_weight.device)
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    reading: BlockReading | None
+    error: str | None
+
+
+_RECIPES: dict[tuple, _Recipe] = {}
+
+
+def _read_by_probes(block: nn.Module, parts: BlockParts) -> BlockReading:
+    random = ProbeRandom()
+    has_bias = parts.naming.correction_bias is not None
+    # a second probe with biased scores all negative tells how dropped groups are masked
+    runs = [
+        run_block(block, parts, random, bias_mean=mean)
+        for mean in ((0.0, -2.0) if has_bias else (0.0,))
+    ]
+    routed = [routed_of(run, parts) for run in runs]
+    weights_on_input = routed[0].weights_on_input
+    routing_fields, weight_scale = match_routing(parts, runs, routed)
+    logits_index, router_outputs = router_logits_position(runs[0])
+    answer, y_TH, flat = answer_of(runs[0], routed[0])
+    output_scale = combination(runs[0], routed[0], y_TH)
+    if weights_on_input and abs(output_scale - 1.0) > 1e-4:
+        raise UnsupportedBlockError(
+            f"the block scales its experts' output by {output_scale:.4g} after weighting their "
+            "input"
+        )
+    router_dtype, logits_float32 = read_router_dtype(parts, runs[0], logits_index)
+    expert_math = read_experts_math(parts, random, weights_on_input=weights_on_input)
+    naming_fields = dict(vars(parts.naming))
+    naming_fields.update(
+        experts_transposed=expert_math.pop("experts_transposed"),
+        gate_up_interleaved=expert_math.pop("gate_up_interleaved"),
+    )
+    if has_bias and not routing_fields["use_correction_bias"]:  # held, unused by the routing
+        naming_fields.update(correction_bias=None, ignored=(parts.naming.correction_bias,))
+    naming = BlockNaming(**naming_fields)
+    routing_fields = {k: v for k, v in routing_fields.items() if k != "num_experts"}
+    fields = dict(
+        hidden_size=parts.hidden_size,
+        intermediate_size=parts.intermediate_size,
+        num_experts=parts.num_experts,
+        router_dtype=router_dtype,
+        router_bias=parts.naming.router_bias is not None,
+        expert_bias=parts.naming.gate_up_bias is not None,
+        routing_weights_on_input=weights_on_input,
+        routed_scaling_factor=snapped_scale(weight_scale * output_scale, parts),
+        **routing_fields,
+        **expert_math,
+    )
+    fields.update(read_shared_experts(parts, random))
+    try:
+        MegaMoEConfig(**fields)
+    except ValueError as error:
+        raise UnsupportedBlockError(f"megamoe cannot express this block: {error}") from error
+    gate_up = parts.experts.state_dict()["gate_up_proj"]
+    return BlockReading(
+        naming=naming,
+        config_fields=fields,
+        layout="fused",
+        answer=answer,
+        expert_dtype=gate_up.dtype,
+        device=gate_up.device,
+        router_name=parts.router_name,
+        flat_output=flat,
+        router_logits_index=logits_index,
+        router_outputs=router_outputs,
+        router_logits_float32=logits_float32,
+    )

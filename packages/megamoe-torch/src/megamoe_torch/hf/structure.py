@@ -1,0 +1,251 @@
+"""Where a transformers MoE block keeps its parts and tensors: its router, experts, shared
+experts and biases, read from the module tree alone (no forward is run).
+
+Shape legend: E experts, H hidden size, I intermediate size.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megamoe_torch.hf.families import UnsupportedBlockError, check_tensor
+from megamoe_torch.hf.naming import BlockNaming
+
+ROUTER_NAMES = ("gate", "router")
+SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")
+SHARED_GATE_NAME = "shared_expert_gate"
+EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+
+
+@dataclass(frozen=True)
+class BlockParts:
+    block: nn.Module
+    router_name: str
+    router: nn.Module
+    experts: nn.Module
+    shared_name: str | None
+    shared: nn.Module | None
+    shared_gate: nn.Linear | None
+    naming: BlockNaming
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+
+
+def block_parts(block: nn.Module) -> BlockParts:
+    children = dict(block.named_children())
+    router_name = next((name for name in ROUTER_NAMES if name in children), None)
+    if router_name is None:
+        raise UnsupportedBlockError(f"{type(block).__name__} has no `gate` or `router` child")
+    experts = children.get("experts")
+    if experts is None:
+        others = {name: type(child).__name__ for name, child in children.items()}
+        raise UnsupportedBlockError(
+            f"the routed experts are not one `experts` module of stacked expert weights "
+            f"(children: {others})"
+        )
+    shared_name = next((name for name in SHARED_NAMES if name in children), None)
+    shared_gate = children.get(SHARED_GATE_NAME)
+    known = {router_name, "experts", shared_name, SHARED_GATE_NAME}
+    for name, child in children.items():
+        if name not in known and any(True for _ in child.state_dict()):
+            raise UnsupportedBlockError(
+                f"the block holds {name} ({type(child).__name__}), which megamoe does not reproduce"
+            )
+    _check_forward_signature(block)
+    for holder in (block, children[router_name]):
+        for name, value in vars(holder).items():
+            if "jitter" in name and isinstance(value, (int, float)) and value > 0:
+                raise UnsupportedBlockError(
+                    f"{name}={value} multiplies training inputs by random noise, which MegaMoE "
+                    "does not reproduce; set it to 0.0 to convert"
+                )
+    return _named_tensors(
+        block,
+        router_name=router_name,
+        experts=experts,
+        shared_name=shared_name,
+        shared_gate=shared_gate,
+    )
+
+
+def _check_forward_signature(block: nn.Module) -> None:
+    parameters = list(inspect.signature(type(block).forward).parameters.values())[1:]
+    extra = [
+        p.name
+        for p in parameters[1:]
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    if not parameters or extra:
+        raise UnsupportedBlockError(
+            f"the block's forward takes {extra or 'no input'} besides the hidden states (the "
+            "layer computes from the hidden states alone)"
+        )
+
+
+def _named_tensors(
+    block: nn.Module,
+    *,
+    router_name: str,
+    experts: nn.Module,
+    shared_name: str | None,
+    shared_gate: nn.Module | None,
+) -> BlockParts:
+    """Where each of the block's tensors lives, as a BlockNaming, and the block's sizes."""
+    tensors = block.state_dict(keep_vars=True)
+    router_prefix = f"{router_name}."
+    # the [E, H] weight; a [1, E] correction bias (ERNIE 4.5's moe_statics) is not a matrix
+    router_2d = [
+        k
+        for k, t in tensors.items()
+        if k.startswith(router_prefix) and t.dim() == 2 and t.shape[0] > 1
+    ]
+    if len(router_2d) != 1:
+        raise UnsupportedBlockError(
+            f"the router {router_name} holds {len(router_2d)} matrices {router_2d}, not one "
+            "[experts, hidden] weight"
+        )
+    router_weight = router_2d[0]
+    num_experts, hidden_size = tensors[router_weight].shape
+    router_bias = router_weight[: -len("weight")] + "bias"
+    router_bias = (
+        router_bias if router_weight.endswith(".weight") and router_bias in tensors else None
+    )
+    correction_bias: list[str] = []
+    experts_found: dict[str, str] = {}
+    for key, tensor in tensors.items():
+        check_tensor(tensor, what=key)
+        if key in (router_weight, router_bias):
+            continue
+        if key.startswith(router_prefix) or "." not in key:
+            if tuple(tensor.shape) in ((num_experts,), (1, num_experts)):
+                correction_bias.append(key)
+                continue
+            raise UnsupportedBlockError(
+                f"{key} {tuple(tensor.shape)} is neither the router's weight and bias nor a "
+                "per-expert correction bias"
+            )
+        if key.startswith("experts."):
+            name = key[len("experts.") :]
+            if name not in EXPERT_TENSORS:
+                what = "quantized " if "scale" in name else ""
+                raise UnsupportedBlockError(
+                    f"the experts hold {what}tensor {key}: megamoe takes gated experts with "
+                    f"{'/'.join(EXPERT_TENSORS)}" + (", dequantize first" if what else "")
+                )
+            experts_found[name] = key
+            continue
+        if shared_name is not None and key.startswith(f"{shared_name}."):
+            continue
+        if key == f"{SHARED_GATE_NAME}.weight" and tensor.shape == (1, hidden_size):
+            continue
+        raise UnsupportedBlockError(f"the block's tensor {key} is not one megamoe reproduces")
+    if len(correction_bias) > 1:
+        raise UnsupportedBlockError(f"more than one per-expert bias: {correction_bias}")
+    if not {"gate_up_proj", "down_proj"} <= set(experts_found):
+        raise UnsupportedBlockError(
+            f"the experts hold {sorted(experts_found)}, not gate_up_proj and down_proj"
+        )
+    if ("gate_up_proj_bias" in experts_found) != ("down_proj_bias" in experts_found):
+        raise UnsupportedBlockError("the experts hold a bias on one projection only")
+    gate_up, down = tensors["experts.gate_up_proj"], tensors["experts.down_proj"]
+    intermediate_size = _intermediate_size(gate_up, down, num_experts, hidden_size)
+    bias_key = correction_bias[0] if correction_bias else None
+    if shared_gate is not None and (shared_name is None or not isinstance(shared_gate, nn.Linear)):
+        raise UnsupportedBlockError("the shared expert gate is not a Linear next to shared experts")
+    naming = BlockNaming(
+        family=family_of(block),
+        router_weight=router_weight,
+        router_bias=router_bias,
+        correction_bias=bias_key,
+        correction_bias_shape=None if bias_key is None else tuple(tensors[bias_key].shape),
+        correction_bias_dtype=None if bias_key is None else tensors[bias_key].dtype,
+        gate_up_bias=experts_found.get("gate_up_proj_bias"),
+        down_bias=experts_found.get("down_proj_bias"),
+        per_expert_projections=_per_expert_projections(family_of(block)),
+        shared_prefix=shared_name,
+        shared_gate=None if shared_gate is None else f"{SHARED_GATE_NAME}.weight",
+    )
+    return BlockParts(
+        block=block,
+        router_name=router_name,
+        router=getattr(block, router_name),
+        experts=experts,
+        shared_name=shared_name,
+        shared=None if shared_name is None else getattr(block, shared_name),
+        shared_gate=shared_gate,
+        naming=naming,
+        num_experts=num_experts,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+    )
+
+
+def _intermediate_size(
+    gate_up: torch.Tensor, down: torch.Tensor, num_experts: int, hidden_size: int
+) -> int:
+    if gate_up.dim() == 3 and down.dim() == 3 and gate_up.shape[0] == down.shape[0] == num_experts:
+        for two_i, h in (gate_up.shape[1:], gate_up.shape[1:][::-1]):
+            if (
+                h == hidden_size
+                and two_i % 2 == 0
+                and {tuple(down.shape[1:])}
+                & {
+                    (hidden_size, two_i // 2),
+                    (two_i // 2, hidden_size),
+                }
+            ):
+                return two_i // 2
+    raise UnsupportedBlockError(
+        f"experts.gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not "
+        f"[{num_experts}, 2I, {hidden_size}] and [{num_experts}, {hidden_size}, I] (or transposed)"
+    )
+
+
+def family_of(block: nn.Module) -> str:
+    """The transformers model family of a block's class (its models/<family>/ package)."""
+    module = type(block).__module__.split(".")
+    if len(module) >= 3 and module[0] == "transformers" and module[1] == "models":
+        return module[2]
+    return type(block).__name__
+
+
+def _per_expert_projections(family: str) -> tuple[str, str, str]:
+    """The per-expert names the family's checkpoints use on disk, from transformers' own
+    loading conversions; gate_proj/up_proj/down_proj where it has none."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return ("gate_proj", "up_proj", "down_proj")
+    for transform in get_checkpoint_conversion_mapping(family) or ():
+        sources = list(getattr(transform, "source_patterns", ()))
+        targets = "".join(getattr(transform, "target_patterns", ()))
+        if targets.endswith("experts.gate_up_proj") and len(sources) == 2:
+            gate, up = (source.rsplit(".", 2)[-2] for source in sources)
+            down = "w2" if gate == "w1" else "down_proj"
+            return (gate, up, down)
+    return ("gate_proj", "up_proj", "down_proj")
+
+
+def structure_key(block: nn.Module) -> tuple:
+    """What a reading depends on: the classes and scalar attributes of the block and all its
+    submodules, and its tensors' names, shapes and dtypes (not their values)."""
+    shapes = tuple(
+        (key, tuple(t.shape), t.dtype) for key, t in block.state_dict(keep_vars=True).items()
+    )
+    modules = tuple((name, type(m), _scalar_attributes(m)) for name, m in block.named_modules())
+    return modules, shapes
+
+
+def _scalar_attributes(module: nn.Module) -> tuple:
+    return tuple(
+        (name, value)
+        for name, value in sorted(vars(module).items())
+        if name != "training"
+        and not name.startswith("_")
+        and isinstance(value, (bool, int, float, str, type(None)))
+    )
