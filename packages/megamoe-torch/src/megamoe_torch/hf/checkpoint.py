@@ -62,6 +62,11 @@ def keep_hf_checkpoint_format(
             getattr(module, registry).clear()
     # kept out of _modules: not a submodule the model would walk, move or save
     layer.__dict__["_weightless_hf_block"] = weightless_block
+    # the block's other children, as plain attributes: transformers' save-time conversions look
+    # up the in-memory parameters by their module path (model.get_parameter) for their shapes
+    for name, child in weightless_block.named_children():
+        if not hasattr(layer, name):
+            layer.__dict__[name] = child
     layer.register_state_dict_post_hook(_hf_state_dict_hook)
     layer.register_load_state_dict_pre_hook(_hf_load_state_dict_pre_hook)
 

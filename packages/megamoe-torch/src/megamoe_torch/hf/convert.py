@@ -15,6 +15,7 @@ from torch import nn
 from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.hf.families import (
     DEEPSEEK_V3,
+    FAMILY_OF_MODEL_TYPE,
     BlockReading,
     Family,
     Layout,
@@ -24,6 +25,7 @@ from megamoe_torch.hf.families import (
 )
 from megamoe_torch.hf.naming import BlockNaming
 from megamoe_torch.hf.reader import read_block
+from megamoe_torch.hf.skeleton import block_prefix_in, checkpoint_block
 from megamoe_torch.hf.state_dict import (
     block_state_dict,
     check_shapes,
@@ -62,34 +64,50 @@ def from_hf_state_dict(
     device: torch.device | str | None = None,
     **options: Any,
 ) -> MegaMoE:
-    """A MegaMoE from a checkpoint's tensors (Hugging Face key names), without building the model.
+    """A MegaMoE from a checkpoint's tensors (Hugging Face key names), without the model's weights.
 
     `hf_config`: the model's transformers config or its config.json as a dict. The block's tensors
-    are those under `prefix`, or, given `layer`, under 'model.layers.{layer}.mlp.' (or Mixtral's
-    '.block_sparse_moe.'). `state_dict` may also hold just the block's tensors (no prefix).
-    DeepSeek-V3 groups not kept are masked with -inf, as DeepSeek's reference does. A tensor of
-    another shape than the config implies raises ValueError naming its key and both shapes.
+    are those under `prefix`, or, given `layer`, those of that layer's MoE block; `state_dict` may
+    also hold just the block's tensors (no prefix, no layer). The tensors may have the per-expert
+    names checkpoints use on disk or the fused layout transformers >= 5 holds in memory.
+
+    Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 are read from the config's fields (no
+    transformers needed; DeepSeek-V3 groups not kept are masked with -inf, as DeepSeek's
+    reference does). Any other family is read from its block, which transformers builds from the
+    config on the meta device (no memory) and reader.py reads by structure; the block's module
+    path gives the prefix. A tensor of another shape than the config implies raises ValueError
+    naming its key and both shapes.
     """
-    family, fields = read_hf_config(hf_config)
-    if prefix is None and layer is not None:
-        candidates = [
-            f"model.layers.{layer}.{name}." for name in (family.checkpoint_block_name, "mlp")
-        ]
-        prefix = next((p for p in candidates if f"{p}gate.weight" in state_dict), candidates[0])
+    if _model_type(hf_config) in FAMILY_OF_MODEL_TYPE:
+        family, fields = read_hf_config(hf_config)
+        naming = family.naming
+        if prefix is None and layer is not None:
+            candidates = [
+                f"model.layers.{layer}.{name}." for name in (family.checkpoint_block_name, "mlp")
+            ]
+            prefix = next((p for p in candidates if f"{p}gate.weight" in state_dict), candidates[0])
+    else:
+        reading, model_path, rename = checkpoint_block(hf_config, layer=layer, prefix=prefix)
+        fields, naming = dict(reading.config_fields), reading.naming
+        state_dict = {rename(key): tensor for key, tensor in state_dict.items()}
+        if prefix is None and layer is not None:
+            prefix = block_prefix_in(
+                state_dict, model_path=model_path, router_weight=naming.router_weight, layer=layer
+            )
     block_tensors = block_state_dict(state_dict, prefix=prefix) if prefix else dict(state_dict)
     if not block_tensors:
         raise ValueError(f"state_dict holds no tensors under prefix {prefix!r}")
     config = semantic_config(fields)
     check_shapes(
         block_tensors,
-        expected_hf_shapes(config, family=family, layout=layout_of(block_tensors)),
+        expected_hf_shapes(config, family=naming, layout=layout_of(block_tensors, naming)),
         reference=(
             f"the config: hidden_size={config.hidden_size}, intermediate_size="
             f"{config.intermediate_size}, num_experts={config.num_experts}"
         ),
         prefix=prefix or "",
     )
-    megamoe_state = megamoe_state_dict_from_hf(block_tensors, family=family)
+    megamoe_state = megamoe_state_dict_from_hf(block_tensors, family=naming)
     return build_layer(
         fields,
         megamoe_state,
@@ -98,6 +116,12 @@ def from_hf_state_dict(
         device=device if device is not None else megamoe_state["w13"].device,
         dtype=megamoe_state["w13"].dtype,
     )
+
+
+def _model_type(hf_config: Any) -> str | None:
+    if isinstance(hf_config, dict):
+        return hf_config.get("model_type")
+    return getattr(hf_config, "model_type", None)
 
 
 def convert_block(

@@ -23,6 +23,7 @@ Layout = Literal["fused", "per_expert"]
 # how a block's forward answers: the hidden states, or a pair of them and the router logits or
 # the top-k routing weights
 Answer = Literal["hidden", "hidden_and_router_logits", "hidden_and_topk_weights"]
+OutputShape = Literal["input", "tokens", "flat"]
 
 
 class UnsupportedBlockError(ValueError):
@@ -101,7 +102,7 @@ _FAMILY_OF_CLASS = {
     name: family for family in FAMILIES.values() for name in family.block_class_names
 }
 # transformers model_type of each family's config
-_FAMILY_OF_MODEL_TYPE = {
+FAMILY_OF_MODEL_TYPE = {
     "mixtral": MIXTRAL,
     "qwen2_moe": QWEN2_MOE,
     "qwen3_moe": QWEN3_MOE,
@@ -135,6 +136,20 @@ def looks_like_moe_block(module: nn.Module) -> bool:
     )
 
 
+def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost modules of `model` shaped like MoE blocks (`looks_like_moe_block`), by
+    name; MegaMoE layers (blocks swapped already) are not among them."""
+    from megamoe_torch.layer import MegaMoE
+
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if not name or any(name.startswith(f"{outer}.") for outer, _ in found):
+            continue
+        if not isinstance(module, MegaMoE) and looks_like_moe_block(module):
+            found.append((name, module))
+    return found
+
+
 @dataclass(frozen=True)
 class BlockReading:
     """What a live block computes, as MegaMoEConfig fields, plus how it names and lays out its
@@ -149,8 +164,9 @@ class BlockReading:
     device: torch.device
     # the router child ("gate" or "router")
     router_name: str = "gate"
-    # the block answers [tokens, hidden] whatever the input's leading shape
-    flat_output: bool = False
+    # the shape the block answers in: the input's, [tokens, hidden] whatever the input's leading
+    # shape, or flattened to one dimension (with the router logits, ERNIE 4.5 VL)
+    output_shape: OutputShape = "input"
     # where the router's forward puts the logits among its outputs, and how many it has (for
     # a stand-in of its class that hands the logits to transformers' hooks); None: no stand-in
     router_logits_index: int | None = None
@@ -182,6 +198,8 @@ class BlockReading:
         if fields.get("router_dtype") == "float32":
             routing.append("fp32 router")
         experts = ["[E, H, 2I] experts" if naming.experts_transposed else "[E, 2I, H] experts"]
+        if naming.flattened_gate_and_up is not None:
+            experts = ["flattened [E * I, H] gate, up and down"]
         if self.layout == "per_expert":
             experts = ["per-expert modules"]
         if naming.gate_up_interleaved:
@@ -254,11 +272,11 @@ def read_hf_config(hf_config: Any) -> tuple[Family, dict[str, Any]]:
     """(family, MegaMoEConfig fields) from a transformers config object or a config.json dict."""
     get = _config_getter(hf_config)
     model_type = get("model_type")
-    if model_type not in _FAMILY_OF_MODEL_TYPE:
+    if model_type not in FAMILY_OF_MODEL_TYPE:
         raise UnsupportedBlockError(
-            f"model_type {model_type!r} is not supported (supported: {tuple(_FAMILY_OF_MODEL_TYPE)})"
+            f"model_type {model_type!r} is not supported (supported: {tuple(FAMILY_OF_MODEL_TYPE)})"
         )
-    family = _FAMILY_OF_MODEL_TYPE[model_type]
+    family = FAMILY_OF_MODEL_TYPE[model_type]
     hidden_act = get("hidden_act", "silu")
     if hidden_act not in ("silu", "swish"):
         raise UnsupportedBlockError(
@@ -439,13 +457,14 @@ def _tensor(module: nn.Module, name: str, *, what: str) -> torch.Tensor:
     return check_tensor(tensor, what=what)
 
 
-def check_tensor(tensor: torch.Tensor, *, what: str) -> torch.Tensor:
-    """`tensor` if megamoe can take it: floating point, not quantized, not on the meta device."""
+def check_tensor(tensor: torch.Tensor, *, what: str, allow_meta: bool = False) -> torch.Tensor:
+    """`tensor` if megamoe can take it: floating point, not quantized, not on the meta device
+    (unless `allow_meta`: a block read for its structure alone)."""
     if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise UnsupportedBlockError(
             f"{what} is {tensor.dtype}: quantized weights are not supported, dequantize first"
         )
-    if tensor.device.type == "meta":
+    if tensor.device.type == "meta" and not allow_meta:
         raise UnsupportedBlockError(f"{what} is on the meta device: load the weights first")
     return tensor
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -18,7 +19,6 @@ from torch import nn
 
 from megamoe_torch.hf.families import UnsupportedBlockError
 from megamoe_torch.hf.naming import (
-    BlockNaming,
     megamoe_experts_from_hf,
     megamoe_gate_up_bias_from_hf,
 )
@@ -156,16 +156,15 @@ def _describe_routing(fields: dict[str, Any]) -> str:
 
 
 def read_router_dtype(parts: BlockParts, run: BlockRun, logits_index: int) -> tuple[str, bool]:
-    """("float32" or "input", whether the logits come out fp32) of the router on bf16 tokens."""
+    """("float32" or "input", whether the logits come out fp32) of the router on bf16 tokens.
+
+    The router's tensors are bf16 where a bf16 model holds them so (fp32 tensors next to bf16
+    experts stay fp32); a router whose forward then fails (it casts the tokens, not its weight,
+    to fp32) is run again with its tensors as they are.
+    """
     args, kwargs, _ = run.router_calls[0]
-    expert_dtype = parts.experts.gate_up_proj.dtype
+    expert_dtype = parts.expert_weight.dtype
     originals = dict(parts.router.state_dict(keep_vars=True))
-    twin = copy.deepcopy(run.router_twin)
-    clear_forward_hooks(twin)
-    for name, tensor in list(twin.state_dict(keep_vars=True).items()):
-        keep_fp32 = originals[name].dtype == torch.float32 and expert_dtype != torch.float32
-        if tensor.is_floating_point() and not keep_fp32:
-            tensor.data = tensor.data.to(torch.bfloat16)
     hidden = parts.hidden_size
 
     def bf16(value):
@@ -177,8 +176,24 @@ def read_router_dtype(parts: BlockParts, run: BlockRun, logits_index: int) -> tu
             return value.to(torch.bfloat16)
         return value
 
-    with torch.no_grad():
-        output = twin(*map(bf16, args), **{k: bf16(v) for k, v in kwargs.items()})
+    failure = None
+    for cast_tensors in (True, False):
+        twin = copy.deepcopy(run.router_twin)
+        clear_forward_hooks(twin)
+        for name, tensor in list(twin.state_dict(keep_vars=True).items()):
+            keep_fp32 = originals[name].dtype == torch.float32 and expert_dtype != torch.float32
+            if cast_tensors and tensor.is_floating_point() and not keep_fp32:
+                tensor.data = tensor.data.to(torch.bfloat16)
+        try:
+            with torch.no_grad():
+                output = twin(*map(bf16, args), **{k: bf16(v) for k, v in kwargs.items()})
+            break
+        except Exception as error:  # the router's own code on tensors it did not expect
+            failure = error
+    else:
+        raise UnsupportedBlockError(
+            f"the router's forward failed on bf16 tokens ({type(failure).__name__}: {failure})"
+        )
     logits = output[logits_index] if isinstance(output, (tuple, list)) else output
     x_TH = run.x_TH.to(torch.bfloat16).float()
     weights = dict(twin.named_parameters())
@@ -193,27 +208,26 @@ def read_router_dtype(parts: BlockParts, run: BlockRun, logits_index: int) -> tu
 
 
 def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_input: bool) -> dict:
-    """The expert layout and SwiGLU variant (as naming and config fields) the experts compute."""
-    experts = parts.experts
-    num_experts, hidden, intermediate = (
-        parts.num_experts,
-        parts.hidden_size,
-        parts.intermediate_size,
-    )
+    """The expert layout and SwiGLU variant (as naming and config fields) the experts compute,
+    from a copy of the experts module holding two random experts."""
+    experts, naming = parts.experts, parts.naming
+    num_experts, hidden = parts.num_experts, parts.hidden_size
     probe_experts = 2
+    tensors = experts.state_dict(keep_vars=True)
     stand_ins = {}
-    for tensor in experts.parameters(recurse=False):
-        if tensor.shape[0] == num_experts:
-            fan_in = tensor.shape[-1] if tensor.dim() == 3 else hidden
-            stand_ins[id(tensor)] = random.normal(
-                probe_experts, *tensor.shape[1:], std=1.0 / math.sqrt(fan_in)
-            )
-    if len(stand_ins) != len(list(experts.parameters())):
-        raise UnsupportedBlockError("the experts hold tensors that are not per-expert")
+    for name, tensor in tensors.items():
+        # stacked [E, ...] or flattened [E * I, H]: the first rows of two experts
+        rows = tensor.shape[0] // num_experts if tensor.shape[0] % num_experts == 0 else 0
+        if rows == 0:
+            raise UnsupportedBlockError(f"the experts hold experts.{name}, which is not per-expert")
+        shape = (probe_experts, *tensor.shape[1:]) if rows == 1 else (probe_experts * rows, hidden)
+        fan_in = tensor.shape[-1] if tensor.dim() >= 2 else hidden
+        stand_ins[id(tensor)] = random.normal(*shape, std=1.0 / math.sqrt(fan_in))
     twin = random_copy(experts, random, replace=stand_ins)
-    for name, value in list(vars(twin).items()):
-        if isinstance(value, int) and not isinstance(value, bool) and value == num_experts:
-            setattr(twin, name, probe_experts)
+    for module in twin.modules():  # the experts' own count, where they keep it
+        for name, value in list(vars(module).items()):
+            if isinstance(value, int) and not isinstance(value, bool) and value == num_experts:
+                setattr(module, name, probe_experts)
     tokens = 16
     magnitudes = torch.tensor([0.25, 1.0, 4.0, 16.0]).repeat(tokens // 4).unsqueeze(-1)
     x_TH = random.normal(tokens, hidden) * magnitudes
@@ -232,47 +246,43 @@ def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_inpu
         raise UnsupportedBlockError(
             f"the experts' forward failed when probed ({type(error).__name__}: {error})"
         ) from error
-    tensors = dict(twin.named_parameters())
+    twin_tensors = {
+        f"experts.{name}": tensor for name, tensor in twin.state_dict(keep_vars=True).items()
+    }
     limits = {None} | set(_float_attributes(experts, LIMIT_ATTRIBUTES))
     alphas = {1.0} | set(_float_attributes(experts, ALPHA_ATTRIBUTES))
-    layouts = [
-        (transposed, interleaved)
-        for transposed in (False, True)
-        for interleaved in (False, True)
-        if (tuple(tensors["gate_up_proj"].shape[1:]), tuple(tensors["down_proj"].shape[1:]))
-        == (
-            ((hidden, 2 * intermediate), (intermediate, hidden))
-            if transposed
-            else ((2 * intermediate, hidden), (hidden, intermediate))
-        )
-    ]
-    for (transposed, interleaved), limit, alpha, up_offset in itertools.product(
-        layouts, sorted(limits, key=lambda v: -1 if v is None else v), sorted(alphas), (0.0, 1.0)
+    for layout, limit, alpha, up_offset in itertools.product(
+        _expert_layouts(parts, twin_tensors),
+        sorted(limits, key=lambda v: -1 if v is None else v),
+        sorted(alphas),
+        (0.0, 1.0),
     ):
-        naming = BlockNaming(
-            family="", experts_transposed=transposed, gate_up_interleaved=interleaved
-        )
-        w13, w2 = megamoe_experts_from_hf(naming, tensors["gate_up_proj"], tensors["down_proj"])
-        gate_up_bias = tensors.get("gate_up_proj_bias")
-        if gate_up_bias is not None:
-            gate_up_bias = megamoe_gate_up_bias_from_hf(naming, gate_up_bias)
+        candidate = replace(naming, **layout)
+        w13, w2 = megamoe_experts_from_hf(candidate, twin_tensors, num_experts=probe_experts)
+        gate_up_bias = down_bias = None
+        if naming.gate_up_bias is not None:
+            gate_up_bias = megamoe_gate_up_bias_from_hf(
+                candidate, twin_tensors[naming.gate_up_bias]
+            )
+            down_bias = twin_tensors[naming.down_bias]
         expected_TH = _expert_math(
             x_TH,
             expert_of_token,
             w13,
             w2,
             gate_up_bias,
-            tensors.get("down_proj_bias"),
+            down_bias,
             limit=limit,
             alpha=alpha,
             up_offset=up_offset,
         )
         if not weights_on_input:
             expected_TH = expected_TH * weights_T1
-        if relative_error(seen_TH.float(), expected_TH) < MATCH_TOLERANCE:
+        if relative_error(seen_TH.float().reshape(expected_TH.shape), expected_TH) < (
+            MATCH_TOLERANCE
+        ):
             return dict(
-                experts_transposed=transposed,
-                gate_up_interleaved=interleaved,
+                **layout,
                 swiglu_limit=limit,
                 swiglu_alpha=alpha,
                 swiglu_up_offset=up_offset,
@@ -284,6 +294,28 @@ def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_inpu
         "silu(gate) * up (SwiGLU), optionally clamped with alpha and (up + 1), with or without "
         "biases"
     )
+
+
+def _expert_layouts(parts: BlockParts, tensors: dict[str, torch.Tensor]) -> list[dict]:
+    """The BlockNaming layout fields the experts' tensor shapes allow (both, where 2I = H)."""
+    if parts.naming.flattened_gate_and_up is not None:
+        return [{}]
+    hidden, intermediate = parts.hidden_size, parts.intermediate_size
+    shapes = (
+        tuple(tensors[parts.naming.gate_up].shape[1:]),
+        tuple(tensors[parts.naming.down].shape[1:]),
+    )
+    return [
+        dict(experts_transposed=transposed, gate_up_interleaved=interleaved)
+        for transposed in (False, True)
+        for interleaved in (False, True)
+        if shapes
+        == (
+            ((hidden, 2 * intermediate), (intermediate, hidden))
+            if transposed
+            else ((2 * intermediate, hidden), (hidden, intermediate))
+        )
+    ]
 
 
 def _expert_math(

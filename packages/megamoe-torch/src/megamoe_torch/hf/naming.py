@@ -7,7 +7,7 @@ Keys are block-relative. The routed experts come in two layouts:
 
 | layout     | where                                  | routed expert tensors                          |
 |------------|----------------------------------------|------------------------------------------------|
-| fused      | transformers >= 5 modules in memory    | `gate_up` [E, 2I, H] and `down` [E, H, I], or transposed [E, H, 2I] and [E, I, H] (`experts_transposed`); gate and up halves, or alternating columns (`gate_up_interleaved`); optional biases [E, 2I] and [E, H] |
+| fused      | transformers >= 5 modules in memory    | `gate_up` [E, 2I, H] and `down` [E, H, I], or transposed [E, H, 2I] and [E, I, H] (`experts_transposed`); gate and up halves, or alternating columns (`gate_up_interleaved`); optional biases [E, 2I] and [E, H]; or (`flattened_gate_and_up`, DBRX) gate and up apart, each [E * I, H], and `down` [E * I, H] (each expert's [I, H] rows, transposed) |
 | per_expert | checkpoints on disk, transformers 4.x  | experts.{e}.{gate, up, down}.weight, names per family |
 
 MegaMoE: gate.weight [E, H] (gate.bias [E]); w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
@@ -44,6 +44,9 @@ class BlockNaming:
     down_bias: str | None = None
     experts_transposed: bool = False
     gate_up_interleaved: bool = False
+    # DBRX: the keys of the gate and up tensors, each [E * I, H]; `down` then holds [E * I, H]
+    # too, and `gate_up` is unused
+    flattened_gate_and_up: tuple[str, str] | None = None
     # per-expert checkpoint names of the (gate, up, down) projections
     per_expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     # block-relative prefix of the shared expert MLP, and its sigmoid gate's weight
@@ -53,12 +56,26 @@ class BlockNaming:
     # off): a swapped block keeps them as they are, for its checkpoint
     ignored: tuple[str, ...] = ()
 
+    @property
+    def expert_keys(self) -> tuple[str, ...]:
+        """The keys of the routed experts' weights: the gate/up tensor(s), then down."""
+        gate_up = self.flattened_gate_and_up or (self.gate_up,)
+        return (*gate_up, self.down)
+
 
 def megamoe_experts_from_hf(
-    naming: BlockNaming, gate_up: torch.Tensor, down: torch.Tensor
+    naming: BlockNaming, hf_tensors: dict[str, torch.Tensor], *, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w13_E2IH, w2_EHI) from a fused block's expert tensors: views where the layouts agree,
-    contiguous copies where they do not (transposed or interleaved)."""
+    """(w13_E2IH, w2_EHI) from a fused block's expert tensors (`naming.expert_keys` of
+    `hf_tensors`): views where the layouts agree, contiguous copies where they do not."""
+    if naming.flattened_gate_and_up is not None:
+        gate_key, up_key = naming.flattened_gate_and_up
+        gate_EIH, up_EIH, down_EIH = (
+            hf_tensors[key].reshape(num_experts, -1, hf_tensors[key].shape[-1])
+            for key in (gate_key, up_key, naming.down)
+        )
+        return torch.cat([gate_EIH, up_EIH], dim=1), down_EIH.transpose(1, 2).contiguous()
+    gate_up, down = hf_tensors[naming.gate_up], hf_tensors[naming.down]
     if naming.experts_transposed:
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     if naming.gate_up_interleaved:
@@ -70,14 +87,22 @@ def megamoe_experts_from_hf(
 
 def hf_experts_from_megamoe(
     naming: BlockNaming, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of `megamoe_experts_from_hf`: the block's (gate_up, down) layout."""
+) -> dict[str, torch.Tensor]:
+    """The inverse of `megamoe_experts_from_hf`: the block's expert tensors by key."""
+    if naming.flattened_gate_and_up is not None:
+        gate_EIH, up_EIH = w13_E2IH.chunk(2, dim=1)
+        gate_key, up_key = naming.flattened_gate_and_up
+        return {
+            gate_key: gate_EIH.flatten(0, 1),
+            up_key: up_EIH.flatten(0, 1),
+            naming.down: w2_EHI.transpose(1, 2).flatten(0, 1),
+        }
     gate_up, down = w13_E2IH, w2_EHI
     if naming.gate_up_interleaved:
         gate_up = _interleaved(gate_up, dim=1)
     if naming.experts_transposed:
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    return gate_up, down
+    return {naming.gate_up: gate_up, naming.down: down}
 
 
 def megamoe_gate_up_bias_from_hf(naming: BlockNaming, bias_E2I: torch.Tensor) -> torch.Tensor:

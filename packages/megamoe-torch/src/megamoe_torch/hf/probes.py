@@ -62,13 +62,22 @@ def random_copy(
             fan_in = tensor.shape[-1] if tensor.dim() >= 2 else 1
             value = random.normal(*tensor.shape, std=1.0 / math.sqrt(fan_in))
         else:
-            value = tensor.detach().to("cpu", copy=True)
+            value = cpu_copy(tensor)
         memo[id(tensor)] = (
             nn.Parameter(value, requires_grad=False) if isinstance(tensor, nn.Parameter) else value
         )
     twin = copy.deepcopy(module, memo)
     clear_forward_hooks(twin)
     return twin.eval()
+
+
+def cpu_copy(tensor: torch.Tensor, *, float32: bool = False) -> torch.Tensor:
+    """A CPU copy of `tensor` (floating point ones in fp32 if `float32`); zeros for a tensor on
+    the meta device, whose values are unknown (a block read from a config alone)."""
+    dtype = torch.float32 if float32 and tensor.is_floating_point() else tensor.dtype
+    if tensor.device.type == "meta":
+        return torch.zeros(tensor.shape, dtype=dtype)
+    return tensor.detach().to("cpu", dtype, copy=True)
 
 
 def clear_forward_hooks(module: nn.Module) -> None:
@@ -173,7 +182,7 @@ def run_block(
         for name, p in block._parameters.items()
     }
     twin._buffers = {
-        name: None if b is None else stand_ins.get(id(b), b.detach().to("cpu", torch.float32))
+        name: None if b is None else stand_ins.get(id(b), cpu_copy(b, float32=True))
         for name, b in block._buffers.items()
     }
     for registry in FORWARD_HOOKS:
@@ -237,10 +246,11 @@ def routed_of(run: BlockRun, parts: BlockParts) -> Routed:
     if len(tensors) == 3:
         ids = [t for t in tensors if not t.is_floating_point()]
         floats = [t for t in tensors if t.is_floating_point()]
-        rows = [t for t in floats if t.shape[-1] == hidden and t.shape[0] == tokens]
+        # the tokens, flat [T, H] or in the block's input shape (DBRX)
+        rows = [t for t in floats if t.shape[-1] == hidden and t.numel() == tokens * hidden]
         if len(ids) == 1 and len(rows) >= 1:
-            rows_TH = rows[0]
-            weights = [t for t in floats if t is not rows_TH and t.shape == ids[0].shape]
+            rows_TH = rows[0].reshape(tokens, hidden)
+            weights = [t for t in floats if t is not rows[0] and t.shape == ids[0].shape]
             if len(weights) == 1 and ids[0].shape[0] == tokens:
                 if not torch.allclose(rows_TH.float(), run.x_TH, rtol=1e-6, atol=0.0):
                     raise UnsupportedBlockError(
@@ -249,7 +259,7 @@ def routed_of(run: BlockRun, parts: BlockParts) -> Routed:
                 return Routed(
                     ids_TK=ids[0].long(),
                     weights_TK=weights[0].float(),
-                    routed_TH=run.expert_outputs[0],
+                    routed_TH=run.expert_outputs[0].reshape(tokens, hidden),
                     weights_on_input=False,
                 )
     if len(tensors) == 1 and tuple(tensors[0].shape) == (parts.num_experts * tokens, hidden):
@@ -299,7 +309,8 @@ def router_logits_position(run: BlockRun) -> tuple[int | None, int]:
 
 
 def answer_of(run: BlockRun, seen: Routed) -> tuple[str, torch.Tensor, bool]:
-    """(how the block answers, its hidden-states output [T, H], whether it answers flat)."""
+    """(how the block answers, its hidden-states output [T, H], the shape it answers them in:
+    the input's, [T, H] ("tokens") or [T * H] ("flat", with the router logits [T * E]))."""
     output = run.output
     answer = "hidden"
     if isinstance(output, (tuple, list)):
@@ -323,10 +334,16 @@ def answer_of(run: BlockRun, seen: Routed) -> tuple[str, torch.Tensor, bool]:
                 "the block answers the hidden states and something other than the router logits "
                 "or the top-k weights"
             )
-    if not isinstance(output, torch.Tensor) or output.shape[-1] != run.x_TH.shape[1]:
+    tokens, hidden = run.x_TH.shape
+    if not isinstance(output, torch.Tensor) or output.numel() != tokens * hidden:
         raise UnsupportedBlockError("the block does not answer hidden states")
-    flat = output.dim() == 2
-    return answer, output.reshape(run.x_TH.shape).float(), flat
+    shapes = {3: "input", 2: "tokens", 1: "flat"}  # the probe's input is [batch, sequence, H]
+    if output.dim() not in shapes or (output.dim() > 1 and output.shape[-1] != hidden):
+        raise UnsupportedBlockError(
+            f"the block answers hidden states of shape {tuple(output.shape)} for an input of "
+            f"[2, {tokens // 2}, {hidden}]"
+        )
+    return answer, output.reshape(tokens, hidden).float(), shapes[output.dim()]
 
 
 def combination(run: BlockRun, seen: Routed, y_TH: torch.Tensor) -> float:

@@ -55,9 +55,12 @@ from megamoe_torch.hf.probes import (
 from megamoe_torch.hf.structure import BlockParts, block_parts, structure_key
 
 
-def read_block(block: nn.Module) -> BlockReading:
+def read_block(block: nn.Module, *, structure_only: bool = False) -> BlockReading:
     """What a transformers MoE block computes (MegaMoEConfig fields), how it names its tensors
-    and how it answers. Raises UnsupportedBlockError saying why a block cannot be reproduced."""
+    and how it answers. Raises UnsupportedBlockError saying why a block cannot be reproduced.
+
+    `structure_only`: the block may hold meta tensors (a model built from its config alone, to
+    read a checkpoint's tensors by): the probes never need the weights' values."""
     if getattr(block, "_hf_hook", None) is not None:
         raise UnsupportedBlockError(
             "the block is managed by accelerate (device map / offload hooks): convert it "
@@ -65,7 +68,7 @@ def read_block(block: nn.Module) -> BlockReading:
         )
     if isinstance(getattr(block, "experts", None), nn.ModuleList):
         return read_legacy_block(block)
-    parts = block_parts(block)
+    parts = block_parts(block, allow_meta=structure_only)
     key = structure_key(block)
     recipe = _RECIPES.get(key)
     if recipe is None:
@@ -76,7 +79,7 @@ def read_block(block: nn.Module) -> BlockReading:
         _RECIPES[key] = recipe
     if recipe.error is not None:
         raise UnsupportedBlockError(recipe.error)
-    expert_weight = parts.experts.gate_up_proj
+    expert_weight = parts.expert_weight
     return replace(recipe.reading, expert_dtype=expert_weight.dtype, device=expert_weight.device)
 
 
@@ -101,7 +104,7 @@ def _read_by_probes(block: nn.Module, parts: BlockParts) -> BlockReading:
     weights_on_input = routed[0].weights_on_input
     routing_fields, weight_scale = match_routing(parts, runs, routed)
     logits_index, router_outputs = router_logits_position(runs[0])
-    answer, y_TH, flat = answer_of(runs[0], routed[0])
+    answer, y_TH, output_shape = answer_of(runs[0], routed[0])
     output_scale = combination(runs[0], routed[0], y_TH)
     if weights_on_input and abs(output_scale - 1.0) > 1e-4:
         raise UnsupportedBlockError(
@@ -111,10 +114,9 @@ def _read_by_probes(block: nn.Module, parts: BlockParts) -> BlockReading:
     router_dtype, logits_float32 = read_router_dtype(parts, runs[0], logits_index)
     expert_math = read_experts_math(parts, random, weights_on_input=weights_on_input)
     naming_fields = dict(vars(parts.naming))
-    naming_fields.update(
-        experts_transposed=expert_math.pop("experts_transposed"),
-        gate_up_interleaved=expert_math.pop("gate_up_interleaved"),
-    )
+    for name in ("experts_transposed", "gate_up_interleaved"):
+        if name in expert_math:
+            naming_fields[name] = expert_math.pop(name)
     if has_bias and not routing_fields["use_correction_bias"]:  # held, unused by the routing
         naming_fields.update(correction_bias=None, ignored=(parts.naming.correction_bias,))
     naming = BlockNaming(**naming_fields)
@@ -136,7 +138,7 @@ def _read_by_probes(block: nn.Module, parts: BlockParts) -> BlockReading:
         MegaMoEConfig(**fields)
     except ValueError as error:
         raise UnsupportedBlockError(f"megamoe cannot express this block: {error}") from error
-    gate_up = parts.experts.state_dict()["gate_up_proj"]
+    gate_up = parts.expert_weight
     return BlockReading(
         naming=naming,
         config_fields=fields,
@@ -145,7 +147,7 @@ def _read_by_probes(block: nn.Module, parts: BlockParts) -> BlockReading:
         expert_dtype=gate_up.dtype,
         device=gate_up.device,
         router_name=parts.router_name,
-        flat_output=flat,
+        output_shape=output_shape,
         router_logits_index=logits_index,
         router_outputs=router_outputs,
         router_logits_float32=logits_float32,

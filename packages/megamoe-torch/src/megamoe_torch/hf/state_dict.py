@@ -44,9 +44,10 @@ def megamoe_state_dict_from_hf(
         out["e_score_correction_bias"] = remaining.pop(naming.correction_bias).float().reshape(-1)
     for key in naming.ignored:  # held by the block, unused by its computation
         remaining.pop(key, None)
-    if naming.gate_up in remaining:
+    if naming.expert_keys[0] in remaining:
+        expert_tensors = {key: _take(remaining, key) for key in naming.expert_keys}
         out["w13"], out["w2"] = megamoe_experts_from_hf(
-            naming, remaining.pop(naming.gate_up), _take(remaining, naming.down)
+            naming, expert_tensors, num_experts=out["gate.weight"].shape[0]
         )
         if naming.gate_up_bias is not None:
             bias = _take(remaining, naming.gate_up_bias)
@@ -104,7 +105,7 @@ def hf_state_dict_from_megamoe(
     w13_E2IH, w2_EHI = state_dict["w13"], state_dict["w2"]
     has_biases = "w13_bias" in state_dict
     if layout == "fused":
-        out[naming.gate_up], out[naming.down] = hf_experts_from_megamoe(naming, w13_E2IH, w2_EHI)
+        out.update(hf_experts_from_megamoe(naming, w13_E2IH, w2_EHI))
         if has_biases:
             if naming.gate_up_bias is None:
                 raise ValueError(f"family {naming.family!r} has no expert biases")
@@ -156,10 +157,10 @@ def _stack_per_expert(
     for key in [key for key in remaining if expert_key.fullmatch(key)]:
         match = expert_key.fullmatch(key)
         found.setdefault(int(match.group(1)), {})[match.group(2)] = remaining.pop(key)
-    expected = (naming.gate_up, naming.down, *naming.per_expert_projections)
+    expected = (*naming.expert_keys, *naming.per_expert_projections)
     if not found:
         raise UnsupportedBlockError(
-            f"no routed expert tensors: expected {naming.gate_up}/{naming.down} or "
+            f"no routed expert tensors: expected {'/'.join(naming.expert_keys)} or "
             f"experts.{{e}}.{{{', '.join(naming.per_expert_projections)}}}.weight"
         )
     if sorted(found) != list(range(len(found))):
@@ -231,7 +232,7 @@ def layout_of(
     hf_block_state_dict: dict[str, torch.Tensor], naming: BlockNaming | None = None
 ) -> Layout:
     """'fused' (transformers >= 5 in memory) or 'per_expert' (checkpoints on disk, 4.x)."""
-    gate_up = "experts.gate_up_proj" if naming is None else naming.gate_up
+    gate_up = "experts.gate_up_proj" if naming is None else naming.expert_keys[0]
     return "fused" if gate_up in hf_block_state_dict else "per_expert"
 
 

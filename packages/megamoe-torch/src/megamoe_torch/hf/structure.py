@@ -18,6 +18,10 @@ from megamoe_torch.hf.naming import BlockNaming
 ROUTER_NAMES = ("gate", "router")
 SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")
 SHARED_GATE_NAME = "shared_expert_gate"
+# attributes of blocks that multiply their training inputs by random noise (Mixtral, PhiMoE)
+INPUT_JITTER_ATTRIBUTES = ("jitter_noise", "input_jitter_noise", "moe_jitter_eps")
+# DBRX: each expert's gate, up and (transposed) down rows stacked, [E * I, H] each
+FLATTENED_EXPERT_TENSORS = ("mlp.w1", "mlp.v1", "mlp.w2")
 EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
 
@@ -35,8 +39,13 @@ class BlockParts:
     hidden_size: int
     intermediate_size: int
 
+    @property
+    def expert_weight(self) -> torch.Tensor:
+        """One routed expert weight tensor: its dtype and device are the experts'."""
+        return self.block.state_dict(keep_vars=True)[self.naming.expert_keys[0]]
 
-def block_parts(block: nn.Module) -> BlockParts:
+
+def block_parts(block: nn.Module, *, allow_meta: bool = False) -> BlockParts:
     children = dict(block.named_children())
     router_name = next((name for name in ROUTER_NAMES if name in children), None)
     if router_name is None:
@@ -59,13 +68,14 @@ def block_parts(block: nn.Module) -> BlockParts:
     _check_forward_signature(block)
     for holder in (block, children[router_name]):
         for name, value in vars(holder).items():
-            if "jitter" in name and isinstance(value, (int, float)) and value > 0:
+            if name in INPUT_JITTER_ATTRIBUTES and isinstance(value, (int, float)) and value > 0:
                 raise UnsupportedBlockError(
                     f"{name}={value} multiplies training inputs by random noise, which MegaMoE "
                     "does not reproduce; set it to 0.0 to convert"
                 )
     return _named_tensors(
         block,
+        allow_meta=allow_meta,
         router_name=router_name,
         experts=experts,
         shared_name=shared_name,
@@ -90,6 +100,7 @@ def _check_forward_signature(block: nn.Module) -> None:
 def _named_tensors(
     block: nn.Module,
     *,
+    allow_meta: bool,
     router_name: str,
     experts: nn.Module,
     shared_name: str | None,
@@ -118,7 +129,7 @@ def _named_tensors(
     correction_bias: list[str] = []
     experts_found: dict[str, str] = {}
     for key, tensor in tensors.items():
-        check_tensor(tensor, what=key)
+        check_tensor(tensor, what=key, allow_meta=allow_meta)
         if key in (router_weight, router_bias):
             continue
         if key.startswith(router_prefix) or "." not in key:
@@ -130,14 +141,7 @@ def _named_tensors(
                 "per-expert correction bias"
             )
         if key.startswith("experts."):
-            name = key[len("experts.") :]
-            if name not in EXPERT_TENSORS:
-                what = "quantized " if "scale" in name else ""
-                raise UnsupportedBlockError(
-                    f"the experts hold {what}tensor {key}: megamoe takes gated experts with "
-                    f"{'/'.join(EXPERT_TENSORS)}" + (", dequantize first" if what else "")
-                )
-            experts_found[name] = key
+            experts_found[key[len("experts.") :]] = key
             continue
         if shared_name is not None and key.startswith(f"{shared_name}."):
             continue
@@ -146,14 +150,19 @@ def _named_tensors(
         raise UnsupportedBlockError(f"the block's tensor {key} is not one megamoe reproduces")
     if len(correction_bias) > 1:
         raise UnsupportedBlockError(f"more than one per-expert bias: {correction_bias}")
-    if not {"gate_up_proj", "down_proj"} <= set(experts_found):
-        raise UnsupportedBlockError(
-            f"the experts hold {sorted(experts_found)}, not gate_up_proj and down_proj"
+    _check_expert_tensors(experts_found)
+    if set(experts_found) == set(FLATTENED_EXPERT_TENSORS):
+        flattened = tuple(f"experts.{name}" for name in FLATTENED_EXPERT_TENSORS[:2])
+        intermediate_size = _flattened_intermediate_size(
+            [tensors[f"experts.{name}"] for name in FLATTENED_EXPERT_TENSORS],
+            num_experts,
+            hidden_size,
         )
-    if ("gate_up_proj_bias" in experts_found) != ("down_proj_bias" in experts_found):
-        raise UnsupportedBlockError("the experts hold a bias on one projection only")
-    gate_up, down = tensors["experts.gate_up_proj"], tensors["experts.down_proj"]
-    intermediate_size = _intermediate_size(gate_up, down, num_experts, hidden_size)
+        down_key = f"experts.{FLATTENED_EXPERT_TENSORS[2]}"
+    else:
+        flattened, down_key = None, "experts.down_proj"
+        gate_up, down = tensors["experts.gate_up_proj"], tensors["experts.down_proj"]
+        intermediate_size = _intermediate_size(gate_up, down, num_experts, hidden_size)
     bias_key = correction_bias[0] if correction_bias else None
     if shared_gate is not None and (shared_name is None or not isinstance(shared_gate, nn.Linear)):
         raise UnsupportedBlockError("the shared expert gate is not a Linear next to shared experts")
@@ -166,6 +175,8 @@ def _named_tensors(
         correction_bias_dtype=None if bias_key is None else tensors[bias_key].dtype,
         gate_up_bias=experts_found.get("gate_up_proj_bias"),
         down_bias=experts_found.get("down_proj_bias"),
+        down=down_key,
+        flattened_gate_and_up=flattened,
         per_expert_projections=_per_expert_projections(family_of(block)),
         shared_prefix=shared_name,
         shared_gate=None if shared_gate is None else f"{SHARED_GATE_NAME}.weight",
@@ -183,6 +194,45 @@ def _named_tensors(
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
     )
+
+
+def _check_expert_tensors(found: dict[str, str]) -> None:
+    """Raises saying why the experts' tensors (names under `experts.`) are not ones megamoe takes."""
+    names = set(found)
+    if names == set(FLATTENED_EXPERT_TENSORS):
+        return
+    quantized = sorted(name for name in names if "scale" in name)
+    if quantized:
+        raise UnsupportedBlockError(
+            f"the experts hold quantized tensors {[found[n] for n in quantized]}: dequantize first"
+        )
+    if {"up_proj", "down_proj"} <= names and not names & {"gate_proj", "gate_up_proj"}:
+        raise UnsupportedBlockError(
+            "the experts are ungated (experts.up_proj and experts.down_proj, no gate "
+            "projection): megamoe computes gated (SwiGLU) experts"
+        )
+    unknown = sorted(names - set(EXPERT_TENSORS))
+    if unknown or not {"gate_up_proj", "down_proj"} <= names:
+        raise UnsupportedBlockError(
+            f"the experts hold {sorted(found.values())}: megamoe takes experts.gate_up_proj and "
+            "experts.down_proj (with their biases, optionally), or DBRX's flattened "
+            f"experts.{{{', '.join(FLATTENED_EXPERT_TENSORS)}}}"
+        )
+    if ("gate_up_proj_bias" in names) != ("down_proj_bias" in names):
+        raise UnsupportedBlockError("the experts hold a bias on one projection only")
+
+
+def _flattened_intermediate_size(
+    tensors: list[torch.Tensor], num_experts: int, hidden_size: int
+) -> int:
+    shapes = {tuple(tensor.shape) for tensor in tensors}
+    rows = next(iter(shapes))[0] if len(shapes) == 1 and len(next(iter(shapes))) == 2 else 0
+    if rows == 0 or rows % num_experts or next(iter(shapes))[1] != hidden_size:
+        raise UnsupportedBlockError(
+            f"the flattened experts {sorted(shapes)} are not three [{num_experts} * I, "
+            f"{hidden_size}] tensors"
+        )
+    return rows // num_experts
 
 
 def _intermediate_size(

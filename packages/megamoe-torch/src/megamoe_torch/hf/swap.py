@@ -27,8 +27,9 @@ from megamoe_torch.hf.families import (
     Answer,
     BlockReading,
     Layout,
+    OutputShape,
     UnsupportedBlockError,
-    looks_like_moe_block,
+    moe_blocks,
 )
 from megamoe_torch.hf.naming import BlockNaming
 from megamoe_torch.layer import MegaMoE
@@ -42,7 +43,7 @@ class SwappedMoEBlock(MegaMoE):
     """
 
     hf_answer: Answer = "hidden"
-    hf_flat_output: bool = False
+    hf_output_shape: OutputShape = "input"
     hf_router_logits_float32: bool = False
     hf_naming: BlockNaming
     hf_layout: Layout
@@ -55,17 +56,20 @@ class SwappedMoEBlock(MegaMoE):
         probe = self._modules.get("router_logits_probe")
         if probe is not None:
             probe(router_logits)
-        if self.hf_flat_output:
-            y = y.reshape(-1, y.shape[-1])
-        if self.hf_answer == "hidden_and_router_logits":
-            return y, router_logits
+        second = router_logits
         if self.hf_answer == "hidden_and_topk_weights":
             # gpt-oss answers its top-k routing weights too (its decoder layer drops them): the
             # routing again, on the same logits, rather than a second output of every forward
             _, topk_weights_TK = route(
                 router_logits, self.config.router, correction_bias_E=self.e_score_correction_bias
             )
-            return y, topk_weights_TK.to(router_logits.dtype)
+            second = topk_weights_TK.to(router_logits.dtype)
+        if self.hf_output_shape == "tokens":
+            y = y.reshape(-1, y.shape[-1])
+        elif self.hf_output_shape == "flat":
+            y, second = y.reshape(-1), second.reshape(-1)
+        if self.hf_answer != "hidden":
+            return y, second
         return y
 
 
@@ -119,7 +123,7 @@ def swap_moe_blocks(model: nn.Module, *, backend: str = "auto", **options: Any) 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     report = SwapReport()
-    blocks = _moe_blocks(model)
+    blocks = moe_blocks(model)
     if not blocks and not any(isinstance(m, SwappedMoEBlock) for m in model.modules()):
         warnings.warn(
             f"swap_moe_blocks found no MoE block in {type(model).__name__}, so nothing was "
@@ -181,22 +185,9 @@ def unswap_moe_blocks(model: nn.Module) -> list[str]:
     return [name for name, _ in swapped]
 
 
-def _moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Outermost modules shaped like MoE blocks (a router next to routed experts)."""
-    found: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        if not name or any(name.startswith(f"{outer}.") for outer, _ in found):
-            continue
-        if isinstance(module, SwappedMoEBlock):
-            continue
-        if looks_like_moe_block(module):
-            found.append((name, module))
-    return found
-
-
 def _answer_like(swapped: SwappedMoEBlock, block: nn.Module, reading: BlockReading) -> None:
     swapped.hf_answer = reading.answer
-    swapped.hf_flat_output = reading.flat_output
+    swapped.hf_output_shape = reading.output_shape
     swapped.hf_router_logits_float32 = reading.router_logits_float32
     router = getattr(block, reading.router_name)
     if _has_hooks(router, "_forward_pre_hooks"):
