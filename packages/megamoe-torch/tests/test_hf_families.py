@@ -1,0 +1,55 @@
+"""Every MoE family of the installed transformers, swapped on a tiny random model (hf_family_walk.py).
+
+A family either swaps exactly (fp32 logits within 1e-5 rel-L2, greedy generate() equal, the
+checkpoint saved and read back as the original's) or every MoE block it has is left in place and
+reported with the reason. The families that swap exactly with transformers 5.24 must keep doing
+so: a transformers release that changes one of them fails here, and one that adds a family shows
+up as a new test.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from hf_family_walk import NOT_WALKED, check_family, moe_families  # noqa: E402
+
+# the families that swap exactly with transformers 5.24 (the floor this test holds)
+SWAP_EXACTLY = {
+    "afmoe", "aria", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "dbrx", "deepseek_ocr2",
+    "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1", "dots3_note", "ernie4_5_moe",
+    "ernie4_5_vl_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite",
+    "glm4v_moe", "glm5_next", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa",
+    "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "hy_v4_vl",
+    "jamba", "kimi_linear", "laguna", "lara_mini", "lfm2_moe", "llama4", "mellum",
+    "mimo_v2_flash", "minimax", "minimax_m2", "mistral4", "mistral_large4", "mixtral", "olmoe",
+    "openai_privacy_filter", "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_next",
+    "qwen3_omni_moe", "qwen3_vl_moe", "qwen4_exp", "solar_open", "step3p7", "unlimited_ocr",
+}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    yield
+    transformers.logging.set_verbosity(verbosity)
+    transformers.utils.logging.enable_progress_bar()
+
+
+@pytest.mark.parametrize("family", moe_families())
+def test_family_swaps_exactly_or_is_reported_with_the_reason(family):
+    if family in NOT_WALKED:
+        pytest.skip(f"{family} is {NOT_WALKED[family]}")
+    result = check_family(family)  # a family the walk cannot build raises here, with the error
+    if family in SWAP_EXACTLY:
+        assert result.status == "swaps exactly", result.detail
+    assert result.status in ("swaps exactly", "skipped"), result.detail
+    if result.status == "swaps exactly":
+        assert result.logits_error < 1e-5 and result.same_tokens is not False
+        assert result.skipped == 0
+    else:
+        assert result.swapped == 0 and result.skipped > 0 and result.detail
