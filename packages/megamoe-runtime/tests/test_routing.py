@@ -1,4 +1,5 @@
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -84,6 +85,26 @@ def test_group_score_max_keeps_the_groups_of_the_best_experts():
     top2_sum = RouterConfig(num_experts=8, top_k=2, num_groups=4, top_groups=2, renormalize=False)
     ids, _ = route(logits, top2_sum)
     assert sorted(ids[0].tolist()) == [0, 2]  # group 1 (3.5, 3.4) outranks group 3 (4, -9)
+
+
+def test_choice_on_logits_adds_the_bias_to_the_logits_and_weights_with_the_scores():
+    # Kolibri: the choice is logits + bias, the weights sigmoid(logits) of the chosen experts
+    logits = torch.randn(16, 8) * 3
+    bias = torch.randn(8)
+    config = RouterConfig(
+        num_experts=8,
+        top_k=3,
+        scoring="sigmoid",
+        renormalize=False,
+        use_correction_bias=True,
+        choice_on_logits=True,
+    )
+    ids, weights = route(logits, config, correction_bias_E=bias)
+    expected_ids = (logits + bias).topk(3, dim=-1).indices
+    assert torch.equal(ids.long(), expected_ids)
+    torch.testing.assert_close(weights, torch.sigmoid(logits).gather(1, expected_ids))
+    on_scores = route(logits, replace(config, choice_on_logits=False), correction_bias_E=bias)[0]
+    assert not torch.equal(on_scores, ids)  # the bias moves other experts in on the scores
 
 
 def test_top_k_equal_to_num_experts_takes_every_expert():

@@ -17,6 +17,9 @@ Semantics follow the model families megamoe serves:
   which picks them over kept experts whose biased scores are negative).
 - grouped top-k with `group_score="max"` (DeepSeek-V2's group-limited greedy): a group is scored by
   its best expert instead of its two best; any scoring.
+- `choice_on_logits` (Kolibri): the experts are chosen on the logits plus the correction bias
+  rather than on the scores plus it; the weights are the scores, as above. Without a bias the
+  two choices are the same (both scorings keep the logits' order).
 
 Non-finite logits are not checked on the hot path (that would need a host sync): a token whose
 logits hold NaN gets NaN weights, so its output row is NaN and no other token is affected. Pass
@@ -50,6 +53,8 @@ class RouterConfig:
     # how a group is scored for grouped top-k: the sum of its two best choice scores (DeepSeek-V3)
     # or its best one (DeepSeek-V2)
     group_score: GroupScore = "top2_sum"
+    # choose on logits + correction bias instead of scores + correction bias (the module docstring)
+    choice_on_logits: bool = False
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -115,10 +120,10 @@ def route(
         scores_TE = torch.softmax(logits_TE, dim=-1)
     else:
         scores_TE = torch.sigmoid(logits_TE)
-    if config.use_correction_bias or config.num_groups > 1:
-        choice_TE = scores_TE
+    if config.use_correction_bias or config.num_groups > 1 or config.choice_on_logits:
+        choice_TE = logits_TE if config.choice_on_logits else scores_TE
         if config.use_correction_bias:
-            choice_TE = scores_TE + correction_bias_E.float().reshape(1, -1)
+            choice_TE = choice_TE + correction_bias_E.float().reshape(1, -1)
         if config.num_groups > 1:
             choice_TE = _mask_to_top_groups(choice_TE, config)
         _, topk_ids_TK = torch.topk(choice_TE, config.top_k, dim=-1)

@@ -35,6 +35,8 @@ class MegaMoEConfig:
     # grouped top-k: a group's score, the sum of its two best experts' ("top2_sum", DeepSeek-V3)
     # or its best expert's ("max", DeepSeek-V2)
     group_score: GroupScore = "top2_sum"
+    # the experts are chosen on logits + correction bias, not scores + correction bias (Kolibri)
+    choice_on_logits: bool = False
     # the router's matmul: "float32" (accurate) or "input" (in the hidden states' dtype, as
     # Mixtral and Qwen blocks in transformers do)
     router_dtype: Literal["float32", "input"] = "float32"
@@ -158,6 +160,7 @@ class MegaMoEConfig:
             use_correction_bias=self.use_correction_bias,
             dropped_group_score=self.dropped_group_score,
             group_score=self.group_score,
+            choice_on_logits=self.choice_on_logits,
         )
 
     @property

@@ -190,7 +190,8 @@ class BlockReading:
         routing.append(f"top-{fields['top_k']} of {fields['num_experts']}")
         routing.append("renormalised" if fields["renormalize"] else "not renormalised")
         if fields.get("use_correction_bias"):
-            routing.append("correction bias for the choice")
+            on = "logits" if fields.get("choice_on_logits") else "scores"
+            routing.append(f"correction bias on the {on} for the choice")
         if fields.get("routed_scaling_factor", 1.0) != 1.0:
             routing.append(f"scaled by {fields['routed_scaling_factor']:g}")
         if fields.get("router_bias"):

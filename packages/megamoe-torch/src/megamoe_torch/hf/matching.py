@@ -59,9 +59,12 @@ def _routing_candidates(
                     dropped_group_score=dropped,
                 )
             )
+    # where the correction bias is added for the choice: to the scores (None: no bias, or the
+    # scores) or to the logits (Kolibri)
+    biases = [(True, False), (True, True), (False, False)] if has_bias else [(False, False)]
     candidates, refusals = [], []
-    for use_bias, scoring, renormalize, grouping in itertools.product(
-        (True, False) if has_bias else (False,), ("softmax", "sigmoid"), (True, False), groupings
+    for (use_bias, on_logits), scoring, renormalize, grouping in itertools.product(
+        biases, ("softmax", "sigmoid"), (True, False), groupings
     ):
         fields = dict(
             num_experts=parts.num_experts,
@@ -71,6 +74,8 @@ def _routing_candidates(
             use_correction_bias=use_bias,
             **grouping,
         )
+        if on_logits:
+            fields["choice_on_logits"] = True
         try:
             RouterConfig(**fields)
         except ValueError as error:
@@ -132,14 +137,18 @@ def match_routing(
         )
     total = sum(r.ids_TK.shape[0] for r in routed)
     count, fields = nearest
-    closest = (
-        ""
-        if fields is None
-        else (
+    if fields is None:
+        closest = ""
+    elif count == total:
+        closest = (
+            f"; {_describe_routing(fields)} picks the same experts for every probe token but "
+            "the block weights them otherwise"
+        )
+    else:
+        closest = (
             f"; the nearest, {_describe_routing(fields)}, picks the same experts for {count} of "
             f"{total} probe tokens"
         )
-    )
     raise UnsupportedBlockError(
         "the router's choice or weights match none of megamoe's routings (softmax or sigmoid "
         f"scores, renormalised or not, correction bias, grouped top-k, scaling){closest}"
@@ -149,7 +158,8 @@ def match_routing(
 def _describe_routing(fields: dict[str, Any]) -> str:
     words = [fields["scoring"], "renormalised" if fields["renormalize"] else "not renormalised"]
     if fields["use_correction_bias"]:
-        words.append("with the correction bias")
+        on = "logits" if fields.get("choice_on_logits") else "scores"
+        words.append(f"with the correction bias on the {on}")
     if fields.get("num_groups", 1) > 1:
         words.append(f"{fields['num_groups']} groups")
     return " ".join(words)
@@ -358,9 +368,10 @@ def read_shared_experts(parts: BlockParts, random: ProbeRandom) -> dict[str, Any
         for key in shared.state_dict()
         if key.split(".")[0] not in ("gate_proj", "up_proj", "down_proj")
     ):
+        holds = sorted(shared.state_dict())
         raise UnsupportedBlockError(
-            f"the shared experts ({type(shared).__name__}) are not a bias-free "
-            "gate_proj/up_proj/down_proj MLP"
+            f"the shared experts ({type(shared).__name__}, holding {holds}) are not a "
+            "bias-free gate_proj/up_proj/down_proj Linear MLP, the shared experts megamoe computes"
         )
     if projections[0].out_features == 0:  # DeepSeek-V3 with n_shared_experts=0
         return {}

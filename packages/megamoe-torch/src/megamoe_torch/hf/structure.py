@@ -46,16 +46,26 @@ class BlockParts:
 
 
 def block_parts(block: nn.Module, *, allow_meta: bool = False) -> BlockParts:
+    """The parts of `block` and where its tensors live; raises UnsupportedBlockError saying
+    which part megamoe does not take."""
     children = dict(block.named_children())
+    described = {name: type(child).__name__ for name, child in children.items()}
     router_name = next((name for name in ROUTER_NAMES if name in children), None)
     if router_name is None:
-        raise UnsupportedBlockError(f"{type(block).__name__} has no `gate` or `router` child")
+        raise UnsupportedBlockError(
+            f"{type(block).__name__} routes with none of a `gate` or `router` child next to "
+            f"stacked `experts` (its children: {described})"
+        )
     experts = children.get("experts")
     if experts is None:
-        others = {name: type(child).__name__ for name, child in children.items()}
         raise UnsupportedBlockError(
             f"the routed experts are not one `experts` module of stacked expert weights "
-            f"(children: {others})"
+            f"(children: {described})"
+        )
+    if any("attn" in name or "attention" in name for name in children):
+        raise UnsupportedBlockError(
+            f"the router and experts sit in {type(block).__name__} beside its attention "
+            f"(children: {described}), not in an MoE block of their own that megamoe can replace"
         )
     shared_name = next((name for name in SHARED_NAMES if name in children), None)
     shared_gate = children.get(SHARED_GATE_NAME)
@@ -63,7 +73,8 @@ def block_parts(block: nn.Module, *, allow_meta: bool = False) -> BlockParts:
     for name, child in children.items():
         if name not in known and any(True for _ in child.state_dict()):
             raise UnsupportedBlockError(
-                f"the block holds {name} ({type(child).__name__}), which megamoe does not reproduce"
+                f"the block holds {name} ({type(child).__name__}) beside its router and "
+                "experts, a part megamoe does not compute"
             )
     _check_forward_signature(block)
     for holder in (block, children[router_name]):
@@ -250,6 +261,13 @@ def _intermediate_size(
                 }
             ):
                 return two_i // 2
+    held = min(gate_up.shape[0], down.shape[0]) if gate_up.dim() == down.dim() == 3 else 0
+    if 0 < held < num_experts:
+        raise UnsupportedBlockError(
+            f"the router scores {num_experts} experts and the experts module computes {held}: "
+            f"the other {num_experts - held} compute no MLP (zero or identity experts), which "
+            "megamoe does not have"
+        )
     raise UnsupportedBlockError(
         f"experts.gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not "
         f"[{num_experts}, 2I, {hidden_size}] and [{num_experts}, {hidden_size}, I] (or transposed)"

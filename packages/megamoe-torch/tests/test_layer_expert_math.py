@@ -1,0 +1,175 @@
+"""The expert math of the families the Hugging Face reader adds, against per-token float64 loops:
+router and expert biases, the clamped SwiGLU of gpt-oss, routing weights on the expert input
+(Llama 4), softmax with a correction bias (ERNIE 4.5), the choice on logits + bias (Kolibri),
+group-limited greedy top-k (DeepSeek-V2);
+and the backends that do not compute it refused with the reason."""
+
+import math
+
+import pytest
+import torch
+from megamoe_torch import MegaMoE, MegaMoEConfig
+
+GPT_OSS = dict(
+    hidden_size=32,
+    intermediate_size=24,
+    num_experts=8,
+    top_k=3,
+    router_bias=True,
+    expert_bias=True,
+    swiglu_limit=7.0,
+    swiglu_alpha=1.702,
+    swiglu_up_offset=1.0,
+)
+LLAMA4 = dict(
+    hidden_size=32,
+    intermediate_size=24,
+    num_experts=8,
+    top_k=2,
+    scoring="sigmoid",
+    renormalize=False,
+    routing_weights_on_input=True,
+    num_shared_experts=1,
+)
+ERNIE = dict(hidden_size=32, intermediate_size=16, num_experts=8, top_k=2, use_correction_bias=True)
+KOLIBRI = dict(
+    hidden_size=32,
+    intermediate_size=16,
+    num_experts=8,
+    top_k=2,
+    scoring="sigmoid",
+    use_correction_bias=True,
+    choice_on_logits=True,
+)
+DEEPSEEK_V2 = dict(
+    hidden_size=32,
+    intermediate_size=16,
+    num_experts=8,
+    top_k=2,
+    renormalize=False,
+    num_groups=4,
+    top_groups=2,
+    group_score="max",
+    routed_scaling_factor=1.5,
+)
+
+
+def make_layer(fields):
+    torch.manual_seed(0)
+    layer = MegaMoE(MegaMoEConfig(**fields))
+    with torch.no_grad():
+        layer.w13.mul_(4.0)  # gate and up values past the SwiGLU limit, so the clamp matters
+        if layer.gate.bias is not None:
+            layer.gate.bias.normal_(0, 0.5)
+        if layer.e_score_correction_bias is not None:
+            layer.e_score_correction_bias.normal_(0, 0.3)
+    return layer
+
+
+def per_token_float64(layer: MegaMoE, x_TH: torch.Tensor) -> torch.Tensor:
+    c = layer.config
+    gate_weight = layer.gate.weight.double()
+    w13, w2 = layer.w13.double(), layer.w2.double()
+    out = []
+    for x in x_TH.double():
+        logits = gate_weight @ x
+        if layer.gate.bias is not None:
+            logits = logits + layer.gate.bias.double()
+        scores = torch.softmax(logits, 0) if c.scoring == "softmax" else torch.sigmoid(logits)
+        choice = (logits if c.choice_on_logits else scores).clone()
+        if c.use_correction_bias:
+            choice = choice + layer.e_score_correction_bias.double()
+        if c.num_groups > 1:
+            per_group = c.num_experts // c.num_groups
+            best = [max(choice[g * per_group : (g + 1) * per_group]) for g in range(c.num_groups)]
+            kept = sorted(range(c.num_groups), key=lambda g: -best[g])[: c.top_groups]
+            choice = torch.tensor(
+                [
+                    float(choice[e]) if e // per_group in kept else -math.inf
+                    for e in range(len(choice))
+                ],
+                dtype=torch.float64,
+            )
+        chosen = sorted(range(c.num_experts), key=lambda e: -float(choice[e]))[: c.top_k]
+        weights = scores[chosen]
+        if c.renormalize:
+            weights = weights / weights.sum()
+        weights = weights * c.routed_scaling_factor
+        y = torch.zeros_like(x)
+        for expert, weight in zip(chosen, weights, strict=True):
+            expert_input = weight * x if c.routing_weights_on_input else x
+            gate_up = w13[expert] @ expert_input
+            if layer.w13_bias is not None:
+                gate_up = gate_up + layer.w13_bias[expert].double()
+            gate, up = gate_up[: c.intermediate_size], gate_up[c.intermediate_size :]
+            if c.swiglu_limit is not None:
+                gate, up = gate.clamp(max=c.swiglu_limit), up.clamp(-c.swiglu_limit, c.swiglu_limit)
+            hidden = gate * torch.sigmoid(c.swiglu_alpha * gate) * (up + c.swiglu_up_offset)
+            expert_out = w2[expert] @ hidden
+            if layer.w2_bias is not None:
+                expert_out = expert_out + layer.w2_bias[expert].double()
+            y += expert_out if c.routing_weights_on_input else weight * expert_out
+        if layer.shared_experts is not None:
+            shared = layer.shared_experts.double()
+            y += shared.down_proj(torch.nn.functional.silu(shared.gate_proj(x)) * shared.up_proj(x))
+            layer.shared_experts.float()
+        out.append(y)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [GPT_OSS, LLAMA4, ERNIE, KOLIBRI, DEEPSEEK_V2],
+    ids=["gpt-oss", "llama4", "ernie4_5", "kolibri", "deepseek-v2"],
+)
+def test_layer_matches_per_token_float64_loop(fields):
+    layer = make_layer(fields)
+    x = torch.randn(37, 32)
+    expected = per_token_float64(layer, x)
+    actual = layer(x)
+    assert ((actual.double() - expected).norm() / expected.norm()) < 1e-6
+
+
+def test_the_swiglu_limit_is_reached_by_the_test_inputs():
+    layer = make_layer(GPT_OSS)
+    x = torch.randn(37, 32)
+    with torch.no_grad():
+        gate_up = torch.einsum("th,eih->tei", x, layer.w13) + layer.w13_bias
+    assert (gate_up.abs() > GPT_OSS["swiglu_limit"]).any()
+
+
+def test_expert_math_runs_on_the_reference_backend_and_trains():
+    layer = make_layer(GPT_OSS)
+    assert layer.backend == "reference"  # on a GPU too: the other backends lack this math
+    x = torch.randn(9, 32, requires_grad=True)
+    layer(x).square().sum().backward()
+    for parameter in (x, layer.w13, layer.w2, layer.w13_bias, layer.w2_bias, layer.gate.bias):
+        assert parameter.grad is not None and parameter.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("backend", ["grouped_mm", "cutedsl"])
+def test_a_backend_without_the_expert_math_is_refused_naming_it(backend):
+    with pytest.raises(ValueError, match="swiglu_limit=7.0"):
+        MegaMoE(MegaMoEConfig(**GPT_OSS, backend=backend))
+    layer = make_layer(LLAMA4)
+    with pytest.raises(ValueError, match="routing_weights_on_input=True"):
+        layer.use_backend(backend)
+
+
+def test_the_fused_layer_path_is_refused_for_the_expert_math():
+    with pytest.raises(ValueError, match="layer_path='fused'"):
+        MegaMoE(MegaMoEConfig(**GPT_OSS, layer_path="fused"))
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(GPT_OSS, swiglu_limit=0.0), "swiglu_limit"),
+        (dict(GPT_OSS, swiglu_limit=math.inf), "swiglu_limit"),
+        (dict(GPT_OSS, swiglu_alpha=math.nan), "swiglu_alpha"),
+        (dict(DEEPSEEK_V2, group_score="min"), "group_score"),
+    ],
+)
+def test_bad_expert_math_configs_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        MegaMoEConfig(**fields)
