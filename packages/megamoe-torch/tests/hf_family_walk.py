@@ -431,11 +431,28 @@ def _checkpoint_problems(
 
 
 def family_table(results: list[FamilyResult]) -> str:
-    lines = ["| family | status | what megamoe computes, or why it is skipped |", "|---|---|---|"]
+    """The markdown table of docs/huggingface.md: a row per family."""
+    lines = [
+        "| family | status | what megamoe computes, or why it is skipped | checkpoint on disk |",
+        "|---|---|---|---|",
+    ]
     for result in results:
         detail = result.detail.replace("|", "\\|")
-        lines.append(f"| {result.family} | {result.status} | {detail} |")
+        if result.family in NOT_DECODER_ONLY:
+            detail += f" ({NOT_DECODER_ONLY[result.family]}: logits compared, no generate())"
+        on_disk = {None: "", "read": "read"}.get(result.checkpoint_on_disk, "in-memory names")
+        lines.append(f"| {result.family} | {result.status} | {detail} | {on_disk} |")
     return "\n".join(lines)
+
+
+def summary(results: list[FamilyResult], transformers_version: str) -> str:
+    decoders = set(decoder_families())
+    exact = [r.family for r in results if r.status == "swaps exactly" and r.family in decoders]
+    walked = [r.family for r in results if r.family in decoders]
+    return (
+        f"transformers {transformers_version}: {len(exact)} of the {len(walked)} decoder-only MoE "
+        "families swap exactly"
+    )
 
 
 if __name__ == "__main__":
@@ -449,7 +466,5 @@ if __name__ == "__main__":
             results.append(check_family(name))
         except Exception as error:  # a family this walk cannot build: its row says why
             results.append(FamilyResult(name, "not built", f"{type(error).__name__}: {error}"))
-    exact = sum(result.status == "swaps exactly" for result in results)
-    walked = sum(result.status != "not walked" for result in results)
-    print(f"transformers {transformers.__version__}: {exact} of {walked} families swap exactly\n")
+    print(summary(results, transformers.__version__) + "\n")
     print(family_table(results))

@@ -49,7 +49,7 @@ def block_parts(block: nn.Module, *, allow_meta: bool = False) -> BlockParts:
     """The parts of `block` and where its tensors live; raises UnsupportedBlockError saying
     which part megamoe does not take."""
     children = dict(block.named_children())
-    described = {name: type(child).__name__ for name, child in children.items()}
+    described = ", ".join(f"{name} ({type(child).__name__})" for name, child in children.items())
     router_name = next((name for name in ROUTER_NAMES if name in children), None)
     if router_name is None:
         raise UnsupportedBlockError(
@@ -60,12 +60,13 @@ def block_parts(block: nn.Module, *, allow_meta: bool = False) -> BlockParts:
     if experts is None:
         raise UnsupportedBlockError(
             f"the routed experts are not one `experts` module of stacked expert weights "
-            f"(children: {described})"
+            f"(the block's children: {described})"
         )
-    if any("attn" in name or "attention" in name for name in children):
+    attention = [name for name, child in children.items() if "Attention" in type(child).__name__]
+    if attention:
         raise UnsupportedBlockError(
             f"the router and experts sit in {type(block).__name__} beside its attention "
-            f"(children: {described}), not in an MoE block of their own that megamoe can replace"
+            f"({', '.join(attention)}), not in an MoE block of their own that megamoe can replace"
         )
     shared_name = next((name for name in SHARED_NAMES if name in children), None)
     shared_gate = children.get(SHARED_GATE_NAME)
