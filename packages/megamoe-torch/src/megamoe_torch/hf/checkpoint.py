@@ -8,7 +8,10 @@
   router, biases, correction bias and shared expert names, and the tensors it holds unused;
 - `load_state_dict()` takes those keys, in either layout, or megamoe's own (`w13`, `w2`, ...);
 - `restored_hf_block` rebuilds the replaced block around the layer's current weights, from a
-  weightless copy of it kept aside (meta tensors: no memory).
+  weightless copy of it kept aside (meta tensors: no memory);
+- the weightless copy's children the layer lacks (`experts`, `router`, ...) are plain attributes
+  of the layer, not submodules: transformers' save-time conversions find the in-memory
+  parameters' shapes by module path, and nothing walks, moves or saves them.
 
 Expert-parallel layers hold only their rank's experts: loading keeps that slice of the full
 block, and `state_dict()` raises, since a Hugging Face block holds every expert. Setting

@@ -76,6 +76,11 @@ def read_block(block: nn.Module, *, structure_only: bool = False) -> BlockReadin
             recipe = _Recipe(reading=_read_by_probes(block, parts), error=None)
         except UnsupportedBlockError as error:
             recipe = _Recipe(reading=None, error=str(error))
+        except Exception as error:  # the block's code on probe inputs it did not expect
+            recipe = _Recipe(
+                reading=None,
+                error=f"probing the block failed ({type(error).__name__}: {error})",
+            )
         _RECIPES[key] = recipe
     if recipe.error is not None:
         raise UnsupportedBlockError(recipe.error)
