@@ -41,6 +41,7 @@ _SHIM_NAMES = (
     "quantize_weight_blocks",
     "resolve_knobs",
     "row_scales_buffer",
+    "weight_scales_shape",
 )
 
 __all__ = ["__version__", "reference", *_SHIM_NAMES]

@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from megamoe_kernels import FP8_DTYPE, weight_scales_shape
 
-FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
-WEIGHT_BLOCK = 128  # the FP8 checkpoints' block (megamoe_kernels' fp8_scaling)
+FP8_WEIGHT_DTYPE = FP8_DTYPE
 
 
 @dataclass(frozen=True)
@@ -58,10 +58,6 @@ class Unquantized:
         return self.w13_E2IH.shape[1] // 2
 
 
-def _blocks(size: int) -> int:
-    return -(-size // WEIGHT_BLOCK)
-
-
 @dataclass(frozen=True)
 class Prequantized:
     """FP8 expert weights: e4m3 `w13_E2IH` [E, 2I, H] and `w2_EHI` [E, H, I] with float32 block
@@ -81,10 +77,9 @@ class Prequantized:
                 raise TypeError(f"{name} must be {FP8_WEIGHT_DTYPE}, got {got}")
         # the shapes' rules are Unquantized's
         Unquantized(w13_E2IH=self.w13_E2IH, w2_EHI=self.w2_EHI)
-        experts, two_intermediate, hidden = self.w13_E2IH.shape
         expected = {
-            "w13_scales": (experts, _blocks(two_intermediate), _blocks(hidden)),
-            "w2_scales": (experts, _blocks(hidden), _blocks(two_intermediate // 2)),
+            "w13_scales": weight_scales_shape(self.w13_E2IH.shape),
+            "w2_scales": weight_scales_shape(self.w2_EHI.shape),
         }
         for name, shape in expected.items():
             scales = getattr(self, name)

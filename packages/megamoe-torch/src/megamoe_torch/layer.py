@@ -19,6 +19,7 @@ import math
 from dataclasses import replace
 
 import torch
+from megamoe_kernels import weight_scales_shape
 from megamoe_kernels.reference import expert_mlp_reference
 from megamoe_runtime.dispatch import LocalDispatcher
 from megamoe_runtime.dispatch.device_routed import DeviceRoutedDispatcher, device_routing_status
@@ -90,11 +91,6 @@ def _check_torch_only_features(
         )
 
 
-def _blocks(size: int) -> int:
-    """128 x 128 weight blocks along a dim of `size` (the FP8 scales' extent)."""
-    return -(-size // 128)
-
-
 def _quantize_loaded_expert_weights(
     module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
 ) -> None:
@@ -161,13 +157,9 @@ class MegaMoE(nn.Module):
                 torch.empty(local, hidden, intermediate, **fp8), requires_grad=False
             )
             scales = {"device": device, "dtype": torch.float32}
-            self.register_buffer(
-                "w13_scale_inv",
-                torch.empty(local, _blocks(2 * intermediate), _blocks(hidden), **scales),
-            )
-            self.register_buffer(
-                "w2_scale_inv", torch.empty(local, _blocks(hidden), _blocks(intermediate), **scales)
-            )
+            for name, weight in (("w13", self.w13), ("w2", self.w2)):
+                shape = weight_scales_shape(weight.shape)
+                self.register_buffer(f"{name}_scale_inv", torch.empty(shape, **scales))
             self.register_load_state_dict_pre_hook(_quantize_loaded_expert_weights)
         else:
             self.w13 = nn.Parameter(torch.empty(local, 2 * intermediate, hidden, **factory))

@@ -24,6 +24,7 @@ from megamoe_kernels.shim.fp8 import (
     quantize_rows,
     quantize_weight_blocks,
     row_scales_buffer,
+    weight_scales_shape,
 )
 from megamoe_kernels.shim.knobs import (
     OPS,
@@ -67,4 +68,5 @@ __all__ = [
     "quantize_weight_blocks",
     "resolve_knobs",
     "row_scales_buffer",
+    "weight_scales_shape",
 ]

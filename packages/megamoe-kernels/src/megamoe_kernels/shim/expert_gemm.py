@@ -60,7 +60,13 @@ import torch
 
 from megamoe_kernels.drop.gate_up_layout import GATE_UP_BLOCK, interleaved_source_row
 from megamoe_kernels.drop.tiling import FP8_TILE_K, TILE_K
-from megamoe_kernels.shim.fp8 import FP8_DTYPE, INTERMEDIATE_GROUP, WEIGHT_BLOCK, row_scales_buffer
+from megamoe_kernels.shim.fp8 import (
+    FP8_DTYPE,
+    INTERMEDIATE_GROUP,
+    WEIGHT_BLOCK,
+    row_scales_buffer,
+    weight_scales_shape,
+)
 from megamoe_kernels.shim.knobs import (
     GemmKnobs,
     Launch,
@@ -196,7 +202,7 @@ def _check_row_scales(name: str, scales: torch.Tensor, *, groups: int, rows: int
 def _check_weight_scales(
     name: str, scales: torch.Tensor, *, experts: int, n: int, k: int, device
 ) -> None:
-    blocks = [experts, -(-n // WEIGHT_BLOCK), -(-k // WEIGHT_BLOCK)]
+    blocks = list(weight_scales_shape((experts, n, k)))
     if (
         not isinstance(scales, torch.Tensor)
         or scales.dtype != torch.float32

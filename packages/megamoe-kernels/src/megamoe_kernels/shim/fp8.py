@@ -35,6 +35,7 @@ __all__ = [
     "quantize_rows",
     "quantize_weight_blocks",
     "row_scales_buffer",
+    "weight_scales_shape",
 ]
 
 
@@ -44,6 +45,12 @@ def _scale_of(amax: torch.Tensor) -> torch.Tensor:
 
 def _blocks(size: int, block: int) -> int:
     return -(-size // block)
+
+
+def weight_scales_shape(weight_shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """The block scales' shape of an [E, N, K] weight: [E, ceil(N/128), ceil(K/128)]."""
+    experts, n, k = weight_shape
+    return experts, _blocks(n, WEIGHT_BLOCK), _blocks(k, WEIGHT_BLOCK)
 
 
 # experts quantized or dequantized at a time: bounds the float32 temporaries (a checkpoint's
@@ -66,7 +73,7 @@ def quantize_weight_blocks(w_ENK: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
             f"{tuple(w_ENK.shape)}"
         )
     experts, n, k = w_ENK.shape
-    nb, kb = _blocks(n, WEIGHT_BLOCK), _blocks(k, WEIGHT_BLOCK)
+    _, nb, kb = weight_scales_shape(w_ENK.shape)
     quantized = torch.empty(w_ENK.shape, dtype=FP8_DTYPE, device=w_ENK.device)
     scales = torch.empty(experts, nb, kb, dtype=torch.float32, device=w_ENK.device)
     step = _expert_chunks(experts, nb * kb * WEIGHT_BLOCK * WEIGHT_BLOCK).step
@@ -87,7 +94,7 @@ def quantize_weight_blocks(w_ENK: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 def dequantize_weight_blocks(w_ENK: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The float32 values an e4m3 [E, N, K] weight and its block scales stand for."""
     experts, n, k = w_ENK.shape
-    expected = (experts, _blocks(n, WEIGHT_BLOCK), _blocks(k, WEIGHT_BLOCK))
+    expected = weight_scales_shape(w_ENK.shape)
     if tuple(scales.shape) != expected:
         raise ValueError(
             f"weight scales must be [E, ceil(N/128), ceil(K/128)] = {list(expected)} for a "
