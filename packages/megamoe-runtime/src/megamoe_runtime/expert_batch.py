@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-ROW_SCALE_GROUP = 128  # FP8 rows: columns per scale (megamoe_kernels' ACTIVATION_GROUP)
+from megamoe_kernels.shim.fp8 import ACTIVATION_GROUP
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ class ExpertBatch:
                 f"expert_offsets on {self.expert_offsets.device} but rows on {self.rows_MH.device}"
             )
         if self.row_scales_GM is not None:
-            groups = -(-self.rows_MH.shape[1] // ROW_SCALE_GROUP)
+            groups = -(-self.rows_MH.shape[1] // ACTIVATION_GROUP)
             if self.rows_MH.dtype != torch.float8_e4m3fn:
                 raise TypeError(f"rows with row_scales_GM must be e4m3, got {self.rows_MH.dtype}")
             scales = self.row_scales_GM
