@@ -137,6 +137,9 @@ class MegaMoE(nn.Module):
         super().__init__()
         self.config = config
         factory = {"device": device, "dtype": dtype}
+        # the hidden states' dtype, apart from the router's: a router weight kept in fp32 next to
+        # bf16 experts (DeepSeek-V3 in transformers) or e4m3 experts do not say what x is
+        self._activation_dtype = dtype if dtype is not None else torch.get_default_dtype()
         experts, hidden, intermediate = (
             config.num_experts,
             config.hidden_size,
@@ -593,9 +596,17 @@ class MegaMoE(nn.Module):
 
     @property
     def activation_dtype(self) -> torch.dtype:
-        """The dtype of the hidden states the layer takes (its router's: the experts' weights
-        may be FP8)."""
-        return self.gate.weight.dtype
+        """The dtype of the hidden states the layer takes and answers in: the constructor's
+        `dtype`, converted with the weights by `.to(dtype)`, `.half()`, `.float()`, ... (the
+        router's weight may stay fp32 and the experts' may be FP8)."""
+        return self._activation_dtype
+
+    def _apply(self, fn, recurse=True):
+        # the conversion applied to every tensor (module.to, .half(), .cuda(), ...) says what it
+        # makes of a floating tensor in the activations' dtype
+        super()._apply(fn, recurse)
+        self._activation_dtype = fn(torch.empty(0, dtype=self._activation_dtype)).dtype
+        return self
 
     def extra_repr(self) -> str:
         c = self.config
