@@ -140,13 +140,17 @@ def from_hf_state_dict(
         ),
         prefix=prefix or "",
     )
-    expert_weight = block_tensors.get(naming.expert_keys[0])
-    if expert_weight is None:  # per-expert names
-        expert_weight = next(
+    # a routed expert's weight (either layout) says the dtypes; tensors that are no block of
+    # this family are refused when they map, below
+    expert_weight = next(
+        (
             tensor
             for key, tensor in block_tensors.items()
-            if key.startswith("experts.") and key.endswith(".weight")
-        )
+            if key.startswith("experts.") and not key.endswith("_scale_inv")
+        ),
+        next(iter(block_tensors.values())),
+    )
+    router_weight = block_tensors.get(naming.router_weight, expert_weight)
     return layer_from_hf_tensors(
         block_tensors,
         fields=fields,
@@ -158,7 +162,7 @@ def from_hf_state_dict(
         activation_dtype=activation_dtype_of(
             expert_dtype=expert_weight.dtype,
             model_config=hf_config,
-            router_dtype=block_tensors[naming.router_weight].dtype,
+            router_dtype=router_weight.dtype,
         ),
     )
 
