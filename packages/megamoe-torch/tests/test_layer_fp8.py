@@ -154,6 +154,21 @@ def test_fp8_shared_experts_load_quantize_and_compute_with_their_dequantized_wei
         fp8_config(num_shared_experts=1, shared_weight_dtype="e5m2")
 
 
+def test_the_demos_oracle_of_an_fp8_layer_holds_its_dequantized_weights():
+    from megamoe_torch.cli import fp32_oracle_of
+
+    config = fp8_config(num_shared_experts=1, shared_weight_dtype="fp8")
+    layer = MegaMoE(config, dtype=torch.bfloat16)
+    oracle = fp32_oracle_of(layer)
+    assert oracle.config.weight_dtype is None and oracle.w13.dtype == torch.float32
+    assert torch.equal(oracle.w13, dequantize_weight_blocks(layer.w13, layer.w13_scale_inv))
+    shared = layer.shared_experts.down_proj
+    assert torch.equal(oracle.shared_experts.down_proj.weight, shared.dequantized_weight())
+    x = torch.randn(10, HIDDEN, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert relative_l2_error(layer(x), oracle(x.float())) < 1e-2
+
+
 def replace_config(config: MegaMoEConfig, **fields) -> MegaMoEConfig:
     from dataclasses import replace
 
