@@ -287,8 +287,9 @@ def build_layer(
     unknown = sorted(set(options) - set(RUN_OPTIONS))
     if unknown:
         raise TypeError(
-            f"unexpected options {unknown}: accepted are {[*RUN_OPTIONS, 'process_group']} "
-            "(routing semantics come from the source and cannot be overridden)"
+            f"unexpected options {unknown}: accepted are "
+            f"{[*RUN_OPTIONS, 'process_group', 'weight_dtype']} (routing semantics come from the "
+            "source and cannot be overridden)"
         )
     semantic_config(fields)
     config = MegaMoEConfig(**fields, **options)  # a bad run option is the caller's ValueError
@@ -312,7 +313,7 @@ def semantic_config(fields: dict[str, Any]) -> MegaMoEConfig:
     try:
         return MegaMoEConfig(**fields)
     except ValueError as error:
-        raise UnsupportedBlockError(f"megamoe cannot express this routing: {error}") from error
+        raise UnsupportedBlockError(f"megamoe cannot express this block: {error}") from error
 
 
 def expected_hf_shapes(
