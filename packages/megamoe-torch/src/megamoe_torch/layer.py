@@ -512,27 +512,21 @@ class MegaMoE(nn.Module):
         if self.config.check_inputs:
             check_finite_logits(router_logits_TE)
         x_TH = x_TH.contiguous()  # the kernels take row-major rows (a no-op for most inputs)
-        tokens_TH, scales_GT = x_TH, None
-        if self._dispatches_fp8_tokens():
-            # each token is quantized once, before the dispatch copies it top-k times: the
-            # batch holds the e4m3 rows quantizing each row would give, for half the bytes
-            from megamoe_kernels import quantize_rows
-
-            tokens_TH, scales_GT = quantize_rows(x_TH)
+        # FP8 experts: the dispatch quantizes each token as it copies it into its top-k rows
         batch, handle, _ = self._device_routed.route_and_dispatch(
-            tokens_TH,
+            x_TH,
             router_logits_TE,
             correction_bias_E=self.e_score_correction_bias,
-            x_scales_GT=scales_GT,
+            rows_dtype=torch.float8_e4m3fn if self._dispatches_fp8_rows() else None,
         )
         expert_out_MH = self._run_expert_backend(batch)
         shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH)
         return self._device_routed.combine(expert_out_MH, handle, addend_TH=shared_TH)
 
-    def _dispatches_fp8_tokens(self) -> bool:
-        """Whether the fused path hands the FP8 kernels e4m3 tokens (quantized before the
-        dispatch) rather than bf16 rows they quantize: FP8 weights on the cutedsl backend, a
-        hidden size the byte copy takes (a multiple of 16)."""
+    def _dispatches_fp8_rows(self) -> bool:
+        """Whether the fused path's dispatch writes e4m3 rows (quantized as it copies the
+        tokens) rather than bf16 rows the FP8 kernels quantize: FP8 weights on the cutedsl
+        backend, a hidden size whose e4m3 rows the GEMM's TMA takes (a multiple of 16)."""
         return (
             self.config.weight_dtype == "fp8"
             and self._backend_name == "cutedsl"
