@@ -35,6 +35,7 @@ from megamoe_runtime.weights import FP8_WEIGHT_DTYPE, Prequantized, Unquantized,
 from torch import nn
 
 from megamoe_torch.config import MegaMoEConfig
+from megamoe_torch.forward_graphs import ForwardGraphs
 from megamoe_torch.ops import expert_mlp, register_layer
 
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=), torch >= 2.9
@@ -204,6 +205,8 @@ class MegaMoE(nn.Module):
             config.router, hidden_size=hidden, capacity=config.capacity, reuse_outputs=True
         )
         self._fused_status: dict[tuple, tuple[bool, str]] = {}
+        # small eager forwards on the fused path replay CUDA graphs of themselves
+        self._forward_graphs = ForwardGraphs(self, max_tokens=config.eager_graph_tokens)
         # knobs="auto": times the GEMM knobs of each new batch class once (collectively under
         # expert parallelism) and keeps the winner in the knob cache
         self._autotuner = OnlineAutotuner(process_group=process_group)
@@ -523,6 +526,26 @@ class MegaMoE(nn.Module):
         shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH)
         return self._device_routed.combine(expert_out_MH, handle, addend_TH=shared_TH)
 
+    def _fused_forward_from_tokens(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y_TH, router_logits_TE) of the fused path: what a captured forward records."""
+        router_logits_TE = self.router_logits(x_TH)
+        return self._fused_forward(x_TH, router_logits_TE), router_logits_TE
+
+    def _replays_graphs(self, x_TH: torch.Tensor) -> bool:
+        """Whether this forward may replay (or capture) a graph of itself: the fused path on
+        one GPU with a backend that captures, no host-synchronising checks, not inside another
+        capture."""
+        return (
+            self._forward_graphs.max_tokens > 0
+            and not self.expert_parallel
+            and not self.config.check_inputs
+            and x_TH.is_cuda
+            and self._runs_fused(x_TH)
+            and self._expert_backend.captures_in_graphs
+            and not self.config.torch_only_features
+            and not torch.cuda.is_current_stream_capturing()
+        )
+
     def _dispatches_fp8_rows(self) -> bool:
         """Whether the fused path's dispatch writes e4m3 rows (quantized as it copies the
         tokens) rather than bf16 rows the FP8 kernels quantize: FP8 weights on the cutedsl
@@ -541,6 +564,12 @@ class MegaMoE(nn.Module):
             self._resolve_backend()
         x_TH = x.reshape(-1, self.config.hidden_size)
         self._resolve_dispatcher(x_TH)
+        if self._replays_graphs(x_TH):
+            replayed = self._forward_graphs.forward(x_TH, router_logits=return_router_logits)
+            if replayed is not None:
+                y_TH, router_logits_TE = replayed
+                y = y_TH.view(x.shape)
+                return (y, router_logits_TE) if return_router_logits else y
         router_logits_TE = self.router_logits(x_TH)
         if self._runs_fused(x_TH):
             if not self.expert_parallel:
