@@ -61,6 +61,9 @@ class MegaMoEConfig:
     shared_intermediate_size: int | None = None
     # Qwen2-MoE: the shared experts' output is scaled by sigmoid(x . w_gate)
     shared_expert_gate: bool = False
+    # on the fused path (one GPU), run the shared experts on a side stream of the caller's
+    # stream, beside the routing and the routed experts, joined before the combine adds them
+    shared_experts_on_side_stream: bool = False
     backend: str = "auto"
     # the routed experts' weights: None, in the layer's dtype; "fp8", e4m3 with one float32
     # scale per 128 x 128 block (the format of DeepSeek-V3's and Qwen3's FP8 checkpoints): the

@@ -46,6 +46,21 @@ def _bf16_mm_to_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None
     return torch.mm(a, b, out_dtype=torch.float32) if _MM_OUT_DTYPE else None
 
 
+_SIDE_STREAMS: dict[tuple, torch.cuda.Stream] = {}
+
+
+def _side_stream(main: torch.cuda.Stream) -> torch.cuda.Stream:
+    """The side stream of a caller's stream, shared by every layer forking from it: each use
+    starts behind everything issued on `main` and ends joined to it, so what one use frees is
+    reused only after `main` has read it. One per caller stream: a side stream two callers'
+    streams fork from would reuse memory the other one may still read."""
+    key = (main.device, main.cuda_stream)
+    side = _SIDE_STREAMS.get(key)
+    if side is None:
+        side = _SIDE_STREAMS[key] = torch.cuda.Stream(main.device)
+    return side
+
+
 class SharedExperts(nn.Module):
     """A dense SwiGLU MLP every token goes through, optionally scaled by a sigmoid gate."""
 
@@ -515,6 +530,16 @@ class MegaMoE(nn.Module):
         if self.config.check_inputs:
             check_finite_logits(router_logits_TE)
         x_TH = x_TH.contiguous()  # the kernels take row-major rows (a no-op for most inputs)
+        shared_TH = side = None
+        if self.shared_experts is not None and self.config.shared_experts_on_side_stream:
+            # forked here, joined before the combine: the side stream starts each forward
+            # behind everything issued on the caller's stream, so memory it frees is reused
+            # only after the caller's stream has read it, and the reverse
+            main = torch.cuda.current_stream(x_TH.device)
+            side = _side_stream(main)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                shared_TH = self.shared_experts(x_TH)
         # FP8 experts: the dispatch quantizes each token as it copies it into its top-k rows
         batch, handle, _ = self._device_routed.route_and_dispatch(
             x_TH,
@@ -523,7 +548,10 @@ class MegaMoE(nn.Module):
             rows_dtype=torch.float8_e4m3fn if self._dispatches_fp8_rows() else None,
         )
         expert_out_MH = self._run_expert_backend(batch)
-        shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH)
+        if side is not None:
+            main.wait_stream(side)
+        elif self.shared_experts is not None:
+            shared_TH = self.shared_experts(x_TH)
         return self._device_routed.combine(expert_out_MH, handle, addend_TH=shared_TH)
 
     def _fused_forward_from_tokens(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
