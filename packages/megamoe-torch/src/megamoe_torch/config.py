@@ -61,6 +61,9 @@ class MegaMoEConfig:
     shared_intermediate_size: int | None = None
     # Qwen2-MoE: the shared experts' output is scaled by sigmoid(x . w_gate)
     shared_expert_gate: bool = False
+    # on the fused path (one GPU), run the shared experts on a side stream of the caller's
+    # stream, beside the routing and the routed experts, joined before the combine adds them
+    shared_experts_on_side_stream: bool = False
     backend: str = "auto"
     # the routed experts' weights: None, in the layer's dtype; "fp8", e4m3 with one float32
     # scale per 128 x 128 block (the format of DeepSeek-V3's and Qwen3's FP8 checkpoints): the
@@ -103,6 +106,12 @@ class MegaMoEConfig:
     # stored in the knob cache, where later processes look it up (docs/tuning.md). Backends
     # without knobs ignore it.
     knobs: Literal["lookup", "auto"] = "lookup"
+    # eager forwards of 1 to this many tokens on the fused path (one GPU, no autograd, not
+    # under an outer CUDA-graph capture or torch.compile, check_inputs off) replay a CUDA graph
+    # the layer captures at the second forward of each token count (and weights, stream), so
+    # a decode step costs the host a copy in, a replay and a copy out in place of the launches
+    # (forward_graphs.py); the graphs share one memory pool per stream. 0: always launch.
+    eager_graph_tokens: int = 128
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
@@ -152,6 +161,8 @@ class MegaMoEConfig:
             )
         if self.max_tokens_per_rank < 1:
             raise ValueError(f"max_tokens_per_rank must be >= 1, got {self.max_tokens_per_rank}")
+        if self.eager_graph_tokens < 0:
+            raise ValueError(f"eager_graph_tokens must be >= 0, got {self.eager_graph_tokens}")
         if self.knobs not in KNOB_MODES:
             raise ValueError(f"knobs must be one of {KNOB_MODES}, got {self.knobs!r}")
         if self.combine_order not in COMBINE_ORDERS:

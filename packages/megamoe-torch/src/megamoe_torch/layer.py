@@ -35,6 +35,7 @@ from megamoe_runtime.weights import FP8_WEIGHT_DTYPE, Prequantized, Unquantized,
 from torch import nn
 
 from megamoe_torch.config import MegaMoEConfig
+from megamoe_torch.forward_graphs import ForwardGraphs
 from megamoe_torch.fp8_linear import BlockFP8Linear, quantize_loaded_weights
 from megamoe_torch.ops import expert_mlp, register_layer
 
@@ -44,6 +45,21 @@ _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=)
 def _bf16_mm_to_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     """a @ b in one bf16 GEMM with fp32 accumulation and output, or None where torch lacks it."""
     return torch.mm(a, b, out_dtype=torch.float32) if _MM_OUT_DTYPE else None
+
+
+_SIDE_STREAMS: dict[tuple, torch.cuda.Stream] = {}
+
+
+def _side_stream(main: torch.cuda.Stream) -> torch.cuda.Stream:
+    """The side stream of a caller's stream, shared by every layer forking from it: each use
+    starts behind everything issued on `main` and ends joined to it, so what one use frees is
+    reused only after `main` has read it. One per caller stream: a side stream two callers'
+    streams fork from would reuse memory the other one may still read."""
+    key = (main.device, main.cuda_stream)
+    side = _SIDE_STREAMS.get(key)
+    if side is None:
+        side = _SIDE_STREAMS[key] = torch.cuda.Stream(main.device)
+    return side
 
 
 class SharedExperts(nn.Module):
@@ -219,6 +235,8 @@ class MegaMoE(nn.Module):
             config.router, hidden_size=hidden, capacity=config.capacity, reuse_outputs=True
         )
         self._fused_status: dict[tuple, tuple[bool, str]] = {}
+        # small eager forwards on the fused path replay CUDA graphs of themselves
+        self._forward_graphs = ForwardGraphs(self, max_tokens=config.eager_graph_tokens)
         # knobs="auto": times the GEMM knobs of each new batch class once (collectively under
         # expert parallelism) and keeps the winner in the knob cache
         self._autotuner = OnlineAutotuner(process_group=process_group)
@@ -527,27 +545,54 @@ class MegaMoE(nn.Module):
         if self.config.check_inputs:
             check_finite_logits(router_logits_TE)
         x_TH = x_TH.contiguous()  # the kernels take row-major rows (a no-op for most inputs)
-        tokens_TH, scales_GT = x_TH, None
-        if self._dispatches_fp8_tokens():
-            # each token is quantized once, before the dispatch copies it top-k times: the
-            # batch holds the e4m3 rows quantizing each row would give, for half the bytes
-            from megamoe_kernels import quantize_rows
-
-            tokens_TH, scales_GT = quantize_rows(x_TH)
+        shared_TH = side = None
+        if self.shared_experts is not None and self.config.shared_experts_on_side_stream:
+            # forked here, joined before the combine: the side stream starts each forward
+            # behind everything issued on the caller's stream, so memory it frees is reused
+            # only after the caller's stream has read it, and the reverse
+            main = torch.cuda.current_stream(x_TH.device)
+            side = _side_stream(main)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                shared_TH = self.shared_experts(x_TH)
+        # FP8 experts: the dispatch quantizes each token as it copies it into its top-k rows
         batch, handle, _ = self._device_routed.route_and_dispatch(
-            tokens_TH,
+            x_TH,
             router_logits_TE,
             correction_bias_E=self.e_score_correction_bias,
-            x_scales_GT=scales_GT,
+            rows_dtype=torch.float8_e4m3fn if self._dispatches_fp8_rows() else None,
         )
         expert_out_MH = self._run_expert_backend(batch)
-        shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH)
+        if side is not None:
+            main.wait_stream(side)
+        elif self.shared_experts is not None:
+            shared_TH = self.shared_experts(x_TH)
         return self._device_routed.combine(expert_out_MH, handle, addend_TH=shared_TH)
 
-    def _dispatches_fp8_tokens(self) -> bool:
-        """Whether the fused path hands the FP8 kernels e4m3 tokens (quantized before the
-        dispatch) rather than bf16 rows they quantize: FP8 weights on the cutedsl backend, a
-        hidden size the byte copy takes (a multiple of 16)."""
+    def _fused_forward_from_tokens(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y_TH, router_logits_TE) of the fused path: what a captured forward records."""
+        router_logits_TE = self.router_logits(x_TH)
+        return self._fused_forward(x_TH, router_logits_TE), router_logits_TE
+
+    def _replays_graphs(self, x_TH: torch.Tensor) -> bool:
+        """Whether this forward may replay (or capture) a graph of itself: the fused path on
+        one GPU with a backend that captures, no host-synchronising checks, not inside another
+        capture."""
+        return (
+            self._forward_graphs.max_tokens > 0
+            and not self.expert_parallel
+            and not self.config.check_inputs
+            and x_TH.is_cuda
+            and self._runs_fused(x_TH)
+            and self._expert_backend.captures_in_graphs
+            and not self.config.torch_only_features
+            and not torch.cuda.is_current_stream_capturing()
+        )
+
+    def _dispatches_fp8_rows(self) -> bool:
+        """Whether the fused path's dispatch writes e4m3 rows (quantized as it copies the
+        tokens) rather than bf16 rows the FP8 kernels quantize: FP8 weights on the cutedsl
+        backend, a hidden size whose e4m3 rows the GEMM's TMA takes (a multiple of 16)."""
         return (
             self.config.weight_dtype == "fp8"
             and self._backend_name == "cutedsl"
@@ -562,6 +607,12 @@ class MegaMoE(nn.Module):
             self._resolve_backend()
         x_TH = x.reshape(-1, self.config.hidden_size)
         self._resolve_dispatcher(x_TH)
+        if self._replays_graphs(x_TH):
+            replayed = self._forward_graphs.forward(x_TH, router_logits=return_router_logits)
+            if replayed is not None:
+                y_TH, router_logits_TE = replayed
+                y = y_TH.view(x.shape)
+                return (y, router_logits_TE) if return_router_logits else y
         router_logits_TE = self.router_logits(x_TH)
         if self._runs_fused(x_TH):
             if not self.expert_parallel:
