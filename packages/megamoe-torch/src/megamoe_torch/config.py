@@ -72,6 +72,12 @@ class MegaMoEConfig:
     # activations quantized per row and 128 channels); the reference backend computes with the
     # dequantized weights (the FP8 oracle)
     weight_dtype: Literal["fp8"] | None = None
+    # the shared experts' weights: None, in the layer's dtype; "fp8", e4m3 with one float32
+    # scale per 128 x 128 block (`shared_experts.{gate,up,down}_proj.weight` and
+    # `.weight_scale_inv`, as DeepSeek-V3's FP8 checkpoints hold them), quantized as they load
+    # when given in another dtype, computed with the weights dequantized into the activations'
+    # dtype (kept until they change)
+    shared_weight_dtype: Literal["fp8"] | None = None
     # rows of the expert batch; None: tokens x top_k of each call. Fix it for CUDA graphs.
     capacity: int | None = None
     # data-dependent input checks (finite logits, ...): each costs a host sync
@@ -132,6 +138,13 @@ class MegaMoEConfig:
             raise ValueError(
                 f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}"
             )
+        if self.shared_weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(
+                f"shared_weight_dtype must be one of {WEIGHT_DTYPES}, got "
+                f"{self.shared_weight_dtype!r}"
+            )
+        if self.shared_weight_dtype == "fp8" and self.num_shared_experts == 0:
+            raise ValueError("shared_weight_dtype='fp8' needs num_shared_experts >= 1")
         if self.weight_dtype == "fp8" and self.torch_only_features:
             raise ValueError(
                 f"weight_dtype='fp8' does not combine with {', '.join(self.torch_only_features)}"

@@ -36,6 +36,7 @@ from torch import nn
 
 from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.forward_graphs import ForwardGraphs
+from megamoe_torch.fp8_linear import BlockFP8Linear, quantize_loaded_weights
 from megamoe_torch.ops import expert_mlp, register_layer
 
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=), torch >= 2.9
@@ -62,13 +63,26 @@ def _side_stream(main: torch.cuda.Stream) -> torch.cuda.Stream:
 
 
 class SharedExperts(nn.Module):
-    """A dense SwiGLU MLP every token goes through, optionally scaled by a sigmoid gate."""
+    """A dense SwiGLU MLP every token goes through, optionally scaled by a sigmoid gate.
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, gated: bool, **factory):
+    `fp8`: the three projections hold e4m3 weights with 128 x 128 block scales
+    (BlockFP8Linear: `weight` and `weight_scale_inv`, as FP8 checkpoints store them); the gate
+    stays in the activations' dtype.
+    """
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, *, gated: bool, fp8: bool = False, **factory
+    ):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, **factory)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, **factory)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, **factory)
+
+        def projection(in_features: int, out_features: int) -> nn.Module:
+            if fp8:
+                return BlockFP8Linear(in_features, out_features, device=factory.get("device"))
+            return nn.Linear(in_features, out_features, bias=False, **factory)
+
+        self.gate_proj = projection(hidden_size, intermediate_size)
+        self.up_proj = projection(hidden_size, intermediate_size)
+        self.down_proj = projection(intermediate_size, hidden_size)
         self.gate = nn.Linear(hidden_size, 1, bias=False, **factory) if gated else None
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
@@ -113,19 +127,7 @@ def _quantize_loaded_expert_weights(
     """load_state_dict pre-hook of an FP8 layer: full-precision `w13`/`w2` without their
     `*_scale_inv` are quantized per 128 x 128 block as they load (a bf16 checkpoint into an
     FP8 layer); e4m3 ones with their scales load as they are."""
-    from megamoe_kernels import quantize_weight_blocks
-
-    for name in ("w13", "w2"):
-        weight, scales = prefix + name, prefix + name + "_scale_inv"
-        if weight not in state_dict or state_dict[weight].dtype == FP8_WEIGHT_DTYPE:
-            continue
-        if scales in state_dict:
-            raise ValueError(
-                f"{weight} is {state_dict[weight].dtype} but comes with {scales}: an FP8 layer "
-                f"takes e4m3 weights with their scales, or full-precision weights alone (it "
-                f"quantizes them)"
-            )
-        state_dict[weight], state_dict[scales] = quantize_weight_blocks(state_dict[weight])
+    quantize_loaded_weights(state_dict, (prefix + "w13", prefix + "w2"))
 
 
 class MegaMoE(nn.Module):
@@ -135,6 +137,10 @@ class MegaMoE(nn.Module):
     (each expert's gate rows, then up rows); `w2` [E, H, I]; `w13_bias` [E, 2I] and `w2_bias`
     [E, H] with expert_bias; `e_score_correction_bias` [E] (fp32 buffer) when the config asks
     for it; `shared_experts` when num_shared_experts > 0.
+
+    weight_dtype="fp8": `w13`/`w2` are e4m3 with float32 block scales `w13_scale_inv`
+    [E, ceil(2I/128), ceil(H/128)] and `w2_scale_inv` [E, ceil(H/128), ceil(I/128)] (buffers);
+    shared_weight_dtype="fp8": the shared experts' projections likewise (BlockFP8Linear).
 
     Expert parallel with `process_group` of W ranks: this rank owns the E / W contiguous experts
     `local_experts` and `w13`/`w2` hold only those (router and shared experts are replicated);
@@ -153,6 +159,9 @@ class MegaMoE(nn.Module):
         super().__init__()
         self.config = config
         factory = {"device": device, "dtype": dtype}
+        # the hidden states' dtype, apart from the router's: a router weight kept in fp32 next to
+        # bf16 experts (DeepSeek-V3 in transformers) or e4m3 experts do not say what x is
+        self._activation_dtype = dtype if dtype is not None else torch.get_default_dtype()
         experts, hidden, intermediate = (
             config.num_experts,
             config.hidden_size,
@@ -195,7 +204,13 @@ class MegaMoE(nn.Module):
         else:
             self.e_score_correction_bias = None
         self.shared_experts = (
-            SharedExperts(hidden, config.shared_size, gated=config.shared_expert_gate, **factory)
+            SharedExperts(
+                hidden,
+                config.shared_size,
+                gated=config.shared_expert_gate,
+                fp8=config.shared_weight_dtype == "fp8",
+                **factory,
+            )
             if config.num_shared_experts
             else None
         )
@@ -644,9 +659,17 @@ class MegaMoE(nn.Module):
 
     @property
     def activation_dtype(self) -> torch.dtype:
-        """The dtype of the hidden states the layer takes (its router's: the experts' weights
-        may be FP8)."""
-        return self.gate.weight.dtype
+        """The dtype of the hidden states the layer takes and answers in: the constructor's
+        `dtype`, converted with the weights by `.to(dtype)`, `.half()`, `.float()`, ... (the
+        router's weight may stay fp32 and the experts' may be FP8)."""
+        return self._activation_dtype
+
+    def _apply(self, fn, recurse=True):
+        # the conversion applied to every tensor (module.to, .half(), .cuda(), ...) says what it
+        # makes of a floating tensor in the activations' dtype
+        super()._apply(fn, recurse)
+        self._activation_dtype = fn(torch.empty(0, dtype=self._activation_dtype)).dtype
+        return self
 
     def extra_repr(self) -> str:
         c = self.config
