@@ -105,16 +105,16 @@ def test_autograd_takes_the_torch_path():
 def test_shared_experts_on_a_side_stream_give_the_same_bits(family, tokens):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    fused, _ = _pair(family, "cutedsl", tokens)
-    ok, why = fused.fused_path_status()
-    if not ok or fused.backend != "cutedsl":
+    beside, _ = _pair(family, "cutedsl", tokens)
+    ok, why = beside.fused_path_status()
+    if not ok or beside.backend != "cutedsl":
         pytest.skip(why)
-    beside = MegaMoE(
-        replace(fused.config, shared_experts_on_side_stream=True),
+    fused = MegaMoE(  # the same layer, its shared experts on the caller's stream
+        replace(beside.config, shared_experts_on_side_stream=False),
         device="meta",
         dtype=torch.bfloat16,
     )
-    beside.load_state_dict(fused.state_dict(), assign=True)
+    fused.load_state_dict(beside.state_dict(), assign=True)
     for seed in range(3):  # launched, then (up to 128 tokens) captured and replayed
         generator = torch.Generator(device="cuda").manual_seed(seed)
         x = torch.randn(tokens, 512, device="cuda", generator=generator).bfloat16()

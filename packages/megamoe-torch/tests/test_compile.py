@@ -84,9 +84,10 @@ def test_hugging_face_model_with_swapped_blocks_compiles_fullgraph():
 
 
 REDUCE_OVERHEAD_LIMIT = (
-    "torch.compile's CUDA-graph trees refuse a buffer the cutedsl backend keeps across calls "
-    "when their warm-up made it in the graphs' memory pool (one remains after an eager forward "
-    "first); capture the layer with torch.cuda.graph instead (README)"
+    "torch.compile's CUDA-graph trees refuse the cutedsl backend's forward: 'Detected 1 "
+    "tensor(s) in the cudagraph pool not tracked as outputs' (one allocation its warm-up made "
+    "outlives the call, even after an eager forward first); capture the layer with "
+    "torch.cuda.graph instead, or let small eager forwards replay the layer's own graphs (README)"
 )
 
 
