@@ -389,3 +389,111 @@ BUFFER_STEP = fake.BUFFER_ALIGNMENT
 
 def test_deepep_bad_input_is_refused_before_any_launch(multirank):
     multirank(check_bad_input_is_refused)
+
+
+DEEPSEEK_V3_JSON = {
+    "model_type": "deepseek_v3",
+    "hidden_size": HIDDEN,
+    "moe_intermediate_size": 64,
+    "n_routed_experts": NUM_EXPERTS,
+    "num_experts_per_tok": TOP_K,
+    "n_group": 4,
+    "topk_group": 2,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "n_shared_experts": 1,
+}
+
+
+def deepseek_v3_checkpoint() -> dict[str, torch.Tensor]:
+    """A DeepSeek-V3-style block's tensors under their Hugging Face names, the same on every
+    rank (random weights and correction bias)."""
+    from megamoe_torch import MegaMoE, MegaMoEConfig
+    from megamoe_torch.hf import hf_state_dict_from_megamoe
+    from megamoe_torch.hf.families import read_hf_config
+
+    _, fields = read_hf_config(DEEPSEEK_V3_JSON)
+    torch.manual_seed(7)
+    source = MegaMoE(MegaMoEConfig(**fields), dtype=torch.bfloat16)
+    with torch.no_grad():
+        source.e_score_correction_bias.uniform_(-0.1, 0.1)
+    return hf_state_dict_from_megamoe(source.state_dict(), family="deepseek_v3")
+
+
+def check_layer_through_deepep(rank, world_size, device, kind, token_pattern):
+    """from_hf_state_dict(..., dispatcher=DeepEPDispatcher) equals the single-GPU layer built
+    from the same checkpoint, over repeated forwards (bf16: within bf16 tolerance)."""
+    from megamoe_torch import from_hf_state_dict
+
+    checkpoint = deepseek_v3_checkpoint()
+    single = from_hf_state_dict(checkpoint, DEEPSEEK_V3_JSON, backend="reference")
+    dispatcher = make_dispatcher(kind)
+    parallel = from_hf_state_dict(
+        checkpoint, DEEPSEEK_V3_JSON, backend="reference", dispatcher=dispatcher
+    )
+    tokens_per_rank = [token_pattern[r % len(token_pattern)] for r in range(world_size)]
+    generator = torch.Generator().manual_seed(11)
+    results = []
+    for _ in range(3):
+        xs = [
+            torch.randn(t, HIDDEN, generator=generator).to(torch.bfloat16) for t in tokens_per_rank
+        ]
+        with torch.no_grad():
+            y_single = single(torch.cat(xs))
+            y = parallel(xs[rank])
+        first = sum(tokens_per_rank[:rank])
+        results.append((y, y_single[first : first + tokens_per_rank[rank]]))
+
+    def check() -> None:
+        assert parallel.dispatcher is dispatcher and parallel.dispatcher_reason.startswith(
+            "injected: DeepEP"
+        )
+        assert parallel.w13.shape[0] == NUM_EXPERTS // world_size
+        assert list(parallel.local_experts) == list(
+            range(rank * NUM_EXPERTS // world_size, (rank + 1) * NUM_EXPERTS // world_size)
+        )
+        for y, expected in results:
+            if KINDS[kind][2]:  # the tokens cross as e4m3: FP8's error, not bf16's
+                assert relative_l2_error(y, expected) < 0.05
+            else:
+                torch.testing.assert_close(y, expected, rtol=2e-2, atol=2e-2)
+
+    fail_together(check)
+
+
+@pytest.mark.parametrize("kind", ["v1-normal", "v1-normal-fp8", "v1-low-latency", "v2-normal"])
+def test_deepep_layer_from_a_checkpoint_equals_single_gpu(multirank, kind):
+    multirank(check_layer_through_deepep, kind, [40, 0, 17])
+
+
+@pytest.mark.parametrize("kind", ["v1-normal", "v1-low-latency"])
+def test_deepep_layer_on_more_ranks(multirank, kind):
+    multirank(check_layer_through_deepep, kind, [5, 17, 0, 8], world_size=4)
+
+
+def check_layer_refuses_a_dispatcher_that_disagrees(rank, world_size, device):
+    from megamoe_torch import MegaMoE, MegaMoEConfig
+    from megamoe_torch.hf.families import read_hf_config
+
+    _, fields = read_hf_config(DEEPSEEK_V3_JSON)
+    config = MegaMoEConfig(**fields, backend="reference")
+    dispatcher = make_dispatcher("v1-normal")
+    # every rank builds every one-rank group, in the same order
+    own_group = [dist.new_group([r]) for r in range(world_size)][rank]
+    with pytest.raises(ValueError, match=r"process_group holds ranks \[\d\] but the dispatcher"):
+        MegaMoE(config, process_group=own_group, dispatcher=dispatcher)
+    with pytest.raises(ValueError, match="built for num_experts=16, the layer has num_experts=32"):
+        MegaMoE(MegaMoEConfig(**(fields | {"num_experts": 32})), dispatcher=dispatcher)
+    with pytest.raises(ValueError, match="leave config.dispatcher at 'auto'"):
+        MegaMoE(MegaMoEConfig(**fields, dispatcher="torch"), dispatcher=dispatcher)
+    layer = MegaMoE(config, process_group=dist.group.WORLD, dispatcher=dispatcher)
+    assert layer.process_group is dist.group.WORLD and layer.expert_parallel
+    # a float32 layer: DeepEP moves bf16, refused before anything is sent
+    calls = len(dispatcher.buffer.calls)
+    with pytest.raises(TypeError, match="DeepEP dispatches bf16 tokens"), torch.no_grad():
+        layer(torch.randn(3, HIDDEN))
+    assert len(dispatcher.buffer.calls) == calls
+
+
+def test_deepep_layer_refuses_a_dispatcher_that_disagrees(multirank):
+    multirank(check_layer_refuses_a_dispatcher_that_disagrees)

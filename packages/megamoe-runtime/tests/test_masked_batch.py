@@ -170,3 +170,14 @@ def test_bad_masked_batches_are_refused_naming_the_argument():
     backend = make_backend("reference")
     with pytest.raises(ValueError, match=r"expert_counts\[1\] = 25 must lie in \[0, 24\]"):
         backend(masked, backend.prepare(random_weights(torch.float32)))
+
+
+def test_backend_choice_for_masked_batches_skips_cutedsl_and_says_why():
+    from megamoe_runtime.experts import backend_status, select_backend
+
+    available, reason = backend_status("cutedsl", torch.device("cuda", 0), masked_batches=True)
+    assert not available and "masked" in reason and "per-expert valid count" in reason
+    name, reason = select_backend("auto", torch.device("cpu"), masked_batches=True)
+    assert name == "reference" and "cutedsl: the cutedsl kernels take tight" in reason
+    with pytest.raises(ValueError, match="backend 'cutedsl' cannot run on cpu: .*masked"):
+        select_backend("cutedsl", torch.device("cpu"), masked_batches=True)

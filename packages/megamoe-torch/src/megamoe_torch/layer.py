@@ -24,6 +24,7 @@ from megamoe_kernels.reference import expert_mlp_reference
 from megamoe_runtime.dispatch import LocalDispatcher
 from megamoe_runtime.dispatch.device_routed import DeviceRoutedDispatcher, device_routing_status
 from megamoe_runtime.distributed import (
+    injected_dispatcher_group,
     local_expert_range,
     make_expert_parallel_dispatcher,
     select_dispatcher,
@@ -123,7 +124,11 @@ class MegaMoE(nn.Module):
     Expert parallel with `process_group` of W ranks: this rank owns the E / W contiguous experts
     `local_experts` and `w13`/`w2` hold only those (router and shared experts are replicated);
     every rank calls forward with its own tokens. `load_full_state_dict` loads the local slice
-    from a single-GPU state dict. `config.dispatcher` picks how tokens travel.
+    from a single-GPU state dict. `config.dispatcher` picks how tokens travel, or `dispatcher`
+    brings one the caller built (a `DeepEPDispatcher` over its deep_ep buffer): the layer's
+    group is then the dispatcher's (`process_group`, if given, must hold the same ranks), and
+    config's capacity, max_tokens_per_rank and combine_order, which configure megamoe's own
+    dispatchers, do not apply to it.
     """
 
     def __init__(
@@ -131,6 +136,7 @@ class MegaMoE(nn.Module):
         config: MegaMoEConfig,
         *,
         process_group: torch.distributed.ProcessGroup | None = None,
+        dispatcher=None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -142,6 +148,20 @@ class MegaMoE(nn.Module):
             config.hidden_size,
             config.intermediate_size,
         )
+        if dispatcher is not None:
+            if config.dispatcher != "auto":
+                raise ValueError(
+                    f"config.dispatcher={config.dispatcher!r} names a dispatcher megamoe builds, "
+                    f"but dispatcher= brings one ({type(dispatcher).__name__}): leave "
+                    "config.dispatcher at 'auto' with an injected dispatcher"
+                )
+            process_group = injected_dispatcher_group(
+                dispatcher,
+                process_group,
+                num_experts=experts,
+                top_k=config.top_k,
+                hidden_size=hidden,
+            )
         _check_torch_only_features(config, backend=config.backend, process_group=process_group)
         self.process_group = process_group
         self.local_experts = local_expert_range(experts, process_group)
@@ -184,14 +204,20 @@ class MegaMoE(nn.Module):
             else None
         )
         self.expert_parallel = local < experts
+        self._injected_dispatcher = dispatcher
         # expert parallel: built on first forward, once the device and dtype are known
-        self.dispatcher = (
-            None
-            if self.expert_parallel
-            else LocalDispatcher(experts, capacity=config.capacity, check_ids=False)
-        )
+        if dispatcher is not None:
+            self.dispatcher = dispatcher
+            describe = getattr(dispatcher, "describe", None)
+            self.dispatcher_reason = "injected: " + (
+                describe() if describe is not None else type(dispatcher).__name__
+            )
+        elif self.expert_parallel:
+            self.dispatcher, self.dispatcher_reason = None, ""
+        else:
+            self.dispatcher = LocalDispatcher(experts, capacity=config.capacity, check_ids=False)
+            self.dispatcher_reason = "single GPU: local"
         self._dispatcher_key: tuple | None = None
-        self.dispatcher_reason = "single GPU: local" if not self.expert_parallel else ""
         self._backend_name: str | None = None
         self._backend_reason = ""
         self._prepared_key: tuple | None = None
@@ -262,7 +288,7 @@ class MegaMoE(nn.Module):
         self.load_state_dict(local_state)
 
     def _resolve_dispatcher(self, x_TH: torch.Tensor) -> None:
-        if not self.expert_parallel:
+        if not self.expert_parallel or self._injected_dispatcher is not None:
             return
         key = (x_TH.device, x_TH.dtype)
         if key == self._dispatcher_key:
@@ -296,7 +322,9 @@ class MegaMoE(nn.Module):
     def _resolve_backend(self) -> None:
         device = self.w13.device
         if self._backend_name is None or self._backend_device != device:
-            self._backend_name, self._backend_reason = select_backend(self.config.backend, device)
+            self._backend_name, self._backend_reason = select_backend(
+                self.config.backend, device, masked_batches=self._masked_batches
+            )
             features = self.config.torch_only_features
             if features and self._backend_name != "reference":  # backend "auto" (else refused)
                 self._backend_name = "reference"
@@ -306,6 +334,11 @@ class MegaMoE(nn.Module):
             self._backend_device = device
             self._expert_backend = make_backend(self._backend_name)
             self._prepared_key = None
+
+    @property
+    def _masked_batches(self) -> bool:
+        """Whether the dispatcher hands the experts masked batches (DeepEP low latency)."""
+        return bool(getattr(self.dispatcher, "masked_batches", False))
 
     def _prepared_weights(self):
         # the backend's layout is rebuilt only when the weights change (in place or replaced)
@@ -374,6 +407,7 @@ class MegaMoE(nn.Module):
                     self.w2,
                     self._layer_id,
                     valid_rows,
+                    batch.expert_counts,
                 )
             return self._run_expert_backend(batch)
         if self.config.torch_only_features:
@@ -406,6 +440,7 @@ class MegaMoE(nn.Module):
             limit=config.swiglu_limit,
             alpha=config.swiglu_alpha,
             up_offset=config.swiglu_up_offset,
+            expert_counts=batch.expert_counts,
         )
         return out_MH.to(batch.rows_MH.dtype)
 
@@ -549,7 +584,7 @@ class MegaMoE(nn.Module):
         self._resolve_dispatcher(x_TH)
         router_logits_TE = self.router_logits(x_TH)
         if self._runs_fused(x_TH):
-            if not self.expert_parallel:
+            if not self.expert_parallel and self._injected_dispatcher is None:
                 y = self._fused_forward(x_TH, router_logits_TE).view(x.shape)
                 return (y, router_logits_TE) if return_router_logits else y
             if self.config.check_inputs:

@@ -254,6 +254,11 @@ class DeepEPDispatcher:
             self.max_tokens_per_rank = max_tokens_per_rank
 
     @property
+    def masked_batches(self) -> bool:
+        """Whether dispatch hands the experts masked batches (low-latency mode)."""
+        return self.mode == "low_latency"
+
+    @property
     def process_group(self) -> dist.ProcessGroup:
         """The buffer's group: the layer's expert-parallel group."""
         return self.buffer.group

@@ -21,8 +21,17 @@ from megamoe_runtime.experts.reference import ReferenceExperts
 BACKEND_NAMES = ("cutedsl", "grouped_mm", "reference")
 
 
-def backend_status(name: str, device: torch.device) -> tuple[bool, str]:
-    """(can run, why) for one backend on `device`."""
+def backend_status(
+    name: str, device: torch.device, *, masked_batches: bool = False
+) -> tuple[bool, str]:
+    """(can run, why) for one backend on `device`; `masked_batches`: for batches in the masked
+    layout (a DeepEP low-latency receive buffer), which the cutedsl kernels do not take."""
+    if masked_batches and name == "cutedsl":
+        return False, (
+            "the cutedsl kernels take tight expert batches, and this layer's dispatcher hands "
+            "the experts masked ones (per-expert counts at a fixed stride: DeepEP's low-latency "
+            "mode); the kernels have no per-expert valid count yet"
+        )
     if name == "reference":
         return True, "pure torch runs everywhere"
     if name == "grouped_mm":
@@ -32,17 +41,20 @@ def backend_status(name: str, device: torch.device) -> tuple[bool, str]:
     raise ValueError(f"backend must be one of {('auto', *BACKEND_NAMES)}, got {name!r}")
 
 
-def select_backend(requested: str, device: torch.device) -> tuple[str, str]:
-    """Resolves 'auto' (or checks an explicit name) to (backend name, reason)."""
+def select_backend(
+    requested: str, device: torch.device, *, masked_batches: bool = False
+) -> tuple[str, str]:
+    """Resolves 'auto' (or checks an explicit name) to (backend name, reason); see
+    `backend_status` for `masked_batches`."""
     device = torch.device(device)
     if requested != "auto":
-        available, reason = backend_status(requested, device)
+        available, reason = backend_status(requested, device, masked_batches=masked_batches)
         if not available:
             raise ValueError(f"backend {requested!r} cannot run on {device}: {reason}")
         return requested, reason
     skipped = []
     for name in BACKEND_NAMES:
-        available, reason = backend_status(name, device)
+        available, reason = backend_status(name, device, masked_batches=masked_batches)
         if available:
             because = f"; skipped {'; '.join(skipped)}" if skipped else ""
             return name, f"auto: {name} ({reason}){because}"

@@ -35,7 +35,8 @@ from megamoe_torch.hf.state_dict import (
 )
 from megamoe_torch.layer import MegaMoE
 
-# MegaMoEConfig fields that change how a layer runs, not what it computes
+# MegaMoEConfig fields that change how a layer runs, not what it computes ("dispatcher" also
+# takes a dispatcher object the caller built, e.g. a DeepEPDispatcher: see MegaMoE)
 RUN_OPTIONS = ("backend", "capacity", "check_inputs", "dispatcher", "max_tokens_per_rank")
 
 
@@ -48,8 +49,10 @@ def from_hf(block: nn.Module, **options: Any) -> MegaMoE:
     without a gate; routing weights on the expert input), and the per-expert blocks of the
     transformers 4.x Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3. The layer shares the block's
     tensors where the layouts agree (no copy). `options`: any of RUN_OPTIONS, and
-    `process_group` for expert parallelism. Raises UnsupportedBlockError (a ValueError) saying
-    why a block cannot be reproduced exactly.
+    `process_group` for expert parallelism; `dispatcher` is a name (MegaMoEConfig.dispatcher) or
+    a dispatcher the caller built (`DeepEPDispatcher`), whose group the layer then spans (it
+    keeps its rank's experts). Raises UnsupportedBlockError (a ValueError) saying why a block
+    cannot be reproduced exactly.
     """
     layer, _ = convert_block(block, layer_class=MegaMoE, options=options)
     return layer
@@ -155,6 +158,9 @@ def build_layer(
 ) -> MegaMoE:
     options = dict(options)
     process_group = options.pop("process_group", None)
+    dispatcher = None
+    if options.get("dispatcher") is not None and not isinstance(options["dispatcher"], str):
+        dispatcher = options.pop("dispatcher")
     unknown = sorted(set(options) - set(RUN_OPTIONS))
     if unknown:
         raise TypeError(
@@ -164,8 +170,10 @@ def build_layer(
     semantic_config(fields)
     config = MegaMoEConfig(**fields, **options)  # a bad run option is the caller's ValueError
     gate_dtype = megamoe_state["gate.weight"].dtype
-    if process_group is not None:
-        layer = layer_class(config, process_group=process_group, device=device, dtype=dtype)
+    if process_group is not None or dispatcher is not None:
+        layer = layer_class(
+            config, process_group=process_group, dispatcher=dispatcher, device=device, dtype=dtype
+        )
         # DeepSeek-V3 keeps its router weight in fp32 next to bf16 experts
         layer.gate.to(dtype=gate_dtype)
         layer.load_full_state_dict(megamoe_state)
