@@ -76,6 +76,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megamoe_runtime.dispatch.deepep_buffers import (
+    check_v1_low_latency_buffer,
+    check_v1_normal_buffer,
+    check_v2_buffer,
+    deepep_api_of,
+)
 from megamoe_runtime.dispatch.local import (
     check_expert_ids,
     expert_major_order,
@@ -89,57 +95,6 @@ MODES = ("normal", "low_latency")
 # the mode each V1 buffer last ran: its low-latency kernels need part of the buffer zeroed
 # again after normal-mode kernels used it (DeepEP's clean_low_latency_buffer)
 _LAST_MODE_OF_BUFFER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# FP8 tokens carry one float32 scale per 128 channels (DeepEP's recipe and megamoe's)
-FP8_SCALE_GROUP = 128
-
-# what the adapter calls on each DeepEP buffer API (methods and attributes, by name)
-V1_BUFFER_NEEDS = (
-    "get_dispatch_layout",
-    "dispatch",
-    "combine",
-    "low_latency_dispatch",
-    "low_latency_combine",
-    "get_dispatch_config",
-    "get_combine_config",
-    "get_low_latency_rdma_size_hint",
-    "clean_low_latency_buffer",
-    "capture",
-    "group",
-    "rank",
-    "group_size",
-    "num_nvl_bytes",
-    "num_rdma_bytes",
-    "low_latency_mode",
-)
-V2_BUFFER_NEEDS = (
-    "dispatch",
-    "combine",
-    "get_buffer_size_hint",
-    "capture",
-    "group",
-    "rank_idx",
-    "num_ranks",
-    "num_bytes",
-    "num_max_tokens_per_rank",
-)
-
-
-def deepep_api_of(buffer: Any) -> str:
-    """'v1' (deep_ep.Buffer) or 'v2' (deep_ep.ElasticBuffer), from the names the buffer has;
-    raises TypeError naming what is missing for anything else."""
-    missing = {
-        api: [name for name in needs if not hasattr(buffer, name)]
-        for api, needs in (("v1", V1_BUFFER_NEEDS), ("v2", V2_BUFFER_NEEDS))
-    }
-    for api, lacking in missing.items():
-        if not lacking:
-            return api
-    closest = min(missing, key=lambda api: len(missing[api]))
-    raise TypeError(
-        f"buffer must be a deep_ep.Buffer (DeepEP V1, normal or low_latency_mode) or a "
-        f"deep_ep.ElasticBuffer (DeepEP V2), built by the caller; got {type(buffer).__name__}, "
-        f"which lacks {missing[closest]} of the {closest} buffer's API"
-    )
 
 
 @dataclass(frozen=True)
@@ -184,7 +139,8 @@ class DeepEPDispatcher:
       'low_latency' (decode: a masked batch read in place, no host sync).
     max_tokens_per_rank: the most tokens a rank sends per call. Low latency: DeepEP's
       `num_max_dispatch_tokens_per_rank` (required; every rank passes the same). V2: the
-      buffer's `num_max_tokens_per_rank` unless given.
+      buffer's `num_max_tokens_per_rank` unless given. V1 normal: optional, a bound each call
+      is checked against (DeepEP's normal buffers take any count).
     fp8_dispatch: tokens cross the wire as e4m3 with one scale per 128 channels (half the
       bytes) and reach the experts as FP8 rows (V1 only; normal mode quantizes them here with
       megamoe's recipe, low latency with DeepEP's).
@@ -222,14 +178,10 @@ class DeepEPDispatcher:
                 f"the buffer's group must be a torch.distributed ProcessGroup (a buffer built from "
                 f"an mpi4py communicator has none), got {type(group).__name__}"
             )
-        rank, world = (
-            (buffer.rank, buffer.group_size)
-            if self.api == "v1"
-            else (
-                buffer.rank_idx,
-                buffer.num_ranks,
-            )
-        )
+        if self.api == "v1":
+            rank, world = buffer.rank, buffer.group_size
+        else:
+            rank, world = buffer.rank_idx, buffer.num_ranks
         if (dist.get_rank(group), dist.get_world_size(group)) != (rank, world):
             raise ValueError(
                 f"the buffer says rank {rank} of {world}, but its group says rank "
@@ -245,13 +197,20 @@ class DeepEPDispatcher:
         self.topk_idx_dtype = topk_idx_dtype
         self.check_ids = check_ids
         self.dispatch_config = self.combine_config = None
+        self.max_tokens_per_rank = max_tokens_per_rank
+        sizes = {"hidden_size": hidden_size, "world_size": world, "fp8_dispatch": fp8_dispatch}
         if self.api == "v2":
-            self._check_v2(max_tokens_per_rank)
+            self.max_tokens_per_rank = check_v2_buffer(
+                buffer, mode=mode, top_k=top_k, max_tokens_per_rank=max_tokens_per_rank, **sizes
+            )
         elif mode == "low_latency":
-            self._check_v1_low_latency(max_tokens_per_rank)
+            check_v1_low_latency_buffer(
+                buffer, num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank, **sizes
+            )
         else:
-            self._check_v1_normal(dispatch_config, combine_config)
-            self.max_tokens_per_rank = max_tokens_per_rank
+            self.dispatch_config, self.combine_config = check_v1_normal_buffer(
+                buffer, dispatch_config=dispatch_config, combine_config=combine_config, **sizes
+            )
 
     @property
     def masked_batches(self) -> bool:
@@ -267,115 +226,6 @@ class DeepEPDispatcher:
         api = "V1 deep_ep.Buffer" if self.api == "v1" else "V2 deep_ep.ElasticBuffer"
         wire = "FP8" if self.fp8_dispatch else "bf16"
         return f"DeepEP {api}, {self.mode.replace('_', '-')} mode, {wire} dispatch"
-
-    def _check_v1_normal(self, dispatch_config: Any, combine_config: Any) -> None:
-        buffer, world = self.buffer, self.world_size
-        try:
-            dispatch_config = dispatch_config or buffer.get_dispatch_config(world)
-            combine_config = combine_config or buffer.get_combine_config(world)
-        except AssertionError as failure:  # DeepEP's table has no entry for this group size
-            raise ValueError(
-                f"DeepEP recommends no dispatch/combine config for {world} ranks ({failure}); "
-                "pass dispatch_config= and combine_config= (deep_ep.Config)"
-            ) from failure
-        self.dispatch_config, self.combine_config = dispatch_config, combine_config
-        # DeepEP sizes its queues by max(element size, 2) bytes per channel: bf16 and FP8 alike
-        hidden_bytes = self.hidden_size * 2
-        needed_nvl = max(
-            config.get_nvl_buffer_size_hint(hidden_bytes, world)
-            for config in (dispatch_config, combine_config)
-        )
-        needed_rdma = max(
-            config.get_rdma_buffer_size_hint(hidden_bytes, world)
-            for config in (dispatch_config, combine_config)
-        )
-        if buffer.num_nvl_bytes < needed_nvl or buffer.num_rdma_bytes < needed_rdma:
-            raise ValueError(
-                f"the deep_ep.Buffer holds {buffer.num_nvl_bytes} NVLink and "
-                f"{buffer.num_rdma_bytes} RDMA bytes; normal mode at hidden {self.hidden_size} on "
-                f"{world} ranks needs {needed_nvl} and {needed_rdma} (max of "
-                "config.get_nvl_buffer_size_hint / get_rdma_buffer_size_hint(hidden x 2, ranks) "
-                "over the dispatch and combine configs): build the buffer with at least those"
-            )
-        if self.fp8_dispatch and self.hidden_size % FP8_SCALE_GROUP:
-            raise ValueError(
-                f"FP8 dispatch takes a hidden size divisible by {FP8_SCALE_GROUP} (one scale per "
-                f"{FP8_SCALE_GROUP} channels), got {self.hidden_size}"
-            )
-
-    def _check_v1_low_latency(self, max_tokens_per_rank: int | None) -> None:
-        buffer, world = self.buffer, self.world_size
-        if not buffer.low_latency_mode:
-            raise ValueError(
-                "mode='low_latency' needs a deep_ep.Buffer built with low_latency_mode=True (and "
-                "num_rdma_bytes from Buffer.get_low_latency_rdma_size_hint); this one was built "
-                "for normal mode: use mode='normal' with it"
-            )
-        if not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1:
-            raise ValueError(
-                f"mode='low_latency' needs max_tokens_per_rank (DeepEP's "
-                f"num_max_dispatch_tokens_per_rank, the same on every rank), got "
-                f"{max_tokens_per_rank!r}"
-            )
-        divisor = 4 * FP8_SCALE_GROUP if self.fp8_dispatch else FP8_SCALE_GROUP
-        if self.hidden_size % divisor:
-            raise ValueError(
-                f"DeepEP's low-latency kernels take a hidden size divisible by {divisor}"
-                f"{' with FP8 dispatch' if self.fp8_dispatch else ''}, got {self.hidden_size}"
-            )
-        if world * max_tokens_per_rank % 4:
-            raise ValueError(
-                f"DeepEP's low-latency receive layout needs ranks x max_tokens_per_rank divisible "
-                f"by 4 (TMA), got {world} x {max_tokens_per_rank}"
-            )
-        needed = buffer.get_low_latency_rdma_size_hint(
-            max_tokens_per_rank, self.hidden_size, world, self.num_experts
-        )
-        if buffer.num_rdma_bytes < needed:
-            raise ValueError(
-                f"the deep_ep.Buffer holds {buffer.num_rdma_bytes} RDMA bytes; low-latency mode "
-                f"with max_tokens_per_rank={max_tokens_per_rank}, hidden {self.hidden_size}, "
-                f"{world} ranks and {self.num_experts} experts needs {needed} "
-                "(Buffer.get_low_latency_rdma_size_hint): build it with at least that, or lower "
-                "max_tokens_per_rank"
-            )
-        self.max_tokens_per_rank = max_tokens_per_rank
-
-    def _check_v2(self, max_tokens_per_rank: int | None) -> None:
-        buffer = self.buffer
-        if self.mode != "normal":
-            raise ValueError(
-                "DeepEP V2's ElasticBuffer has no low-latency API (its README: 0-SM RDMA "
-                "low-latency EP is no longer supported): use mode='normal' with it, or a V1 "
-                "deep_ep.Buffer built with low_latency_mode=True"
-            )
-        if self.fp8_dispatch:
-            raise ValueError(
-                "FP8 dispatch through a V2 ElasticBuffer is not supported by this adapter; use "
-                "fp8_dispatch=False, or a V1 deep_ep.Buffer"
-            )
-        max_tokens = max_tokens_per_rank or buffer.num_max_tokens_per_rank
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(
-                "a V2 ElasticBuffer built from num_bytes has no num_max_tokens_per_rank: pass "
-                f"max_tokens_per_rank, got {max_tokens_per_rank!r}"
-            )
-        needed = buffer.get_buffer_size_hint(
-            buffer.group,
-            max_tokens,
-            self.hidden_size,
-            num_topk=self.top_k,
-            use_fp8_dispatch=False,
-            allow_hybrid_mode=getattr(buffer, "allow_hybrid_mode", True),
-            allow_multiple_reduction=getattr(buffer, "allow_multiple_reduction", True),
-        )
-        if buffer.num_bytes < needed:
-            raise ValueError(
-                f"the deep_ep.ElasticBuffer holds {buffer.num_bytes} bytes; {max_tokens} tokens "
-                f"per rank of hidden {self.hidden_size}, top-{self.top_k}, need {needed} "
-                "(ElasticBuffer.get_buffer_size_hint): build it with at least that"
-            )
-        self.max_tokens_per_rank = max_tokens
 
     # dispatch
 
