@@ -497,3 +497,35 @@ def check_layer_refuses_a_dispatcher_that_disagrees(rank, world_size, device):
 
 def test_deepep_layer_refuses_a_dispatcher_that_disagrees(multirank):
     multirank(check_layer_refuses_a_dispatcher_that_disagrees)
+
+
+def check_layer_with_torch_only_expert_math(rank, world_size, device):
+    """A layer whose expert math only the torch path computes (expert biases) runs the masked
+    batch of a low-latency dispatcher there too, and equals the single-GPU layer."""
+    from megamoe_torch import MegaMoE, MegaMoEConfig
+
+    config = MegaMoEConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_experts=NUM_EXPERTS,
+        top_k=TOP_K,
+        expert_bias=True,
+        backend="reference",
+    )
+    torch.manual_seed(5)
+    single = MegaMoE(config, dtype=torch.bfloat16)
+    parallel = MegaMoE(config, dispatcher=make_dispatcher("v1-low-latency"), dtype=torch.bfloat16)
+    parallel.load_full_state_dict(single.state_dict())
+    tokens_per_rank = [(13 * r + 9) % 40 for r in range(world_size)]
+    generator = torch.Generator().manual_seed(12)
+    xs = [torch.randn(t, HIDDEN, generator=generator).to(torch.bfloat16) for t in tokens_per_rank]
+    with torch.no_grad():
+        y_single = single(torch.cat(xs))
+        y = parallel(xs[rank])
+    first = sum(tokens_per_rank[:rank])
+    expected = y_single[first : first + tokens_per_rank[rank]]
+    fail_together(lambda: torch.testing.assert_close(y, expected, rtol=2e-2, atol=2e-2))
+
+
+def test_deepep_low_latency_layer_with_expert_biases(multirank):
+    multirank(check_layer_with_torch_only_expert_math)
