@@ -486,8 +486,21 @@ def check_layer_refuses_a_dispatcher_that_disagrees(rank, world_size, device):
         MegaMoE(MegaMoEConfig(**(fields | {"num_experts": 32})), dispatcher=dispatcher)
     with pytest.raises(ValueError, match="leave config.dispatcher at 'auto'"):
         MegaMoE(MegaMoEConfig(**fields, dispatcher="torch"), dispatcher=dispatcher)
+    with pytest.raises(ValueError, match="runs megamoe's own"):
+        MegaMoE(config, process_group=dist.group.WORLD).use_dispatcher(dispatcher)
     layer = MegaMoE(config, process_group=dist.group.WORLD, dispatcher=dispatcher)
     assert layer.process_group is dist.group.WORLD and layer.expert_parallel
+    with pytest.raises(
+        ValueError, match="built for hidden_size=256, the layer has hidden_size=128"
+    ):
+        layer.use_dispatcher(
+            DeepEPDispatcher(
+                make_buffer("v1", "normal", hidden=256),
+                num_experts=NUM_EXPERTS,
+                top_k=TOP_K,
+                hidden_size=256,
+            )
+        )
     # a float32 layer: DeepEP moves bf16, refused before anything is sent
     calls = len(dispatcher.buffer.calls)
     with pytest.raises(TypeError, match="DeepEP dispatches bf16 tokens"), torch.no_grad():
@@ -529,3 +542,50 @@ def check_layer_with_torch_only_expert_math(rank, world_size, device):
 
 def test_deepep_low_latency_layer_with_expert_biases(multirank):
     multirank(check_layer_with_torch_only_expert_math)
+
+
+def check_layer_switches_between_prefill_and_decode(rank, world_size, device):
+    """One layer, one low_latency_mode buffer: prefill through the normal-mode dispatcher,
+    decode through the low-latency one, and back, each forward equal to the single-GPU one."""
+    from megamoe_torch import from_hf_state_dict
+
+    checkpoint = deepseek_v3_checkpoint()
+    single = from_hf_state_dict(checkpoint, DEEPSEEK_V3_JSON, backend="reference")
+    buffer = make_buffer("v1", "low_latency", hidden=HIDDEN)
+    prefill = make_dispatcher("v1-normal", buffer)
+    decode = make_dispatcher("v1-low-latency", buffer)
+    layer = from_hf_state_dict(
+        checkpoint, DEEPSEEK_V3_JSON, backend="reference", dispatcher=prefill
+    )
+    generator = torch.Generator().manual_seed(21)
+    results = []
+    for step, dispatcher in enumerate((prefill, decode, decode, prefill)):
+        layer.use_dispatcher(dispatcher)
+        tokens_per_rank = [(7 * r + 3 * step + 5) % 30 for r in range(world_size)]
+        xs = [
+            torch.randn(t, HIDDEN, generator=generator).to(torch.bfloat16) for t in tokens_per_rank
+        ]
+        with torch.no_grad():
+            y_single = single(torch.cat(xs))
+            y = layer(xs[rank])
+        first = sum(tokens_per_rank[:rank])
+        results.append(
+            (layer.dispatcher_reason, y, y_single[first : first + tokens_per_rank[rank]])
+        )
+
+    def check() -> None:
+        assert [reason.split(", ")[1] for reason, _, _ in results] == [
+            "normal mode",
+            "low-latency mode",
+            "low-latency mode",
+            "normal mode",
+        ]
+        assert buffer.calls.count("clean_low_latency_buffer") == 1
+        for _, y, expected in results:
+            torch.testing.assert_close(y, expected, rtol=2e-2, atol=2e-2)
+
+    fail_together(check)
+
+
+def test_deepep_layer_switches_between_prefill_and_decode(multirank):
+    multirank(check_layer_switches_between_prefill_and_decode)

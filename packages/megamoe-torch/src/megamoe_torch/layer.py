@@ -204,14 +204,10 @@ class MegaMoE(nn.Module):
             else None
         )
         self.expert_parallel = local < experts
-        self._injected_dispatcher = dispatcher
+        self._injected_dispatcher = None
         # expert parallel: built on first forward, once the device and dtype are known
         if dispatcher is not None:
-            self.dispatcher = dispatcher
-            describe = getattr(dispatcher, "describe", None)
-            self.dispatcher_reason = "injected: " + (
-                describe() if describe is not None else type(dispatcher).__name__
-            )
+            self._inject(dispatcher)
         elif self.expert_parallel:
             self.dispatcher, self.dispatcher_reason = None, ""
         else:
@@ -260,6 +256,33 @@ class MegaMoE(nn.Module):
         _check_torch_only_features(self.config, backend=backend)
         self.config = replace(self.config, backend=backend)
         self._backend_name = None
+
+    def use_dispatcher(self, dispatcher) -> None:
+        """Hands the layer another dispatcher the caller built over the same group (prefill and
+        decode over one DeepEP buffer: a normal-mode and a low-latency DeepEPDispatcher); the
+        backend is chosen again for the batches it hands out."""
+        if self._injected_dispatcher is None:
+            raise ValueError(
+                "use_dispatcher switches between dispatchers the caller built; this layer runs "
+                f"megamoe's own ({self.dispatcher_reason or 'chosen on first forward'}): build it "
+                "with MegaMoE(config, dispatcher=...)"
+            )
+        injected_dispatcher_group(
+            dispatcher,
+            self.process_group,
+            num_experts=self.config.num_experts,
+            top_k=self.config.top_k,
+            hidden_size=self.config.hidden_size,
+        )
+        self._inject(dispatcher)
+        self._backend_name = None
+
+    def _inject(self, dispatcher) -> None:
+        self._injected_dispatcher = self.dispatcher = dispatcher
+        describe = getattr(dispatcher, "describe", None)
+        self.dispatcher_reason = "injected: " + (
+            describe() if describe is not None else type(dispatcher).__name__
+        )
 
     @torch.no_grad()
     def load_full_state_dict(self, full_state_dict: dict[str, torch.Tensor]) -> None:
