@@ -181,3 +181,16 @@ def test_backend_choice_for_masked_batches_skips_cutedsl_and_says_why():
     assert name == "reference" and "cutedsl: the cutedsl kernels take tight" in reason
     with pytest.raises(ValueError, match="backend 'cutedsl' cannot run on cpu: .*masked"):
         select_backend("cutedsl", torch.device("cpu"), masked_batches=True)
+
+
+def test_backend_choice_for_fp8_rows_keeps_to_backends_that_take_them():
+    from megamoe_runtime.experts import backend_status, select_backend
+
+    cuda = torch.device("cuda", 0)
+    assert not backend_status("grouped_mm", cuda, fp8_rows=True)[0]
+    available, reason = backend_status("cutedsl", cuda, fp8_rows=True)
+    assert not available and "weight_dtype='fp8'" in reason
+    name, _ = select_backend("auto", torch.device("cpu"), fp8_rows=True)
+    assert name == "reference"
+    with pytest.raises(ValueError, match="grouped_mm takes full-precision batch rows"):
+        select_backend("grouped_mm", torch.device("cpu"), fp8_rows=True)

@@ -346,7 +346,11 @@ class MegaMoE(nn.Module):
         device = self.w13.device
         if self._backend_name is None or self._backend_device != device:
             self._backend_name, self._backend_reason = select_backend(
-                self.config.backend, device, masked_batches=self._masked_batches
+                self.config.backend,
+                device,
+                masked_batches=bool(getattr(self.dispatcher, "masked_batches", False)),
+                fp8_rows=bool(getattr(self.dispatcher, "fp8_batches", False)),
+                fp8_weights=self.config.weight_dtype == "fp8",
             )
             features = self.config.torch_only_features
             if features and self._backend_name != "reference":  # backend "auto" (else refused)
@@ -357,11 +361,6 @@ class MegaMoE(nn.Module):
             self._backend_device = device
             self._expert_backend = make_backend(self._backend_name)
             self._prepared_key = None
-
-    @property
-    def _masked_batches(self) -> bool:
-        """Whether the dispatcher hands the experts masked batches (DeepEP low latency)."""
-        return bool(getattr(self.dispatcher, "masked_batches", False))
 
     def _prepared_weights(self):
         # the backend's layout is rebuilt only when the weights change (in place or replaced)

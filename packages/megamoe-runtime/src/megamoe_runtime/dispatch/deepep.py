@@ -218,6 +218,11 @@ class DeepEPDispatcher:
         return self.mode == "low_latency"
 
     @property
+    def fp8_batches(self) -> bool:
+        """Whether dispatch hands the experts FP8 rows (fp8_dispatch)."""
+        return self.fp8_dispatch
+
+    @property
     def process_group(self) -> dist.ProcessGroup:
         """The buffer's group: the layer's expert-parallel group."""
         return self.buffer.group
