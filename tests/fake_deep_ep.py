@@ -73,11 +73,12 @@ def wait_for_peers(work, what: str, group) -> None:
 class Config:
     """deep_ep.Config: SMs and chunk sizes, and the NVLink / RDMA bytes they need."""
 
-    def __init__(self, num_sms, nvl_send, nvl_recv, rdma_send=6, rdma_recv=128):
+    def __init__(self, num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv):
         assert num_sms >= 0 and 0 < nvl_send < nvl_recv and rdma_send > 0
         self.num_sms = num_sms
         self.num_max_nvl_chunked_recv_tokens = nvl_recv
         self.num_max_rdma_chunked_recv_tokens = -(-rdma_recv // rdma_send) * rdma_send
+        assert rdma_send <= self.num_max_rdma_chunked_recv_tokens // 2
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         rdma_ranks = max(num_ranks // NUM_MAX_NVL_PEERS, 1)
@@ -337,13 +338,23 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
-        table = {2: (24, 256), 4: (6, 256), 8: (6, 256), 16: (36, 288)}
+        table = {
+            2: (24, 256, 6, 128),
+            4: (6, 256, 6, 128),
+            8: (6, 256, 6, 128),
+            16: (36, 288, 20, 128),
+        }
         assert num_ranks in table, f"Unsupported number of EP ranks: {num_ranks}"
         return Config(Buffer.num_sms, *table[num_ranks])
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        table = {2: (10, 256), 4: (9, 256), 8: (4, 256), 16: (4, 288)}
+        table = {
+            2: (10, 256, 6, 128),
+            4: (9, 256, 6, 128),
+            8: (4, 256, 6, 128),
+            16: (4, 288, 12, 128),
+        }
         assert num_ranks in table, f"Unsupported number of EP ranks: {num_ranks}"
         return Config(Buffer.num_sms, *table[num_ranks])
 
