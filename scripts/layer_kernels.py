@@ -4,6 +4,8 @@ given. Run on the GPU machine from the project root:
 
     python3 scripts/layer_kernels.py --geometry qwen3-30b-a3b --tokens 1 16 2048 8192
 
+--weight-dtype fp8 profiles the FP8 layer (e4m3 experts, the dispatch quantizing the rows);
+
 --route-ab times the routing kernel's knobs (graph replays, alternating rounds); --router-host
 the host time of the ways to compute fp32 router logits; --host-profile prints where the host
 time of 200 eager forwards goes (cProfile, by own time).
@@ -46,15 +48,19 @@ def main() -> None:
     parser.add_argument("--route-ab", action="store_true")
     parser.add_argument("--host-profile", action="store_true")
     parser.add_argument("--router-host", action="store_true")
+    parser.add_argument("--weight-dtype", choices=["bf16", "fp8"], default="bf16")
     args = parser.parse_args()
+    weight_dtype = None if args.weight_dtype == "bf16" else args.weight_dtype
     for name in args.geometry:
         geometry = GEOMETRIES[name]
-        base = build_layer(geometry, device=torch.device("cuda"), dtype=torch.bfloat16)
+        base = build_layer(
+            geometry, device=torch.device("cuda"), dtype=torch.bfloat16, weight_dtype=weight_dtype
+        )
         for tokens in args.tokens:
             layer = with_capacity(base, tokens * geometry.top_k)
             layer.use_backend("cutedsl")
             x_TH, _, _ = routed_tokens(base, tokens)
-            report(layer, x_TH, f"{name} {tokens} tokens")
+            report(layer, x_TH, f"{name} {args.weight_dtype} {tokens} tokens")
             if args.route_ab:
                 route_ab(layer, x_TH)
             if args.host_profile:
@@ -158,13 +164,16 @@ def report(layer, x_TH, title: str) -> None:
             print(f"  {event.device_time:9.1f} us  x{event.count // 5}  {event.key[:90]}")
     logits = layer.router_logits(x_TH)
     dispatcher = layer._device_routed
-    batch, handle, _ = dispatcher.route_and_dispatch(x_TH, logits)
+    rows_dtype = torch.float8_e4m3fn if layer._dispatches_fp8_rows() else None
+    batch, handle, _ = dispatcher.route_and_dispatch(x_TH, logits, rows_dtype=rows_dtype)
     prepared = layer._prepared_weights()
     out = layer._expert_backend(batch, prepared)
     steps = {
         "forward": lambda: layer(x_TH),
         "router logits": lambda: layer.router_logits(x_TH),
-        "route+dispatch": lambda: dispatcher.route_and_dispatch(x_TH, logits),
+        "route+dispatch": lambda: dispatcher.route_and_dispatch(
+            x_TH, logits, rows_dtype=rows_dtype
+        ),
         "expert compute": lambda: layer._expert_backend(batch, prepared),
         "combine": lambda: dispatcher.combine(out, handle),
         "empty 4 KB": lambda: torch.empty(1024, device="cuda"),

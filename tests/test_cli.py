@@ -17,6 +17,13 @@ def test_demo_prints_backend_error_and_timings(capsys):
     assert main(["demo", "--tokens", "8", "--repeats", "2"]) == 0
     out = capsys.readouterr().out
     assert "backend: " in out and "rel-L2 vs fp32 oracle" in out and "forward us" in out
+    # the FP8 layer next to the bf16 one, checked against the oracle on its dequantized weights
+    assert "fp8 experts (e4m3, 128x128 block scales) on reference" in out
+    assert "DeepGEMM's difference" in out and "within the fp8 bound" in out
+    assert {line.split()[2] for line in out.splitlines() if line.startswith("tiny-qwen3 ")} == {
+        "bf16",
+        "fp8",
+    }
 
 
 def test_bench_writes_csv_with_oracle_error(tmp_path):

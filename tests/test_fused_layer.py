@@ -97,3 +97,37 @@ def test_autograd_takes_the_torch_path():
     with torch.enable_grad():
         y = fused(x)
         assert y.requires_grad
+
+
+@pytest.mark.parametrize("family", ["dsv3", "qwen2_gated_shared"])
+@pytest.mark.parametrize("tokens", [1, 77, 1500])
+@torch.no_grad()
+def test_shared_experts_on_a_side_stream_give_the_same_bits(family, tokens):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    fused, _ = _pair(family, "cutedsl", tokens)
+    ok, why = fused.fused_path_status()
+    if not ok or fused.backend != "cutedsl":
+        pytest.skip(why)
+    beside = MegaMoE(
+        replace(fused.config, shared_experts_on_side_stream=True),
+        device="meta",
+        dtype=torch.bfloat16,
+    )
+    beside.load_state_dict(fused.state_dict(), assign=True)
+    for seed in range(3):  # launched, then (up to 128 tokens) captured and replayed
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        x = torch.randn(tokens, 512, device="cuda", generator=generator).bfloat16()
+        assert torch.equal(beside(x), fused(x))
+    # inside a caller's capture the fork and the join are recorded too
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        beside(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = beside(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(y, fused(x))

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megamoe_kernels.reference import relative_l2_error
 from megamoe_runtime.dispatch import LocalDispatcher
 from megamoe_runtime.dispatch.deepep import DeepEPDispatcher
-from megamoe_runtime.dispatch.symmetric import owner_partials_combine
+from megamoe_runtime.dispatch.reference import owner_partials_combine
 from megamoe_runtime.expert_batch import ExpertBatch
 
 pytestmark = pytest.mark.multirank

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from megamoe_runtime.dispatch import LocalDispatcher
-from megamoe_runtime.dispatch.symmetric import owner_partials_combine
+from megamoe_runtime.dispatch.reference import owner_partials_combine
 from megamoe_runtime.distributed import make_expert_parallel_dispatcher, nvshmem_status
 
 pytestmark = pytest.mark.multirank

@@ -25,6 +25,13 @@ ROUTERS = [
     ),
     dict(num_experts=512, top_k=32, hidden_size=8, scoring="sigmoid", dropped_group_score=0.0),
 ]
+# FP8 rows: quantized as the tokens are copied (qwen3; dsv3's 7168 = 56 groups of 128; a
+# partial last group)
+FP8_ROUTERS = [
+    dict(ROUTERS[0], rows_dtype=torch.float8_e4m3fn),
+    dict(ROUTERS[3], rows_dtype=torch.float8_e4m3fn),
+    dict(num_experts=40, top_k=6, hidden_size=2880, rows_dtype=torch.float8_e4m3fn),
+]
 
 
 @pytest.mark.parametrize("constants", ROUTERS, ids=lambda c: f"E{c['num_experts']}-K{c['top_k']}")
@@ -32,6 +39,15 @@ def test_route_and_place_and_the_routing_alone_compile(constants):
     launcher = RouteLauncher(**constants, compile_only=True)
     assert launcher.compile() is not None
     assert launcher.compile(route_only=True) is not None
+
+
+@pytest.mark.parametrize(
+    "constants", FP8_ROUTERS, ids=lambda c: f"E{c['num_experts']}-H{c['hidden_size']}"
+)
+def test_route_and_place_quantizing_to_fp8_rows_compiles(constants):
+    launcher = RouteLauncher(**constants, compile_only=True)
+    assert launcher.scale_groups == -(-constants["hidden_size"] // 128)
+    assert launcher.compile() is not None
 
 
 @pytest.mark.parametrize(
@@ -54,6 +70,15 @@ def test_what_the_kernels_cannot_serve_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="correction bias applies to scoring='sigmoid'"):
         RouteLauncher(
             num_experts=8, top_k=2, hidden_size=64, has_correction_bias=True, compile_only=True
+        )
+    with pytest.raises(ValueError, match="quantized by token"):
+        RouteLauncher(
+            num_experts=8,
+            top_k=2,
+            hidden_size=64,
+            rows_dtype=torch.float8_e4m3fn,
+            copy_by_token=False,
+            compile_only=True,
         )
     with pytest.raises(ValueError, match="logits dtype"):
         RouteLauncher(

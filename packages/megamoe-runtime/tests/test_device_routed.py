@@ -238,23 +238,52 @@ def test_bitwise_repeat_and_graph_replay_with_new_routing():
         assert torch.equal(y_TH, forward())
 
 
-@pytest.mark.parametrize("tokens", [1, 37, 2048])
-def test_fp8_tokens_dispatch_to_the_rows_and_scales_quantizing_each_row_gives(tokens):
+@pytest.mark.parametrize(
+    ("router_name", "hidden", "tokens"),
+    [
+        ("qwen3", 2048, 0),
+        ("qwen3", 2048, 1),
+        ("qwen3", 2048, 37),
+        ("qwen3", 2048, 2048),
+        ("dsv3", 7168, 300),
+        ("odd_experts", 2880, 129),  # 22.5 groups of 128: a partial last group
+        ("top_k_equals_experts", 4096, 16),
+    ],
+)
+def test_fp8_rows_are_quantized_in_the_dispatch_as_quantizing_each_row_gives(
+    router_name, hidden, tokens
+):
     from megamoe_kernels import quantize_rows
 
-    router, hidden = ROUTERS["qwen3"], 2048
+    router = ROUTERS[router_name]
     _needs_kernels(router, hidden)
-    generator = torch.Generator(device="cuda").manual_seed(tokens)
-    x = torch.randn(tokens, hidden, device="cuda", generator=generator).bfloat16()
-    logits = torch.randn(tokens, router.num_experts, device="cuda", generator=generator)
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(tokens + hidden)
+    # rows of very different magnitudes, so every group gets its own scale
+    x = torch.randn(tokens, hidden, device=device, generator=generator)
+    x = x * torch.rand(tokens, 1, device=device, generator=generator).mul(40).sub(20).exp2()
+    x = x.bfloat16()
+    logits = torch.randn(tokens, router.num_experts, device=device, generator=generator)
+    bias = torch.randn(router.num_experts, device=device, generator=generator) * 0.1
+    bias = bias if router.use_correction_bias else None
     capacity = tokens * router.top_k + 5  # a tail of rows past the pairs
     dispatcher = DeviceRoutedDispatcher(router, hidden_size=hidden, capacity=capacity)
-    batch, _, _ = dispatcher.route_and_dispatch(x, logits)
-    x_q, x_scales = quantize_rows(x)
-    fp8_batch, fp8_handle, _ = dispatcher.route_and_dispatch(x_q, logits, x_scales_GT=x_scales)
+    batch, handle, ids = dispatcher.route_and_dispatch(x, logits, correction_bias_E=bias)
+    _poison_allocator(device)
+    fp8_batch, fp8_handle, fp8_ids = dispatcher.route_and_dispatch(
+        x, logits, correction_bias_E=bias, rows_dtype=torch.float8_e4m3fn
+    )
     assert fp8_batch.rows_MH.dtype == torch.float8_e4m3fn and fp8_handle.output_dtype == x.dtype
+    assert fp8_batch.row_scales_GM.shape == (-(-hidden // 128), capacity)
+    assert torch.equal(fp8_ids, ids)
     assert torch.equal(fp8_batch.expert_offsets, batch.expert_offsets)
+    assert torch.equal(fp8_handle.row_of_pair_TK, handle.row_of_pair_TK)
+    assert torch.equal(fp8_handle.topk_weights_TK, handle.topk_weights_TK)
     valid = tokens * router.top_k
     expected_rows, expected_scales = quantize_rows(batch.rows_MH[:valid])
     assert torch.equal(fp8_batch.rows_MH[:valid].view(torch.uint8), expected_rows.view(torch.uint8))
     assert torch.equal(fp8_batch.row_scales_GM[:, :valid], expected_scales)
+    repeat, _, _ = dispatcher.route_and_dispatch(
+        x, logits, correction_bias_E=bias, rows_dtype=torch.float8_e4m3fn
+    )
+    assert torch.equal(repeat.rows_MH[:valid].view(torch.uint8), expected_rows.view(torch.uint8))

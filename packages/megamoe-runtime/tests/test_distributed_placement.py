@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from megamoe_runtime.dispatch import LocalDispatcher
-from megamoe_runtime.dispatch.symmetric import count_pairs, owner_partials_combine, place_pairs
+from megamoe_runtime.dispatch.reference import count_pairs, owner_partials_combine, place_pairs
 
 
 @pytest.mark.parametrize(("world", "experts", "top_k"), [(2, 8, 3), (4, 16, 4), (8, 16, 1)])

@@ -259,10 +259,16 @@ def test_experts_with_biases_are_refused():
         from_hf(block)
 
 
-def test_quantized_checkpoint_tensors_are_refused():
+def test_block_scales_next_to_full_precision_weights_are_refused():
+    # FP8 checkpoints pair e4m3 weights with their scales (test_hf_fp8.py); a scale next to a
+    # full-precision weight is no checkpoint megamoe knows
     state = _randomised(DeepseekV3MoE()).state_dict()
     state["experts.0.gate_proj.weight_scale_inv"] = torch.rand(1, 1)
-    with pytest.raises(UnsupportedBlockError, match="quantized"):
+    with pytest.raises(ValueError, match=r"weight_scale_inv comes with a torch.float32 experts"):
+        megamoe_state_dict_from_hf(state, family="deepseek_v3")
+    state = _randomised(DeepseekV3MoE()).state_dict()
+    state["experts.0.gate_proj.input_scale"] = torch.rand(1)
+    with pytest.raises(UnsupportedBlockError, match="quantized tensors"):
         megamoe_state_dict_from_hf(state, family="deepseek_v3")
 
 

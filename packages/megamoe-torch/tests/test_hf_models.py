@@ -167,6 +167,14 @@ def test_deepseek_router_weight_stays_fp32_next_to_bf16_experts():
     layer = from_hf(block, backend="reference")
     assert layer.gate.weight.dtype == torch.float32 and layer.w13.dtype == torch.bfloat16
     assert torch.equal(layer.gate.weight, block.gate.weight)
+    # the layer takes and answers the model's bf16 hidden states, not the router's fp32
+    assert layer.activation_dtype == torch.bfloat16
+    x = torch.randn(2, 7, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = layer(x)
+        assert y.dtype == torch.bfloat16
+        assert relative_l2_error(y, block(x)) < 2e-2
+    assert layer.float().activation_dtype == torch.float32
 
 
 @pytest.mark.parametrize("family", FAMILIES)

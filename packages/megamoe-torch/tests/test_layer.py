@@ -163,6 +163,8 @@ def test_bad_input_is_refused():
         MegaMoE(MegaMoEConfig(**QWEN3, backend="grouped_mm"))(torch.randn(2, 32))
     with pytest.raises(ValueError, match="top_k"):
         MegaMoEConfig(**dict(QWEN3, top_k=17))
+    with pytest.raises(ValueError, match="eager_graph_tokens must be >= 0, got -1"):
+        MegaMoEConfig(**QWEN3, eager_graph_tokens=-1)
 
 
 def test_static_capacity_overflow_is_refused():

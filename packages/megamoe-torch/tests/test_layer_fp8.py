@@ -110,6 +110,71 @@ def test_bad_fp8_configs_and_state_dicts_are_refused_naming_the_problem():
         layer(torch.randn(3, HIDDEN, dtype=torch.bfloat16))
 
 
+def test_fp8_shared_experts_load_quantize_and_compute_with_their_dequantized_weights():
+    config = fp8_config(num_shared_experts=1, shared_intermediate_size=192)
+    state = random_bf16_state(5)
+    generator = torch.Generator().manual_seed(6)
+    for name, shape in (("gate_proj", (192, HIDDEN)), ("up_proj", (192, HIDDEN))):
+        state[f"shared_experts.{name}.weight"] = torch.randn(*shape, generator=generator) / 16
+    state["shared_experts.down_proj.weight"] = torch.randn(HIDDEN, 192, generator=generator) / 14
+    fp8 = MegaMoE(replace_config(config, shared_weight_dtype="fp8"), dtype=torch.float32)
+    fp8.load_state_dict(state)  # full precision: quantized per block as it loads
+    saved = fp8.state_dict()
+    down, down_scales = quantize_weight_blocks(state["shared_experts.down_proj.weight"][None])
+    assert saved["shared_experts.down_proj.weight"].dtype == torch.float8_e4m3fn
+    assert torch.equal(
+        saved["shared_experts.down_proj.weight"].view(torch.uint8), down[0].view(torch.uint8)
+    )
+    assert torch.equal(saved["shared_experts.down_proj.weight_scale_inv"], down_scales[0])
+    assert saved["shared_experts.gate_proj.weight_scale_inv"].shape == (2, 2)  # 192 rows: 2 blocks
+
+    again = MegaMoE(replace_config(config, shared_weight_dtype="fp8"), dtype=torch.float32)
+    again.load_state_dict(saved)  # e4m3 with its scales: as it is
+    for key, tensor in saved.items():
+        assert torch.equal(again.state_dict()[key].view(torch.uint8), tensor.view(torch.uint8)), key
+    exact = MegaMoE(config, dtype=torch.float32)  # FP8 routed experts, full-precision shared
+    exact.load_state_dict(
+        {
+            **{k: v for k, v in saved.items() if not k.startswith("shared_experts.")},
+            **{
+                f"shared_experts.{name}.weight": getattr(
+                    fp8.shared_experts, name
+                ).dequantized_weight()
+                for name in ("gate_proj", "up_proj", "down_proj")
+            },
+        }
+    )
+    x = torch.randn(11, HIDDEN)
+    with torch.no_grad():
+        assert torch.equal(fp8(x), exact(x))
+        assert torch.equal(again(x), fp8(x))
+    with pytest.raises(ValueError, match="needs num_shared_experts >= 1"):
+        fp8_config(shared_weight_dtype="fp8")
+    with pytest.raises(ValueError, match="shared_weight_dtype must be one of"):
+        fp8_config(num_shared_experts=1, shared_weight_dtype="e5m2")
+
+
+def test_the_demos_oracle_of_an_fp8_layer_holds_its_dequantized_weights():
+    from megamoe_torch.cli import fp32_oracle_of
+
+    config = fp8_config(num_shared_experts=1, shared_weight_dtype="fp8")
+    layer = MegaMoE(config, dtype=torch.bfloat16)
+    oracle = fp32_oracle_of(layer)
+    assert oracle.config.weight_dtype is None and oracle.w13.dtype == torch.float32
+    assert torch.equal(oracle.w13, dequantize_weight_blocks(layer.w13, layer.w13_scale_inv))
+    shared = layer.shared_experts.down_proj
+    assert torch.equal(oracle.shared_experts.down_proj.weight, shared.dequantized_weight())
+    x = torch.randn(10, HIDDEN, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert relative_l2_error(layer(x), oracle(x.float())) < 1e-2
+
+
+def replace_config(config: MegaMoEConfig, **fields) -> MegaMoEConfig:
+    from dataclasses import replace
+
+    return replace(config, **fields)
+
+
 def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 

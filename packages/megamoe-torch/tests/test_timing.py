@@ -2,21 +2,20 @@ import torch
 from megamoe_torch import timing
 
 
-def test_host_time_is_the_median_round_not_the_slow_one(monkeypatch):
-    """Rounds of `calls` calls: a round that something else on the host slows down does not move
-    the answer (the median of the rounds), and every call is counted."""
+def test_host_time_is_the_median_single_call_not_the_slow_ones(monkeypatch):
+    """Single calls, each timed on its own: calls that something else on the host slows down do
+    not move the answer (the median), and every round makes one call."""
     clock = {"now": 0.0, "calls": 0}
 
     def call():
         clock["calls"] += 1
-        # one warm-up call, then rounds of 10: the calls of the third round cost 50 ms, the
-        # others 1 ms
-        slow = 1 + 2 * 10 < clock["calls"] <= 1 + 3 * 10
+        # one warm-up call, then 7 rounds: the third and fifth calls cost 50 ms, the others 1 ms
+        slow = clock["calls"] in (1 + 3, 1 + 5)
         clock["now"] += 0.050 if slow else 0.001
 
     monkeypatch.setattr(timing.time, "perf_counter", lambda: clock["now"])
-    seconds = timing.host_seconds_per_call(call, device=torch.device("cpu"), calls=10, rounds=5)
-    assert clock["calls"] == 1 + 5 * 10
+    seconds = timing.host_seconds_per_call(call, device=torch.device("cpu"), rounds=7)
+    assert clock["calls"] == 1 + 7
     assert abs(seconds - 0.001) < 1e-9
 
 

@@ -57,7 +57,11 @@ class LayerBenchRow:
     `gemm_microseconds` is the expert compute alone on the same batch (the "kernels" mode).
     `layer_over_gemms` and `speedup` (grouped_mm's layer time over this backend's) compare graph
     replays on a GPU and eager forwards on a CPU; the baseline fields are None when grouped_mm
-    was not among the backends of the run.
+    was not among the backends of the run. An eager forward of the fused path of up to
+    `eager_graph_tokens` tokens replays the layer's own graph (forward_graphs.py): the
+    `launched_*` fields time the same forward launching its kernels (eager_graph_tokens=0), in
+    the same run, and are None where no graph is replayed; `gpu_ops` counts the launched
+    forward's kernels.
     """
 
     geometry: str
@@ -75,6 +79,8 @@ class LayerBenchRow:
     baseline_eager_microseconds: float | None
     baseline_graph_microseconds: float | None
     speedup: float | None
+    launched_eager_microseconds: float | None = None
+    launched_host_microseconds: float | None = None
 
 
 def build_layer(
@@ -148,19 +154,27 @@ def bench_point(
         batch.rows_MH, batch.expert_offsets, exact.w13_E2IH, exact.w2_EHI
     )[:rows]
     floor = roofline_floor_seconds(geometry, rows, active)
+    fp8_batch = None
+    if layer.config.weight_dtype == "fp8":
+        # the FP8 kernels take the e4m3 rows the layer's dispatch writes: time them alone
+        from megamoe_kernels import quantize_rows
+
+        fp8_rows, fp8_scales = quantize_rows(batch.rows_MH)
+        fp8_batch = replace(batch, rows_MH=fp8_rows, row_scales_GM=fp8_scales)
     results: dict[tuple[str, str], tuple[float, float, float]] = {}
     for name in backends:
         backend = make_backend(name)
         prepared = backend.prepare(pack)
-        error = relative_l2_error(backend(batch, prepared)[:rows], oracle_MH)
+        batch_in = fp8_batch if fp8_batch is not None and name == "cutedsl" else batch
+        error = relative_l2_error(backend(batch_in, prepared)[:rows], oracle_MH)
         for mode in modes:
             if mode == "kernels":
                 # the reference backend reads the offsets on the host: it cannot be captured
                 capturable = device.type == "cuda" and name != "reference"
                 timer = median_graph_replay_seconds if capturable else median_seconds
 
-                def call(backend=backend, prepared=prepared):
-                    return backend(batch, prepared)
+                def call(backend=backend, prepared=prepared, batch_in=batch_in):
+                    return backend(batch_in, prepared)
             else:
                 layer.use_backend(name)
                 timer = median_seconds
@@ -259,6 +273,8 @@ def bench_layer_point(
     fixed = with_capacity(layer, tokens * geometry.top_k)
     # the baseline is the torch composition end to end: torch routing, dispatch and combine
     all_torch = with_capacity(layer, tokens * geometry.top_k, layer_path="torch")
+    # the same forward launching its kernels where `fixed` replays its own graph
+    launching = with_capacity(layer, tokens * geometry.top_k, eager_graph_tokens=0)
     x_TH, _, _ = routed_tokens(layer, tokens)  # the tokens bench_point dispatches
     gemm_seconds = {
         row.backend: row.microseconds / 1e6
@@ -288,10 +304,34 @@ def bench_layer_point(
         )
         host = host_seconds_per_call(forward, device=device)
         path = "fused" if measured_layer.fused_path_status(device)[0] else "torch"
-        measured[name] = (path, eager, graph, host, *ops_per_call(forward, device=device))
+        launched = (None, None)
+        counted_forward = forward
+        replays = (
+            path == "fused"
+            and device.type == "cuda"
+            and 0 < tokens <= measured_layer.config.eager_graph_tokens
+        )
+        if replays:
+            launching.use_backend(name)
+
+            def counted_forward():
+                return launching(x_TH)
+
+            launched = (
+                median_seconds(counted_forward, device=device, repeats=repeats),
+                host_seconds_per_call(counted_forward, device=device),
+            )
+        measured[name] = (
+            path,
+            eager,
+            graph,
+            host,
+            launched,
+            *ops_per_call(counted_forward, device=device),
+        )
     baseline_eager, baseline_graph = measured.get(BASELINE, (None, None, None))[1:3]
     out = []
-    for name, (path, eager, graph, host, ops, memory_ops, counted) in measured.items():
+    for name, (path, eager, graph, host, launched, ops, memory_ops, counted) in measured.items():
         seconds = eager if graph is None else graph
         baseline = baseline_eager if graph is None else baseline_graph
         out.append(
@@ -315,6 +355,8 @@ def bench_layer_point(
                 if baseline_graph is None
                 else baseline_graph * 1e6,
                 speedup=None if baseline is None else baseline / seconds,
+                launched_eager_microseconds=None if launched[0] is None else launched[0] * 1e6,
+                launched_host_microseconds=None if launched[1] is None else launched[1] * 1e6,
             )
         )
     return out
@@ -443,14 +485,17 @@ def format_layer_table(rows: list[LayerBenchRow]) -> str:
     def cell(value: float | int | None, width: int, spec: str) -> str:
         return f"{'-' if value is None else format(value, spec):>{width}}"
 
-    header = f"{'geometry':<16}{'tokens':>7} {'backend':<11}{'path':<6}{'eager us':>10}{'graph us':>10}{'host us':>9}{'ops':>6}{'mem':>5}{'gemm us':>9}{'/gemm':>7}{'base eager':>11}{'base graph':>11}{'x base':>8}"
+    header = f"{'geometry':<16}{'tokens':>7} {'backend':<11}{'path':<6}{'eager us':>10}{'graph us':>10}{'host us':>9}{'launch us':>10}{'l.host us':>10}{'ops':>6}{'mem':>5}{'gemm us':>9}{'/gemm':>7}{'base eager':>11}{'base graph':>11}{'x base':>8}"
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
             f"{r.geometry:<16}{r.tokens:>7} {r.backend:<11}{r.layer_path:<6}"
             f"{r.eager_microseconds:>10.1f}"
             + cell(r.graph_microseconds, 10, ".1f")
-            + f"{r.host_microseconds:>9.1f}{r.gpu_ops:>6}"
+            + f"{r.host_microseconds:>9.1f}"
+            + cell(r.launched_eager_microseconds, 10, ".1f")
+            + cell(r.launched_host_microseconds, 10, ".1f")
+            + f"{r.gpu_ops:>6}"
             + cell(r.gpu_memory_ops, 5, "d")
             + f"{r.gemm_microseconds:>9.1f}{r.layer_over_gemms:>7.2f}"
             + cell(r.baseline_eager_microseconds, 11, ".1f")
@@ -459,7 +504,9 @@ def format_layer_table(rows: list[LayerBenchRow]) -> str:
         )
     if rows and rows[0].graph_microseconds is not None:
         lines.append(
-            "ops: CUDA kernels of one eager forward, mem: its memcpy + memset; "
+            "eager/host: an eager forward (up to eager_graph_tokens tokens on the fused path it "
+            "replays the layer's own graph), launch/l.host: the same forward launching its "
+            "kernels; ops: CUDA kernels the launched forward runs, mem: its memcpy + memset; "
             "/gemm and x base: graph replays"
         )
     elif rows:

@@ -12,13 +12,15 @@ from typing import NoReturn
 import megamoe_kernels
 import megamoe_runtime
 import torch
-from megamoe_kernels.reference import relative_l2_error
+from megamoe_kernels.reference import fp8_difference, relative_l2_error
 from megamoe_runtime.experts import BACKEND_NAMES, backend_status
 from megamoe_runtime.geometries import GEOMETRIES, TOKEN_COUNTS
+from megamoe_runtime.weights import Prequantized, dequantize
 from tqdm import tqdm
 
 import megamoe_torch
 from megamoe_torch import bench
+from megamoe_torch.fp8_linear import BlockFP8Linear
 from megamoe_torch.layer import MegaMoE
 from megamoe_torch.timing import median_seconds
 
@@ -26,6 +28,10 @@ GPU_GEOMETRIES = ("qwen3-30b-a3b", "mixtral-8x7b", "dsv3", "dsv3-ep8-local", "gp
 CPU_GEOMETRIES = ("tiny-qwen3",)
 # bench's backends unless --backends names others: megamoe's kernels against the baseline
 BENCH_BACKENDS = ("cutedsl", "grouped_mm")
+# the demo's bounds against the fp32 oracle: rel-L2 of the bf16 layer, DeepGEMM's difference
+# 1 - 2xy/(x^2+y^2) of the FP8 layer (the activations' e4m3 rounding on the FP8 kernels)
+BF16_BOUND = 1e-2
+FP8_BOUND = 2e-3
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -128,11 +134,26 @@ def runnable_backends(
 
 
 def fp32_oracle_of(layer: MegaMoE) -> MegaMoE:
-    """The same layer in fp32 on the reference backend: the oracle the demo checks against."""
-    oracle = MegaMoE(
-        replace(layer.config, backend="reference"), device=layer.w13.device, dtype=torch.float32
-    )
-    oracle.load_state_dict({name: value.float() for name, value in layer.state_dict().items()})
+    """The same layer in fp32 on the reference backend, FP8 weights dequantized (the values they
+    stand for): the oracle the demo checks against."""
+    config = replace(layer.config, backend="reference", weight_dtype=None, shared_weight_dtype=None)
+    fp8_linear = {
+        f"{name}.weight": module
+        for name, module in layer.named_modules()
+        if isinstance(module, BlockFP8Linear)
+    }
+    pack = layer.expert_weight_pack()
+    state = {
+        name: fp8_linear[name].dequantized_weight() if name in fp8_linear else value.float()
+        for name, value in layer.state_dict().items()
+        if not name.endswith("_scale_inv")
+        and not (isinstance(pack, Prequantized) and name in ("w13", "w2"))
+    }
+    if isinstance(pack, Prequantized):
+        exact = dequantize(pack)  # float32: the values the e4m3 weights and scales stand for
+        state["w13"], state["w2"] = exact.w13_E2IH, exact.w2_EHI
+    oracle = MegaMoE(config, device="meta", dtype=torch.float32)
+    oracle.load_state_dict(state, assign=True)  # no second fp32 copy of the weights
     return oracle
 
 
@@ -152,41 +173,94 @@ def run_demo(args: argparse.Namespace) -> int:
         f"torch {torch.__version__}, bf16, {tokens} tokens"
     )
     table = []
-    worst_error = 0.0
+    worst_error, worst_fp8_difference = 0.0, 0.0
     for name in geometries:
         geometry = GEOMETRIES[name]
-        layer = bench.build_layer(geometry, device=device, dtype=torch.bfloat16)
-        layer.use_backend(args.backend)
-        x_TH = torch.randn(tokens, geometry.hidden_size, device=device, dtype=torch.bfloat16)
-        with torch.no_grad():
-            y_TH = layer(x_TH)
-            expected_TH = fp32_oracle_of(layer)(x_TH.float())
-        error = relative_l2_error(y_TH, expected_TH)
-        worst_error = max(worst_error, error)
         print(
             f"\n{name}: E={geometry.num_experts} top-{geometry.top_k} H={geometry.hidden_size} "
-            f"I={geometry.intermediate_size}\n  backend: {layer.backend} ({layer.backend_reason})\n"
-            f"  rel-L2 vs fp32 oracle: {error:.2e}"
+            f"I={geometry.intermediate_size}"
         )
-        chosen = layer.backend
-        for backend in tqdm(
-            bench.available_backends(device, BACKEND_NAMES), desc=f"timing {name}", leave=False
-        ):
-            layer.use_backend(backend)
+        x_TH = None
+        # the same weights twice: in bf16, then quantized per 128 x 128 block (FP8 experts)
+        for weights in ("bf16", "fp8"):
+            layer = bench.build_layer(
+                geometry,
+                device=device,
+                dtype=torch.bfloat16,
+                weight_dtype=None if weights == "bf16" else weights,
+            )
+            layer.use_backend(args.backend)
+            if x_TH is None:
+                x_TH = torch.randn(
+                    tokens, geometry.hidden_size, device=device, dtype=torch.bfloat16
+                )
+            with torch.no_grad():
+                expected_TH = fp32_oracle_of(layer)(x_TH.float())
+                try:
+                    y_TH = layer(x_TH)
+                except ValueError as error:  # a shape the backend's FP8 kernels do not take
+                    print(f"  fp8 experts: do not run on {layer.backend}: {error}")
+                    continue
+            error = relative_l2_error(y_TH, expected_TH)
+            if weights == "bf16":
+                worst_error = max(worst_error, error)
+                print(
+                    f"  backend: {layer.backend} ({layer.backend_reason})\n"
+                    f"  rel-L2 vs fp32 oracle: {error:.2e}"
+                )
+            else:
+                difference = fp8_difference(y_TH.float(), expected_TH)
+                worst_fp8_difference = max(worst_fp8_difference, difference)
+                print(
+                    f"  fp8 experts (e4m3, 128x128 block scales) on {layer.backend}: against the "
+                    f"fp32 oracle on their dequantized weights, rel-L2 {error:.2e}, DeepGEMM's "
+                    f"difference 1 - 2xy/(x^2+y^2) {difference:.2e}"
+                )
+            del expected_TH, y_TH
+            table += _demo_timings(layer, name, weights, x_TH, device=device, repeats=args.repeats)
+            del layer  # one layer of the geometry at a time
+    print(f"\n{'geometry':<16}{'backend':<12}{'experts':<9}{'forward us':>12}")
+    for name, backend, weights, microseconds, chosen in table:
+        print(
+            f"{name:<16}{backend:<12}{weights:<9}{microseconds:>12.1f}"
+            f"{'  <- chosen' if chosen else ''}"
+        )
+    within = worst_error <= BF16_BOUND and worst_fp8_difference <= FP8_BOUND
+    print(
+        f"\nworst rel-L2 {worst_error:.2e} ({'within' if worst_error <= BF16_BOUND else 'OVER'} "
+        f"the bf16 bound {BF16_BOUND}); worst fp8 difference {worst_fp8_difference:.2e} "
+        f"({'within' if worst_fp8_difference <= FP8_BOUND else 'OVER'} the fp8 bound "
+        f"{FP8_BOUND})"
+    )
+    return 0 if within else 1
+
+
+def _demo_timings(
+    layer: MegaMoE,
+    name: str,
+    weights: str,
+    x_TH: torch.Tensor,
+    *,
+    device: torch.device,
+    repeats: int,
+) -> list[tuple[str, str, str, float, bool]]:
+    """The demo table's rows of one layer: its forward on every backend that runs it here."""
+    chosen, rows = layer.backend, []
+    for backend in tqdm(
+        bench.available_backends(device, BACKEND_NAMES),
+        desc=f"timing {name} {weights}",
+        leave=False,
+    ):
+        layer.use_backend(backend)
+        try:
             with torch.no_grad():
                 seconds = median_seconds(
-                    lambda moe=layer, x=x_TH: moe(x), device=device, repeats=args.repeats
+                    lambda moe=layer, x=x_TH: moe(x), device=device, repeats=repeats
                 )
-            table.append((name, backend, seconds * 1e6, backend == chosen))
-        layer.use_backend(args.backend)
-    print(f"\n{'geometry':<16}{'backend':<12}{'forward us':>12}")
-    for name, backend, microseconds, chosen in table:
-        print(f"{name:<16}{backend:<12}{microseconds:>12.1f}{'  <- chosen' if chosen else ''}")
-    bound = 1e-2
-    print(
-        f"\nworst rel-L2 {worst_error:.2e} ({'within' if worst_error <= bound else 'OVER'} the bf16 bound {bound})"
-    )
-    return 0 if worst_error <= bound else 1
+        except ValueError:  # a shape this backend's FP8 kernels do not take
+            continue
+        rows.append((name, backend, weights, seconds * 1e6, backend == chosen))
+    return rows
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -297,8 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="build a layer, run it on the best backend here, check it against the fp32 oracle and time it",
         description="Builds MegaMoE layers (the benchmark geometries on a GPU, a small Qwen3-like one on a CPU), "
-        "runs them on the best backend available, prints the backend, the rel-L2 error against the fp32 oracle "
-        "and a timing table against the other backends.",
+        "each with bf16 experts and with the same weights in FP8 (e4m3, 128x128 block scales), runs them on the "
+        "best backend available, prints the backend, the error against the fp32 oracle (rel-L2; for FP8 also "
+        "DeepGEMM's 1 - 2xy/(x^2+y^2), against the dequantized weights) and a timing table of both on every "
+        "backend that runs here.",
     )
     demo.add_argument("--geometry", nargs="+", choices=sorted(GEOMETRIES), help="geometries to run")
     demo.add_argument(

@@ -61,6 +61,9 @@ class MegaMoEConfig:
     shared_intermediate_size: int | None = None
     # Qwen2-MoE: the shared experts' output is scaled by sigmoid(x . w_gate)
     shared_expert_gate: bool = False
+    # on the fused path (one GPU), run the shared experts on a side stream of the caller's
+    # stream, beside the routing and the routed experts, joined before the combine adds them
+    shared_experts_on_side_stream: bool = False
     backend: str = "auto"
     # the routed experts' weights: None, in the layer's dtype; "fp8", e4m3 with one float32
     # scale per 128 x 128 block (the format of DeepSeek-V3's and Qwen3's FP8 checkpoints): the
@@ -69,6 +72,12 @@ class MegaMoEConfig:
     # activations quantized per row and 128 channels); the reference backend computes with the
     # dequantized weights (the FP8 oracle)
     weight_dtype: Literal["fp8"] | None = None
+    # the shared experts' weights: None, in the layer's dtype; "fp8", e4m3 with one float32
+    # scale per 128 x 128 block (`shared_experts.{gate,up,down}_proj.weight` and
+    # `.weight_scale_inv`, as DeepSeek-V3's FP8 checkpoints hold them), quantized as they load
+    # when given in another dtype, computed with the weights dequantized into the activations'
+    # dtype (kept until they change)
+    shared_weight_dtype: Literal["fp8"] | None = None
     # rows of the expert batch; None: tokens x top_k of each call. Fix it for CUDA graphs.
     capacity: int | None = None
     # data-dependent input checks (finite logits, ...): each costs a host sync
@@ -97,6 +106,12 @@ class MegaMoEConfig:
     # stored in the knob cache, where later processes look it up (docs/tuning.md). Backends
     # without knobs ignore it.
     knobs: Literal["lookup", "auto"] = "lookup"
+    # eager forwards of 1 to this many tokens on the fused path (one GPU, no autograd, not
+    # under an outer CUDA-graph capture or torch.compile, check_inputs off) replay a CUDA graph
+    # the layer captures at the second forward of each token count (and weights, stream), so
+    # a decode step costs the host a copy in, a replay and a copy out in place of the launches
+    # (forward_graphs.py); the graphs share one memory pool per stream. 0: always launch.
+    eager_graph_tokens: int = 128
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
@@ -123,6 +138,13 @@ class MegaMoEConfig:
             raise ValueError(
                 f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}"
             )
+        if self.shared_weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(
+                f"shared_weight_dtype must be one of {WEIGHT_DTYPES}, got "
+                f"{self.shared_weight_dtype!r}"
+            )
+        if self.shared_weight_dtype == "fp8" and self.num_shared_experts == 0:
+            raise ValueError("shared_weight_dtype='fp8' needs num_shared_experts >= 1")
         if self.weight_dtype == "fp8" and self.torch_only_features:
             raise ValueError(
                 f"weight_dtype='fp8' does not combine with {', '.join(self.torch_only_features)}"
@@ -139,6 +161,8 @@ class MegaMoEConfig:
             )
         if self.max_tokens_per_rank < 1:
             raise ValueError(f"max_tokens_per_rank must be >= 1, got {self.max_tokens_per_rank}")
+        if self.eager_graph_tokens < 0:
+            raise ValueError(f"eager_graph_tokens must be >= 0, got {self.eager_graph_tokens}")
         if self.knobs not in KNOB_MODES:
             raise ValueError(f"knobs must be one of {KNOB_MODES}, got {self.knobs!r}")
         if self.combine_order not in COMBINE_ORDERS:

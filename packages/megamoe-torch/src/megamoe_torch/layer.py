@@ -36,6 +36,8 @@ from megamoe_runtime.weights import FP8_WEIGHT_DTYPE, Prequantized, Unquantized,
 from torch import nn
 
 from megamoe_torch.config import MegaMoEConfig
+from megamoe_torch.forward_graphs import ForwardGraphs
+from megamoe_torch.fp8_linear import BlockFP8Linear, quantize_loaded_weights
 from megamoe_torch.ops import expert_mlp, register_layer
 
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=), torch >= 2.9
@@ -46,14 +48,42 @@ def _bf16_mm_to_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None
     return torch.mm(a, b, out_dtype=torch.float32) if _MM_OUT_DTYPE else None
 
 
-class SharedExperts(nn.Module):
-    """A dense SwiGLU MLP every token goes through, optionally scaled by a sigmoid gate."""
+_SIDE_STREAMS: dict[tuple, torch.cuda.Stream] = {}
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, gated: bool, **factory):
+
+def _side_stream(main: torch.cuda.Stream) -> torch.cuda.Stream:
+    """The side stream of a caller's stream, shared by every layer forking from it: each use
+    starts behind everything issued on `main` and ends joined to it, so what one use frees is
+    reused only after `main` has read it. One per caller stream: a side stream two callers'
+    streams fork from would reuse memory the other one may still read."""
+    key = (main.device, main.cuda_stream)
+    side = _SIDE_STREAMS.get(key)
+    if side is None:
+        side = _SIDE_STREAMS[key] = torch.cuda.Stream(main.device)
+    return side
+
+
+class SharedExperts(nn.Module):
+    """A dense SwiGLU MLP every token goes through, optionally scaled by a sigmoid gate.
+
+    `fp8`: the three projections hold e4m3 weights with 128 x 128 block scales
+    (BlockFP8Linear: `weight` and `weight_scale_inv`, as FP8 checkpoints store them); the gate
+    stays in the activations' dtype.
+    """
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, *, gated: bool, fp8: bool = False, **factory
+    ):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, **factory)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, **factory)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, **factory)
+
+        def projection(in_features: int, out_features: int) -> nn.Module:
+            if fp8:
+                return BlockFP8Linear(in_features, out_features, device=factory.get("device"))
+            return nn.Linear(in_features, out_features, bias=False, **factory)
+
+        self.gate_proj = projection(hidden_size, intermediate_size)
+        self.up_proj = projection(hidden_size, intermediate_size)
+        self.down_proj = projection(intermediate_size, hidden_size)
         self.gate = nn.Linear(hidden_size, 1, bias=False, **factory) if gated else None
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
@@ -98,19 +128,7 @@ def _quantize_loaded_expert_weights(
     """load_state_dict pre-hook of an FP8 layer: full-precision `w13`/`w2` without their
     `*_scale_inv` are quantized per 128 x 128 block as they load (a bf16 checkpoint into an
     FP8 layer); e4m3 ones with their scales load as they are."""
-    from megamoe_kernels import quantize_weight_blocks
-
-    for name in ("w13", "w2"):
-        weight, scales = prefix + name, prefix + name + "_scale_inv"
-        if weight not in state_dict or state_dict[weight].dtype == FP8_WEIGHT_DTYPE:
-            continue
-        if scales in state_dict:
-            raise ValueError(
-                f"{weight} is {state_dict[weight].dtype} but comes with {scales}: an FP8 layer "
-                f"takes e4m3 weights with their scales, or full-precision weights alone (it "
-                f"quantizes them)"
-            )
-        state_dict[weight], state_dict[scales] = quantize_weight_blocks(state_dict[weight])
+    quantize_loaded_weights(state_dict, (prefix + "w13", prefix + "w2"))
 
 
 class MegaMoE(nn.Module):
@@ -120,6 +138,10 @@ class MegaMoE(nn.Module):
     (each expert's gate rows, then up rows); `w2` [E, H, I]; `w13_bias` [E, 2I] and `w2_bias`
     [E, H] with expert_bias; `e_score_correction_bias` [E] (fp32 buffer) when the config asks
     for it; `shared_experts` when num_shared_experts > 0.
+
+    weight_dtype="fp8": `w13`/`w2` are e4m3 with float32 block scales `w13_scale_inv`
+    [E, ceil(2I/128), ceil(H/128)] and `w2_scale_inv` [E, ceil(H/128), ceil(I/128)] (buffers);
+    shared_weight_dtype="fp8": the shared experts' projections likewise (BlockFP8Linear).
 
     Expert parallel with `process_group` of W ranks: this rank owns the E / W contiguous experts
     `local_experts` and `w13`/`w2` hold only those (router and shared experts are replicated);
@@ -143,6 +165,9 @@ class MegaMoE(nn.Module):
         super().__init__()
         self.config = config
         factory = {"device": device, "dtype": dtype}
+        # the hidden states' dtype, apart from the router's: a router weight kept in fp32 next to
+        # bf16 experts (DeepSeek-V3 in transformers) or e4m3 experts do not say what x is
+        self._activation_dtype = dtype if dtype is not None else torch.get_default_dtype()
         experts, hidden, intermediate = (
             config.num_experts,
             config.hidden_size,
@@ -199,7 +224,13 @@ class MegaMoE(nn.Module):
         else:
             self.e_score_correction_bias = None
         self.shared_experts = (
-            SharedExperts(hidden, config.shared_size, gated=config.shared_expert_gate, **factory)
+            SharedExperts(
+                hidden,
+                config.shared_size,
+                gated=config.shared_expert_gate,
+                fp8=config.shared_weight_dtype == "fp8",
+                **factory,
+            )
             if config.num_shared_experts
             else None
         )
@@ -226,6 +257,8 @@ class MegaMoE(nn.Module):
             config.router, hidden_size=hidden, capacity=config.capacity, reuse_outputs=True
         )
         self._fused_status: dict[tuple, tuple[bool, str]] = {}
+        # small eager forwards on the fused path replay CUDA graphs of themselves
+        self._forward_graphs = ForwardGraphs(self, max_tokens=config.eager_graph_tokens)
         # knobs="auto": times the GEMM knobs of each new batch class once (collectively under
         # expert parallelism) and keeps the winner in the knob cache
         self._autotuner = OnlineAutotuner(process_group=process_group)
@@ -569,27 +602,55 @@ class MegaMoE(nn.Module):
         if self.config.check_inputs:
             check_finite_logits(router_logits_TE)
         x_TH = x_TH.contiguous()  # the kernels take row-major rows (a no-op for most inputs)
-        tokens_TH, scales_GT = x_TH, None
-        if self._dispatches_fp8_tokens():
-            # each token is quantized once, before the dispatch copies it top-k times: the
-            # batch holds the e4m3 rows quantizing each row would give, for half the bytes
-            from megamoe_kernels import quantize_rows
-
-            tokens_TH, scales_GT = quantize_rows(x_TH)
+        shared_TH = side = None
+        if self.shared_experts is not None and self.config.shared_experts_on_side_stream:
+            # forked here, joined before the combine: the side stream starts each forward
+            # behind everything issued on the caller's stream, so memory it frees is reused
+            # only after the caller's stream has read it, and the reverse
+            main = torch.cuda.current_stream(x_TH.device)
+            side = _side_stream(main)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                shared_TH = self.shared_experts(x_TH)
+        # FP8 experts: the dispatch quantizes each token as it copies it into its top-k rows
         batch, handle, _ = self._device_routed.route_and_dispatch(
-            tokens_TH,
+            x_TH,
             router_logits_TE,
             correction_bias_E=self.e_score_correction_bias,
-            x_scales_GT=scales_GT,
+            rows_dtype=torch.float8_e4m3fn if self._dispatches_fp8_rows() else None,
         )
         expert_out_MH = self._run_expert_backend(batch)
-        shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH)
+        if side is not None:
+            main.wait_stream(side)
+        elif self.shared_experts is not None:
+            shared_TH = self.shared_experts(x_TH)
         return self._device_routed.combine(expert_out_MH, handle, addend_TH=shared_TH)
 
-    def _dispatches_fp8_tokens(self) -> bool:
-        """Whether the fused path hands the FP8 kernels e4m3 tokens (quantized before the
-        dispatch) rather than bf16 rows they quantize: FP8 weights on the cutedsl backend, a
-        hidden size the byte copy takes (a multiple of 16)."""
+    def _fused_forward_from_tokens(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y_TH, router_logits_TE) of the fused path: what a captured forward records."""
+        router_logits_TE = self.router_logits(x_TH)
+        return self._fused_forward(x_TH, router_logits_TE), router_logits_TE
+
+    def _replays_graphs(self, x_TH: torch.Tensor) -> bool:
+        """Whether this forward may replay (or capture) a graph of itself: the fused path on
+        one GPU with a backend that captures, no host-synchronising checks, not inside another
+        capture."""
+        return (
+            self._forward_graphs.max_tokens > 0
+            and not self.expert_parallel
+            and self._injected_dispatcher is None
+            and not self.config.check_inputs
+            and x_TH.is_cuda
+            and self._runs_fused(x_TH)
+            and self._expert_backend.captures_in_graphs
+            and not self.config.torch_only_features
+            and not torch.cuda.is_current_stream_capturing()
+        )
+
+    def _dispatches_fp8_rows(self) -> bool:
+        """Whether the fused path's dispatch writes e4m3 rows (quantized as it copies the
+        tokens) rather than bf16 rows the FP8 kernels quantize: FP8 weights on the cutedsl
+        backend, a hidden size whose e4m3 rows the GEMM's TMA takes (a multiple of 16)."""
         return (
             self.config.weight_dtype == "fp8"
             and self._backend_name == "cutedsl"
@@ -604,6 +665,12 @@ class MegaMoE(nn.Module):
             self._resolve_backend()
         x_TH = x.reshape(-1, self.config.hidden_size)
         self._resolve_dispatcher(x_TH)
+        if self._replays_graphs(x_TH):
+            replayed = self._forward_graphs.forward(x_TH, router_logits=return_router_logits)
+            if replayed is not None:
+                y_TH, router_logits_TE = replayed
+                y = y_TH.view(x.shape)
+                return (y, router_logits_TE) if return_router_logits else y
         router_logits_TE = self.router_logits(x_TH)
         if self._runs_fused(x_TH):
             if not self.expert_parallel and self._injected_dispatcher is None:
@@ -650,9 +717,17 @@ class MegaMoE(nn.Module):
 
     @property
     def activation_dtype(self) -> torch.dtype:
-        """The dtype of the hidden states the layer takes (its router's: the experts' weights
-        may be FP8)."""
-        return self.gate.weight.dtype
+        """The dtype of the hidden states the layer takes and answers in: the constructor's
+        `dtype`, converted with the weights by `.to(dtype)`, `.half()`, `.float()`, ... (the
+        router's weight may stay fp32 and the experts' may be FP8)."""
+        return self._activation_dtype
+
+    def _apply(self, fn, recurse=True):
+        # the conversion applied to every tensor (module.to, .half(), .cuda(), ...) says what it
+        # makes of a floating tensor in the activations' dtype
+        super()._apply(fn, recurse)
+        self._activation_dtype = fn(torch.empty(0, dtype=self._activation_dtype)).dtype
+        return self
 
     def extra_repr(self) -> str:
         c = self.config

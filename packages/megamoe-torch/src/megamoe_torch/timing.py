@@ -29,22 +29,21 @@ __all__ = [
 
 
 def host_seconds_per_call(
-    fn: Callable[[], object], *, device: torch.device, calls: int = 10, rounds: int = 9
+    fn: Callable[[], object], *, device: torch.device, rounds: int = 21
 ) -> float:
     """CPU time to issue one call (Python + launches), the GPU left to run behind: the overhead a
-    forward costs with CUDA graphs off. The median over `rounds` of the mean of `calls` calls in
-    a row, the GPU drained before each round: the launch queue stays shallow (a deep one makes
-    launches wait for the GPU), and a round that another process's burst on a shared host
-    slows down does not move the median."""
+    forward costs the host. The median over `rounds` single calls, each after the GPU drained:
+    nothing the call issues waits for earlier work (back-to-back calls fill the launch queue
+    and, for a replayed CUDA graph, wait for its previous launch), and a round that another
+    process's burst on a shared host slows down does not move the median."""
     fn()
     samples = []
     for _ in range(rounds):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - start) / calls)
+        fn()
+        samples.append(time.perf_counter() - start)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return statistics.median(samples)

@@ -23,12 +23,16 @@ enough to be resident at once on any Hopper GPU, which its grid-wide barriers ne
 5. the token rows go into the batch: with `copy_by_token` each warp copies its own tokens, each
    16-byte vector loaded once and stored in the token's top_k rows; without it, after a CTA
    barrier, the CTA's warps copy a pair each (`unroll` 16-byte loads per lane in flight).
+   FP8 rows (row_scales given, copy_by_token): each warp quantizes its own tokens as it copies
+   them, one scale per row and ACTIVATION_GROUP columns (fp8_scaling's recipe, the values
+   quantizing each batch row on the host gives), so the batch is e4m3 with no pass before it.
 
 route_tokens is step 1 alone (topk_ids and topk_weights; no placement, no copy, no barrier), for
 the expert-parallel dispatchers, which place the pairs themselves.
 
 Layouts: logits [T, E] float32 or bfloat16; correction_bias [E] float32 (optional); x [T, H]
-and rows [M, H] bfloat16 row-major, H a multiple of 8, rows 16-byte aligned; topk_ids and
+bfloat16 and rows [M, H] bfloat16 (or e4m3 with row_scales float32 [ceil(H / 128), M],
+group-major) row-major, H a multiple of 8, rows 16-byte aligned; topk_ids and
 row_of_pair int32 [T, top_k]; topk_weights float32 [T, top_k]; expert_offsets int32 [E + 1];
 scratch int32 [scratch_words(E)], zeroed once when allocated (its barrier words return to their
 start state, so launches, graph replays included, need no host work); status int64 [4]: a
@@ -40,9 +44,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.memory import SmemAllocator
 
+from .ep_combine import CHUNK, load_chunk
 from .ep_dispatch import copy_row, copy_to_rows
 from .ep_place import grid_barrier, scan_cta_counts
-from .ep_sync import thread_position
+from .ep_sync import global_ptr, thread_position
+from .fp8_scaling import ACTIVATION_GROUP, AMAX_FLOOR, E4M3_MAX
 from .warp import warp_inclusive_sum
 
 ROUTE_WARPS = 16
@@ -52,6 +58,10 @@ ROUTE_MAX_EXPERTS = 512  # shared memory: 16 warps x E counters fit in 48 KB
 ROUTE_MAX_TOP_K = 32
 ROUTE_BARRIER_WORDS = 4  # two barriers' arrivals and generations
 NO_EXPERT = 1 << 30  # an arg-max that has seen no expert yet
+# a quantization group's 16-byte vectors sit on neighbouring lanes: the shuffle steps joining
+# their amax
+GROUP_VECTORS = ACTIVATION_GROUP // CHUNK
+GROUP_SHUFFLE_STEPS = GROUP_VECTORS.bit_length() - 1
 
 
 def scratch_words(num_experts: int) -> int:
@@ -289,6 +299,50 @@ def route_token(
     return expert, weight
 
 
+@cute.jit
+def quantize_to_rows(
+    source_row, rows_here, rows, scales_here, scales_stride, hidden, lane, top_k: cutlass.Constexpr
+):
+    """A warp quantizes the bf16 row of `hidden` values at `source_row` into the e4m3 batch rows
+    rows[k] at `rows_here` (hidden bytes each): each group of ACTIVATION_GROUP columns gets the
+    scale amax / E4M3_MAX (amax floored at AMAX_FLOOR), values / scale rounded to nearest even
+    and saturated, the scale stored at scales_here[group x scales_stride + row]. A trip takes
+    32 vectors of 8 values: a group's vectors sit on neighbouring lanes, which share its amax
+    by shuffles; every lane runs every trip (a lane past the row reloads its last vector,
+    counts no amax and stores nothing, as a partial group's zero padding counts none)."""
+    vectors = hidden // CHUNK
+    for base in range(0, vectors, 32):
+        vector = base + lane
+        staged = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
+        loaded = cutlass.min(vector, vectors - 1)
+        staged.store(
+            load_chunk(source_row + cutlass.Int64(loaded) * (CHUNK * 2)).to(cutlass.Float32)
+        )
+        amax = cutlass.Float32(0.0)
+        if vector < vectors:
+            for j in cutlass.range_constexpr(CHUNK):
+                amax = cute.arch.fmax(amax, cute.arch.fmax(staged[j], -staged[j]))
+        for shift in cutlass.range_constexpr(GROUP_SHUFFLE_STEPS):
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << shift))
+        if vector < vectors:
+            scale = cutlass.max(amax, cutlass.Float32(AMAX_FLOOR)) / cutlass.Float32(E4M3_MAX)
+            quantized = (staged.load() / scale).to(cutlass.Float8E4M3FN)
+            for k in cutlass.range_constexpr(top_k):
+                destination = cute.make_tensor(
+                    global_ptr(
+                        cutlass.Float8E4M3FN,
+                        rows_here + cutlass.Int64(rows[k]) * hidden + cutlass.Int64(vector) * CHUNK,
+                        CHUNK,
+                    ),
+                    cute.make_layout(CHUNK),
+                )
+                destination.store(quantized)
+            if vector % GROUP_VECTORS == 0:
+                group_scales = scales_here + cutlass.Int64(vector // GROUP_VECTORS) * scales_stride
+                for k in cutlass.range_constexpr(top_k):
+                    cute.arch.store(group_scales + rows[k], scale)
+
+
 @cute.kernel
 def route_and_place_kernel(
     mLogits: cute.Tensor,
@@ -299,6 +353,7 @@ def route_and_place_kernel(
     mRowOfPair: cute.Tensor,
     mExpertOffsets: cute.Tensor,
     mRows: cute.Tensor,
+    mRowScales,
     mScratch: cute.Tensor,
     mStatus: cute.Tensor,
     num_experts: cutlass.Constexpr,
@@ -441,17 +496,29 @@ def route_and_place_kernel(
             rows = []
             for k in cutlass.range_constexpr(top_k):
                 rows.append(cute.arch.shuffle_sync(row, k))
-            copy_to_rows(
-                x_address + cutlass.Int64(token) * row_bytes,
-                rows_address,
-                rows,
-                row_bytes,
-                0,
-                row_vectors,
-                lane,
-                unroll,
-                top_k,
-            )
+            if cutlass.const_expr(mRowScales is not None):
+                quantize_to_rows(
+                    x_address + cutlass.Int64(token) * row_bytes,
+                    rows_address,
+                    rows,
+                    mRowScales.iterator,
+                    cutlass.Int64(mRowScales.shape[1]),
+                    hidden,
+                    lane,
+                    top_k,
+                )
+            else:
+                copy_to_rows(
+                    x_address + cutlass.Int64(token) * row_bytes,
+                    rows_address,
+                    rows,
+                    row_bytes,
+                    0,
+                    row_vectors,
+                    lane,
+                    unroll,
+                    top_k,
+                )
     if cutlass.const_expr(not copy_by_token):
         # 5. a warp per pair of this CTA copies its token's row into the batch
         cute.arch.sync_threads()
@@ -477,6 +544,7 @@ def route_and_place(
     mRowOfPair: cute.Tensor,
     mExpertOffsets: cute.Tensor,
     mRows: cute.Tensor,
+    mRowScales,
     mScratch: cute.Tensor,
     mStatus: cute.Tensor,
     num_experts: cutlass.Constexpr,
@@ -515,6 +583,7 @@ def route_and_place(
         mRowOfPair,
         mExpertOffsets,
         mRows,
+        mRowScales,
         mScratch,
         mStatus,
         num_experts,

@@ -412,6 +412,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "mRowOfPair",
             "mExpertOffsets",
             "mRows",
+            "mRowScales",
             "mScratch",
             "mStatus",
             "num_experts",

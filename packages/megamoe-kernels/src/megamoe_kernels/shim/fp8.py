@@ -40,7 +40,10 @@ __all__ = [
 
 
 def _scale_of(amax: torch.Tensor) -> torch.Tensor:
-    return amax.float().clamp(min=AMAX_FLOOR) / E4M3_MAX
+    amax = amax.float().clamp(min=AMAX_FLOOR)
+    # an IEEE division, as the kernels divide: torch turns a division by a Python number into a
+    # multiplication by its rounded reciprocal, which differs in the last bit for some amax
+    return amax / torch.full_like(amax, E4M3_MAX)
 
 
 def _blocks(size: int, block: int) -> int:

@@ -8,8 +8,10 @@ Shape legend: T tokens, E experts, K experts per token (top-k), H hidden size, M
   launch out: topk_ids [T, K] int32, topk_weights [T, K] float32, row_of_pair [T, K] int32 (the
   batch row of pair (t, k): the order of a stable sort of the flattened ids by expert),
   expert_offsets [E + 1] int32 and the expert-major batch rows [M, H] (rows past T x K
-  unspecified). Every routing family of megamoe: softmax or sigmoid scoring, grouped top-k
-  with a correction bias, renormalisation, routed scaling.
+  unspecified): bf16, or with rows_dtype=e4m3 the rows quantized as they are copied, with
+  their scales [ceil(H / 128), M] float32 (shim/fp8.py's layout and values). Every routing
+  family of megamoe: softmax or sigmoid scoring, grouped top-k with a correction bias,
+  renormalisation, routed scaling.
   `RouteLauncher.route(logits)`: the routing alone (ids and weights, one launch), for the
   expert-parallel dispatchers.
 - `CombineLauncher` (`combine_launcher(...)`): y[t] = sum over k in order of weight[t, k] x
@@ -37,7 +39,8 @@ _COMPILE_LOCK = threading.Lock()
 _COMPILED: dict[tuple, Callable] = {}
 SCORINGS = ("softmax", "sigmoid")
 LOGITS_DTYPES = (torch.float32, torch.bfloat16)
-ROW_DTYPES = (torch.bfloat16,)
+# the batch rows the routing kernel writes: the tokens' bf16, or e4m3 quantized as they copy
+ROW_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 # a grid-barrier wait longer than this records a timeout in the status block and carries on
 _BARRIER_TIMEOUT_NS = 10_000_000_000
 # the routing kernel's rows one CTA copies at most (_one_cta_tokens)
@@ -85,6 +88,7 @@ def _cutlass_dtype(dtype: torch.dtype):
     return {
         torch.float32: cutlass.Float32,
         torch.bfloat16: cutlass.BFloat16,
+        torch.float8_e4m3fn: cutlass.Float8E4M3FN,
         torch.int32: cutlass.Int32,
         torch.int64: cutlass.Int64,
     }[dtype]
@@ -131,10 +135,17 @@ class RouteLauncher:
             problems.append(f"logits dtype {logits_dtype} is not one of {LOGITS_DTYPES}")
         if rows_dtype not in ROW_DTYPES:
             problems.append(f"rows dtype {rows_dtype} is not one of {ROW_DTYPES}")
+        if rows_dtype == torch.float8_e4m3fn and not copy_by_token:
+            problems.append("e4m3 rows are quantized by token (copy_by_token=True)")
         if problems:
             raise ValueError("the routing kernel cannot serve this layer: " + "; ".join(problems))
         self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
         self.logits_dtype, self.rows_dtype = logits_dtype, rows_dtype
+        self.scale_groups = None
+        if rows_dtype == torch.float8_e4m3fn:
+            from megamoe_kernels.drop.fp8_scaling import ACTIVATION_GROUP
+
+            self.scale_groups = -(-hidden_size // ACTIVATION_GROUP)
         self.has_correction_bias = has_correction_bias
         self.device = None if device is None else torch.device(device)
         self._scratch_words = _drop_route().scratch_words(num_experts)
@@ -202,12 +213,15 @@ class RouteLauncher:
             route,
             row_major(_cutlass_dtype(self.logits_dtype), (tokens, experts)),
             row_major(cutlass.Float32, (experts,)) if self.has_correction_bias else None,
-            row_major(_cutlass_dtype(self.rows_dtype), (tokens, hidden)),
+            row_major(cutlass.BFloat16, (tokens, hidden)),
             row_major(cutlass.Int32, (tokens, top_k)),
             row_major(cutlass.Float32, (tokens, top_k)),
             row_major(cutlass.Int32, (tokens, top_k)),
             row_major(cutlass.Int32, (experts + 1,)),
             row_major(_cutlass_dtype(self.rows_dtype), (rows, hidden)),
+            None
+            if self.scale_groups is None
+            else row_major(cutlass.Float32, (self.scale_groups, rows)),
             row_major(cutlass.Int32, (self._scratch_words,)),
             row_major(cutlass.Int64, (4,)),
             *constants,
@@ -276,16 +290,17 @@ class RouteLauncher:
         capacity: int,
         correction_bias_E: torch.Tensor | None = None,
         reuse_outputs: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(topk_ids_TK, topk_weights_TK, row_of_pair_TK, expert_offsets, rows_MH); capacity >=
-        T x K rows (checked here: the kernel writes rows up to T x K - 1).
+    ) -> tuple[torch.Tensor, ...]:
+        """(topk_ids_TK, topk_weights_TK, row_of_pair_TK, expert_offsets, rows_MH,
+        row_scales_GM or None for bf16 rows); capacity >= T x K rows (checked here: the kernel
+        writes rows up to T x K - 1).
 
         `reuse_outputs`: the outputs of the last call on this stream with the same tokens and
         capacity are written again instead of allocating new ones (five allocations fewer per
         call), for a caller that is done with them once its later launches on this stream have
         read them (the layer's forward). Calls on one stream run one after another, so that is
-        safe there; a CUDA graph keeps the buffers of its capture stream, so two graphs captured
-        on one stream must not replay at the same time on different streams."""
+        safe there. Under CUDA-graph capture the outputs are new, in the graph's memory pool
+        (a graph replays on other streams than its capture stream)."""
         tokens = router_logits_TE.shape[0]
         if tokens * self.top_k > capacity:
             raise ValueError(
@@ -293,7 +308,7 @@ class RouteLauncher:
                 f"capacity {capacity}; raise capacity or send fewer tokens per call"
             )
         device = x_TH.device
-        if reuse_outputs:
+        if reuse_outputs and not torch.cuda.is_current_stream_capturing():
             key = (device, _current_stream_handle(device))
             kept = self._kept_outputs.get(key)
             if kept is None or kept[0] != (tokens, capacity):
@@ -302,7 +317,7 @@ class RouteLauncher:
             outputs = kept[1]
         else:
             outputs = self._new_outputs(tokens, capacity, x_TH)
-        ids_TK, weights_TK, row_of_pair_TK, offsets, rows_MH = outputs
+        ids_TK, weights_TK, row_of_pair_TK, offsets, rows_MH, row_scales_GM = outputs
         scratch, status = self._scratch(device)
         compiled = self.compile()
         try:
@@ -315,12 +330,13 @@ class RouteLauncher:
                 row_of_pair_TK,
                 offsets,
                 rows_MH,
+                row_scales_GM,
                 scratch,
                 status,
             )
         except Exception as failure:
             self._explain(failure, router_logits_TE, x_TH, correction_bias_E)
-        return ids_TK, weights_TK, row_of_pair_TK, offsets, rows_MH
+        return outputs
 
     def _new_outputs(self, tokens: int, capacity: int, x_TH: torch.Tensor) -> tuple:
         device = x_TH.device
@@ -329,7 +345,10 @@ class RouteLauncher:
             torch.empty((tokens, self.top_k), dtype=torch.float32, device=device),
             torch.empty((tokens, self.top_k), dtype=torch.int32, device=device),
             torch.empty(self.num_experts + 1, dtype=torch.int32, device=device),
-            x_TH.new_empty((capacity, self.hidden_size)),
+            torch.empty((capacity, self.hidden_size), dtype=self.rows_dtype, device=device),
+            None
+            if self.scale_groups is None
+            else torch.empty((self.scale_groups, capacity), dtype=torch.float32, device=device),
         )
 
     def _explain(self, failure, router_logits_TE, x_TH, correction_bias_E) -> None:
@@ -337,7 +356,7 @@ class RouteLauncher:
         checks = [("router_logits", router_logits_TE, self.logits_dtype, (None, self.num_experts))]
         if x_TH is not None:
             tokens = router_logits_TE.shape[0]
-            checks.append(("x", x_TH, self.rows_dtype, (tokens, self.hidden_size)))
+            checks.append(("x", x_TH, torch.bfloat16, (tokens, self.hidden_size)))
         if self.has_correction_bias:
             checks.append(
                 ("correction_bias", correction_bias_E, torch.float32, (self.num_experts,))

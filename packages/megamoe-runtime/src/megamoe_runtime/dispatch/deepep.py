@@ -27,7 +27,7 @@ expert compute it sums each received token's local outputs in k order in fp32, e
 rounded on its own (`weighted_sum_over_topk`, the single-GPU combine's arithmetic), rounds the
 partial to bf16 and hands DeepEP one row per received token; DeepEP's combine adds the partials
 of the ranks a token went to (V1: in rank order, in fp32, rounded once). That is the
-arithmetic of `owner_partials_combine` (dispatch/symmetric.py): one bf16 rounding more than
+arithmetic of `owner_partials_combine` (dispatch/reference.py): one bf16 rounding more than
 the single-GPU layer, so EP=W matches EP=1 within bf16 tolerance, not bitwise.
 
 `cached_dispatch(x, handle)` sends new rows along a previous dispatch's layout (DeepEP's

@@ -104,12 +104,12 @@ class DeviceRoutedDispatcher:
         self._combine_launchers: dict[tuple, object] = {}
 
     def _route_launcher(
-        self, logits_dtype: torch.dtype, device: torch.device, *, row_bytes: int | None = None
+        self,
+        logits_dtype: torch.dtype,
+        device: torch.device,
+        rows_dtype: torch.dtype = torch.bfloat16,
     ):
-        """The routing launcher; `row_bytes`: the bytes of a token row when they are not
-        hidden_size bf16 values (FP8 rows: their bytes travel as bf16 pairs)."""
-        hidden_size = self.hidden_size if row_bytes is None else row_bytes // 2
-        key = (logits_dtype, device, hidden_size)
+        key = (logits_dtype, device, rows_dtype)
         launcher = self._route_launchers.get(key)
         if launcher is None:
             from megamoe_kernels.shim.local_layer import route_launcher
@@ -118,7 +118,7 @@ class DeviceRoutedDispatcher:
             launcher = self._route_launchers[key] = route_launcher(
                 num_experts=router.num_experts,
                 top_k=router.top_k,
-                hidden_size=hidden_size,
+                hidden_size=self.hidden_size,
                 scoring=router.scoring,
                 renormalize=router.renormalize,
                 num_groups=router.num_groups,
@@ -127,6 +127,7 @@ class DeviceRoutedDispatcher:
                 dropped_group_score=router.dropped_group_score,
                 has_correction_bias=router.use_correction_bias,
                 logits_dtype=logits_dtype,
+                rows_dtype=rows_dtype,
                 device=device,
             )
         return launcher
@@ -150,52 +151,36 @@ class DeviceRoutedDispatcher:
         router_logits_TE: torch.Tensor,
         *,
         correction_bias_E: torch.Tensor | None = None,
-        x_scales_GT: torch.Tensor | None = None,
+        rows_dtype: torch.dtype | None = None,
     ) -> tuple[ExpertBatch, LocalHandle, torch.Tensor]:
         """(batch, handle for combine, topk_ids_TK int32); the routing weights are
         handle.topk_weights_TK (float32).
 
-        FP8 tokens: `x_TH` e4m3 with `x_scales_GT` float32 [ceil(H / 128), T] (as
-        megamoe_kernels.quantize_rows gives them): the kernel copies the rows' bytes (each e4m3
-        pair as one bf16 word: a copy changes no bit) and the scales follow their rows, so the
-        batch holds FP8 rows and row_scales_GM, as quantizing each batch row would give them,
-        for half the bytes of bf16 rows. hidden_size must then be a multiple of 16."""
+        `rows_dtype=torch.float8_e4m3fn`: the kernel quantizes each bf16 token as it copies it
+        into its top-k rows, so the batch holds e4m3 rows and row_scales_GM (one scale per row
+        and 128 columns), the bits megamoe_kernels.quantize_rows gives each batch row, for half
+        the bytes of bf16 rows and no pass over the tokens before the dispatch. None: the
+        tokens' dtype."""
         tokens = x_TH.shape[0]
         num_pairs = tokens * self.router.top_k
         capacity = num_pairs if self.capacity is None else self.capacity
-        fp8 = x_scales_GT is not None
-        if fp8 and (x_TH.dtype != torch.float8_e4m3fn or self.hidden_size % 16):
-            raise ValueError(
-                f"x_scales_GT comes with e4m3 tokens of a hidden size that is a multiple of 16, "
-                f"got {x_TH.dtype} tokens of hidden size {self.hidden_size}"
-            )
-        launcher = self._route_launcher(
-            router_logits_TE.dtype, x_TH.device, row_bytes=self.hidden_size if fp8 else None
-        )
-        ids_TK, weights_TK, row_of_pair_TK, offsets, rows_MH = launcher(
+        rows_dtype = x_TH.dtype if rows_dtype is None else rows_dtype
+        launcher = self._route_launcher(router_logits_TE.dtype, x_TH.device, rows_dtype)
+        ids_TK, weights_TK, row_of_pair_TK, offsets, rows_MH, row_scales_GM = launcher(
             router_logits_TE,
-            x_TH.view(torch.bfloat16) if fp8 else x_TH,
+            x_TH,
             capacity=capacity,
             correction_bias_E=self._correction_bias(correction_bias_E),
             reuse_outputs=self.reuse_outputs,
         )
-        row_scales_GM = None
-        if fp8:
-            rows_MH = rows_MH.view(torch.float8_e4m3fn)
-            # each pair's row takes its token's scales; rows past the pairs are never read as data
-            row_scales_GM = x_scales_GT.new_empty((x_scales_GT.shape[0], capacity))
-            row_scales_GM[:, row_of_pair_TK.flatten().long()] = x_scales_GT.repeat_interleave(
-                self.router.top_k, dim=1
-            )
         batch = ExpertBatch(
             rows_MH=rows_MH,
             expert_offsets=offsets,
             valid_rows=num_pairs,
             row_scales_GM=row_scales_GM,
         )
-        output_dtype = torch.bfloat16 if fp8 else x_TH.dtype
         handle = LocalHandle(
-            row_of_pair_TK=row_of_pair_TK, topk_weights_TK=weights_TK, output_dtype=output_dtype
+            row_of_pair_TK=row_of_pair_TK, topk_weights_TK=weights_TK, output_dtype=x_TH.dtype
         )
         return batch, handle, ids_TK
 

@@ -18,6 +18,8 @@ class ExpertBackend(Protocol):
     name: str
     # whether autograd can differentiate its output (the layer trains only through such backends)
     supports_autograd: bool
+    # whether a call captures in a CUDA graph (no host sync: the offsets stay on the device)
+    captures_in_graphs: bool
 
     def prepare(self, weights: WeightPack) -> Any:
         """Transforms the weights (bf16 or FP8) into this backend's layout; run once, the result

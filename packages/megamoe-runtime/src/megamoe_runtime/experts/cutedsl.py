@@ -109,6 +109,7 @@ def _refuse_masked(batch: ExpertBatch) -> None:
 class CuteDSLExperts:
     name = "cutedsl"
     supports_autograd = False
+    captures_in_graphs = True
 
     def __init__(self, *, gate_up_knobs=None, down_knobs=None, knob_cache: KnobCache | None = None):
         # None: tuned knobs from the knob cache (`megamoe tune`) if it holds the batch's class,

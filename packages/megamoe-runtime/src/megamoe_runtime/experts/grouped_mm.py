@@ -31,6 +31,7 @@ def grouped_mm_status(device: torch.device) -> tuple[bool, str]:
 class GroupedMMExperts:
     name = "grouped_mm"
     supports_autograd = True
+    captures_in_graphs = True
 
     def prepare(self, weights: WeightPack) -> Unquantized:
         if isinstance(weights, Prequantized):

@@ -17,6 +17,7 @@ from megamoe_runtime.weights import Prequantized, Unquantized, WeightPack, dequa
 class ReferenceExperts:
     name = "reference"
     supports_autograd = True
+    captures_in_graphs = False  # it reads the expert offsets on the host
 
     def prepare(self, weights: WeightPack) -> Unquantized:
         if isinstance(weights, Prequantized):

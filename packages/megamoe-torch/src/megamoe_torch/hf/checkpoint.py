@@ -7,6 +7,9 @@
   names on disk, as for the unswapped model), or the per-expert modules of 4.x, and the block's
   router, biases, correction bias and shared expert names, and the tensors it holds unused;
 - `load_state_dict()` takes those keys, in either layout, or megamoe's own (`w13`, `w2`, ...);
+  an FP8 layer (weight_dtype="fp8") gives and takes e4m3 experts with their block scales
+  (`experts.gate_up_proj_scale_inv`, `experts.{e}.gate_proj.weight_scale_inv`, ...: hf/fp8.py),
+  quantizes full-precision ones as they load, and a full-precision layer dequantizes e4m3 ones;
 - `restored_hf_block` rebuilds the replaced block around the layer's current weights, from a
   weightless copy of it kept aside (meta tensors: no memory);
 - the weightless copy's children the layer lacks (`experts`, `router`, ...) are plain attributes
@@ -26,8 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from megamoe_torch.hf.convert import expected_hf_shapes
+from megamoe_torch.fp8_linear import quantize_loaded_weights
+from megamoe_torch.hf.convert import expected_hf_shapes, keys_to_dequantize
 from megamoe_torch.hf.families import Layout
+from megamoe_torch.hf.fp8 import dequantized, is_fp8
 from megamoe_torch.hf.naming import BlockNaming
 from megamoe_torch.hf.state_dict import (
     check_shapes,
@@ -85,15 +90,20 @@ def restored_hf_block(layer: MegaMoE) -> nn.Module:
         for name, tensor in (*layer.named_parameters(), *layer.named_buffers())
     }
     block = _weightless_copy(layer.__dict__["_weightless_hf_block"])
-    block.load_state_dict(
-        {
-            **hf_state_dict_from_megamoe(
-                megamoe_state, family=layer.hf_naming, layout=layer.hf_layout
-            ),
-            **layer.__dict__["_hf_ignored_tensors"],
-        },
-        assign=True,
-    )
+    hf_state = {
+        **hf_state_dict_from_megamoe(megamoe_state, family=layer.hf_naming, layout=layer.hf_layout),
+        **layer.__dict__["_hf_ignored_tensors"],
+    }
+    block_fp8 = {key for key, tensor in block.state_dict().items() if is_fp8(tensor)}
+    if block_fp8 != {key for key, tensor in hf_state.items() if is_fp8(tensor)}:
+        held = "e4m3" if block_fp8 else "full-precision"
+        raise RuntimeError(
+            f"the layer holds {layer.w13.dtype} experts where the replaced {layer.hf_naming.family} "
+            f"block held {held} ones, which the block's modules cannot take back: unswap a "
+            "model swapped with weight_dtype='auto', or save the layer's weights "
+            "(state_dict, save_pretrained)"
+        )
+    block.load_state_dict(hf_state, assign=True)
     block.train(layer.training)
     if not any(parameter.requires_grad for parameter in layer.parameters()):
         block.requires_grad_(False)
@@ -157,16 +167,27 @@ def _hf_load_state_dict_pre_hook(
     for key in naming.ignored:
         if key in hf_state:
             ignored[key] = hf_state[key]
+    # e4m3 tensors for full-precision weights of the layer: their values
+    to_dequantize = keys_to_dequantize(
+        hf_state,
+        naming=naming,
+        weight_dtype=layer.config.weight_dtype,
+        shared_weight_dtype=layer.config.shared_weight_dtype,
+    )
     try:
+        hf_state = dequantized(hf_state, dtype=layer.activation_dtype, keys=to_dequantize)
         megamoe_state = megamoe_state_dict_from_hf(hf_state, family=naming)
     except ValueError as error:
         raise ValueError(
             f"the tensors under {prefix!r} are not a Hugging Face {naming.family} block: {error}"
         ) from error
     experts = layer.local_experts
-    for name in ("w13", "w2", "w13_bias", "w2_bias"):  # an expert-parallel layer: its experts
+    # an expert-parallel layer: its experts
+    for name in ("w13", "w2", "w13_bias", "w2_bias", "w13_scale_inv", "w2_scale_inv"):
         if name in megamoe_state:
             megamoe_state[name] = megamoe_state[name][experts.start : experts.stop]
+    if layer.config.weight_dtype == "fp8":  # the layer's own pre-hook saw the Hugging Face names
+        quantize_loaded_weights(megamoe_state, ("w13", "w2"))
     for key, tensor in megamoe_state.items():
         state_dict[prefix + key] = tensor
 

@@ -1,12 +1,22 @@
 """MegaMoE layers from Hugging Face MoE blocks and from checkpoint state dicts.
 
 The routing semantics come from the source, never from options: options only choose how the
-layer runs (backend, capacity, input checks, expert parallelism).
+layer runs (backend, capacity, input checks, expert parallelism) and, with `weight_dtype`, in
+which precision it holds its experts:
+
+- "auto" (the default): as the source holds them. e4m3 experts with 128 x 128 block scales (an
+  FP8 checkpoint, or transformers' FP8Experts) make a weight_dtype="fp8" layer holding the same
+  bytes and scales, with FP8 shared experts where the source's are FP8
+  (shared_weight_dtype="fp8"); full-precision experts stay so;
+- "fp8": FP8 experts; full-precision ones are quantized per 128 x 128 block as they load;
+- None: the experts in the activations' dtype; e4m3 ones (and FP8 shared experts) are
+  dequantized into it, e4m3 x scale rounded once.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,6 +33,14 @@ from megamoe_torch.hf.families import (
     correction_bias_of,
     read_hf_config,
 )
+from megamoe_torch.hf.fp8 import (
+    activation_dtype_of,
+    check_quantization_config,
+    dequantized,
+    holds_fp8,
+    is_fp8,
+    model_config_of,
+)
 from megamoe_torch.hf.naming import BlockNaming
 from megamoe_torch.hf.reader import read_block
 from megamoe_torch.hf.skeleton import block_prefix_in, checkpoint_block
@@ -38,23 +56,27 @@ from megamoe_torch.layer import MegaMoE
 # MegaMoEConfig fields that change how a layer runs, not what it computes ("dispatcher" also
 # takes a dispatcher object the caller built, e.g. a DeepEPDispatcher: see MegaMoE)
 RUN_OPTIONS = ("backend", "capacity", "check_inputs", "dispatcher", "max_tokens_per_rank")
+# the experts' precision: as the source holds them, FP8, or the activations' dtype
+WEIGHT_DTYPE_CHOICES = ("auto", "fp8", None)
 
 
-def from_hf(block: nn.Module, **options: Any) -> MegaMoE:
+def from_hf(block: nn.Module, *, weight_dtype: str | None = "auto", **options: Any) -> MegaMoE:
     """A MegaMoE computing what a transformers MoE block computes, with the block's weights.
 
     Any transformers >= 5 block of a structure megamoe reads (reader.py: a router with softmax
     or sigmoid scores, renormalised or not, grouped top-k, correction bias, router bias,
     scaling; experts in any fused layout, with biases and clamped SwiGLU; shared experts with or
     without a gate; routing weights on the expert input), and the per-expert blocks of the
-    transformers 4.x Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3. The layer shares the block's
-    tensors where the layouts agree (no copy). `options`: any of RUN_OPTIONS, and
-    `process_group` for expert parallelism; `dispatcher` is a name (MegaMoEConfig.dispatcher) or
-    a dispatcher the caller built (`DeepEPDispatcher`), whose group the layer then spans (it
-    keeps its rank's experts). Raises UnsupportedBlockError (a ValueError) saying why a block
-    cannot be reproduced exactly.
+    transformers 4.x Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3. transformers' FP8 blocks
+    (FP8Experts, FP8Linear shared experts: a model loaded from an FP8 checkpoint on a GPU) are
+    taken as they are. The layer shares the block's tensors where the layouts agree (no copy).
+    `weight_dtype`: "auto", "fp8" or None, see the module doc (None from an FP8 block gives the
+    dequantized weights). `options`: any of RUN_OPTIONS, and `process_group` for expert
+    parallelism; `dispatcher` is a name (MegaMoEConfig.dispatcher) or a dispatcher the caller
+    built (`DeepEPDispatcher`), whose group the layer then spans (it keeps its rank's experts).
+    Raises UnsupportedBlockError (a ValueError) saying why a block cannot be reproduced exactly.
     """
-    layer, _ = convert_block(block, layer_class=MegaMoE, options=options)
+    layer, _ = convert_block(block, layer_class=MegaMoE, options=options, weight_dtype=weight_dtype)
     return layer
 
 
@@ -65,6 +87,7 @@ def from_hf_state_dict(
     layer: int | None = None,
     prefix: str | None = None,
     device: torch.device | str | None = None,
+    weight_dtype: str | None = "auto",
     **options: Any,
 ) -> MegaMoE:
     """A MegaMoE from a checkpoint's tensors (Hugging Face key names), without the model's weights.
@@ -80,6 +103,13 @@ def from_hf_state_dict(
     config on the meta device (no memory) and reader.py reads by structure; the block's module
     path gives the prefix. A tensor of another shape than the config implies raises ValueError
     naming its key and both shapes.
+
+    FP8 checkpoints (DeepSeek-V3/R1, the Qwen3 FP8 releases: e4m3 weights with a
+    `weight_scale_inv` per 128 x 128 block, `quantization_config` quant_method "fp8") load as
+    they are with `weight_dtype` "auto" or "fp8", dequantized with None (see the module doc); a
+    recipe megamoe does not compute (another block size, static activation scales, ue8m0
+    scales) raises UnsupportedBlockError naming it, and stacking gate and up scales needs an
+    intermediate size that is a multiple of 128 (ValueError otherwise; None still converts).
     """
     if _model_type(hf_config) in FAMILY_OF_MODEL_TYPE:
         family, fields = read_hf_config(hf_config)
@@ -100,6 +130,8 @@ def from_hf_state_dict(
     block_tensors = block_state_dict(state_dict, prefix=prefix) if prefix else dict(state_dict)
     if not block_tensors:
         raise ValueError(f"state_dict holds no tensors under prefix {prefix!r}")
+    if holds_fp8(block_tensors):
+        check_quantization_config(hf_config)
     config = semantic_config(fields)
     check_shapes(
         block_tensors,
@@ -110,14 +142,30 @@ def from_hf_state_dict(
         ),
         prefix=prefix or "",
     )
-    megamoe_state = megamoe_state_dict_from_hf(block_tensors, family=naming)
-    return build_layer(
-        fields,
-        megamoe_state,
-        options,
+    # a routed expert's weight (either layout) says the dtypes; tensors that are no block of
+    # this family are refused when they map, below
+    expert_weight = next(
+        (
+            tensor
+            for key, tensor in block_tensors.items()
+            if key.startswith("experts.") and not key.endswith("_scale_inv")
+        ),
+        next(iter(block_tensors.values())),
+    )
+    router_weight = block_tensors.get(naming.router_weight, expert_weight)
+    return layer_from_hf_tensors(
+        block_tensors,
+        fields=fields,
+        naming=naming,
+        options=options,
+        weight_dtype=weight_dtype,
         layer_class=MegaMoE,
-        device=device if device is not None else megamoe_state["w13"].device,
-        dtype=megamoe_state["w13"].dtype,
+        device=device if device is not None else expert_weight.device,
+        activation_dtype=activation_dtype_of(
+            expert_dtype=expert_weight.dtype,
+            model_config=hf_config,
+            router_dtype=router_weight.dtype,
+        ),
     )
 
 
@@ -128,23 +176,103 @@ def _model_type(hf_config: Any) -> str | None:
 
 
 def convert_block(
-    block: nn.Module, *, layer_class: type[MegaMoE], options: dict[str, Any]
+    block: nn.Module,
+    *,
+    layer_class: type[MegaMoE],
+    options: dict[str, Any],
+    weight_dtype: str | None = "auto",
 ) -> tuple[MegaMoE, BlockReading]:
     """(layer of `layer_class`, what was read of the block): the one conversion path."""
     reading = read_block(block)
     fields = dict(reading.config_fields)
     if reading.layout == "per_expert" and reading.family == DEEPSEEK_V3.name:
         fields["dropped_group_score"] = _dropped_group_score_of(block, fields)
-    megamoe_state = megamoe_state_dict_from_hf(block.state_dict(), family=reading.naming)
-    layer = build_layer(
-        fields,
+    hf_tensors = block.state_dict()
+    layer = layer_from_hf_tensors(
+        hf_tensors,
+        fields=fields,
+        naming=reading.naming,
+        options=options,
+        weight_dtype=weight_dtype,
+        layer_class=layer_class,
+        device=reading.device,
+        activation_dtype=activation_dtype_of(
+            expert_dtype=reading.expert_dtype,
+            model_config=model_config_of(block),
+            router_dtype=hf_tensors[reading.naming.router_weight].dtype,
+        ),
+    )
+    return layer, reading
+
+
+def layer_from_hf_tensors(
+    hf_tensors: dict[str, torch.Tensor],
+    *,
+    fields: dict[str, Any],
+    naming: BlockNaming,
+    options: dict[str, Any],
+    weight_dtype: str | None,
+    layer_class: type[MegaMoE],
+    device: torch.device | str,
+    activation_dtype: torch.dtype,
+) -> MegaMoE:
+    """A layer from one block's tensors (block-relative Hugging Face keys) in the precision
+    `weight_dtype` chooses (the module doc)."""
+    routed, shared = weight_dtypes(hf_tensors, naming=naming, weight_dtype=weight_dtype)
+    to_dequantize = keys_to_dequantize(
+        hf_tensors, naming=naming, weight_dtype=routed, shared_weight_dtype=shared
+    )
+    hf_tensors = dequantized(hf_tensors, dtype=activation_dtype, keys=to_dequantize)
+    megamoe_state = megamoe_state_dict_from_hf(hf_tensors, family=naming)
+    return build_layer(
+        {**fields, "weight_dtype": routed, "shared_weight_dtype": shared},
         megamoe_state,
         options,
         layer_class=layer_class,
-        device=reading.device,
-        dtype=reading.expert_dtype,
+        device=device,
+        dtype=activation_dtype,
     )
-    return layer, reading
+
+
+def weight_dtypes(
+    hf_tensors: dict[str, torch.Tensor], *, naming: BlockNaming, weight_dtype: str | None
+) -> tuple[str | None, str | None]:
+    """(the layer's weight_dtype, its shared_weight_dtype) for a block's tensors and the
+    caller's `weight_dtype`: FP8 shared experts stay FP8 next to FP8 routed experts."""
+    if weight_dtype not in WEIGHT_DTYPE_CHOICES:
+        raise ValueError(
+            f"weight_dtype must be one of {WEIGHT_DTYPE_CHOICES} (as the source holds the "
+            f"experts, FP8, or the activations' dtype), got {weight_dtype!r}"
+        )
+    routed_fp8, shared_fp8 = _fp8_keys(hf_tensors, naming=naming)
+    routed = ("fp8" if routed_fp8 else None) if weight_dtype == "auto" else weight_dtype
+    return routed, "fp8" if shared_fp8 and routed == "fp8" else None
+
+
+def keys_to_dequantize(
+    hf_tensors: dict[str, torch.Tensor],
+    *,
+    naming: BlockNaming,
+    weight_dtype: str | None,
+    shared_weight_dtype: str | None,
+) -> set[str]:
+    """The keys of a block's e4m3 weights that go into full-precision weights of a layer of
+    these weight dtypes."""
+    routed_fp8, shared_fp8 = _fp8_keys(hf_tensors, naming=naming)
+    return (routed_fp8 if weight_dtype is None else set()) | (
+        shared_fp8 if shared_weight_dtype is None else set()
+    )
+
+
+def _fp8_keys(
+    hf_tensors: dict[str, torch.Tensor], *, naming: BlockNaming
+) -> tuple[set[str], set[str]]:
+    """The keys of a block's e4m3 tensors: (the routed experts', the shared experts')."""
+    fp8 = {key for key, tensor in hf_tensors.items() if is_fp8(tensor)}
+    if naming.shared_prefix is None:
+        return fp8, set()
+    shared = {key for key in fp8 if key.startswith(f"{naming.shared_prefix}.")}
+    return fp8 - shared, shared
 
 
 def build_layer(
@@ -164,8 +292,9 @@ def build_layer(
     unknown = sorted(set(options) - set(RUN_OPTIONS))
     if unknown:
         raise TypeError(
-            f"unexpected options {unknown}: accepted are {[*RUN_OPTIONS, 'process_group']} "
-            "(routing semantics come from the source and cannot be overridden)"
+            f"unexpected options {unknown}: accepted are "
+            f"{[*RUN_OPTIONS, 'process_group', 'weight_dtype']} (routing semantics come from the "
+            "source and cannot be overridden)"
         )
     semantic_config(fields)
     config = MegaMoEConfig(**fields, **options)  # a bad run option is the caller's ValueError
@@ -191,14 +320,17 @@ def semantic_config(fields: dict[str, Any]) -> MegaMoEConfig:
     try:
         return MegaMoEConfig(**fields)
     except ValueError as error:
-        raise UnsupportedBlockError(f"megamoe cannot express this routing: {error}") from error
+        raise UnsupportedBlockError(f"megamoe cannot express this block: {error}") from error
 
 
 def expected_hf_shapes(
     config: MegaMoEConfig, *, family: Family | BlockNaming, layout: Layout
 ) -> dict[str, tuple[int, ...]]:
     """Shapes of a Hugging Face block's tensors (block-relative keys, all experts) for `config`."""
-    all_experts = MegaMoE(config, device="meta")  # the layer's own parameter shapes, no memory
+    # the layer's own parameter shapes, no memory; FP8 scales are checked with their weights
+    # (fp8.take_scales)
+    config = replace(config, weight_dtype=None, shared_weight_dtype=None)
+    all_experts = MegaMoE(config, device="meta")
     hf_tensors = hf_state_dict_from_megamoe(all_experts.state_dict(), family=family, layout=layout)
     return {key: tuple(tensor.shape) for key, tensor in hf_tensors.items()}
 

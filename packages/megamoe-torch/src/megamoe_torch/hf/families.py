@@ -458,12 +458,19 @@ def _tensor(module: nn.Module, name: str, *, what: str) -> torch.Tensor:
     return check_tensor(tensor, what=what)
 
 
-def check_tensor(tensor: torch.Tensor, *, what: str, allow_meta: bool = False) -> torch.Tensor:
-    """`tensor` if megamoe can take it: floating point, not quantized, not on the meta device
-    (unless `allow_meta`: a block read for its structure alone)."""
-    if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+def check_tensor(
+    tensor: torch.Tensor, *, what: str, allow_meta: bool = False, allow_fp8: bool = False
+) -> torch.Tensor:
+    """`tensor` if megamoe can take it: floating point, not quantized (unless `allow_fp8`: e4m3
+    experts, hf/fp8.py), not on the meta device (unless `allow_meta`: a block read for its
+    structure alone)."""
+    if allow_fp8 and tensor.dtype == torch.float8_e4m3fn:
+        pass
+    elif tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        accepted = "e4m3 with 128 x 128 block scales, or " if allow_fp8 else ""
         raise UnsupportedBlockError(
-            f"{what} is {tensor.dtype}: quantized weights are not supported, dequantize first"
+            f"{what} is {tensor.dtype}: megamoe takes {accepted}full-precision weights; "
+            "dequantize others first"
         )
     if tensor.device.type == "meta" and not allow_meta:
         raise UnsupportedBlockError(f"{what} is on the meta device: load the weights first")

@@ -18,6 +18,7 @@ from megamoe_runtime.routing import RouterConfig, route
 from torch import nn
 
 from megamoe_torch.hf.families import UnsupportedBlockError
+from megamoe_torch.hf.fp8 import activation_dtype_of, is_fp8, model_config_of
 from megamoe_torch.hf.naming import (
     megamoe_experts_from_hf,
     megamoe_gate_up_bias_from_hf,
@@ -173,7 +174,15 @@ def read_router_dtype(parts: BlockParts, run: BlockRun, logits_index: int) -> tu
     to fp32) is run again with its tensors as they are.
     """
     args, kwargs, _ = run.router_calls[0]
-    expert_dtype = parts.expert_weight.dtype
+    # the model's dtype: the experts', or for e4m3 experts, which do not show it, the config's
+    router_weight = parts.router.state_dict()[
+        parts.naming.router_weight[len(parts.router_name) + 1 :]
+    ]
+    model_dtype = activation_dtype_of(
+        expert_dtype=parts.expert_weight.dtype,
+        model_config=model_config_of(parts.block),
+        router_dtype=router_weight.dtype,
+    )
     originals = dict(parts.router.state_dict(keep_vars=True))
     hidden = parts.hidden_size
 
@@ -191,7 +200,7 @@ def read_router_dtype(parts: BlockParts, run: BlockRun, logits_index: int) -> tu
         twin = copy.deepcopy(run.router_twin)
         clear_forward_hooks(twin)
         for name, tensor in list(twin.state_dict(keep_vars=True).items()):
-            keep_fp32 = originals[name].dtype == torch.float32 and expert_dtype != torch.float32
+            keep_fp32 = originals[name].dtype == torch.float32 and model_dtype != torch.float32
             if cast_tensors and tensor.is_floating_point() and not keep_fp32:
                 tensor.data = tensor.data.to(torch.bfloat16)
         try:
@@ -234,6 +243,8 @@ def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_inpu
         fan_in = tensor.shape[-1] if tensor.dim() >= 2 else hidden
         stand_ins[id(tensor)] = random.normal(*shape, std=1.0 / math.sqrt(fan_in))
     twin = random_copy(experts, random, replace=stand_ins)
+    if is_fp8(parts.expert_weight):
+        _eager_experts(twin)
     for module in twin.modules():  # the experts' own count, where they keep it
         for name, value in list(vars(module).items()):
             if isinstance(value, int) and not isinstance(value, bool) and value == num_experts:
@@ -304,6 +315,15 @@ def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_inpu
         "silu(gate) * up (SwiGLU), optionally clamped with alpha and (up + 1), with or without "
         "biases"
     )
+
+
+def _eager_experts(twin: nn.Module) -> None:
+    """transformers' FP8 experts hand their weights to FP8 kernels (grouped_mm, DeepGEMM), which
+    take no fp32 probe copies; their eager forward computes on such copies as on unquantized
+    weights, with the same gate and projections."""
+    config = getattr(twin, "config", None)
+    if getattr(config, "_experts_implementation", None) not in (None, "eager"):
+        config._experts_implementation = "eager"
 
 
 def _expert_layouts(parts: BlockParts, tensors: dict[str, torch.Tensor]) -> list[dict]:

@@ -4,6 +4,11 @@ Keys are relative to the block (`gate.weight`, `experts.3.w1.weight`, ...); a `B
 (naming.py) says where each tensor lives and how it is laid out, for the fused layout of
 transformers >= 5 modules and the per-expert layout of checkpoints on disk and transformers 4.x.
 `family` arguments take a BlockNaming, a Family, or a known family's name.
+
+FP8 blocks (fp8.py) map with their block scales: the e4m3 experts and their `_scale_inv` grids
+stack into `w13`/`w13_scale_inv` and `w2`/`w2_scale_inv` (gate blocks then up blocks, exact when
+the intermediate size is a multiple of 128), the shared experts' into
+`shared_experts.*.weight_scale_inv`; the bytes are not touched either way.
 """
 
 from __future__ import annotations
@@ -13,6 +18,14 @@ import re
 import torch
 
 from megamoe_torch.hf.families import Family, Layout, UnsupportedBlockError, family_named
+from megamoe_torch.hf.fp8 import (
+    check_stackable,
+    is_fp8,
+    scales_key,
+    split_gate_up_scales,
+    stacked_gate_up_scales,
+    take_scales,
+)
 from megamoe_torch.hf.naming import (
     PER_EXPERT_PROJECTION_NAMES,
     SHARED_PROJECTIONS,
@@ -38,6 +51,11 @@ def megamoe_state_dict_from_hf(
     naming = naming_of(family)
     remaining = dict(hf_block_state_dict)
     out: dict[str, torch.Tensor] = {"gate.weight": _take(remaining, naming.router_weight)}
+    if is_fp8(out["gate.weight"]):
+        raise UnsupportedBlockError(
+            f"the router weight {naming.router_weight} is e4m3: megamoe takes FP8 experts next "
+            "to a full-precision router"
+        )
     if naming.router_bias is not None:
         out["gate.bias"] = _take(remaining, naming.router_bias)
     if naming.correction_bias is not None and naming.correction_bias in remaining:
@@ -46,27 +64,40 @@ def megamoe_state_dict_from_hf(
         remaining.pop(key, None)
     if naming.expert_keys[0] in remaining:
         expert_tensors = {key: _take(remaining, key) for key in naming.expert_keys}
+        scales = _fused_expert_scales(remaining, expert_tensors, naming)
         out["w13"], out["w2"] = megamoe_experts_from_hf(
             naming, expert_tensors, num_experts=out["gate.weight"].shape[0]
         )
+        if scales is not None:
+            out["w13_scale_inv"], out["w2_scale_inv"] = scales
         if naming.gate_up_bias is not None:
             bias = _take(remaining, naming.gate_up_bias)
             out["w13_bias"] = megamoe_gate_up_bias_from_hf(naming, bias)
             out["w2_bias"] = _take(remaining, naming.down_bias)
     else:
-        out["w13"], out["w2"] = _stack_per_expert(remaining, naming)
+        out.update(_stack_per_expert(remaining, naming))
     if naming.shared_prefix is not None:
         for name in SHARED_PROJECTIONS:
             key = f"{naming.shared_prefix}.{name}.weight"
             if key in remaining:
-                out[f"shared_experts.{name}.weight"] = remaining.pop(key)
+                weight = out[f"shared_experts.{name}.weight"] = remaining.pop(key)
+                scales = take_scales(remaining, key, weight)
+                if scales is not None:
+                    out[f"shared_experts.{name}.weight_scale_inv"] = scales
     if naming.shared_gate is not None and naming.shared_gate in remaining:
         out["shared_experts.gate.weight"] = remaining.pop(naming.shared_gate)
+        if is_fp8(out["shared_experts.gate.weight"]):
+            raise UnsupportedBlockError(
+                f"the shared expert gate {naming.shared_gate} is e4m3: megamoe takes a "
+                "full-precision gate"
+            )
     if remaining:
         quantized = [key for key in remaining if "scale" in key]
         if quantized:
             raise UnsupportedBlockError(
-                f"quantized tensors {sorted(quantized)[:4]} are not supported: dequantize first"
+                f"quantized tensors {sorted(quantized)[:4]} are not ones megamoe takes: it takes "
+                "e4m3 weights with their 128 x 128 block scales (`<weight>_scale_inv`), or "
+                "full-precision weights; dequantize others first"
             )
         raise UnsupportedBlockError(
             f"{naming.family} block tensors not understood: {sorted(remaining)[:8]}"
@@ -103,9 +134,13 @@ def hf_state_dict_from_megamoe(
             raise ValueError(f"family {naming.family!r} has no correction bias")
         out[naming.correction_bias] = bias_E
     w13_E2IH, w2_EHI = state_dict["w13"], state_dict["w2"]
+    w13_scales, w2_scales = state_dict.get("w13_scale_inv"), state_dict.get("w2_scale_inv")
     has_biases = "w13_bias" in state_dict
     if layout == "fused":
         out.update(hf_experts_from_megamoe(naming, w13_E2IH, w2_EHI))
+        if w13_scales is not None:
+            _check_fp8_layout(naming)  # FP8Experts' layout: the scales' blocks are w13's
+            out[scales_key(naming.gate_up)], out[scales_key(naming.down)] = w13_scales, w2_scales
         if has_biases:
             if naming.gate_up_bias is None:
                 raise ValueError(f"family {naming.family!r} has no expert biases")
@@ -122,6 +157,15 @@ def hf_state_dict_from_megamoe(
             out[f"experts.{expert}.{gate_name}.weight"] = w13_E2IH[expert, :intermediate]
             out[f"experts.{expert}.{up_name}.weight"] = w13_E2IH[expert, intermediate:]
             out[f"experts.{expert}.{down_name}.weight"] = w2_EHI[expert]
+        if w13_scales is not None:
+            gate_scales, up_scales = split_gate_up_scales(
+                w13_scales, intermediate_size=intermediate, where=f"{naming.family} experts"
+            )
+            for expert in range(w13_E2IH.shape[0]):
+                prefix = f"experts.{expert}."
+                out[f"{prefix}{gate_name}.weight_scale_inv"] = gate_scales[expert]
+                out[f"{prefix}{up_name}.weight_scale_inv"] = up_scales[expert]
+                out[f"{prefix}{down_name}.weight_scale_inv"] = w2_scales[expert]
     shared_keys = [key for key in state_dict if key.startswith("shared_experts.")]
     if shared_keys and naming.shared_prefix is None:
         raise ValueError(f"family {naming.family!r} has no shared experts, got {shared_keys}")
@@ -129,6 +173,8 @@ def hf_state_dict_from_megamoe(
         key = f"shared_experts.{name}.weight"
         if key in state_dict:
             out[f"{naming.shared_prefix}.{name}.weight"] = state_dict[key]
+        if scales_key(key) in state_dict:
+            out[f"{naming.shared_prefix}.{name}.weight_scale_inv"] = state_dict[scales_key(key)]
     if "shared_experts.gate.weight" in state_dict:
         if naming.shared_gate is None:
             raise ValueError(f"family {naming.family!r} has no shared expert gate")
@@ -149,14 +195,70 @@ def block_state_dict(
     }
 
 
+def _fused_expert_scales(
+    remaining: dict[str, torch.Tensor],
+    expert_tensors: dict[str, torch.Tensor],
+    naming: BlockNaming,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(w13_scale_inv, w2_scale_inv) of a fused block's e4m3 experts, taken from `remaining`;
+    None for full-precision experts."""
+    gate_up, down = expert_tensors[naming.expert_keys[0]], expert_tensors[naming.down]
+    if is_fp8(gate_up) or is_fp8(down):
+        _check_fp8_layout(naming)
+        # the [E, 2I, H] grid of 128-row blocks is the gate projection's grid then the up
+        # projection's only when I is a multiple of 128
+        check_stackable(gate_up.shape[1] // 2, where=f"{naming.family} experts")
+    scales = [take_scales(remaining, key, expert_tensors[key]) for key in naming.expert_keys]
+    if all(s is None for s in scales):
+        return None
+    _check_all_fp8([gate_up, down], [naming.gate_up, naming.down])
+    return scales[0], scales[1]
+
+
+def _check_fp8_layout(naming: BlockNaming) -> None:
+    layouts = {
+        "transposed ([E, H, 2I])": naming.experts_transposed,
+        "gate/up interleaved": naming.gate_up_interleaved,
+        "flattened": naming.flattened_gate_and_up is not None,
+    }
+    found = [name for name, used in layouts.items() if used]
+    if found:
+        raise UnsupportedBlockError(
+            f"FP8 {naming.family} experts in the {', '.join(found)} layout: megamoe takes e4m3 "
+            "experts as [E, 2I, H] gate rows then up rows and [E, H, I] (transformers' "
+            "FP8Experts), with their block scales"
+        )
+
+
+def _check_all_fp8(weights: list[torch.Tensor], keys: list[str]) -> None:
+    fp8 = [key for key, weight in zip(keys, weights, strict=True) if is_fp8(weight)]
+    if fp8 and len(fp8) < len(keys):
+        other = next(key for key in keys if key not in fp8)
+        raise ValueError(
+            f"the experts' weights mix e4m3 ({fp8[0]}, ...) and full-precision ones ({other}, "
+            "...): megamoe takes all of them e4m3 with their block scales, or all of them in "
+            "full precision"
+        )
+
+
+_PER_EXPERT_KEY = re.compile(r"experts\.(\d+)\.(\w+)\.weight")
+
+
 def _stack_per_expert(
     remaining: dict[str, torch.Tensor], naming: BlockNaming
-) -> tuple[torch.Tensor, torch.Tensor]:
-    expert_key = re.compile(r"experts\.(\d+)\.(\w+)\.weight")
+) -> dict[str, torch.Tensor]:
+    """w13 and w2 (and w13_scale_inv and w2_scale_inv for e4m3 experts) stacked from the
+    per-expert tensors in `remaining`, which are removed from it."""
     found: dict[int, dict[str, torch.Tensor]] = {}
-    for key in [key for key in remaining if expert_key.fullmatch(key)]:
-        match = expert_key.fullmatch(key)
-        found.setdefault(int(match.group(1)), {})[match.group(2)] = remaining.pop(key)
+    scales: dict[str, torch.Tensor] = {}
+    for key in list(remaining):
+        match = _PER_EXPERT_KEY.fullmatch(key)
+        if match:
+            found.setdefault(int(match.group(1)), {})[match.group(2)] = remaining.pop(key)
+        elif key.endswith(".weight_scale_inv") and _PER_EXPERT_KEY.fullmatch(
+            key[: -len("_scale_inv")]
+        ):
+            scales[key] = remaining.pop(key)
     expected = (*naming.expert_keys, *naming.per_expert_projections)
     if not found:
         raise UnsupportedBlockError(
@@ -188,12 +290,11 @@ def _stack_per_expert(
         (up_name, (intermediate, hidden)),
         (down_name, (hidden, intermediate)),
     )
+    weights = {
+        f"experts.{expert}.{name}.weight": found[expert][name] for expert in found for name in names
+    }
     check_shapes(
-        {
-            f"experts.{expert}.{name}.weight": found[expert][name]
-            for expert in found
-            for name in names
-        },
+        weights,
         {
             f"experts.{expert}.{name}.weight": shape
             for expert in found
@@ -201,9 +302,35 @@ def _stack_per_expert(
         },
         reference=f"{reference_key} {(intermediate, hidden)}",
     )
-    w13 = [torch.cat([found[e][gate_name], found[e][up_name]], dim=0) for e in range(len(found))]
-    w2 = [found[expert][down_name] for expert in range(len(found))]
-    return torch.stack(w13), torch.stack(w2)
+    _check_all_fp8(list(weights.values()), list(weights))
+    block_scales = {key: take_scales(scales, key, weight) for key, weight in weights.items()}
+    if scales:  # scales left: of no weight here
+        raise UnsupportedBlockError(f"block scales without their weights: {sorted(scales)[:4]}")
+    experts = range(len(found))
+    out = {
+        "w13": torch.stack(
+            [torch.cat([found[e][gate_name], found[e][up_name]], dim=0) for e in experts]
+        ),
+        "w2": torch.stack([found[expert][down_name] for expert in experts]),
+    }
+    if is_fp8(found[0][gate_name]):
+
+        def scales_of(expert: int, name: str) -> torch.Tensor:
+            return block_scales[f"experts.{expert}.{name}.weight"]
+
+        out["w13_scale_inv"] = torch.stack(
+            [
+                stacked_gate_up_scales(
+                    scales_of(e, gate_name),
+                    scales_of(e, up_name),
+                    intermediate_size=intermediate,
+                    where=f"{naming.family} experts",
+                )
+                for e in experts
+            ]
+        )
+        out["w2_scale_inv"] = torch.stack([scales_of(e, down_name) for e in experts])
+    return out
 
 
 def check_shapes(

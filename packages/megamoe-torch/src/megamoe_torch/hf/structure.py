@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from megamoe_torch.hf.families import UnsupportedBlockError, check_tensor
+from megamoe_torch.hf.fp8 import check_fp8_modules
 from megamoe_torch.hf.naming import BlockNaming
 
 ROUTER_NAMES = ("gate", "router")
@@ -23,6 +24,8 @@ INPUT_JITTER_ATTRIBUTES = ("jitter_noise", "input_jitter_noise", "moe_jitter_eps
 # DBRX: each expert's gate, up and (transposed) down rows stacked, [E * I, H] each
 FLATTENED_EXPERT_TENSORS = ("mlp.w1", "mlp.v1", "mlp.w2")
 EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+# the block scales of e4m3 experts (transformers' FP8Experts)
+FP8_SCALES = ("gate_up_proj_scale_inv", "down_proj_scale_inv")
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ def block_parts(block: nn.Module, *, allow_meta: bool = False) -> BlockParts:
                 "experts, a part megamoe does not compute"
             )
     _check_forward_signature(block)
+    check_fp8_modules(block)
     for holder in (block, children[router_name]):
         for name, value in vars(holder).items():
             if name in INPUT_JITTER_ATTRIBUTES and isinstance(value, (int, float)) and value > 0:
@@ -141,7 +145,11 @@ def _named_tensors(
     correction_bias: list[str] = []
     experts_found: dict[str, str] = {}
     for key, tensor in tensors.items():
-        check_tensor(tensor, what=key, allow_meta=allow_meta)
+        # e4m3 experts and shared experts with their block scales (hf/fp8.py); not the router
+        in_experts = key.startswith("experts.") or (
+            shared_name is not None and key.startswith(f"{shared_name}.")
+        )
+        check_tensor(tensor, what=key, allow_meta=allow_meta, allow_fp8=in_experts)
         if key in (router_weight, router_bias):
             continue
         if key.startswith(router_prefix) or "." not in key:
@@ -213,11 +221,14 @@ def _check_expert_tensors(found: dict[str, str]) -> None:
     names = set(found)
     if names == set(FLATTENED_EXPERT_TENSORS):
         return
-    quantized = sorted(name for name in names if "scale" in name)
+    quantized = sorted(name for name in names if "scale" in name and name not in FP8_SCALES)
     if quantized:
         raise UnsupportedBlockError(
-            f"the experts hold quantized tensors {[found[n] for n in quantized]}: dequantize first"
+            f"the experts hold quantized tensors {[found[n] for n in quantized]}: megamoe takes "
+            "full-precision experts, or e4m3 ones with their 128 x 128 block scales "
+            f"({', '.join(FP8_SCALES)}); dequantize others first"
         )
+    names -= set(FP8_SCALES)
     if {"up_proj", "down_proj"} <= names and not names & {"gate_proj", "gate_up_proj"}:
         raise UnsupportedBlockError(
             "the experts are ungated (experts.up_proj and experts.down_proj, no gate "

@@ -81,6 +81,8 @@ class SwappedEntry:
     backend: str
     # what the block computes (BlockReading.describe)
     computes: str = ""
+    # the routed experts' weights: "fp8" (e4m3, 128 x 128 block scales) or their torch dtype
+    experts: str = ""
 
 
 @dataclass(frozen=True)
@@ -100,18 +102,28 @@ class SwapReport:
     def __str__(self) -> str:
         lines = [f"swapped {len(self.swapped)} MoE block(s), skipped {len(self.skipped)}"]
         lines += [
-            f"  swapped {e.name}: {e.family} ({e.layout} layout) on {e.backend}: {e.computes}"
+            f"  swapped {e.name}: {e.family} ({e.layout} layout) on {e.backend}, "
+            f"{e.experts.removeprefix('torch.')} experts: {e.computes}"
             for e in self.swapped
         ]
         lines += [f"  skipped {e.name} ({e.class_name}): {e.reason}" for e in self.skipped]
         return "\n".join(lines)
 
 
-def swap_moe_blocks(model: nn.Module, *, backend: str = "auto", **options: Any) -> SwapReport:
+def swap_moe_blocks(
+    model: nn.Module,
+    *,
+    backend: str = "auto",
+    weight_dtype: str | None = "auto",
+    **options: Any,
+) -> SwapReport:
     """Replaces every supported MoE block of `model` with a MegaMoE computing the same, in place.
 
     A block megamoe cannot reproduce exactly is left as it is and listed in the report's
     `skipped` with the reason; a model with no MoE block at all gets a warning.
+    `weight_dtype`: "auto" (the experts' precision as the blocks hold them: a model loaded from
+    an FP8 checkpoint keeps its e4m3 experts and their scales), "fp8" (quantized per 128 x 128
+    block where they are not), or None (the activations' dtype, e4m3 experts dequantized).
     `options`: see `from_hf` (capacity, check_inputs, process_group, ...).
 
     The swapped model's state_dict() holds the original Hugging Face names and layout, so
@@ -135,7 +147,10 @@ def swap_moe_blocks(model: nn.Module, *, backend: str = "auto", **options: Any) 
         class_name = type(block).__name__
         try:
             swapped, reading = convert_block(
-                block, layer_class=SwappedMoEBlock, options={"backend": backend, **options}
+                block,
+                layer_class=SwappedMoEBlock,
+                options={"backend": backend, **options},
+                weight_dtype=weight_dtype,
             )
             _answer_like(swapped, block, reading)
             keep_hf_checkpoint_format(
@@ -154,7 +169,14 @@ def swap_moe_blocks(model: nn.Module, *, backend: str = "auto", **options: Any) 
         parent_name, _, child_name = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child_name, swapped)
         report.swapped.append(
-            SwappedEntry(name, reading.family, reading.layout, swapped.backend, reading.describe())
+            SwappedEntry(
+                name,
+                reading.family,
+                reading.layout,
+                swapped.backend,
+                reading.describe(),
+                experts="fp8" if swapped.config.weight_dtype == "fp8" else str(swapped.w13.dtype),
+            )
         )
     return report
 

@@ -1,0 +1,134 @@
+"""Small eager forwards replayed from the layer's own CUDA graphs (forward_graphs.py): the same
+bits as launching the forward, fresh outputs per call, a new graph whenever a weight changes,
+per stream, bounded in number, and never inside an outer capture."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from megamoe_torch.config import MegaMoEConfig
+from megamoe_torch.forward_graphs import MAX_GRAPHS
+from megamoe_torch.layer import MegaMoE
+
+pytestmark = pytest.mark.gpu
+
+FAMILIES = {
+    "qwen3": dict(num_experts=32, top_k=4),
+    "dsv3_shared": dict(
+        num_experts=64,
+        top_k=6,
+        scoring="sigmoid",
+        num_groups=8,
+        top_groups=3,
+        routed_scaling_factor=2.5,
+        use_correction_bias=True,
+        num_shared_experts=1,
+    ),
+    "qwen3_fp8": dict(num_experts=32, top_k=4, weight_dtype="fp8"),
+}
+
+
+def _pair(family: str) -> tuple[MegaMoE, MegaMoE]:
+    """(a layer that replays graphs, the same layer on the same tensors that always launches)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    config = MegaMoEConfig(
+        hidden_size=512, intermediate_size=256, backend="cutedsl", **FAMILIES[family]
+    )
+    torch.manual_seed(0)
+    try:
+        replaying = MegaMoE(config, device="cuda", dtype=torch.bfloat16)
+    except ValueError as refused:
+        pytest.skip(str(refused))
+    ok, why = replaying.fused_path_status()
+    if not ok:
+        pytest.skip(why)
+    if replaying.e_score_correction_bias is not None:
+        replaying.e_score_correction_bias.normal_(0, 0.05)
+    launching = MegaMoE(replace(config, eager_graph_tokens=0), device="meta", dtype=torch.bfloat16)
+    launching.load_state_dict(replaying.state_dict(), assign=True)  # the same tensors
+    return replaying, launching
+
+
+def _tokens(tokens: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(tokens, 512, device="cuda", generator=generator).bfloat16()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("tokens", [1, 7, 128])
+@torch.no_grad()
+def test_replayed_forwards_give_the_launched_forwards_bits(family, tokens):
+    replaying, launching = _pair(family)
+    outputs = []
+    for call in range(4):  # launched, captured, replayed twice
+        x = _tokens(tokens, seed=call)
+        y, logits = replaying(x, return_router_logits=True)
+        expected, expected_logits = launching(x, return_router_logits=True)
+        assert torch.equal(y, expected), f"call {call}"
+        assert torch.equal(logits, expected_logits), f"call {call}"
+        outputs.append((x, y))
+    assert len(replaying._forward_graphs) == 1
+    # each call's output is its own: later replays left the earlier ones as they were
+    for x, y in outputs:
+        assert torch.equal(y, launching(x))
+
+
+@torch.no_grad()
+def test_a_changed_weight_is_never_replayed_stale():
+    replaying, launching = _pair("qwen3")
+    x = _tokens(5, seed=1)
+    for _ in range(3):
+        replaying(x)
+    assert len(replaying._forward_graphs) == 1
+    replaying.w2.mul_(0.5)  # in place: the prepared weights change with it
+    replaying.gate.weight.add_(0.01)
+    for _ in range(3):
+        assert torch.equal(replaying(x), launching(x))
+    replaying.w13 = torch.nn.Parameter(replaying.w13 * 2, requires_grad=False)  # replaced
+    launching.w13 = replaying.w13
+    for _ in range(3):
+        assert torch.equal(replaying(x), launching(x))
+
+
+@torch.no_grad()
+def test_graphs_are_kept_per_stream_and_bounded():
+    replaying, launching = _pair("qwen3")
+    side = torch.cuda.Stream()
+    for stream in (torch.cuda.current_stream(), side):
+        with torch.cuda.stream(stream):
+            for call in range(3):
+                x = _tokens(3, seed=call)
+                assert torch.equal(replaying(x), launching(x))
+    torch.cuda.synchronize()
+    assert len(replaying._forward_graphs) == 2
+    for tokens in range(1, MAX_GRAPHS + 6):
+        x = _tokens(tokens, seed=tokens)
+        replaying(x)
+        assert torch.equal(replaying(x), launching(x))
+    assert len(replaying._forward_graphs) == MAX_GRAPHS
+
+
+@torch.no_grad()
+def test_larger_forwards_and_outer_captures_launch():
+    replaying, launching = _pair("qwen3")
+    big = _tokens(replaying.config.eager_graph_tokens + 1, seed=2)
+    for _ in range(3):
+        assert torch.equal(replaying(big), launching(big))
+    assert len(replaying._forward_graphs) == 0
+    # a caller's own capture records the launches (no graph inside a graph)
+    x = _tokens(4, seed=3)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        replaying(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = replaying(x)
+    for seed in range(3):
+        x.copy_(_tokens(4, seed=10 + seed))
+        graph.replay()
+        assert torch.equal(y, launching(x))

@@ -1,0 +1,57 @@
+"""The shared experts on the caller's stream against a side stream beside the routed experts
+(`MegaMoEConfig(shared_experts_on_side_stream=...)`), the fused path on one GPU: graph replays
+and eager forwards, alternating rounds, for the geometries with shared experts. Run on the GPU
+machine from the project root:
+
+    python3 scripts/shared_experts_ab.py --geometry dsv3 --tokens 1 16 128 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from megamoe_runtime.geometries import GEOMETRIES
+from megamoe_runtime.timing import median_graph_replay_seconds, median_seconds
+from megamoe_torch.bench import build_layer, routed_tokens, with_capacity
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--geometry", nargs="+", default=["dsv3"])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 128, 2048])
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    print("geometry tokens | graph us: same stream / side stream | eager us: same / side")
+    for name in args.geometry:
+        geometry = GEOMETRIES[name]
+        base = build_layer(geometry, device=device, dtype=torch.bfloat16)
+        for tokens in args.tokens:
+            x_TH, _, _ = routed_tokens(base, tokens)
+            layers = {
+                side: with_capacity(
+                    base, tokens * geometry.top_k, shared_experts_on_side_stream=side
+                )
+                for side in (False, True)
+            }
+            for layer in layers.values():
+                layer.use_backend("cutedsl")
+            graph = {False: [], True: []}
+            eager = {False: [], True: []}
+            for _ in range(args.rounds):
+                for side, layer in layers.items():
+                    forward = lambda layer=layer, x_TH=x_TH: layer(x_TH)  # noqa: E731
+                    graph[side].append(median_graph_replay_seconds(forward, device=device) * 1e6)
+                    eager[side].append(median_seconds(forward, device=device) * 1e6)
+            print(
+                f"{name} {tokens} | "
+                + " / ".join(" ".join(f"{t:.1f}" for t in graph[side]) for side in (False, True))
+                + " | "
+                + " / ".join(" ".join(f"{t:.1f}" for t in eager[side]) for side in (False, True))
+            )
+
+
+if __name__ == "__main__":
+    main()
