@@ -90,3 +90,23 @@ def test_bad_input_is_refused_with_the_offending_values():
         checked.dispatch(x, torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 2))
     with pytest.raises(ValueError, match="2-D"):
         checked.dispatch(x[0], torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1))
+
+
+def test_combine_of_present_pairs_ignores_what_absent_pairs_rows_hold():
+    # a rank's share of each token's experts (the DeepEP adapter's local partial sums): the rows
+    # of absent pairs hold NaN here and must reach nothing
+    from megamoe_runtime.dispatch.local import weighted_sum_over_topk
+
+    x, ids, weights = make_routing(tokens=19, experts=6, top_k=3, generator_seed=5)
+    batch, handle = LocalDispatcher(6).dispatch(x, ids, weights)
+    present = torch.rand(19, 3, generator=torch.Generator().manual_seed(6)) < 0.6
+    out = batch.rows_MH * 2.0 - 1.0
+    poisoned = out.clone()
+    poisoned[handle.row_of_pair_TK[~present]] = float("nan")
+    y = weighted_sum_over_topk(
+        poisoned, handle.row_of_pair_TK, weights, output_dtype=x.dtype, pair_present_TK=present
+    )
+    expected = weighted_sum_over_topk(
+        out, handle.row_of_pair_TK, torch.where(present, weights, 0.0), output_dtype=x.dtype
+    )
+    assert torch.equal(y, expected)

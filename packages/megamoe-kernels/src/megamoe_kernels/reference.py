@@ -2,10 +2,14 @@
 
 Shape legend: M rows of an expert batch (its capacity), E experts, H hidden size,
 I intermediate size. An expert batch is sorted expert-major and packed tight: expert e owns rows
-[expert_offsets[e], expert_offsets[e + 1]); rows past expert_offsets[E] are not data.
+[expert_offsets[e], expert_offsets[e + 1]); rows past expert_offsets[E] are not data. With
+`expert_counts` (the masked layout: a fixed stride per expert, as a low-latency receive buffer
+holds it) expert e owns rows [expert_offsets[e], expert_offsets[e] + expert_counts[e]) and the
+rest of its stride is not data.
 
-The oracles read `expert_offsets` on the host (a sync), which is fine for an oracle and is why
-they are never on a hot path. Rows past the valid count come back as zeros.
+The oracles read `expert_offsets` (and `expert_counts`) on the host (a sync), which is fine for
+an oracle and is why they are never on a hot path. Rows that are not data are never read and
+come back as zeros.
 """
 
 from __future__ import annotations
@@ -33,12 +37,35 @@ def swiglu(
     return gate * torch.sigmoid(alpha * gate) * (up + up_offset)
 
 
-def _expert_row_ranges(expert_offsets: torch.Tensor) -> list[tuple[int, int, int]]:
+def _expert_row_ranges(
+    expert_offsets: torch.Tensor, expert_counts: torch.Tensor | None = None
+) -> list[tuple[int, int, int]]:
+    """(expert, first row, row end) of every expert with rows: tight, or masked by
+    `expert_counts` (each expert's rows from its start on)."""
     offsets = expert_offsets.tolist()
+    experts = len(offsets) - 1
+    if expert_counts is None:
+        ends = offsets[1:]
+    else:
+        counts = expert_counts.tolist()
+        if len(counts) != experts:
+            raise ValueError(
+                f"expert_counts has {len(counts)} entries for {experts} experts (expert_offsets "
+                f"has {experts + 1})"
+            )
+        ends = [start + count for start, count in zip(offsets, counts, strict=False)]
+        for expert, (count, start, next_start) in enumerate(
+            zip(counts, offsets, offsets[1:], strict=False)
+        ):
+            if not 0 <= count <= next_start - start:
+                raise ValueError(
+                    f"expert_counts[{expert}] = {count} must lie in [0, {next_start - start}] "
+                    f"(the expert's stride)"
+                )
     return [
-        (expert, offsets[expert], offsets[expert + 1])
-        for expert in range(len(offsets) - 1)
-        if offsets[expert + 1] > offsets[expert]
+        (expert, offsets[expert], ends[expert])
+        for expert in range(experts)
+        if ends[expert] > offsets[expert]
     ]
 
 
@@ -51,13 +78,14 @@ def gate_up_swiglu_reference(
     limit: float | None = None,
     alpha: float = 1.0,
     up_offset: float = 0.0,
+    expert_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """swiglu(x Wg^T + bg, x Wu^T + bu) per expert; `w13_E2IH` holds gate rows [0, I) then up rows
     [I, 2I), `w13_bias_E2I` (optional) their biases in the same order. `limit`, `alpha` and
-    `up_offset`: see `swiglu`."""
+    `up_offset`: see `swiglu`; `expert_counts`: the masked layout (module docstring)."""
     intermediate = w13_E2IH.shape[1] // 2
     out_MI = torch.zeros(rows_MH.shape[0], intermediate, dtype=torch.float32, device=rows_MH.device)
-    for expert, start, end in _expert_row_ranges(expert_offsets):
+    for expert, start, end in _expert_row_ranges(expert_offsets, expert_counts):
         gate_up = rows_MH[start:end].float() @ w13_E2IH[expert].float().t()
         if w13_bias_E2I is not None:
             gate_up = gate_up + w13_bias_E2I[expert].float()
@@ -78,18 +106,19 @@ def down_reference(
     row_scale_M: torch.Tensor | None = None,
     *,
     w2_bias_EH: torch.Tensor | None = None,
+    expert_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x W2^T (+ b2) per expert, each row optionally multiplied by `row_scale_M` (its routing
-    weight)."""
+    weight); `expert_counts`: the masked layout (module docstring)."""
     out_MH = torch.zeros(
         hidden_MI.shape[0], w2_EHI.shape[1], dtype=torch.float32, device=hidden_MI.device
     )
-    for expert, start, end in _expert_row_ranges(expert_offsets):
+    for expert, start, end in _expert_row_ranges(expert_offsets, expert_counts):
         out_MH[start:end] = hidden_MI[start:end].float() @ w2_EHI[expert].float().t()
         if w2_bias_EH is not None:
             out_MH[start:end] += w2_bias_EH[expert].float()
-    if row_scale_M is not None:
-        out_MH *= row_scale_M.float().unsqueeze(-1)
+        if row_scale_M is not None:
+            out_MH[start:end] *= row_scale_M[start:end].float().unsqueeze(-1)
     return out_MH
 
 
@@ -106,13 +135,15 @@ def expert_mlp_reference(
     limit: float | None = None,
     alpha: float = 1.0,
     up_offset: float = 0.0,
+    expert_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The whole expert MLP, fp32 throughout.
 
     `round_intermediate_to` rounds the SwiGLU output to a dtype before the down GEMM, as a kernel
     that stores the intermediate in bf16 does; None keeps it in fp32 (the exact oracle).
     `w13_bias_E2I` / `w2_bias_EH`: per-expert biases of the two projections; `limit`, `alpha`,
-    `up_offset`: the SwiGLU variant (see `swiglu`).
+    `up_offset`: the SwiGLU variant (see `swiglu`); `expert_counts`: the masked layout (module
+    docstring).
     """
     hidden_MI = gate_up_swiglu_reference(
         rows_MH,
@@ -122,10 +153,18 @@ def expert_mlp_reference(
         limit=limit,
         alpha=alpha,
         up_offset=up_offset,
+        expert_counts=expert_counts,
     )
     if round_intermediate_to is not None:
         hidden_MI = hidden_MI.to(round_intermediate_to)
-    return down_reference(hidden_MI, expert_offsets, w2_EHI, row_scale_M, w2_bias_EH=w2_bias_EH)
+    return down_reference(
+        hidden_MI,
+        expert_offsets,
+        w2_EHI,
+        row_scale_M,
+        w2_bias_EH=w2_bias_EH,
+        expert_counts=expert_counts,
+    )
 
 
 def relative_l2_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -7,7 +7,9 @@ Process groups always come from the caller; nothing here creates one.
 | torch      | any torch.distributed backend (gloo too) | all_to_all_single; one host sync per dispatch |
 | nvshmem    | CUDA GPUs of one host + nvshmem4py       | megamoe's symmetric-memory kernels, no sync   |
 
-`auto` picks nvshmem where it can run, else torch, and says why.
+`auto` picks nvshmem where it can run, else torch, and says why. A dispatcher the caller built
+(`DeepEPDispatcher` over its deep_ep buffer) is injected instead: `injected_dispatcher_group`
+checks it against the layer.
 """
 
 from __future__ import annotations
@@ -118,3 +120,50 @@ def make_expert_parallel_dispatcher(
             combine_partial_sums=combine_order == "owner_partials",
         )
     raise ValueError(f"dispatcher must be one of {DISPATCHER_NAMES}, got {name!r}")
+
+
+def group_ranks(process_group: dist.ProcessGroup) -> list[int]:
+    """The global ranks of `process_group`, in group-rank order."""
+    return dist.get_process_group_ranks(process_group)
+
+
+def injected_dispatcher_group(
+    dispatcher,
+    process_group: dist.ProcessGroup | None,
+    *,
+    num_experts: int,
+    top_k: int,
+    hidden_size: int,
+) -> dist.ProcessGroup | None:
+    """The expert-parallel group of a layer handed `dispatcher` (built by the caller, e.g. a
+    DeepEPDispatcher over its deep_ep buffer): `process_group` when given, which must hold the
+    same ranks in the same order as the dispatcher's group, else the dispatcher's own. Raises
+    unless the dispatcher was built for the layer's experts, top-k and hidden size, and splits
+    the experts as the layer's weights will be (E / W contiguous experts per rank)."""
+    own_group = getattr(dispatcher, "process_group", None)
+    if process_group is None:
+        process_group = own_group
+    elif own_group is not None and group_ranks(process_group) != group_ranks(own_group):
+        raise ValueError(
+            f"process_group holds ranks {group_ranks(process_group)} but the dispatcher's group "
+            f"(its buffer's) holds {group_ranks(own_group)}: pass the group the buffer was built "
+            "on, or leave process_group out to use it"
+        )
+    for name, wanted in (
+        ("num_experts", num_experts),
+        ("top_k", top_k),
+        ("hidden_size", hidden_size),
+    ):
+        value = getattr(dispatcher, name, wanted)
+        if value != wanted:
+            raise ValueError(
+                f"the dispatcher was built for {name}={value}, the layer has {name}={wanted}"
+            )
+    _, world = group_rank_and_size(process_group)
+    expected_local = experts_per_rank(num_experts, world)
+    if dispatcher.num_local_experts != expected_local:
+        raise ValueError(
+            f"the dispatcher gives each rank {dispatcher.num_local_experts} experts; the layer's "
+            f"{num_experts} experts over {world} ranks give {expected_local}"
+        )
+    return process_group

@@ -1,9 +1,20 @@
-"""ExpertBatch: the rows every expert-compute backend works on.
+"""ExpertBatch: the rows every expert-compute backend works on, in one of two layouts.
 
-Rows are sorted expert-major and packed tight (no per-expert padding). `expert_offsets` is
-GPU-resident int32 with E + 1 entries: expert e owns rows [offsets[e], offsets[e + 1]).
-`capacity` rows are allocated so shapes never change and CUDA graphs replay; the valid-row count
-is the device view `expert_offsets[-1:]`, never a host int. Rows past it are unspecified.
+Tight (the default): rows sorted expert-major and packed with no per-expert padding.
+`expert_offsets` is GPU-resident int32 with E + 1 entries: expert e owns rows
+[offsets[e], offsets[e + 1]). `capacity` rows are allocated so shapes never change and CUDA
+graphs replay; the valid-row count is the device view `expert_offsets[-1:]`, never a host int.
+Rows past it are unspecified.
+
+Masked (`ExpertBatch.masked`, `expert_counts` set): a receive buffer read in place, as DeepEP's
+low-latency dispatch leaves it ([E, S, H]) and DeepGEMM's masked grouped GEMM reads it. Every
+expert has a fixed stride of S = capacity / E rows, expert e's start at e x S
+(`expert_offsets` holds these starts, [0, S, ..., E x S]), and only the first
+`expert_counts[e]` (int32 [E] on the device, each <= S) are rows; the rest of its stride is
+unspecified. A valid output row depends only on its own input row, so a backend may compute the
+unspecified rows too (their outputs are unspecified) but must never let them reach a valid one.
+
+In both layouts "never read as data": no valid output depends on an unspecified row.
 
 FP8 rows: `rows_MH` e4m3 with `row_scales_GM`, float32 [ceil(H / 128), capacity], one scale
 per row and 128 columns (value = e4m3 x scale), as a dispatch of pre-quantized tokens leaves
@@ -27,12 +38,44 @@ class ExpertBatch:
     # routing brings max tokens x top-k): tuned knobs are looked up for this class.
     # None: the capacity (a tight batch)
     typical_rows: int | None = None
-    # expert_offsets[E] when the host knows it (a local batch holds tokens x top-k rows), so the
-    # kernels need not be chosen on the device from it; None: known on the device only. A hint:
-    # a wrong value costs speed, never rows
+    # the valid-row count (expert_offsets[E]; the counts' sum when masked) when the host knows
+    # it (a local batch holds tokens x top-k rows), so the kernels need not be chosen on the
+    # device from it; None: known on the device only. A hint: a wrong value costs speed, never
+    # rows
     valid_rows: int | None = None
     # FP8 rows' scales (see the module docstring); None: rows in full precision
     row_scales_GM: torch.Tensor | None = None
+    # the masked layout's valid rows per expert, int32 [E] on the device (see the module
+    # docstring); None: the tight layout
+    expert_counts: torch.Tensor | None = None
+
+    @classmethod
+    def masked(
+        cls,
+        rows_ESH: torch.Tensor,
+        expert_counts: torch.Tensor,
+        *,
+        row_scales_GM: torch.Tensor | None = None,
+        typical_rows: int | None = None,
+        valid_rows: int | None = None,
+    ) -> ExpertBatch:
+        """A masked batch over `rows_ESH` ([E, S, H], read in place: a view, no copy) whose
+        expert e holds `expert_counts[e]` rows from its stride's start."""
+        if rows_ESH.dim() != 3 or not rows_ESH.is_contiguous():
+            raise ValueError(
+                f"rows_ESH must be a contiguous [experts, rows per expert, hidden] tensor, got "
+                f"shape {tuple(rows_ESH.shape)} (contiguous: {rows_ESH.is_contiguous()})"
+            )
+        experts, stride, hidden = rows_ESH.shape
+        starts = torch.arange(experts + 1, dtype=torch.int32, device=rows_ESH.device) * stride
+        return cls(
+            rows_MH=rows_ESH.view(experts * stride, hidden),
+            expert_offsets=starts,
+            typical_rows=typical_rows,
+            valid_rows=valid_rows,
+            row_scales_GM=row_scales_GM,
+            expert_counts=expert_counts,
+        )
 
     def __post_init__(self) -> None:
         if self.rows_MH.dim() != 2:
@@ -64,12 +107,39 @@ class ExpertBatch:
                 raise ValueError(
                     f"row_scales_GM on {scales.device} but rows on {self.rows_MH.device}"
                 )
+        if self.expert_counts is not None:
+            self._check_masked_layout()
         for name in ("typical_rows", "valid_rows"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= self.capacity:
                 raise ValueError(
                     f"{name} must be None or in [0, capacity={self.capacity}], got {value}"
                 )
+
+    def _check_masked_layout(self) -> None:
+        counts, experts = self.expert_counts, self.num_experts
+        if counts.dtype != torch.int32 or tuple(counts.shape) != (experts,):
+            raise ValueError(
+                f"expert_counts must be int32 [{experts}] (one count per expert), got "
+                f"{counts.dtype} {list(counts.shape)}"
+            )
+        if counts.device != self.rows_MH.device:
+            raise ValueError(f"expert_counts on {counts.device} but rows on {self.rows_MH.device}")
+        if self.capacity % experts:
+            raise ValueError(
+                f"a masked batch's capacity ({self.capacity} rows) must be a multiple of its "
+                f"{experts} experts (each expert has the same stride)"
+            )
+
+    @property
+    def is_masked(self) -> bool:
+        """Whether the batch has the masked layout (per-expert counts at a fixed stride)."""
+        return self.expert_counts is not None
+
+    @property
+    def expert_stride(self) -> int | None:
+        """Rows between consecutive experts' starts in the masked layout; None when tight."""
+        return self.capacity // self.num_experts if self.is_masked else None
 
     @property
     def capacity(self) -> int:
@@ -90,5 +160,8 @@ class ExpertBatch:
 
     @property
     def num_valid_rows(self) -> torch.Tensor:
-        """Device view of the valid-row count (shape [1]); reading it on the host syncs."""
+        """The valid-row count on the device (shape [1]; a view of expert_offsets when tight,
+        the counts' sum when masked); reading it on the host syncs."""
+        if self.is_masked:
+            return self.expert_counts.sum(dtype=torch.int32).view(1)
         return self.expert_offsets[-1:]

@@ -24,6 +24,7 @@ from megamoe_kernels.reference import expert_mlp_reference
 from megamoe_runtime.dispatch import LocalDispatcher
 from megamoe_runtime.dispatch.device_routed import DeviceRoutedDispatcher, device_routing_status
 from megamoe_runtime.distributed import (
+    injected_dispatcher_group,
     local_expert_range,
     make_expert_parallel_dispatcher,
     select_dispatcher,
@@ -145,7 +146,11 @@ class MegaMoE(nn.Module):
     Expert parallel with `process_group` of W ranks: this rank owns the E / W contiguous experts
     `local_experts` and `w13`/`w2` hold only those (router and shared experts are replicated);
     every rank calls forward with its own tokens. `load_full_state_dict` loads the local slice
-    from a single-GPU state dict. `config.dispatcher` picks how tokens travel.
+    from a single-GPU state dict. `config.dispatcher` picks how tokens travel, or `dispatcher`
+    brings one the caller built (a `DeepEPDispatcher` over its deep_ep buffer): the layer's
+    group is then the dispatcher's (`process_group`, if given, must hold the same ranks), and
+    config's capacity, max_tokens_per_rank and combine_order, which configure megamoe's own
+    dispatchers, do not apply to it.
     """
 
     def __init__(
@@ -153,6 +158,7 @@ class MegaMoE(nn.Module):
         config: MegaMoEConfig,
         *,
         process_group: torch.distributed.ProcessGroup | None = None,
+        dispatcher=None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -167,6 +173,20 @@ class MegaMoE(nn.Module):
             config.hidden_size,
             config.intermediate_size,
         )
+        if dispatcher is not None:
+            if config.dispatcher != "auto":
+                raise ValueError(
+                    f"config.dispatcher={config.dispatcher!r} names a dispatcher megamoe builds, "
+                    f"but dispatcher= brings one ({type(dispatcher).__name__}): leave "
+                    "config.dispatcher at 'auto' with an injected dispatcher"
+                )
+            process_group = injected_dispatcher_group(
+                dispatcher,
+                process_group,
+                num_experts=experts,
+                top_k=config.top_k,
+                hidden_size=hidden,
+            )
         _check_torch_only_features(config, backend=config.backend, process_group=process_group)
         self.process_group = process_group
         self.local_experts = local_expert_range(experts, process_group)
@@ -215,14 +235,16 @@ class MegaMoE(nn.Module):
             else None
         )
         self.expert_parallel = local < experts
+        self._injected_dispatcher = None
         # expert parallel: built on first forward, once the device and dtype are known
-        self.dispatcher = (
-            None
-            if self.expert_parallel
-            else LocalDispatcher(experts, capacity=config.capacity, check_ids=False)
-        )
+        if dispatcher is not None:
+            self._inject(dispatcher)
+        elif self.expert_parallel:
+            self.dispatcher, self.dispatcher_reason = None, ""
+        else:
+            self.dispatcher = LocalDispatcher(experts, capacity=config.capacity, check_ids=False)
+            self.dispatcher_reason = "single GPU: local"
         self._dispatcher_key: tuple | None = None
-        self.dispatcher_reason = "single GPU: local" if not self.expert_parallel else ""
         self._backend_name: str | None = None
         self._backend_reason = ""
         self._prepared_key: tuple | None = None
@@ -268,6 +290,33 @@ class MegaMoE(nn.Module):
         self.config = replace(self.config, backend=backend)
         self._backend_name = None
 
+    def use_dispatcher(self, dispatcher) -> None:
+        """Hands the layer another dispatcher the caller built over the same group (prefill and
+        decode over one DeepEP buffer: a normal-mode and a low-latency DeepEPDispatcher); the
+        backend is chosen again for the batches it hands out."""
+        if self._injected_dispatcher is None:
+            raise ValueError(
+                "use_dispatcher switches between dispatchers the caller built; this layer runs "
+                f"megamoe's own ({self.dispatcher_reason or 'chosen on first forward'}): build it "
+                "with MegaMoE(config, dispatcher=...)"
+            )
+        injected_dispatcher_group(
+            dispatcher,
+            self.process_group,
+            num_experts=self.config.num_experts,
+            top_k=self.config.top_k,
+            hidden_size=self.config.hidden_size,
+        )
+        self._inject(dispatcher)
+        self._backend_name = None
+
+    def _inject(self, dispatcher) -> None:
+        self._injected_dispatcher = self.dispatcher = dispatcher
+        describe = getattr(dispatcher, "describe", None)
+        self.dispatcher_reason = "injected: " + (
+            describe() if describe is not None else type(dispatcher).__name__
+        )
+
     @torch.no_grad()
     def load_full_state_dict(self, full_state_dict: dict[str, torch.Tensor]) -> None:
         """Loads a single-GPU layer's state dict, keeping only this rank's experts of w13/w2."""
@@ -295,7 +344,7 @@ class MegaMoE(nn.Module):
         self.load_state_dict(local_state)
 
     def _resolve_dispatcher(self, x_TH: torch.Tensor) -> None:
-        if not self.expert_parallel:
+        if not self.expert_parallel or self._injected_dispatcher is not None:
             return
         key = (x_TH.device, x_TH.dtype)
         if key == self._dispatcher_key:
@@ -329,7 +378,13 @@ class MegaMoE(nn.Module):
     def _resolve_backend(self) -> None:
         device = self.w13.device
         if self._backend_name is None or self._backend_device != device:
-            self._backend_name, self._backend_reason = select_backend(self.config.backend, device)
+            self._backend_name, self._backend_reason = select_backend(
+                self.config.backend,
+                device,
+                masked_batches=bool(getattr(self.dispatcher, "masked_batches", False)),
+                fp8_rows=bool(getattr(self.dispatcher, "fp8_batches", False)),
+                fp8_weights=self.config.weight_dtype == "fp8",
+            )
             features = self.config.torch_only_features
             if features and self._backend_name != "reference":  # backend "auto" (else refused)
                 self._backend_name = "reference"
@@ -407,6 +462,7 @@ class MegaMoE(nn.Module):
                     self.w2,
                     self._layer_id,
                     valid_rows,
+                    batch.expert_counts,
                 )
             return self._run_expert_backend(batch)
         if self.config.torch_only_features:
@@ -439,6 +495,7 @@ class MegaMoE(nn.Module):
             limit=config.swiglu_limit,
             alpha=config.swiglu_alpha,
             up_offset=config.swiglu_up_offset,
+            expert_counts=batch.expert_counts,
         )
         return out_MH.to(batch.rows_MH.dtype)
 
@@ -581,6 +638,7 @@ class MegaMoE(nn.Module):
         return (
             self._forward_graphs.max_tokens > 0
             and not self.expert_parallel
+            and self._injected_dispatcher is None
             and not self.config.check_inputs
             and x_TH.is_cuda
             and self._runs_fused(x_TH)
@@ -615,7 +673,7 @@ class MegaMoE(nn.Module):
                 return (y, router_logits_TE) if return_router_logits else y
         router_logits_TE = self.router_logits(x_TH)
         if self._runs_fused(x_TH):
-            if not self.expert_parallel:
+            if not self.expert_parallel and self._injected_dispatcher is None:
                 y = self._fused_forward(x_TH, router_logits_TE).view(x.shape)
                 return (y, router_logits_TE) if return_router_logits else y
             if self.config.check_inputs:

@@ -1,8 +1,9 @@
 """torch.library custom ops: the layer's expert compute as one opaque op, so torch.compile traces
 the whole forward around it with no graph break.
 
-`megamoe::expert_mlp(rows_MH, expert_offsets, w13_E2IH, w2_EHI, layer_id, valid_rows)` runs the
-expert MLP of the MegaMoE registered under `layer_id` on an expert-major batch, on that layer's
+`megamoe::expert_mlp(rows_MH, expert_offsets, w13_E2IH, w2_EHI, layer_id, valid_rows,
+expert_counts)` runs the expert MLP of the MegaMoE registered under `layer_id` on an expert-major
+batch (tight, or masked when `expert_counts` is given), on that layer's
 backend and its prepared weights (the layer's own cache: the backend's weight layout is built
 once per weight version, outside any graph). Its fake implementation gives dynamo and inductor
 the output's shape ([M, H], the rows' dtype) without running anything; the weights are inputs so
@@ -39,8 +40,10 @@ def expert_mlp(
     w2_EHI: torch.Tensor,
     layer_id: int,
     valid_rows: int,
+    expert_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """expert_out_MH of layer `layer_id`'s backend; `valid_rows` < 0: known on the device only."""
+    """expert_out_MH of layer `layer_id`'s backend; `valid_rows` < 0: known on the device only;
+    `expert_counts`: the masked layout's counts (None: a tight batch)."""
     layer = _LAYERS.get(layer_id)
     if layer is None:
         raise RuntimeError(f"megamoe::expert_mlp: no live MegaMoE layer has id {layer_id}")
@@ -48,11 +51,14 @@ def expert_mlp(
         rows_MH=rows_MH,
         expert_offsets=expert_offsets,
         valid_rows=None if valid_rows < 0 else valid_rows,
+        expert_counts=expert_counts,
     )
     layer._resolve_backend()
     return layer._run_expert_backend(batch)  # a fresh tensor: a custom op's output aliases nothing
 
 
 @expert_mlp.register_fake
-def _expert_mlp_fake(rows_MH, expert_offsets, w13_E2IH, w2_EHI, layer_id, valid_rows):
+def _expert_mlp_fake(
+    rows_MH, expert_offsets, w13_E2IH, w2_EHI, layer_id, valid_rows, expert_counts=None
+):
     return rows_MH.new_empty(rows_MH.shape)

@@ -1,5 +1,6 @@
 """Dispatch tokens to experts and combine expert outputs back, behind one protocol."""
 
+from megamoe_runtime.dispatch.deepep import DeepEPDispatcher
 from megamoe_runtime.dispatch.local import LocalDispatcher, LocalHandle
 from megamoe_runtime.dispatch.protocol import Dispatcher
 from megamoe_runtime.dispatch.torch_distributed import (
@@ -9,6 +10,7 @@ from megamoe_runtime.dispatch.torch_distributed import (
 )
 
 __all__ = [
+    "DeepEPDispatcher",
     "Dispatcher",
     "LocalDispatcher",
     "LocalHandle",

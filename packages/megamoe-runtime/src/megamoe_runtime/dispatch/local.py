@@ -60,19 +60,17 @@ class LocalDispatcher:
         if self.check_ids:
             check_expert_ids(topk_ids_TK, self.num_experts)
         expert_of_pair = topk_ids_TK.reshape(-1)
-        # stable: equal experts keep token order, so the batch (and everything after) is deterministic
-        sorted_experts, pair_of_row = torch.sort(expert_of_pair, stable=True)
+        pair_of_row, row_of_pair, expert_offsets = expert_major_order(
+            expert_of_pair,
+            expert_boundaries=self._expert_boundaries(expert_of_pair),
+            pair_indices=self._row_indices(num_pairs, x_TH.device),
+        )
         token_of_row = pair_of_row // top_k
         if capacity == num_pairs:
             rows_MH = x_TH.index_select(0, token_of_row)
         else:  # rows past the valid count stay unspecified
             rows_MH = x_TH.new_empty(capacity, x_TH.shape[1])
             rows_MH[:num_pairs] = x_TH.index_select(0, token_of_row)
-        row_of_pair = torch.empty_like(pair_of_row)
-        row_of_pair.scatter_(0, pair_of_row, self._row_indices(num_pairs, x_TH.device))
-        expert_offsets = torch.searchsorted(
-            sorted_experts, self._expert_boundaries(sorted_experts), out_int32=True
-        )
         batch = ExpertBatch(rows_MH=rows_MH, expert_offsets=expert_offsets, valid_rows=num_pairs)
         handle = LocalHandle(
             row_of_pair_TK=row_of_pair.view(tokens, top_k),
@@ -119,6 +117,7 @@ def weighted_sum_over_topk(
     topk_weights_TK: torch.Tensor | None,
     *,
     output_dtype: torch.dtype,
+    pair_present_TK: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y[t] = sum over k = 0..K-1, in that order, of weight[t, k] * out[row[t, k]], in fp32.
 
@@ -126,34 +125,49 @@ def weighted_sum_over_topk(
     multiply-add), the arithmetic the expert-parallel combine kernels do too, so both give the same
     bits. One gather and one multiply per chunk of tokens, then one add per k: the order of
     additions never depends on the token count, so results are bitwise reproducible.
+
+    `pair_present_TK` (bool): only the pairs it marks contribute (a rank's share of a token's
+    experts); an absent pair's row must still index `expert_out_MH`, but what it holds never
+    reaches y (it adds +0.0, which leaves every fp32 sum as it is).
     """
     tokens, top_k = row_of_pair_TK.shape
     hidden = expert_out_MH.shape[1]
     # bound the fp32 temporary [chunk, K, H] to about 256 MiB
     chunk = max(1, (1 << 26) // max(1, top_k * hidden))
+
+    def rows(start: int, end: int) -> tuple:
+        return (
+            row_of_pair_TK[start:end],
+            None if topk_weights_TK is None else topk_weights_TK[start:end],
+            None if pair_present_TK is None else pair_present_TK[start:end],
+        )
+
     if tokens <= chunk and top_k > 0:  # decode and most prefill: one chunk
-        contributions_TKH = _contributions(expert_out_MH, row_of_pair_TK, topk_weights_TK)
+        contributions_TKH = _contributions(expert_out_MH, *rows(0, tokens))
         return _sum_over_k(contributions_TKH).to(output_dtype)
     y_TH = torch.zeros(tokens, hidden, dtype=torch.float32, device=expert_out_MH.device)
     for start in range(0, tokens, chunk):
-        contributions_TKH = _contributions(
-            expert_out_MH,
-            row_of_pair_TK[start : start + chunk],
-            None if topk_weights_TK is None else topk_weights_TK[start : start + chunk],
-        )
+        contributions_TKH = _contributions(expert_out_MH, *rows(start, start + chunk))
         _sum_over_k(contributions_TKH, into_TH=y_TH[start : start + chunk])
     return y_TH.to(output_dtype)
 
 
 def _contributions(
-    expert_out_MH: torch.Tensor, row_of_pair_TK: torch.Tensor, topk_weights_TK: torch.Tensor | None
+    expert_out_MH: torch.Tensor,
+    row_of_pair_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor | None,
+    pair_present_TK: torch.Tensor | None,
 ) -> torch.Tensor:
-    """fp32 [T, K, H]: each pair's expert row times its weight, rounded to fp32."""
+    """fp32 [T, K, H]: each pair's expert row times its weight, rounded to fp32 (0 where absent)."""
     top_k, hidden = row_of_pair_TK.shape[1], expert_out_MH.shape[1]
     gathered_TKH = expert_out_MH.index_select(0, row_of_pair_TK.reshape(-1)).view(-1, top_k, hidden)
     if topk_weights_TK is None:
-        return gathered_TKH.float()
-    return gathered_TKH * topk_weights_TK.float().unsqueeze(-1)
+        contributions_TKH = gathered_TKH.float()
+    else:
+        contributions_TKH = gathered_TKH * topk_weights_TK.float().unsqueeze(-1)
+    if pair_present_TK is None:
+        return contributions_TKH
+    return torch.where(pair_present_TK.unsqueeze(-1), contributions_TKH, 0.0)
 
 
 def _sum_over_k(
@@ -169,6 +183,24 @@ def _sum_over_k(
     for k in range(first, contributions_TKH.shape[1]):
         into_TH += contributions_TKH[:, k]
     return into_TH
+
+
+def expert_major_order(
+    expert_of_pair_P: torch.Tensor, *, expert_boundaries: torch.Tensor, pair_indices: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pair_of_row, row_of_pair, expert_offsets) of the pairs sorted by expert, on the device.
+
+    The sort is stable: equal experts keep pair order, so the batch (and everything after) is
+    deterministic. `expert_boundaries` is arange(E + 1) in the ids' dtype, `pair_indices`
+    arange(P); offsets[e] counts the pairs whose expert is below e (a binary search in the
+    sorted ids, no sync), so a pair whose id is E or more (an absent pair's sentinel) sorts
+    after every expert's rows, past offsets[E].
+    """
+    sorted_experts, pair_of_row = torch.sort(expert_of_pair_P, stable=True)
+    row_of_pair = torch.empty_like(pair_of_row)
+    row_of_pair.scatter_(0, pair_of_row, pair_indices)
+    expert_offsets = torch.searchsorted(sorted_experts, expert_boundaries, out_int32=True)
+    return pair_of_row, row_of_pair, expert_offsets
 
 
 def expert_offsets_from_ids(expert_of_pair: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -1,6 +1,12 @@
 """The Dispatcher protocol every dispatch/combine implementation follows.
 
 Shape legend: T tokens of this rank, K experts per token, H hidden size, M batch capacity.
+
+A dispatcher the caller builds and hands the layer (`MegaMoE(config, dispatcher=...)`, e.g.
+DeepEPDispatcher) may also say what the layer checks it against: `process_group` (the group
+its transport spans), `num_experts`, `top_k`, `hidden_size`, `masked_batches` and
+`fp8_batches` (it hands out masked batches or FP8 rows, which not every backend takes: they
+steer the backend choice) and `describe()` (for `dispatcher_reason`).
 """
 
 from __future__ import annotations

@@ -21,8 +21,22 @@ from megamoe_runtime.experts.reference import ReferenceExperts
 BACKEND_NAMES = ("cutedsl", "grouped_mm", "reference")
 
 
-def backend_status(name: str, device: torch.device) -> tuple[bool, str]:
-    """(can run, why) for one backend on `device`."""
+def backend_status(
+    name: str,
+    device: torch.device,
+    *,
+    masked_batches: bool = False,
+    fp8_rows: bool = False,
+    fp8_weights: bool = False,
+) -> tuple[bool, str]:
+    """(can run, why) for one backend on `device`, for the batches a layer's dispatcher hands
+    out: `masked_batches` (the masked layout: a DeepEP low-latency receive buffer) and
+    `fp8_rows` (e4m3 rows with scales: FP8 dispatch), with `fp8_weights` or not."""
+    refusal = _batch_refusal(
+        name, masked_batches=masked_batches, fp8_rows=fp8_rows, fp8_weights=fp8_weights
+    )
+    if refusal is not None:
+        return False, refusal
     if name == "reference":
         return True, "pure torch runs everywhere"
     if name == "grouped_mm":
@@ -32,17 +46,49 @@ def backend_status(name: str, device: torch.device) -> tuple[bool, str]:
     raise ValueError(f"backend must be one of {('auto', *BACKEND_NAMES)}, got {name!r}")
 
 
-def select_backend(requested: str, device: torch.device) -> tuple[str, str]:
-    """Resolves 'auto' (or checks an explicit name) to (backend name, reason)."""
+def _batch_refusal(
+    name: str, *, masked_batches: bool, fp8_rows: bool, fp8_weights: bool
+) -> str | None:
+    """Why backend `name` cannot compute such batches (None: it can)."""
+    if name == "cutedsl" and masked_batches:
+        return (
+            "the cutedsl kernels take tight expert batches, and this layer's dispatcher hands "
+            "the experts masked ones (per-expert counts at a fixed stride: DeepEP's low-latency "
+            "mode); the kernels have no per-expert valid count yet"
+        )
+    if name == "cutedsl" and fp8_rows and not fp8_weights:
+        return (
+            "the cutedsl kernels take FP8 batch rows with FP8 weights (weight_dtype='fp8') only, "
+            "and this layer's dispatcher hands bf16 experts FP8 rows (FP8 dispatch)"
+        )
+    if name == "grouped_mm" and fp8_rows:
+        return (
+            "grouped_mm takes full-precision batch rows, and this layer's dispatcher hands the "
+            "experts FP8 ones (FP8 dispatch)"
+        )
+    return None
+
+
+def select_backend(
+    requested: str,
+    device: torch.device,
+    *,
+    masked_batches: bool = False,
+    fp8_rows: bool = False,
+    fp8_weights: bool = False,
+) -> tuple[str, str]:
+    """Resolves 'auto' (or checks an explicit name) to (backend name, reason); the batch
+    keywords as for `backend_status`."""
     device = torch.device(device)
+    batches = {"masked_batches": masked_batches, "fp8_rows": fp8_rows, "fp8_weights": fp8_weights}
     if requested != "auto":
-        available, reason = backend_status(requested, device)
+        available, reason = backend_status(requested, device, **batches)
         if not available:
             raise ValueError(f"backend {requested!r} cannot run on {device}: {reason}")
         return requested, reason
     skipped = []
     for name in BACKEND_NAMES:
-        available, reason = backend_status(name, device)
+        available, reason = backend_status(name, device, **batches)
         if available:
             because = f"; skipped {'; '.join(skipped)}" if skipped else ""
             return name, f"auto: {name} ({reason}){because}"

@@ -8,6 +8,11 @@ FP8 weights (a Prequantized pack) run the FP8 GEMMs: the batch rows are quantize
 row and 128 columns, the gate-up GEMM's epilogue quantizes its output per 64 columns for the
 down GEMM, which writes bf16. Their knobs are the kernels' default profiles (no knob-cache
 lookup and no online tuning yet).
+
+A masked batch (per-expert counts at a fixed stride: DeepEP's low-latency receive layout) is
+refused: the kernels walk each expert's rows [offsets[e], offsets[e + 1]) and have no per-expert
+valid count, so they would compute every row of the stride (exact for the valid rows, but the
+capacity's cost). A masked schedule in the kernels is work still to do.
 """
 
 from __future__ import annotations
@@ -90,6 +95,17 @@ class CuteDSLFP8Weights(_KernelLayoutDims):
         return self.w13_EB2GH
 
 
+def _refuse_masked(batch: ExpertBatch) -> None:
+    if batch.is_masked:
+        raise ValueError(
+            f"the cutedsl kernels take a tight expert batch; this one is masked ({batch.num_experts} "
+            f"experts at a stride of {batch.expert_stride} rows, counts on the device, e.g. "
+            "DeepEP's low-latency receive layout), and the kernels have no per-expert valid "
+            "count: use backend='grouped_mm' or 'reference' for it, or a normal-mode DeepEP "
+            "dispatcher (whose batch is tight)"
+        )
+
+
 class CuteDSLExperts:
     name = "cutedsl"
     supports_autograd = False
@@ -116,6 +132,7 @@ class CuteDSLExperts:
         given explicitly), gate-up first."""
         from megamoe_runtime.tuning.expert_knobs import batch_gemm_key
 
+        _refuse_masked(batch)
         explicit = {"gate_up": self.gate_up_knobs, "down": self.down_knobs}
         return {
             op: batch_gemm_key(op, batch, weight_dims=weight_dims)
@@ -154,6 +171,7 @@ class CuteDSLExperts:
     ) -> Callable[[], torch.Tensor]:
         """The expert MLP on `batch` with `knobs` (op -> knobs) in place of the looked-up ones,
         as a knob-cache entry would put them (compiled here): what the online autotuner times."""
+        _refuse_masked(batch)
         gate_up, down = self._bind(batch, prepared, None, tuned=knobs)
         rows_MH, offsets = batch.rows_MH, batch.expert_offsets
 
@@ -271,6 +289,7 @@ class CuteDSLExperts:
         *,
         row_scale_M: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        _refuse_masked(batch)
         if isinstance(prepared, CuteDSLFP8Weights):
             return self._fp8_expert_mlp(batch, prepared, row_scale_M)
         if batch.row_scales_GM is not None:

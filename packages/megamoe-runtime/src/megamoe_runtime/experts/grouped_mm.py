@@ -1,6 +1,11 @@
 """The baseline to beat: two torch._grouped_mm calls with an unfused SwiGLU between them.
 
-FP8 weights are dequantized once to bf16 (the baseline has no FP8 path of its own)."""
+FP8 weights are dequantized once to bf16 (the baseline has no FP8 path of its own).
+
+A tight batch is one grouped GEMM per projection over the expert offsets. A masked batch is a
+batched GEMM over its [E, S, H] view (torch._grouped_mm 3-D x 3-D, no copy): every row of each
+expert's stride is computed, so it costs the capacity's rows, not the valid ones; the rows past
+an expert's count feed only their own output rows, which are unspecified."""
 
 from __future__ import annotations
 
@@ -41,13 +46,16 @@ class GroupedMMExperts:
         if batch.row_scales_GM is not None:
             raise TypeError("grouped_mm takes full-precision batch rows, not FP8 ones")
         check_batch_matches_weights(batch, prepared)
-        group_ends_E = batch.expert_offsets[1:]
         intermediate = prepared.intermediate_size
-        gate_up_M2I = torch._grouped_mm(
-            batch.rows_MH, prepared.w13_E2IH.transpose(1, 2), offs=group_ends_E
-        )
-        hidden_MI = F.silu(gate_up_M2I[:, :intermediate]) * gate_up_M2I[:, intermediate:]
-        out_MH = torch._grouped_mm(hidden_MI, prepared.w2_EHI.transpose(1, 2), offs=group_ends_E)
+        if batch.is_masked:
+            shape = (batch.num_experts, batch.expert_stride, batch.hidden_size)
+            rows, offs = batch.rows_MH.view(shape), None
+        else:
+            rows, offs = batch.rows_MH, batch.expert_offsets[1:]
+        gate_up = torch._grouped_mm(rows, prepared.w13_E2IH.transpose(1, 2), offs=offs)
+        hidden = F.silu(gate_up[..., :intermediate]) * gate_up[..., intermediate:]
+        out_MH = torch._grouped_mm(hidden, prepared.w2_EHI.transpose(1, 2), offs=offs)
+        out_MH = out_MH.reshape(batch.capacity, batch.hidden_size)  # a view
         if row_scale_M is not None:
             out_MH = (out_MH.float() * row_scale_M.unsqueeze(-1)).to(out_MH.dtype)
         return out_MH

@@ -1,6 +1,8 @@
 """The oracle as a backend: fp32 accumulation per expert, on any device (it syncs: not for speed).
 
-FP8 weights are dequantized once, to float32 (exactly the values they stand for)."""
+FP8 weights are dequantized once, to float32 (exactly the values they stand for). Both batch
+layouts: a masked batch's rows past each expert's count are never read, and their outputs are
+zero (as the rows past a tight batch's valid count are)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,11 @@ class ReferenceExperts:
 
             rows_MH = dequantize_rows(rows_MH, batch.row_scales_GM)
         out_MH = expert_mlp_reference(
-            rows_MH, batch.expert_offsets, prepared.w13_E2IH, prepared.w2_EHI, row_scale_M
+            rows_MH,
+            batch.expert_offsets,
+            prepared.w13_E2IH,
+            prepared.w2_EHI,
+            row_scale_M,
+            expert_counts=batch.expert_counts,
         )
         return out_MH.to(batch.output_dtype)

@@ -53,7 +53,8 @@ from megamoe_torch.hf.state_dict import (
 )
 from megamoe_torch.layer import MegaMoE
 
-# MegaMoEConfig fields that change how a layer runs, not what it computes
+# MegaMoEConfig fields that change how a layer runs, not what it computes ("dispatcher" also
+# takes a dispatcher object the caller built, e.g. a DeepEPDispatcher: see MegaMoE)
 RUN_OPTIONS = ("backend", "capacity", "check_inputs", "dispatcher", "max_tokens_per_rank")
 # the experts' precision: as the source holds them, FP8, or the activations' dtype
 WEIGHT_DTYPE_CHOICES = ("auto", "fp8", None)
@@ -71,8 +72,9 @@ def from_hf(block: nn.Module, *, weight_dtype: str | None = "auto", **options: A
     taken as they are. The layer shares the block's tensors where the layouts agree (no copy).
     `weight_dtype`: "auto", "fp8" or None, see the module doc (None from an FP8 block gives the
     dequantized weights). `options`: any of RUN_OPTIONS, and `process_group` for expert
-    parallelism. Raises UnsupportedBlockError (a ValueError) saying why a block cannot be
-    reproduced exactly.
+    parallelism; `dispatcher` is a name (MegaMoEConfig.dispatcher) or a dispatcher the caller
+    built (`DeepEPDispatcher`), whose group the layer then spans (it keeps its rank's experts).
+    Raises UnsupportedBlockError (a ValueError) saying why a block cannot be reproduced exactly.
     """
     layer, _ = convert_block(block, layer_class=MegaMoE, options=options, weight_dtype=weight_dtype)
     return layer
@@ -284,6 +286,9 @@ def build_layer(
 ) -> MegaMoE:
     options = dict(options)
     process_group = options.pop("process_group", None)
+    dispatcher = None
+    if options.get("dispatcher") is not None and not isinstance(options["dispatcher"], str):
+        dispatcher = options.pop("dispatcher")
     unknown = sorted(set(options) - set(RUN_OPTIONS))
     if unknown:
         raise TypeError(
@@ -294,8 +299,10 @@ def build_layer(
     semantic_config(fields)
     config = MegaMoEConfig(**fields, **options)  # a bad run option is the caller's ValueError
     gate_dtype = megamoe_state["gate.weight"].dtype
-    if process_group is not None:
-        layer = layer_class(config, process_group=process_group, device=device, dtype=dtype)
+    if process_group is not None or dispatcher is not None:
+        layer = layer_class(
+            config, process_group=process_group, dispatcher=dispatcher, device=device, dtype=dtype
+        )
         # DeepSeek-V3 keeps its router weight in fp32 next to bf16 experts
         layer.gate.to(dtype=gate_dtype)
         layer.load_full_state_dict(megamoe_state)
