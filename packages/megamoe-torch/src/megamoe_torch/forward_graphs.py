@@ -1,17 +1,18 @@
 """Small eager forwards replayed from CUDA graphs the layer captures itself.
 
 An eager forward of the fused path issues five or more launches, each a few microseconds of
-Python and TVM-FFI on the host, plus the router GEMM's dispatch through torch: 120-170 us of
-host time per forward on the H200 host, several times the GPU time of a decode step. A replay
-costs the host a copy of the tokens in, one `cudaGraphLaunch` and a copy of the output out.
+Python and TVM-FFI on the host, plus the router GEMM's dispatch through torch: 100-540 us of
+host time per forward measured on the H200 host, several times the GPU time of a decode step.
+A replay costs the host a copy of the tokens in, one `cudaGraphLaunch` and a copy of the
+output out (43-177 us measured; docs/benchmarks.md).
 
 `ForwardGraphs.forward(x_TH, router_logits=...)` returns (y_TH, router_logits_TE or None),
-fresh tensors, or None where the forward should run eagerly. Graphs are kept per (tokens, device, the caller's stream, the identity and
-version of every parameter and buffer of the layer): the first forward of a key runs eagerly
-(it compiles the kernels and warms the caches the capture records), the second captures, the
-later ones replay. Any change to a weight (in place, replaced, moved) changes the key, so a
-replay never reads stale prepared weights. At most `MAX_GRAPHS` graphs per layer, the least
-recently used dropped first.
+fresh tensors, or None where the forward should run eagerly. Graphs are kept per (tokens,
+device, the caller's stream, the identity and version of every parameter and buffer of the
+layer): the first forward of a key runs eagerly (it compiles the kernels and warms the caches
+the capture records), the second captures, the later ones replay. Any change to a weight (in
+place, replaced, moved) changes the key, so a replay never reads stale prepared weights. At
+most `MAX_GRAPHS` graphs per layer, the least recently used dropped first.
 
 The graphs of one (device, stream), every layer's, share one memory pool while one of them
 lives: replays on one stream never overlap, and each graph's static input and outputs stay
