@@ -243,3 +243,18 @@ def test_the_fp8_layer_replays_in_a_cuda_graph_with_new_tokens():
         graph.replay()
         with torch.no_grad():
             assert torch.equal(y, layer(x))
+
+
+def test_a_cast_that_would_drop_the_block_scales_is_refused():
+    config = MegaMoEConfig(
+        hidden_size=256, intermediate_size=128, num_experts=4, top_k=2, weight_dtype="fp8"
+    )
+    layer = MegaMoE(config, dtype=torch.bfloat16)
+    before = layer.w13.clone()
+    for convert in (layer.half, layer.float, lambda: layer.to(torch.bfloat16)):
+        with pytest.raises(TypeError, match="e4m3 weights .* without their block scales"):
+            convert()
+    assert layer.w13.dtype == torch.float8_e4m3fn
+    assert torch.equal(layer.w13.view(torch.uint8), before.view(torch.uint8))
+    layer.to("cpu")  # a move keeps the bytes
+    assert layer.activation_dtype == torch.bfloat16

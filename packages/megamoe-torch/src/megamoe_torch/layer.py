@@ -724,7 +724,17 @@ class MegaMoE(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # the conversion applied to every tensor (module.to, .half(), .cuda(), ...) says what it
-        # makes of a floating tensor in the activations' dtype
+        # makes of a floating tensor in the activations' dtype; an FP8 layer's e4m3 weights
+        # must come out e4m3 (a cast without their scales would change every value)
+        if self.config.weight_dtype == "fp8" or self.config.shared_weight_dtype == "fp8":
+            cast = fn(torch.empty(0, dtype=FP8_WEIGHT_DTYPE)).dtype
+            if cast != FP8_WEIGHT_DTYPE:
+                raise TypeError(
+                    f"this conversion would cast the layer's e4m3 weights to {cast} without "
+                    f"their block scales; move it with .to(device) and build it (or from_hf) "
+                    f"with the activations' dtype you want, or weight_dtype=None for {cast} "
+                    f"weights"
+                )
         super()._apply(fn, recurse)
         self._activation_dtype = fn(torch.empty(0, dtype=self._activation_dtype)).dtype
         return self
