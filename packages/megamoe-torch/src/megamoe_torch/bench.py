@@ -306,10 +306,9 @@ def bench_layer_point(
         path = "fused" if measured_layer.fused_path_status(device)[0] else "torch"
         launched = (None, None)
         counted_forward = forward
-        replays = (
-            path == "fused"
-            and device.type == "cuda"
-            and 0 < tokens <= measured_layer.config.eager_graph_tokens
+        # the layer's own rule for which forwards replay its graphs
+        replays = 0 < tokens <= measured_layer.config.eager_graph_tokens and (
+            measured_layer._replays_graphs(x_TH)
         )
         if replays:
             launching.use_backend(name)

@@ -631,14 +631,19 @@ class MegaMoE(nn.Module):
         router_logits_TE = self.router_logits(x_TH)
         return self._fused_forward(x_TH, router_logits_TE), router_logits_TE
 
+    @property
+    def _routes_on_this_gpu(self) -> bool:
+        """Whether the fused path routes, dispatches and combines on this GPU alone (no expert
+        parallelism, no dispatcher the caller brought)."""
+        return not self.expert_parallel and self._injected_dispatcher is None
+
     def _replays_graphs(self, x_TH: torch.Tensor) -> bool:
         """Whether this forward may replay (or capture) a graph of itself: the fused path on
         one GPU with a backend that captures, no host-synchronising checks, not inside another
-        capture."""
+        capture. The graphs take forwards of 1 to eager_graph_tokens tokens."""
         return (
             self._forward_graphs.max_tokens > 0
-            and not self.expert_parallel
-            and self._injected_dispatcher is None
+            and self._routes_on_this_gpu
             and not self.config.check_inputs
             and x_TH.is_cuda
             and self._runs_fused(x_TH)
@@ -673,7 +678,7 @@ class MegaMoE(nn.Module):
                 return (y, router_logits_TE) if return_router_logits else y
         router_logits_TE = self.router_logits(x_TH)
         if self._runs_fused(x_TH):
-            if not self.expert_parallel and self._injected_dispatcher is None:
+            if self._routes_on_this_gpu:
                 y = self._fused_forward(x_TH, router_logits_TE).view(x.shape)
                 return (y, router_logits_TE) if return_router_logits else y
             if self.config.check_inputs:
