@@ -244,3 +244,23 @@ def test_a_stage_holds_128_bytes_of_k_per_row_in_bf16_and_fp8():
     knobs = GemmKnobs(tile_rows=128, tile_cols=128)
     assert stage_smem_bytes(knobs) == 256 * 128
     assert max_stages(knobs, "down_fp8") == max_stages(knobs, "down")
+
+
+def test_rows_are_gathered_by_default_where_the_decode_tiles_run_from_two_tokens():
+    from megamoe_kernels import gathers_rows_by_default
+
+    def gathers(tokens, *, capacity=None, experts=128, top_k=8):  # qwen3-30b-a3b
+        rows = tokens * top_k
+        return gathers_rows_by_default(
+            tokens=tokens,
+            valid_rows=rows,
+            capacity=rows if capacity is None else capacity,
+            num_experts=experts,
+        )
+
+    assert not gathers(1)  # one token: its copy is cheaper than the load before each gather
+    assert gathers(16) and gathers(1024)  # up to 64 rows per expert: decode tiles
+    assert not gathers(2048) and not gathers(8192)  # prefill tiles
+    # a capacity sized for prefill: a few valid rows still run the decode tiles
+    assert gathers(16, capacity=65536)
+    assert not gathers(1000, capacity=65536)  # 62.5 rows per expert: the prefill tiles run

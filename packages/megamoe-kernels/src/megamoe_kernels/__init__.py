@@ -35,6 +35,7 @@ _SHIM_NAMES = (
     "gate_up_launcher",
     "gate_up_swiglu",
     "gate_up_swiglu_fp8",
+    "gathers_rows_by_default",
     "interleave_gate_up",
     "knob_problems",
     "quantize_rows",

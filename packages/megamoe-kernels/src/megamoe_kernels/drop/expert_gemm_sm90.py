@@ -75,6 +75,16 @@ is sized for the worst case pay for the tiles of the rows it holds, with no host
 
 SwiGLU: w is the gate/up interleaved weight (gate_up_layout); out = silu(gate) * up in fp32.
 
+gather_rows: x is the tokens [T, K], not the batch, and row_source [capacity] int32 names the
+token of each batch row: the producer warp's lanes gather a tile's rows themselves (cp.async,
+16 bytes each, lane l its own rows l, l + 32, ...) into the swizzled stage the TMA would have
+written, and count themselves in on the stage's full barrier (cp.async.mbarrier.arrive.noinc;
+the weights still come by TMA). The
+consumers fence the async proxy after each wait (the MMAs read what generic-proxy copies
+wrote) and before each release. Rows past the expert's are not loaded (they feed output rows
+that are never stored). So the dispatch writes no expert-major copy of the tokens: the
+tile's rows come from x, mostly out of L2. BF16 only; K a multiple of the K tile.
+
 FP8 (scale_group set): x and w are e4m3 with float32 block scales (fp8_scaling): x_scales
 [K / scale_group, rows] (a row's scale for each group of scale_group columns, group-major so a
 tile's scales for one group are contiguous) and w_scales [E, ceil(N_source / 128), ceil(K / 128)]
@@ -161,6 +171,7 @@ class ExpertGroupedGemmSm90:
     scale_group: FP8: K columns per scale of x (128, or 64 for the down GEMM fed by a
                quantizing gate-up); None: bf16, no scales
     quantize_out: FP8 gate-up: the output is e4m3 with INTERMEDIATE_GROUP-column scales
+    gather_rows: x holds the tokens and row_source the token of each batch row (bf16 only)
     """
 
     def __init__(
@@ -183,7 +194,12 @@ class ExpertGroupedGemmSm90:
         dynamic_schedule=False,
         scale_group=None,
         quantize_out=False,
+        gather_rows=False,
     ):
+        if gather_rows and scale_group is not None:
+            raise ValueError(
+                "gather_rows: bf16 only (FP8 rows carry scales the consumers would have to gather)"
+            )
         if dynamic_schedule and (cluster_rows > 1 or split_k > 1):
             raise ValueError(
                 "dynamic_schedule: not with cluster_rows > 1 (both CTAs of a cluster work one "
@@ -208,6 +224,7 @@ class ExpertGroupedGemmSm90:
         self.block_scaled = scale_group is not None
         self.scale_group = scale_group
         self.quantize_out = quantize_out
+        self.gather_rows = gather_rows
         # rows of one schedule unit: a row tile per CTA of the cluster
         self.unit_rows = tile_rows * cluster_rows
         self.mma_m, self.mma_n = (tile_cols, tile_rows) if swap_ab else (tile_rows, tile_cols)
@@ -239,6 +256,7 @@ class ExpertGroupedGemmSm90:
         mXScales,
         mWScales,
         mOutScales,
+        mRowSource,
         stream,
     ):
         ab_dtype = mX.element_type
@@ -267,12 +285,15 @@ class ExpertGroupedGemmSm90:
             self.stages,
         )
         x_layout, w_layout = (b_layout, a_layout) if self.swap_ab else (a_layout, b_layout)
-        tma_x, tma_mX = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(),
-            mX,
-            cute.slice_(x_layout, (None, None, 0)),
-            (self.tile_rows, self.tile_k),
-        )
+        # gathered rows are copied by the producer warp's lanes, not by TMA
+        tma_x, tma_mX = None, mX
+        if cutlass.const_expr(not self.gather_rows):
+            tma_x, tma_mX = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(),
+                mX,
+                cute.slice_(x_layout, (None, None, 0)),
+                (self.tile_rows, self.tile_k),
+            )
         tma_w, tma_mW = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SMulticastOp()
             if cutlass.const_expr(self.cluster_rows > 1)
@@ -319,6 +340,7 @@ class ExpertGroupedGemmSm90:
             mPartials,
             mArrivals,
             mUnitCounter,
+            mRowSource,
             self.tiled_mma,
             x_layout,
             w_layout,
@@ -493,6 +515,68 @@ class ExpertGroupedGemmSm90:
         unit_queue.consumer_release(unit_state)
         return unit
 
+    @cute.jit
+    def tile_tokens(self, mRowSource, row0, rows):
+        """gather_rows, producer warp: lane l's tokens of the tile's rows l, l + 32, ... (0 for
+        rows past the `rows` of the expert the tile holds)."""
+        lane = cute.arch.lane_idx()
+        tokens = []
+        for j in cutlass.range_constexpr((self.tile_rows + 31) // 32):
+            token = cutlass.Int32(0)
+            if lane + 32 * j < rows:
+                token = mRowSource[row0 + lane + 32 * j]
+            tokens.append(token)
+        return tokens
+
+    @cute.jit
+    def gather_stage(self, mX, sX_stage, tile_tokens, *, rows, k_tile):
+        """gather_rows, producer warp: copies K tile `k_tile` of the tile's first `rows` rows
+        from their tokens into a stage. Lane l copies its own rows l, l + 32, ... (the tokens
+        tile_tokens holds), each row's K tile in 16-byte chunks: no value passes between lanes,
+        and every copy's address is the row's plus a constant, so the copies issue back to back.
+        The copies go through L1 (a warp's copy reads 16 bytes of 32 rows; the next chunk of
+        each row is the other half of the 32-byte sector it fetched)."""
+        lane = cute.arch.lane_idx()
+        element_bytes = self.ab_dtype.width // 8
+        chunk_elements = 16 // element_bytes
+        chunks = self.tile_k // chunk_elements
+        hidden = cute.size(mX, mode=[1])
+        x_address = mX.iterator.toint()
+        copy_atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS),
+            self.ab_dtype,
+            num_bits_per_copy=128,
+        )
+        for j in cutlass.range_constexpr((self.tile_rows + 31) // 32):
+            row = lane + 32 * j
+            if row < cutlass.min(rows, self.tile_rows):
+                row_address = (
+                    x_address
+                    + (cutlass.Int64(tile_tokens[j]) * hidden + k_tile * self.tile_k)
+                    * element_bytes
+                )
+                for chunk in cutlass.range_constexpr(chunks):
+                    source = cute.make_tensor(
+                        cute.make_ptr(
+                            self.ab_dtype,
+                            row_address + chunk * 16,
+                            cute.AddressSpace.gmem,
+                            assumed_align=16,
+                        ),
+                        cute.make_layout(chunk_elements),
+                    )
+                    # one 16-byte vector: the swizzle moves whole chunks
+                    destination = cute.local_tile(sX_stage, (1, chunk_elements), (row, chunk))
+                    cute.copy(copy_atom, source, destination[(0, None)])
+
+    @cute.jit
+    def release_stage(self, ring, release_state):
+        """A consumer warp is done reading a stage; with gathered rows the next copies into it
+        (generic proxy) are ordered after the MMAs that read it (async proxy) first."""
+        if cutlass.const_expr(self.gather_rows):
+            cute.arch.fence_proxy("async.shared", space="cta")
+        ring.consumer_release(release_state)
+
     def shared_storage_type(self, ab_dtype, x_layout, w_layout, staged_dtype, out_layout):
         """The kernel's shared memory as a cute.struct (plain Python, run while tracing)."""
         fields = {
@@ -515,7 +599,7 @@ class ExpertGroupedGemmSm90:
     @cute.kernel
     def kernel(
         self,
-        tma_x: cute.CopyAtom,
+        tma_x,
         mX: cute.Tensor,
         tma_w: cute.CopyAtom,
         mW: cute.Tensor,
@@ -528,6 +612,7 @@ class ExpertGroupedGemmSm90:
         mPartials,
         mArrivals,
         mUnitCounter,
+        mRowSource,
         tiled_mma: cute.TiledMma,
         x_layout: cute.ComposedLayout,
         w_layout: cute.ComposedLayout,
@@ -537,7 +622,8 @@ class ExpertGroupedGemmSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         block_idx, _, _ = cute.arch.block_idx()
         if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_x)
+            if cutlass.const_expr(not self.gather_rows):
+                cpasync.prefetch_descriptor(tma_x)
             cpasync.prefetch_descriptor(tma_w)
 
         storage = SmemAllocator().allocate(self.shared_storage)
@@ -566,13 +652,20 @@ class ExpertGroupedGemmSm90:
                 defer_sync=True,
             )
         sStagedTiles = storage.staged_tiles.get_tensor(cute.make_layout((3, self.epilogue_buffers)))
-        tx_bytes = cute.size_in_bytes(
-            self.ab_dtype, cute.slice_(x_layout, (None, None, 0))
-        ) + cute.size_in_bytes(self.ab_dtype, cute.slice_(w_layout, (None, None, 0)))
+        # a stage is full once its TMA bytes landed and (gathered rows) every lane of the producer
+        # warp counted its copies in
+        tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(w_layout, (None, None, 0)))
+        producer_arrivals = 1
+        if cutlass.const_expr(self.gather_rows):
+            producer_arrivals = 1 + 32
+        else:
+            tx_bytes = tx_bytes + cute.size_in_bytes(
+                self.ab_dtype, cute.slice_(x_layout, (None, None, 0))
+            )
         ring = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ring_barriers.data_ptr(),
             num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producer_arrivals),
             # each stage is read by the warps of one tile's warpgroups, in every CTA of the
             # cluster (each CTA's TMA writes into all of them): every warp releases it everywhere
             consumer_group=pipeline.CooperativeGroup(
@@ -603,7 +696,7 @@ class ExpertGroupedGemmSm90:
         col_tiles = (n_cols + self.tile_cols - 1) // self.tile_cols
         k_tiles = (cute.size(mX, mode=[1]) + self.tile_k - 1) // self.tile_k
         col_units = col_tiles * self.split_k
-        capacity = cute.size(mX, mode=[0])
+        capacity = cute.size(mOut, mode=[0])
         # the cluster walks the schedule's units; this CTA takes row tile `cluster_rank` of each
         cluster_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster_idx = block_idx // self.cluster_rows
@@ -673,32 +766,40 @@ class ExpertGroupedGemmSm90:
                         unit - first, row_units, col_tiles, expert_row0, cluster_rank
                     )
                     k_begin, k_end = self.k_slice(split, k_tiles)
-                    if row0 >= expert_row_end:
-                        # an empty tile (the cluster's partner has the expert's last row tile):
-                        # load rows that exist; nothing reads them
-                        row0 = expert_row0
-                    gX = cute.local_tile(
-                        cute.domain_offset((row0, 0), mX), (self.tile_rows, self.tile_k), (0, None)
-                    )
-                    tXsX, tXgX = cpasync.tma_partition(
-                        tma_x,
-                        0,
-                        cute.make_layout(1),
-                        cute.group_modes(sX, 0, 2),
-                        cute.group_modes(gX, 0, 2),
-                    )
+                    tXsX = tXgX = tile_tokens = None
+                    if cutlass.const_expr(self.gather_rows):
+                        # the tile's rows of this expert (none for an empty tile)
+                        tile_tokens = self.tile_tokens(mRowSource, row0, expert_row_end - row0)
+                    else:
+                        if row0 >= expert_row_end:
+                            # an empty tile (the cluster's partner has the expert's last row
+                            # tile): load rows that exist; nothing reads them
+                            row0 = expert_row0
+                        gX = cute.local_tile(
+                            cute.domain_offset((row0, 0), mX),
+                            (self.tile_rows, self.tile_k),
+                            (0, None),
+                        )
+                        tXsX, tXgX = cpasync.tma_partition(
+                            tma_x,
+                            0,
+                            cute.make_layout(1),
+                            cute.group_modes(sX, 0, 2),
+                            cute.group_modes(gX, 0, 2),
+                        )
                     tWgW_tile = tWgW[(None, col_tile, None, expert)]
                     for k_tile in range(k_begin, k_end):
                         weights_loaded = k_tile - k_begin < weights_loading
                         if not weights_loaded:
                             ring.producer_acquire(state)
                         barrier = ring.producer_get_barrier(state)
-                        cute.copy(
-                            tma_x,
-                            tXgX[(None, k_tile)],
-                            tXsX[(None, state.index)],
-                            tma_bar_ptr=barrier,
-                        )
+                        if cutlass.const_expr(not self.gather_rows):
+                            cute.copy(
+                                tma_x,
+                                tXgX[(None, k_tile)],
+                                tXsX[(None, state.index)],
+                                tma_bar_ptr=barrier,
+                            )
                         if cutlass.const_expr(self.cluster_rows > 1):
                             cute.copy(
                                 tma_w,
@@ -714,6 +815,15 @@ class ExpertGroupedGemmSm90:
                                 tWsW[(None, state.index)],
                                 tma_bar_ptr=barrier,
                             )
+                        if cutlass.const_expr(self.gather_rows):
+                            self.gather_stage(
+                                mX,
+                                sX[(None, None, state.index)],
+                                tile_tokens,
+                                rows=expert_row_end - row0,
+                                k_tile=k_tile,
+                            )
+                            cute.arch.cp_async_mbarrier_arrive_noinc(barrier)
                         ring.producer_commit(state)
                         state.advance()
                     weights_loading = cutlass.Int32(0)
@@ -874,6 +984,9 @@ class ExpertGroupedGemmSm90:
                         warpgroup.fence()
                         for k_tile in range(slice_tiles):
                             ring.consumer_wait(read_state)
+                            if cutlass.const_expr(self.gather_rows):
+                                # the MMAs (async proxy) read rows the copies (generic) wrote
+                                cute.arch.fence_proxy("async.shared", space="cta")
                             for k_block in cutlass.range_constexpr(num_k_blocks):
                                 coord = (None, None, k_block, read_state.index)
                                 cute.gemm(
@@ -883,11 +996,11 @@ class ExpertGroupedGemmSm90:
                             # keep one wgmma batch in flight; release the stage before it
                             warpgroup.wait_group(1)
                             if k_tile > 0:
-                                ring.consumer_release(release_state)
+                                self.release_stage(ring, release_state)
                                 release_state.advance()
                             read_state.advance()
                         warpgroup.wait_group(0)
-                        ring.consumer_release(release_state)
+                        self.release_stage(ring, release_state)
                         release_state.advance()
                     else:
                         for k_tile in range(slice_tiles):

@@ -26,13 +26,17 @@ enough to be resident at once on any Hopper GPU, which its grid-wide barriers ne
    FP8 rows (row_scales given, copy_by_token): each warp quantizes its own tokens as it copies
    them, one scale per row and ACTIVATION_GROUP columns (fp8_scaling's recipe, the values
    quantizing each batch row on the host gives), so the batch is e4m3 with no pass before it.
+   Gathered rows (row_source given, rows None): no row is copied; each pair's lane writes
+   row_source[row] = its token instead, and the gate-up GEMM reads the batch rows from the
+   tokens (expert_gemm_sm90's gather_rows).
 
 route_tokens is step 1 alone (topk_ids and topk_weights; no placement, no copy, no barrier), for
 the expert-parallel dispatchers, which place the pairs themselves.
 
 Layouts: logits [T, E] float32 or bfloat16; correction_bias [E] float32 (optional); x [T, H]
 bfloat16 and rows [M, H] bfloat16 (or e4m3 with row_scales float32 [ceil(H / 128), M],
-group-major) row-major, H a multiple of 8, rows 16-byte aligned; topk_ids and
+group-major) row-major, H a multiple of 8, rows 16-byte aligned (or row_source int32 [M] in
+their place); topk_ids and
 row_of_pair int32 [T, top_k]; topk_weights float32 [T, top_k]; expert_offsets int32 [E + 1];
 scratch int32 [scratch_words(E)], zeroed once when allocated (its barrier words return to their
 start state, so launches, graph replays included, need no host work); status int64 [4]: a
@@ -352,8 +356,9 @@ def route_and_place_kernel(
     mTopkWeights: cute.Tensor,
     mRowOfPair: cute.Tensor,
     mExpertOffsets: cute.Tensor,
-    mRows: cute.Tensor,
+    mRows,
     mRowScales,
+    mRowSource,
     mScratch: cute.Tensor,
     mStatus: cute.Tensor,
     num_experts: cutlass.Constexpr,
@@ -482,7 +487,9 @@ def route_and_place_kernel(
     row_bytes = cutlass.Int64(hidden) * 2
     row_vectors = hidden // 8
     x_address = mX.iterator.toint()
-    rows_address = mRows.iterator.toint()
+    rows_address = cutlass.Int64(0)
+    if cutlass.const_expr(mRows is not None):
+        rows_address = mRows.iterator.toint()
     for token in range(warp_begin, warp_end):
         row = cutlass.Int32(-1)
         if lane < top_k:
@@ -490,7 +497,9 @@ def route_and_place_kernel(
             row = first_row[expert] + cta_prefix[expert] + warp_counts[warp * num_experts + expert]
             row = row + mRowOfPair[token, lane]
             mRowOfPair[token, lane] = row
-        if cutlass.const_expr(copy_by_token):
+            if cutlass.const_expr(mRowSource is not None):
+                mRowSource[row] = token
+        if cutlass.const_expr(copy_by_token and mRows is not None):
             # 5. the warp copies the token's row into its top_k batch rows: each 16-byte vector
             #    loaded once, stored top_k times
             rows = []
@@ -519,7 +528,7 @@ def route_and_place_kernel(
                     unroll,
                     top_k,
                 )
-    if cutlass.const_expr(not copy_by_token):
+    if cutlass.const_expr(not copy_by_token and mRows is not None):
         # 5. a warp per pair of this CTA copies its token's row into the batch
         cute.arch.sync_threads()
         for pair in range(cta_begin * top_k + warp, cta_end * top_k, ROUTE_WARPS):
@@ -543,8 +552,9 @@ def route_and_place(
     mTopkWeights: cute.Tensor,
     mRowOfPair: cute.Tensor,
     mExpertOffsets: cute.Tensor,
-    mRows: cute.Tensor,
+    mRows,
     mRowScales,
+    mRowSource,
     mScratch: cute.Tensor,
     mStatus: cute.Tensor,
     num_experts: cutlass.Constexpr,
@@ -584,6 +594,7 @@ def route_and_place(
         mExpertOffsets,
         mRows,
         mRowScales,
+        mRowSource,
         mScratch,
         mStatus,
         num_experts,

@@ -35,6 +35,7 @@ from megamoe_kernels.shim.knobs import (
     check_knobs,
     default_knobs,
     default_launches,
+    gathers_rows_by_default,
     knob_problems,
     resolve_knobs,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "gate_up_launcher",
     "gate_up_swiglu",
     "gate_up_swiglu_fp8",
+    "gathers_rows_by_default",
     "interleave_gate_up",
     "knob_problems",
     "quantize_rows",

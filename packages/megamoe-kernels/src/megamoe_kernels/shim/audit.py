@@ -109,6 +109,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "dynamic_schedule",
             "scale_group",
             "quantize_out",
+            "gather_rows",
         ),
     ),
     DropSymbol(
@@ -127,6 +128,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "mXScales",
             "mWScales",
             "mOutScales",
+            "mRowSource",
             "stream",
         ),
         passed_as="positional",  # shim/ffi_launch.py calls kernel(mX, mW, ..., stream)
@@ -413,6 +415,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "mExpertOffsets",
             "mRows",
             "mRowScales",
+            "mRowSource",
             "mScratch",
             "mStatus",
             "num_experts",

@@ -7,6 +7,9 @@ B = I / GATE_UP_BLOCK pair blocks. The batch is tight and expert-major: expert e
 - `interleave_gate_up(w13_E2IH)` -> `w13_EB2GH` ([E, B, 2 * GATE_UP_BLOCK, H]): the layout the
   gate-up kernel takes; the kernel refuses anything else (a plain [E, 2I, H] w13 included).
 - `gate_up_swiglu(rows_MH, expert_offsets, w13_EB2GH)` -> [M, I] = silu(x Wg^T) * (x Wu^T).
+  With `row_source_M` (int32 [M], the token of each batch row) the first argument is the
+  tokens x_TH and the kernel gathers each row from its token (no expert-major copy of the
+  tokens is made): the same bits as on rows_MH = x_TH[row_source_M].
 - `down(hidden_MI, expert_offsets, w2_EHI, row_scale_M=None)` -> [M, H].
 - FP8 (shim/fp8.py has the layouts and the host quantizers): `gate_up_swiglu_fp8(rows_MH,
   rows_scales, expert_offsets, w13_EB2GH, w13_scales)` -> (e4m3 [M, I], its scales
@@ -163,11 +166,18 @@ def _check_batch(
 
 
 def _check_out(
-    name: str, out: torch.Tensor | None, rows_MK: torch.Tensor, columns: int, dtype: torch.dtype
+    name: str,
+    out: torch.Tensor | None,
+    rows_MK: torch.Tensor,
+    columns: int,
+    dtype: torch.dtype,
+    *,
+    capacity: int | None = None,
 ) -> None:
+    """out: `dtype` [capacity, columns] (capacity: the rows', unless given)."""
     if out is None:
         return
-    capacity = rows_MK.shape[0]
+    capacity = rows_MK.shape[0] if capacity is None else capacity
     if (
         not isinstance(out, torch.Tensor)
         or tuple(out.shape) != (capacity, columns)
@@ -220,8 +230,36 @@ def _check_weight_scales(
     _check_common(name, scales, dim=3, device=device)
 
 
-def _check_gate_up(rows_MH, expert_offsets, w13_EB2GH, out_MI, *, fp8=False) -> None:
-    """Every rule of gate_up_swiglu's arguments, with an error that names the argument."""
+def _check_row_source(row_source_M, x_TH: torch.Tensor, hidden: int) -> int:
+    """Gathered rows: row_source_M is int32 [M] beside bf16 tokens whose hidden size is a
+    multiple of the K tile; returns M (the batch's capacity)."""
+    if (
+        not isinstance(row_source_M, torch.Tensor)
+        or row_source_M.dtype != torch.int32
+        or row_source_M.dim() != 1
+    ):
+        got = (
+            f"{row_source_M.dtype} {tuple(row_source_M.shape)}"
+            if isinstance(row_source_M, torch.Tensor)
+            else type(row_source_M).__name__
+        )
+        raise TypeError(f"row_source_M must be a 1-D int32 tensor, got {got}")
+    _check_common("row_source_M", row_source_M, dim=1, device=x_TH.device)
+    if x_TH.dtype != torch.bfloat16:
+        raise ValueError(f"gathered rows are bf16 tokens, got {x_TH.dtype}")
+    if hidden % TILE_K:
+        raise ValueError(
+            f"gathered rows need H a multiple of {TILE_K} (whole K tiles), got H={hidden}; pass "
+            "the expert-major rows instead"
+        )
+    return row_source_M.shape[0]
+
+
+def _check_gate_up(
+    rows_MH, expert_offsets, w13_EB2GH, out_MI, *, fp8=False, row_source_M=None
+) -> None:
+    """Every rule of gate_up_swiglu's arguments, with an error that names the argument (with
+    row_source_M, rows_MH is the tokens the rows are gathered from)."""
     if (
         not isinstance(w13_EB2GH, torch.Tensor)
         or w13_EB2GH.dim() != 4
@@ -242,12 +280,17 @@ def _check_gate_up(rows_MH, expert_offsets, w13_EB2GH, out_MI, *, fp8=False) -> 
             f"[M, H={rows_MH.shape[1]}]"
         )
     intermediate = blocks * GATE_UP_BLOCK
+    capacity = None
+    if row_source_M is not None:
+        if fp8:
+            raise ValueError("row_source_M: gathered rows are bf16 (FP8 rows carry scales)")
+        capacity = _check_row_source(row_source_M, rows_MH, hidden)
     if fp8 and intermediate % WEIGHT_BLOCK:
         raise ValueError(
             f"FP8 w13: I={intermediate} must be a multiple of {WEIGHT_BLOCK} (the gate and the up "
             "rows of a tile each lie in one weight block)"
         )
-    _check_out("out_MI", out_MI, rows_MH, intermediate, dtype)
+    _check_out("out_MI", out_MI, rows_MH, intermediate, dtype, capacity=capacity)
 
 
 def _check_down(hidden_MI, expert_offsets, w2_EHI, row_scale_M, out_MH, *, fp8=False) -> None:
@@ -319,14 +362,15 @@ def _split_k_slots(knobs: GemmKnobs, *, capacity: int, experts: int, n: int) -> 
 
 
 def _split_k_workspace(
-    knobs: GemmKnobs, x_MK: torch.Tensor, *, experts: int, n: int
+    knobs: GemmKnobs, x_MK: torch.Tensor, *, rows: int, experts: int, n: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partials, arrivals) for a split-K launch on the current stream."""
-    slots = _split_k_slots(knobs, capacity=x_MK.shape[0], experts=experts, n=n)
+    """(partials, arrivals) for a split-K launch on the current stream over a batch of `rows`
+    rows (x_MK's, or the row source's when the rows are gathered)."""
+    slots = _split_k_slots(knobs, capacity=rows, experts=experts, n=n)
     words = slots * knobs.split_k * knobs.tile_rows * knobs.tile_cols
     if words * 4 > _SPLIT_K_MAX_WORKSPACE_BYTES:
         raise ValueError(
-            f"split_k={knobs.split_k} at capacity {x_MK.shape[0]} needs a {words * 4 >> 20} MiB "
+            f"split_k={knobs.split_k} at capacity {rows} needs a {words * 4 >> 20} MiB "
             f"workspace (at most {_SPLIT_K_MAX_WORKSPACE_BYTES >> 20} MiB): split-K is for decode "
             "batches; use split_k=1 or a smaller capacity"
         )
@@ -409,7 +453,7 @@ def _launches(
     op: str,
     knobs: GemmKnobs | None,
     tuned_knobs: GemmKnobs | None,
-    x_shape: torch.Size,
+    x_shape: tuple[int, int],
     weight_shape: torch.Size,
     valid_rows: int | None,
     device_index: int,
@@ -461,7 +505,15 @@ class GemmLauncher:
     Calls take any tensors the compiled signature accepts (capacity is a dynamic dim); a
     launch it refuses is re-raised as the op's check error that names the argument at fault."""
 
-    __slots__ = ("columns", "compiled", "knobs", "op", "takes_unit_counter", "weight_rows")
+    __slots__ = (
+        "columns",
+        "compiled",
+        "gathers",
+        "knobs",
+        "op",
+        "takes_unit_counter",
+        "weight_rows",
+    )
 
     def __init__(
         self,
@@ -471,8 +523,10 @@ class GemmLauncher:
         columns: int,
         weight_rows: int,
         entry: tuple[Callable, bool] | None,
+        gathers: bool = False,
     ):
         self.op, self.knobs = op, knobs
+        self.gathers = gathers  # the rows come from tokens by row_source_M
         self.columns = columns  # of the output
         self.weight_rows = weight_rows  # N of the GEMM (the gate-up's output holds half)
         # the compile cache's entry: (compiled launches, whether one takes the unit counter);
@@ -490,11 +544,18 @@ class GemmLauncher:
         x_scales: torch.Tensor | None = None,
         w_scales: torch.Tensor | None = None,
         out_scales: torch.Tensor | None = None,
+        row_source_M: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The output; with "gate_up_fp8" (the output, its scales)."""
+        """The output; with "gate_up_fp8" (the output, its scales). A gathering launcher takes
+        the tokens as x_MK and row_source_M (the token of each batch row)."""
         scales = (x_scales, w_scales, out_scales)
         try:
-            rows = x_MK.shape[0]
+            if (row_source_M is not None) != self.gathers:
+                raise ValueError(
+                    "row_source_M is required by a launcher bound with one, and refused by "
+                    f"others (this one {'gathers' if self.gathers else 'does not gather'})"
+                )
+            rows = x_MK.shape[0] if row_source_M is None else row_source_M.shape[0]
             quantized = self.op == "gate_up_fp8"
             if out is None:
                 out = torch.empty(
@@ -509,13 +570,13 @@ class GemmLauncher:
             result = (out, out_scales) if quantized else out
             if self.compiled is None or rows == 0:
                 # nothing runs, so no compiled signature checks the arguments
-                _check_op(self.op, x_MK, expert_offsets, w, row_scale_M, out, scales)
+                _check_op(self.op, x_MK, expert_offsets, w, row_scale_M, out, scales, row_source_M)
                 return result
             partials = arrivals = unit_counter = None
             # split-K knobs (swap-AB) always launch alone
             if self.knobs.split_k > 1:
                 partials, arrivals = _split_k_workspace(
-                    self.knobs, x_MK, experts=w.shape[0], n=self.weight_rows
+                    self.knobs, x_MK, rows=rows, experts=w.shape[0], n=self.weight_rows
                 )
             if self.takes_unit_counter:
                 unit_counter = _unit_counter(x_MK)
@@ -531,24 +592,31 @@ class GemmLauncher:
                 x_scales,
                 w_scales,
                 out_scales,
+                row_source_M,
             )
             return result
         except Exception as failure:
             _raise_explained(
                 failure,
-                lambda: _check_op(self.op, x_MK, expert_offsets, w, row_scale_M, out, scales),
+                lambda: _check_op(
+                    self.op, x_MK, expert_offsets, w, row_scale_M, out, scales, row_source_M
+                ),
             )
 
 
-def _check_op(op: str, x_MK, expert_offsets, w, row_scale_M, out, scales=None) -> None:
+def _check_op(
+    op: str, x_MK, expert_offsets, w, row_scale_M, out, scales=None, row_source_M=None
+) -> None:
     """Every rule of an op's arguments; scales = (x_scales, w_scales, out_scales), or None to
     leave them out."""
     fp8 = is_fp8(op)
     if is_gate_up(op):
         if row_scale_M is not None:
             raise ValueError("row_scale_M is the down GEMM's; the gate-up GEMM takes none")
-        _check_gate_up(x_MK, expert_offsets, w, out, fp8=fp8)
+        _check_gate_up(x_MK, expert_offsets, w, out, fp8=fp8, row_source_M=row_source_M)
     else:
+        if row_source_M is not None:
+            raise ValueError("row_source_M is the gate-up GEMM's; the down GEMM takes none")
         _check_down(x_MK, expert_offsets, w, row_scale_M, out, fp8=fp8)
     if scales is None:
         return
@@ -589,22 +657,27 @@ def _launcher(
     tuned_knobs: GemmKnobs | None,
     valid_rows: int | None,
     compile_only: bool,
+    row_source_M: torch.Tensor | None = None,
 ) -> GemmLauncher:
     """The launcher for this kind of call: looked up, else the op's checks run, the launches
     are planned and compiled (compile_only: compiled, nothing will run) and it is kept."""
 
     def check() -> None:
         # the scales are not part of the kind of call: a call's own are checked with it
-        _check_op(op, x_MK, expert_offsets, w, row_scale_M, None)
+        _check_op(op, x_MK, expert_offsets, w, row_scale_M, None, None, row_source_M)
 
     try:
         device_index = -1 if compile_only else x_MK.get_device()
+        gathers = row_source_M is not None
+        # the batch's (rows, K): with gathered rows, the row source's rows and the tokens' K
+        batch_shape = (row_source_M.shape[0], x_MK.shape[1]) if gathers else tuple(x_MK.shape)
         # typed: a valid_rows of 2.0 or True is refused, not served the launcher of 2
         key = (
             op,
             knobs,
             tuned_knobs,
-            x_MK.shape,
+            batch_shape,
+            gathers,
             w.shape,
             valid_rows,
             type(valid_rows),
@@ -620,11 +693,13 @@ def _launcher(
                 f"the batch rows are on {x_MK.device}: the kernels run on a CUDA GPU "
                 "(compile_only=True compiles them without one)"
             )
-        launches = _launches(op, knobs, tuned_knobs, x_MK.shape, w.shape, valid_rows, device_index)
+        launches = _launches(op, knobs, tuned_knobs, batch_shape, w.shape, valid_rows, device_index)
         has_row_scale = row_scale_M is not None
         entry = None
-        if x_MK.shape[0] > 0:
-            entry = _compile(op, launches, (op, launches, w.shape, has_row_scale, device_index))
+        if batch_shape[0] > 0:
+            entry = _compile(
+                op, launches, (op, launches, w.shape, has_row_scale, gathers, device_index)
+            )
         weight_rows, _, columns = _gemm_dims(op, w.shape)
         launcher = GemmLauncher(
             op,
@@ -632,6 +707,7 @@ def _launcher(
             columns=columns,
             weight_rows=weight_rows,
             entry=entry if device_index >= 0 else None,
+            gathers=gathers,
         )
     except Exception as failure:
         _raise_explained(failure, check)
@@ -641,7 +717,7 @@ def _launcher(
 
 
 def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callable, bool]:
-    _, _, weight_shape, has_row_scale, device_index = key
+    _, _, weight_shape, has_row_scale, gathers, device_index = key
     with _COMPILE_LOCK:
         entry = _COMPILED.get(key)
         if entry is not None:
@@ -675,6 +751,7 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callabl
                 dynamic_schedule=_dynamic_schedule(launch.knobs),
                 scale_group=scale_group(op),
                 quantize_out=op == "gate_up_fp8",
+                gather_rows=gathers,
                 # persistent CTAs: those beyond the routed tiles find no work and exit
                 num_ctas=_persistent_ctas(device_index, launch.knobs.cluster[0]),
             )
@@ -692,6 +769,7 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callabl
             dynamic_schedule=takes_unit_counter,
             scale_group=scale_group(op),
             quantize_out=op == "gate_up_fp8",
+            gather_rows=gathers,
         )
         _COMPILED[key] = (compiled, takes_unit_counter)
         return _COMPILED[key]
@@ -707,8 +785,13 @@ def gate_up_swiglu(
     tuned_knobs: GemmKnobs | None = None,
     valid_rows: int | None = None,
     compile_only: bool = False,
+    row_source_M: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """silu(x Wg^T) * (x Wu^T) per expert, bf16 out, fp32 accumulation.
+
+    row_source_M: int32 [M], the token of each batch row: rows_MH is then the tokens [T, H]
+    and the kernel reads each batch row from its token (H a multiple of 64), with the bits of
+    rows_MH[row_source_M] as the batch. Rows past expert_offsets[E] are never read.
 
     knobs: run exactly these. tuned_knobs: knobs tuned for the batch's class (a knob-cache
     entry), in place of the default profile's; with prefill ones a batch of few valid rows
@@ -724,8 +807,9 @@ def gate_up_swiglu(
         tuned_knobs=tuned_knobs,
         valid_rows=valid_rows,
         compile_only=compile_only,
+        row_source_M=row_source_M,
     )
-    return launcher(rows_MH, expert_offsets, w13_EB2GH, out=out_MI)
+    return launcher(rows_MH, expert_offsets, w13_EB2GH, out=out_MI, row_source_M=row_source_M)
 
 
 def down(
@@ -770,10 +854,11 @@ def gate_up_launcher(
     tuned_knobs: GemmKnobs | None = None,
     valid_rows: int | None = None,
     compile_only: bool = False,
+    row_source_M: torch.Tensor | None = None,
 ) -> GemmLauncher:
     """gate_up_swiglu's launcher for calls like this one (arguments as there): keep it to
     launch the same kind of call again with no lookup, as launcher(rows_MH, expert_offsets,
-    w13_EB2GH, out=None)."""
+    w13_EB2GH, out=None, row_source_M=None) (a row source if it was bound with one)."""
     return _launcher(
         "gate_up",
         rows_MH,
@@ -784,6 +869,7 @@ def gate_up_launcher(
         tuned_knobs=tuned_knobs,
         valid_rows=valid_rows,
         compile_only=compile_only,
+        row_source_M=row_source_M,
     )
 
 

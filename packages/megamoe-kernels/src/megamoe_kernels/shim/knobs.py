@@ -311,6 +311,26 @@ def default_launches(
 
 
 @lru_cache(maxsize=1024)
+def gathers_rows_by_default(
+    *, tokens: int, valid_rows: int, capacity: int, num_experts: int
+) -> bool:
+    """Whether a local layer's gate-up GEMM reads its rows from the tokens (gate_up_swiglu's
+    row_source_M) rather than from rows the dispatch copied out, unless told: where the default
+    profile runs decode (swap-AB) tiles on `valid_rows` of a batch of `capacity` rows (as
+    default_launches picks them), from two tokens on. Measured on the H200 (whole layer, graph
+    replays; docs/benchmarks.md, "Gathered rows"): with decode tiles equal or up to 3% faster
+    from 16 tokens, 1-4% slower at one token (the row's token is one more load before its
+    copy); with prefill tiles the gate-up GEMM is 24-37% slower (its producer warp's 16-byte
+    copies against one TMA load per stage: gathering the copied rows in order is as slow),
+    more than the copy it saves."""
+    experts = max(1, num_experts)
+    decode_tiles = default_knobs("gate_up", capacity / experts).swap_ab or (
+        valid_rows < SMALL_BATCH_ROWS_PER_EXPERT * experts + 1
+    )
+    return tokens >= 2 and decode_tiles
+
+
+@lru_cache(maxsize=1024)
 def resolve_knobs(op: str, rows_per_expert: float, override: GemmKnobs | None) -> GemmKnobs:
     """An explicit override is checked like any combination: invalid ones raise, never run.
 

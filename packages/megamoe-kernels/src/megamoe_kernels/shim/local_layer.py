@@ -9,7 +9,9 @@ Shape legend: T tokens, E experts, K experts per token (top-k), H hidden size, M
   batch row of pair (t, k): the order of a stable sort of the flattened ids by expert),
   expert_offsets [E + 1] int32 and the expert-major batch rows [M, H] (rows past T x K
   unspecified): bf16, or with rows_dtype=e4m3 the rows quantized as they are copied, with
-  their scales [ceil(H / 128), M] float32 (shim/fp8.py's layout and values). Every routing
+  their scales [ceil(H / 128), M] float32 (shim/fp8.py's layout and values); or with
+  gather_rows=True no rows at all but row_source [M] int32, the token of each batch row, for a
+  gate-up GEMM that reads the rows from the tokens (gate_up_swiglu's row_source_M). Every routing
   family of megamoe: softmax or sigmoid scoring, grouped top-k with a correction bias,
   renormalisation, routed scaling.
   `RouteLauncher.route(logits)`: the routing alone (ids and weights, one launch), for the
@@ -74,11 +76,14 @@ def routing_problems(
     return problems
 
 
-def _one_cta_tokens(top_k: int, hidden_size: int) -> int:
+def _one_cta_tokens(top_k: int, hidden_size: int, *, copies: bool = True) -> int:
     """Up to how many tokens the routing kernel runs as one CTA (no grid barrier, but one SM
-    copies every row): while their rows total at most _ONE_CTA_COPY_BYTES. Measured at
-    qwen3-30b-a3b (4 KB rows, top-8; scripts/layer_kernels.py --route-ab): one CTA 7.4 us at 4
-    tokens and 16.8 at 16, the grid 10.0 and 10.5."""
+    copies every row): while their rows total at most _ONE_CTA_COPY_BYTES, or the most a CTA
+    routes (a warp per token) when it copies no rows. Measured at qwen3-30b-a3b (4 KB rows,
+    top-8; scripts/layer_kernels.py --route-ab): one CTA 7.4 us at 4 tokens and 16.8 at 16, the
+    grid 10.0 and 10.5."""
+    if not copies:
+        return 16
     return max(1, min(16, _ONE_CTA_COPY_BYTES // (top_k * hidden_size * 2)))
 
 
@@ -114,6 +119,7 @@ class RouteLauncher:
         has_correction_bias: bool = False,
         logits_dtype: torch.dtype = torch.float32,
         rows_dtype: torch.dtype = torch.bfloat16,
+        gather_rows: bool = False,
         copy_by_token: bool = True,
         one_cta_tokens: int | None = None,
         device: torch.device | str | None = None,
@@ -137,10 +143,13 @@ class RouteLauncher:
             problems.append(f"rows dtype {rows_dtype} is not one of {ROW_DTYPES}")
         if rows_dtype == torch.float8_e4m3fn and not copy_by_token:
             problems.append("e4m3 rows are quantized by token (copy_by_token=True)")
+        if gather_rows and rows_dtype != torch.bfloat16:
+            problems.append("gathered rows are the bf16 tokens (rows_dtype=torch.bfloat16)")
         if problems:
             raise ValueError("the routing kernel cannot serve this layer: " + "; ".join(problems))
         self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
         self.logits_dtype, self.rows_dtype = logits_dtype, rows_dtype
+        self.gather_rows = bool(gather_rows)
         self.scale_groups = None
         if rows_dtype == torch.float8_e4m3fn:
             from megamoe_kernels.drop.fp8_scaling import ACTIVATION_GROUP
@@ -164,7 +173,9 @@ class RouteLauncher:
             copy_unroll(hidden_size * 2),
             bool(copy_by_token),
             _BARRIER_TIMEOUT_NS,
-            _one_cta_tokens(top_k, hidden_size) if one_cta_tokens is None else int(one_cta_tokens),
+            _one_cta_tokens(top_k, hidden_size, copies=not gather_rows)
+            if one_cta_tokens is None
+            else int(one_cta_tokens),
         )
         device_index = -1 if compile_only or self.device is None else self.device.index
         self._constants = constants
@@ -174,6 +185,7 @@ class RouteLauncher:
             hidden_size,
             logits_dtype,
             rows_dtype,
+            self.gather_rows,
             has_correction_bias,
             device_index,
         )
@@ -218,10 +230,13 @@ class RouteLauncher:
             row_major(cutlass.Float32, (tokens, top_k)),
             row_major(cutlass.Int32, (tokens, top_k)),
             row_major(cutlass.Int32, (experts + 1,)),
-            row_major(_cutlass_dtype(self.rows_dtype), (rows, hidden)),
+            None
+            if self.gather_rows
+            else row_major(_cutlass_dtype(self.rows_dtype), (rows, hidden)),
             None
             if self.scale_groups is None
             else row_major(cutlass.Float32, (self.scale_groups, rows)),
+            row_major(cutlass.Int32, (rows,)) if self.gather_rows else None,
             row_major(cutlass.Int32, (self._scratch_words,)),
             row_major(cutlass.Int64, (4,)),
             *constants,
@@ -291,9 +306,9 @@ class RouteLauncher:
         correction_bias_E: torch.Tensor | None = None,
         reuse_outputs: bool = False,
     ) -> tuple[torch.Tensor, ...]:
-        """(topk_ids_TK, topk_weights_TK, row_of_pair_TK, expert_offsets, rows_MH,
-        row_scales_GM or None for bf16 rows); capacity >= T x K rows (checked here: the kernel
-        writes rows up to T x K - 1).
+        """(topk_ids_TK, topk_weights_TK, row_of_pair_TK, expert_offsets, rows_MH or None when
+        gathering, row_scales_GM or None for bf16 rows, row_source_M or None unless gathering);
+        capacity >= T x K rows (checked here: the kernel writes rows up to T x K - 1).
 
         `reuse_outputs`: the outputs of the last call on this stream with the same tokens and
         capacity are written again instead of allocating new ones (five allocations fewer per
@@ -317,7 +332,7 @@ class RouteLauncher:
             outputs = kept[1]
         else:
             outputs = self._new_outputs(tokens, capacity, x_TH)
-        ids_TK, weights_TK, row_of_pair_TK, offsets, rows_MH, row_scales_GM = outputs
+        ids_TK, weights_TK, row_of_pair_TK, offsets, rows_MH, row_scales_GM, row_source_M = outputs
         scratch, status = self._scratch(device)
         compiled = self.compile()
         try:
@@ -331,6 +346,7 @@ class RouteLauncher:
                 offsets,
                 rows_MH,
                 row_scales_GM,
+                row_source_M,
                 scratch,
                 status,
             )
@@ -345,10 +361,13 @@ class RouteLauncher:
             torch.empty((tokens, self.top_k), dtype=torch.float32, device=device),
             torch.empty((tokens, self.top_k), dtype=torch.int32, device=device),
             torch.empty(self.num_experts + 1, dtype=torch.int32, device=device),
-            torch.empty((capacity, self.hidden_size), dtype=self.rows_dtype, device=device),
+            None
+            if self.gather_rows
+            else torch.empty((capacity, self.hidden_size), dtype=self.rows_dtype, device=device),
             None
             if self.scale_groups is None
             else torch.empty((self.scale_groups, capacity), dtype=torch.float32, device=device),
+            torch.empty(capacity, dtype=torch.int32, device=device) if self.gather_rows else None,
         )
 
     def _explain(self, failure, router_logits_TE, x_TH, correction_bias_E) -> None:

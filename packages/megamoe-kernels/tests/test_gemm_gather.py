@@ -1,0 +1,114 @@
+"""The gate-up GEMM reading its batch rows from the tokens (row_source_M) on an sm_90 GPU: the
+same bits as the GEMM on the rows copied out, for every tile family, tails, empty experts, one
+expert taking every row, a capacity past the valid rows, and graph replay with new routing.
+
+Every case: fresh random tokens and weights, a random token for each row (tokens repeat, as
+top-k routing repeats them), sources past the valid rows out of range (never read), and an
+output buffer poisoned with NaN (valid rows overwritten, the rest untouched).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megamoe_kernels import GemmKnobs, gate_up_swiglu, interleave_gate_up
+from megamoe_kernels.shim.knobs import default_knobs, max_stages
+
+pytestmark = pytest.mark.gpu
+
+if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+    pytest.skip("needs an sm_90 GPU", allow_module_level=True)
+
+DEVICE = torch.device("cuda")
+
+
+def make_problem(counts, hidden, intermediate, *, tokens, capacity=None, seed=0):
+    generator = torch.Generator(device=DEVICE).manual_seed(seed)
+    experts, valid = len(counts), sum(counts)
+    capacity = valid if capacity is None else capacity
+    x_TH = torch.randn(tokens, hidden, device=DEVICE, generator=generator).bfloat16()
+    source_M = torch.randint(0, tokens, (capacity,), device=DEVICE, generator=generator)
+    source_M[valid:] = 1 << 30  # never read: out of range on purpose
+    source_M = source_M.to(torch.int32)
+    offsets = torch.zeros(experts + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(torch.tensor(counts), 0)
+    w13_E2IH = (
+        torch.randn(experts, 2 * intermediate, hidden, device=DEVICE, generator=generator)
+        / hidden**0.5
+    ).bfloat16()
+    return x_TH, source_M, offsets.to(DEVICE), interleave_gate_up(w13_E2IH), valid
+
+
+def check_gathered_equals_copied(counts, hidden, intermediate, *, tokens, knobs, capacity=None):
+    x_TH, source_M, offsets, w13, valid = make_problem(
+        counts, hidden, intermediate, tokens=tokens, capacity=capacity
+    )
+    rows_MH = torch.full((source_M.shape[0], hidden), float("nan"), device=DEVICE).bfloat16()
+    rows_MH[:valid] = x_TH[source_M[:valid].long()]
+    expected = gate_up_swiglu(rows_MH, offsets, w13, knobs=knobs)
+    out = torch.full_like(expected, float("nan"))
+    gathered = gate_up_swiglu(x_TH, offsets, w13, knobs=knobs, row_source_M=source_M, out_MI=out)
+    torch.cuda.synchronize()
+    assert gathered is out
+    assert torch.equal(gathered[:valid], expected[:valid])
+    assert gathered[valid:].isnan().all()
+
+
+def with_max_stages(knobs: GemmKnobs) -> GemmKnobs:
+    return GemmKnobs(**{**knobs.__dict__, "stages": max_stages(knobs, "gate_up")})
+
+
+KNOBS = {
+    "prefill": default_knobs("gate_up", 512),
+    "prefill 64 rows": with_max_stages(GemmKnobs(tile_rows=64, tile_cols=256)),
+    "pingpong": with_max_stages(GemmKnobs(tile_rows=64, tile_cols=256, pingpong=True)),
+    "cluster": with_max_stages(GemmKnobs(tile_rows=128, tile_cols=256, cluster=(2, 1))),
+    "decode 16": default_knobs("gate_up", 2),
+    "decode 64": default_knobs("gate_up", 32),
+    "decode split-K": with_max_stages(
+        GemmKnobs(tile_rows=16, tile_cols=64, swap_ab=True, split_k=4)
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(KNOBS))
+@pytest.mark.parametrize(
+    "counts",
+    [[300, 0, 129, 1, 77], [0, 0, 500, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]],
+    ids=["tails", "one expert takes all", "one row each", "no rows"],
+)
+def test_gathered_rows_give_the_bits_of_copied_rows(name, counts):
+    check_gathered_equals_copied(counts, 2048, 768, tokens=97, knobs=KNOBS[name], capacity=600)
+
+
+@pytest.mark.parametrize("hidden, intermediate", [(7168, 2048), (2880, 2880), (256, 128)])
+def test_gathered_rows_at_other_shapes(hidden, intermediate):
+    for knobs in (default_knobs("gate_up", 512), default_knobs("gate_up", 4)):
+        check_gathered_equals_copied([200, 3, 0, 64], hidden, intermediate, tokens=70, knobs=knobs)
+
+
+def test_gathered_rows_replay_in_a_graph_with_new_routing():
+    x_TH, source_M, offsets, w13, _ = make_problem([100, 50, 0, 6], 2048, 768, tokens=40)
+    knobs = default_knobs("gate_up", 39)
+    out = gate_up_swiglu(x_TH, offsets, w13, knobs=knobs, row_source_M=source_M)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gate_up_swiglu(x_TH, offsets, w13, knobs=knobs, row_source_M=source_M)
+    for seed in (1, 2):
+        generator = torch.Generator(device=DEVICE).manual_seed(seed)
+        x_TH.copy_(torch.randn(x_TH.shape, device=DEVICE, generator=generator).bfloat16())
+        source_M.copy_(torch.randint(0, 40, source_M.shape, device=DEVICE, generator=generator))
+        offsets.copy_(torch.tensor([0, 10 * seed, 90, 120, 156], dtype=torch.int32))
+        graph.replay()
+        expected = gate_up_swiglu(x_TH[source_M.long()], offsets, w13, knobs=knobs)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+
+
+def test_gathered_rows_are_refused_where_not_built():
+    x_TH, source_M, offsets, w13, _ = make_problem([4, 4], 2048, 768, tokens=8)
+    with pytest.raises(TypeError, match="row_source_M"):
+        gate_up_swiglu(x_TH, offsets, w13, row_source_M=source_M.long())
+    with pytest.raises(ValueError, match="multiple of 64"):
+        bad = make_problem([4, 4], 2056, 768, tokens=8)
+        gate_up_swiglu(bad[0], bad[2], bad[3], row_source_M=bad[1])
