@@ -131,3 +131,37 @@ def test_shared_experts_on_a_side_stream_give_the_same_bits(family, tokens):
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(y, fused(x))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("tokens", [0, 1, 77, 1500])
+@torch.no_grad()
+def test_gathered_rows_give_the_bits_of_copied_rows(family, tokens):
+    """`gather_rows`: the gate-up GEMM reads each batch row from its token instead of the
+    dispatch copying it out; launched, replayed from the layer's graphs and captured by a
+    caller."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    gathering, _ = _pair(family, "cutedsl", tokens)
+    ok, why = gathering.fused_path_status()
+    if not ok or gathering.backend != "cutedsl":
+        pytest.skip(why)
+    layers = {}
+    for gather in (True, False):
+        layer = layers[gather] = MegaMoE(
+            replace(gathering.config, gather_rows=gather), device="meta", dtype=torch.bfloat16
+        )
+        layer.load_state_dict(gathering.state_dict(), assign=True)
+    for seed in range(3):
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        x = torch.randn(tokens, 512, device="cuda", generator=generator).bfloat16()
+        assert torch.equal(layers[True](x), layers[False](x))
+    if not tokens:
+        return
+    assert layers[True]._gathers_rows(x) and not layers[False]._gathers_rows(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = layers[True](x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(y, layers[False](x))

@@ -16,6 +16,12 @@ unspecified rows too (their outputs are unspecified) but must never let them rea
 
 In both layouts "never read as data": no valid output depends on an unspecified row.
 
+Gathered (`ExpertBatch.gathered`, `row_source_M` set): a tight batch whose rows are not copied
+out: `rows_MH` holds the tokens [T, H] and `row_source_M` (int32 [capacity] on the device) the
+token of each batch row, so batch row r is rows_MH[row_source_M[r]] (row_source_M past the
+valid rows unspecified). The cutedsl backend's gate-up GEMM reads the rows from the tokens; the
+other backends take `materialized()`, the same batch with its rows copied out.
+
 FP8 rows: `rows_MH` e4m3 with `row_scales_GM`, float32 [ceil(H / 128), capacity], one scale
 per row and 128 columns (value = e4m3 x scale), as a dispatch of pre-quantized tokens leaves
 them for FP8 experts.
@@ -48,6 +54,48 @@ class ExpertBatch:
     # the masked layout's valid rows per expert, int32 [E] on the device (see the module
     # docstring); None: the tight layout
     expert_counts: torch.Tensor | None = None
+    # gathered rows: the token of each batch row, int32 [capacity] on the device, rows_MH being
+    # the tokens (see the module docstring); None: rows_MH holds the batch rows
+    row_source_M: torch.Tensor | None = None
+
+    @classmethod
+    def gathered(
+        cls,
+        tokens_TH: torch.Tensor,
+        row_source_M: torch.Tensor,
+        expert_offsets: torch.Tensor,
+        *,
+        valid_rows: int | None = None,
+        typical_rows: int | None = None,
+    ) -> ExpertBatch:
+        """A tight batch whose row r is tokens_TH[row_source_M[r]], not copied out."""
+        return cls(
+            rows_MH=tokens_TH,
+            expert_offsets=expert_offsets,
+            typical_rows=typical_rows,
+            valid_rows=valid_rows,
+            row_source_M=row_source_M,
+        )
+
+    def materialized(self) -> ExpertBatch:
+        """The batch with its rows copied out (itself unless gathered): for a backend that
+        reads batch rows. The sources past the valid rows are clamped to a token (their rows
+        stay unspecified, never out of bounds)."""
+        if self.row_source_M is None:
+            return self
+        tokens = self.rows_MH.shape[0]
+        source = self.row_source_M.clamp(0, max(tokens - 1, 0))
+        rows_MH = (
+            self.rows_MH.index_select(0, source)
+            if tokens
+            else self.rows_MH.new_empty((self.capacity, self.hidden_size))
+        )
+        return ExpertBatch(
+            rows_MH=rows_MH,
+            expert_offsets=self.expert_offsets,
+            typical_rows=self.typical_rows,
+            valid_rows=self.valid_rows,
+        )
 
     @classmethod
     def masked(
@@ -109,6 +157,8 @@ class ExpertBatch:
                 )
         if self.expert_counts is not None:
             self._check_masked_layout()
+        if self.row_source_M is not None:
+            self._check_gathered()
         for name in ("typical_rows", "valid_rows"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= self.capacity:
@@ -131,6 +181,23 @@ class ExpertBatch:
                 f"{experts} experts (each expert has the same stride)"
             )
 
+    def _check_gathered(self) -> None:
+        source = self.row_source_M
+        if source.dtype != torch.int32 or source.dim() != 1:
+            raise ValueError(
+                f"row_source_M must be 1-D int32 (the token of each batch row), got "
+                f"{source.dtype} {list(source.shape)}"
+            )
+        if source.device != self.rows_MH.device:
+            raise ValueError(f"row_source_M on {source.device} but tokens on {self.rows_MH.device}")
+        if self.row_scales_GM is not None or self.expert_counts is not None:
+            raise ValueError("gathered rows are bf16 tokens of a tight batch (no scales, no masks)")
+
+    @property
+    def is_gathered(self) -> bool:
+        """Whether the rows are gathered from the tokens (row_source_M set)."""
+        return self.row_source_M is not None
+
     @property
     def is_masked(self) -> bool:
         """Whether the batch has the masked layout (per-expert counts at a fixed stride)."""
@@ -143,6 +210,8 @@ class ExpertBatch:
 
     @property
     def capacity(self) -> int:
+        if self.row_source_M is not None:
+            return self.row_source_M.shape[0]
         return self.rows_MH.shape[0]
 
     @property

@@ -114,6 +114,14 @@ class MegaMoEConfig:
     # a decode step costs the host a copy in, a replay and a copy out in place of the launches
     # (forward_graphs.py); the graphs share one memory pool per stream. 0: always launch.
     eager_graph_tokens: int = 128
+    # the fused path with bf16 experts on the cutedsl backend (hidden size a multiple of 64):
+    # True, the dispatch writes only the token of each batch row and the gate-up GEMM reads
+    # the rows from the tokens (no expert-major copy of the tokens: top_k x T x H x 2 bytes
+    # written and read less); False, the dispatch copies each token into its top-k rows; None,
+    # the measured choice: gathered where the GEMMs run decode tiles, from 2 tokens on
+    # (megamoe_kernels.shim.knobs.gathers_rows_by_default; docs/benchmarks.md, "Gathered
+    # rows"). The same bits either way.
+    gather_rows: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):

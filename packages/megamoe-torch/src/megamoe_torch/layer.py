@@ -19,7 +19,7 @@ import math
 from dataclasses import replace
 
 import torch
-from megamoe_kernels import weight_scales_shape
+from megamoe_kernels import gathers_rows_by_default, weight_scales_shape
 from megamoe_kernels.reference import expert_mlp_reference
 from megamoe_runtime.dispatch import LocalDispatcher
 from megamoe_runtime.dispatch.device_routed import DeviceRoutedDispatcher, device_routing_status
@@ -485,6 +485,7 @@ class MegaMoE(nn.Module):
         """The expert MLP with every part of the config's expert math (biases, SwiGLU variant),
         pure torch in fp32: the reference backend's computation, differentiable."""
         config = self.config
+        batch = batch.materialized()
         out_MH = expert_mlp_reference(
             batch.rows_MH,
             batch.expert_offsets,
@@ -618,6 +619,7 @@ class MegaMoE(nn.Module):
             router_logits_TE,
             correction_bias_E=self.e_score_correction_bias,
             rows_dtype=torch.float8_e4m3fn if self._dispatches_fp8_rows() else None,
+            gather_rows=self._gathers_rows(x_TH),
         )
         expert_out_MH = self._run_expert_backend(batch)
         if side is not None:
@@ -650,6 +652,30 @@ class MegaMoE(nn.Module):
             and self._expert_backend.captures_in_graphs
             and not self.config.torch_only_features
             and not torch.cuda.is_current_stream_capturing()
+        )
+
+    def _gathers_rows(self, x_TH: torch.Tensor) -> bool:
+        """Whether the fused path's gate-up GEMM reads the batch rows from the tokens (the
+        dispatch copying none): bf16 experts and tokens on the cutedsl backend, a hidden size of
+        whole K tiles, and `gather_rows` asking for it (None: the measured choice,
+        gathers_rows_by_default)."""
+        config = self.config
+        if not (
+            self._backend_name == "cutedsl"
+            and config.weight_dtype is None
+            and x_TH.dtype == torch.bfloat16
+            and config.hidden_size % 64 == 0
+        ):
+            return False
+        if config.gather_rows is not None:
+            return config.gather_rows
+        tokens = x_TH.shape[0]
+        valid_rows = tokens * config.top_k
+        return gathers_rows_by_default(
+            tokens=tokens,
+            valid_rows=valid_rows,
+            capacity=valid_rows if config.capacity is None else config.capacity,
+            num_experts=config.num_experts,
         )
 
     def _dispatches_fp8_rows(self) -> bool:

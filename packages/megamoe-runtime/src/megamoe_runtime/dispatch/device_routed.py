@@ -108,8 +108,9 @@ class DeviceRoutedDispatcher:
         logits_dtype: torch.dtype,
         device: torch.device,
         rows_dtype: torch.dtype = torch.bfloat16,
+        gather_rows: bool = False,
     ):
-        key = (logits_dtype, device, rows_dtype)
+        key = (logits_dtype, device, rows_dtype, gather_rows)
         launcher = self._route_launchers.get(key)
         if launcher is None:
             from megamoe_kernels.shim.local_layer import route_launcher
@@ -128,6 +129,7 @@ class DeviceRoutedDispatcher:
                 has_correction_bias=router.use_correction_bias,
                 logits_dtype=logits_dtype,
                 rows_dtype=rows_dtype,
+                gather_rows=gather_rows,
                 device=device,
             )
         return launcher
@@ -152,6 +154,7 @@ class DeviceRoutedDispatcher:
         *,
         correction_bias_E: torch.Tensor | None = None,
         rows_dtype: torch.dtype | None = None,
+        gather_rows: bool = False,
     ) -> tuple[ExpertBatch, LocalHandle, torch.Tensor]:
         """(batch, handle for combine, topk_ids_TK int32); the routing weights are
         handle.topk_weights_TK (float32).
@@ -160,25 +163,36 @@ class DeviceRoutedDispatcher:
         into its top-k rows, so the batch holds e4m3 rows and row_scales_GM (one scale per row
         and 128 columns), the bits megamoe_kernels.quantize_rows gives each batch row, for half
         the bytes of bf16 rows and no pass over the tokens before the dispatch. None: the
-        tokens' dtype."""
+        tokens' dtype.
+
+        `gather_rows=True` (bf16 tokens): no row is copied; the batch is gathered
+        (ExpertBatch.gathered: the tokens and the token of each batch row), for a backend whose
+        gate-up GEMM reads the rows from the tokens (cutedsl; the others copy them out)."""
         tokens = x_TH.shape[0]
         num_pairs = tokens * self.router.top_k
         capacity = num_pairs if self.capacity is None else self.capacity
         rows_dtype = x_TH.dtype if rows_dtype is None else rows_dtype
-        launcher = self._route_launcher(router_logits_TE.dtype, x_TH.device, rows_dtype)
-        ids_TK, weights_TK, row_of_pair_TK, offsets, rows_MH, row_scales_GM = launcher(
-            router_logits_TE,
-            x_TH,
-            capacity=capacity,
-            correction_bias_E=self._correction_bias(correction_bias_E),
-            reuse_outputs=self.reuse_outputs,
+        launcher = self._route_launcher(
+            router_logits_TE.dtype, x_TH.device, rows_dtype, gather_rows
         )
-        batch = ExpertBatch(
-            rows_MH=rows_MH,
-            expert_offsets=offsets,
-            valid_rows=num_pairs,
-            row_scales_GM=row_scales_GM,
+        ids_TK, weights_TK, row_of_pair_TK, offsets, rows_MH, row_scales_GM, row_source_M = (
+            launcher(
+                router_logits_TE,
+                x_TH,
+                capacity=capacity,
+                correction_bias_E=self._correction_bias(correction_bias_E),
+                reuse_outputs=self.reuse_outputs,
+            )
         )
+        if gather_rows:
+            batch = ExpertBatch.gathered(x_TH, row_source_M, offsets, valid_rows=num_pairs)
+        else:
+            batch = ExpertBatch(
+                rows_MH=rows_MH,
+                expert_offsets=offsets,
+                valid_rows=num_pairs,
+                row_scales_GM=row_scales_GM,
+            )
         handle = LocalHandle(
             row_of_pair_TK=row_of_pair_TK, topk_weights_TK=weights_TK, output_dtype=x_TH.dtype
         )

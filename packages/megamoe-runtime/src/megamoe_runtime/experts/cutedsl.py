@@ -173,10 +173,11 @@ class CuteDSLExperts:
         as a knob-cache entry would put them (compiled here): what the online autotuner times."""
         _refuse_masked(batch)
         gate_up, down = self._bind(batch, prepared, None, tuned=knobs)
-        rows_MH, offsets = batch.rows_MH, batch.expert_offsets
+        rows_MH, offsets, row_source_M = batch.rows_MH, batch.expert_offsets, batch.row_source_M
 
         def run() -> torch.Tensor:
-            return down(gate_up(rows_MH, offsets, prepared.w13_EB2GH), offsets, prepared.w2_EHI)
+            hidden_MI = gate_up(rows_MH, offsets, prepared.w13_EB2GH, row_source_M=row_source_M)
+            return down(hidden_MI, offsets, prepared.w2_EHI)
 
         return run
 
@@ -229,11 +230,16 @@ class CuteDSLExperts:
         gate_up_knobs, down_knobs = self._knob_arguments(batch, prepared, tuned)
         rows_MH, offsets = batch.rows_MH, batch.expert_offsets
         gate_up = gate_up_launcher(
-            rows_MH, offsets, prepared.w13_EB2GH, valid_rows=batch.valid_rows, **gate_up_knobs
+            rows_MH,
+            offsets,
+            prepared.w13_EB2GH,
+            valid_rows=batch.valid_rows,
+            row_source_M=batch.row_source_M,
+            **gate_up_knobs,
         )
         intermediate = prepared.w2_EHI.shape[2]
         down = down_launcher(
-            rows_MH.new_empty((rows_MH.shape[0], intermediate)),
+            rows_MH.new_empty((batch.capacity, intermediate)),
             offsets,
             prepared.w2_EHI,
             row_scale_M=row_scale_M,
@@ -242,20 +248,20 @@ class CuteDSLExperts:
         )
         return gate_up, down
 
-    def _intermediate(self, rows_MH: torch.Tensor, gate_up: GemmLauncher) -> torch.Tensor:
+    def _intermediate(self, batch: ExpertBatch, gate_up: GemmLauncher) -> torch.Tensor:
         """The gate-up GEMM's output, kept per (device, stream) for the last shape instead of
         allocated per call: the same call's down GEMM is its only reader, and calls on one
         stream run in order (a later gate-up waits for the down GEMM before it). Under CUDA-graph
         capture it is allocated anew, in the graph's pool (which owns it)."""
+        rows_MH = batch.rows_MH
+        shape = (batch.capacity, gate_up.columns)
         device = rows_MH.device
         if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-            return rows_MH.new_empty((rows_MH.shape[0], gate_up.columns))
+            return rows_MH.new_empty(shape)
         key = (device, current_stream_handle(device))
         kept = self._kept_intermediate.get(key)
-        if kept is None or kept.shape != (rows_MH.shape[0], gate_up.columns):
-            kept = self._kept_intermediate[key] = rows_MH.new_empty(
-                (rows_MH.shape[0], gate_up.columns)
-            )
+        if kept is None or kept.shape != shape:
+            kept = self._kept_intermediate[key] = rows_MH.new_empty(shape)
         return kept
 
     def prepare(self, weights: WeightPack) -> CuteDSLWeights | CuteDSLFP8Weights:
@@ -305,7 +311,8 @@ class CuteDSLExperts:
             # the launchers of the batch's class, bound once: a later call costs this lookup,
             # two output allocations and two launches
             memo = (
-                rows_MH.shape[0],
+                batch.capacity,
+                batch.is_gathered,
                 batch.typical_rows,
                 batch.valid_rows,
                 rows_MH.get_device(),
@@ -318,7 +325,11 @@ class CuteDSLExperts:
                 launchers = self._launchers[memo] = self._bind(batch, prepared, row_scale_M)
             gate_up, down = launchers
             hidden_MI = gate_up(
-                rows_MH, offsets, prepared.w13_EB2GH, out=self._intermediate(rows_MH, gate_up)
+                rows_MH,
+                offsets,
+                prepared.w13_EB2GH,
+                out=self._intermediate(batch, gate_up),
+                row_source_M=batch.row_source_M,
             )
             return down(hidden_MI, offsets, prepared.w2_EHI, row_scale_M=row_scale_M)
         except (TypeError, ValueError) as failure:
@@ -339,6 +350,7 @@ class CuteDSLExperts:
         bf16."""
         from megamoe_kernels import quantize_rows
 
+        batch = batch.materialized()  # the FP8 kernels quantize batch rows
         rows_MH, offsets = batch.rows_MH, batch.expert_offsets
         check_batch_matches_weights(batch, prepared, same_dtype=False)
         if batch.row_scales_GM is None and rows_MH.dtype != torch.bfloat16:

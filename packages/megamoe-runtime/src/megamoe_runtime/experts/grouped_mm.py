@@ -45,6 +45,7 @@ class GroupedMMExperts:
     ) -> torch.Tensor:
         if batch.row_scales_GM is not None:
             raise TypeError("grouped_mm takes full-precision batch rows, not FP8 ones")
+        batch = batch.materialized()
         check_batch_matches_weights(batch, prepared)
         intermediate = prepared.intermediate_size
         if batch.is_masked:

@@ -28,6 +28,7 @@ class ReferenceExperts:
         self, batch: ExpertBatch, prepared: Unquantized, *, row_scale_M: torch.Tensor | None = None
     ) -> torch.Tensor:
         check_batch_matches_weights(batch, prepared, same_dtype=False)
+        batch = batch.materialized()
         rows_MH = batch.rows_MH
         if batch.row_scales_GM is not None:  # FP8 rows: the values they stand for
             from megamoe_kernels import dequantize_rows
