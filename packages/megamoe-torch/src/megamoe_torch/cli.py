@@ -15,6 +15,7 @@ import torch
 from megamoe_kernels.reference import fp8_difference, relative_l2_error
 from megamoe_runtime.experts import BACKEND_NAMES, backend_status
 from megamoe_runtime.geometries import GEOMETRIES, TOKEN_COUNTS
+from megamoe_runtime.measure import median_seconds, write_csv
 from megamoe_runtime.weights import Prequantized, dequantize
 from tqdm import tqdm
 
@@ -22,7 +23,6 @@ import megamoe_torch
 from megamoe_torch import bench
 from megamoe_torch.fp8_linear import BlockFP8Linear
 from megamoe_torch.layer import MegaMoE
-from megamoe_torch.timing import median_seconds
 
 GPU_GEOMETRIES = ("qwen3-30b-a3b", "mixtral-8x7b", "dsv3", "dsv3-ep8-local", "gpt-oss-120b")
 CPU_GEOMETRIES = ("tiny-qwen3",)
@@ -301,8 +301,8 @@ def run_bench(args: argparse.Namespace) -> int:
                     kernel_rows=point_rows,
                 )
             # after every point: a cut-short run keeps what it measured
-            bench.write_csv(rows, out / "bench.csv")
-            bench.write_csv(layer_rows, out / "layer.csv")
+            write_csv(rows, out / "bench.csv")
+            write_csv(layer_rows, out / "layer.csv")
             progress.update()
         del layer
     progress.close()
@@ -320,7 +320,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 backend_name=backends[0],
                 repeats=args.repeats,
             )
-        bench.write_csv(sweep, out / "capacity_sweep.csv")
+        write_csv(sweep, out / "capacity_sweep.csv")
         for record in sweep:
             print(
                 f"capacity sweep {record['geometry']} {record['backend']}: valid {record['fraction']:.0%} "
