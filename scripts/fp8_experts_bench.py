@@ -16,7 +16,6 @@ weights: rel-L2 and DeepGEMM's 1 - 2xy/(x^2+y^2). Run on the GPU machine from th
 from __future__ import annotations
 
 import argparse
-import csv
 
 import torch
 from megamoe_kernels import (
@@ -31,7 +30,12 @@ from megamoe_kernels import (
 )
 from megamoe_kernels.reference import expert_mlp_reference, fp8_difference, relative_l2_error
 from megamoe_runtime.geometries import GEOMETRIES, H200_HBM_BYTES_PER_S
-from megamoe_runtime.timing import median_graph_replay_seconds
+from megamoe_runtime.measure import (
+    alternating_readings,
+    median_graph_replay_seconds,
+    tflops,
+    write_csv,
+)
 
 DEVICE = torch.device("cuda")
 DEFAULT_GEOMETRIES = ("qwen3-30b-a3b", "dsv3-ep8-local", "dsv3", "mixtral-8x7b")
@@ -165,17 +169,20 @@ def bench_point(geometry, weights, tokens: int) -> dict:
     except (RuntimeError, TypeError) as failure:
         row["scaled_mm_error"] = str(failure).split("\n")[0][:80]
     # alternate rounds, keep each candidate's best median (the board's clock drifts under load)
-    times = {name: [] for name in candidates}
-    for _ in range(3):
-        for name, fn in candidates.items():
-            times[name].append(median_graph_replay_seconds(fn, device=DEVICE, repeats=20))
-    for name, samples in times.items():
-        row[f"{name}_us"] = min(samples) * 1e6
-        row[f"{name}_spread"] = (max(samples) - min(samples)) / min(samples)
+    readings = alternating_readings(
+        {
+            name: lambda fn=fn: median_graph_replay_seconds(fn, device=DEVICE, repeats=20)
+            for name, fn in candidates.items()
+        },
+        rounds=3,
+    )
+    for name, reading in readings.items():
+        row[f"{name}_us"] = reading.best * 1e6
+        row[f"{name}_spread"] = reading.spread
     row["fp8_speedup_vs_bf16"] = row["bf16_us"] / row["fp8_us"]
     if "scaled_mm_us" in row:
         row["fp8_speedup_vs_scaled_mm"] = row["scaled_mm_us"] / row["fp8_us"]
-    row["fp8_tflops"] = geometry.expert_flops(rows) / (row["fp8_us"] * 1e-6) / 1e12
+    row["fp8_tflops"] = tflops(geometry.expert_flops(rows), row["fp8_us"] * 1e-6)
     row["fp8_floor_fraction"] = fp8_floor_seconds(geometry, rows, active) / (row["fp8_us"] * 1e-6)
     return row
 
@@ -197,11 +204,7 @@ def main() -> None:
         del weights
         torch.cuda.empty_cache()
     if args.csv:
-        keys = sorted({key for row in rows for key in row})
-        with open(args.csv, "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=keys)
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(rows, args.csv)
     print(
         f"{'geometry':<16}{'tokens':>7}{'bf16 us':>9}{'fp8 us':>9}{'smm us':>9}"
         f"{'x bf16':>8}{'x smm':>7}{'TFLOP/s':>9}{'floor':>7}{'diff':>9}{'relL2':>8}"

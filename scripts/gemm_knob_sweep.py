@@ -31,7 +31,12 @@ import torch
 from megamoe_kernels import GemmKnobs, default_knobs, knob_problems
 from megamoe_kernels.shim.knobs import max_stages
 from megamoe_runtime.geometries import GEOMETRIES
-from megamoe_torch.timing import median_graph_replay_seconds
+from megamoe_runtime.measure import (
+    alternating_readings,
+    gigabytes_per_second,
+    median_graph_replay_seconds,
+    tflops,
+)
 from megamoe_torch.tune import gemm_runners
 
 # (tile_rows, tile_cols, pingpong)
@@ -98,25 +103,24 @@ def sweep(
             out = run(knobs)[:valid].float()
             first = out if first is None else first
             differences.append((out - first).abs().max().item())
-        readings = [[] for _ in variants]
-        for _ in range(rounds):
-            for knobs, variant_readings in zip(variants, readings, strict=True):
-                variant_readings.append(
-                    median_graph_replay_seconds(
-                        lambda knobs=knobs, run=run: run(knobs), device=device, repeats=repeats
-                    )
+        readings = alternating_readings(
+            {
+                index: lambda knobs=knobs, run=run: median_graph_replay_seconds(
+                    lambda: run(knobs), device=device, repeats=repeats
                 )
-        for knobs, variant_readings, difference in zip(
-            variants, readings, differences, strict=True
-        ):
-            seconds = min(variant_readings)
-            all_readings = "/".join(f"{reading * 1e6:.1f}" for reading in variant_readings)
+                for index, knobs in enumerate(variants)
+            },
+            rounds=rounds,
+        )
+        for index, (knobs, difference) in enumerate(zip(variants, differences, strict=True)):
+            seconds = readings[index].best
+            all_readings = str(readings[index])
             print(
                 f"{geometry_name:16s} {tokens:6d} {op:8s} {knobs.tile_rows}x{knobs.tile_cols}"
                 f"{' swap' if knobs.swap_ab else ''}{' pingpong' if knobs.pingpong else '':9s} "
                 f"cluster={knobs.cluster[0]} split_k={knobs.split_k} stages={knobs.stages:2d} "
-                f"{seconds * 1e6:9.1f} us {flops / seconds / 1e12:6.0f} TFLOP/s "
-                f"weights {weight_bytes / seconds / 1e12:5.2f} TB/s "
+                f"{seconds * 1e6:9.1f} us {tflops(flops, seconds):6.0f} TFLOP/s "
+                f"weights {gigabytes_per_second(weight_bytes, seconds) / 1e3:5.2f} TB/s "
                 f"max difference {difference:.3g}"
                 + (f" (readings {all_readings} us)" if rounds > 1 else ""),
                 flush=True,

@@ -26,10 +26,10 @@ import platform
 import torch
 import transformers
 from megamoe_kernels.reference import relative_l2_error
+from megamoe_runtime.measure import format_columns, median_graph_replay_seconds, median_seconds
 from megamoe_torch import from_hf
 from megamoe_torch.bench import with_capacity
 from megamoe_torch.layer import MegaMoE
-from megamoe_torch.timing import median_graph_replay_seconds, median_seconds
 from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
@@ -204,12 +204,10 @@ def main() -> None:
     )
     timed = ["hf eager us", "megamoe eager us", "megamoe graph us", "hf graph us"]
     header = ["family", "tokens", "hf experts", *timed, "x eager", "x graph", "rel-L2"]
-    rows = [header]
+    rows = []
     for family in args.family:
         rows += bench_family(family, args, device)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    for row in rows:
-        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
+    print(format_columns(header, rows))
 
 
 if __name__ == "__main__":

@@ -16,28 +16,23 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import time
 
 import torch
 from megamoe_kernels.shim.local_layer import RouteLauncher
 from megamoe_runtime.geometries import GEOMETRIES
-from megamoe_runtime.timing import median_graph_replay_seconds
+from megamoe_runtime.measure import (
+    alternating_readings,
+    host_seconds_per_call,
+    median_graph_replay_seconds,
+)
 from megamoe_torch.bench import build_layer, routed_tokens, with_capacity
 from torch.profiler import ProfilerActivity, profile
 
 
 def host_us(fn, calls: int = 50) -> float:
     """Median over rounds of the CPU time to issue `calls` calls, per call (GPU runs behind)."""
-    fn()
-    torch.cuda.synchronize()
-    rounds = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        rounds.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return sorted(rounds)[len(rounds) // 2]
+    device = torch.device("cuda")
+    return host_seconds_per_call(fn, device=device, rounds=5, calls_per_round=calls) * 1e6
 
 
 @torch.no_grad()
@@ -119,20 +114,23 @@ def route_ab(layer, x_TH) -> None:
     }
     bias = layer.e_score_correction_bias
     capacity = x_TH.shape[0] * config.top_k
-    times = {name: [] for name in launchers}
-    for _ in range(3):
-        for name, launcher in launchers.items():
-            seconds = median_graph_replay_seconds(
-                lambda launcher=launcher: launcher(
-                    logits, x_TH, capacity=capacity, correction_bias_E=bias
-                ),
+    readings = alternating_readings(
+        {
+            name: lambda launcher=launcher: median_graph_replay_seconds(
+                lambda: launcher(logits, x_TH, capacity=capacity, correction_bias_E=bias),
                 device=x_TH.device,
                 repeats=10,
             )
-            times[name].append(seconds * 1e6)
+            for name, launcher in launchers.items()
+        },
+        rounds=3,
+    )
     print(
         "  route+dispatch us: "
-        + " | ".join(f"{name} " + " ".join(f"{t:.1f}" for t in ts) for name, ts in times.items())
+        + " | ".join(
+            f"{name} " + " ".join(f"{t * 1e6:.1f}" for t in r.seconds)
+            for name, r in readings.items()
+        )
     )
 
 

@@ -12,7 +12,11 @@ import argparse
 
 import torch
 from megamoe_runtime.geometries import GEOMETRIES
-from megamoe_runtime.timing import median_graph_replay_seconds, median_seconds
+from megamoe_runtime.measure import (
+    alternating_readings,
+    median_graph_replay_seconds,
+    median_seconds,
+)
 from megamoe_torch.bench import build_layer, routed_tokens, with_capacity
 
 
@@ -38,19 +42,26 @@ def main() -> None:
             }
             for layer in layers.values():
                 layer.use_backend("cutedsl")
-            graph = {False: [], True: []}
-            eager = {False: [], True: []}
-            for _ in range(args.rounds):
-                for side, layer in layers.items():
-                    forward = lambda layer=layer, x_TH=x_TH: layer(x_TH)  # noqa: E731
-                    graph[side].append(median_graph_replay_seconds(forward, device=device) * 1e6)
-                    eager[side].append(median_seconds(forward, device=device) * 1e6)
-            print(
-                f"{name} {tokens} | "
-                + " / ".join(" ".join(f"{t:.1f}" for t in graph[side]) for side in (False, True))
-                + " | "
-                + " / ".join(" ".join(f"{t:.1f}" for t in eager[side]) for side in (False, True))
-            )
+            # per round: same stream graph, eager, then side stream graph, eager
+            candidates = {}
+            for side, layer in layers.items():
+                forward = lambda layer=layer, x_TH=x_TH: layer(x_TH)  # noqa: E731
+                candidates["graph", side] = lambda forward=forward: median_graph_replay_seconds(
+                    forward, device=device
+                )
+                candidates["eager", side] = lambda forward=forward: median_seconds(
+                    forward, device=device
+                )
+            readings = alternating_readings(candidates, rounds=args.rounds)
+
+            listed = {
+                kind: " / ".join(
+                    " ".join(f"{t * 1e6:.1f}" for t in readings[kind, side].seconds)
+                    for side in (False, True)
+                )
+                for kind in ("graph", "eager")
+            }
+            print(f"{name} {tokens} | {listed['graph']} | {listed['eager']}")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import time
 import torch
 from megamoe_kernels import default_knobs
 from megamoe_runtime.geometries import GEOMETRIES
-from megamoe_torch.timing import captured_graph
+from megamoe_runtime.measure import captured_graph, tflops
 from megamoe_torch.tune import gemm_runners
 
 SMI_FIELDS = "clocks.sm,power.draw,clocks_event_reasons.active"
@@ -135,7 +135,7 @@ def main() -> None:
         power = statistics.median(sample[2] for sample in late) if late else float("nan")
         reasons = " ".join(sorted({sample[3] for sample in late})) or "-"
         print(
-            f"{name:34s} {flops / burst / 1e12:6.0f} {flops / sustained / 1e12:9.0f}"
+            f"{name:34s} {tflops(flops, burst):6.0f} {tflops(flops, sustained):9.0f}"
             f"           {clock:6.0f} {power:8.0f}  {reasons}",
             flush=True,
         )

@@ -124,6 +124,18 @@ def test_out_that_is_not_writable_is_an_argument_error(tmp_path, no_work, capsys
     assert "argument --out: " in err and "not writable" in err
 
 
+def test_bench_ep_outside_torchrun_says_how_to_launch_it(no_work, monkeypatch, capsys):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    err = exits_with_one_line_error(["bench", "--ep"], capsys)
+    assert "argument --ep: " in err and "torchrun" in err
+
+
+def test_ep_options_without_ep_are_argument_errors(no_work, capsys):
+    err = exits_with_one_line_error(["bench", "--ep-layer-tokens", "128"], capsys)
+    assert "need --ep" in err
+
+
 def test_a_gpu_this_machine_lacks_is_an_argument_error(no_work, capsys):
     missing = f"cuda:{torch.cuda.device_count()}"
     err = exits_with_one_line_error(["demo", "--device", missing], capsys)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from megamoe_runtime.experts import backend_status
 from megamoe_runtime.geometries import Geometry
+from megamoe_runtime.measure import write_csv
 from megamoe_torch import bench
 from megamoe_torch.cli import main
 
@@ -52,7 +53,7 @@ def test_layer_rows_time_the_forward_and_count_its_ops_on_a_cpu(tiny_layer, tmp_
     # grouped_mm was not in the run: nothing to compare with
     assert row.speedup is None and row.baseline_eager_microseconds is None
 
-    bench.write_csv(rows, tmp_path / "layer.csv")
+    write_csv(rows, tmp_path / "layer.csv")
     with (tmp_path / "layer.csv").open() as handle:
         records = list(csv.DictReader(handle))
     assert len(records) == 1

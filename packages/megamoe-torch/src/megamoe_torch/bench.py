@@ -9,21 +9,28 @@ GEMMs alone and against the grouped_mm layer.
 
 from __future__ import annotations
 
-import csv
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, is_dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from megamoe_kernels.reference import expert_mlp_reference, relative_l2_error
 from megamoe_runtime.dispatch import LocalDispatcher
 from megamoe_runtime.experts import backend_status, make_backend
-from megamoe_runtime.geometries import Geometry, roofline_floor_seconds
+from megamoe_runtime.geometries import Geometry
+from megamoe_runtime.measure import (
+    expert_roofline_fraction,
+    host_seconds_per_call,
+    median_graph_replay_seconds,
+    median_seconds,
+    plot_bars,
+    speedup,
+    tflops,
+)
 from megamoe_runtime.routing import route
 
 from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.layer import MegaMoE
-from megamoe_torch.timing import host_seconds_per_call, median_graph_replay_seconds, median_seconds
 
 BASELINE = "grouped_mm"
 
@@ -153,7 +160,6 @@ def bench_point(
     oracle_MH = expert_mlp_reference(
         batch.rows_MH, batch.expert_offsets, exact.w13_E2IH, exact.w2_EHI
     )[:rows]
-    floor = roofline_floor_seconds(geometry, rows, active)
     fp8_batch = None
     if layer.config.weight_dtype == "fp8":
         # the FP8 kernels take the e4m3 rows the layer's dispatch writes: time them alone
@@ -198,9 +204,11 @@ def bench_point(
                 microseconds=seconds * 1e6,
                 host_microseconds=host_seconds * 1e6,
                 baseline_microseconds=None if baseline is None else baseline * 1e6,
-                speedup=None if baseline is None else baseline / seconds,
-                tflops=geometry.expert_flops(rows) / seconds / 1e12,
-                roofline_fraction=floor / seconds,
+                speedup=speedup(baseline, seconds),
+                tflops=tflops(geometry.expert_flops(rows), seconds),
+                roofline_fraction=expert_roofline_fraction(
+                    geometry, rows=rows, active_experts=active, seconds=seconds
+                ),
                 rel_l2=error,
             )
         )
@@ -353,7 +361,7 @@ def bench_layer_point(
                 baseline_graph_microseconds=None
                 if baseline_graph is None
                 else baseline_graph * 1e6,
-                speedup=None if baseline is None else baseline / seconds,
+                speedup=speedup(baseline, seconds),
                 launched_eager_microseconds=None if launched[0] is None else launched[0] * 1e6,
                 launched_host_microseconds=None if launched[1] is None else launched[1] * 1e6,
             )
@@ -405,75 +413,42 @@ def capacity_sweep(
     return out
 
 
-def write_csv(rows: list, path: Path) -> None:
-    """One CSV of rows of one kind (BenchRow, LayerBenchRow or dicts), written whole."""
-    records = [asdict(row) if is_dataclass(row) else row for row in rows]
-    if not records:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(records[0]))
-        writer.writeheader()
-        writer.writerows(records)
-
-
 def plot_bench(rows: list[BenchRow], path: Path) -> str:
     """bench.png: one bar per backend and mode at each point, the speedup over grouped_mm where
     grouped_mm ran next to another backend, else the time per call. Returns what it did."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no plot: matplotlib is not installed (pip install matplotlib, or megamoe-torch's extra plot)"
     if not rows:
         return "no plot: nothing was timed in mode kernels or eager"
     compared = [r for r in rows if r.speedup is not None and r.backend != BASELINE]
     plotted = compared or rows
-    series = sorted({(r.backend, r.mode) for r in plotted})
-    points = sorted({(r.geometry, r.tokens) for r in plotted})
-    figure, axes = plt.subplots(figsize=(max(6, len(points) * 0.6), 4))
-    width = 0.8 / len(series)
-    for index, (backend, mode) in enumerate(series):
-        lookup = {
+    series = {
+        f"{backend} ({mode})": {
             (r.geometry, r.tokens): r.speedup if compared else r.microseconds
             for r in plotted
             if (r.backend, r.mode) == (backend, mode)
         }
-        axes.bar(
-            [p + index * width for p in range(len(points))],
-            [lookup.get(point, 0.0) for point in points],
-            width=width,
-            label=f"{backend} ({mode})",
-        )
+        for backend, mode in sorted({(r.backend, r.mode) for r in plotted})
+    }
     if compared:
-        axes.axhline(1.0, color="black", linewidth=0.8)
-        axes.set_ylabel("speedup over torch._grouped_mm")
-    else:
-        # token counts span orders of magnitude, and so do the times
-        axes.set_yscale("log")
-        axes.set_ylabel("microseconds per call")
-        axes.set_title("time per call (no grouped_mm in this run to compare with)", fontsize=8)
-    axes.set_xticks([p + 0.4 - width / 2 for p in range(len(points))])
-    axes.set_xticklabels([f"{g}\n{t}" for g, t in points], rotation=60, fontsize=7)
-    axes.legend(fontsize=7)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return f"plot written to {path}"
+        return plot_bars(series, path, ylabel="speedup over torch._grouped_mm", reference_line=1.0)
+    # token counts span orders of magnitude, and so do the times
+    return plot_bars(
+        series,
+        path,
+        ylabel="microseconds per call",
+        log_scale=True,
+        title="time per call (no grouped_mm in this run to compare with)",
+    )
 
 
 def format_table(rows: list[BenchRow]) -> str:
     header = f"{'geometry':<16}{'tokens':>7}{'rows':>7} {'backend':<11}{'mode':<8}{'us':>9}{'host us':>8}{'x base':>8}{'TFLOP/s':>9}{'roof':>7}{'rel-L2':>9}"
     lines = [header, "-" * len(header)]
     for r in rows:
-        speedup = "" if r.speedup is None else f"{r.speedup:.2f}"
+        ratio = "" if r.speedup is None else f"{r.speedup:.2f}"
         lines.append(
             f"{r.geometry:<16}{r.tokens:>7}{r.rows:>7} {r.backend:<11}{r.mode:<8}{r.microseconds:>9.1f}"
             f"{r.host_microseconds:>8.1f}"
-            f"{speedup:>8}{r.tflops:>9.1f}{r.roofline_fraction:>7.3f}{r.rel_l2:>9.1e}"
+            f"{ratio:>8}{r.tflops:>9.1f}{r.roofline_fraction:>7.3f}{r.rel_l2:>9.1e}"
         )
     return "\n".join(lines)
 

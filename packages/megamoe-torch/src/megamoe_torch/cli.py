@@ -15,14 +15,14 @@ import torch
 from megamoe_kernels.reference import fp8_difference, relative_l2_error
 from megamoe_runtime.experts import BACKEND_NAMES, backend_status
 from megamoe_runtime.geometries import GEOMETRIES, TOKEN_COUNTS
+from megamoe_runtime.measure import median_seconds, write_csv
 from megamoe_runtime.weights import Prequantized, dequantize
 from tqdm import tqdm
 
 import megamoe_torch
-from megamoe_torch import bench
+from megamoe_torch import bench, bench_ep
 from megamoe_torch.fp8_linear import BlockFP8Linear
 from megamoe_torch.layer import MegaMoE
-from megamoe_torch.timing import median_seconds
 
 GPU_GEOMETRIES = ("qwen3-30b-a3b", "mixtral-8x7b", "dsv3", "dsv3-ep8-local", "gpt-oss-120b")
 CPU_GEOMETRIES = ("tiny-qwen3",)
@@ -263,7 +263,47 @@ def _demo_timings(
     return rows
 
 
+# `megamoe bench --ep`'s defaults: the geometry and token counts per rank
+EP_GEOMETRY = "dsv3"
+EP_TOKEN_COUNTS = (128, 512, 2048, 4096, 8192)
+
+
+def run_bench_ep(args: argparse.Namespace) -> int:
+    """`megamoe bench --ep`, on each rank torchrun started."""
+    if not bench_ep.under_torchrun():
+        args.parser.error(
+            "argument --ep: the expert-parallel bench runs one process per GPU under torchrun: "
+            "torchrun --standalone --nproc-per-node 2 -m megamoe_torch.cli bench --ep ..."
+        )
+    if args.geometry and len(args.geometry) > 1:
+        args.parser.error(
+            f"argument --geometry: --ep times one geometry, got {' '.join(args.geometry)}"
+        )
+    if args.device is not None:
+        args.parser.error("argument --device: with --ep each rank takes the GPU LOCAL_RANK names")
+    device = default_device()
+    quiet = int(os.environ.get("RANK", "0")) != 0
+    backends = (
+        [name for name in args.backends or BENCH_BACKENDS if backend_status(name, device)[0]]
+        if quiet
+        else runnable_backends(args.parser, args.backends, device)
+    )
+    return bench_ep.run_cli(
+        geometry=GEOMETRIES[args.geometry[0] if args.geometry else EP_GEOMETRY],
+        token_counts=list(args.tokens or EP_TOKEN_COUNTS),
+        layer_token_counts=list(args.ep_layer_tokens),
+        backends=backends or bench.available_backends(device, BACKEND_NAMES),
+        iterations=args.repeats,
+        breakdown=args.breakdown,
+        out=args.out,
+    )
+
+
 def run_bench(args: argparse.Namespace) -> int:
+    if args.ep:
+        return run_bench_ep(args)
+    if args.ep_layer_tokens or args.breakdown:
+        args.parser.error("arguments --ep-layer-tokens and --breakdown need --ep")
     device = args.device or default_device()
     geometries = args.geometry or (GPU_GEOMETRIES if device.type == "cuda" else CPU_GEOMETRIES)
     token_counts = args.tokens or (TOKEN_COUNTS if device.type == "cuda" else (16, 64))
@@ -301,8 +341,8 @@ def run_bench(args: argparse.Namespace) -> int:
                     kernel_rows=point_rows,
                 )
             # after every point: a cut-short run keeps what it measured
-            bench.write_csv(rows, out / "bench.csv")
-            bench.write_csv(layer_rows, out / "layer.csv")
+            write_csv(rows, out / "bench.csv")
+            write_csv(layer_rows, out / "layer.csv")
             progress.update()
         del layer
     progress.close()
@@ -320,7 +360,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 backend_name=backends[0],
                 repeats=args.repeats,
             )
-        bench.write_csv(sweep, out / "capacity_sweep.csv")
+        write_csv(sweep, out / "capacity_sweep.csv")
         for record in sweep:
             print(
                 f"capacity sweep {record['geometry']} {record['backend']}: valid {record['fraction']:.0%} "
@@ -458,6 +498,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=usable_device,
         help="cpu, cuda or cuda:N (default: cuda if present, else cpu)",
     )
+    bench_parser.add_argument(
+        "--ep",
+        action="store_true",
+        help="expert parallel, under torchrun (one rank per GPU): megamoe's dispatch and combine "
+        "against the all_to_all reference, and with --ep-layer-tokens the expert-parallel layer; "
+        f"--tokens per rank (default {' '.join(map(str, EP_TOKEN_COUNTS))}), --geometry one "
+        f"(default {EP_GEOMETRY}), --repeats the iterations; writes ep.json, ep.csv and "
+        "ep_layer.csv under --out (docs/expert-parallel.md)",
+    )
+    bench_ep.add_arguments(bench_parser)
     bench_parser.set_defaults(run=run_bench, parser=bench_parser)
 
     tune = commands.add_parser(

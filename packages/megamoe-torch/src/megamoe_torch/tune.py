@@ -10,12 +10,12 @@ import torch
 from megamoe_runtime.dispatch import LocalDispatcher
 from megamoe_runtime.experts.cutedsl import CuteDSLExperts
 from megamoe_runtime.geometries import Geometry
+from megamoe_runtime.measure import median_graph_replay_seconds
 from megamoe_runtime.tuning.cache import KnobCache
 from megamoe_runtime.tuning.expert_knobs import gemm_candidates, gemm_key, tune_gemm
 from megamoe_runtime.weights import Unquantized
 
 from megamoe_torch import bench
-from megamoe_torch.timing import median_graph_replay_seconds
 
 # A layer's GEMMs read their weights from HBM: the two GEMMs (and the rest of the model) evict
 # each other from L2. A GEMM timed alone re-reads the same weights, so its runner cycles through

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-import torch
+from megamoe_runtime.measure import slowest_across_ranks
 
 Candidate = TypeVar("Candidate")
 
@@ -34,22 +34,8 @@ def pick_fastest(
             seconds.append(float("inf"))
             failures.append(f"{candidate}: {error}")
     if process_group is not None:
-        seconds = all_reduce_max(seconds, process_group)
+        seconds = slowest_across_ranks(seconds, process_group)
     best = min(range(len(candidates)), key=lambda index: seconds[index])
     if seconds[best] == float("inf"):
         raise RuntimeError("every candidate failed: " + "; ".join(failures))
     return candidates[best], seconds
-
-
-def all_reduce_max(values: Sequence[float], process_group) -> list[float]:
-    """Each value's maximum over the ranks of `process_group` (every rank passes as many)."""
-    import torch.distributed as dist
-
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend(process_group) == "nccl"
-        else torch.device("cpu")
-    )
-    reduced = torch.tensor(list(values), dtype=torch.float64, device=device)
-    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=process_group)
-    return reduced.tolist()

@@ -27,8 +27,12 @@ from typing import Any
 import torch
 
 from megamoe_runtime.expert_batch import ExpertBatch
-from megamoe_runtime.timing import median_graph_replay_seconds, median_seconds
-from megamoe_runtime.tuning.autotune import all_reduce_max, pick_fastest
+from megamoe_runtime.measure import (
+    median_graph_replay_seconds,
+    median_seconds,
+    slowest_across_ranks,
+)
+from megamoe_runtime.tuning.autotune import pick_fastest
 from megamoe_runtime.tuning.cache import KnobKey
 from megamoe_runtime.tuning.expert_knobs import looked_up_knobs, store_tuned
 
@@ -50,7 +54,7 @@ class KnobTrial:
 
 def replay_seconds(trial: KnobTrial) -> float:
     """The default timer: the median time of one call, replayed in a CUDA graph on a GPU (kernel
-    time without launch gaps, after the GPU's clock settled: megamoe_runtime.timing), or by the
+    time without launch gaps, after the GPU's clock settled: megamoe_runtime.measure), or by the
     host clock on a CPU."""
     if trial.device.type == "cuda":
         return median_graph_replay_seconds(trial.run, device=trial.device, repeats=TIMED_REPEATS)
@@ -114,7 +118,7 @@ class OnlineAutotuner:
         _refuse_under_capture(batch)
         if self.process_group is not None:
             # tuned if any rank lacks the class: every rank takes the same path
-            flags = all_reduce_max([float(flag) for flag in missing], self.process_group)
+            flags = slowest_across_ranks([float(flag) for flag in missing], self.process_group)
             missing = [flag > 0 for flag in flags]
         tuned = False
         for (op, key), needed in zip(keys.items(), missing, strict=True):

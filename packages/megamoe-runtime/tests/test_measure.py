@@ -1,0 +1,110 @@
+"""The measurement harness on a CPU: the host clock, rounds, per-step timing, the writers."""
+
+import csv
+
+import pytest
+import torch
+from megamoe_runtime.measure import clock as timing
+from megamoe_runtime.measure import gigabytes_per_second, speedup, tflops, write_csv
+
+
+def test_host_time_is_the_median_single_call_not_the_slow_ones(monkeypatch):
+    """Single calls, each timed on its own: calls that something else on the host slows down do
+    not move the answer (the median), and every round makes one call."""
+    clock = {"now": 0.0, "calls": 0}
+
+    def call():
+        clock["calls"] += 1
+        # one warm-up call, then 7 rounds: the third and fifth calls cost 50 ms, the others 1 ms
+        slow = clock["calls"] in (1 + 3, 1 + 5)
+        clock["now"] += 0.050 if slow else 0.001
+
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock["now"])
+    seconds = timing.host_seconds_per_call(call, device=torch.device("cpu"), rounds=7)
+    assert clock["calls"] == 1 + 7
+    assert abs(seconds - 0.001) < 1e-9
+
+
+def test_keep_busy_calls_until_the_time_has_passed_and_at_least_once(monkeypatch):
+    """The settle step before timing: calls go on until `seconds` of wall time have passed (each
+    call here takes 30 ms, so 0.1 s takes four), and a zero budget still makes one call."""
+    clock = {"now": 0.0, "calls": 0}
+
+    def call():
+        clock["calls"] += 1
+        clock["now"] += 0.030
+
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock["now"])
+    assert timing.keep_busy(call, device=torch.device("cpu"), seconds=0.1) == 4
+    assert clock["calls"] == 4
+    assert timing.keep_busy(call, device=torch.device("cpu"), seconds=0.0) == 1
+
+
+def test_step_times_drop_the_first_iterations_and_leave_the_barrier_out(monkeypatch):
+    """Each step's median over the iterations after `skip`; what runs before each iteration (a
+    barrier) is in no step's time."""
+    clock = {"now": 0.0, "iteration": 0}
+    costs = {"dispatch": [9.0, 0.2, 0.3, 0.1], "combine": [7.0, 0.5, 0.4, 0.6]}
+
+    def step(name):
+        def run():
+            clock["now"] += costs[name][clock["iteration"]]
+
+        return run
+
+    steps = {"dispatch": step("dispatch"), "combine": step("combine")}
+    calls = {"n": 0}
+
+    def before_each():
+        if calls["n"]:
+            clock["iteration"] += 1
+        calls["n"] += 1
+        clock["now"] += 100.0  # a barrier that waits long
+
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock["now"])
+    seconds = timing.median_step_seconds(
+        steps, device=torch.device("cpu"), iterations=4, skip=1, before_each=before_each
+    )
+    assert seconds == pytest.approx({"dispatch": 0.2, "combine": 0.5})
+
+
+def test_step_times_need_an_iteration_past_the_skipped_ones():
+    with pytest.raises(ValueError, match="iterations"):
+        timing.median_step_seconds(
+            {"noop": lambda: None}, device=torch.device("cpu"), iterations=2, skip=2
+        )
+
+
+def test_alternating_rounds_interleave_the_candidates_and_keep_every_reading():
+    order = []
+    values = {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 4.0, 6.0])}
+
+    def reader(name):
+        def read():
+            order.append(name)
+            return next(values[name])
+
+        return read
+
+    readings = timing.alternating_readings({"a": reader("a"), "b": reader("b")}, rounds=3)
+    assert order == ["a", "b"] * 3
+    assert readings["a"].seconds == (3.0, 1.0, 2.0)
+    assert readings["a"].best == 1.0 and readings["a"].median == 2.0
+    assert readings["b"].spread == (6.0 - 4.0) / 4.0
+
+
+def test_csv_has_every_column_of_every_row_in_first_seen_order(tmp_path):
+    path = tmp_path / "deeper" / "rows.csv"
+    write_csv([{"tokens": 1, "us": 2.5}, {"tokens": 2, "us": 3.5, "error": "late"}], path)
+    with path.open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert list(rows[0]) == ["tokens", "us", "error"]
+    assert rows[0]["error"] == "" and rows[1]["error"] == "late"
+    write_csv([], tmp_path / "none.csv")
+    assert not (tmp_path / "none.csv").exists()
+
+
+def test_rates_and_fractions():
+    assert tflops(2e12, 0.5) == 4.0
+    assert gigabytes_per_second(3e9, 1.5) == 2.0
+    assert speedup(None, 1.0) is None and speedup(3.0, 1.5) == 2.0
