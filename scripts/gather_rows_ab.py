@@ -16,7 +16,11 @@ import argparse
 
 import torch
 from megamoe_runtime.geometries import GEOMETRIES
-from megamoe_runtime.timing import median_graph_replay_seconds, median_seconds
+from megamoe_runtime.measure import (
+    alternating_readings,
+    median_graph_replay_seconds,
+    median_seconds,
+)
 from megamoe_torch.bench import build_layer, routed_tokens, with_capacity
 
 
@@ -53,13 +57,19 @@ def gemm_alone(geometry, tokens: int, rounds: int, device: torch.device) -> None
         ),
     }
     equal = torch.equal(cases["copied"](), cases["gathered"]())
-    times = {name: [] for name in cases}
-    for _ in range(rounds):
-        for name, call in cases.items():
-            times[name].append(median_graph_replay_seconds(call, device=device) * 1e6)
+    readings = alternating_readings(
+        {
+            name: lambda call=call: median_graph_replay_seconds(call, device=device)
+            for name, call in cases.items()
+        },
+        rounds=rounds,
+    )
     print(
         f"{geometry.name} {tokens} gate-up us | "
-        + " | ".join(f"{name} " + " ".join(f"{t:.1f}" for t in ts) for name, ts in times.items())
+        + " | ".join(
+            f"{name} " + " ".join(f"{t * 1e6:.1f}" for t in readings[name].seconds)
+            for name in cases
+        )
         + f" | equal {equal}",
         flush=True,
     )
@@ -93,22 +103,28 @@ def main() -> None:
             for layer in layers.values():
                 layer.use_backend("cutedsl")
             equal = torch.equal(layers[False](x_TH), layers[True](x_TH))
-            graph = {False: [], True: []}
-            eager = {False: [], True: []}
-            for _ in range(args.rounds):
-                for gather, layer in layers.items():
-                    forward = lambda layer=layer, x_TH=x_TH: layer(x_TH)  # noqa: E731
-                    graph[gather].append(median_graph_replay_seconds(forward, device=device) * 1e6)
-                    if not args.no_eager:
-                        eager[gather].append(median_seconds(forward, device=device) * 1e6)
-            print(
-                f"{name} {tokens} | "
-                + " / ".join(" ".join(f"{t:.1f}" for t in graph[g]) for g in (False, True))
-                + " | "
-                + " / ".join(" ".join(f"{t:.1f}" for t in eager[g]) for g in (False, True))
-                + f" | {equal}",
-                flush=True,
-            )
+            # per round: copied graph (and eager), then gathered
+            readers = {}
+            for gather, layer in layers.items():
+                forward = lambda layer=layer, x_TH=x_TH: layer(x_TH)  # noqa: E731
+                readers["graph", gather] = lambda forward=forward: median_graph_replay_seconds(
+                    forward, device=device
+                )
+                if not args.no_eager:
+                    readers["eager", gather] = lambda forward=forward: median_seconds(
+                        forward, device=device
+                    )
+            readings = alternating_readings(readers, rounds=args.rounds)
+            listed = {
+                kind: " / ".join(
+                    " ".join(f"{t * 1e6:.1f}" for t in readings[kind, gather].seconds)
+                    for gather in (False, True)
+                )
+                if (kind, False) in readings
+                else "-"
+                for kind in ("graph", "eager")
+            }
+            print(f"{name} {tokens} | {listed['graph']} | {listed['eager']} | {equal}", flush=True)
             del layers
         del base  # each geometry's weights (and their prepared copies) leave before the next
         torch.cuda.empty_cache()
