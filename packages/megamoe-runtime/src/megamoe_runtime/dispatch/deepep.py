@@ -76,19 +76,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megamoe_runtime.dispatch.checks import (
+    check_expert_ids,
+    check_token_count,
+    check_top_k,
+    experts_per_rank,
+    validate_dispatch_inputs,
+)
 from megamoe_runtime.dispatch.deepep_buffers import (
     check_v1_low_latency_buffer,
     check_v1_normal_buffer,
     check_v2_buffer,
     deepep_api_of,
 )
-from megamoe_runtime.dispatch.local import (
-    check_expert_ids,
-    expert_major_order,
-    validate_dispatch_inputs,
-    weighted_sum_over_topk,
-)
-from megamoe_runtime.dispatch.torch_distributed import experts_per_rank
+from megamoe_runtime.dispatch.local import expert_major_order, weighted_sum_over_topk
 from megamoe_runtime.expert_batch import ExpertBatch
 
 MODES = ("normal", "low_latency")
@@ -319,12 +320,8 @@ class DeepEPDispatcher:
                 f"DeepEP dispatches bf16 tokens (fp8_dispatch=True sends them as FP8), got x of "
                 f"dtype {x_TH.dtype}: run the layer in bf16"
             )
-        if self.max_tokens_per_rank is not None and x_TH.shape[0] > self.max_tokens_per_rank:
-            raise ValueError(
-                f"{x_TH.shape[0]} tokens exceed max_tokens_per_rank={self.max_tokens_per_rank}, "
-                f"what the DeepEP buffer was sized for: send at most that many per call, or "
-                f"build a larger buffer and dispatcher"
-            )
+        if self.max_tokens_per_rank is not None:
+            check_token_count(x_TH.shape[0], self.max_tokens_per_rank, sized="the DeepEP buffer")
 
     def _checked_routing(
         self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor
@@ -333,11 +330,7 @@ class DeepEPDispatcher:
         after the shape and dtype checks (metadata only, unless check_ids)."""
         validate_dispatch_inputs(x_TH, topk_ids_TK, topk_weights_TK)
         self._check_tokens(x_TH)
-        if topk_ids_TK.shape[1] != self.top_k:
-            raise ValueError(
-                f"topk_ids has top_k {topk_ids_TK.shape[1]}; the dispatcher was built for "
-                f"top_k={self.top_k}"
-            )
+        check_top_k(topk_ids_TK, self.top_k)
         if self.check_ids:
             check_expert_ids(topk_ids_TK, self.num_experts)
         topk_idx_TK = topk_ids_TK.to(self.topk_idx_dtype).contiguous()

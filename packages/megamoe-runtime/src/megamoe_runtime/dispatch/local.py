@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megamoe_runtime.dispatch.checks import check_expert_ids, validate_dispatch_inputs
 from megamoe_runtime.expert_batch import ExpertBatch
 
 
@@ -212,35 +213,3 @@ def expert_offsets_from_ids(expert_of_pair: torch.Tensor, num_experts: int) -> t
     offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=expert_of_pair.device)
     torch.cumsum(counts_E, dim=0, dtype=torch.int32, out=offsets[1:])
     return offsets
-
-
-def validate_dispatch_inputs(
-    x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor
-) -> None:
-    if x_TH.dim() != 2:
-        raise ValueError(f"x must be 2-D [tokens, hidden], got shape {tuple(x_TH.shape)}")
-    if topk_ids_TK.dim() != 2 or topk_ids_TK.shape[0] != x_TH.shape[0]:
-        raise ValueError(
-            f"topk_ids must be [tokens={x_TH.shape[0]}, top_k], got shape {tuple(topk_ids_TK.shape)}"
-        )
-    if topk_ids_TK.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids_TK.dtype}")
-    if topk_weights_TK.shape != topk_ids_TK.shape:
-        raise ValueError(
-            f"topk_weights shape {tuple(topk_weights_TK.shape)} must equal topk_ids shape "
-            f"{tuple(topk_ids_TK.shape)}"
-        )
-    for name, tensor in (("topk_ids", topk_ids_TK), ("topk_weights", topk_weights_TK)):
-        if tensor.device != x_TH.device:
-            raise ValueError(f"{name} is on {tensor.device} but x is on {x_TH.device}")
-
-
-def check_expert_ids(topk_ids_TK: torch.Tensor, num_experts: int) -> None:
-    """Raises on an id outside [0, num_experts). Reads the data: a host sync."""
-    if topk_ids_TK.numel() == 0:
-        return
-    low, high = int(topk_ids_TK.min()), int(topk_ids_TK.max())
-    if low < 0 or high >= num_experts:
-        raise ValueError(
-            f"topk_ids must lie in [0, {num_experts}); found values in [{low}, {high}]"
-        )
