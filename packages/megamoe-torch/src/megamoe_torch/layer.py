@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch
 from megamoe_kernels import weight_scales_shape
 from megamoe_kernels.reference import expert_mlp_reference
-from megamoe_runtime.dispatch import LocalDispatcher
+from megamoe_runtime.dispatch import LocalDispatcher, RowWeightsDispatcher
 from megamoe_runtime.dispatch.device_routed import DeviceRoutedDispatcher, device_routing_status
 from megamoe_runtime.distributed import (
     injected_dispatcher_group,
@@ -311,6 +311,14 @@ class MegaMoE(nn.Module):
         self._backend_name = None
 
     def _inject(self, dispatcher) -> None:
+        if self.config.routing_weights_on_input and not isinstance(
+            dispatcher, RowWeightsDispatcher
+        ):
+            raise ValueError(
+                f"routing_weights_on_input=True needs a dispatcher that hands out each batch "
+                f"row's routing weight (RowWeightsDispatcher: row_weights, combine(weights_applied"
+                f"=True)); {type(dispatcher).__name__} does not"
+            )
         self._injected_dispatcher = self.dispatcher = dispatcher
         describe = getattr(dispatcher, "describe", None)
         self.dispatcher_reason = "injected: " + (

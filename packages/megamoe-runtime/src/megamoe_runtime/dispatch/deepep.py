@@ -489,14 +489,12 @@ class DeepEPDispatcher:
         self,
         expert_out_MH: torch.Tensor,
         handle: DeepEPNormalHandle | DeepEPLowLatencyHandle,
-        *,
-        weights_applied: bool = False,
     ) -> torch.Tensor:
         """y_TH for this rank's tokens: each token's expert outputs weighted by its routing
         weights and summed (normal mode: k order per rank, then the ranks' partials; low
-        latency: k order on the source). `weights_applied`: the outputs already carry them."""
+        latency: k order on the source)."""
         if self.mode == "low_latency":
-            return self._combine_low_latency(expert_out_MH, handle, weights_applied)
+            return self._combine_low_latency(expert_out_MH, handle)
         if not isinstance(handle, DeepEPNormalHandle):
             raise TypeError(
                 f"handle must come from this dispatcher's dispatch, got {type(handle).__name__}"
@@ -509,7 +507,7 @@ class DeepEPDispatcher:
         partial_RH = weighted_sum_over_topk(
             expert_out_MH,
             handle.row_of_pair_RK,
-            None if weights_applied else handle.recv_topk_weights_RK,
+            handle.recv_topk_weights_RK,
             output_dtype=torch.bfloat16,
             pair_present_TK=handle.pair_present_RK,
         )
@@ -535,7 +533,7 @@ class DeepEPDispatcher:
         return combined_TH
 
     def _combine_low_latency(
-        self, expert_out_MH: torch.Tensor, handle: DeepEPLowLatencyHandle, weights_applied: bool
+        self, expert_out_MH: torch.Tensor, handle: DeepEPLowLatencyHandle
     ) -> torch.Tensor:
         if not isinstance(handle, DeepEPLowLatencyHandle):
             raise TypeError(
@@ -548,13 +546,10 @@ class DeepEPDispatcher:
                 f"expert_out must be bf16 {list(expected)} (the masked batch's rows), got "
                 f"{expert_out_MH.dtype} {list(expert_out_MH.shape)}"
             )
-        weights_TK = handle.topk_weights_TK
-        if weights_applied:
-            weights_TK = torch.ones_like(weights_TK)
         combined_TH, _, _ = self.buffer.low_latency_combine(
             expert_out_MH.contiguous().view(local, stride, self.hidden_size),
             handle.topk_idx_TK,
-            weights_TK,
+            handle.topk_weights_TK,
             handle.deep_handle,
             async_finish=False,
             return_recv_hook=False,

@@ -95,11 +95,8 @@ class LocalDispatcher:
         return self._boundaries_cache[1]
 
     def row_weights(self, batch: ExpertBatch, handle: LocalHandle) -> torch.Tensor:
-        """Routing weight of every batch row (float32, [capacity]), for kernels that apply the
-        weights in their epilogue; rows past the valid count get 0."""
-        weights_M = torch.zeros(batch.capacity, dtype=torch.float32, device=batch.rows_MH.device)
-        weights_M[handle.row_of_pair_TK.reshape(-1)] = handle.topk_weights_TK.reshape(-1).float()
-        return weights_M
+        """Routing weight of every batch row (RowWeightsDispatcher)."""
+        return row_weights_of(batch, handle)
 
     def combine(
         self, expert_out_MH: torch.Tensor, handle: LocalHandle, *, weights_applied: bool = False
@@ -110,6 +107,14 @@ class LocalDispatcher:
             None if weights_applied else handle.topk_weights_TK,
             output_dtype=handle.output_dtype,
         )
+
+
+def row_weights_of(batch: ExpertBatch, handle: LocalHandle) -> torch.Tensor:
+    """float32 [capacity]: the routing weight of every batch row of a one-GPU dispatch, 0 past
+    the valid rows."""
+    weights_M = torch.zeros(batch.capacity, dtype=torch.float32, device=batch.rows_MH.device)
+    weights_M[handle.row_of_pair_TK.reshape(-1)] = handle.topk_weights_TK.reshape(-1).float()
+    return weights_M
 
 
 def weighted_sum_over_topk(

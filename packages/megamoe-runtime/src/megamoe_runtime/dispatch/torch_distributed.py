@@ -154,8 +154,6 @@ class TorchDistributedDispatcher:
         self,
         expert_out_MH: torch.Tensor,
         handle: TorchDistributedHandle,
-        *,
-        weights_applied: bool = False,
     ) -> torch.Tensor:
         num_received = handle.received_of_batch_row_R.numel()
         if expert_out_MH.dim() != 2 or expert_out_MH.shape[0] < num_received:
@@ -177,6 +175,6 @@ class TorchDistributedDispatcher:
         return weighted_sum_over_topk(
             returned_PH,
             handle.row_of_pair_TK,
-            None if weights_applied else handle.topk_weights_TK,
+            handle.topk_weights_TK,
             output_dtype=handle.output_dtype,
         )
