@@ -12,6 +12,7 @@ import pytest
 import torch
 from megamoe_runtime.dispatch import LocalDispatcher
 from megamoe_runtime.dispatch.reference import owner_partials_combine
+from megamoe_runtime.dispatch.symmetric_algorithms import SmallBatchDispatch
 from megamoe_runtime.distributed import make_expert_parallel_dispatcher, nvshmem_status
 
 pytestmark = pytest.mark.multirank
@@ -103,7 +104,7 @@ def check_against_single_gpu(
         batch, handle = dispatcher.dispatch(*shares[rank])
         offsets = single_batch.expert_offsets[rank * local : (rank + 1) * local + 1].cpu()
         assert torch.equal(batch.expert_offsets.cpu(), offsets - offsets[0]), (rank, repeat)
-        if getattr(dispatcher, "small_batch", False):
+        if isinstance(getattr(dispatcher, "dispatch_algorithm", None), SmallBatchDispatch):
             # the small dispatch clears every epoch-tagged ids word it read (a tagged word has
             # its top bit set), in this epoch's half of the ids buffer (the peers' next dispatch
             # may already be writing the other half)

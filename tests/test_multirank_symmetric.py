@@ -161,7 +161,7 @@ def test_peer_that_never_arrives_raises_timeout(gpu_multirank):
 def check_small_batch_refused_where_it_cannot_run(rank, world_size, device):
     with pytest.raises(ValueError, match="small_batch=True needs stage_remote_rows=True"):
         build(rank, world_size, device, max_tokens=8, stage_remote_rows=False, small_batch=True)
-    with pytest.raises(ValueError, match="world x max_tokens_per_rank x top_k <= 8192"):
+    with pytest.raises(ValueError, match="world x max_tokens x top_k <= 8192"):
         build(rank, world_size, device, max_tokens=8192, small_batch=True)
 
 

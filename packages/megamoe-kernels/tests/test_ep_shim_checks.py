@@ -1,8 +1,10 @@
 """The expert-parallel launchers refuse, before anything compiles or launches, the sizes their
-kernels' fixed buffers cannot hold (no GPU needed: the check comes first)."""
+kernels' fixed buffers cannot hold (no GPU needed: the check comes first); the EpParams they all
+take refuses an inconsistent group."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -11,33 +13,46 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("cutlass") is None, reason="CuTe DSL not installed"
 )
 
-# a valid small-batch call: 2 ranks x 128 tokens x top-8 = 2048 pairs, 128 experts per rank
+# a valid small-batch group: 2 ranks x 128 tokens x top-8 = 2048 pairs, 128 experts per rank
 VALID = dict(
     peer_table_address=0,
     epoch_address=0,
     status_address=0,
-    tokens=128,
-    top_k=8,
-    local_experts=128,
-    row_bytes=7168 * 2,
-    capacity=2048,
+    placement_scratch_address=0,
+    small_scratch_address=0,
+    timeout_ns=10**9,
     rank=0,
     world=2,
+    num_experts=256,
+    local_experts=128,
+    capacity=2048,
     max_tokens=128,
+    row_vectors=7168 * 2 // 16,
     pair_weights=False,
-    timeout_ns=10**9,
+    top_k=8,
     grid=132,
 )
+
+
+def small_dispatch(params, tokens=128):
+    from megamoe_kernels.shim import ep
+
+    ep.dispatch_small(
+        params,
+        x_address=0,
+        expert_of_pair_address=0,
+        weights_address=0,
+        expert_offsets_address=0,
+        tokens=tokens,
+    )
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"world": 33}, "up to 32 ranks"),
-        ({"max_tokens": 1024, "tokens": 16}, r"2 x 1024 x 8 = 16384"),
-        ({"local_experts": 513}, "local_experts=513"),
-        ({"tokens": 129}, r"tokens must be in \[0, max_tokens=128\], got 129"),
-        ({"tokens": -1}, "tokens must be in"),
+        ({"world": 33, "num_experts": 33 * 128}, "up to 32 ranks"),
+        ({"max_tokens": 1024}, r"2 x 1024 x 8 = 16384"),
+        ({"local_experts": 513, "num_experts": 1026}, "local_experts=513"),
         ({"grid": 1}, "at least 2 CTAs"),
     ],
 )
@@ -45,4 +60,43 @@ def test_small_dispatch_refuses_what_its_kernel_cannot_hold(change, message):
     from megamoe_kernels.shim import ep
 
     with pytest.raises(ValueError, match=message):
-        ep.dispatch_small(0, 0, 0, 0, 0, **{**VALID, **change})
+        small_dispatch(ep.EpParams(**{**VALID, **change}))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "message"), [(129, r"\[0, max_tokens=128\], got 129"), (-1, "")]
+)
+def test_token_counts_outside_the_buffers_are_refused(tokens, message):
+    from megamoe_kernels.shim import ep
+
+    with pytest.raises(ValueError, match=f"tokens must be in {message}"):
+        small_dispatch(ep.EpParams(**VALID), tokens=tokens)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"rank": 2}, r"rank must be in \[0, world=2\), got 2"),
+        ({"num_experts": 255}, "local_experts x world = 128 x 2, got 255"),
+        ({"grid": 0}, "grid must be >= 1"),
+    ],
+)
+def test_params_refuse_an_inconsistent_group(change, message):
+    from megamoe_kernels.shim import ep
+
+    with pytest.raises(ValueError, match=message):
+        ep.EpParams(**{**VALID, **change})
+
+
+def test_every_launcher_passes_what_its_drop_kernel_takes():
+    """The audit entries derive from the launchers; the drop's EpParams has the shim's fields."""
+    from megamoe_kernels.shim import ep
+    from megamoe_kernels.shim.audit import AUDIT_TABLE, audit_drop
+
+    entries = {(e.module, e.name): e.parameters for e in AUDIT_TABLE}
+    for kernel in ep.KERNELS.values():
+        assert entries[(kernel.module, kernel.function)] == kernel.drop_parameters
+    assert entries[("ep_sync", "EpParams")] == tuple(
+        f.name for f in dataclasses.fields(ep.EpParams)
+    )
+    assert audit_drop().passed

@@ -48,6 +48,22 @@ def test_row_weights_applied_in_epilogue_equals_combine_weighting():
     )
 
 
+def test_only_the_one_gpu_dispatchers_declare_row_weights():
+    from megamoe_runtime.dispatch import (
+        DeepEPDispatcher,
+        RowWeightsDispatcher,
+        TorchDistributedDispatcher,
+    )
+    from megamoe_runtime.dispatch.device_routed import DeviceRoutedDispatcher
+    from megamoe_runtime.dispatch.symmetric import SymmetricDispatcher
+
+    assert isinstance(LocalDispatcher(4), RowWeightsDispatcher)
+    assert callable(DeviceRoutedDispatcher.row_weights)
+    # the expert-parallel ones keep each token's weights on its source rank
+    for dispatcher in (TorchDistributedDispatcher, SymmetricDispatcher, DeepEPDispatcher):
+        assert not hasattr(dispatcher, "row_weights"), dispatcher
+
+
 def test_static_capacity_keeps_shape_and_marks_valid_rows():
     x, ids, weights = make_routing(tokens=5, experts=4, top_k=2)
     batch, handle = LocalDispatcher(4, capacity=64).dispatch(x, ids, weights)

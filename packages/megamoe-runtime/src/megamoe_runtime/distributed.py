@@ -19,10 +19,8 @@ import importlib.util
 import torch
 import torch.distributed as dist
 
-from megamoe_runtime.dispatch.torch_distributed import (
-    TorchDistributedDispatcher,
-    experts_per_rank,
-)
+from megamoe_runtime.dispatch.checks import experts_per_rank
+from megamoe_runtime.dispatch.torch_distributed import TorchDistributedDispatcher
 
 DISPATCHER_NAMES = ("torch", "nvshmem")
 # how an expert-parallel combine sums a token's top-k outputs (make_expert_parallel_dispatcher)

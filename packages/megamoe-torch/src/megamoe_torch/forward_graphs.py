@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megamoe_torch.tensor_cache import tensor_versions
+
 MAX_GRAPHS = 16
 # token counts seen once and not captured (yet), remembered for their second forward
 MAX_SEEN = 64
@@ -98,10 +100,7 @@ class ForwardGraphs:
                 for container in (module._parameters, module._buffers)
                 for name in container
             ]
-        return tuple(
-            None if tensor is None else (tensor.data_ptr(), tensor._version)
-            for tensor in (container[name] for container, name in self._tensor_slots)
-        )
+        return tensor_versions(container[name] for container, name in self._tensor_slots)
 
     def forward(
         self, x_TH: torch.Tensor, *, router_logits: bool = False

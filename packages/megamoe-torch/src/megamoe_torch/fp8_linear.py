@@ -11,6 +11,8 @@ from megamoe_kernels import dequantize_weight_blocks, quantize_weight_blocks, we
 from megamoe_runtime.weights import FP8_WEIGHT_DTYPE
 from torch import nn
 
+from megamoe_torch.tensor_cache import DerivedTensorCache
+
 
 class BlockFP8Linear(nn.Module):
     """y = x W^T, W the values `weight` (e4m3 [out, in], not trained) and `weight_scale_inv`
@@ -43,8 +45,7 @@ class BlockFP8Linear(nn.Module):
             torch.empty(scale_rows, scale_columns, device=device, dtype=torch.float32),
         )
         self.register_load_state_dict_pre_hook(_quantize_loaded_weight)
-        self._dequantized_key: tuple | None = None
-        self._dequantized: torch.Tensor | None = None
+        self._dequantized = DerivedTensorCache()
         self.reset_parameters()
 
     @torch.no_grad()
@@ -75,19 +76,11 @@ class BlockFP8Linear(nn.Module):
     def _weight_in(self, dtype: torch.dtype) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the compiled graph holds the dequantization
             return self.dequantized_weight(dtype)
-        weight, scales = self.weight, self.weight_scale_inv
-        key = (
-            weight.data_ptr(),
-            weight._version,
-            scales.data_ptr(),
-            scales._version,
-            weight.device,
-            dtype,
+        return self._dequantized.get(
+            (self.weight, self.weight_scale_inv),
+            lambda: self.dequantized_weight(dtype),
+            context=(self.weight.device, dtype),
         )
-        if key != self._dequantized_key:
-            self._dequantized = self.dequantized_weight(dtype)
-            self._dequantized_key = key
-        return self._dequantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self._weight_in(x.dtype))

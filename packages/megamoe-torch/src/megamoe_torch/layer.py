@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch
 from megamoe_kernels import gathers_rows_by_default, weight_scales_shape
 from megamoe_kernels.reference import expert_mlp_reference
-from megamoe_runtime.dispatch import LocalDispatcher
+from megamoe_runtime.dispatch import LocalDispatcher, RowWeightsDispatcher
 from megamoe_runtime.dispatch.device_routed import DeviceRoutedDispatcher, device_routing_status
 from megamoe_runtime.distributed import (
     injected_dispatcher_group,
@@ -39,6 +39,7 @@ from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.forward_graphs import ForwardGraphs
 from megamoe_torch.fp8_linear import BlockFP8Linear, quantize_loaded_weights
 from megamoe_torch.ops import expert_mlp, register_layer
+from megamoe_torch.tensor_cache import DerivedTensorCache
 
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=), torch >= 2.9
 
@@ -247,10 +248,8 @@ class MegaMoE(nn.Module):
         self._dispatcher_key: tuple | None = None
         self._backend_name: str | None = None
         self._backend_reason = ""
-        self._prepared_key: tuple | None = None
-        self._prepared = None
-        self._gate_float32_key: tuple | None = None
-        self._gate_float32: torch.Tensor | None = None
+        self._prepared = DerivedTensorCache()
+        self._gate_float32 = DerivedTensorCache()
         # the fused path's dispatcher and, per (device, dtype), whether it can serve the layer
         # (a forward is done with its batch once its own launches have read it)
         self._device_routed = DeviceRoutedDispatcher(
@@ -311,6 +310,14 @@ class MegaMoE(nn.Module):
         self._backend_name = None
 
     def _inject(self, dispatcher) -> None:
+        if self.config.routing_weights_on_input and not isinstance(
+            dispatcher, RowWeightsDispatcher
+        ):
+            raise ValueError(
+                f"routing_weights_on_input=True needs a dispatcher that hands out each batch "
+                f"row's routing weight (RowWeightsDispatcher: row_weights, combine(weights_applied"
+                f"=True)); {type(dispatcher).__name__} does not"
+            )
         self._injected_dispatcher = self.dispatcher = dispatcher
         describe = getattr(dispatcher, "describe", None)
         self.dispatcher_reason = "injected: " + (
@@ -393,20 +400,16 @@ class MegaMoE(nn.Module):
                 )
             self._backend_device = device
             self._expert_backend = make_backend(self._backend_name)
-            self._prepared_key = None
+            self._prepared.clear()
 
     def _prepared_weights(self):
         # the backend's layout is rebuilt only when the weights change (in place or replaced)
-        weights = (self.w13, self.w2, self.w13_scale_inv, self.w2_scale_inv)
-        key = (
-            self._backend_name,
-            *((tensor.data_ptr(), tensor._version) for tensor in weights if tensor is not None),
-        )
-        if key != self._prepared_key:
+        def prepare():
             with torch.no_grad():
-                self._prepared = self._expert_backend.prepare(self.expert_weight_pack())
-            self._prepared_key = key
-        return self._prepared
+                return self._expert_backend.prepare(self.expert_weight_pack())
+
+        weights = (self.w13, self.w2, self.w13_scale_inv, self.w2_scale_inv)
+        return self._prepared.get(weights, prepare, context=(self._backend_name,))
 
     def expert_weight_pack(self, *, detach: bool = True) -> WeightPack:
         """The routed experts' weights as a runtime pack: Unquantized, or with
@@ -551,11 +554,9 @@ class MegaMoE(nn.Module):
             or torch.compiler.is_compiling()
         ):
             return weight.float()  # a no-op, or a cast autograd records or the graph holds
-        key = (weight.data_ptr(), weight._version, weight.device)
-        if key != self._gate_float32_key:
-            self._gate_float32 = weight.detach().float()
-            self._gate_float32_key = key
-        return self._gate_float32
+        return self._gate_float32.get(
+            (weight,), lambda: weight.detach().float(), context=(weight.device,)
+        )
 
     def fused_path_status(self, device: torch.device | str | None = None) -> tuple[bool, str]:
         """(whether a forward on `device` runs the device routing kernels, why): on one GPU the

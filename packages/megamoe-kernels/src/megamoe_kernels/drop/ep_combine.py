@@ -30,6 +30,10 @@ vectors per lane in combine_push, 14 of 2 in the partial-sum kernels). With fewe
 warps (a small batch), each row is split into up to MAX_ROW_SLICES slices of whole rounds, one
 warp each, so every warp has work and a row takes one or two rounds.
 
+Every argument is a device address, a scalar or the dispatcher's EpParams (ep_sync.py); the
+kernels find this rank's symmetric buffers (returned, partials, pair tables, row sources,
+signals) in its peer table.
+
 Layouts: expert_out [capacity, hidden] and returned [max_pairs, hidden] bf16 row-major, weights
 float32 [tokens, top_k], y bf16 [tokens, hidden]; hidden a multiple of 8, rows 16-byte aligned.
 """
@@ -40,11 +44,16 @@ from cutlass._mlir.dialects import llvm
 
 from .ep_dispatch import copy_rounds, copy_row, row_slices, slice_vectors, token_owners
 from .ep_sync import (
+    BUFFER_PAIR_ROWS,
+    BUFFER_PAIR_WEIGHTS,
     BUFFER_PARTIALS,
     BUFFER_RETURNED,
+    BUFFER_ROW_SOURCES,
     BUFFER_SIGNALS,
     PHASE_RETURNED,
+    EpParams,
     global_ptr,
+    own_address,
     peer_address,
     signal_peer,
     thread_position,
@@ -79,15 +88,17 @@ def multiply_rounded(a, b):
 def combine_push_kernel(
     expert_out_address: cutlass.Int64,
     expert_offsets_address: cutlass.Int64,
-    row_sources_address: cutlass.Int64,
-    peer_table_address: cutlass.Int64,
-    local_experts: cutlass.Int32,
-    row_vectors: cutlass.Int32,
-    capacity: cutlass.Int32,
-    rank: cutlass.Int32,
-    world: cutlass.Int32,
+    params: EpParams,
     unroll: cutlass.Constexpr,
 ):
+    peer_table_address, local_experts = params.peer_table_address, params.local_experts
+    row_vectors, capacity, rank, world = (
+        params.row_vectors,
+        params.capacity,
+        params.rank,
+        params.world,
+    )
+    row_sources_address = own_address(params, BUFFER_ROW_SOURCES)
     tidx, bidx, grid, warp, lane = thread_position()
     peer_table = global_ptr(cutlass.Int64, peer_table_address, 8)
     offsets = global_ptr(cutlass.Int32, expert_offsets_address, 4)
@@ -124,46 +135,27 @@ def combine_push_kernel(
 def combine_push(
     expert_out_address: cutlass.Int64,
     expert_offsets_address: cutlass.Int64,
-    row_sources_address: cutlass.Int64,
-    peer_table_address: cutlass.Int64,
-    local_experts: cutlass.Int32,
-    row_vectors: cutlass.Int32,
-    capacity: cutlass.Int32,
-    rank: cutlass.Int32,
-    world: cutlass.Int32,
-    grid: cutlass.Constexpr,
+    params: EpParams,
     unroll: cutlass.Constexpr,
     stream,
 ):
-    combine_push_kernel(
-        expert_out_address,
-        expert_offsets_address,
-        row_sources_address,
-        peer_table_address,
-        local_experts,
-        row_vectors,
-        capacity,
-        rank,
-        world,
-        unroll,
-    ).launch(grid=[grid, 1, 1], block=[PUSH_WARPS * 32, 1, 1], stream=stream)
+    combine_push_kernel(expert_out_address, expert_offsets_address, params, unroll).launch(
+        grid=[params.grid, 1, 1], block=[PUSH_WARPS * 32, 1, 1], stream=stream
+    )
 
 
 @cute.kernel
 def combine_reduce_kernel(
-    returned_address: cutlass.Int64,
     weights_address: cutlass.Int64,
     y_address: cutlass.Int64,
-    signals_address: cutlass.Int64,
-    epoch_address: cutlass.Int64,
-    status_address: cutlass.Int64,
     tokens: cutlass.Int32,
-    hidden: cutlass.Int32,
-    world: cutlass.Int32,
-    adds_per_epoch: cutlass.Int32,
-    timeout_ns: cutlass.Int64,
-    top_k: cutlass.Constexpr,
+    params: EpParams,
 ):
+    returned_address = own_address(params, BUFFER_RETURNED)
+    signals_address = own_address(params, BUFFER_SIGNALS)
+    epoch_address, status_address = params.epoch_address, params.status_address
+    hidden, world, timeout_ns = params.row_vectors * CHUNK, params.world, params.timeout_ns
+    adds_per_epoch, top_k = params.grid, params.top_k  # every owner's CTAs add once each
     tidx, bidx, grid, warp, lane = thread_position()
     epoch = cute.arch.load(global_ptr(cutlass.Int64, epoch_address, 8), cutlass.Int64)
     wait_for_every_source(
@@ -206,35 +198,15 @@ def combine_reduce_kernel(
 
 @cute.jit
 def combine_reduce(
-    returned_address: cutlass.Int64,
     weights_address: cutlass.Int64,
     y_address: cutlass.Int64,
-    signals_address: cutlass.Int64,
-    epoch_address: cutlass.Int64,
-    status_address: cutlass.Int64,
     tokens: cutlass.Int32,
-    hidden: cutlass.Int32,
-    world: cutlass.Int32,
-    adds_per_epoch: cutlass.Int32,
-    timeout_ns: cutlass.Int64,
-    top_k: cutlass.Constexpr,
-    grid: cutlass.Constexpr,
+    params: EpParams,
     stream,
 ):
-    combine_reduce_kernel(
-        returned_address,
-        weights_address,
-        y_address,
-        signals_address,
-        epoch_address,
-        status_address,
-        tokens,
-        hidden,
-        world,
-        adds_per_epoch,
-        timeout_ns,
-        top_k,
-    ).launch(grid=[grid, 1, 1], block=[REDUCE_WARPS * 32, 1, 1], stream=stream)
+    combine_reduce_kernel(weights_address, y_address, tokens, params).launch(
+        grid=[params.grid, 1, 1], block=[REDUCE_WARPS * 32, 1, 1], stream=stream
+    )
 
 
 @cute.jit
@@ -267,19 +239,15 @@ def store_chunk(address, total):
 def combine_partial_kernel(
     expert_out_address: cutlass.Int64,
     expert_offsets_address: cutlass.Int64,
-    row_sources_address: cutlass.Int64,
-    pair_rows_address: cutlass.Int64,
-    pair_weights_address: cutlass.Int64,
-    peer_table_address: cutlass.Int64,
-    local_experts: cutlass.Int32,
-    hidden: cutlass.Int32,
-    capacity: cutlass.Int32,
-    max_tokens: cutlass.Int32,
-    rank: cutlass.Int32,
-    world: cutlass.Int32,
-    top_k: cutlass.Constexpr,
+    params: EpParams,
     unroll: cutlass.Constexpr,
 ):
+    row_sources_address = own_address(params, BUFFER_ROW_SOURCES)
+    pair_rows_address = own_address(params, BUFFER_PAIR_ROWS)
+    pair_weights_address = own_address(params, BUFFER_PAIR_WEIGHTS)
+    peer_table_address, local_experts = params.peer_table_address, params.local_experts
+    hidden, capacity, max_tokens = params.row_vectors * CHUNK, params.capacity, params.max_tokens
+    rank, world, top_k = params.rank, params.world, params.top_k
     tidx, bidx, grid, warp, lane = thread_position()
     peer_table = global_ptr(cutlass.Int64, peer_table_address, 8)
     valid_rows = cute.arch.load(
@@ -372,57 +340,29 @@ def combine_partial_kernel(
 def combine_partial(
     expert_out_address: cutlass.Int64,
     expert_offsets_address: cutlass.Int64,
-    row_sources_address: cutlass.Int64,
-    pair_rows_address: cutlass.Int64,
-    pair_weights_address: cutlass.Int64,
-    peer_table_address: cutlass.Int64,
-    local_experts: cutlass.Int32,
-    hidden: cutlass.Int32,
-    capacity: cutlass.Int32,
-    max_tokens: cutlass.Int32,
-    rank: cutlass.Int32,
-    world: cutlass.Int32,
-    top_k: cutlass.Constexpr,
-    grid: cutlass.Constexpr,
+    params: EpParams,
     unroll: cutlass.Constexpr,
     stream,
 ):
-    combine_partial_kernel(
-        expert_out_address,
-        expert_offsets_address,
-        row_sources_address,
-        pair_rows_address,
-        pair_weights_address,
-        peer_table_address,
-        local_experts,
-        hidden,
-        capacity,
-        max_tokens,
-        rank,
-        world,
-        top_k,
-        unroll,
-    ).launch(grid=[grid, 1, 1], block=[PUSH_WARPS * 32, 1, 1], stream=stream)
+    combine_partial_kernel(expert_out_address, expert_offsets_address, params, unroll).launch(
+        grid=[params.grid, 1, 1], block=[PUSH_WARPS * 32, 1, 1], stream=stream
+    )
 
 
 @cute.kernel
 def combine_partial_sum_kernel(
-    partials_address: cutlass.Int64,
     expert_of_pair_address: cutlass.Int64,
     y_address: cutlass.Int64,
-    signals_address: cutlass.Int64,
-    epoch_address: cutlass.Int64,
-    status_address: cutlass.Int64,
     tokens: cutlass.Int32,
-    hidden: cutlass.Int32,
-    world: cutlass.Int32,
-    local_experts: cutlass.Int32,
-    max_tokens: cutlass.Int32,
-    adds_per_epoch: cutlass.Int32,
-    timeout_ns: cutlass.Int64,
-    top_k: cutlass.Constexpr,
+    params: EpParams,
     unroll: cutlass.Constexpr,
 ):
+    partials_address = own_address(params, BUFFER_PARTIALS)
+    signals_address = own_address(params, BUFFER_SIGNALS)
+    epoch_address, status_address = params.epoch_address, params.status_address
+    hidden, world, local_experts = params.row_vectors * CHUNK, params.world, params.local_experts
+    max_tokens, timeout_ns, top_k = params.max_tokens, params.timeout_ns, params.top_k
+    adds_per_epoch = params.grid  # every owner's CTAs add once each
     tidx, bidx, grid, warp, lane = thread_position()
     epoch = cute.arch.load(global_ptr(cutlass.Int64, epoch_address, 8), cutlass.Int64)
     wait_for_every_source(
@@ -471,38 +411,13 @@ def combine_partial_sum_kernel(
 
 @cute.jit
 def combine_partial_sum(
-    partials_address: cutlass.Int64,
     expert_of_pair_address: cutlass.Int64,
     y_address: cutlass.Int64,
-    signals_address: cutlass.Int64,
-    epoch_address: cutlass.Int64,
-    status_address: cutlass.Int64,
     tokens: cutlass.Int32,
-    hidden: cutlass.Int32,
-    world: cutlass.Int32,
-    local_experts: cutlass.Int32,
-    max_tokens: cutlass.Int32,
-    adds_per_epoch: cutlass.Int32,
-    timeout_ns: cutlass.Int64,
-    top_k: cutlass.Constexpr,
-    grid: cutlass.Constexpr,
+    params: EpParams,
     unroll: cutlass.Constexpr,
     stream,
 ):
-    combine_partial_sum_kernel(
-        partials_address,
-        expert_of_pair_address,
-        y_address,
-        signals_address,
-        epoch_address,
-        status_address,
-        tokens,
-        hidden,
-        world,
-        local_experts,
-        max_tokens,
-        adds_per_epoch,
-        timeout_ns,
-        top_k,
-        unroll,
-    ).launch(grid=[grid, 1, 1], block=[PARTIAL_SUM_WARPS * 32, 1, 1], stream=stream)
+    combine_partial_sum_kernel(expert_of_pair_address, y_address, tokens, params, unroll).launch(
+        grid=[params.grid, 1, 1], block=[PARTIAL_SUM_WARPS * 32, 1, 1], stream=stream
+    )

@@ -1,7 +1,8 @@
 """Expert-parallel dispatch over NVLink (sm_90a): after the count exchange and placement
 (ep_place.py), rows straight into the receiver's tight expert-major batch.
 
-Every argument is a device address or a scalar (no tensor conversion per call). Experts are
+Every argument is a device address, a scalar or the dispatcher's EpParams (ep_sync.py): no
+tensor conversion per call. Experts are
 owned in contiguous blocks: expert e lives on rank e // local_experts.
 
 dispatch_tokens (the staged dispatch, persistent grid, one launch after exchange_and_place;
@@ -26,7 +27,7 @@ dispatch_rows (the direct dispatch, persistent grid): one warp per (token, exper
 (rank, pair) at `dest_row[pair]` of the owner's batch for the combine and moves the token's row
 straight into the owner's batch row, so every pair's row crosses NVLink on its own. Each CTA then
 signals PHASE_ROWS on every peer once (a receiver waits for grid x epoch adds per source, in
-wait_phase). With `pair_tables` (for the partial-sum combine), a token's first pair for an owner
+wait_phase). With params.pair_weights (for the partial-sum combine), a token's first pair for an owner
 also writes the owner's table entries as dispatch_tokens does.
 
 Layouts: x [tokens, hidden] row-major; expert_of_pair, dest_row int32 [tokens x top_k] in
@@ -37,6 +38,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass._mlir import ir
 
+from .ep_place import pairs_of_source_offset
 from .ep_sync import (
     BUFFER_ARRIVED,
     BUFFER_PAIR_ROWS,
@@ -46,6 +48,7 @@ from .ep_sync import (
     BUFFER_SIGNALS,
     BUFFER_STAGED,
     PHASE_ROWS,
+    EpParams,
     global_ptr,
     peer_address,
     signal_peer,
@@ -113,19 +116,18 @@ def dispatch_rows_kernel(
     x_address: cutlass.Int64,
     expert_of_pair_address: cutlass.Int64,
     dest_row_address: cutlass.Int64,
-    peer_table_address: cutlass.Int64,
-    num_pairs: cutlass.Int32,
-    top_k: cutlass.Int32,
-    local_experts: cutlass.Int32,
-    row_vectors: cutlass.Int32,
-    capacity: cutlass.Int32,
-    rank: cutlass.Int32,
-    world: cutlass.Int32,
-    max_tokens: cutlass.Int32,
     weights_address: cutlass.Int64,
-    pair_tables: cutlass.Int32,
+    num_pairs: cutlass.Int32,
+    params: EpParams,
     unroll: cutlass.Constexpr,
 ):
+    peer_table_address, top_k, local_experts = (
+        params.peer_table_address,
+        params.top_k,
+        params.local_experts,
+    )
+    row_vectors, capacity, max_tokens = params.row_vectors, params.capacity, params.max_tokens
+    rank, world, pair_tables = params.rank, params.world, params.pair_weights
     tidx, bidx, grid, warp, lane = thread_position()
     peer_table = global_ptr(cutlass.Int64, peer_table_address, 8)
     expert_of_pair = global_ptr(cutlass.Int32, expert_of_pair_address, 4)
@@ -183,18 +185,9 @@ def dispatch_rows(
     x_address: cutlass.Int64,
     expert_of_pair_address: cutlass.Int64,
     dest_row_address: cutlass.Int64,
-    peer_table_address: cutlass.Int64,
-    num_pairs: cutlass.Int32,
-    top_k: cutlass.Int32,
-    local_experts: cutlass.Int32,
-    row_vectors: cutlass.Int32,
-    capacity: cutlass.Int32,
-    rank: cutlass.Int32,
-    world: cutlass.Int32,
-    max_tokens: cutlass.Int32,
     weights_address: cutlass.Int64,
-    pair_tables: cutlass.Int32,
-    grid: cutlass.Constexpr,
+    num_pairs: cutlass.Int32,
+    params: EpParams,
     unroll: cutlass.Constexpr,
     stream,
 ):
@@ -202,19 +195,11 @@ def dispatch_rows(
         x_address,
         expert_of_pair_address,
         dest_row_address,
-        peer_table_address,
-        num_pairs,
-        top_k,
-        local_experts,
-        row_vectors,
-        capacity,
-        rank,
-        world,
-        max_tokens,
         weights_address,
-        pair_tables,
+        num_pairs,
+        params,
         unroll,
-    ).launch(grid=[grid, 1, 1], block=[ROWS_WARPS * 32, 1, 1], stream=stream)
+    ).launch(grid=[params.grid, 1, 1], block=[ROWS_WARPS * 32, 1, 1], stream=stream)
 
 
 @cute.jit
@@ -299,22 +284,20 @@ def dispatch_tokens_kernel(
     expert_of_pair_address: cutlass.Int64,
     dest_row_address: cutlass.Int64,
     weights_address: cutlass.Int64,
-    pairs_of_source_address: cutlass.Int64,
-    peer_table_address: cutlass.Int64,
-    epoch_address: cutlass.Int64,
-    status_address: cutlass.Int64,
     tokens: cutlass.Int32,
-    local_experts: cutlass.Int32,
-    row_vectors: cutlass.Int32,
-    capacity: cutlass.Int32,
-    rank: cutlass.Int32,
-    world: cutlass.Int32,
-    max_tokens: cutlass.Int32,
-    pair_weights: cutlass.Int32,
-    timeout_ns: cutlass.Int64,
-    top_k: cutlass.Constexpr,
+    params: EpParams,
     unroll: cutlass.Constexpr,
 ):
+    peer_table_address, epoch_address = params.peer_table_address, params.epoch_address
+    status_address, timeout_ns = params.status_address, params.timeout_ns
+    local_experts, row_vectors, capacity = params.local_experts, params.row_vectors, params.capacity
+    rank, world, max_tokens = params.rank, params.world, params.max_tokens
+    pair_weights, top_k = params.pair_weights, params.top_k
+    # the placement's per-source pair counts of this epoch
+    pairs_of_source_address = (
+        params.placement_scratch_address
+        + cutlass.Int64(pairs_of_source_offset(params.num_experts)) * 4
+    )
     tidx, bidx, grid, warp, lane = thread_position()
     # the first SEND_WARPS warps of each CTA send this rank's tokens, the others expand the
     # tokens that land here, so the local expansion overlaps the NVLink traffic; sender (or
@@ -470,42 +453,11 @@ def dispatch_tokens(
     expert_of_pair_address: cutlass.Int64,
     dest_row_address: cutlass.Int64,
     weights_address: cutlass.Int64,
-    pairs_of_source_address: cutlass.Int64,
-    peer_table_address: cutlass.Int64,
-    epoch_address: cutlass.Int64,
-    status_address: cutlass.Int64,
     tokens: cutlass.Int32,
-    local_experts: cutlass.Int32,
-    row_vectors: cutlass.Int32,
-    capacity: cutlass.Int32,
-    rank: cutlass.Int32,
-    world: cutlass.Int32,
-    max_tokens: cutlass.Int32,
-    pair_weights: cutlass.Int32,
-    timeout_ns: cutlass.Int64,
-    top_k: cutlass.Constexpr,
-    grid: cutlass.Constexpr,
+    params: EpParams,
     unroll: cutlass.Constexpr,
     stream,
 ):
     dispatch_tokens_kernel(
-        x_address,
-        expert_of_pair_address,
-        dest_row_address,
-        weights_address,
-        pairs_of_source_address,
-        peer_table_address,
-        epoch_address,
-        status_address,
-        tokens,
-        local_experts,
-        row_vectors,
-        capacity,
-        rank,
-        world,
-        max_tokens,
-        pair_weights,
-        timeout_ns,
-        top_k,
-        unroll,
-    ).launch(grid=[grid, 1, 1], block=[TOKENS_WARPS * 32, 1, 1], stream=stream)
+        x_address, expert_of_pair_address, dest_row_address, weights_address, tokens, params, unroll
+    ).launch(grid=[params.grid, 1, 1], block=[TOKENS_WARPS * 32, 1, 1], stream=stream)

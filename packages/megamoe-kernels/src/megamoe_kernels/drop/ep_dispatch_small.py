@@ -7,7 +7,8 @@ that placement takes ~11 us, and the rows' transfer (~12 us) only starts after i
 go out as soon as the ids are on their way, and each owner ranks every source's pairs for its
 own experts itself, in shared memory, while the rows cross.
 
-dispatch_small (one CTA per SM, SMALL_WARPS warps; every argument a device address or a scalar):
+dispatch_small (one CTA per SM, SMALL_WARPS warps; every argument a device address, a scalar or
+the dispatcher's EpParams):
 1. CTA 0 loads this rank's expert ids (every load of a thread in flight at once) and writes
    them, with the pair count, into row `rank` of this epoch's half of every rank's ids buffer
    (this rank's too), each word tagged with the epoch (`ids_tag`): the tag tells the owner that
@@ -46,7 +47,7 @@ dispatches orders them as well; the ids path does not rely on it), a row per sou
 count as placed (IDS_COUNT_READ, for the expanders), then from word IDS_FIRST its tagged expert
 ids in pair order. A tagged word is the tag (`ids_tag`: a set top bit and the epoch's low 15
 bits) over a 16-bit value; the owner clears every word it reads, so a word left from an epoch
-32768 back never passes for this one's. 32-bit words: a 64-bit tagged variant (session 9) hit
+32768 back never passes for this one's. 32-bit words: a 64-bit tagged variant hit
 "Warp Illegal Address" on its reads of words a peer had written, a fault never explained.
 """
 
@@ -75,6 +76,7 @@ from .ep_sync import (
     BUFFER_STAGED,
     PHASE_COUNTS,
     PHASE_ROWS,
+    EpParams,
     count_on_peer,
     global_ptr,
     peer_address,
@@ -166,22 +168,16 @@ def dispatch_small_kernel(
     expert_of_pair_address: cutlass.Int64,
     weights_address: cutlass.Int64,
     expert_offsets_address: cutlass.Int64,
-    scratch_address: cutlass.Int64,
-    peer_table_address: cutlass.Int64,
-    epoch_address: cutlass.Int64,
-    status_address: cutlass.Int64,
     tokens: cutlass.Int32,
-    local_experts: cutlass.Int32,
-    row_vectors: cutlass.Int32,
-    capacity: cutlass.Int32,
-    rank: cutlass.Int32,
-    world: cutlass.Int32,
-    max_tokens: cutlass.Int32,
-    pair_weights: cutlass.Int32,
-    timeout_ns: cutlass.Int64,
-    top_k: cutlass.Constexpr,
+    params: EpParams,
     unroll: cutlass.Constexpr,
 ):
+    scratch_address = params.small_scratch_address
+    peer_table_address, epoch_address = params.peer_table_address, params.epoch_address
+    status_address, timeout_ns = params.status_address, params.timeout_ns
+    local_experts, row_vectors, capacity = params.local_experts, params.row_vectors, params.capacity
+    rank, world, max_tokens = params.rank, params.world, params.max_tokens
+    pair_weights, top_k = params.pair_weights, params.top_k
     tidx, bidx, grid, warp, lane = thread_position()
     smem = SmemAllocator()
     # every source's pairs (their local expert, then packed with their rank in their warp), each
@@ -603,21 +599,8 @@ def dispatch_small(
     expert_of_pair_address: cutlass.Int64,
     weights_address: cutlass.Int64,
     expert_offsets_address: cutlass.Int64,
-    scratch_address: cutlass.Int64,
-    peer_table_address: cutlass.Int64,
-    epoch_address: cutlass.Int64,
-    status_address: cutlass.Int64,
     tokens: cutlass.Int32,
-    local_experts: cutlass.Int32,
-    row_vectors: cutlass.Int32,
-    capacity: cutlass.Int32,
-    rank: cutlass.Int32,
-    world: cutlass.Int32,
-    max_tokens: cutlass.Int32,
-    pair_weights: cutlass.Int32,
-    timeout_ns: cutlass.Int64,
-    top_k: cutlass.Constexpr,
-    grid: cutlass.Constexpr,
+    params: EpParams,
     unroll: cutlass.Constexpr,
     stream,
 ):
@@ -626,19 +609,7 @@ def dispatch_small(
         expert_of_pair_address,
         weights_address,
         expert_offsets_address,
-        scratch_address,
-        peer_table_address,
-        epoch_address,
-        status_address,
         tokens,
-        local_experts,
-        row_vectors,
-        capacity,
-        rank,
-        world,
-        max_tokens,
-        pair_weights,
-        timeout_ns,
-        top_k,
+        params,
         unroll,
-    ).launch(grid=[grid, 1, 1], block=[SMALL_THREADS, 1, 1], stream=stream)
+    ).launch(grid=[params.grid, 1, 1], block=[SMALL_THREADS, 1, 1], stream=stream)

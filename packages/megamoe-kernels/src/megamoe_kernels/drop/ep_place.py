@@ -1,7 +1,8 @@
 """Expert-parallel dispatch, step 1 (sm_90a): exchange the per-expert counts and place every
 (token, expert) pair in its owner's batch.
 
-Every argument is a device address or a scalar (no tensor conversion per call). Experts are
+Every argument is a device address, a scalar or the dispatcher's EpParams (ep_sync.py): no
+tensor conversion per call. Experts are
 owned in contiguous blocks: expert e lives on rank e // local_experts.
 
 exchange_and_place (a grid of up to PLACE_MAX_CTAS CTAs of PLACE_WARPS warps, one warp per
@@ -41,6 +42,7 @@ from .ep_sync import (
     BUFFER_COUNTS,
     BUFFER_SIGNALS,
     PHASE_COUNTS,
+    EpParams,
     global_ptr,
     peer_address,
     record_timeout,
@@ -118,18 +120,14 @@ def exchange_and_place_kernel(
     expert_of_pair_address: cutlass.Int64,
     dest_row_address: cutlass.Int64,
     expert_offsets_address: cutlass.Int64,
-    scratch_address: cutlass.Int64,
-    peer_table_address: cutlass.Int64,
-    epoch_address: cutlass.Int64,
-    status_address: cutlass.Int64,
     num_pairs: cutlass.Int32,
-    rank: cutlass.Int32,
-    world: cutlass.Int32,
-    num_experts: cutlass.Int32,
-    local_experts: cutlass.Int32,
-    capacity: cutlass.Int32,
-    timeout_ns: cutlass.Int64,
+    params: EpParams,
 ):
+    scratch_address = params.placement_scratch_address
+    peer_table_address, epoch_address = params.peer_table_address, params.epoch_address
+    status_address, timeout_ns = params.status_address, params.timeout_ns
+    rank, world, capacity = params.rank, params.world, params.capacity
+    num_experts, local_experts = params.num_experts, params.local_experts
     tidx, bidx, grid, warp, lane = thread_position()
     smem = SmemAllocator()
     # per-warp counters, then prefixes, per expert; each expert's total and first row
@@ -297,23 +295,14 @@ def exchange_and_place(
     expert_of_pair_address: cutlass.Int64,
     dest_row_address: cutlass.Int64,
     expert_offsets_address: cutlass.Int64,
-    scratch_address: cutlass.Int64,
-    peer_table_address: cutlass.Int64,
-    epoch_address: cutlass.Int64,
-    status_address: cutlass.Int64,
     num_pairs: cutlass.Int32,
-    rank: cutlass.Int32,
-    world: cutlass.Int32,
-    num_experts: cutlass.Int32,
-    local_experts: cutlass.Int32,
-    capacity: cutlass.Int32,
-    timeout_ns: cutlass.Int64,
+    params: EpParams,
     stream,
 ):
     # a warp per group of 32 pairs, as many CTAs as that fills; at least a warp per expert, so
     # the scan of step 3 takes one expert per warp, not several one after another
     grid = (num_pairs + PLACE_THREADS - 1) // PLACE_THREADS
-    expert_ctas = (num_experts + PLACE_WARPS - 1) // PLACE_WARPS
+    expert_ctas = (params.num_experts + PLACE_WARPS - 1) // PLACE_WARPS
     if grid < expert_ctas:
         grid = expert_ctas
     if grid > PLACE_MAX_CTAS:
@@ -321,18 +310,5 @@ def exchange_and_place(
     if grid < 1:
         grid = 1
     exchange_and_place_kernel(
-        expert_of_pair_address,
-        dest_row_address,
-        expert_offsets_address,
-        scratch_address,
-        peer_table_address,
-        epoch_address,
-        status_address,
-        num_pairs,
-        rank,
-        world,
-        num_experts,
-        local_experts,
-        capacity,
-        timeout_ns,
+        expert_of_pair_address, dest_row_address, expert_offsets_address, num_pairs, params
     ).launch(grid=[grid, 1, 1], block=[PLACE_THREADS, 1, 1], stream=stream)

@@ -16,7 +16,13 @@ carries on, so a lost peer turns into an error message instead of a hung job.
 
 Signal block layout (int64 [NUM_PHASES, world]): slot [phase, source].
 Peer tables: int64 [buffers, world] of addresses, row b = buffer b as each peer maps it.
+
+Every kernel takes an EpParams (what stays the same from call to call: the peer table, the epoch,
+the status block, the group and the static sizes) after its per-call arguments.
 """
+
+import dataclasses
+import functools
 
 import cutlass
 import cutlass.cute as cute
@@ -47,6 +53,81 @@ BUFFER_IDS = 10  # int32 [2 x world, 4 + max_tokens x top_k] (ep_dispatch_small)
 NUM_BUFFERS = 11
 
 
+@dataclasses.dataclass(frozen=True)
+class EpParams:
+    """The arguments every expert-parallel kernel of one dispatcher takes alike, built once
+    (a CuTe DSL JIT argument: its runtime fields are passed by value, in field order; the
+    Constexpr fields are compile-time constants).
+
+    peer_table_address: int64 [NUM_BUFFERS, world], row b = buffer b as each peer maps it
+    epoch_address: int64 [1], this rank's epoch (bumped by the dispatch)
+    status_address: int64 [STATUS_WORDS], host-mapped: where a timeout is recorded
+    placement_scratch_address: int32 scratch of exchange_and_place (ep_place.scratch_words),
+        zeroed once; dispatch_tokens reads its per-source pair counts
+    small_scratch_address: int32 [SMALL_SCRATCH_WORDS] of dispatch_small, zeroed once
+    timeout_ns: how long a wait spins before it records a timeout
+    rank, world: this rank and the ranks of the group
+    num_experts, local_experts: experts in all and per rank (expert e on rank e // local_experts)
+    capacity: rows of each rank's batch (rows at or past it are dropped)
+    max_tokens: tokens per rank and call, at most (the staged and returned buffers' rows)
+    row_vectors: 16-byte vectors of a token row (bf16: hidden / 8)
+    pair_weights: 1 when the partial-sum combine follows: the dispatch writes each pair's
+        routing weight (and dispatch_rows its batch row) into its owner's pair tables
+    top_k: experts per token
+    grid: CTAs of the persistent kernels, the same on every rank: a receiver waits for `grid`
+        adds per source and phase
+    """
+
+    peer_table_address: cutlass.Int64
+    epoch_address: cutlass.Int64
+    status_address: cutlass.Int64
+    placement_scratch_address: cutlass.Int64
+    small_scratch_address: cutlass.Int64
+    timeout_ns: cutlass.Int64
+    rank: cutlass.Int32
+    world: cutlass.Int32
+    num_experts: cutlass.Int32
+    local_experts: cutlass.Int32
+    capacity: cutlass.Int32
+    max_tokens: cutlass.Int32
+    row_vectors: cutlass.Int32
+    pair_weights: cutlass.Int32
+    top_k: cutlass.Constexpr
+    grid: cutlass.Constexpr
+
+    def _runtime_fields(self):
+        return [f for f in dataclasses.fields(self) if f.type is not cutlass.Constexpr]
+
+    def _runtime_values(self):
+        """Each runtime field as its DSL integer (host ints wrapped, traced values as they are)."""
+        values = []
+        for field in self._runtime_fields():
+            value = getattr(self, field.name)
+            values.append(field.type(value) if isinstance(value, int) else value)
+        return values
+
+    @functools.cached_property
+    def _host_pointers(self):
+        return [pointer for value in self._runtime_values() for pointer in value.__c_pointers__()]
+
+    def __c_pointers__(self):
+        # a host-side EpParams never changes: its values are converted once, not per launch
+        return self._host_pointers
+
+    def __get_mlir_types__(self):
+        return [field.type.mlir_type for field in self._runtime_fields()]
+
+    def __extract_mlir_values__(self):
+        return cutlass.extract_mlir_values(self._runtime_values())
+
+    def __new_from_mlir_values__(self, values):
+        fields = self._runtime_fields()
+        traced = {
+            field.name: field.type(value) for field, value in zip(fields, values, strict=True)
+        }
+        return dataclasses.replace(self, **traced)
+
+
 def global_ptr(dtype, address, align):
     return cute.make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
 
@@ -54,6 +135,12 @@ def global_ptr(dtype, address, align):
 def peer_address(peer_table, buffer, world, peer):
     """Address of `buffer` on `peer`, read from the int64 peer table."""
     return cute.arch.load(peer_table + (buffer * world + peer), cutlass.Int64)
+
+
+def own_address(params, buffer):
+    """This rank's address of symmetric `buffer`, from the peer table of `params` (EpParams)."""
+    peer_table = global_ptr(cutlass.Int64, params.peer_table_address, 8)
+    return peer_address(peer_table, buffer, params.world, params.rank)
 
 
 @cute.jit
@@ -150,39 +237,21 @@ def wait_for_every_source(
 
 
 @cute.kernel
-def wait_phase_kernel(
-    signals_address: cutlass.Int64,
-    epoch_address: cutlass.Int64,
-    status_address: cutlass.Int64,
-    world: cutlass.Int32,
-    phase: cutlass.Int32,
-    adds_per_epoch: cutlass.Int32,
-    timeout_ns: cutlass.Int64,
-):
-    """One CTA: thread s waits for source s's adds of this epoch in `phase`."""
-    epoch = cute.arch.load(global_ptr(cutlass.Int64, epoch_address, 8), cutlass.Int64)
+def wait_phase_kernel(phase: cutlass.Int32, params: EpParams):
+    """One CTA: thread s waits for source s's adds of this epoch in `phase` (one per CTA of the
+    source's kernel: params.grid)."""
+    epoch = cute.arch.load(global_ptr(cutlass.Int64, params.epoch_address, 8), cutlass.Int64)
     wait_for_every_source(
-        signals_address, status_address, world, phase, epoch, adds_per_epoch, timeout_ns
+        own_address(params, BUFFER_SIGNALS),
+        params.status_address,
+        params.world,
+        phase,
+        epoch,
+        params.grid,
+        params.timeout_ns,
     )
 
 
 @cute.jit
-def wait_phase(
-    signals_address: cutlass.Int64,
-    epoch_address: cutlass.Int64,
-    status_address: cutlass.Int64,
-    world: cutlass.Int32,
-    phase: cutlass.Int32,
-    adds_per_epoch: cutlass.Int32,
-    timeout_ns: cutlass.Int64,
-    stream,
-):
-    wait_phase_kernel(
-        signals_address,
-        epoch_address,
-        status_address,
-        world,
-        phase,
-        adds_per_epoch,
-        timeout_ns,
-    ).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
+def wait_phase(phase: cutlass.Int32, params: EpParams, stream):
+    wait_phase_kernel(phase, params).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)

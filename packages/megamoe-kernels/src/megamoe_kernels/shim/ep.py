@@ -1,60 +1,148 @@
 """Stable API of the expert-parallel communication kernels: compile cache and launchers.
 
-The kernels (drop/ep_sync.py, ep_place.py, ep_dispatch.py, ep_combine.py) take device addresses
-and scalars only, so a launch converts no tensors: each compiled function is cached by its
-compile-time constants (top_k, grid) and called with ints on PyTorch's current stream, which
-CUDA-graph capture records. The symmetric buffers and their peer table come from the caller (the runtime's
-workspace); see drop/ep_sync.py for the buffer, signal and status layouts.
+Every kernel (drop/ep_sync.py, ep_place.py, ep_dispatch.py, ep_dispatch_small.py, ep_combine.py)
+takes its per-call arguments (device addresses and counts), then the dispatcher's `EpParams`
+(the peer table, epoch, status, group and static sizes: built once per workspace binding), then
+its compile-time constants. So a launch converts no tensors: each compiled function is cached by
+its constants (top_k, grid, unroll) and called with ints on PyTorch's current stream, which
+CUDA-graph capture records. The symmetric buffers and their peer table come from the caller (the
+runtime's workspace); see drop/ep_sync.py for the buffer, signal and status layouts.
+
+Each launcher is declared once: `@_ep_kernel` names its drop kernel and how its compile-time
+constants derive from the EpParams, its keyword-only parameters are the per-call arguments in the
+drop's order, and its body checks them. The compiled signature's integer types come from the
+drop's annotations, and the audit table's entries (`audit_entries`) from the same declarations.
 
 `compile_all` compiles every kernel without a GPU (CUTE_DSL_ARCH=sm_90a), for CI.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib
+import inspect
 import os
 import threading
+from collections.abc import Callable
 
 import torch
 
 _COMPILED: dict[tuple, object] = {}
 _COMPILE_LOCK = threading.Lock()
 
-# kernel name -> (drop module, function, signature of runtime arguments: "i64" | "i32")
-_KERNELS = {
-    "wait_phase": ("ep_sync", "wait_phase", ("i64",) * 3 + ("i32",) * 3 + ("i64",)),
-    "exchange_and_place": (
-        "ep_place",
-        "exchange_and_place",
-        ("i64",) * 7 + ("i32",) * 6 + ("i64",),
-    ),
-    "dispatch_rows": (
-        "ep_dispatch",
-        "dispatch_rows",
-        ("i64",) * 4 + ("i32",) * 8 + ("i64", "i32"),
-    ),
-    "dispatch_tokens": (
-        "ep_dispatch",
-        "dispatch_tokens",
-        ("i64",) * 8 + ("i32",) * 8 + ("i64",),
-    ),
-    "dispatch_small": (
-        "ep_dispatch_small",
-        "dispatch_small",
-        ("i64",) * 8 + ("i32",) * 8 + ("i64",),
-    ),
-    "combine_push": ("ep_combine", "combine_push", ("i64",) * 4 + ("i32",) * 5),
-    "combine_partial": ("ep_combine", "combine_partial", ("i64",) * 6 + ("i32",) * 6),
-    "combine_partial_sum": (
-        "ep_combine",
-        "combine_partial_sum",
-        ("i64",) * 6 + ("i32",) * 6 + ("i64",),
-    ),
-    "combine_reduce": (
-        "ep_combine",
-        "combine_reduce",
-        ("i64",) * 6 + ("i32",) * 4 + ("i64",),
-    ),
-}
+
+@dataclasses.dataclass(frozen=True)
+class EpParams:
+    """What every expert-parallel kernel of one dispatcher takes alike, built once per workspace
+    binding: the host-side twin of the drop's ep_sync.EpParams (same fields; the audit checks).
+
+    Addresses: `peer_table_address` (int64 [buffers, world], layout()), `epoch_address` (int64
+    [1]), `status_address` (int64 [status words], host-mapped), `placement_scratch_address`
+    (int32 [placement_scratch_words], zeroed once) and `small_scratch_address` (int32
+    [small_dispatch_limits()["scratch_words"]], zeroed once; 0 when the small dispatch is not
+    used). Sizes: this `rank` of `world`, `num_experts` in all and `local_experts` per rank,
+    `capacity` batch rows, at most `max_tokens` tokens per rank and call of `row_vectors` 16-byte
+    vectors each, `top_k` experts per token; `pair_weights`: the partial-sum combine follows (the
+    dispatch fills its pair tables); `timeout_ns` per wait; `grid` CTAs per persistent kernel,
+    the same on every rank.
+    """
+
+    peer_table_address: int
+    epoch_address: int
+    status_address: int
+    placement_scratch_address: int
+    small_scratch_address: int
+    timeout_ns: int
+    rank: int
+    world: int
+    num_experts: int
+    local_experts: int
+    capacity: int
+    max_tokens: int
+    row_vectors: int
+    pair_weights: bool
+    top_k: int
+    grid: int
+
+    def __post_init__(self) -> None:
+        positive = ("world", "local_experts", "capacity", "max_tokens", "row_vectors", "top_k")
+        for name in (*positive, "grid"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EpParams.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"EpParams.rank must be in [0, world={self.world}), got {self.rank}")
+        if self.num_experts != self.local_experts * self.world:
+            raise ValueError(
+                f"EpParams.num_experts must be local_experts x world = "
+                f"{self.local_experts} x {self.world}, got {self.num_experts}"
+            )
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row_vectors * 16
+
+    @functools.cached_property
+    def drop_params(self):
+        """The drop's ep_sync.EpParams of these values (imports CuTe DSL)."""
+        from megamoe_kernels.drop import ep_sync
+
+        values = {field.name: int(getattr(self, field.name)) for field in dataclasses.fields(self)}
+        return ep_sync.EpParams(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpKernel:
+    """A drop kernel as the shim launches it: `function` of drop module `module`, called with
+    `arguments` (per call), the EpParams, then `constants` (compile time, each derived from the
+    EpParams), then the stream."""
+
+    module: str
+    function: str
+    arguments: tuple[str, ...]
+    constants: dict[str, Callable[[EpParams], int]]
+
+    @property
+    def drop_parameters(self) -> tuple[str, ...]:
+        return (*self.arguments, "params", *self.constants, "stream")
+
+
+KERNELS: dict[str, EpKernel] = {}
+
+
+def _ep_kernel(module: str, **constants: Callable[[EpParams], int]):
+    """Declares the decorated function as the launcher of drop kernel `module.<its name>`; see
+    the module docstring. The function's body checks the arguments before anything compiles."""
+
+    def declare(check: Callable[..., None]) -> Callable[..., None]:
+        parameters = inspect.signature(check).parameters.values()
+        arguments = tuple(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY)
+        kernel = EpKernel(module, check.__name__, arguments, constants)
+        KERNELS[kernel.function] = kernel
+
+        @functools.wraps(check)
+        def launch(params: EpParams, **call: int) -> None:
+            check(params, **call)
+            launcher = _compiled(kernel, params.top_k, params.grid, _constants(kernel, params))
+            launcher([call[name] for name in kernel.arguments], params.drop_params, _stream())
+
+        return launch
+
+    return declare
+
+
+def _constants(kernel: EpKernel, params: EpParams) -> tuple[int, ...]:
+    return tuple(derive(params) for derive in kernel.constants.values())
+
+
+def audit_entries() -> list[tuple[str, str, tuple[str, ...]]]:
+    """(drop module, function, parameters passed by position) of every kernel launched here."""
+    return [(k.module, k.function, k.drop_parameters) for k in KERNELS.values()]
+
+
+def params_fields() -> tuple[str, ...]:
+    """The fields of EpParams, which the drop's ep_sync.EpParams must take by keyword."""
+    return tuple(field.name for field in dataclasses.fields(EpParams))
 
 
 def _drop_constants():
@@ -94,8 +182,8 @@ def layout() -> dict[str, int]:
     }
 
 
-def _compiled(name: str, constants: tuple = (), *, fake: bool = False):
-    key = (name, constants, fake)
+def _compiled(kernel: EpKernel, top_k: int, grid: int, constants: tuple, *, fake: bool = False):
+    key = (kernel.function, top_k, grid, constants, fake)
     compiled = _COMPILED.get(key)
     if compiled is not None:
         return compiled
@@ -104,38 +192,56 @@ def _compiled(name: str, constants: tuple = (), *, fake: bool = False):
         if compiled is None:
             if not torch.cuda.is_available():
                 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-            import importlib
-
-            import cutlass
             import cutlass.cute as cute
             from cutlass.cute.runtime import make_fake_stream
 
-            module, function, signature = _KERNELS[name]
-            kernel = getattr(importlib.import_module(f"megamoe_kernels.drop.{module}"), function)
-            samples = [
-                cutlass.Int64(0) if kind == "i64" else cutlass.Int32(0) for kind in signature
-            ]
+            drop = importlib.import_module(f"megamoe_kernels.drop.{kernel.module}")
+            function = getattr(drop, kernel.function)
+            annotations = inspect.signature(function).parameters
+            types = [annotations[name].annotation for name in kernel.arguments]
+            sample = _sample_params(top_k=top_k, grid=grid).drop_params
             stream = make_fake_stream() if fake else _stream()
+            samples = [kind(0) for kind in types]
             compiled = _Launcher(
-                cute.compile(kernel, *samples, *constants, stream),
-                [cutlass.Int64 if kind == "i64" else cutlass.Int32 for kind in signature],
+                cute.compile(function, *samples, sample, *constants, stream), types
             )
             _COMPILED[key] = compiled
     return compiled
 
 
+def _sample_params(*, top_k: int, grid: int) -> EpParams:
+    """EpParams to compile with: only top_k and grid are compile-time, the rest any valid value."""
+    return EpParams(
+        peer_table_address=0,
+        epoch_address=0,
+        status_address=0,
+        placement_scratch_address=0,
+        small_scratch_address=0,
+        timeout_ns=0,
+        rank=0,
+        world=1,
+        num_experts=1,
+        local_experts=1,
+        capacity=1,
+        max_tokens=1,
+        row_vectors=1,
+        pair_weights=False,
+        top_k=top_k,
+        grid=grid,
+    )
+
+
 class _Launcher:
-    """A compiled kernel called with ints: wraps each in its declared cutlass integer type."""
+    """A compiled kernel called with ints: wraps each per-call value in the cutlass integer type
+    the drop declares for it."""
 
     def __init__(self, compiled, types):
         self.compiled = compiled
         self.types = types
 
-    def __call__(self, *args):
-        *scalars, stream = args
-        self.compiled(
-            *(kind(value) for kind, value in zip(self.types, scalars, strict=True)), stream
-        )
+    def __call__(self, values, params, stream):
+        arguments = (kind(value) for kind, value in zip(self.types, values, strict=True))
+        self.compiled(*arguments, params, stream)
 
 
 def copy_unroll(row_bytes: int) -> int:
@@ -162,24 +268,21 @@ def _stream():
 def compile_all(*, top_k: int, grid: int, row_bytes: int = 7168 * 2) -> int:
     """Compiles every kernel for (top_k, grid, row_bytes) without launching; returns how many
     are cached."""
-    unroll = copy_unroll(row_bytes)
-    _compiled("wait_phase", fake=True)
-    _compiled("exchange_and_place", fake=True)
-    _compiled("dispatch_rows", (grid, unroll), fake=True)
-    _compiled("dispatch_tokens", (top_k, grid, unroll), fake=True)
-    _compiled("dispatch_small", (top_k, grid, unroll), fake=True)
-    _compiled("combine_push", (grid, unroll), fake=True)
-    _compiled("combine_reduce", (top_k, grid), fake=True)
-    partial_unroll = combine_unroll(row_bytes // 2)
-    _compiled("combine_partial", (top_k, grid, partial_unroll), fake=True)
-    _compiled("combine_partial_sum", (top_k, grid, partial_unroll), fake=True)
+    params = dataclasses.replace(
+        _sample_params(top_k=top_k, grid=grid), row_vectors=row_bytes // 16
+    )
+    for kernel in KERNELS.values():
+        _compiled(kernel, top_k, grid, _constants(kernel, params), fake=True)
+    return len(_COMPILED)
+
+
+def cached_kernel_count() -> int:
     return len(_COMPILED)
 
 
 def placement_scratch_words(num_experts: int, world: int) -> int:
     """int32 words of the scratch exchange_and_place needs (zero it once when allocating: its
-    grid-barrier words start at 0 and return there); its per-source pair counts, which
-    dispatch_tokens reads, start at `pairs_of_source_offset`."""
+    grid-barrier words start at 0 and return there)."""
     from megamoe_kernels.drop import ep_place
 
     if num_experts > ep_place.PLACE_MAX_EXPERTS:
@@ -188,141 +291,6 @@ def placement_scratch_words(num_experts: int, world: int) -> int:
             f"got num_experts={num_experts}"
         )
     return ep_place.scratch_words(num_experts, world)
-
-
-def pairs_of_source_offset(num_experts: int) -> int:
-    """int32 word of the placement scratch where the per-source pair counts start."""
-    from megamoe_kernels.drop import ep_place
-
-    return ep_place.pairs_of_source_offset(num_experts)
-
-
-def exchange_and_place(
-    expert_of_pair_address: int,
-    dest_row_address: int,
-    expert_offsets_address: int,
-    scratch_address: int,
-    *,
-    peer_table_address: int,
-    epoch_address: int,
-    status_address: int,
-    num_pairs: int,
-    rank: int,
-    world: int,
-    num_experts: int,
-    local_experts: int,
-    capacity: int,
-    timeout_ns: int,
-) -> None:
-    """Bumps the epoch, counts pairs per expert, all-gathers the counts (int32 [world, E] on
-    every peer), waits, and writes each pair's row in its owner's batch (dest_row, int32 [P])
-    and this rank's expert_offsets (int32 [local_experts + 1])."""
-    _compiled("exchange_and_place")(
-        expert_of_pair_address,
-        dest_row_address,
-        expert_offsets_address,
-        scratch_address,
-        peer_table_address,
-        epoch_address,
-        status_address,
-        num_pairs,
-        rank,
-        world,
-        num_experts,
-        local_experts,
-        capacity,
-        timeout_ns,
-        _stream(),
-    )
-
-
-def dispatch_rows(
-    x_address: int,
-    expert_of_pair_address: int,
-    dest_row_address: int,
-    *,
-    peer_table_address: int,
-    num_pairs: int,
-    top_k: int,
-    local_experts: int,
-    row_bytes: int,
-    capacity: int,
-    rank: int,
-    world: int,
-    max_tokens: int,
-    weights_address: int = 0,
-    pair_tables: bool = False,
-    grid: int,
-) -> None:
-    """The direct dispatch: sends every pair's token row straight into its owner's batch row
-    with the pair's (rank, pair); signals each peer (wait_phase waits for them)."""
-    _compiled("dispatch_rows", (grid, copy_unroll(row_bytes)))(
-        x_address,
-        expert_of_pair_address,
-        dest_row_address,
-        peer_table_address,
-        num_pairs,
-        top_k,
-        local_experts,
-        row_bytes // 16,
-        capacity,
-        rank,
-        world,
-        max_tokens,
-        weights_address,
-        int(pair_tables),
-        _stream(),
-    )
-
-
-def dispatch_tokens(
-    x_address: int,
-    expert_of_pair_address: int,
-    dest_row_address: int,
-    weights_address: int,
-    *,
-    pairs_of_source_address: int,
-    peer_table_address: int,
-    epoch_address: int,
-    status_address: int,
-    tokens: int,
-    top_k: int,
-    local_experts: int,
-    row_bytes: int,
-    capacity: int,
-    rank: int,
-    world: int,
-    max_tokens: int,
-    pair_weights: bool,
-    timeout_ns: int,
-    grid: int,
-) -> None:
-    """The staged dispatch after exchange_and_place, in one kernel: each token row is read once
-    and written into this rank's batch rows and once into each other owner's staged rows (with
-    its table entries and a per-token flag); then each owner copies every arrived staged row into
-    its batch rows as its flag lands. Returns (on the stream) with this rank's batch complete."""
-    if world > 32:
-        raise ValueError(f"dispatch_tokens supports up to 32 ranks, got {world}")
-    _compiled("dispatch_tokens", (top_k, grid, copy_unroll(row_bytes)))(
-        x_address,
-        expert_of_pair_address,
-        dest_row_address,
-        weights_address,
-        pairs_of_source_address,
-        peer_table_address,
-        epoch_address,
-        status_address,
-        tokens,
-        local_experts,
-        row_bytes // 16,
-        capacity,
-        rank,
-        world,
-        max_tokens,
-        int(pair_weights),
-        timeout_ns,
-        _stream(),
-    )
 
 
 def small_dispatch_limits() -> dict[str, int]:
@@ -344,239 +312,158 @@ def ids_shape(world: int, max_tokens: int, top_k: int) -> tuple[int, int]:
     return ep_dispatch_small.ids_rows(world), ep_dispatch_small.ids_words(max_tokens, top_k)
 
 
+def _copy_unroll(params: EpParams) -> int:
+    return copy_unroll(params.row_bytes)
+
+
+def _combine_unroll(params: EpParams) -> int:
+    return combine_unroll(params.row_vectors * 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# The launchers: one per drop kernel, in the order a dispatch and a combine run them
+
+
+@_ep_kernel("ep_place")
+def exchange_and_place(
+    params: EpParams,
+    *,
+    expert_of_pair_address: int,
+    dest_row_address: int,
+    expert_offsets_address: int,
+    num_pairs: int,
+) -> None:
+    """Bumps the epoch, counts pairs per expert, all-gathers the counts (int32 [world, E] on
+    every peer), waits, and writes each pair's row in its owner's batch (dest_row, int32 [P])
+    and this rank's expert_offsets (int32 [local_experts + 1]); each source's pair count goes
+    to the placement scratch, for dispatch_tokens."""
+    if num_pairs < 0:
+        raise ValueError(f"num_pairs must be >= 0, got {num_pairs}")
+
+
+@_ep_kernel("ep_dispatch", unroll=_copy_unroll)
+def dispatch_rows(
+    params: EpParams,
+    *,
+    x_address: int,
+    expert_of_pair_address: int,
+    dest_row_address: int,
+    weights_address: int,
+    num_pairs: int,
+) -> None:
+    """The direct dispatch: sends every pair's token row straight into its owner's batch row
+    with the pair's (rank, pair); signals each peer (wait_phase waits for them)."""
+    if num_pairs < 0:
+        raise ValueError(f"num_pairs must be >= 0, got {num_pairs}")
+
+
+@_ep_kernel("ep_dispatch", unroll=_copy_unroll)
+def dispatch_tokens(
+    params: EpParams,
+    *,
+    x_address: int,
+    expert_of_pair_address: int,
+    dest_row_address: int,
+    weights_address: int,
+    tokens: int,
+) -> None:
+    """The staged dispatch after exchange_and_place, in one kernel: each token row is read once
+    and written into this rank's batch rows and once into each other owner's staged rows (with
+    its table entries and a per-token flag); then each owner copies every arrived staged row into
+    its batch rows as its flag lands. Returns (on the stream) with this rank's batch complete."""
+    if params.world > 32:
+        raise ValueError(f"dispatch_tokens supports up to 32 ranks, got {params.world}")
+    _check_tokens(tokens, params)
+
+
+@_ep_kernel("ep_dispatch_small", unroll=_copy_unroll)
 def dispatch_small(
+    params: EpParams,
+    *,
     x_address: int,
     expert_of_pair_address: int,
     weights_address: int,
     expert_offsets_address: int,
-    scratch_address: int,
-    *,
-    peer_table_address: int,
-    epoch_address: int,
-    status_address: int,
     tokens: int,
-    top_k: int,
-    local_experts: int,
-    row_bytes: int,
-    capacity: int,
-    rank: int,
-    world: int,
-    max_tokens: int,
-    pair_weights: bool,
-    timeout_ns: int,
-    grid: int,
 ) -> None:
     """The whole staged dispatch of a small batch in one kernel (instead of exchange_and_place
     and dispatch_tokens): each rank sends its expert ids and its token rows at once, and each
     owner places its own rows from every source's ids. Writes this rank's batch, its
     expert_offsets, the pair table and the rows' (source, pair) as the two-kernel dispatch does
     (no dest_row). Returns (on the stream) with this rank's batch complete."""
+    problems = small_dispatch_problems(
+        world=params.world,
+        max_tokens=params.max_tokens,
+        top_k=params.top_k,
+        local_experts=params.local_experts,
+        grid=params.grid,
+    )
+    if problems:
+        raise ValueError(f"dispatch_small cannot take this group: {'; '.join(problems)}")
+    _check_tokens(tokens, params)
+
+
+def small_dispatch_problems(
+    *, world: int, max_tokens: int, top_k: int, local_experts: int, grid: int
+) -> list[str]:
+    """Why dispatch_small cannot serve these sizes (empty when it can): its shared memory holds
+    every source's ids and a counter per (warp, local expert), and a source's ids row holds
+    max_tokens x top_k; beyond these the kernel would write past them."""
     from megamoe_kernels.drop import ep_dispatch_small as small
 
-    # its shared memory holds every source's ids and a counter per (warp, local expert), and a
-    # source's ids row holds max_tokens x top_k: beyond these the kernel would write past them
+    problems = []
     pairs = world * max_tokens * top_k
     if world > small.SMALL_MAX_RANKS:
-        raise ValueError(
-            f"dispatch_small supports up to {small.SMALL_MAX_RANKS} ranks, got {world}"
-        )
+        problems.append(f"it supports up to {small.SMALL_MAX_RANKS} ranks, got {world}")
     if pairs > small.SMALL_MAX_PAIRS:
-        raise ValueError(
-            f"dispatch_small takes world x max_tokens x top_k <= {small.SMALL_MAX_PAIRS} pairs, "
-            f"got {world} x {max_tokens} x {top_k} = {pairs}"
+        problems.append(
+            f"it takes world x max_tokens x top_k <= {small.SMALL_MAX_PAIRS} pairs, got "
+            f"{world} x {max_tokens} x {top_k} = {pairs}"
         )
     if local_experts > small.SMALL_MAX_LOCAL_EXPERTS:
-        raise ValueError(
-            f"dispatch_small supports up to {small.SMALL_MAX_LOCAL_EXPERTS} experts per rank, "
-            f"got local_experts={local_experts}"
+        problems.append(
+            f"it supports up to {small.SMALL_MAX_LOCAL_EXPERTS} experts per rank, got "
+            f"local_experts={local_experts}"
         )
-    if not 0 <= tokens <= max_tokens:
-        raise ValueError(f"tokens must be in [0, max_tokens={max_tokens}], got {tokens}")
     if grid < 2:
-        raise ValueError(f"dispatch_small needs a grid of at least 2 CTAs, got {grid}")
-    _compiled("dispatch_small", (top_k, grid, copy_unroll(row_bytes)))(
-        x_address,
-        expert_of_pair_address,
-        weights_address,
-        expert_offsets_address,
-        scratch_address,
-        peer_table_address,
-        epoch_address,
-        status_address,
-        tokens,
-        local_experts,
-        row_bytes // 16,
-        capacity,
-        rank,
-        world,
-        max_tokens,
-        int(pair_weights),
-        timeout_ns,
-        _stream(),
-    )
+        problems.append(f"it needs a grid of at least 2 CTAs, got {grid}")
+    return problems
 
 
-def wait_phase(
-    *,
-    signals_address: int,
-    epoch_address: int,
-    status_address: int,
-    world: int,
-    phase: int,
-    adds_per_epoch: int,
-    timeout_ns: int,
-) -> None:
-    """Waits (one CTA) until every source's adds of this epoch in `phase` arrived."""
-    _compiled("wait_phase")(
-        signals_address,
-        epoch_address,
-        status_address,
-        world,
-        phase,
-        adds_per_epoch,
-        timeout_ns,
-        _stream(),
-    )
+def _check_tokens(tokens: int, params: EpParams) -> None:
+    if not 0 <= tokens <= params.max_tokens:
+        raise ValueError(f"tokens must be in [0, max_tokens={params.max_tokens}], got {tokens}")
 
 
-def combine_push(
-    expert_out_address: int,
-    expert_offsets_address: int,
-    row_sources_address: int,
-    *,
-    peer_table_address: int,
-    local_experts: int,
-    row_bytes: int,
-    capacity: int,
-    rank: int,
-    world: int,
-    grid: int,
-) -> None:
+@_ep_kernel("ep_sync")
+def wait_phase(params: EpParams, *, phase: int) -> None:
+    """Waits (one CTA) until every source's adds of this epoch in `phase` arrived (one per CTA
+    of a grid of params.grid)."""
+    if phase not in phases().values():
+        raise ValueError(f"phase must be one of {phases()}, got {phase}")
+
+
+@_ep_kernel("ep_combine", unroll=_copy_unroll)
+def combine_push(params: EpParams, *, expert_out_address: int, expert_offsets_address: int) -> None:
     """Sends each valid batch row's output to its source's returned buffer; signals each peer."""
-    _compiled("combine_push", (grid, copy_unroll(row_bytes)))(
-        expert_out_address,
-        expert_offsets_address,
-        row_sources_address,
-        peer_table_address,
-        local_experts,
-        row_bytes // 16,
-        capacity,
-        rank,
-        world,
-        _stream(),
-    )
 
 
-def combine_reduce(
-    returned_address: int,
-    weights_address: int,
-    y_address: int,
-    *,
-    signals_address: int,
-    epoch_address: int,
-    status_address: int,
-    tokens: int,
-    hidden: int,
-    world: int,
-    adds_per_epoch: int,
-    timeout_ns: int,
-    top_k: int,
-    grid: int,
-) -> None:
+@_ep_kernel("ep_combine")
+def combine_reduce(params: EpParams, *, weights_address: int, y_address: int, tokens: int) -> None:
     """Waits for every owner's outputs, then y[t] = sum_k w[t, k] x returned[t, k] in k order."""
-    if hidden % 8:
-        raise ValueError(f"hidden must be a multiple of 8, got {hidden}")
-    _compiled("combine_reduce", (top_k, grid))(
-        returned_address,
-        weights_address,
-        y_address,
-        signals_address,
-        epoch_address,
-        status_address,
-        tokens,
-        hidden,
-        world,
-        adds_per_epoch,
-        timeout_ns,
-        _stream(),
-    )
+    _check_tokens(tokens, params)
 
 
-def cached_kernel_count() -> int:
-    return len(_COMPILED)
-
-
+@_ep_kernel("ep_combine", unroll=_combine_unroll)
 def combine_partial(
-    expert_out_address: int,
-    expert_offsets_address: int,
-    row_sources_address: int,
-    pair_rows_address: int,
-    pair_weights_address: int,
-    *,
-    peer_table_address: int,
-    local_experts: int,
-    hidden: int,
-    capacity: int,
-    max_tokens: int,
-    rank: int,
-    world: int,
-    top_k: int,
-    grid: int,
+    params: EpParams, *, expert_out_address: int, expert_offsets_address: int
 ) -> None:
     """On the owner: one weighted partial sum per (token, source) into the source's partials."""
-    if hidden % 8:
-        raise ValueError(f"hidden must be a multiple of 8, got {hidden}")
-    _compiled("combine_partial", (top_k, grid, combine_unroll(hidden)))(
-        expert_out_address,
-        expert_offsets_address,
-        row_sources_address,
-        pair_rows_address,
-        pair_weights_address,
-        peer_table_address,
-        local_experts,
-        hidden,
-        capacity,
-        max_tokens,
-        rank,
-        world,
-        _stream(),
-    )
 
 
+@_ep_kernel("ep_combine", unroll=_combine_unroll)
 def combine_partial_sum(
-    partials_address: int,
-    expert_of_pair_address: int,
-    y_address: int,
-    *,
-    signals_address: int,
-    epoch_address: int,
-    status_address: int,
-    tokens: int,
-    hidden: int,
-    world: int,
-    local_experts: int,
-    max_tokens: int,
-    adds_per_epoch: int,
-    timeout_ns: int,
-    top_k: int,
-    grid: int,
+    params: EpParams, *, expert_of_pair_address: int, y_address: int, tokens: int
 ) -> None:
     """On the source: waits for every owner, then sums each token's partials in rank order."""
-    if hidden % 8:
-        raise ValueError(f"hidden must be a multiple of 8, got {hidden}")
-    _compiled("combine_partial_sum", (top_k, grid, combine_unroll(hidden)))(
-        partials_address,
-        expert_of_pair_address,
-        y_address,
-        signals_address,
-        epoch_address,
-        status_address,
-        tokens,
-        hidden,
-        world,
-        local_experts,
-        max_tokens,
-        adds_per_epoch,
-        timeout_ns,
-        _stream(),
-    )
+    _check_tokens(tokens, params)

@@ -76,19 +76,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megamoe_runtime.dispatch.checks import (
+    check_expert_ids,
+    check_token_count,
+    check_top_k,
+    experts_per_rank,
+    validate_dispatch_inputs,
+)
 from megamoe_runtime.dispatch.deepep_buffers import (
     check_v1_low_latency_buffer,
     check_v1_normal_buffer,
     check_v2_buffer,
     deepep_api_of,
 )
-from megamoe_runtime.dispatch.local import (
-    check_expert_ids,
-    expert_major_order,
-    validate_dispatch_inputs,
-    weighted_sum_over_topk,
-)
-from megamoe_runtime.dispatch.torch_distributed import experts_per_rank
+from megamoe_runtime.dispatch.local import expert_major_order, weighted_sum_over_topk
 from megamoe_runtime.expert_batch import ExpertBatch
 
 MODES = ("normal", "low_latency")
@@ -319,12 +320,8 @@ class DeepEPDispatcher:
                 f"DeepEP dispatches bf16 tokens (fp8_dispatch=True sends them as FP8), got x of "
                 f"dtype {x_TH.dtype}: run the layer in bf16"
             )
-        if self.max_tokens_per_rank is not None and x_TH.shape[0] > self.max_tokens_per_rank:
-            raise ValueError(
-                f"{x_TH.shape[0]} tokens exceed max_tokens_per_rank={self.max_tokens_per_rank}, "
-                f"what the DeepEP buffer was sized for: send at most that many per call, or "
-                f"build a larger buffer and dispatcher"
-            )
+        if self.max_tokens_per_rank is not None:
+            check_token_count(x_TH.shape[0], self.max_tokens_per_rank, sized="the DeepEP buffer")
 
     def _checked_routing(
         self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor
@@ -333,11 +330,7 @@ class DeepEPDispatcher:
         after the shape and dtype checks (metadata only, unless check_ids)."""
         validate_dispatch_inputs(x_TH, topk_ids_TK, topk_weights_TK)
         self._check_tokens(x_TH)
-        if topk_ids_TK.shape[1] != self.top_k:
-            raise ValueError(
-                f"topk_ids has top_k {topk_ids_TK.shape[1]}; the dispatcher was built for "
-                f"top_k={self.top_k}"
-            )
+        check_top_k(topk_ids_TK, self.top_k)
         if self.check_ids:
             check_expert_ids(topk_ids_TK, self.num_experts)
         topk_idx_TK = topk_ids_TK.to(self.topk_idx_dtype).contiguous()
@@ -496,14 +489,12 @@ class DeepEPDispatcher:
         self,
         expert_out_MH: torch.Tensor,
         handle: DeepEPNormalHandle | DeepEPLowLatencyHandle,
-        *,
-        weights_applied: bool = False,
     ) -> torch.Tensor:
         """y_TH for this rank's tokens: each token's expert outputs weighted by its routing
         weights and summed (normal mode: k order per rank, then the ranks' partials; low
-        latency: k order on the source). `weights_applied`: the outputs already carry them."""
+        latency: k order on the source)."""
         if self.mode == "low_latency":
-            return self._combine_low_latency(expert_out_MH, handle, weights_applied)
+            return self._combine_low_latency(expert_out_MH, handle)
         if not isinstance(handle, DeepEPNormalHandle):
             raise TypeError(
                 f"handle must come from this dispatcher's dispatch, got {type(handle).__name__}"
@@ -516,7 +507,7 @@ class DeepEPDispatcher:
         partial_RH = weighted_sum_over_topk(
             expert_out_MH,
             handle.row_of_pair_RK,
-            None if weights_applied else handle.recv_topk_weights_RK,
+            handle.recv_topk_weights_RK,
             output_dtype=torch.bfloat16,
             pair_present_TK=handle.pair_present_RK,
         )
@@ -542,7 +533,7 @@ class DeepEPDispatcher:
         return combined_TH
 
     def _combine_low_latency(
-        self, expert_out_MH: torch.Tensor, handle: DeepEPLowLatencyHandle, weights_applied: bool
+        self, expert_out_MH: torch.Tensor, handle: DeepEPLowLatencyHandle
     ) -> torch.Tensor:
         if not isinstance(handle, DeepEPLowLatencyHandle):
             raise TypeError(
@@ -555,13 +546,10 @@ class DeepEPDispatcher:
                 f"expert_out must be bf16 {list(expected)} (the masked batch's rows), got "
                 f"{expert_out_MH.dtype} {list(expert_out_MH.shape)}"
             )
-        weights_TK = handle.topk_weights_TK
-        if weights_applied:
-            weights_TK = torch.ones_like(weights_TK)
         combined_TH, _, _ = self.buffer.low_latency_combine(
             expert_out_MH.contiguous().view(local, stride, self.hidden_size),
             handle.topk_idx_TK,
-            weights_TK,
+            handle.topk_weights_TK,
             handle.deep_handle,
             async_finish=False,
             return_recv_hook=False,

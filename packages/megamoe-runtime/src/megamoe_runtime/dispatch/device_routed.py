@@ -21,7 +21,7 @@ import importlib.util
 
 import torch
 
-from megamoe_runtime.dispatch.local import LocalHandle
+from megamoe_runtime.dispatch.local import LocalHandle, row_weights_of
 from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.routing import RouterConfig
 
@@ -208,6 +208,10 @@ class DeviceRoutedDispatcher:
             router_logits_TE,
             correction_bias_E=self._correction_bias(correction_bias_E),
         )
+
+    def row_weights(self, batch: ExpertBatch, handle: LocalHandle) -> torch.Tensor:
+        """Routing weight of every batch row (RowWeightsDispatcher)."""
+        return row_weights_of(batch, handle)
 
     def combine(
         self,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megamoe_runtime.dispatch.checks import check_expert_ids, validate_dispatch_inputs
 from megamoe_runtime.expert_batch import ExpertBatch
 
 
@@ -94,11 +95,8 @@ class LocalDispatcher:
         return self._boundaries_cache[1]
 
     def row_weights(self, batch: ExpertBatch, handle: LocalHandle) -> torch.Tensor:
-        """Routing weight of every batch row (float32, [capacity]), for kernels that apply the
-        weights in their epilogue; rows past the valid count get 0."""
-        weights_M = torch.zeros(batch.capacity, dtype=torch.float32, device=batch.rows_MH.device)
-        weights_M[handle.row_of_pair_TK.reshape(-1)] = handle.topk_weights_TK.reshape(-1).float()
-        return weights_M
+        """Routing weight of every batch row (RowWeightsDispatcher)."""
+        return row_weights_of(batch, handle)
 
     def combine(
         self, expert_out_MH: torch.Tensor, handle: LocalHandle, *, weights_applied: bool = False
@@ -109,6 +107,14 @@ class LocalDispatcher:
             None if weights_applied else handle.topk_weights_TK,
             output_dtype=handle.output_dtype,
         )
+
+
+def row_weights_of(batch: ExpertBatch, handle: LocalHandle) -> torch.Tensor:
+    """float32 [capacity]: the routing weight of every batch row of a one-GPU dispatch, 0 past
+    the valid rows."""
+    weights_M = torch.zeros(batch.capacity, dtype=torch.float32, device=batch.rows_MH.device)
+    weights_M[handle.row_of_pair_TK.reshape(-1)] = handle.topk_weights_TK.reshape(-1).float()
+    return weights_M
 
 
 def weighted_sum_over_topk(
@@ -212,35 +218,3 @@ def expert_offsets_from_ids(expert_of_pair: torch.Tensor, num_experts: int) -> t
     offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=expert_of_pair.device)
     torch.cumsum(counts_E, dim=0, dtype=torch.int32, out=offsets[1:])
     return offsets
-
-
-def validate_dispatch_inputs(
-    x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor
-) -> None:
-    if x_TH.dim() != 2:
-        raise ValueError(f"x must be 2-D [tokens, hidden], got shape {tuple(x_TH.shape)}")
-    if topk_ids_TK.dim() != 2 or topk_ids_TK.shape[0] != x_TH.shape[0]:
-        raise ValueError(
-            f"topk_ids must be [tokens={x_TH.shape[0]}, top_k], got shape {tuple(topk_ids_TK.shape)}"
-        )
-    if topk_ids_TK.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids_TK.dtype}")
-    if topk_weights_TK.shape != topk_ids_TK.shape:
-        raise ValueError(
-            f"topk_weights shape {tuple(topk_weights_TK.shape)} must equal topk_ids shape "
-            f"{tuple(topk_ids_TK.shape)}"
-        )
-    for name, tensor in (("topk_ids", topk_ids_TK), ("topk_weights", topk_weights_TK)):
-        if tensor.device != x_TH.device:
-            raise ValueError(f"{name} is on {tensor.device} but x is on {x_TH.device}")
-
-
-def check_expert_ids(topk_ids_TK: torch.Tensor, num_experts: int) -> None:
-    """Raises on an id outside [0, num_experts). Reads the data: a host sync."""
-    if topk_ids_TK.numel() == 0:
-        return
-    low, high = int(topk_ids_TK.min()), int(topk_ids_TK.max())
-    if low < 0 or high >= num_experts:
-        raise ValueError(
-            f"topk_ids must lie in [0, {num_experts}); found values in [{low}, {high}]"
-        )

@@ -3,29 +3,10 @@
 Shape legend: T tokens of this rank, K experts per token, H hidden size, E experts in all,
 L = E / W experts per rank, W world size, P = T x K pairs, M batch capacity.
 
-dispatch (no host sync; every step on the current stream, so a CUDA graph captures it):
-  1-3. kernel exchange_and_place (a warp per 32 pairs, up to 128 CTAs meeting at a grid-wide
-     barrier): per-expert counts of this rank's pairs, all-gathered into every rank's symmetric
-     counts (int32 [W, E]) with system-scope release/acquire signals; each pair's position
-     inside its expert in token order; then where each pair lands in its owner's batch
-     (expert-major, then source rank, then token order: the single-GPU order) and this rank's
-     expert_offsets over its L experts (dispatch/reference.py: count_pairs and place_pairs
-     are its pure-torch reference);
-  4. kernel dispatch_tokens (each CTA's warps split into senders and receivers, which run at
-     once): a sender warp per token reads its row once and writes it into this rank's batch
-     rows and once per other owner into that owner's staged rows (symmetric [W x max_tokens,
-     H]) with the owner's table entries (the token's batch rows there), then releases a
-     per-(source, token) flag there; each owner's receiver warps spin on those flags and copy
-     each staged row, as it lands, into all of the token's batch rows (symmetric rows [M, H]) in
-     local HBM, so the expansion overlaps the NVLink traffic. The kernel ends with the batch
-     complete. (stage_remote_rows=False: kernel dispatch_rows sends every pair's row over NVLink
-     straight into its batch row, then kernel wait_phase waits for every source.)
-combine:
-  5. kernel combine_push: every valid output row goes back to its source's returned buffer
-     (symmetric [max_tokens x K, H]) at its pair's slot;
-  6. kernel combine_reduce: waits for every owner, then y[t] = sum over k = 0..K-1 in that order
-     of weight[t, k] x returned[t x K + k] in fp32, each product rounded on its own: the
-     single-GPU combine's arithmetic, so EP=W and EP=1 agree bitwise on the same expert outputs.
+Every step runs on the current stream with no host sync, so a CUDA graph captures a dispatch and
+a combine. The dispatcher picks its dispatch and combine algorithms once, when it is built
+(dispatch/symmetric_algorithms.py says what each runs); the placement rule and the partial-sum
+arithmetic have pure-torch references in dispatch/reference.py.
 
 Buffers come from the process's pooled workspace (megamoe_runtime.workspace): layers share them
 (one dispatch/combine pair in flight per group at a time, as in a forward pass). Signals are
@@ -49,8 +30,19 @@ import torch
 import torch.distributed as dist
 from megamoe_kernels.shim import ep as ep_kernels
 
-from megamoe_runtime.dispatch.local import validate_dispatch_inputs
-from megamoe_runtime.dispatch.torch_distributed import experts_per_rank
+from megamoe_runtime.dispatch.checks import (
+    check_token_count,
+    check_top_k,
+    experts_per_rank,
+    validate_dispatch_inputs,
+)
+from megamoe_runtime.dispatch.symmetric_algorithms import (
+    CombineCall,
+    DispatchCall,
+    SymmetricSizes,
+    choose_combine,
+    choose_dispatch,
+)
 from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.workspace import workspace_for
 
@@ -75,26 +67,13 @@ class SymmetricDispatcher:
     rows (default W x max_tokens_per_rank x K, enough for any routing). Buffers are allocated
     collectively when the dispatcher is built: build the layers in the same order on every rank.
 
-    `stage_remote_rows` (default): a token crosses NVLink once per owner rank, into the owner's
-    staged rows, and the owner expands it into its batch rows locally as it lands (HBM is ~10x
-    NVLink); off, every (token, expert) pair's row crosses NVLink on its own, straight into the
-    batch (about 2x slower at top-8; kept as the simpler reference path).
-
-    `combine_partial_sums` (off by default): each owner sums its share of a token's top-k
-    (weights applied, fp32, k order) and one bf16 row per (token, owner) crosses NVLink instead
-    of one per pair; the source adds the owners' partials in rank order. Deterministic, up to K x
-    fewer combine bytes over NVLink (3.4x faster at 4096 tokens on 2 H200s), but not the
-    single-GPU summation order (one more bf16 rounding), so EP=W no longer equals EP=1 bitwise.
-    MegaMoEConfig(combine_order="owner_partials") selects it from the layer.
-
-    `small_batch` (staged only; by default on wherever its kernel fits: world x
-    max_tokens_per_rank x K <= 8192 pairs, e.g. 512 tokens per rank at top-8 on 2 ranks, and at
-    most 512 experts per rank): the dispatch is one kernel in which every rank sends its
-    epoch-tagged expert ids and its token rows at once and each owner places its own rows from
-    every source's ids, so the rows cross NVLink while the placement runs (on 2 H200s 22.3 us
-    against the two kernels' 35.0 at 128 tokens per rank, 52.8 against 57.9 at 512:
-    docs/expert-parallel.md). Every rank of the group must make the same choice: it depends
-    only on the static sizes.
+    The algorithms (dispatch/symmetric_algorithms.py), chosen here once: `stage_remote_rows`
+    (default; off: every pair's row crosses NVLink on its own, the direct dispatch) and
+    `small_batch` (None: the one-kernel small-batch dispatch wherever its kernel fits; True
+    insists, False refuses it) pick the dispatch; `combine_partial_sums` (off by default;
+    MegaMoEConfig(combine_order="owner_partials") selects it) the partial-sum combine instead
+    of the exact one, which is not the single-GPU summation order (one more bf16 rounding).
+    Every rank of the group makes the same choice: it depends only on the static sizes.
     """
 
     def __init__(
@@ -139,73 +118,58 @@ class SymmetricDispatcher:
         if self.capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.layer_name = layer_name
-        self.stage_remote_rows = stage_remote_rows
-        self.combine_partial_sums = combine_partial_sums
         if timeout_s is None:
             timeout_s = float(os.environ.get("MEGAMOE_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         self.timeout_s = timeout_s
         self.grid = torch.cuda.get_device_properties(device).multi_processor_count
-        self.small_batch = self._choose_small_batch(small_batch)
+        self.sizes = SymmetricSizes(
+            world=self.world_size,
+            num_experts=num_experts,
+            top_k=top_k,
+            hidden_size=hidden_size,
+            dtype=dtype,
+            max_tokens_per_rank=max_tokens_per_rank,
+            capacity=self.capacity,
+        )
+        self.dispatch_algorithm = choose_dispatch(
+            self.sizes, stage_remote_rows=stage_remote_rows, small_batch=small_batch, grid=self.grid
+        )
+        self.combine_algorithm = choose_combine(partial_sums=combine_partial_sums)
         self.workspace = workspace_for(process_group, device, pool=pool)
         # written by the kernels through the host mapping: (phase + 1, peer, epoch, observed)
         self.status = torch.zeros(
             ep_kernels.layout()["status_words"], dtype=torch.int64, pin_memory=True
         )
-        # zeroed once: the placement's grid-barrier words start at 0 and return there
+        # zeroed once: the placement's grid-barrier words and the small dispatch's words hold
+        # epochs and arrivals that return to their start state
         self.placement_scratch = torch.zeros(
             ep_kernels.placement_scratch_words(num_experts, self.world_size),
             dtype=torch.int32,
             device=device,
         )
-        # zeroed once: the small dispatch's words hold epochs and arrivals that return to 0
         self.small_scratch = torch.zeros(
             ep_kernels.small_dispatch_limits()["scratch_words"], dtype=torch.int32, device=device
         )
         self._bind()
 
-    def _choose_small_batch(self, requested: bool | None) -> bool:
-        limits = ep_kernels.small_dispatch_limits()
-        pairs = self.world_size * self.max_tokens_per_rank * self.top_k
-        fits = (
-            self.stage_remote_rows
-            and self.num_local_experts <= limits["max_local_experts"]
-            and pairs <= limits["max_pairs"]
-            and self.grid >= 2
-        )
-        if requested is None:
-            return fits
-        if requested and not fits:
-            raise ValueError(
-                f"small_batch=True needs stage_remote_rows=True, at most "
-                f"{limits['max_local_experts']} experts per rank and world x max_tokens_per_rank "
-                f"x top_k <= {limits['max_pairs']}, got stage_remote_rows="
-                f"{self.stage_remote_rows}, {self.num_local_experts} experts per rank and "
-                f"{self.world_size} x {self.max_tokens_per_rank} x {self.top_k} = {pairs}"
-            )
-        return requested
-
     def _bind(self) -> None:
-        """(Re)fetches the pooled buffers and the peer table; collective when they grow."""
-        layout, world, workspace = ep_kernels.layout(), self.world_size, self.workspace
+        """(Re)fetches the pooled buffers and the peer table, and builds the kernels' EpParams;
+        collective when the buffers grow."""
+        layout, world, workspace, sizes = (
+            ep_kernels.layout(),
+            self.world_size,
+            self.workspace,
+            self.sizes,
+        )
         shapes = {
             "counts": ((world, self.num_experts), torch.int32),
             "signals": ((layout["num_phases"], world), torch.int64),
             "rows": ((self.capacity, self.hidden_size), self.dtype),
             "row_sources": ((self.capacity, 2), torch.int32),
             "returned": ((self.max_tokens_per_rank * self.top_k, self.hidden_size), self.dtype),
+            **self.dispatch_algorithm.buffer_shapes(sizes),
+            **self.combine_algorithm.buffer_shapes(sizes),
         }
-        slots = world * self.max_tokens_per_rank
-        if self.stage_remote_rows:
-            shapes["staged"] = ((slots, self.hidden_size), self.dtype)
-            shapes["arrived"] = ((slots,), torch.int64)
-        if self.stage_remote_rows or self.combine_partial_sums:
-            shapes["pair_rows"] = ((slots * self.top_k,), torch.int32)
-        if self.small_batch:
-            ids_shape = ep_kernels.ids_shape(world, self.max_tokens_per_rank, self.top_k)
-            shapes["ids"] = (ids_shape, torch.int32)
-        if self.combine_partial_sums:
-            shapes["pair_weights"] = ((slots * self.top_k,), torch.float32)
-            shapes["partials"] = ((slots, self.hidden_size), self.dtype)
         # separate from the signals: each rank bumps its own epoch copy, nobody else writes it
         self.epoch = workspace.buffer("ep.epoch", (1,), torch.int64)
         self.buffers = {
@@ -216,6 +180,24 @@ class SymmetricDispatcher:
         for name in shapes:
             table_WW[layout[name]] = workspace.peer_addresses(f"ep.{name}")
         self.peer_table = table_WW
+        self.kernel_params = ep_kernels.EpParams(
+            peer_table_address=table_WW.data_ptr(),
+            epoch_address=self.epoch.data_ptr(),
+            status_address=self.status.data_ptr(),
+            placement_scratch_address=self.placement_scratch.data_ptr(),
+            small_scratch_address=self.small_scratch.data_ptr(),
+            timeout_ns=int(self.timeout_s * 1e9),
+            rank=self.rank,
+            world=world,
+            num_experts=self.num_experts,
+            local_experts=self.num_local_experts,
+            capacity=self.capacity,
+            max_tokens=self.max_tokens_per_rank,
+            row_vectors=self.hidden_size * self.dtype.itemsize // 16,
+            pair_weights=self.combine_algorithm.writes_pair_weights,
+            top_k=self.top_k,
+            grid=self.grid,
+        )
         self._generation = workspace.generation
 
     def raise_if_timed_out(self) -> None:
@@ -237,24 +219,12 @@ class SymmetricDispatcher:
         if self.workspace.generation != self._generation:
             self._bind()
 
-    @property
-    def _timeout_ns(self) -> int:
-        return int(self.timeout_s * 1e9)
-
     def dispatch(
         self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor
     ) -> tuple[ExpertBatch, SymmetricHandle]:
         validate_dispatch_inputs(x_TH, topk_ids_TK, topk_weights_TK)
-        tokens, top_k = topk_ids_TK.shape
-        if top_k != self.top_k:
-            raise ValueError(
-                f"topk_ids has top_k {top_k}; this dispatcher was built for {self.top_k}"
-            )
-        if tokens > self.max_tokens_per_rank:
-            raise ValueError(
-                f"{tokens} tokens exceed max_tokens_per_rank={self.max_tokens_per_rank}; raise it "
-                f"in the config (the symmetric buffers are sized by it) or split the batch"
-            )
+        check_top_k(topk_ids_TK, self.top_k)
+        check_token_count(x_TH.shape[0], self.max_tokens_per_rank, sized="the symmetric buffers")
         if x_TH.dtype != self.dtype or x_TH.shape[1] != self.hidden_size:
             raise ValueError(
                 f"x must be {self.dtype} [tokens, {self.hidden_size}], got {x_TH.dtype} "
@@ -273,121 +243,36 @@ class SymmetricDispatcher:
                 "the workspace (megamoe_runtime.workspace.release_all_workspaces) and rebuild "
                 "the layers"
             )
-        world, local = self.world_size, self.num_local_experts
-        x_TH = x_TH.contiguous()
-        expert_of_pair_P = topk_ids_TK.reshape(-1).to(torch.int32).contiguous()
-        weights_TK = topk_weights_TK.float().contiguous()
-        num_pairs = expert_of_pair_P.numel()
-
-        expert_offsets = torch.empty(local + 1, dtype=torch.int32, device=self.device)
-        row_bytes = self.hidden_size * x_TH.element_size()
-        # rows past capacity are dropped (only a capacity below the default can overflow)
-        if self.small_batch:
-            ep_kernels.dispatch_small(
-                x_TH.data_ptr(),
-                expert_of_pair_P.data_ptr(),
-                weights_TK.data_ptr(),
-                expert_offsets.data_ptr(),
-                self.small_scratch.data_ptr(),
-                **self._token_rows_arguments(tokens, row_bytes),
-            )
-            return self._dispatched(x_TH, tokens, weights_TK, expert_of_pair_P, expert_offsets)
-        dest_row_P = torch.empty(num_pairs, dtype=torch.int32, device=self.device)
-        ep_kernels.exchange_and_place(
-            expert_of_pair_P.data_ptr(),
-            dest_row_P.data_ptr(),
-            expert_offsets.data_ptr(),
-            self.placement_scratch.data_ptr(),
-            peer_table_address=self.peer_table.data_ptr(),
-            epoch_address=self.epoch.data_ptr(),
-            status_address=self.status.data_ptr(),
-            num_pairs=num_pairs,
-            rank=self.rank,
-            world=world,
-            num_experts=self.num_experts,
-            local_experts=local,
-            capacity=self.capacity,
-            timeout_ns=self._timeout_ns,
+        call = DispatchCall(
+            x_TH=x_TH.contiguous(),
+            expert_of_pair_P=topk_ids_TK.reshape(-1).to(torch.int32).contiguous(),
+            weights_TK=topk_weights_TK.float().contiguous(),
+            expert_offsets=torch.empty(
+                self.num_local_experts + 1, dtype=torch.int32, device=self.device
+            ),
         )
-        if self.stage_remote_rows:
-            ep_kernels.dispatch_tokens(
-                x_TH.data_ptr(),
-                expert_of_pair_P.data_ptr(),
-                dest_row_P.data_ptr(),
-                weights_TK.data_ptr(),
-                pairs_of_source_address=self.placement_scratch.data_ptr()
-                + 4 * ep_kernels.pairs_of_source_offset(self.num_experts),
-                **self._token_rows_arguments(tokens, row_bytes),
-            )
-        else:
-            ep_kernels.dispatch_rows(
-                x_TH.data_ptr(),
-                expert_of_pair_P.data_ptr(),
-                dest_row_P.data_ptr(),
-                peer_table_address=self.peer_table.data_ptr(),
-                num_pairs=num_pairs,
-                top_k=top_k,
-                local_experts=local,
-                row_bytes=row_bytes,
-                capacity=self.capacity,
-                rank=self.rank,
-                world=world,
-                max_tokens=self.max_tokens_per_rank,
-                weights_address=weights_TK.data_ptr(),
-                pair_tables=self.combine_partial_sums,
-                grid=self.grid,
-            )
-            ep_kernels.wait_phase(
-                signals_address=self.buffers["signals"].data_ptr(),
-                epoch_address=self.epoch.data_ptr(),
-                status_address=self.status.data_ptr(),
-                world=world,
-                phase=ep_kernels.phases()["dispatch rows"],
-                adds_per_epoch=self.grid,
-                timeout_ns=self._timeout_ns,
-            )
-        return self._dispatched(x_TH, tokens, weights_TK, expert_of_pair_P, expert_offsets)
+        # rows past capacity are dropped (only a capacity below the default can overflow)
+        self.dispatch_algorithm.dispatch(self.kernel_params, call)
+        return self._dispatched(call)
 
-    def _token_rows_arguments(self, tokens: int, row_bytes: int) -> dict:
-        """The arguments that the two kernels sending whole token rows (dispatch_small and
-        dispatch_tokens) take alike."""
-        return {
-            "peer_table_address": self.peer_table.data_ptr(),
-            "epoch_address": self.epoch.data_ptr(),
-            "status_address": self.status.data_ptr(),
-            "tokens": tokens,
-            "top_k": self.top_k,
-            "local_experts": self.num_local_experts,
-            "row_bytes": row_bytes,
-            "capacity": self.capacity,
-            "rank": self.rank,
-            "world": self.world_size,
-            "max_tokens": self.max_tokens_per_rank,
-            "pair_weights": self.combine_partial_sums,
-            "timeout_ns": self._timeout_ns,
-            "grid": self.grid,
-        }
-
-    def _dispatched(self, x_TH, tokens, weights_TK, expert_of_pair_P, expert_offsets):
+    def _dispatched(self, call: DispatchCall) -> tuple[ExpertBatch, SymmetricHandle]:
         """The batch the kernels just filled, and what combine needs."""
         batch = ExpertBatch(
             rows_MH=self.buffers["rows"],
-            expert_offsets=expert_offsets,
+            expert_offsets=call.expert_offsets,
             typical_rows=min(self.capacity, self.max_tokens_per_rank * self.top_k),
         )
         handle = SymmetricHandle(
-            tokens=tokens,
-            weights_TK=weights_TK,
-            expert_of_pair_P=expert_of_pair_P,
-            expert_offsets=expert_offsets,
-            output_dtype=x_TH.dtype,
+            tokens=call.tokens,
+            weights_TK=call.weights_TK,
+            expert_of_pair_P=call.expert_of_pair_P,
+            expert_offsets=call.expert_offsets,
+            output_dtype=call.x_TH.dtype,
         )
         self.workspace.dispatch_awaiting_combine = self.layer_name
         return batch, handle
 
-    def combine(
-        self, expert_out_MH: torch.Tensor, handle: SymmetricHandle, *, weights_applied: bool = False
-    ) -> torch.Tensor:
+    def combine(self, expert_out_MH: torch.Tensor, handle: SymmetricHandle) -> torch.Tensor:
         if (
             expert_out_MH.shape != (self.capacity, self.hidden_size)
             or expert_out_MH.dtype != self.dtype
@@ -398,82 +283,13 @@ class SymmetricDispatcher:
             )
         self._check_ready()
         self.workspace.dispatch_awaiting_combine = None
-        expert_out_MH = expert_out_MH.contiguous()
-        if self.combine_partial_sums:
-            return self._combine_partial_sums(expert_out_MH, handle, weights_applied)
-        ep_kernels.combine_push(
-            expert_out_MH.data_ptr(),
-            handle.expert_offsets.data_ptr(),
-            self.buffers["row_sources"].data_ptr(),
-            peer_table_address=self.peer_table.data_ptr(),
-            local_experts=self.num_local_experts,
-            row_bytes=self.hidden_size * expert_out_MH.element_size(),
-            capacity=self.capacity,
-            rank=self.rank,
-            world=self.world_size,
-            grid=self.grid,
-        )
-        weights_TK = handle.weights_TK
-        if weights_applied:
-            weights_TK = torch.ones_like(weights_TK)
         y_TH = torch.empty(handle.tokens, self.hidden_size, dtype=self.dtype, device=self.device)
-        ep_kernels.combine_reduce(
-            self.buffers["returned"].data_ptr(),
-            weights_TK.data_ptr(),
-            y_TH.data_ptr(),
-            signals_address=self.buffers["signals"].data_ptr(),
-            epoch_address=self.epoch.data_ptr(),
-            status_address=self.status.data_ptr(),
-            tokens=handle.tokens,
-            hidden=self.hidden_size,
-            world=self.world_size,
-            adds_per_epoch=self.grid,
-            timeout_ns=self._timeout_ns,
-            top_k=self.top_k,
-            grid=self.grid,
+        call = CombineCall(
+            expert_out_MH=expert_out_MH.contiguous(),
+            expert_offsets=handle.expert_offsets,
+            expert_of_pair_P=handle.expert_of_pair_P,
+            weights_TK=handle.weights_TK,
+            y_TH=y_TH,
         )
+        self.combine_algorithm.combine(self.kernel_params, call)
         return y_TH.to(handle.output_dtype)
-
-    def _combine_partial_sums(
-        self, expert_out_MH: torch.Tensor, handle: SymmetricHandle, weights_applied: bool
-    ) -> torch.Tensor:
-        if weights_applied:
-            raise ValueError(
-                "combine_partial_sums applies the routing weights itself (dispatch wrote them "
-                "into the pair tables); combine with weights_applied=False"
-            )
-        ep_kernels.combine_partial(
-            expert_out_MH.data_ptr(),
-            handle.expert_offsets.data_ptr(),
-            self.buffers["row_sources"].data_ptr(),
-            self.buffers["pair_rows"].data_ptr(),
-            self.buffers["pair_weights"].data_ptr(),
-            peer_table_address=self.peer_table.data_ptr(),
-            local_experts=self.num_local_experts,
-            hidden=self.hidden_size,
-            capacity=self.capacity,
-            max_tokens=self.max_tokens_per_rank,
-            rank=self.rank,
-            world=self.world_size,
-            top_k=self.top_k,
-            grid=self.grid,
-        )
-        y_TH = torch.empty(handle.tokens, self.hidden_size, dtype=self.dtype, device=self.device)
-        ep_kernels.combine_partial_sum(
-            self.buffers["partials"].data_ptr(),
-            handle.expert_of_pair_P.data_ptr(),
-            y_TH.data_ptr(),
-            signals_address=self.buffers["signals"].data_ptr(),
-            epoch_address=self.epoch.data_ptr(),
-            status_address=self.status.data_ptr(),
-            tokens=handle.tokens,
-            hidden=self.hidden_size,
-            world=self.world_size,
-            local_experts=self.num_local_experts,
-            max_tokens=self.max_tokens_per_rank,
-            adds_per_epoch=self.grid,
-            timeout_ns=self._timeout_ns,
-            top_k=self.top_k,
-            grid=self.grid,
-        )
-        return y_TH

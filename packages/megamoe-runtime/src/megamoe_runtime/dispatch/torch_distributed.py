@@ -26,25 +26,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megamoe_runtime.dispatch.local import (
+from megamoe_runtime.dispatch.checks import (
     check_expert_ids,
+    experts_per_rank,
     validate_dispatch_inputs,
-    weighted_sum_over_topk,
 )
+from megamoe_runtime.dispatch.local import weighted_sum_over_topk
 from megamoe_runtime.expert_batch import ExpertBatch
-
-
-def experts_per_rank(num_experts: int, world_size: int) -> int:
-    """L = E / world; raises unless the experts split evenly (every rank owns a contiguous block)."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if num_experts % world_size:
-        raise ValueError(
-            f"num_experts={num_experts} must be divisible by the expert-parallel world size "
-            f"{world_size} (each rank owns num_experts / world_size contiguous experts); "
-            f"use a world size that divides {num_experts}"
-        )
-    return num_experts // world_size
 
 
 @dataclass(frozen=True)
@@ -166,8 +154,6 @@ class TorchDistributedDispatcher:
         self,
         expert_out_MH: torch.Tensor,
         handle: TorchDistributedHandle,
-        *,
-        weights_applied: bool = False,
     ) -> torch.Tensor:
         num_received = handle.received_of_batch_row_R.numel()
         if expert_out_MH.dim() != 2 or expert_out_MH.shape[0] < num_received:
@@ -189,6 +175,6 @@ class TorchDistributedDispatcher:
         return weighted_sum_over_topk(
             returned_PH,
             handle.row_of_pair_TK,
-            None if weights_applied else handle.topk_weights_TK,
+            handle.topk_weights_TK,
             output_dtype=handle.output_dtype,
         )

@@ -1,0 +1,45 @@
+"""A value derived from tensors, kept until one of them changes.
+
+A tensor changed when it was written in place (its `_version` moved) or replaced (another
+storage: its `data_ptr`), so (data_ptr, _version) per tensor is what a derived value is keyed by:
+the layer's prepared expert weights and fp32 router weight, BlockFP8Linear's dequantized weight,
+and the weight signature the captured forward graphs check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Generic, TypeVar
+
+import torch
+
+Value = TypeVar("Value")
+
+
+def tensor_versions(tensors: Iterable[torch.Tensor | None]) -> tuple:
+    """(data_ptr, _version) of each tensor (None stays None): equal while none of them changed."""
+    return tuple(None if t is None else (t.data_ptr(), t._version) for t in tensors)
+
+
+class DerivedTensorCache(Generic[Value]):
+    """Holds `derive()`'s value until the tensors it was derived from (or `context`) change."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._value: Value | None = None
+
+    def get(
+        self,
+        tensors: Iterable[torch.Tensor | None],
+        derive: Callable[[], Value],
+        *,
+        context: tuple = (),
+    ) -> Value:
+        key = (*context, *tensor_versions(tensors))
+        if key != self._key:
+            self._value = derive()
+            self._key = key
+        return self._value  # type: ignore[return-value]
+
+    def clear(self) -> None:
+        self._key = self._value = None
