@@ -320,7 +320,7 @@ def gathers_rows_by_default(
     default_launches picks them), from two tokens on. Measured on the H200 (whole layer, graph
     replays; docs/benchmarks.md, "Gathered rows"): with decode tiles equal or up to 3% faster
     from 16 tokens, 1-4% slower at one token (the row's token is one more load before its
-    copy); with prefill tiles the gate-up GEMM is 24-37% slower (its producer warp's 16-byte
+    copy); with prefill tiles the gate-up GEMM is 24-43% slower (its producer warp's 16-byte
     copies against one TMA load per stage: gathering the copied rows in order is as slow),
     more than the copy it saves."""
     experts = max(1, num_experts)
