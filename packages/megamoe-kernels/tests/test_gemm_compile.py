@@ -185,3 +185,22 @@ def test_batch_rows_off_the_gpu_are_refused_unless_compiling_only():
     with pytest.raises(ValueError, match="the batch rows are on cpu: the kernels run on a CUDA"):
         gate_up_swiglu(rows_MH, offsets, w13)
     gate_up_swiglu(rows_MH, offsets, w13, compile_only=True)
+
+
+def test_the_masked_and_the_gathered_variants_compile():
+    # a masked batch (each expert's rows counted at a fixed stride) for both GEMMs, prefill and
+    # decode tiles; gathered rows (the tokens and each batch row's token) for the gate-up GEMM
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    offsets = torch.empty(EXPERTS + 1, dtype=torch.int32, device="meta")
+    counts = torch.empty(EXPERTS, dtype=torch.int32, device="meta")
+    hidden = 2048  # gathered rows take whole K tiles
+    w13 = interleave_gate_up(torch.empty(EXPERTS, 2 * INTERMEDIATE, hidden, **meta))
+    w2 = torch.empty(EXPERTS, hidden, INTERMEDIATE, **meta)
+    for rows_per_expert in (2, 512):
+        capacity = rows_per_expert * EXPERTS
+        rows_MH = torch.empty(capacity, hidden, **meta)
+        hidden_MI = gate_up_swiglu(rows_MH, offsets, w13, expert_counts=counts, compile_only=True)
+        down(hidden_MI, offsets, w2, expert_counts=counts, compile_only=True)
+        source_M = torch.empty(capacity, dtype=torch.int32, device="meta")
+        tokens_TH = torch.empty(max(1, capacity // 4), hidden, **meta)
+        gate_up_swiglu(tokens_TH, offsets, w13, row_source_M=source_M, compile_only=True)

@@ -142,13 +142,32 @@ def weights_fp32(weights: Unquantized) -> tuple[torch.Tensor, torch.Tensor]:
     return weights.w13_E2IH.float(), weights.w2_EHI.float()
 
 
-def test_cutedsl_refuses_a_masked_batch_before_any_launch():
-    masked, _ = masked_and_tight([1, 2, 3, 4], torch.bfloat16)
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts", COUNTS)
+def test_cutedsl_computes_masked_rows_as_the_tight_batch_does(counts):
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("needs an sm_90 GPU")
+    weights = random_weights(torch.bfloat16)
+    masked, tight = masked_and_tight(counts, torch.bfloat16)
+    to_gpu = {"device": "cuda"}
+    masked = ExpertBatch.masked(
+        masked.rows_MH.view(E, STRIDE, H).to(**to_gpu), masked.expert_counts.to(**to_gpu)
+    )
+    tight = ExpertBatch(
+        rows_MH=tight.rows_MH.to(**to_gpu), expert_offsets=tight.expert_offsets.to(**to_gpu)
+    )
     backend = make_backend("cutedsl")
-    with pytest.raises(ValueError, match=r"masked \(4 experts at a stride of 24 rows.*grouped_mm"):
-        backend(masked, None)
-    with pytest.raises(ValueError, match="masked"):
-        backend.knob_keys(masked, None)
+    prepared = backend.prepare(
+        Unquantized(weights.w13_E2IH.to(**to_gpu), weights.w2_EHI.to(**to_gpu))
+    )
+    out_masked = valid_rows_of(backend(masked, prepared), counts)
+    out_tight = backend(tight, prepared)
+    assert torch.isfinite(out_masked).all()  # no NaN from the unspecified rows
+    oracle = expert_mlp_reference(
+        tight.rows_MH.float().cpu(), tight.expert_offsets.cpu(), *weights_fp32(weights)
+    )
+    assert relative_l2_error(out_masked.float().cpu(), oracle) < 1e-2
+    assert relative_l2_error(out_tight.float().cpu(), oracle) < 1e-2
 
 
 def test_bad_masked_batches_are_refused_naming_the_argument():
@@ -172,15 +191,14 @@ def test_bad_masked_batches_are_refused_naming_the_argument():
         backend(masked, backend.prepare(random_weights(torch.float32)))
 
 
-def test_backend_choice_for_masked_batches_skips_cutedsl_and_says_why():
-    from megamoe_runtime.experts import backend_status, select_backend
+def test_backend_choice_for_masked_batches_keeps_every_backend():
+    from megamoe_runtime.experts import backend_status
 
-    available, reason = backend_status("cutedsl", torch.device("cuda", 0), masked_batches=True)
-    assert not available and "masked" in reason and "per-expert valid count" in reason
-    name, reason = select_backend("auto", torch.device("cpu"), masked_batches=True)
-    assert name == "reference" and "cutedsl: the cutedsl kernels take tight" in reason
-    with pytest.raises(ValueError, match="backend 'cutedsl' cannot run on cpu: .*masked"):
-        select_backend("cutedsl", torch.device("cpu"), masked_batches=True)
+    # the masked layout runs on every backend: only the device decides
+    for name in ("cutedsl", "grouped_mm", "reference"):
+        assert backend_status(name, torch.device("cpu"), masked_batches=True) == backend_status(
+            name, torch.device("cpu")
+        )
 
 
 def test_backend_choice_for_fp8_rows_keeps_to_backends_that_take_them():

@@ -1,7 +1,10 @@
 """Grouped GEMM over a tight expert-major batch for Hopper (sm_90a), with fused epilogues.
 
 out[r, :] = epilogue(x[r, :] @ w[e]^T) for every row r of expert e, where expert e owns rows
-[offsets[e], offsets[e + 1]) of x. `offsets` (int32, E + 1) is read on the device.
+[offsets[e], offsets[e + 1]) of x. `offsets` (int32, E + 1) is read on the device. Masked
+batches (expert_counts given, int32 [E] on the device): expert e owns rows [offsets[e],
+offsets[e] + counts[e]) instead (each count clamped to offsets[e + 1] - offsets[e]): a receive
+buffer with a fixed stride per expert read in place; the rest of each stride is never stored.
 
 Layouts (row-major, contiguous last dim):
   x    [capacity, K]  the batch rows (MMA A, or MMA B with swap_ab)
@@ -257,8 +260,17 @@ class ExpertGroupedGemmSm90:
         mWScales,
         mOutScales,
         mRowSource,
+        mExpertCounts,
         stream,
     ):
+        if cutlass.const_expr(
+            mExpertCounts is not None
+            and (self.min_valid_rows > 0 or self.max_valid_rows is not None)
+        ):
+            raise ValueError(
+                "a masked batch's valid rows are its counts' sum, not offsets[E]: launch it "
+                "without a valid-row range"
+            )
         ab_dtype = mX.element_type
         self.ab_dtype = ab_dtype
         self.tile_k = tile_k(ab_dtype.width // 8)
@@ -341,6 +353,7 @@ class ExpertGroupedGemmSm90:
             mArrivals,
             mUnitCounter,
             mRowSource,
+            mExpertCounts,
             self.tiled_mma,
             x_layout,
             w_layout,
@@ -359,13 +372,22 @@ class ExpertGroupedGemmSm90:
 
     @cute.jit
     def next_tile(
-        self, tile, expert, expert_first_tile, mOffsets, num_experts, col_units, row_limit
+        self,
+        tile,
+        expert,
+        expert_first_tile,
+        mOffsets,
+        num_experts,
+        col_units,
+        row_limit,
+        mExpertCounts=None,
     ):
         """Walks forward from (expert, expert_first_tile) to the expert owning linear schedule
         unit `tile` (a unit is cluster_rows row tiles of one column tile, or one K slice of a tile
         with split_k; otherwise a tile). An expert has col_units units per row unit; its rows
         are clamped to [0, row_limit), the batch's capacity, so bad offsets never address rows
-        past it.
+        past it; with mExpertCounts (masked) an expert's rows end count rows after its start,
+        at most at the next expert's start.
 
         Called by whole warps: each trip, lane j loads the row ranges of EXPERTS_PER_LANE
         experts from expert + j * EXPERTS_PER_LANE on, a warp prefix sum of their tile counts
@@ -386,8 +408,15 @@ class ExpertGroupedGemmSm90:
                 cutlass.min(mOffsets[cutlass.min(lane_expert + j, num_experts)], row_limit)
                 for j in range(EXPERTS_PER_LANE + 1)
             ]
+            ends = [bounds[j + 1] for j in range(EXPERTS_PER_LANE)]
+            if cutlass.const_expr(mExpertCounts is not None):
+                for j in cutlass.range_constexpr(EXPERTS_PER_LANE):
+                    count = cutlass.Int32(0)
+                    if lane_expert + j < num_experts:
+                        count = cutlass.max(mExpertCounts[lane_expert + j], cutlass.Int32(0))
+                    ends[j] = cutlass.min(bounds[j] + count, bounds[j + 1])
             expert_row_units = [
-                (bounds[j + 1] - bounds[j] + self.unit_rows - 1) // self.unit_rows
+                (ends[j] - bounds[j] + self.unit_rows - 1) // self.unit_rows
                 for j in range(EXPERTS_PER_LANE)
             ]
             lane_tiles = cutlass.Int32(0)
@@ -411,7 +440,7 @@ class ExpertGroupedGemmSm90:
                             looking = False
                             sub_row_units = expert_row_units[j]
                             sub_begin = bounds[j]
-                            sub_end = bounds[j + 1]
+                            sub_end = ends[j]
                         else:
                             sub_first = sub_first + expert_row_units[j] * col_units
                             sub_expert = sub_expert + 1
@@ -613,6 +642,7 @@ class ExpertGroupedGemmSm90:
         mArrivals,
         mUnitCounter,
         mRowSource,
+        mExpertCounts,
         tiled_mma: cute.TiledMma,
         x_layout: cute.ComposedLayout,
         w_layout: cute.ComposedLayout,
@@ -729,6 +759,7 @@ class ExpertGroupedGemmSm90:
                     walked_experts,
                     col_units,
                     capacity,
+                    mExpertCounts,
                 )
                 # stages of the first tile whose weights are loading already (their full
                 # barriers armed for the whole stage; only the rows are left to load)
@@ -832,7 +863,14 @@ class ExpertGroupedGemmSm90:
                         self.send_unit(unit_queue, sUnits, unit_state, unit)
                         unit_state.advance()
                     expert, first, row_units, expert_row0, expert_row_end, found = self.next_tile(
-                        unit, expert, first, mOffsets, walked_experts, col_units, capacity
+                        unit,
+                        expert,
+                        first,
+                        mOffsets,
+                        walked_experts,
+                        col_units,
+                        capacity,
+                        mExpertCounts,
                     )
                 if cutlass.const_expr(self.dynamic_schedule):
                     if cutlass.const_expr(self.pingpong):
@@ -912,6 +950,7 @@ class ExpertGroupedGemmSm90:
                 walked_experts,
                 col_units,
                 capacity,
+                mExpertCounts,
             )
             while found:
                 row0, col_tile, split = self.tile_origin(
@@ -1054,7 +1093,14 @@ class ExpertGroupedGemmSm90:
                 else:
                     unit = unit + num_clusters * teams
                 expert, first, row_units, expert_row0, row_end, found = self.next_tile(
-                    unit, expert, first, mOffsets, walked_experts, col_units, capacity
+                    unit,
+                    expert,
+                    first,
+                    mOffsets,
+                    walked_experts,
+                    col_units,
+                    capacity,
+                    mExpertCounts,
                 )
             if cutlass.const_expr(self.store_warps):
                 # the team's schedule ended: the store warps stop at the first team that says so

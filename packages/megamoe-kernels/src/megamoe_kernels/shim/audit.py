@@ -130,6 +130,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "mWScales",
             "mOutScales",
             "mRowSource",
+            "mExpertCounts",
             "stream",
         ),
         passed_as="positional",  # shim/ffi_launch.py calls kernel(mX, mW, ..., stream)

@@ -17,6 +17,9 @@ B = I / GATE_UP_BLOCK pair blocks. The batch is tight and expert-major: expert e
   hidden_scales, expert_offsets, w2_EHI, w2_scales, row_scale_M=None)` -> bf16 [M, H]. The
   weight scales are per 128 x 128 block of the weight before the gate/up interleave.
 Rows past expert_offsets[E] of an output are left as they were (unspecified).
+Masked batches (`expert_counts`, int32 [E] on the GPU, every op): expert e owns rows
+[expert_offsets[e], expert_offsets[e] + expert_counts[e]) of a receive buffer with a stride per
+expert; the other rows of each stride are neither read as data nor written.
 
 Without knobs a call runs the default profile: one kernel, or, when the capacity asks for
 prefill tiles, two (`default_launches`), launched from one host call: the one with decode tiles
@@ -253,6 +256,22 @@ def _check_row_source(row_source_M, x_TH: torch.Tensor, hidden: int) -> int:
             "the expert-major rows instead"
         )
     return row_source_M.shape[0]
+
+
+def _check_expert_counts(expert_counts, x_MK: torch.Tensor, experts: int) -> None:
+    """A masked batch's counts: int32 [E] on the rows' device."""
+    if (
+        not isinstance(expert_counts, torch.Tensor)
+        or expert_counts.dtype != torch.int32
+        or tuple(expert_counts.shape) != (experts,)
+    ):
+        got = (
+            f"{expert_counts.dtype} {tuple(expert_counts.shape)}"
+            if isinstance(expert_counts, torch.Tensor)
+            else type(expert_counts).__name__
+        )
+        raise TypeError(f"expert_counts must be int32 [{experts}] (one per expert), got {got}")
+    _check_common("expert_counts", expert_counts, dim=1, device=x_MK.device)
 
 
 def _check_gate_up(
@@ -510,6 +529,7 @@ class GemmLauncher:
         "compiled",
         "gathers",
         "knobs",
+        "masked",
         "op",
         "takes_unit_counter",
         "weight_rows",
@@ -524,9 +544,11 @@ class GemmLauncher:
         weight_rows: int,
         entry: tuple[Callable, bool] | None,
         gathers: bool = False,
+        masked: bool = False,
     ):
         self.op, self.knobs = op, knobs
         self.gathers = gathers  # the rows come from tokens by row_source_M
+        self.masked = masked  # each expert's rows are counted by expert_counts
         self.columns = columns  # of the output
         self.weight_rows = weight_rows  # N of the GEMM (the gate-up's output holds half)
         # the compile cache's entry: (compiled launches, whether one takes the unit counter);
@@ -545,15 +567,22 @@ class GemmLauncher:
         w_scales: torch.Tensor | None = None,
         out_scales: torch.Tensor | None = None,
         row_source_M: torch.Tensor | None = None,
+        expert_counts: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The output; with "gate_up_fp8" (the output, its scales). A gathering launcher takes
-        the tokens as x_MK and row_source_M (the token of each batch row)."""
-        scales = (x_scales, w_scales, out_scales)
+        the tokens as x_MK and row_source_M (the token of each batch row); a masked one the
+        counts (expert_counts)."""
+        checked = (row_scale_M, out, (x_scales, w_scales, out_scales), row_source_M, expert_counts)
         try:
             if (row_source_M is not None) != self.gathers:
                 raise ValueError(
                     "row_source_M is required by a launcher bound with one, and refused by "
                     f"others (this one {'gathers' if self.gathers else 'does not gather'})"
+                )
+            if (expert_counts is not None) != self.masked:
+                raise ValueError(
+                    "expert_counts is required by a launcher bound for a masked batch, and "
+                    f"refused by others (this one is {'masked' if self.masked else 'tight'})"
                 )
             rows = x_MK.shape[0] if row_source_M is None else row_source_M.shape[0]
             quantized = self.op == "gate_up_fp8"
@@ -570,7 +599,7 @@ class GemmLauncher:
             result = (out, out_scales) if quantized else out
             if self.compiled is None or rows == 0:
                 # nothing runs, so no compiled signature checks the arguments
-                _check_op(self.op, x_MK, expert_offsets, w, row_scale_M, out, scales, row_source_M)
+                _check_op(self.op, x_MK, expert_offsets, w, *checked)
                 return result
             partials = arrivals = unit_counter = None
             # split-K knobs (swap-AB) always launch alone
@@ -593,23 +622,32 @@ class GemmLauncher:
                 w_scales,
                 out_scales,
                 row_source_M,
+                expert_counts,
             )
             return result
         except Exception as failure:
-            _raise_explained(
-                failure,
-                lambda: _check_op(
-                    self.op, x_MK, expert_offsets, w, row_scale_M, out, scales, row_source_M
-                ),
-            )
+            _raise_explained(failure, lambda: _check_op(self.op, x_MK, expert_offsets, w, *checked))
 
 
 def _check_op(
-    op: str, x_MK, expert_offsets, w, row_scale_M, out, scales=None, row_source_M=None
+    op: str,
+    x_MK,
+    expert_offsets,
+    w,
+    row_scale_M,
+    out,
+    scales=None,
+    row_source_M=None,
+    expert_counts=None,
 ) -> None:
     """Every rule of an op's arguments; scales = (x_scales, w_scales, out_scales), or None to
     leave them out."""
     fp8 = is_fp8(op)
+    if expert_counts is not None:
+        if row_source_M is not None:
+            raise ValueError("a masked batch's rows are read in place: no row_source_M")
+        experts = w.shape[0] if isinstance(w, torch.Tensor) else 0
+        _check_expert_counts(expert_counts, x_MK, experts)
     if is_gate_up(op):
         if row_scale_M is not None:
             raise ValueError("row_scale_M is the down GEMM's; the gate-up GEMM takes none")
@@ -658,17 +696,21 @@ def _launcher(
     valid_rows: int | None,
     compile_only: bool,
     row_source_M: torch.Tensor | None = None,
+    expert_counts: torch.Tensor | None = None,
 ) -> GemmLauncher:
     """The launcher for this kind of call: looked up, else the op's checks run, the launches
-    are planned and compiled (compile_only: compiled, nothing will run) and it is kept."""
+    are planned and compiled (compile_only: compiled, nothing will run) and it is kept. A
+    masked batch launches one kernel, for `valid_rows` (or the capacity when unknown): its
+    valid rows are the counts' sum, which no kernel reads."""
 
     def check() -> None:
         # the scales are not part of the kind of call: a call's own are checked with it
-        _check_op(op, x_MK, expert_offsets, w, row_scale_M, None, None, row_source_M)
+        _check_op(op, x_MK, expert_offsets, w, row_scale_M, None, None, row_source_M, expert_counts)
 
     try:
         device_index = -1 if compile_only else x_MK.get_device()
         gathers = row_source_M is not None
+        masked = expert_counts is not None
         # the batch's (rows, K): with gathered rows, the row source's rows and the tokens' K
         batch_shape = (row_source_M.shape[0], x_MK.shape[1]) if gathers else tuple(x_MK.shape)
         # typed: a valid_rows of 2.0 or True is refused, not served the launcher of 2
@@ -678,6 +720,7 @@ def _launcher(
             tuned_knobs,
             batch_shape,
             gathers,
+            masked,
             w.shape,
             valid_rows,
             type(valid_rows),
@@ -693,12 +736,17 @@ def _launcher(
                 f"the batch rows are on {x_MK.device}: the kernels run on a CUDA GPU "
                 "(compile_only=True compiles them without one)"
             )
-        launches = _launches(op, knobs, tuned_knobs, batch_shape, w.shape, valid_rows, device_index)
+        planned_rows = batch_shape[0] if masked and valid_rows is None else valid_rows
+        launches = _launches(
+            op, knobs, tuned_knobs, batch_shape, w.shape, planned_rows, device_index
+        )
         has_row_scale = row_scale_M is not None
         entry = None
         if batch_shape[0] > 0:
             entry = _compile(
-                op, launches, (op, launches, w.shape, has_row_scale, gathers, device_index)
+                op,
+                launches,
+                (op, launches, w.shape, has_row_scale, gathers, masked, device_index),
             )
         weight_rows, _, columns = _gemm_dims(op, w.shape)
         launcher = GemmLauncher(
@@ -708,6 +756,7 @@ def _launcher(
             weight_rows=weight_rows,
             entry=entry if device_index >= 0 else None,
             gathers=gathers,
+            masked=masked,
         )
     except Exception as failure:
         _raise_explained(failure, check)
@@ -717,7 +766,7 @@ def _launcher(
 
 
 def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callable, bool]:
-    _, _, weight_shape, has_row_scale, gathers, device_index = key
+    _, _, weight_shape, has_row_scale, gathers, masked, device_index = key
     with _COMPILE_LOCK:
         entry = _COMPILED.get(key)
         if entry is not None:
@@ -770,6 +819,7 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callabl
             scale_group=scale_group(op),
             quantize_out=op == "gate_up_fp8",
             gather_rows=gathers,
+            masked=masked,
         )
         _COMPILED[key] = (compiled, takes_unit_counter)
         return _COMPILED[key]
@@ -785,6 +835,7 @@ def gate_up_swiglu(
     tuned_knobs: GemmKnobs | None = None,
     valid_rows: int | None = None,
     compile_only: bool = False,
+    expert_counts: torch.Tensor | None = None,
     row_source_M: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """silu(x Wg^T) * (x Wu^T) per expert, bf16 out, fp32 accumulation.
@@ -797,7 +848,9 @@ def gate_up_swiglu(
     entry), in place of the default profile's; with prefill ones a batch of few valid rows
     still runs the decode tiles (default_launches). Neither: the default profile.
     valid_rows: expert_offsets[E] when the caller knows it on the host: the default profile
-    then launches only the kernel for that many rows (a wrong count costs speed, not rows)."""
+    then launches only the kernel for that many rows (a wrong count costs speed, not rows).
+    expert_counts: int32 [E], a masked batch (module docstring), for every op: one kernel is
+    launched, the one for valid_rows when given."""
 
     launcher = gate_up_launcher(
         rows_MH,
@@ -807,9 +860,17 @@ def gate_up_swiglu(
         tuned_knobs=tuned_knobs,
         valid_rows=valid_rows,
         compile_only=compile_only,
+        expert_counts=expert_counts,
         row_source_M=row_source_M,
     )
-    return launcher(rows_MH, expert_offsets, w13_EB2GH, out=out_MI, row_source_M=row_source_M)
+    return launcher(
+        rows_MH,
+        expert_offsets,
+        w13_EB2GH,
+        out=out_MI,
+        row_source_M=row_source_M,
+        expert_counts=expert_counts,
+    )
 
 
 def down(
@@ -823,6 +884,7 @@ def down(
     tuned_knobs: GemmKnobs | None = None,
     valid_rows: int | None = None,
     compile_only: bool = False,
+    expert_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x W2^T per expert, each row optionally multiplied by row_scale_M (float32, [M]);
     knobs, tuned_knobs and valid_rows as for gate_up_swiglu.
@@ -841,8 +903,16 @@ def down(
         tuned_knobs=tuned_knobs,
         valid_rows=valid_rows,
         compile_only=compile_only,
+        expert_counts=expert_counts,
     )
-    return launcher(hidden_MI, expert_offsets, w2_EHI, row_scale_M=row_scale_M, out=out_MH)
+    return launcher(
+        hidden_MI,
+        expert_offsets,
+        w2_EHI,
+        row_scale_M=row_scale_M,
+        out=out_MH,
+        expert_counts=expert_counts,
+    )
 
 
 def gate_up_launcher(
@@ -854,6 +924,7 @@ def gate_up_launcher(
     tuned_knobs: GemmKnobs | None = None,
     valid_rows: int | None = None,
     compile_only: bool = False,
+    expert_counts: torch.Tensor | None = None,
     row_source_M: torch.Tensor | None = None,
 ) -> GemmLauncher:
     """gate_up_swiglu's launcher for calls like this one (arguments as there): keep it to
@@ -869,6 +940,7 @@ def gate_up_launcher(
         tuned_knobs=tuned_knobs,
         valid_rows=valid_rows,
         compile_only=compile_only,
+        expert_counts=expert_counts,
         row_source_M=row_source_M,
     )
 
@@ -883,6 +955,7 @@ def down_launcher(
     tuned_knobs: GemmKnobs | None = None,
     valid_rows: int | None = None,
     compile_only: bool = False,
+    expert_counts: torch.Tensor | None = None,
 ) -> GemmLauncher:
     """down's launcher for calls like this one (with a row scale or without, as here): called
     as launcher(hidden_MI, expert_offsets, w2_EHI, row_scale_M=None, out=None)."""
@@ -896,6 +969,7 @@ def down_launcher(
         tuned_knobs=tuned_knobs,
         valid_rows=valid_rows,
         compile_only=compile_only,
+        expert_counts=expert_counts,
     )
 
 
@@ -912,6 +986,7 @@ def gate_up_swiglu_fp8(
     tuned_knobs: GemmKnobs | None = None,
     valid_rows: int | None = None,
     compile_only: bool = False,
+    expert_counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up_swiglu on e4m3 rows (scales [H / 128, M]) and an e4m3 interleaved w13 (scales
     [E, 2I / 128, H / 128], per block of the w13 before the interleave): the SwiGLU output
@@ -924,6 +999,7 @@ def gate_up_swiglu_fp8(
         tuned_knobs=tuned_knobs,
         valid_rows=valid_rows,
         compile_only=compile_only,
+        expert_counts=expert_counts,
     )
     return launcher(
         rows_MH,
@@ -933,6 +1009,7 @@ def gate_up_swiglu_fp8(
         x_scales=rows_scales,
         w_scales=w13_scales,
         out_scales=out_scales,
+        expert_counts=expert_counts,
     )
 
 
@@ -949,6 +1026,7 @@ def down_fp8(
     tuned_knobs: GemmKnobs | None = None,
     valid_rows: int | None = None,
     compile_only: bool = False,
+    expert_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """down on e4m3 rows (scales [I / 64, M], as gate_up_swiglu_fp8 leaves them) and an e4m3
     w2 (scales [E, H / 128, I / 128]): bf16 [M, H]. Arguments as for down."""
@@ -961,6 +1039,7 @@ def down_fp8(
         tuned_knobs=tuned_knobs,
         valid_rows=valid_rows,
         compile_only=compile_only,
+        expert_counts=expert_counts,
     )
     return launcher(
         hidden_MI,
@@ -970,6 +1049,7 @@ def down_fp8(
         out=out_MH,
         x_scales=hidden_scales,
         w_scales=w2_scales,
+        expert_counts=expert_counts,
     )
 
 
@@ -982,6 +1062,7 @@ def gate_up_fp8_launcher(
     tuned_knobs: GemmKnobs | None = None,
     valid_rows: int | None = None,
     compile_only: bool = False,
+    expert_counts: torch.Tensor | None = None,
 ) -> GemmLauncher:
     """gate_up_swiglu_fp8's launcher: called as launcher(rows_MH, expert_offsets, w13_EB2GH,
     x_scales=..., w_scales=..., out=None, out_scales=None) -> (out, out_scales)."""
@@ -995,6 +1076,7 @@ def gate_up_fp8_launcher(
         tuned_knobs=tuned_knobs,
         valid_rows=valid_rows,
         compile_only=compile_only,
+        expert_counts=expert_counts,
     )
 
 
@@ -1008,6 +1090,7 @@ def down_fp8_launcher(
     tuned_knobs: GemmKnobs | None = None,
     valid_rows: int | None = None,
     compile_only: bool = False,
+    expert_counts: torch.Tensor | None = None,
 ) -> GemmLauncher:
     """down_fp8's launcher: called as launcher(hidden_MI, expert_offsets, w2_EHI,
     x_scales=..., w_scales=..., row_scale_M=None, out=None)."""
@@ -1021,6 +1104,7 @@ def down_fp8_launcher(
         tuned_knobs=tuned_knobs,
         valid_rows=valid_rows,
         compile_only=compile_only,
+        expert_counts=expert_counts,
     )
 
 

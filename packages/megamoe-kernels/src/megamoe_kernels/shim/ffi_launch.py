@@ -13,7 +13,8 @@ int32 (else None, None), and for variants with a dynamic schedule the unit count
 (else None), and for FP8 variants the scales (fp8_scaling): x_scales [K groups, rows],
 w_scales [E, N blocks, K blocks] and, with a quantized output, out_scales [N_out groups, rows]
 (else None), and for variants that gather their rows the token of each batch row, row_source
-[rows] int32, x then being the tokens [tokens, K] (else None). `rows` is one symbol shared by
+[rows] int32, x then being the tokens [tokens, K] (else None), and for masked batches each
+expert's valid rows, expert_counts [E] int32 (else None). `rows` is one symbol shared by
 x (unless gathered), out, the row scale, the row source and the scales' rows (so a row count
 that differs between them is refused before launch); the scales' row stride is a runtime value
 (they may be views of a wider buffer); the workspace sizes are runtime dims too. The jit
@@ -57,6 +58,7 @@ class StoredWeightLaunch:
         mWScales,
         mOutScales,
         mRowSource,
+        mExpertCounts,
         stream,
     ):
         n, k, experts = self.n, self.k, self.experts
@@ -77,6 +79,7 @@ class StoredWeightLaunch:
                 mWScales,
                 mOutScales,
                 mRowSource,
+                mExpertCounts,
                 stream,
             )
 
@@ -110,20 +113,22 @@ def compile_stored_weight_launch(
     scale_group: int | None = None,
     quantize_out: bool = False,
     gather_rows: bool = False,
+    masked: bool = False,
 ):
     """cute.compile of `kernels` behind StoredWeightLaunch, for the TVM-FFI calling convention:
     the result is called as f(x, w, out, offsets, row_scale_or_None, partials_or_None,
     arrivals_or_None, unit_counter_or_None, x_scales_or_None, w_scales_or_None,
-    out_scales_or_None, row_source_or_None) with torch tensors (the workspace when split_k > 1:
+    out_scales_or_None, row_source_or_None, expert_counts_or_None) with torch tensors (the workspace when split_k > 1:
     at most one of the kernels splits K; the counter when one has a dynamic schedule; the scales for FP8 kernels,
     scale_group set: e4m3 x and w, and an e4m3 out with quantize_out; row_source with
-    gather_rows, x then being the tokens)."""
+    gather_rows, x then being the tokens; expert_counts for a masked batch)."""
     experts = weight_shape[0]
     rows = cute.sym_int32(symbol="rows")
     ab_dtype = cutlass.BFloat16 if scale_group is None else cutlass.Float8E4M3FN
     out_dtype = cutlass.Float8E4M3FN if quantize_out else cutlass.BFloat16
     x = row_major(ab_dtype, (cute.sym_int32(symbol="tokens") if gather_rows else rows, k))
     row_source = row_major(cutlass.Int32, (rows,)) if gather_rows else None
+    expert_counts = row_major(cutlass.Int32, (experts,)) if masked else None
     w = row_major(ab_dtype, tuple(weight_shape))
     out = row_major(out_dtype, (rows, n_out))
     x_scales = w_scales = out_scales = None
@@ -156,6 +161,7 @@ def compile_stored_weight_launch(
         w_scales,
         out_scales,
         row_source,
+        expert_counts,
         make_fake_stream(use_tvm_ffi_env_stream=True),
         options="--enable-tvm-ffi",
     )

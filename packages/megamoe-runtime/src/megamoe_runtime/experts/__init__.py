@@ -50,12 +50,6 @@ def _batch_refusal(
     name: str, *, masked_batches: bool, fp8_rows: bool, fp8_weights: bool
 ) -> str | None:
     """Why backend `name` cannot compute such batches (None: it can)."""
-    if name == "cutedsl" and masked_batches:
-        return (
-            "the cutedsl kernels take tight expert batches, and this layer's dispatcher hands "
-            "the experts masked ones (per-expert counts at a fixed stride: DeepEP's low-latency "
-            "mode); the kernels have no per-expert valid count yet"
-        )
     if name == "cutedsl" and fp8_rows and not fp8_weights:
         return (
             "the cutedsl kernels take FP8 batch rows with FP8 weights (weight_dtype='fp8') only, "

@@ -95,17 +95,6 @@ class CuteDSLFP8Weights(_KernelLayoutDims):
         return self.w13_EB2GH
 
 
-def _refuse_masked(batch: ExpertBatch) -> None:
-    if batch.is_masked:
-        raise ValueError(
-            f"the cutedsl kernels take a tight expert batch; this one is masked ({batch.num_experts} "
-            f"experts at a stride of {batch.expert_stride} rows, counts on the device, e.g. "
-            "DeepEP's low-latency receive layout), and the kernels have no per-expert valid "
-            "count: use backend='grouped_mm' or 'reference' for it, or a normal-mode DeepEP "
-            "dispatcher (whose batch is tight)"
-        )
-
-
 class CuteDSLExperts:
     name = "cutedsl"
     supports_autograd = False
@@ -132,7 +121,6 @@ class CuteDSLExperts:
         given explicitly), gate-up first."""
         from megamoe_runtime.tuning.expert_knobs import batch_gemm_key
 
-        _refuse_masked(batch)
         explicit = {"gate_up": self.gate_up_knobs, "down": self.down_knobs}
         return {
             op: batch_gemm_key(op, batch, weight_dims=weight_dims)
@@ -171,13 +159,19 @@ class CuteDSLExperts:
     ) -> Callable[[], torch.Tensor]:
         """The expert MLP on `batch` with `knobs` (op -> knobs) in place of the looked-up ones,
         as a knob-cache entry would put them (compiled here): what the online autotuner times."""
-        _refuse_masked(batch)
         gate_up, down = self._bind(batch, prepared, None, tuned=knobs)
         rows_MH, offsets, row_source_M = batch.rows_MH, batch.expert_offsets, batch.row_source_M
+        counts = batch.expert_counts
 
         def run() -> torch.Tensor:
-            hidden_MI = gate_up(rows_MH, offsets, prepared.w13_EB2GH, row_source_M=row_source_M)
-            return down(hidden_MI, offsets, prepared.w2_EHI)
+            hidden_MI = gate_up(
+                rows_MH,
+                offsets,
+                prepared.w13_EB2GH,
+                row_source_M=row_source_M,
+                expert_counts=counts,
+            )
+            return down(hidden_MI, offsets, prepared.w2_EHI, expert_counts=counts)
 
         return run
 
@@ -235,6 +229,7 @@ class CuteDSLExperts:
             prepared.w13_EB2GH,
             valid_rows=batch.valid_rows,
             row_source_M=batch.row_source_M,
+            expert_counts=batch.expert_counts,
             **gate_up_knobs,
         )
         intermediate = prepared.w2_EHI.shape[2]
@@ -244,6 +239,7 @@ class CuteDSLExperts:
             prepared.w2_EHI,
             row_scale_M=row_scale_M,
             valid_rows=batch.valid_rows,
+            expert_counts=batch.expert_counts,
             **down_knobs,
         )
         return gate_up, down
@@ -295,7 +291,6 @@ class CuteDSLExperts:
         *,
         row_scale_M: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        _refuse_masked(batch)
         if isinstance(prepared, CuteDSLFP8Weights):
             return self._fp8_expert_mlp(batch, prepared, row_scale_M)
         if batch.row_scales_GM is not None:
@@ -313,6 +308,7 @@ class CuteDSLExperts:
             memo = (
                 batch.capacity,
                 batch.is_gathered,
+                batch.is_masked,
                 batch.typical_rows,
                 batch.valid_rows,
                 rows_MH.get_device(),
@@ -330,8 +326,15 @@ class CuteDSLExperts:
                 prepared.w13_EB2GH,
                 out=self._intermediate(batch, gate_up),
                 row_source_M=batch.row_source_M,
+                expert_counts=batch.expert_counts,
             )
-            return down(hidden_MI, offsets, prepared.w2_EHI, row_scale_M=row_scale_M)
+            return down(
+                hidden_MI,
+                offsets,
+                prepared.w2_EHI,
+                row_scale_M=row_scale_M,
+                expert_counts=batch.expert_counts,
+            )
         except (TypeError, ValueError) as failure:
             try:
                 check_batch_matches_weights(batch, prepared)
@@ -355,9 +358,11 @@ class CuteDSLExperts:
         check_batch_matches_weights(batch, prepared, same_dtype=False)
         if batch.row_scales_GM is None and rows_MH.dtype != torch.bfloat16:
             raise TypeError(f"the FP8 kernels take bf16 or FP8 batch rows, got {rows_MH.dtype}")
+        counts = batch.expert_counts
         memo = (
             "fp8",
             rows_MH.shape[0],
+            batch.is_masked,
             batch.valid_rows,
             rows_MH.get_device(),
             prepared.w2_EHI.shape,
@@ -370,7 +375,11 @@ class CuteDSLExperts:
         launchers = self._launchers.get(memo)
         if launchers is None:
             gate_up = gate_up_fp8_launcher(
-                rows_q, offsets, prepared.w13_EB2GH, valid_rows=batch.valid_rows
+                rows_q,
+                offsets,
+                prepared.w13_EB2GH,
+                valid_rows=batch.valid_rows,
+                expert_counts=counts,
             )
             intermediate = prepared.w2_EHI.shape[2]
             down = down_fp8_launcher(
@@ -379,6 +388,7 @@ class CuteDSLExperts:
                 prepared.w2_EHI,
                 row_scale_M=row_scale_M,
                 valid_rows=batch.valid_rows,
+                expert_counts=counts,
             )
             launchers = self._launchers[memo] = (gate_up, down)
         gate_up, down = launchers
@@ -388,6 +398,7 @@ class CuteDSLExperts:
             prepared.w13_EB2GH,
             x_scales=rows_scales,
             w_scales=prepared.w13_scales,
+            expert_counts=counts,
         )
         return down(
             hidden_q,
@@ -396,4 +407,5 @@ class CuteDSLExperts:
             row_scale_M=row_scale_M,
             x_scales=hidden_scales,
             w_scales=prepared.w2_scales,
+            expert_counts=counts,
         )
