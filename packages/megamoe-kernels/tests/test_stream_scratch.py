@@ -33,3 +33,22 @@ def test_stream_scratch_is_made_once_per_device_stream_and_kind(monkeypatch):
         len({id(s) for s in (counter, workspace, other_size, on_other_device, on_other_stream)})
         == 5
     )
+
+
+def test_inside_fresh_scratch_nothing_is_kept(monkeypatch):
+    from megamoe_kernels import fresh_scratch, keeps_buffers
+
+    monkeypatch.setattr(expert_gemm, "_current_stream_handle", lambda device: 1)
+    monkeypatch.setattr(expert_gemm, "_STREAM_SCRATCH", {})
+    device = torch.device("cuda", 0)
+    assert keeps_buffers()
+    with fresh_scratch():
+        assert not keeps_buffers()
+        with fresh_scratch():  # nested: still fresh, and after the inner one ends
+            pass
+        assert not keeps_buffers()
+        first = expert_gemm._stream_scratch(device, ("unit_counter",), object)
+        assert expert_gemm._stream_scratch(device, ("unit_counter",), object) is not first
+    assert keeps_buffers()
+    kept = expert_gemm._stream_scratch(device, ("unit_counter",), object)
+    assert expert_gemm._stream_scratch(device, ("unit_counter",), object) is kept

@@ -83,24 +83,8 @@ def test_hugging_face_model_with_swapped_blocks_compiles_fullgraph():
     torch.testing.assert_close(compiled(input_ids).logits, eager, rtol=1e-4, atol=1e-5)
 
 
-REDUCE_OVERHEAD_LIMIT = (
-    "torch.compile's CUDA-graph trees refuse the cutedsl backend's forward: 'Detected 1 "
-    "tensor(s) in the cudagraph pool not tracked as outputs' (one allocation its warm-up made "
-    "outlives the call, even after an eager forward first); capture the layer with "
-    "torch.cuda.graph instead, or let small eager forwards replay the layer's own graphs (README)"
-)
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "mode",
-    [
-        None,
-        pytest.param(
-            "reduce-overhead", marks=pytest.mark.xfail(reason=REDUCE_OVERHEAD_LIMIT, strict=True)
-        ),
-    ],
-)
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 @torch.no_grad()
 def test_cutedsl_layer_compiles_on_a_gpu(mode):
     from megamoe_runtime.experts import backend_status

@@ -19,6 +19,7 @@ import itertools
 import weakref
 
 import torch
+from megamoe_kernels import fresh_scratch
 from megamoe_runtime.expert_batch import ExpertBatch
 
 _LAYERS: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
@@ -54,7 +55,10 @@ def expert_mlp(
         expert_counts=expert_counts,
     )
     layer._resolve_backend()
-    return layer._run_expert_backend(batch)  # a fresh tensor: a custom op's output aliases nothing
+    # a compiled graph's call keeps nothing past itself (CUDA-graph trees allocate its warm-up
+    # from their pool and refuse pool memory that outlives the call)
+    with fresh_scratch():
+        return layer._run_expert_backend(batch)  # a fresh tensor: it aliases nothing
 
 
 @expert_mlp.register_fake

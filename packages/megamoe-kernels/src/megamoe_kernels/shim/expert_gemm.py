@@ -58,7 +58,8 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import cache
 from typing import NoReturn
 
@@ -93,6 +94,8 @@ _ALIGN_BYTES = 16  # TMA and 16-byte vector stores: every tensor's base address
 _SPLIT_K_MAX_WORKSPACE_BYTES = 256 << 20
 # scratch of the launches on a stream, by (device, stream, what)
 _STREAM_SCRATCH: dict[tuple, object] = {}
+# per thread: how many fresh_scratch() contexts are open
+_FRESH_SCRATCH = threading.local()
 
 
 def interleave_gate_up(w13_E2IH: torch.Tensor) -> torch.Tensor:
@@ -437,12 +440,33 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+@contextmanager
+def fresh_scratch() -> Iterator[None]:
+    """Inside it, this thread's launches make their scratch anew for each call, and callers
+    that keep buffers across calls (keeps_buffers()) make them anew too: for calls whose
+    allocations must not outlive them, as in torch.compile's CUDA-graph trees, whose warm-up
+    allocates from the graphs' pool and refuses pool memory that outlives the call."""
+    _FRESH_SCRATCH.depth = getattr(_FRESH_SCRATCH, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _FRESH_SCRATCH.depth -= 1
+
+
+def keeps_buffers() -> bool:
+    """Whether a call may keep its buffers for the next call on its stream: not under CUDA-graph
+    capture (the graph's pool owns what the capture allocates) nor inside fresh_scratch()."""
+    if getattr(_FRESH_SCRATCH, "depth", 0):
+        return False
+    return not (_cuda_available() and torch.cuda.is_current_stream_capturing())
+
+
 def _stream_scratch(device: torch.device, what: tuple, make: Callable[[], object]):
     """Scratch that launches leave as they found it, shared by the launches on the current
     stream (they run one after another): made by `make` on first use, then kept for good.
-    Under CUDA-graph capture it is made anew, inside the graph: the graph's memory pool owns
-    it (torch.compile's CUDA graphs refuse pool memory that outlives the call)."""
-    if _cuda_available() and torch.cuda.is_current_stream_capturing():
+    Where no buffer may be kept (keeps_buffers(): under CUDA-graph capture, inside
+    fresh_scratch()) it is made anew for the call (inside a graph, its pool owns it)."""
+    if not keeps_buffers():
         return make()
     key = (device, _current_stream_handle(device), what)
     scratch = _STREAM_SCRATCH.get(key)

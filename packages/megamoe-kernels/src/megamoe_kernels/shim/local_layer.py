@@ -35,7 +35,11 @@ from collections.abc import Callable
 import torch
 
 from megamoe_kernels.shim.ep import copy_unroll
-from megamoe_kernels.shim.expert_gemm import _current_stream_handle, _stream_scratch
+from megamoe_kernels.shim.expert_gemm import (
+    _current_stream_handle,
+    _stream_scratch,
+    keeps_buffers,
+)
 
 _COMPILE_LOCK = threading.Lock()
 _COMPILED: dict[tuple, Callable] = {}
@@ -323,7 +327,7 @@ class RouteLauncher:
                 f"capacity {capacity}; raise capacity or send fewer tokens per call"
             )
         device = x_TH.device
-        if reuse_outputs and not torch.cuda.is_current_stream_capturing():
+        if reuse_outputs and keeps_buffers():
             key = (device, _current_stream_handle(device))
             kept = self._kept_outputs.get(key)
             if kept is None or kept[0] != (tokens, capacity):

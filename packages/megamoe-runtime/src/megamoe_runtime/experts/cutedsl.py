@@ -30,6 +30,7 @@ from megamoe_kernels import (
     down_launcher,
     gate_up_fp8_launcher,
     gate_up_launcher,
+    keeps_buffers,
 )
 
 from megamoe_runtime.expert_batch import ExpertBatch
@@ -247,12 +248,13 @@ class CuteDSLExperts:
     def _intermediate(self, batch: ExpertBatch, gate_up: GemmLauncher) -> torch.Tensor:
         """The gate-up GEMM's output, kept per (device, stream) for the last shape instead of
         allocated per call: the same call's down GEMM is its only reader, and calls on one
-        stream run in order (a later gate-up waits for the down GEMM before it). Under CUDA-graph
-        capture it is allocated anew, in the graph's pool (which owns it)."""
+        stream run in order (a later gate-up waits for the down GEMM before it). Where no buffer
+        may be kept (megamoe_kernels.keeps_buffers: under CUDA-graph capture, where the graph's
+        pool owns it, or inside fresh_scratch) it is allocated anew."""
         rows_MH = batch.rows_MH
         shape = (batch.capacity, gate_up.columns)
         device = rows_MH.device
-        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        if device.type != "cuda" or not keeps_buffers():
             return rows_MH.new_empty(shape)
         key = (device, current_stream_handle(device))
         kept = self._kept_intermediate.get(key)
