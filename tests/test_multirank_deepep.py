@@ -512,9 +512,10 @@ def test_deepep_layer_refuses_a_dispatcher_that_disagrees(multirank):
     multirank(check_layer_refuses_a_dispatcher_that_disagrees)
 
 
-def check_layer_with_torch_only_expert_math(rank, world_size, device):
-    """A layer whose expert math only the torch path computes (expert biases) runs the masked
-    batch of a low-latency dispatcher there too, and equals the single-GPU layer."""
+def check_layer_with_expert_biases_on_masked_batches(rank, world_size, device):
+    """A layer with expert biases runs the masked batch of a low-latency dispatcher on the
+    reference backend (the cutedsl kernels take tight batches), and equals the single-GPU
+    layer."""
     from megamoe_torch import MegaMoE, MegaMoEConfig
 
     config = MegaMoEConfig(
@@ -541,7 +542,7 @@ def check_layer_with_torch_only_expert_math(rank, world_size, device):
 
 
 def test_deepep_low_latency_layer_with_expert_biases(multirank):
-    multirank(check_layer_with_torch_only_expert_math)
+    multirank(check_layer_with_expert_biases_on_masked_batches)
 
 
 def check_layer_switches_between_prefill_and_decode(rank, world_size, device):

@@ -138,27 +138,48 @@ def test_the_swiglu_limit_is_reached_by_the_test_inputs():
     assert (gate_up.abs() > GPT_OSS["swiglu_limit"]).any()
 
 
-def test_expert_math_runs_on_the_reference_backend_and_trains():
+def test_expert_math_trains_through_the_reference_backend():
     layer = make_layer(GPT_OSS)
-    assert layer.backend == "reference"  # on a GPU too: the other backends lack this math
+    assert layer.backend == "reference"  # a CPU layer; grouped_mm lacks this math on a GPU
     x = torch.randn(9, 32, requires_grad=True)
     layer(x).square().sum().backward()
     for parameter in (x, layer.w13, layer.w2, layer.w13_bias, layer.w2_bias, layer.gate.bias):
         assert parameter.grad is not None and parameter.grad.abs().sum() > 0
 
 
+def test_grouped_mm_is_refused_for_biases_and_the_clamped_swiglu_naming_them():
+    with pytest.raises(ValueError, match="grouped_mm.*expert_bias=True.*swiglu_limit=7.0"):
+        MegaMoE(MegaMoEConfig(**GPT_OSS, backend="grouped_mm"))
+    layer = make_layer(GPT_OSS)
+    with pytest.raises(ValueError, match="grouped_mm"):
+        layer.use_backend("grouped_mm")
+
+
+def test_the_cutedsl_backend_is_not_refused_for_biases_and_the_clamped_swiglu():
+    # refused later only for the device (a CPU here), not for the expert math
+    layer = MegaMoE(MegaMoEConfig(**GPT_OSS, backend="cutedsl"))
+    layer.use_backend("reference")
+    layer.use_backend("cutedsl")
+
+
 @pytest.mark.parametrize("backend", ["grouped_mm", "cutedsl"])
-def test_a_backend_without_the_expert_math_is_refused_naming_it(backend):
-    with pytest.raises(ValueError, match="swiglu_limit=7.0"):
-        MegaMoE(MegaMoEConfig(**GPT_OSS, backend=backend))
+def test_a_backend_without_routing_weights_on_input_is_refused_naming_it(backend):
     layer = make_layer(LLAMA4)
     with pytest.raises(ValueError, match="routing_weights_on_input=True"):
         layer.use_backend(backend)
 
 
-def test_the_fused_layer_path_is_refused_for_the_expert_math():
+def test_the_fused_layer_path_is_refused_for_routing_weights_on_input():
     with pytest.raises(ValueError, match="layer_path='fused'"):
-        MegaMoE(MegaMoEConfig(**GPT_OSS, layer_path="fused"))
+        MegaMoE(MegaMoEConfig(**LLAMA4, layer_path="fused"))
+
+
+def test_the_weight_pack_carries_the_biases_and_the_swiglu():
+    layer = make_layer(GPT_OSS)
+    pack = layer.expert_weight_pack()
+    assert pack.w13_bias_E2I is not None and pack.w2_bias_EH is not None
+    assert (pack.swiglu.limit, pack.swiglu.alpha, pack.swiglu.up_offset) == (7.0, 1.702, 1.0)
+    assert pack.expert_math
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,11 @@ Shape legend: E experts, I intermediate size, H hidden size.
 `w13_E2IH` holds each expert's gate rows [0, I) then up rows [I, 2I); `w2_EHI` the down projection.
 Backends transform a pack into their own layout once (ExpertBackend.prepare) and cache it.
 
-- `Unquantized`: bf16/fp16/fp32 weights.
+- `Unquantized`: bf16/fp16/fp32 weights, optionally with per-expert biases (`w13_bias_E2I`
+  [E, 2I] in w13's row order, `w2_bias_EH` [E, H]) and a SwiGLU other than silu(gate) * up
+  (`swiglu`, megamoe_kernels.SwiGLU: gpt-oss's clamped one): the expert math a backend
+  computes from the pack (`expert_math` names what a pack holds of it; the backends that lack
+  it refuse such a pack in `prepare`).
 - `Prequantized`: e4m3 weights with one float32 scale per 128 x 128 block (value = e4m3 x
   scale: the `weight_scale_inv` of DeepSeek-V3's and Qwen3's FP8 checkpoints), the blocks of
   w13 over its stored rows (gate rows, then up rows). `quantize` makes one from an Unquantized
@@ -13,20 +17,24 @@ Backends transform a pack into their own layout once (ExpertBackend.prepare) and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-from megamoe_kernels import FP8_DTYPE, weight_scales_shape
+from megamoe_kernels import FP8_DTYPE, SwiGLU, weight_scales_shape
 
 FP8_WEIGHT_DTYPE = FP8_DTYPE
 
 
 @dataclass(frozen=True)
 class Unquantized:
-    """BF16/FP16/FP32 expert weights in the model's own layout."""
+    """BF16/FP16/FP32 expert weights in the model's own layout, their optional biases (in the
+    weights' dtype or float32) and the experts' SwiGLU."""
 
     w13_E2IH: torch.Tensor
     w2_EHI: torch.Tensor
+    w13_bias_E2I: torch.Tensor | None = None
+    w2_bias_EH: torch.Tensor | None = None
+    swiglu: SwiGLU = field(default_factory=SwiGLU)
 
     def __post_init__(self) -> None:
         if self.w13_E2IH.dim() != 3 or self.w2_EHI.dim() != 3:
@@ -44,6 +52,35 @@ class Unquantized:
             )
         if self.w13_E2IH.dtype != self.w2_EHI.dtype or self.w13_E2IH.device != self.w2_EHI.device:
             raise ValueError("w13 and w2 must share dtype and device")
+        biases = {
+            "w13_bias_E2I": (self.w13_bias_E2I, (experts, two_intermediate)),
+            "w2_bias_EH": (self.w2_bias_EH, (experts, hidden)),
+        }
+        for name, (bias, shape) in biases.items():
+            if bias is None:
+                continue
+            if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != shape:
+                got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+                raise ValueError(f"{name} must have shape {shape} to match the weights, got {got}")
+            if not bias.is_floating_point() or bias.device != self.w13_E2IH.device:
+                raise ValueError(
+                    f"{name} must be a float tensor on the weights' device "
+                    f"({self.w13_E2IH.device}), got {bias.dtype} on {bias.device}"
+                )
+        if not isinstance(self.swiglu, SwiGLU):
+            raise TypeError(
+                f"swiglu must be a megamoe_kernels.SwiGLU, got {type(self.swiglu).__name__}"
+            )
+
+    @property
+    def expert_math(self) -> tuple[str, ...]:
+        """What the pack holds beyond bias-free silu(gate) * up experts: () when nothing."""
+        features = []
+        if self.w13_bias_E2I is not None or self.w2_bias_EH is not None:
+            features.append("per-expert biases")
+        if not self.swiglu.is_plain:
+            features.append(f"a clamped/scaled SwiGLU ({self.swiglu})")
+        return tuple(features)
 
     @property
     def num_experts(self) -> int:
@@ -122,6 +159,11 @@ def quantize(weights: Unquantized) -> Prequantized:
     """e4m3 weights with per-128x128-block scales (amax / 448), deterministic on any device."""
     from megamoe_kernels import quantize_weight_blocks
 
+    if weights.expert_math:
+        raise ValueError(
+            f"an FP8 pack holds weights and their scales only: these experts have "
+            f"{', '.join(weights.expert_math)}, which the FP8 kernels are not built for"
+        )
     w13, w13_scales = quantize_weight_blocks(weights.w13_E2IH)
     w2, w2_scales = quantize_weight_blocks(weights.w2_EHI)
     return Prequantized(w13_E2IH=w13, w13_scales=w13_scales, w2_EHI=w2, w2_scales=w2_scales)

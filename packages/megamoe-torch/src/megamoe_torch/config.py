@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
 
+from megamoe_kernels import SwiGLU
 from megamoe_runtime.distributed import COMBINE_ORDERS
 from megamoe_runtime.experts import BACKEND_NAMES
 from megamoe_runtime.geometries import Geometry
@@ -42,9 +43,8 @@ class MegaMoEConfig:
     router_dtype: Literal["float32", "input"] = "float32"
     # the router adds a bias to its logits, x W_gate^T + b (gpt-oss): `gate.bias` [E]
     router_bias: bool = False
-    # The expert math below is computed by the reference backend only (`torch_only_features`
-    # names what a config uses of it): backend "auto" then picks reference, and the fused layer
-    # path is not taken.
+    # The expert math below is computed by the reference and the cutedsl (bf16 weights)
+    # backends, not by grouped_mm (`expert_math_features` names what a config uses of it).
     # each expert projection adds a per-expert bias (gpt-oss): `w13_bias` [E, 2I], `w2_bias` [E, H]
     expert_bias: bool = False
     # the experts' SwiGLU, gate * sigmoid(swiglu_alpha * gate) * (up + swiglu_up_offset), with
@@ -54,7 +54,8 @@ class MegaMoEConfig:
     swiglu_alpha: float = 1.0
     swiglu_up_offset: float = 0.0
     # each chosen expert computes on its routing weight times the token, f_e(w_e x), and the
-    # top-k outputs are summed unweighted (Llama 4); otherwise the sum of w_e f_e(x)
+    # top-k outputs are summed unweighted (Llama 4); otherwise the sum of w_e f_e(x). Computed
+    # on the torch layer path with the reference backend only (`torch_only_features`)
     routing_weights_on_input: bool = False
     num_shared_experts: int = 0
     # defaults to intermediate_size * num_shared_experts
@@ -155,10 +156,9 @@ class MegaMoEConfig:
             )
         if self.shared_weight_dtype == "fp8" and self.num_shared_experts == 0:
             raise ValueError("shared_weight_dtype='fp8' needs num_shared_experts >= 1")
-        if self.weight_dtype == "fp8" and self.torch_only_features:
-            raise ValueError(
-                f"weight_dtype='fp8' does not combine with {', '.join(self.torch_only_features)}"
-            )
+        if self.weight_dtype == "fp8" and (self.torch_only_features or self.expert_math_features):
+            features = (*self.expert_math_features, *self.torch_only_features)
+            raise ValueError(f"weight_dtype='fp8' does not combine with {', '.join(features)}")
         if self.backend not in ("auto", *BACKEND_NAMES):
             raise ValueError(
                 f"backend must be one of {('auto', *BACKEND_NAMES)}, got {self.backend!r}"
@@ -198,9 +198,9 @@ class MegaMoEConfig:
         )
 
     @property
-    def torch_only_features(self) -> tuple[str, ...]:
-        """The expert math this config uses that only the reference backend computes (the
-        cutedsl and grouped_mm backends and the fused layer path do not): () when none."""
+    def expert_math_features(self) -> tuple[str, ...]:
+        """The expert math beyond bias-free silu(gate) * up experts this config uses, which the
+        reference and the cutedsl backends compute and grouped_mm does not: () when none."""
         features = []
         if self.expert_bias:
             features.append("expert_bias=True")
@@ -209,9 +209,21 @@ class MegaMoEConfig:
                 f"a clamped/scaled SwiGLU (swiglu_limit={self.swiglu_limit}, "
                 f"swiglu_alpha={self.swiglu_alpha}, swiglu_up_offset={self.swiglu_up_offset})"
             )
-        if self.routing_weights_on_input:
-            features.append("routing_weights_on_input=True")
         return tuple(features)
+
+    @property
+    def swiglu(self) -> SwiGLU:
+        """The experts' activation, as the kernels and the weight pack take it."""
+        return SwiGLU(
+            limit=self.swiglu_limit, alpha=self.swiglu_alpha, up_offset=self.swiglu_up_offset
+        )
+
+    @property
+    def torch_only_features(self) -> tuple[str, ...]:
+        """The math this config uses that only the reference backend on the torch layer path
+        computes (the cutedsl and grouped_mm backends and the fused layer path do not): () when
+        none."""
+        return ("routing_weights_on_input=True",) if self.routing_weights_on_input else ()
 
     @property
     def shared_size(self) -> int:

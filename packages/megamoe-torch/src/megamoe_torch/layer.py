@@ -20,7 +20,6 @@ from dataclasses import replace
 
 import torch
 from megamoe_kernels import gathers_rows_by_default, weight_scales_shape
-from megamoe_kernels.reference import expert_mlp_reference
 from megamoe_runtime.dispatch import LocalDispatcher, RowWeightsDispatcher
 from megamoe_runtime.dispatch.device_routed import DeviceRoutedDispatcher, device_routing_status
 from megamoe_runtime.distributed import (
@@ -101,7 +100,12 @@ def _check_torch_only_features(
     process_group: torch.distributed.ProcessGroup | None = None,
 ) -> None:
     """Refuses a backend, layer path or expert parallelism that cannot compute the config's
-    expert math (MegaMoEConfig.torch_only_features)."""
+    expert math (MegaMoEConfig.expert_math_features and torch_only_features)."""
+    if config.expert_math_features and backend == "grouped_mm":
+        raise ValueError(
+            f"backend 'grouped_mm' does not compute {', '.join(config.expert_math_features)}: "
+            "use backend='cutedsl', 'reference' or 'auto' (which picks one of them)"
+        )
     features = config.torch_only_features
     if not features:
         return
@@ -391,6 +395,7 @@ class MegaMoE(nn.Module):
                 masked_batches=bool(getattr(self.dispatcher, "masked_batches", False)),
                 fp8_rows=bool(getattr(self.dispatcher, "fp8_batches", False)),
                 fp8_weights=self.config.weight_dtype == "fp8",
+                expert_math=self.config.expert_math_features,
             )
             features = self.config.torch_only_features
             if features and self._backend_name != "reference":  # backend "auto" (else refused)
@@ -408,18 +413,32 @@ class MegaMoE(nn.Module):
             with torch.no_grad():
                 return self._expert_backend.prepare(self.expert_weight_pack())
 
-        weights = (self.w13, self.w2, self.w13_scale_inv, self.w2_scale_inv)
+        weights = (
+            self.w13,
+            self.w2,
+            self.w13_scale_inv,
+            self.w2_scale_inv,
+            self.w13_bias,
+            self.w2_bias,
+        )
         return self._prepared.get(weights, prepare, context=(self._backend_name,))
 
     def expert_weight_pack(self, *, detach: bool = True) -> WeightPack:
-        """The routed experts' weights as a runtime pack: Unquantized, or with
-        weight_dtype='fp8' Prequantized (e4m3 and their block scales)."""
+        """The routed experts' weights as a runtime pack: Unquantized (with the expert biases and
+        the SwiGLU the config asks for), or with weight_dtype='fp8' Prequantized (e4m3 and their
+        block scales)."""
 
-        def tensor(t: torch.Tensor) -> torch.Tensor:
-            return t.detach() if detach else t
+        def tensor(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t.detach() if detach and t is not None else t
 
         if self.w13_scale_inv is None:
-            return Unquantized(w13_E2IH=tensor(self.w13), w2_EHI=tensor(self.w2))
+            return Unquantized(
+                w13_E2IH=tensor(self.w13),
+                w2_EHI=tensor(self.w2),
+                w13_bias_E2I=tensor(self.w13_bias),
+                w2_bias_EH=tensor(self.w2_bias),
+                swiglu=self.config.swiglu,
+            )
         return Prequantized(
             w13_E2IH=self.w13.detach(),
             w13_scales=self.w13_scale_inv,
@@ -468,40 +487,17 @@ class MegaMoE(nn.Module):
                     batch.expert_counts,
                 )
             return self._run_expert_backend(batch)
-        if self.config.torch_only_features:
-            return self._reference_expert_mlp(batch)
         backend = self._autograd_backend()
         # autograd backends take the live parameters as they are (their prepare is the identity)
         return backend(batch, backend.prepare(self.expert_weight_pack(detach=False)))
 
     def _run_expert_backend(self, batch):
         """The chosen backend on its prepared weights (tuned first when knobs='auto')."""
-        if self.config.torch_only_features:
-            return self._reference_expert_mlp(batch)
         prepared = self._prepared_weights()
         # FP8 GEMMs run their default profiles: nothing to tune yet
         if self.config.knobs == "auto" and self.config.weight_dtype is None:
             self._autotuner.ensure_tuned(self._expert_backend, batch, prepared)
         return self._expert_backend(batch, prepared)
-
-    def _reference_expert_mlp(self, batch):
-        """The expert MLP with every part of the config's expert math (biases, SwiGLU variant),
-        pure torch in fp32: the reference backend's computation, differentiable."""
-        config = self.config
-        batch = batch.materialized()
-        out_MH = expert_mlp_reference(
-            batch.rows_MH,
-            batch.expert_offsets,
-            self.w13,
-            self.w2,
-            w13_bias_E2I=self.w13_bias,
-            w2_bias_EH=self.w2_bias,
-            limit=config.swiglu_limit,
-            alpha=config.swiglu_alpha,
-            up_offset=config.swiglu_up_offset,
-            expert_counts=batch.expert_counts,
-        )
-        return out_MH.to(batch.rows_MH.dtype)
 
     def _autograd_backend(self):
         """The backend for a forward that autograd records: the chosen one if it has a backward;
@@ -515,8 +511,9 @@ class MegaMoE(nn.Module):
                 "(or 'grouped_mm'/'reference') to train"
             )
         device = self.w13.device
-        name = "grouped_mm" if backend_status("grouped_mm", device)[0] else "reference"
-        return make_backend(name)
+        expert_math = self.config.expert_math_features
+        grouped_mm = backend_status("grouped_mm", device, expert_math=expert_math)[0]
+        return make_backend("grouped_mm" if grouped_mm else "reference")
 
     def router_logits(self, x_TH: torch.Tensor) -> torch.Tensor:
         if self.config.router_dtype == "float32":

@@ -11,6 +11,8 @@ Layouts (row-major, contiguous last dim):
   w    (N, K, E)      each expert's weight, K-major (a [E, N, K] tensor seen as (N, K, E))
   out  [capacity, N_out]; N_out = N / 2 for the SwiGLU epilogue, else N
   row_scale [capacity] float32, optional (multiplies each output row; plain epilogue only)
+  bias [E, N] float32, optional: a per-expert bias over the weight's rows (with SwiGLU in the
+            interleaved order of w's rows), added to the fp32 accumulators before the epilogue
   partials  [slots x split_k x tile_rows x tile_cols] float32, split_k > 1 only: a tile's slices
   arrivals  [slots] int32, split_k > 1 only: zero before the first launch; each launch leaves
             it zero (slot t is the t-th tile of the schedule; tiles past the slots are skipped,
@@ -77,6 +79,16 @@ Launching one variant per range, each with the tiles its rows want, lets a batch
 is sized for the worst case pay for the tiles of the rows it holds, with no host sync.
 
 SwiGLU: w is the gate/up interleaved weight (gate_up_layout); out = silu(gate) * up in fp32.
+swiglu_limit / swiglu_alpha / swiglu_up_offset (compile-time constants) make it the clamped
+variant: gate = min(gate, limit), up = clamp(up, -limit, limit), out = gate * sigmoid(alpha *
+gate) * (up + up_offset) (gpt-oss: 7.0, 1.702, 1.0); the defaults give silu(gate) * up with the
+same instructions as a kernel built without them.
+
+bias: each accumulator gets its weight row's bias (bias[expert, n], fp32) after the mainloop
+(after split_k's sum) and before the epilogue: before SwiGLU and its clamp, before the row
+scale. A thread loads the biases of the weight rows its fragment holds once per tile (2 with
+swap_ab, tile_cols / 4 otherwise; the index is clamped to N - 1, so a tail tile's columns past
+N read a bias that is never stored). Without it the kernel holds no bias code.
 
 gather_rows: x is the tokens [T, K], not the batch, and row_source [capacity] int32 names the
 token of each batch row: the producer warp's lanes gather a tile's rows themselves (cp.async,
@@ -136,13 +148,26 @@ GROUP_SHUFFLE_STEPS = (INTERMEDIATE_GROUP // OUT_VECTOR).bit_length() - 1
 
 
 @cute.jit
-def silu_times(gate, up):
-    """The pointwise SwiGLU: silu(gate) * up, in fp32. The reciprocal is the approximate one
-    (one MUFU.RCP; a far gate's 1 + exp(-gate) = inf still gives 0): an IEEE division is a
-    refinement, a check and a slow-path call per value, and the gate-up epilogue runs 64 of
-    them per thread and tile while the tensor cores wait."""
+def swiglu(gate, up, *, limit=None, alpha=1.0, up_offset=0.0):
+    """The pointwise SwiGLU in fp32: gate * sigmoid(alpha * gate) * (up + up_offset), with gate
+    clamped to at most `limit` and up to [-limit, limit] first when `limit` is set; limit, alpha
+    and up_offset are compile-time constants (plain Python numbers), and the defaults are
+    silu(gate) * up (no instruction for the constants they leave out). The reciprocal is the
+    approximate one (one MUFU.RCP; a far gate's 1 + exp(-alpha gate) = inf still gives 0): an
+    IEEE division is a refinement, a check and a slow-path call per value, and the gate-up
+    epilogue runs 64 of them per thread and tile while the tensor cores wait."""
+    if cutlass.const_expr(limit is not None):
+        gate = cute.arch.fmin(gate, cutlass.Float32(limit))
+        up = cute.arch.fmax(cute.arch.fmin(up, cutlass.Float32(limit)), cutlass.Float32(-limit))
+    if cutlass.const_expr(up_offset != 0.0):
+        up = up + cutlass.Float32(up_offset)
+    scaled_gate = gate
+    if cutlass.const_expr(alpha != 1.0):
+        scaled_gate = gate * cutlass.Float32(alpha)
     return (
-        gate * up * cute.arch.rcp_approx(cutlass.Float32(1.0) + cute.math.exp(-gate, fastmath=True))
+        gate
+        * up
+        * cute.arch.rcp_approx(cutlass.Float32(1.0) + cute.math.exp(-scaled_gate, fastmath=True))
     )
 
 
@@ -154,6 +179,9 @@ class ExpertGroupedGemmSm90:
     stages:    depth of the TMA ring
     swap_ab:   weight on the MMA's M side (decode)
     swiglu:    gate/up interleaved weight, out = silu(gate) * up
+    swiglu_limit, swiglu_alpha, swiglu_up_offset: the clamped SwiGLU's constants (swiglu
+               only; None, 1.0, 0.0: the plain one)
+    bias:      add bias[expert, weight row] (fp32) to each accumulator before the epilogue
     row_scale: multiply each output row by row_scale[row]
     rows_fastest: schedule order inside an expert (m-tiles vary fastest: weights stream once)
     num_ctas:  persistent CTAs launched (a multiple of cluster_rows)
@@ -198,7 +226,16 @@ class ExpertGroupedGemmSm90:
         scale_group=None,
         quantize_out=False,
         gather_rows=False,
+        bias=False,
+        swiglu_limit=None,
+        swiglu_alpha=1.0,
+        swiglu_up_offset=0.0,
     ):
+        if not swiglu and (swiglu_limit, swiglu_alpha, swiglu_up_offset) != (None, 1.0, 0.0):
+            raise ValueError(
+                "swiglu_limit / swiglu_alpha / swiglu_up_offset: the SwiGLU epilogue's constants "
+                "(swiglu=True only)"
+            )
         if gather_rows and scale_group is not None:
             raise ValueError(
                 "gather_rows: bf16 only (FP8 rows carry scales the consumers would have to gather)"
@@ -228,6 +265,12 @@ class ExpertGroupedGemmSm90:
         self.scale_group = scale_group
         self.quantize_out = quantize_out
         self.gather_rows = gather_rows
+        self.bias = bias
+        self.swiglu_constants = {
+            "limit": swiglu_limit,
+            "alpha": float(swiglu_alpha),
+            "up_offset": float(swiglu_up_offset),
+        }
         # rows of one schedule unit: a row tile per CTA of the cluster
         self.unit_rows = tile_rows * cluster_rows
         self.mma_m, self.mma_n = (tile_cols, tile_rows) if swap_ab else (tile_rows, tile_cols)
@@ -261,6 +304,7 @@ class ExpertGroupedGemmSm90:
         mOutScales,
         mRowSource,
         mExpertCounts,
+        mBias,
         stream,
     ):
         if cutlass.const_expr(
@@ -354,6 +398,7 @@ class ExpertGroupedGemmSm90:
             mUnitCounter,
             mRowSource,
             mExpertCounts,
+            mBias,
             self.tiled_mma,
             x_layout,
             w_layout,
@@ -643,6 +688,7 @@ class ExpertGroupedGemmSm90:
         mUnitCounter,
         mRowSource,
         mExpertCounts,
+        mBias,
         tiled_mma: cute.TiledMma,
         x_layout: cute.ComposedLayout,
         w_layout: cute.ComposedLayout,
@@ -1070,6 +1116,16 @@ class ExpertGroupedGemmSm90:
                 stored_rows = cutlass.Int32(0)
                 if stores:
                     stored_rows = cutlass.min(row_end - row0, self.tile_rows)
+                if cutlass.const_expr(self.bias):
+                    if stored_rows > 0:
+                        self.add_bias(
+                            accumulators,
+                            tCcC,
+                            mBias,
+                            expert=expert,
+                            col_tile=col_tile,
+                            n_cols=n_cols,
+                        )
                 self.stage_tile(
                     accumulators,
                     tCcC,
@@ -1107,6 +1163,33 @@ class ExpertGroupedGemmSm90:
                 self.end_staging(
                     sStagedTiles[(None, team)], store_queue, store_state, team_tidx=team_tidx
                 )
+
+    def weight_row_slot(self, i, fragment_shape):
+        """Which of a thread's weight rows accumulator value i belongs to (plain Python; the
+        fragment as in x_scale_slot): the N side's columns (2 per block of 8, per N atom), or
+        with swap_ab the M side's rows (2 rows 8 apart; one 64-row atom per warpgroup)."""
+        (_, _, blocks), m_atoms, _ = fragment_shape
+        column, row_half, block = i % 2, (i // 2) % 2, (i // 4) % blocks
+        m_atom, n_atom = (i // (4 * blocks)) % m_atoms, i // (4 * blocks * m_atoms)
+        if self.swap_ab:
+            return row_half + 2 * m_atom
+        return column + 2 * block + 2 * blocks * n_atom
+
+    @cute.jit
+    def add_bias(self, accumulators, tCcC, mBias, *, expert, col_tile, n_cols):
+        """accumulators += the bias of each value's weight row (mBias [E, N] fp32), each of the
+        thread's weight rows loaded once; rows past N read row N - 1 (never stored)."""
+        values, shape = cute.size(accumulators), accumulators.shape
+        slots = sorted({self.weight_row_slot(i, shape) for i in range(values)})
+        firsts = [
+            min(i for i in range(values) if self.weight_row_slot(i, shape) == slot)
+            for slot in slots
+        ]
+        col0 = col_tile * self.tile_cols
+        weight_rows = [tCcC[first][0] if self.swap_ab else tCcC[first][1] for first in firsts]
+        biases = [mBias[(expert, cutlass.min(col0 + row, n_cols - 1))] for row in weight_rows]
+        for i in cutlass.range_constexpr(values):
+            accumulators[i] = accumulators[i] + biases[slots.index(self.weight_row_slot(i, shape))]
 
     @cute.jit
     def weight_scales(self, mWScales, expert, col_tile, k_tile, n_cols):
@@ -1309,7 +1392,7 @@ class ExpertGroupedGemmSm90:
                         for p in cutlass.range_constexpr(pair):
                             gate = accumulators[i + p]
                             up = accumulators[i + p + self.partner_offset]
-                            values[p] = silu_times(gate, up).to(out_dtype)
+                            values[p] = swiglu(gate, up, **self.swiglu_constants).to(out_dtype)
                         out_col = interleaved_output_column(col)
                         cute.copy(pair_atom, values, sOut_pairs[(None, (row, out_col // pair))])
                 else:

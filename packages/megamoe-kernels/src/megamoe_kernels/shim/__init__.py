@@ -3,6 +3,7 @@
 Importing this package imports torch but not CuTe DSL; kernels compile on first use.
 """
 
+from megamoe_kernels.shim.epilogue import SwiGLU, interleave_gate_up_bias
 from megamoe_kernels.shim.expert_gemm import (
     GemmLauncher,
     cached_kernel_count,
@@ -49,6 +50,7 @@ __all__ = [
     "GemmKnobs",
     "GemmLauncher",
     "Launch",
+    "SwiGLU",
     "cached_kernel_count",
     "candidate_knobs",
     "check_knobs",
@@ -68,6 +70,7 @@ __all__ = [
     "gate_up_swiglu_fp8",
     "gathers_rows_by_default",
     "interleave_gate_up",
+    "interleave_gate_up_bias",
     "keeps_buffers",
     "knob_problems",
     "quantize_rows",

@@ -87,7 +87,8 @@ class DropSymbol:
 
 # Every drop symbol the shim uses. Kernel engineers: add yours here when the shim starts using it.
 AUDIT_TABLE: tuple[DropSymbol, ...] = (
-    # shim/expert_gemm.py: the grouped GEMM (gate-up + SwiGLU, down + row scale)
+    # shim/expert_gemm.py: the grouped GEMM (gate-up + SwiGLU, down + row scale, both with an
+    # optional per-expert bias; the clamped SwiGLU's constants)
     DropSymbol(
         "expert_gemm_sm90",
         "ExpertGroupedGemmSm90",
@@ -111,6 +112,10 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "scale_group",
             "quantize_out",
             "gather_rows",
+            "bias",
+            "swiglu_limit",
+            "swiglu_alpha",
+            "swiglu_up_offset",
         ),
     ),
     DropSymbol(
@@ -131,6 +136,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "mOutScales",
             "mRowSource",
             "mExpertCounts",
+            "mBias",
             "stream",
         ),
         passed_as="positional",  # shim/ffi_launch.py calls kernel(mX, mW, ..., stream)

@@ -7,15 +7,20 @@ B = I / GATE_UP_BLOCK pair blocks. The batch is tight and expert-major: expert e
 - `interleave_gate_up(w13_E2IH)` -> `w13_EB2GH` ([E, B, 2 * GATE_UP_BLOCK, H]): the layout the
   gate-up kernel takes; the kernel refuses anything else (a plain [E, 2I, H] w13 included).
 - `gate_up_swiglu(rows_MH, expert_offsets, w13_EB2GH)` -> [M, I] = silu(x Wg^T) * (x Wu^T).
+  `w13_bias_EB2G` (float32 [E, B, 2 * GATE_UP_BLOCK], from `interleave_gate_up_bias`) adds
+  each expert's gate and up biases before the activation; `swiglu` (shim/epilogue.SwiGLU)
+  picks the clamped variant gpt-oss computes. Both are compiled into the kernel variant.
   With `row_source_M` (int32 [M], the token of each batch row) the first argument is the
   tokens x_TH and the kernel gathers each row from its token (no expert-major copy of the
   tokens is made): the same bits as on rows_MH = x_TH[row_source_M].
-- `down(hidden_MI, expert_offsets, w2_EHI, row_scale_M=None)` -> [M, H].
+- `down(hidden_MI, expert_offsets, w2_EHI, row_scale_M=None, w2_bias_EH=None)` -> [M, H]:
+  (x W2^T + b2) x row scale, the bias float32 [E, H].
 - FP8 (shim/fp8.py has the layouts and the host quantizers): `gate_up_swiglu_fp8(rows_MH,
   rows_scales, expert_offsets, w13_EB2GH, w13_scales)` -> (e4m3 [M, I], its scales
   [I / 64, M]), the SwiGLU output quantized in the epilogue; `down_fp8(hidden_MI,
   hidden_scales, expert_offsets, w2_EHI, w2_scales, row_scale_M=None)` -> bf16 [M, H]. The
-  weight scales are per 128 x 128 block of the weight before the gate/up interleave.
+  weight scales are per 128 x 128 block of the weight before the gate/up interleave. The
+  FP8 GEMMs are not built with biases or the clamped SwiGLU.
 Rows past expert_offsets[E] of an output are left as they were (unspecified).
 Masked batches (`expert_counts`, int32 [E] on the GPU, every op): expert e owns rows
 [expert_offsets[e], expert_offsets[e] + expert_counts[e]) of a receive buffer with a stride per
@@ -28,7 +33,7 @@ expert_offsets[E]. A caller that knows the valid rows on the host (`valid_rows`:
 holds tokens x top-k) launches only the kernel for them.
 
 Compiled kernels are cached by (op, the launches' knobs and valid-row ranges, weight shape, row
-scale or not, device): the capacity is a dynamic dim, so one compile serves every batch size.
+scale or not, bias or not, SwiGLU, device): the capacity is a dynamic dim, so one compile serves every batch size.
 Each kind of call (op, knobs, shapes, valid rows, row scale or not, device) gets a
 `GemmLauncher`, planned, checked and compiled once; `gate_up_launcher` / `down_launcher` hand it
 to a caller that repeats the call, which then skips even the lookup.
@@ -67,6 +72,7 @@ import torch
 
 from megamoe_kernels.drop.gate_up_layout import GATE_UP_BLOCK, interleaved_source_row
 from megamoe_kernels.drop.tiling import FP8_TILE_K, TILE_K
+from megamoe_kernels.shim.epilogue import PLAIN_SWIGLU, SwiGLU
 from megamoe_kernels.shim.fp8 import (
     FP8_DTYPE,
     INTERMEDIATE_GROUP,
@@ -277,8 +283,24 @@ def _check_expert_counts(expert_counts, x_MK: torch.Tensor, experts: int) -> Non
     _check_common("expert_counts", expert_counts, dim=1, device=x_MK.device)
 
 
+def _check_bias(name: str, bias, *, shape: tuple[int, ...], device, made_by: str) -> None:
+    """A per-expert bias: float32 of `shape`, contiguous and aligned, beside the rows."""
+    if (
+        not isinstance(bias, torch.Tensor)
+        or bias.dtype != torch.float32
+        or tuple(bias.shape) != shape
+    ):
+        got = (
+            f"{bias.dtype} {list(bias.shape)}"
+            if isinstance(bias, torch.Tensor)
+            else type(bias).__name__
+        )
+        raise ValueError(f"{name} must be float32 {list(shape)} ({made_by}), got {got}")
+    _check_common(name, bias, dim=len(shape), device=device)
+
+
 def _check_gate_up(
-    rows_MH, expert_offsets, w13_EB2GH, out_MI, *, fp8=False, row_source_M=None
+    rows_MH, expert_offsets, w13_EB2GH, out_MI, *, fp8=False, row_source_M=None, bias=None
 ) -> None:
     """Every rule of gate_up_swiglu's arguments, with an error that names the argument (with
     row_source_M, rows_MH is the tokens the rows are gathered from)."""
@@ -313,9 +335,19 @@ def _check_gate_up(
             "rows of a tile each lie in one weight block)"
         )
     _check_out("out_MI", out_MI, rows_MH, intermediate, dtype, capacity=capacity)
+    if bias is not None:
+        _check_bias(
+            "w13_bias_EB2G",
+            bias,
+            shape=(experts, blocks, 2 * GATE_UP_BLOCK),
+            device=rows_MH.device,
+            made_by="interleave_gate_up_bias(w13_bias_E2I) makes it",
+        )
 
 
-def _check_down(hidden_MI, expert_offsets, w2_EHI, row_scale_M, out_MH, *, fp8=False) -> None:
+def _check_down(
+    hidden_MI, expert_offsets, w2_EHI, row_scale_M, out_MH, *, fp8=False, bias=None
+) -> None:
     """Every rule of down's arguments, with an error that names the argument."""
     if not isinstance(hidden_MI, torch.Tensor):
         raise TypeError(f"rows must be a torch.Tensor, got {type(hidden_MI).__name__}")
@@ -343,6 +375,14 @@ def _check_down(hidden_MI, expert_offsets, w2_EHI, row_scale_M, out_MH, *, fp8=F
             "intermediate's quantization group)"
         )
     _check_out("out_MH", out_MH, hidden_MI, hidden, torch.bfloat16)
+    if bias is not None:
+        _check_bias(
+            "w2_bias_EH",
+            bias,
+            shape=(experts, hidden),
+            device=hidden_MI.device,
+            made_by="one bias per expert and output column; .float() of a bf16 one",
+        )
 
 
 def _raise_explained(failure: Exception, check: Callable[[], None]) -> NoReturn:
@@ -552,9 +592,11 @@ class GemmLauncher:
         "columns",
         "compiled",
         "gathers",
+        "has_bias",
         "knobs",
         "masked",
         "op",
+        "swiglu",
         "takes_unit_counter",
         "weight_rows",
     )
@@ -569,10 +611,14 @@ class GemmLauncher:
         entry: tuple[Callable, bool] | None,
         gathers: bool = False,
         masked: bool = False,
+        has_bias: bool = False,
+        swiglu: SwiGLU = PLAIN_SWIGLU,
     ):
         self.op, self.knobs = op, knobs
         self.gathers = gathers  # the rows come from tokens by row_source_M
         self.masked = masked  # each expert's rows are counted by expert_counts
+        self.has_bias = has_bias  # a bias is added before the epilogue (a call passes it)
+        self.swiglu = swiglu  # compiled into the gate-up kernel
         self.columns = columns  # of the output
         self.weight_rows = weight_rows  # N of the GEMM (the gate-up's output holds half)
         # the compile cache's entry: (compiled launches, whether one takes the unit counter);
@@ -592,11 +638,29 @@ class GemmLauncher:
         out_scales: torch.Tensor | None = None,
         row_source_M: torch.Tensor | None = None,
         expert_counts: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The output; with "gate_up_fp8" (the output, its scales). A gathering launcher takes
         the tokens as x_MK and row_source_M (the token of each batch row); a masked one the
-        counts (expert_counts)."""
-        checked = (row_scale_M, out, (x_scales, w_scales, out_scales), row_source_M, expert_counts)
+        counts (expert_counts); a launcher bound with a bias takes one (the op's layout) on
+        every call."""
+        scales = (x_scales, w_scales, out_scales)
+
+        def check() -> None:
+            _check_op(
+                self.op,
+                x_MK,
+                expert_offsets,
+                w,
+                row_scale_M,
+                out,
+                scales,
+                row_source_M,
+                expert_counts,
+                bias=bias,
+                swiglu=self.swiglu,
+            )
+
         try:
             if (row_source_M is not None) != self.gathers:
                 raise ValueError(
@@ -607,6 +671,11 @@ class GemmLauncher:
                 raise ValueError(
                     "expert_counts is required by a launcher bound for a masked batch, and "
                     f"refused by others (this one is {'masked' if self.masked else 'tight'})"
+                )
+            if (bias is not None) != self.has_bias:
+                raise ValueError(
+                    "bias is required by a launcher bound with one, and refused by others "
+                    f"(this one was bound {'with' if self.has_bias else 'without'} a bias)"
                 )
             rows = x_MK.shape[0] if row_source_M is None else row_source_M.shape[0]
             quantized = self.op == "gate_up_fp8"
@@ -623,7 +692,7 @@ class GemmLauncher:
             result = (out, out_scales) if quantized else out
             if self.compiled is None or rows == 0:
                 # nothing runs, so no compiled signature checks the arguments
-                _check_op(self.op, x_MK, expert_offsets, w, *checked)
+                check()
                 return result
             partials = arrivals = unit_counter = None
             # split-K knobs (swap-AB) always launch alone
@@ -647,10 +716,11 @@ class GemmLauncher:
                 out_scales,
                 row_source_M,
                 expert_counts,
+                bias,
             )
             return result
         except Exception as failure:
-            _raise_explained(failure, lambda: _check_op(self.op, x_MK, expert_offsets, w, *checked))
+            _raise_explained(failure, check)
 
 
 def _check_op(
@@ -663,6 +733,9 @@ def _check_op(
     scales=None,
     row_source_M=None,
     expert_counts=None,
+    *,
+    bias=None,
+    swiglu: SwiGLU = PLAIN_SWIGLU,
 ) -> None:
     """Every rule of an op's arguments; scales = (x_scales, w_scales, out_scales), or None to
     leave them out."""
@@ -672,14 +745,15 @@ def _check_op(
             raise ValueError("a masked batch's rows are read in place: no row_source_M")
         experts = w.shape[0] if isinstance(w, torch.Tensor) else 0
         _check_expert_counts(expert_counts, x_MK, experts)
+    _check_epilogue(op, bias=bias, swiglu=swiglu)
     if is_gate_up(op):
         if row_scale_M is not None:
             raise ValueError("row_scale_M is the down GEMM's; the gate-up GEMM takes none")
-        _check_gate_up(x_MK, expert_offsets, w, out, fp8=fp8, row_source_M=row_source_M)
+        _check_gate_up(x_MK, expert_offsets, w, out, fp8=fp8, row_source_M=row_source_M, bias=bias)
     else:
         if row_source_M is not None:
             raise ValueError("row_source_M is the gate-up GEMM's; the down GEMM takes none")
-        _check_down(x_MK, expert_offsets, w, row_scale_M, out, fp8=fp8)
+        _check_down(x_MK, expert_offsets, w, row_scale_M, out, fp8=fp8, bias=bias)
     if scales is None:
         return
     x_scales, w_scales, out_scales = scales
@@ -703,8 +777,24 @@ def _check_op(
         )
 
 
+def _check_epilogue(op: str, *, bias, swiglu) -> None:
+    """The epilogue options an op is built with: the SwiGLU variant on the bf16 gate-up GEMM,
+    biases on the bf16 GEMMs."""
+    if not isinstance(swiglu, SwiGLU):
+        raise TypeError(
+            f"swiglu must be a megamoe_kernels.SwiGLU (or None), got {type(swiglu).__name__}"
+        )
+    if is_fp8(op) and (bias is not None or not swiglu.is_plain):
+        raise ValueError(
+            f"the {op} GEMM is not built with a bias or a clamped SwiGLU ({swiglu}): they run "
+            "on the bf16 GEMMs (gate_up_swiglu, down)"
+        )
+    if not is_gate_up(op) and not swiglu.is_plain:
+        raise ValueError(f"swiglu is the gate-up GEMM's; the {op} GEMM takes none, got {swiglu}")
+
+
 # the launchers bound so far, by (op, knobs, tuned knobs, x shape, weight shape, valid rows and
-# their type, row scale or not, device)
+# their type, row scale or not, bias or not, SwiGLU, device)
 _LAUNCHERS: dict[tuple, GemmLauncher] = {}
 
 
@@ -721,15 +811,30 @@ def _launcher(
     compile_only: bool,
     row_source_M: torch.Tensor | None = None,
     expert_counts: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    swiglu: SwiGLU | None = None,
 ) -> GemmLauncher:
     """The launcher for this kind of call: looked up, else the op's checks run, the launches
     are planned and compiled (compile_only: compiled, nothing will run) and it is kept. A
     masked batch launches one kernel, for `valid_rows` (or the capacity when unknown): its
     valid rows are the counts' sum, which no kernel reads."""
+    swiglu = PLAIN_SWIGLU if swiglu is None else swiglu
 
     def check() -> None:
         # the scales are not part of the kind of call: a call's own are checked with it
-        _check_op(op, x_MK, expert_offsets, w, row_scale_M, None, None, row_source_M, expert_counts)
+        _check_op(
+            op,
+            x_MK,
+            expert_offsets,
+            w,
+            row_scale_M,
+            None,
+            None,
+            row_source_M,
+            expert_counts,
+            bias=bias,
+            swiglu=swiglu,
+        )
 
     try:
         device_index = -1 if compile_only else x_MK.get_device()
@@ -749,6 +854,8 @@ def _launcher(
             valid_rows,
             type(valid_rows),
             row_scale_M is not None,
+            bias is not None,
+            swiglu,
             device_index,
         )
         launcher = _LAUNCHERS.get(key)
@@ -764,13 +871,23 @@ def _launcher(
         launches = _launches(
             op, knobs, tuned_knobs, batch_shape, w.shape, planned_rows, device_index
         )
-        has_row_scale = row_scale_M is not None
+        has_row_scale, has_bias = row_scale_M is not None, bias is not None
         entry = None
         if batch_shape[0] > 0:
             entry = _compile(
                 op,
                 launches,
-                (op, launches, w.shape, has_row_scale, gathers, masked, device_index),
+                (
+                    op,
+                    launches,
+                    w.shape,
+                    has_row_scale,
+                    gathers,
+                    masked,
+                    has_bias,
+                    swiglu,
+                    device_index,
+                ),
             )
         weight_rows, _, columns = _gemm_dims(op, w.shape)
         launcher = GemmLauncher(
@@ -781,6 +898,8 @@ def _launcher(
             entry=entry if device_index >= 0 else None,
             gathers=gathers,
             masked=masked,
+            has_bias=has_bias,
+            swiglu=swiglu,
         )
     except Exception as failure:
         _raise_explained(failure, check)
@@ -790,7 +909,7 @@ def _launcher(
 
 
 def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callable, bool]:
-    _, _, weight_shape, has_row_scale, gathers, masked, device_index = key
+    _, _, weight_shape, has_row_scale, gathers, masked, has_bias, swiglu, device_index = key
     with _COMPILE_LOCK:
         entry = _COMPILED.get(key)
         if entry is not None:
@@ -825,6 +944,8 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callabl
                 scale_group=scale_group(op),
                 quantize_out=op == "gate_up_fp8",
                 gather_rows=gathers,
+                bias=has_bias,
+                **(swiglu.kernel_constants() if is_gate_up(op) else {}),
                 # persistent CTAs: those beyond the routed tiles find no work and exit
                 num_ctas=_persistent_ctas(device_index, launch.knobs.cluster[0]),
             )
@@ -844,6 +965,7 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callabl
             quantize_out=op == "gate_up_fp8",
             gather_rows=gathers,
             masked=masked,
+            has_bias=has_bias,
         )
         _COMPILED[key] = (compiled, takes_unit_counter)
         return _COMPILED[key]
@@ -861,8 +983,15 @@ def gate_up_swiglu(
     compile_only: bool = False,
     expert_counts: torch.Tensor | None = None,
     row_source_M: torch.Tensor | None = None,
+    w13_bias_EB2G: torch.Tensor | None = None,
+    swiglu: SwiGLU | None = None,
 ) -> torch.Tensor:
     """silu(x Wg^T) * (x Wu^T) per expert, bf16 out, fp32 accumulation.
+
+    w13_bias_EB2G: float32 [E, I/8, 16] (interleave_gate_up_bias of the [E, 2I] bias), each
+    expert's gate and up biases added to the accumulators before the activation. swiglu: the
+    activation (SwiGLU; None: silu(gate) * up), e.g. gpt-oss's SwiGLU(limit=7.0, alpha=1.702,
+    up_offset=1.0): gate * sigmoid(alpha * gate) * (up + up_offset) on the clamped values.
 
     row_source_M: int32 [M], the token of each batch row: rows_MH is then the tokens [T, H]
     and the kernel reads each batch row from its token (H a multiple of 64), with the bits of
@@ -886,6 +1015,8 @@ def gate_up_swiglu(
         compile_only=compile_only,
         expert_counts=expert_counts,
         row_source_M=row_source_M,
+        w13_bias_EB2G=w13_bias_EB2G,
+        swiglu=swiglu,
     )
     return launcher(
         rows_MH,
@@ -894,6 +1025,7 @@ def gate_up_swiglu(
         out=out_MI,
         row_source_M=row_source_M,
         expert_counts=expert_counts,
+        bias=w13_bias_EB2G,
     )
 
 
@@ -909,9 +1041,11 @@ def down(
     valid_rows: int | None = None,
     compile_only: bool = False,
     expert_counts: torch.Tensor | None = None,
+    w2_bias_EH: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x W2^T per expert, each row optionally multiplied by row_scale_M (float32, [M]);
-    knobs, tuned_knobs and valid_rows as for gate_up_swiglu.
+    """x W2^T per expert, plus w2_bias_EH[expert] (float32 [E, H], optional), each row then
+    optionally multiplied by row_scale_M (float32, [M]); knobs, tuned_knobs and valid_rows as
+    for gate_up_swiglu.
 
     With decode tiles the kernel starts loading w2_EHI (it reads expert_offsets to know which
     experts) while the kernel before it on the stream still runs, when that kernel lets it start
@@ -928,6 +1062,7 @@ def down(
         valid_rows=valid_rows,
         compile_only=compile_only,
         expert_counts=expert_counts,
+        w2_bias_EH=w2_bias_EH,
     )
     return launcher(
         hidden_MI,
@@ -936,6 +1071,7 @@ def down(
         row_scale_M=row_scale_M,
         out=out_MH,
         expert_counts=expert_counts,
+        bias=w2_bias_EH,
     )
 
 
@@ -950,10 +1086,13 @@ def gate_up_launcher(
     compile_only: bool = False,
     expert_counts: torch.Tensor | None = None,
     row_source_M: torch.Tensor | None = None,
+    w13_bias_EB2G: torch.Tensor | None = None,
+    swiglu: SwiGLU | None = None,
 ) -> GemmLauncher:
     """gate_up_swiglu's launcher for calls like this one (arguments as there): keep it to
     launch the same kind of call again with no lookup, as launcher(rows_MH, expert_offsets,
-    w13_EB2GH, out=None, row_source_M=None) (a row source if it was bound with one)."""
+    w13_EB2GH, out=None, row_source_M=None, bias=None) (a row source if it was bound with one,
+    the w13 bias if it was bound with one; the SwiGLU is the bound one)."""
     return _launcher(
         "gate_up",
         rows_MH,
@@ -966,6 +1105,8 @@ def gate_up_launcher(
         compile_only=compile_only,
         expert_counts=expert_counts,
         row_source_M=row_source_M,
+        bias=w13_bias_EB2G,
+        swiglu=swiglu,
     )
 
 
@@ -980,9 +1121,11 @@ def down_launcher(
     valid_rows: int | None = None,
     compile_only: bool = False,
     expert_counts: torch.Tensor | None = None,
+    w2_bias_EH: torch.Tensor | None = None,
 ) -> GemmLauncher:
-    """down's launcher for calls like this one (with a row scale or without, as here): called
-    as launcher(hidden_MI, expert_offsets, w2_EHI, row_scale_M=None, out=None)."""
+    """down's launcher for calls like this one (with a row scale or without, a bias or
+    without, as here): called as launcher(hidden_MI, expert_offsets, w2_EHI, row_scale_M=None,
+    out=None, bias=None)."""
     return _launcher(
         "down",
         hidden_MI,
@@ -994,6 +1137,7 @@ def down_launcher(
         valid_rows=valid_rows,
         compile_only=compile_only,
         expert_counts=expert_counts,
+        bias=w2_bias_EH,
     )
 
 

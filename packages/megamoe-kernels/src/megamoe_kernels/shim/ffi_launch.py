@@ -13,8 +13,10 @@ int32 (else None, None), and for variants with a dynamic schedule the unit count
 (else None), and for FP8 variants the scales (fp8_scaling): x_scales [K groups, rows],
 w_scales [E, N blocks, K blocks] and, with a quantized output, out_scales [N_out groups, rows]
 (else None), and for variants that gather their rows the token of each batch row, row_source
-[rows] int32, x then being the tokens [tokens, K] (else None), and for masked batches each
-expert's valid rows, expert_counts [E] int32 (else None). `rows` is one symbol shared by
+[rows] int32, x then being the tokens [tokens, K] (else None), for masked batches each
+expert's valid rows, expert_counts [E] int32 (else None), and for variants with a bias the
+per-expert bias, float32 in the weight's shape without K ([E, I/8, 16] interleaved for the
+gate-up GEMM, [E, H] for the down one; else None). `rows` is one symbol shared by
 x (unless gathered), out, the row scale, the row source and the scales' rows (so a row count
 that differs between them is refused before launch); the scales' row stride is a runtime value
 (they may be views of a wider buffer); the workspace sizes are runtime dims too. The jit
@@ -59,12 +61,19 @@ class StoredWeightLaunch:
         mOutScales,
         mRowSource,
         mExpertCounts,
+        mBiasStored,
         stream,
     ):
         n, k, experts = self.n, self.k, self.experts
         mW = cute.make_tensor(
             mWStored.iterator, cute.make_layout((n, k, experts), stride=(k, 1, n * k))
         )
+        # the bias as the kernel indexes it: [E, N]
+        mBias = None
+        if cutlass.const_expr(mBiasStored is not None):
+            mBias = cute.make_tensor(
+                mBiasStored.iterator, cute.make_layout((experts, n), stride=(n, 1))
+            )
         for kernel in self.kernels:
             kernel(
                 mX,
@@ -80,6 +89,7 @@ class StoredWeightLaunch:
                 mOutScales,
                 mRowSource,
                 mExpertCounts,
+                mBias,
                 stream,
             )
 
@@ -114,14 +124,17 @@ def compile_stored_weight_launch(
     quantize_out: bool = False,
     gather_rows: bool = False,
     masked: bool = False,
+    has_bias: bool = False,
 ):
     """cute.compile of `kernels` behind StoredWeightLaunch, for the TVM-FFI calling convention:
     the result is called as f(x, w, out, offsets, row_scale_or_None, partials_or_None,
     arrivals_or_None, unit_counter_or_None, x_scales_or_None, w_scales_or_None,
-    out_scales_or_None, row_source_or_None, expert_counts_or_None) with torch tensors (the workspace when split_k > 1:
-    at most one of the kernels splits K; the counter when one has a dynamic schedule; the scales for FP8 kernels,
-    scale_group set: e4m3 x and w, and an e4m3 out with quantize_out; row_source with
-    gather_rows, x then being the tokens; expert_counts for a masked batch)."""
+    out_scales_or_None, row_source_or_None, expert_counts_or_None, bias_or_None) with torch
+    tensors (the workspace when split_k > 1: at most one of the kernels splits K; the counter
+    when one has a dynamic schedule; the scales for FP8 kernels, scale_group set: e4m3 x and w,
+    and an e4m3 out with quantize_out; row_source with gather_rows, x then being the tokens;
+    expert_counts for a masked batch; the bias with has_bias, float32 in the weight's shape
+    without K)."""
     experts = weight_shape[0]
     rows = cute.sym_int32(symbol="rows")
     ab_dtype = cutlass.BFloat16 if scale_group is None else cutlass.Float8E4M3FN
@@ -146,6 +159,7 @@ def compile_stored_weight_launch(
         partials = row_major(cutlass.Float32, (cute.sym_int32(symbol="partial_words"),))
         arrivals = row_major(cutlass.Int32, (cute.sym_int32(symbol="slots"),))
     unit_counter = row_major(cutlass.Int32, (2,)) if dynamic_schedule else None
+    bias = row_major(cutlass.Float32, tuple(weight_shape[:-1])) if has_bias else None
     launch = StoredWeightLaunch(kernels, n=n, k=k, experts=experts)
     return cute.compile(
         launch,
@@ -162,6 +176,7 @@ def compile_stored_weight_launch(
         out_scales,
         row_source,
         expert_counts,
+        bias,
         make_fake_stream(use_tvm_ffi_env_stream=True),
         options="--enable-tvm-ffi",
     )

@@ -28,12 +28,18 @@ def backend_status(
     masked_batches: bool = False,
     fp8_rows: bool = False,
     fp8_weights: bool = False,
+    expert_math: tuple[str, ...] = (),
 ) -> tuple[bool, str]:
     """(can run, why) for one backend on `device`, for the batches a layer's dispatcher hands
     out: `masked_batches` (the masked layout: a DeepEP low-latency receive buffer) and
-    `fp8_rows` (e4m3 rows with scales: FP8 dispatch), with `fp8_weights` or not."""
+    `fp8_rows` (e4m3 rows with scales: FP8 dispatch), with `fp8_weights` or not, and for
+    experts with `expert_math` (WeightPack.expert_math: biases, a clamped SwiGLU)."""
     refusal = _batch_refusal(
-        name, masked_batches=masked_batches, fp8_rows=fp8_rows, fp8_weights=fp8_weights
+        name,
+        masked_batches=masked_batches,
+        fp8_rows=fp8_rows,
+        fp8_weights=fp8_weights,
+        expert_math=expert_math,
     )
     if refusal is not None:
         return False, refusal
@@ -47,9 +53,24 @@ def backend_status(
 
 
 def _batch_refusal(
-    name: str, *, masked_batches: bool, fp8_rows: bool, fp8_weights: bool
+    name: str,
+    *,
+    masked_batches: bool,
+    fp8_rows: bool,
+    fp8_weights: bool,
+    expert_math: tuple[str, ...] = (),
 ) -> str | None:
-    """Why backend `name` cannot compute such batches (None: it can)."""
+    """Why backend `name` cannot compute such batches or experts (None: it can)."""
+    if name == "grouped_mm" and expert_math:
+        return (
+            f"grouped_mm computes bias-free silu(gate) * up experts, and these have "
+            f"{', '.join(expert_math)}"
+        )
+    if name == "cutedsl" and expert_math and (fp8_weights or fp8_rows):
+        return (
+            f"the cutedsl FP8 kernels are not built for {', '.join(expert_math)} (the bf16 "
+            "ones are)"
+        )
     if name == "cutedsl" and fp8_rows and not fp8_weights:
         return (
             "the cutedsl kernels take FP8 batch rows with FP8 weights (weight_dtype='fp8') only, "
@@ -70,11 +91,17 @@ def select_backend(
     masked_batches: bool = False,
     fp8_rows: bool = False,
     fp8_weights: bool = False,
+    expert_math: tuple[str, ...] = (),
 ) -> tuple[str, str]:
-    """Resolves 'auto' (or checks an explicit name) to (backend name, reason); the batch
-    keywords as for `backend_status`."""
+    """Resolves 'auto' (or checks an explicit name) to (backend name, reason); the batch and
+    expert keywords as for `backend_status`."""
     device = torch.device(device)
-    batches = {"masked_batches": masked_batches, "fp8_rows": fp8_rows, "fp8_weights": fp8_weights}
+    batches = {
+        "masked_batches": masked_batches,
+        "fp8_rows": fp8_rows,
+        "fp8_weights": fp8_weights,
+        "expert_math": expert_math,
+    }
     if requested != "auto":
         available, reason = backend_status(requested, device, **batches)
         if not available:

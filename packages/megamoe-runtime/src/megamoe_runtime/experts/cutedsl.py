@@ -1,10 +1,13 @@
 """The cutedsl backend: megamoe's CuTe DSL grouped GEMMs (megamoe_kernels) on sm_90a.
 
 gate-up GEMM with the SwiGLU epilogue on the gate/up interleaved w13, then the down GEMM
-(optionally scaling each row by its routing weight). Both read `expert_offsets` on the GPU: no
+(optionally scaling each row by its routing weight). A pack's biases and SwiGLU (gpt-oss's
+clamped one) are the GEMMs' epilogue variants: the w13 bias interleaved like w13 and both kept
+in float32 at prepare time, added to the accumulators before the activation and before the
+row scale. Both read `expert_offsets` on the GPU: no
 host sync, fixed shapes for a fixed capacity, so the pair replays in a CUDA graph.
 
-FP8 weights (a Prequantized pack) run the FP8 GEMMs: the batch rows are quantized to e4m3 per
+FP8 weights (a Prequantized pack, which holds no biases) run the FP8 GEMMs: the batch rows are quantized to e4m3 per
 row and 128 columns, the gate-up GEMM's epilogue quantizes its output per 64 columns for the
 down GEMM, which writes bf16. Their knobs are the kernels' default profiles (no knob-cache
 lookup and no online tuning yet).
@@ -25,6 +28,7 @@ import torch
 from megamoe_kernels import (
     GemmKnobs,
     GemmLauncher,
+    SwiGLU,
     current_stream_handle,
     down_fp8_launcher,
     down_launcher,
@@ -70,11 +74,18 @@ class _KernelLayoutDims:
 
 @dataclass(frozen=True)
 class CuteDSLWeights(_KernelLayoutDims):
-    """Weights in the kernels' layout: w13 gate/up interleaved ([E, I/8, 16, H]), w2 as given."""
+    """Weights in the kernels' layout: w13 gate/up interleaved ([E, I/8, 16, H]), w2 as given;
+    the biases in float32, w13's interleaved like it ([E, I/8, 16]), w2's [E, H]; the SwiGLU."""
 
     w13_EB2GH: torch.Tensor
     w2_EHI: torch.Tensor
     source: Unquantized
+    w13_bias_EB2G: torch.Tensor | None = None
+    w2_bias_EH: torch.Tensor | None = None
+
+    @property
+    def swiglu(self) -> SwiGLU:
+        return self.source.swiglu
 
     @property
     def w13_E2IH(self) -> torch.Tensor:
@@ -171,8 +182,15 @@ class CuteDSLExperts:
                 prepared.w13_EB2GH,
                 row_source_M=row_source_M,
                 expert_counts=counts,
+                bias=prepared.w13_bias_EB2G,
             )
-            return down(hidden_MI, offsets, prepared.w2_EHI, expert_counts=counts)
+            return down(
+                hidden_MI,
+                offsets,
+                prepared.w2_EHI,
+                expert_counts=counts,
+                bias=prepared.w2_bias_EH,
+            )
 
         return run
 
@@ -231,6 +249,8 @@ class CuteDSLExperts:
             valid_rows=batch.valid_rows,
             row_source_M=batch.row_source_M,
             expert_counts=batch.expert_counts,
+            w13_bias_EB2G=prepared.w13_bias_EB2G,
+            swiglu=prepared.swiglu,
             **gate_up_knobs,
         )
         intermediate = prepared.w2_EHI.shape[2]
@@ -241,6 +261,7 @@ class CuteDSLExperts:
             row_scale_M=row_scale_M,
             valid_rows=batch.valid_rows,
             expert_counts=batch.expert_counts,
+            w2_bias_EH=prepared.w2_bias_EH,
             **down_knobs,
         )
         return gate_up, down
@@ -263,7 +284,7 @@ class CuteDSLExperts:
         return kept
 
     def prepare(self, weights: WeightPack) -> CuteDSLWeights | CuteDSLFP8Weights:
-        from megamoe_kernels import interleave_gate_up
+        from megamoe_kernels import interleave_gate_up, interleave_gate_up_bias
 
         if isinstance(weights, Prequantized):
             if weights.intermediate_size % 128:
@@ -280,10 +301,13 @@ class CuteDSLExperts:
             )
         if weights.w13_E2IH.dtype != torch.bfloat16:
             raise TypeError(f"the cutedsl backend runs bf16 weights, got {weights.w13_E2IH.dtype}")
+        w13_bias, w2_bias = weights.w13_bias_E2I, weights.w2_bias_EH
         return CuteDSLWeights(
             w13_EB2GH=interleave_gate_up(weights.w13_E2IH),
             w2_EHI=weights.w2_EHI.contiguous(),
             source=weights,
+            w13_bias_EB2G=None if w13_bias is None else interleave_gate_up_bias(w13_bias),
+            w2_bias_EH=None if w2_bias is None else w2_bias.float().contiguous(),
         )
 
     def __call__(
@@ -317,6 +341,9 @@ class CuteDSLExperts:
                 rows_MH.dtype,
                 prepared.w2_EHI.shape,
                 row_scale_M is None,
+                prepared.w13_bias_EB2G is None,
+                prepared.w2_bias_EH is None,
+                prepared.swiglu,
             )
             launchers = self._launchers.get(memo)
             if launchers is None:
@@ -329,6 +356,7 @@ class CuteDSLExperts:
                 out=self._intermediate(batch, gate_up),
                 row_source_M=batch.row_source_M,
                 expert_counts=batch.expert_counts,
+                bias=prepared.w13_bias_EB2G,
             )
             return down(
                 hidden_MI,
@@ -336,6 +364,7 @@ class CuteDSLExperts:
                 prepared.w2_EHI,
                 row_scale_M=row_scale_M,
                 expert_counts=batch.expert_counts,
+                bias=prepared.w2_bias_EH,
             )
         except (TypeError, ValueError) as failure:
             try:

@@ -1,6 +1,7 @@
 """The baseline to beat: two torch._grouped_mm calls with an unfused SwiGLU between them.
 
-FP8 weights are dequantized once to bf16 (the baseline has no FP8 path of its own).
+FP8 weights are dequantized once to bf16 (the baseline has no FP8 path of its own). Experts
+with biases or a clamped SwiGLU are refused (`prepare`): the baseline computes silu(gate) * up.
 
 A tight batch is one grouped GEMM per projection over the expert offsets. A masked batch is a
 batched GEMM over its [E, S, H] view (torch._grouped_mm 3-D x 3-D, no copy): every row of each
@@ -36,6 +37,11 @@ class GroupedMMExperts:
     def prepare(self, weights: WeightPack) -> Unquantized:
         if isinstance(weights, Prequantized):
             return dequantize(weights, torch.bfloat16)
+        if weights.expert_math:
+            raise ValueError(
+                f"grouped_mm computes bias-free silu(gate) * up experts; these have "
+                f"{', '.join(weights.expert_math)}: use backend 'cutedsl' or 'reference'"
+            )
         if weights.w13_E2IH.dtype != torch.bfloat16:
             raise TypeError(f"grouped_mm runs bf16 weights, got {weights.w13_E2IH.dtype}")
         return weights

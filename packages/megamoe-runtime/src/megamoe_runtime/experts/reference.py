@@ -1,6 +1,7 @@
 """The oracle as a backend: fp32 accumulation per expert, on any device (it syncs: not for speed).
 
-FP8 weights are dequantized once, to float32 (exactly the values they stand for). Both batch
+The whole expert math of the pack: its biases and its SwiGLU. FP8 weights are dequantized once,
+to float32 (exactly the values they stand for). Both batch
 layouts: a masked batch's rows past each expert's count are never read, and their outputs are
 zero (as the rows past a tight batch's valid count are)."""
 
@@ -40,6 +41,11 @@ class ReferenceExperts:
             prepared.w13_E2IH,
             prepared.w2_EHI,
             row_scale_M,
+            w13_bias_E2I=prepared.w13_bias_E2I,
+            w2_bias_EH=prepared.w2_bias_EH,
+            limit=prepared.swiglu.limit,
+            alpha=prepared.swiglu.alpha,
+            up_offset=prepared.swiglu.up_offset,
             expert_counts=batch.expert_counts,
         )
         return out_MH.to(batch.output_dtype)

@@ -1,0 +1,94 @@
+"""The expert GEMMs' epilogue options beyond the plain ones: the SwiGLU variant and per-expert
+biases (plain Python and torch; no CuTe DSL).
+
+- `SwiGLU(limit, alpha, up_offset)`: gate * sigmoid(alpha * gate) * (up + up_offset), gate
+  clamped to at most `limit` and up to [-limit, limit] first when `limit` is set
+  (megamoe_kernels.reference.swiglu is its oracle). `SwiGLU()` is silu(gate) * up; gpt-oss
+  computes `SwiGLU(limit=7.0, alpha=1.702, up_offset=1.0)`. The constants are compiled into
+  the kernel: each distinct SwiGLU is its own kernel variant.
+- `interleave_gate_up_bias(w13_bias_E2I)` -> float32 [E, I / 8, 16]: the gate-up bias in the
+  interleaved order of the weight rows (interleave_gate_up), the layout gate_up_swiglu takes.
+  The down GEMM takes its bias [E, H] in float32 as it is.
+
+Shape legend: E experts, I intermediate size, H hidden size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megamoe_kernels.drop.gate_up_layout import GATE_UP_BLOCK, interleaved_source_row
+
+
+@dataclass(frozen=True)
+class SwiGLU:
+    """The gate-up GEMM's activation; the defaults are silu(gate) * up."""
+
+    limit: float | None = None
+    alpha: float = 1.0
+    up_offset: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.limit is not None:
+            if isinstance(self.limit, bool) or not isinstance(self.limit, int | float):
+                raise TypeError(f"SwiGLU limit must be a number or None, got {self.limit!r}")
+            if not 0 < self.limit < math.inf:
+                raise ValueError(f"SwiGLU limit must be finite and > 0, or None; got {self.limit}")
+            object.__setattr__(self, "limit", float(self.limit))
+        for name in ("alpha", "up_offset"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"SwiGLU {name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"SwiGLU {name} must be finite, got {value}")
+            object.__setattr__(self, name, float(value))
+
+    @property
+    def is_plain(self) -> bool:
+        """Whether this is silu(gate) * up."""
+        return self == SwiGLU()
+
+    def kernel_constants(self) -> dict[str, float | None]:
+        """The drop kernel's keyword arguments for this activation."""
+        return {
+            "swiglu_limit": self.limit,
+            "swiglu_alpha": self.alpha,
+            "swiglu_up_offset": self.up_offset,
+        }
+
+
+PLAIN_SWIGLU = SwiGLU()
+
+
+def interleave_gate_up_bias(w13_bias_E2I: torch.Tensor) -> torch.Tensor:
+    """[E, 2I] gate biases then up biases, any float dtype -> float32 [E, I / 8, 16]: blocks of
+    8 gate biases, each followed by its 8 up biases (the rows of interleave_gate_up's weight).
+    Run once at load."""
+    if (
+        not isinstance(w13_bias_E2I, torch.Tensor)
+        or w13_bias_E2I.dim() != 2
+        or w13_bias_E2I.shape[1] % (2 * GATE_UP_BLOCK)
+        or not w13_bias_E2I.is_floating_point()
+    ):
+        got = (
+            f"{w13_bias_E2I.dtype} {tuple(w13_bias_E2I.shape)}"
+            if isinstance(w13_bias_E2I, torch.Tensor)
+            else type(w13_bias_E2I).__name__
+        )
+        raise ValueError(
+            f"w13_bias must be a float [E, 2I] tensor with I a multiple of {GATE_UP_BLOCK}, "
+            f"got {got}"
+        )
+    experts, two_intermediate = w13_bias_E2I.shape
+    source_rows = interleaved_source_row(
+        torch.arange(two_intermediate, device=w13_bias_E2I.device), two_intermediate // 2
+    )
+    return (
+        w13_bias_E2I.float()
+        .index_select(1, source_rows)
+        .reshape(experts, two_intermediate // (2 * GATE_UP_BLOCK), 2 * GATE_UP_BLOCK)
+        .contiguous()
+    )
