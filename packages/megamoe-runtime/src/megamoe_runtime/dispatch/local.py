@@ -81,6 +81,10 @@ class LocalDispatcher:
         return batch, handle
 
     def _row_indices(self, count: int, device: torch.device) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # inside a compiled graph a kept tensor would be one of its outputs, which CUDA-graph
+            # trees overwrite at the next replay: made in the graph (inductor folds it)
+            return torch.arange(count, device=device)
         key = (count, device)
         if self._row_indices_cache[0] != key:
             self._row_indices_cache = (key, torch.arange(count, device=device))
@@ -88,6 +92,8 @@ class LocalDispatcher:
 
     def _expert_boundaries(self, like: torch.Tensor) -> torch.Tensor:
         # offsets[e] = number of pairs whose expert < e, found by binary search in the sorted ids
+        if torch.compiler.is_compiling():  # as in _row_indices
+            return torch.arange(self.num_experts + 1, dtype=like.dtype, device=like.device)
         key = (like.dtype, like.device)
         if self._boundaries_cache[0] != key:
             boundaries = torch.arange(self.num_experts + 1, dtype=like.dtype, device=like.device)
