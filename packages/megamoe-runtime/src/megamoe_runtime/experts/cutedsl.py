@@ -4,18 +4,18 @@ gate-up GEMM with the SwiGLU epilogue on the gate/up interleaved w13, then the d
 (optionally scaling each row by its routing weight). A pack's biases and SwiGLU (gpt-oss's
 clamped one) are the GEMMs' epilogue variants: the w13 bias interleaved like w13 and both kept
 in float32 at prepare time, added to the accumulators before the activation and before the
-row scale. Both read `expert_offsets` on the GPU: no
-host sync, fixed shapes for a fixed capacity, so the pair replays in a CUDA graph.
+row scale. Both read `expert_offsets` on the GPU: no host sync, fixed shapes for a fixed
+capacity, so the pair replays in a CUDA graph.
 
-FP8 weights (a Prequantized pack, which holds no biases) run the FP8 GEMMs: the batch rows are quantized to e4m3 per
-row and 128 columns, the gate-up GEMM's epilogue quantizes its output per 64 columns for the
-down GEMM, which writes bf16. Their knobs are the kernels' default profiles (no knob-cache
-lookup and no online tuning yet).
+FP8 weights (a Prequantized pack, which holds no biases) run the FP8 GEMMs: the batch rows are
+quantized to e4m3 per row and 128 columns, the gate-up GEMM's epilogue quantizes its output per
+64 columns for the down GEMM, which writes bf16. Their knobs are the kernels' default profiles
+(no knob-cache lookup and no online tuning yet).
 
 A masked batch (per-expert counts at a fixed stride: DeepEP's low-latency receive layout) is
-refused: the kernels walk each expert's rows [offsets[e], offsets[e + 1]) and have no per-expert
-valid count, so they would compute every row of the stride (exact for the valid rows, but the
-capacity's cost). A masked schedule in the kernels is work still to do.
+read in place: the kernels' expert walk reads the counts beside the offsets, so they compute
+the counted rows only. A gathered batch (the tokens and the token of each batch row) goes to
+the gathering gate-up GEMM; the FP8 path copies its rows out first.
 """
 
 from __future__ import annotations
