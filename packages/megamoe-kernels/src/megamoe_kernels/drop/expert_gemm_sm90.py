@@ -91,14 +91,14 @@ swap_ab, tile_cols / 4 otherwise; the index is clamped to N - 1, so a tail tile'
 N read a bias that is never stored). Without it the kernel holds no bias code.
 
 gather_rows: x is the tokens [T, K], not the batch, and row_source [capacity] int32 names the
-token of each batch row: the producer warp's lanes gather a tile's rows themselves (cp.async,
-16 bytes each, lane l its own rows l, l + 32, ...) into the swizzled stage the TMA would have
-written, and count themselves in on the stage's full barrier (cp.async.mbarrier.arrive.noinc;
-the weights still come by TMA). The
-consumers fence the async proxy after each wait (the MMAs read what generic-proxy copies
-wrote) and before each release. Rows past the expert's are not loaded (they feed output rows
-that are never stored). So the dispatch writes no expert-major copy of the tokens: the
-tile's rows come from x, mostly out of L2. BF16 only; K a multiple of the K tile.
+token of each batch row, so the dispatch writes no expert-major copy of the tokens. The
+producer warp's lanes gather a tile's rows themselves (cp.async, 16 bytes each, lane l its own
+rows l, l + 32, ...) into the swizzled stage the TMA would have written, and count themselves
+in on the stage's full barrier (cp.async.mbarrier.arrive.noinc; the weights still come by
+TMA). The consumers fence the async proxy after each wait (the MMAs read what generic-proxy
+copies wrote) and before each release. Rows past the expert's are not loaded (they feed output
+rows that are never stored). BF16 only; K a multiple of the K tile. The 16-byte copies are
+slower than a stage's TMA box with prefill tiles (the layer gathers with decode tiles only).
 
 FP8 (scale_group set): x and w are e4m3 with float32 block scales (fp8_scaling): x_scales
 [K / scale_group, rows] (a row's scale for each group of scale_group columns, group-major so a
