@@ -21,6 +21,7 @@ _SHIM_NAMES = (
     "Launch",
     "SwiGLU",
     "cached_kernel_count",
+    "can_gather_rows",
     "candidate_knobs",
     "check_knobs",
     "current_stream_handle",

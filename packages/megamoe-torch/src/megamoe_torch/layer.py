@@ -19,7 +19,7 @@ import math
 from dataclasses import replace
 
 import torch
-from megamoe_kernels import gathers_rows_by_default, weight_scales_shape
+from megamoe_kernels import can_gather_rows, gathers_rows_by_default, weight_scales_shape
 from megamoe_runtime.dispatch import LocalDispatcher, RowWeightsDispatcher
 from megamoe_runtime.dispatch.device_routed import DeviceRoutedDispatcher, device_routing_status
 from megamoe_runtime.distributed import (
@@ -661,8 +661,7 @@ class MegaMoE(nn.Module):
         if not (
             self._backend_name == "cutedsl"
             and config.weight_dtype is None
-            and x_TH.dtype == torch.bfloat16
-            and config.hidden_size % 64 == 0
+            and can_gather_rows(config.hidden_size, x_TH.dtype)
         ):
             return False
         if config.gather_rows is not None:

@@ -7,6 +7,7 @@ from megamoe_kernels.shim.epilogue import SwiGLU, interleave_gate_up_bias
 from megamoe_kernels.shim.expert_gemm import (
     GemmLauncher,
     cached_kernel_count,
+    can_gather_rows,
     current_stream_handle,
     down,
     down_fp8,
@@ -52,6 +53,7 @@ __all__ = [
     "Launch",
     "SwiGLU",
     "cached_kernel_count",
+    "can_gather_rows",
     "candidate_knobs",
     "check_knobs",
     "current_stream_handle",

@@ -126,6 +126,13 @@ def interleave_gate_up(w13_E2IH: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _described(value) -> str:
+    """What an argument is, for an error message: a tensor's dtype and shape, else its type."""
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {list(value.shape)}"
+    return type(value).__name__
+
+
 def _check_common(name: str, tensor: torch.Tensor, *, dim: int, device: torch.device) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -162,12 +169,7 @@ def _check_batch(
         or expert_offsets.dim() != 1
     ):
         raise TypeError(
-            "expert_offsets must be a 1-D int32 tensor, got "
-            + (
-                f"{expert_offsets.dtype} {tuple(expert_offsets.shape)}"
-                if isinstance(expert_offsets, torch.Tensor)
-                else type(expert_offsets).__name__
-            )
+            f"expert_offsets must be a 1-D int32 tensor, got {_described(expert_offsets)}"
         )
     _check_common("expert_offsets", expert_offsets, dim=1, device=device)
     if expert_offsets.numel() != num_experts + 1:
@@ -206,11 +208,7 @@ def _check_row_scales(name: str, scales: torch.Tensor, *, groups: int, rows: int
         or scales.dtype != torch.float32
         or tuple(scales.shape) != (groups, rows)
     ):
-        got = (
-            f"{scales.dtype} {list(scales.shape)}"
-            if isinstance(scales, torch.Tensor)
-            else type(scales).__name__
-        )
+        got = _described(scales)
         raise ValueError(f"{name} must be float32 [{groups}, {rows}], got {got}")
     if scales.device != device:
         raise ValueError(f"{name} is on {scales.device}, the batch rows on {device}")
@@ -230,16 +228,18 @@ def _check_weight_scales(
         or scales.dtype != torch.float32
         or list(scales.shape) != blocks
     ):
-        got = (
-            f"{scales.dtype} {list(scales.shape)}"
-            if isinstance(scales, torch.Tensor)
-            else type(scales).__name__
-        )
+        got = _described(scales)
         raise ValueError(
             f"{name} must be float32 [E, ceil(N/{WEIGHT_BLOCK}), ceil(K/{WEIGHT_BLOCK})] = "
             f"{blocks}, got {got}"
         )
     _check_common(name, scales, dim=3, device=device)
+
+
+def can_gather_rows(hidden_size: int, dtype: torch.dtype) -> bool:
+    """Whether the gate-up GEMM can read rows of this hidden size and dtype from the tokens
+    (row_source_M): bf16 tokens of whole K tiles."""
+    return dtype == torch.bfloat16 and hidden_size % TILE_K == 0
 
 
 def _check_row_source(row_source_M, x_TH: torch.Tensor, hidden: int) -> int:
@@ -250,19 +250,13 @@ def _check_row_source(row_source_M, x_TH: torch.Tensor, hidden: int) -> int:
         or row_source_M.dtype != torch.int32
         or row_source_M.dim() != 1
     ):
-        got = (
-            f"{row_source_M.dtype} {tuple(row_source_M.shape)}"
-            if isinstance(row_source_M, torch.Tensor)
-            else type(row_source_M).__name__
-        )
+        got = _described(row_source_M)
         raise TypeError(f"row_source_M must be a 1-D int32 tensor, got {got}")
     _check_common("row_source_M", row_source_M, dim=1, device=x_TH.device)
-    if x_TH.dtype != torch.bfloat16:
-        raise ValueError(f"gathered rows are bf16 tokens, got {x_TH.dtype}")
-    if hidden % TILE_K:
+    if not can_gather_rows(hidden, x_TH.dtype):
         raise ValueError(
-            f"gathered rows need H a multiple of {TILE_K} (whole K tiles), got H={hidden}; pass "
-            "the expert-major rows instead"
+            f"gathered rows are bf16 tokens with H a multiple of {TILE_K} (whole K tiles), got "
+            f"{x_TH.dtype} with H={hidden}; pass the expert-major rows instead"
         )
     return row_source_M.shape[0]
 
@@ -274,11 +268,7 @@ def _check_expert_counts(expert_counts, x_MK: torch.Tensor, experts: int) -> Non
         or expert_counts.dtype != torch.int32
         or tuple(expert_counts.shape) != (experts,)
     ):
-        got = (
-            f"{expert_counts.dtype} {tuple(expert_counts.shape)}"
-            if isinstance(expert_counts, torch.Tensor)
-            else type(expert_counts).__name__
-        )
+        got = _described(expert_counts)
         raise TypeError(f"expert_counts must be int32 [{experts}] (one per expert), got {got}")
     _check_common("expert_counts", expert_counts, dim=1, device=x_MK.device)
 
@@ -290,11 +280,7 @@ def _check_bias(name: str, bias, *, shape: tuple[int, ...], device, made_by: str
         or bias.dtype != torch.float32
         or tuple(bias.shape) != shape
     ):
-        got = (
-            f"{bias.dtype} {list(bias.shape)}"
-            if isinstance(bias, torch.Tensor)
-            else type(bias).__name__
-        )
+        got = _described(bias)
         raise ValueError(f"{name} must be float32 {list(shape)} ({made_by}), got {got}")
     _check_common(name, bias, dim=len(shape), device=device)
 
