@@ -16,12 +16,13 @@ import argparse
 
 import torch
 from megamoe_runtime.geometries import GEOMETRIES
-from megamoe_runtime.measure import (
-    alternating_readings,
-    median_graph_replay_seconds,
-    median_seconds,
+from megamoe_runtime.measure import alternating_readings, median_graph_replay_seconds
+from megamoe_torch.bench import (
+    alternating_forward_times,
+    build_layer,
+    routed_tokens,
+    with_capacity,
 )
-from megamoe_torch.bench import build_layer, routed_tokens, with_capacity
 
 
 def gemm_alone(geometry, tokens: int, rounds: int, device: torch.device) -> None:
@@ -103,27 +104,15 @@ def main() -> None:
             for layer in layers.values():
                 layer.use_backend("cutedsl")
             equal = torch.equal(layers[False](x_TH), layers[True](x_TH))
-            # per round: copied graph (and eager), then gathered
-            readers = {}
-            for gather, layer in layers.items():
-                forward = lambda layer=layer, x_TH=x_TH: layer(x_TH)  # noqa: E731
-                readers["graph", gather] = lambda forward=forward: median_graph_replay_seconds(
-                    forward, device=device
-                )
-                if not args.no_eager:
-                    readers["eager", gather] = lambda forward=forward: median_seconds(
-                        forward, device=device
-                    )
-            readings = alternating_readings(readers, rounds=args.rounds)
-            listed = {
-                kind: " / ".join(
-                    " ".join(f"{t * 1e6:.1f}" for t in readings[kind, gather].seconds)
-                    for gather in (False, True)
-                )
-                if (kind, False) in readings
-                else "-"
-                for kind in ("graph", "eager")
-            }
+            listed = alternating_forward_times(
+                {
+                    gather: lambda layer=layer, x_TH=x_TH: layer(x_TH)
+                    for gather, layer in layers.items()
+                },
+                device=device,
+                rounds=args.rounds,
+                eager=not args.no_eager,
+            )
             print(f"{name} {tokens} | {listed['graph']} | {listed['eager']} | {equal}", flush=True)
             del layers
         del base  # each geometry's weights (and their prepared copies) leave before the next

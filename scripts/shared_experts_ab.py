@@ -12,12 +12,12 @@ import argparse
 
 import torch
 from megamoe_runtime.geometries import GEOMETRIES
-from megamoe_runtime.measure import (
-    alternating_readings,
-    median_graph_replay_seconds,
-    median_seconds,
+from megamoe_torch.bench import (
+    alternating_forward_times,
+    build_layer,
+    routed_tokens,
+    with_capacity,
 )
-from megamoe_torch.bench import build_layer, routed_tokens, with_capacity
 
 
 @torch.no_grad()
@@ -42,25 +42,14 @@ def main() -> None:
             }
             for layer in layers.values():
                 layer.use_backend("cutedsl")
-            # per round: same stream graph, eager, then side stream graph, eager
-            candidates = {}
-            for side, layer in layers.items():
-                forward = lambda layer=layer, x_TH=x_TH: layer(x_TH)  # noqa: E731
-                candidates["graph", side] = lambda forward=forward: median_graph_replay_seconds(
-                    forward, device=device
-                )
-                candidates["eager", side] = lambda forward=forward: median_seconds(
-                    forward, device=device
-                )
-            readings = alternating_readings(candidates, rounds=args.rounds)
-
-            listed = {
-                kind: " / ".join(
-                    " ".join(f"{t * 1e6:.1f}" for t in readings[kind, side].seconds)
-                    for side in (False, True)
-                )
-                for kind in ("graph", "eager")
-            }
+            listed = alternating_forward_times(
+                {
+                    side: lambda layer=layer, x_TH=x_TH: layer(x_TH)
+                    for side, layer in layers.items()
+                },
+                device=device,
+                rounds=args.rounds,
+            )
             print(f"{name} {tokens} | {listed['graph']} | {listed['eager']}")
 
 

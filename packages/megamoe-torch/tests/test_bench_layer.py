@@ -148,3 +148,17 @@ def test_layer_rows_on_a_gpu_count_kernels_and_time_graph_replays():
         assert math.isclose(row.layer_over_gemms, row.graph_microseconds / row.gemm_microseconds)
         if "grouped_mm" in backends:
             assert row.baseline_graph_microseconds is not None and row.speedup > 0
+
+
+def test_an_ab_of_forwards_alternates_them_and_lists_each_kinds_times(monkeypatch):
+    calls = []
+    monkeypatch.setattr(bench, "median_graph_replay_seconds", lambda f, device: (f(), 1e-6)[1])
+    monkeypatch.setattr(bench, "median_seconds", lambda f, device: (f(), 2.5e-6)[1])
+    forwards = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    listed = bench.alternating_forward_times(forwards, device=torch.device("cpu"), rounds=2)
+    assert listed == {"graph": "1.0 1.0 / 1.0 1.0", "eager": "2.5 2.5 / 2.5 2.5"}
+    assert calls == ["a", "a", "b", "b"] * 2  # round by round: a's graph and eager, then b's
+    graph_only = bench.alternating_forward_times(
+        forwards, device=torch.device("cpu"), rounds=1, eager=False
+    )
+    assert graph_only == {"graph": "1.0 / 1.0", "eager": "-"}

@@ -9,7 +9,7 @@ GEMMs alone and against the grouped_mm layer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from megamoe_runtime.dispatch import LocalDispatcher
 from megamoe_runtime.experts import backend_status, make_backend
 from megamoe_runtime.geometries import Geometry
 from megamoe_runtime.measure import (
+    alternating_readings,
     expert_roofline_fraction,
     host_seconds_per_call,
     median_graph_replay_seconds,
@@ -223,6 +224,38 @@ def with_capacity(layer: MegaMoE, capacity: int, **overrides) -> MegaMoE:
     fixed = MegaMoE(config, device="meta", dtype=layer.activation_dtype)
     fixed.load_state_dict(layer.state_dict(), assign=True)
     return fixed
+
+
+def alternating_forward_times(
+    forwards: Mapping[object, Callable[[], object]],
+    *,
+    device: torch.device,
+    rounds: int,
+    eager: bool = True,
+) -> dict[str, str]:
+    """An A/B of forwards (variants of one layer on the same tokens): each timed by CUDA-graph
+    replay and, with `eager`, eagerly, in alternating rounds (the first's graph, its eager, the
+    second's, ...). For "graph" and "eager": each forward's times in us, the forwards apart by
+    " / " ("-" where not timed)."""
+    readers = {}
+    for variant, forward in forwards.items():
+        readers["graph", variant] = lambda forward=forward: median_graph_replay_seconds(
+            forward, device=device
+        )
+        if eager:
+            readers["eager", variant] = lambda forward=forward: median_seconds(
+                forward, device=device
+            )
+    readings = alternating_readings(readers, rounds=rounds)
+    return {
+        kind: " / ".join(
+            " ".join(f"{t * 1e6:.1f}" for t in readings[kind, variant].seconds)
+            for variant in forwards
+        )
+        if kind == "graph" or eager
+        else "-"
+        for kind in ("graph", "eager")
+    }
 
 
 def ops_per_call(fn: Callable[[], object], *, device: torch.device) -> tuple[int, int | None, str]:
