@@ -9,6 +9,8 @@ output buffer poisoned with NaN (valid rows overwritten, the rest untouched).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from megamoe_kernels import GemmKnobs, gate_up_swiglu, interleave_gate_up
@@ -55,7 +57,7 @@ def check_gathered_equals_copied(counts, hidden, intermediate, *, tokens, knobs,
 
 
 def with_max_stages(knobs: GemmKnobs) -> GemmKnobs:
-    return GemmKnobs(**{**knobs.__dict__, "stages": max_stages(knobs, "gate_up")})
+    return replace(knobs, stages=max_stages(knobs, "gate_up"))
 
 
 KNOBS = {

@@ -9,6 +9,8 @@ an output poisoned with NaN (the counted rows overwritten, the rest of each stri
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from megamoe_kernels import (
@@ -67,7 +69,7 @@ def uncounted_untouched(out_MX, counts, stride) -> bool:
 
 
 def with_max_stages(knobs: GemmKnobs, op: str = "gate_up") -> GemmKnobs:
-    return GemmKnobs(**{**knobs.__dict__, "stages": max_stages(knobs, op)})
+    return replace(knobs, stages=max_stages(knobs, op))
 
 
 KNOBS = {
@@ -98,7 +100,7 @@ def test_masked_bf16_gemms_give_the_bits_of_the_tight_batch(name, counts):
     torch.cuda.synchronize()
     assert torch.equal(counted(hidden, counts, stride), expected)
     assert uncounted_untouched(hidden, counts, stride)
-    down_knobs = with_max_stages(GemmKnobs(**{**knobs.__dict__}), "down")
+    down_knobs = with_max_stages(knobs, "down")
     out_MH = down(hidden, starts, w2, knobs=down_knobs, expert_counts=counts_E)
     expected_MH = down(expected, offsets, w2, knobs=down_knobs)
     torch.cuda.synchronize()
