@@ -195,3 +195,131 @@ def check_indivisible_experts_raise(rank, world_size, device):
 
 def test_experts_not_divisible_by_world_raise(multirank):
     multirank(check_indivisible_experts_raise)
+
+
+# the FP8 wire on every dispatch and combine algorithm (nvshmem only): hidden sizes of whole
+# groups of 128 with 16-byte vectors in whole warps (1024), and of a partial last group with
+# rows that end mid-warp (448)
+FP8_WIRE_ALGORITHMS = {
+    "small": {"small_batch": True},
+    "two-kernel": {"small_batch": False},
+    "direct": {"stage_remote_rows": False},
+    "small-partial": {"small_batch": True, "combine_partial_sums": True},
+    "two-kernel-partial": {"small_batch": False, "combine_partial_sums": True},
+    "direct-partial": {"stage_remote_rows": False, "combine_partial_sums": True},
+}
+FP8_WIRES = {
+    "fp8-dispatch": {"dispatch_dtype": "fp8"},
+    "fp8-combine": {"combine_dtype": "fp8"},
+    "fp8-both": {"dispatch_dtype": "fp8", "combine_dtype": "fp8"},
+}
+# relative L2 error against the exact bf16 wire, one bound per e4m3 rounding on the way: a
+# value rounds by at most 2^-4 of itself (3 mantissa bits); the stand-in experts are linear
+FP8_WIRE_RELATIVE_L2 = 2.0**-4
+
+
+def relative_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+def check_fp8_wire_against_bf16_wire(rank, world_size, device, algorithm, wire, hidden):
+    """The FP8 wire against the exact bf16 wire on the same tokens: the dispatched batch is
+    quantize_rows of the bf16 batch, bit for bit; the combine is its pure-torch reference's
+    arithmetic bit for bit; the outputs within e4m3 rounding of the bf16 wire's."""
+    from megamoe_kernels import quantize_rows
+    from megamoe_runtime.dispatch.reference import exact_combine, wire_values
+    from megamoe_runtime.dispatch.symmetric import SymmetricDispatcher
+
+    options = FP8_WIRE_ALGORITHMS[algorithm]
+    tokens_per_rank = [[37, 5][r % 2] for r in range(world_size)]
+
+    def build(**wire_options):
+        return SymmetricDispatcher(
+            NUM_EXPERTS,
+            top_k=TOP_K,
+            hidden_size=hidden,
+            dtype=torch.bfloat16,
+            device=device,
+            process_group=torch.distributed.group.WORLD,
+            max_tokens_per_rank=max(tokens_per_rank),
+            layer_name=f"fp8-wire-{wire_options != {}}",
+            **options,
+            **wire_options,
+        )
+
+    bf16_wire, quantized = build(), build(**FP8_WIRES[wire])
+    fp8_rows = quantized.dispatch_dtype == "fp8"
+    assert quantized.fp8_batches == fp8_rows
+    local = NUM_EXPERTS // world_size
+    generator = torch.Generator().manual_seed(31)
+    failures, errors = [], []
+    for repeat in range(2):
+        shares = []
+        for tokens in tokens_per_rank:
+            x_TH = torch.randn(tokens, hidden, generator=generator)
+            x_TH[:, : hidden // 7] *= 30  # groups of very different ranges in one row
+            choice = torch.rand(tokens, NUM_EXPERTS, generator=generator).argsort(1)[:, :TOP_K]
+            weights_TK = torch.rand(tokens, TOP_K, generator=generator)
+            shares.append(
+                (x_TH.bfloat16().to(device), choice.int().to(device), weights_TK.to(device))
+            )
+        x_TH, ids_TK, weights_TK = shares[rank]
+        batch, handle = bf16_wire.dispatch(x_TH, ids_TK, weights_TK)
+        out_MH = stand_in_experts(batch.rows_MH)
+        y_bf16 = bf16_wire.combine(out_MH, handle)
+        fp8_batch, fp8_handle = quantized.dispatch(x_TH, ids_TK, weights_TK)
+        valid = int(batch.expert_offsets[-1])
+        if not torch.equal(fp8_batch.expert_offsets, batch.expert_offsets):
+            failures.append(("offsets", repeat))
+        if fp8_rows:
+            rows_q, scales_GM = quantize_rows(batch.rows_MH[:valid])
+            if not (
+                fp8_batch.rows_MH.dtype == torch.float8_e4m3fn
+                and torch.equal(
+                    fp8_batch.rows_MH[:valid].view(torch.uint8), rows_q.view(torch.uint8)
+                )
+                and torch.equal(fp8_batch.row_scales_GM[:, :valid], scales_GM)
+            ):
+                failures.append(("fp8 rows are not quantize_rows of the bf16 rows", repeat))
+            # bf16 experts compute on the dequantized rows
+            fp8_out_MH = stand_in_experts(fp8_batch.dequantized().rows_MH)
+        else:
+            if not torch.equal(fp8_batch.rows_MH[:valid], batch.rows_MH[:valid]):
+                failures.append(("bf16 rows", repeat))
+            fp8_out_MH = out_MH
+        y = quantized.combine(fp8_out_MH, fp8_handle)
+        # the reference: each pair's output is the stand-in of its token's row as it arrived
+        arrived_TH = x_TH
+        if fp8_rows:
+            arrived_TH = wire_values(x_TH, wire="fp8", dtype=torch.bfloat16).bfloat16()
+        out_TKH = stand_in_experts(arrived_TH).unsqueeze(1).expand(-1, TOP_K, -1)
+        if "partial" in algorithm:
+            expected = owner_partials_combine(
+                out_TKH,
+                weights_TK,
+                ids_TK.long() // local,
+                world=world_size,
+                dtype=torch.bfloat16,
+                wire=quantized.combine_dtype,
+            )
+        else:
+            expected = exact_combine(
+                out_TKH, weights_TK, dtype=torch.bfloat16, wire=quantized.combine_dtype
+            )
+        if not torch.equal(y, expected):
+            failures.append(("combine differs from its reference", repeat))
+        if y_bf16.numel():
+            errors.append(relative_l2(y, y_bf16))
+    # checked after the last collective, so one rank's failure cannot hang the others
+    assert not failures, (rank, failures)
+    roundings = 2 if wire == "fp8-both" else 1
+    assert all(0 < error < roundings * FP8_WIRE_RELATIVE_L2 for error in errors), (rank, errors)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", [1024, 448])
+@pytest.mark.parametrize("wire", list(FP8_WIRES))
+@pytest.mark.parametrize("algorithm", list(FP8_WIRE_ALGORITHMS))
+def test_fp8_wire_against_the_exact_bf16_wire(multirank, algorithm, wire, hidden):
+    skip_unless_runnable(multirank, "nvshmem")
+    multirank(check_fp8_wire_against_bf16_wire, algorithm, wire, hidden)

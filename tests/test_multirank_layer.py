@@ -17,7 +17,7 @@ pytestmark = pytest.mark.multirank
 
 
 def layer_config(
-    dispatcher: str, device: torch.device, combine_order: str = "exact"
+    dispatcher: str, device: torch.device, combine_order: str = "exact", wire: str = "bf16"
 ) -> MegaMoEConfig:
     return MegaMoEConfig(
         hidden_size=128,
@@ -34,16 +34,18 @@ def layer_config(
         dispatcher=dispatcher,
         max_tokens_per_rank=96,
         combine_order=combine_order,
+        dispatch_dtype=wire,
+        combine_dtype=wire,
     )
 
 
 def check_layer_matches_single_gpu(
-    rank, world_size, device, dispatcher, token_pattern, combine_order="exact"
+    rank, world_size, device, dispatcher, token_pattern, combine_order="exact", wire="bf16"
 ):
     # rank r sends token_pattern[r % len(token_pattern)] tokens: any world size
     tokens_per_rank = [token_pattern[r % len(token_pattern)] for r in range(world_size)]
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    config = layer_config(dispatcher, device, combine_order)
+    config = layer_config(dispatcher, device, combine_order, wire)
     torch.manual_seed(7)  # the same full weights on every rank
     single = MegaMoE(config, device=device, dtype=dtype)
     with torch.no_grad():
@@ -66,7 +68,12 @@ def check_layer_matches_single_gpu(
         results.append((y, y_single[first : first + tokens_per_rank[rank]]))
     # compared after the last collective, so one rank's failure cannot hang the others
     for y, expected in results:
-        torch.testing.assert_close(y, expected, rtol=tolerance, atol=tolerance)
+        if wire == "fp8":
+            # e4m3 on both ways: each value that crosses rounds by at most 2^-4 of itself
+            error = (y.float() - expected.float()).norm() / expected.float().norm()
+            assert 0 < error < 2 * 2.0**-4, error
+        else:
+            torch.testing.assert_close(y, expected, rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("dispatcher", ["torch", "nvshmem"])
@@ -81,6 +88,16 @@ def test_expert_parallel_layer_with_owner_partials(multirank):
     if not nvshmem_status(multirank.device)[0]:
         pytest.skip(nvshmem_status(multirank.device)[1])
     multirank(check_layer_matches_single_gpu, "nvshmem", [40, 9], "owner_partials")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("combine_order", ["exact", "owner_partials"])
+def test_expert_parallel_layer_with_the_fp8_wire(multirank, combine_order):
+    # FP8 dispatch and combine into bf16 experts (grouped_mm on the dequantized batch): within
+    # e4m3 rounding of the single-GPU layer
+    if not nvshmem_status(multirank.device)[0]:
+        pytest.skip(nvshmem_status(multirank.device)[1])
+    multirank(check_layer_matches_single_gpu, "nvshmem", [40, 9], combine_order, "fp8")
 
 
 def test_unknown_combine_order_raises():
@@ -102,3 +119,17 @@ def check_indivisible_layer_raises(rank, world_size, device):
 
 def test_layer_with_indivisible_experts_raises(multirank):
     multirank(check_indivisible_layer_raises)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"dispatch_dtype": "e5m2"}, r"dispatch_dtype must be one of \('bf16', 'fp8'\)"),
+        ({"combine_dtype": "fp8", "hidden_size": 120}, "combine_dtype='fp8' needs .*=120"),
+    ],
+)
+def test_wire_dtypes_are_checked_by_the_config(options, message):
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match=message):
+        replace(layer_config("torch", torch.device("cpu")), **options)

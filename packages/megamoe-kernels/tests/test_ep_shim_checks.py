@@ -79,6 +79,8 @@ def test_token_counts_outside_the_buffers_are_refused(tokens, message):
         ({"rank": 2}, r"rank must be in \[0, world=2\), got 2"),
         ({"num_experts": 255}, "local_experts x world = 128 x 2, got 255"),
         ({"grid": 0}, "grid must be >= 1"),
+        ({"fp8_rows": True, "row_vectors": 9}, r"fp8_rows needs .* got row_vectors=9"),
+        ({"fp8_combine": True, "row_vectors": 9}, r"fp8_combine needs .* got row_vectors=9"),
     ],
 )
 def test_params_refuse_an_inconsistent_group(change, message):
@@ -86,6 +88,19 @@ def test_params_refuse_an_inconsistent_group(change, message):
 
     with pytest.raises(ValueError, match=message):
         ep.EpParams(**{**VALID, **change})
+
+
+def test_the_fp8_wire_is_compiled_in_and_unrolls_over_e4m3_rows():
+    """The wire flags key the compiled kernels; the dispatch's copies count e4m3 vectors."""
+    from megamoe_kernels.shim import ep
+
+    bf16 = ep.EpParams(**VALID)
+    fp8 = ep.EpParams(**{**VALID, "fp8_rows": True, "fp8_combine": True})
+    assert bf16.compile_time != fp8.compile_time
+    assert fp8.compile_time == {"top_k": 8, "grid": 132, "fp8_rows": 1, "fp8_combine": 1}
+    assert fp8.dispatch_row_bytes == 7168 and bf16.dispatch_row_bytes == 7168 * 2
+    # 896 bf16 vectors: 4 loads per lane in flight; 448 e4m3 ones: 2
+    assert ep._dispatch_unroll(bf16) == 4 and ep._dispatch_unroll(fp8) == 2
 
 
 def test_every_launcher_passes_what_its_drop_kernel_takes():

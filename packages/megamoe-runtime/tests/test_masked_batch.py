@@ -201,14 +201,19 @@ def test_backend_choice_for_masked_batches_keeps_every_backend():
         )
 
 
-def test_backend_choice_for_fp8_rows_keeps_to_backends_that_take_them():
-    from megamoe_runtime.experts import backend_status, select_backend
+def test_backend_choice_for_fp8_rows_keeps_every_backend():
+    from megamoe_runtime.experts import _batch_refusal, select_backend
 
-    cuda = torch.device("cuda", 0)
-    assert not backend_status("grouped_mm", cuda, fp8_rows=True)[0]
-    available, reason = backend_status("cutedsl", cuda, fp8_rows=True)
-    assert not available and "weight_dtype='fp8'" in reason
-    name, _ = select_backend("auto", torch.device("cpu"), fp8_rows=True)
-    assert name == "reference"
-    with pytest.raises(ValueError, match="grouped_mm takes full-precision batch rows"):
-        select_backend("grouped_mm", torch.device("cpu"), fp8_rows=True)
+    # FP8 rows run on every backend (bf16 experts dequantize them): they refuse none that the
+    # weights and the expert math alone would not
+    for name in ("cutedsl", "grouped_mm", "reference"):
+        for fp8_weights in (False, True):
+            for expert_math in ((), ("expert biases",)):
+                choice = {"masked_batches": False, "fp8_weights": fp8_weights}
+                choice["expert_math"] = expert_math
+                assert _batch_refusal(name, fp8_rows=True, **choice) == _batch_refusal(
+                    name, fp8_rows=False, **choice
+                )
+    assert select_backend("auto", torch.device("cpu"), fp8_rows=True) == select_backend(
+        "auto", torch.device("cpu")
+    )

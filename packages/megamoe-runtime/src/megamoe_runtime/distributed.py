@@ -19,7 +19,7 @@ import importlib.util
 import torch
 import torch.distributed as dist
 
-from megamoe_runtime.dispatch.checks import experts_per_rank
+from megamoe_runtime.dispatch.checks import check_wire_dtypes, experts_per_rank
 from megamoe_runtime.dispatch.torch_distributed import TorchDistributedDispatcher
 
 DISPATCHER_NAMES = ("torch", "nvshmem")
@@ -90,14 +90,21 @@ def make_expert_parallel_dispatcher(
     max_tokens_per_rank: int,
     layer_name: str = "moe",
     combine_order: str = "exact",
+    dispatch_dtype: str = "bf16",
+    combine_dtype: str = "bf16",
 ):
     """Builds the dispatcher named `name` ('torch' or 'nvshmem') for one layer.
 
     combine_order: 'exact' (the single-GPU summation, bitwise) or 'owner_partials' (the nvshmem
-    dispatcher's owner-side partial sums: fewer NVLink bytes, one more bf16 rounding); the torch
-    dispatcher always combines exactly."""
+    dispatcher's owner-side partial sums: fewer NVLink bytes, one more bf16 rounding);
+    dispatch_dtype, combine_dtype: 'bf16' or 'fp8', what crosses NVLink in the nvshmem
+    dispatcher's dispatch and combine (SymmetricDispatcher). The torch dispatcher always
+    combines exactly and moves bf16 rows."""
     if combine_order not in COMBINE_ORDERS:
         raise ValueError(f"combine_order must be one of {COMBINE_ORDERS}, got {combine_order!r}")
+    check_wire_dtypes(
+        dispatch_dtype=dispatch_dtype, combine_dtype=combine_dtype, hidden_size=hidden_size
+    )
     if name == "torch":
         return TorchDistributedDispatcher(
             num_experts, process_group=process_group, capacity=capacity, check_ids=False
@@ -116,6 +123,8 @@ def make_expert_parallel_dispatcher(
             capacity=capacity,
             layer_name=layer_name,
             combine_partial_sums=combine_order == "owner_partials",
+            dispatch_dtype=dispatch_dtype,
+            combine_dtype=combine_dtype,
         )
     raise ValueError(f"dispatcher must be one of {DISPATCHER_NAMES}, got {name!r}")
 

@@ -24,15 +24,20 @@ other backends take `materialized()`, the same batch with its rows copied out.
 
 FP8 rows: `rows_MH` e4m3 with `row_scales_GM`, float32 [ceil(H / 128), capacity], one scale
 per row and 128 columns (value = e4m3 x scale), as a dispatch of pre-quantized tokens leaves
-them for FP8 experts.
+them for FP8 experts. Backends with bf16 weights take `dequantized()`: the same batch with bf16
+rows (e4m3 x scale in fp32, rounded to bf16).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
-from megamoe_kernels.shim.fp8 import ACTIVATION_GROUP
+from megamoe_kernels.shim.fp8 import ACTIVATION_GROUP, dequantize_rows
+
+# rows ExpertBatch.dequantized turns to bf16 at a time: its fp32 temporaries stay near
+# 4096 x H x 4 bytes, whatever the capacity (an expert-parallel receiver's is W x T x K rows)
+DEQUANTIZE_CHUNK_ROWS = 4096
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,21 @@ class ExpertBatch:
             typical_rows=self.typical_rows,
             valid_rows=self.valid_rows,
         )
+
+    def dequantized(self) -> ExpertBatch:
+        """The batch with bf16 rows (itself unless its rows are FP8): each row's e4m3 values
+        times their scales in fp32, rounded to bf16, for experts with bf16 weights. One pass
+        over the capacity rows, DEQUANTIZE_CHUNK_ROWS at a time (bounded fp32 temporaries), no
+        host sync; rows past the valid ones stay unspecified."""
+        if self.row_scales_GM is None:
+            return self
+        rows_MH = torch.empty(self.rows_MH.shape, dtype=torch.bfloat16, device=self.rows_MH.device)
+        for first in range(0, self.capacity, DEQUANTIZE_CHUNK_ROWS):
+            last = min(first + DEQUANTIZE_CHUNK_ROWS, self.capacity)
+            rows_MH[first:last] = dequantize_rows(
+                self.rows_MH[first:last], self.row_scales_GM[:, first:last]
+            )
+        return replace(self, rows_MH=rows_MH, row_scales_GM=None)
 
     @classmethod
     def masked(

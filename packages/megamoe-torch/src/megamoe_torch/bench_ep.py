@@ -9,9 +9,10 @@ only, a smoke check):
 Scenarios, per token count per rank, at one geometry (default dsv3: hidden 7168, top-8 of 256
 experts), bf16, every time the slowest rank's:
 - dispatch and combine (`run`), random routing (top-k of uniform scores), one row per token
-  count. Adapters: megamoe's symmetric-memory dispatcher as four strategies (`SYMMETRIC_VARIANTS`:
+  count. Adapters: megamoe's symmetric-memory dispatcher as five strategies (`SYMMETRIC_VARIANTS`:
   the staged two-kernel dispatch, the direct one that sends every pair's row, the one-kernel
-  small-batch dispatch for the token counts within its limit, the owner-partials combine), each
+  small-batch dispatch for the token counts within its limit, the owner-partials combine; and the
+  staged dispatch with the FP8 wire both ways, its relative L2 error against the bf16 wire), each
   step captured in a CUDA graph and replayed back to back (events around each replay, median
   over iterations after the first two); the all_to_all_single reference dispatcher, eager (it
   syncs; a barrier before each iteration, the first dropped); one all_to_all_single of the
@@ -59,6 +60,8 @@ SYMMETRIC_VARIANTS = {
     "direct": {"stage_remote_rows": False},
     "small": {"small_batch": True},
     "partial": {"combine_partial_sums": True, "small_batch": False},
+    # the FP8 wire both ways (opt-in: it changes the numbers) on the staged dispatch
+    "fp8": {"small_batch": False, "dispatch_dtype": "fp8", "combine_dtype": "fp8"},
 }
 # eager iterations of the torch reference and of the all_to_all: a third of the graphed ones
 EAGER_FRACTION = 3
@@ -138,9 +141,12 @@ def _time_graphs(dispatcher, x_TH, ids_TK, weights_TK, iterations: int):
         state["batch"], state["handle"] = dispatcher.dispatch(x_TH, ids_TK, weights_TK)
 
     def combine():
-        state["y"] = dispatcher.combine(state["batch"].rows_MH, state["handle"])
+        state["y"] = dispatcher.combine(state["expert_out"], state["handle"])
 
     dispatch()
+    # the experts' stand-in output: the batch rows (the routing is the same at every step, so
+    # the rows are too), bf16 ones for an FP8 batch, dequantized once here outside the timing
+    state["expert_out"] = state["batch"].dequantized().rows_MH
     combine()  # compile and load outside the capture
     torch.cuda.synchronize()
     dispatch_graph, combine_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
@@ -285,6 +291,8 @@ def run(
             "direct_dispatch": ("direct", 0),
             "small_dispatch": ("small", 0),
             "small_combine": ("small", 1),
+            "fp8_dispatch": ("fp8", 0),
+            "fp8_combine": ("fp8", 1),
         }.items():
             seconds = timed[name][step] if name in timed else math.nan
             row[f"nvshmem_{key}_us"] = _slowest(seconds) * 1e6
@@ -299,6 +307,10 @@ def run(
                 _elements_differing(timed.get("small"), y_torch),
             ]
         )
+        if "fp8" in timed and y_torch.numel():
+            (row["relative_l2_fp8_wire"],) = slowest_across_ranks(
+                [relative_l2_error(timed["fp8"][2], y_torch)]
+            )
         row.update(
             combine_equals_reference_bitwise=max(differences) == 0,
             max_abs_difference_staged=differences[0],
@@ -348,6 +360,9 @@ def _add_bandwidths(row: dict) -> None:
         "small_dispatch": row["nvlink_token_bytes"],
         "combine": row["nvlink_pair_bytes"],
         "partial_combine": row["nvlink_token_bytes"],
+        # e4m3 rows: half the bf16 bytes (the scales add 1/64 more)
+        "fp8_dispatch": row["nvlink_token_bytes"] // 2,
+        "fp8_combine": row["nvlink_pair_bytes"] // 2,
     }
     for step, num_bytes in bytes_over_nvlink.items():
         if f"nvshmem_{step}_us" not in row or f"nvshmem_{step}_nvlink_gbps" in row:
@@ -549,6 +564,9 @@ def format_table(rows: list[dict]) -> str:
         ("DeepEP GB/s", "nvshmem_combine_deepep_gbps", ".0f"),
         ("partial combine us", "nvshmem_partial_combine_us", ".1f"),
         ("DeepEP GB/s", "nvshmem_partial_combine_deepep_gbps", ".0f"),
+        ("fp8 dispatch us", "nvshmem_fp8_dispatch_us", ".1f"),
+        ("fp8 combine us", "nvshmem_fp8_combine_us", ".1f"),
+        ("fp8 rel-L2", "relative_l2_fp8_wire", ".4f"),
         ("torch dispatch us", "torch_dispatch_us", ".1f"),
         ("torch combine us", "torch_combine_us", ".1f"),
         ("NCCL a2a us", "nccl_all_to_all_us", ".1f"),

@@ -8,6 +8,7 @@ from functools import cached_property
 from typing import Literal
 
 from megamoe_kernels import SwiGLU
+from megamoe_runtime.dispatch.checks import check_wire_dtypes
 from megamoe_runtime.distributed import COMBINE_ORDERS
 from megamoe_runtime.experts import BACKEND_NAMES
 from megamoe_runtime.geometries import Geometry
@@ -101,6 +102,15 @@ class MegaMoEConfig:
     # top_k x fewer NVLink bytes and faster, but one more bf16 rounding, so not bitwise equal to
     # one GPU). The torch dispatcher always combines exactly.
     combine_order: Literal["exact", "owner_partials"] = "exact"
+    # what crosses NVLink in the nvshmem dispatcher: "bf16" (default, exact) or "fp8" (e4m3
+    # rows with one float32 scale per row and 128 columns: half the bytes, e4m3's 3 mantissa
+    # bits on the values). dispatch_dtype="fp8": the dispatch kernels quantize each token row
+    # and the batch reaches FP8 experts (weight_dtype="fp8") as it is; bf16 experts dequantize
+    # it first. combine_dtype="fp8": each expert output (or owner partial sum) crosses back
+    # as e4m3 and is summed in fp32. Opt-in: both change the numbers (docs/expert-parallel.md).
+    # Both need a hidden size that is a multiple of 16; the torch dispatcher always moves bf16.
+    dispatch_dtype: Literal["bf16", "fp8"] = "bf16"
+    combine_dtype: Literal["bf16", "fp8"] = "bf16"
     # where the cutedsl GEMMs' knobs come from. "lookup": the knob cache (`megamoe tune`), else
     # the entries megamoe ships, else the default profile; nothing is measured at run time.
     # "auto": the same, and a batch class none of them holds is tuned at the forward that first
@@ -179,6 +189,11 @@ class MegaMoEConfig:
             raise ValueError(
                 f"combine_order must be one of {COMBINE_ORDERS}, got {self.combine_order!r}"
             )
+        check_wire_dtypes(
+            dispatch_dtype=self.dispatch_dtype,
+            combine_dtype=self.combine_dtype,
+            hidden_size=self.hidden_size,
+        )
         _ = self.router  # RouterConfig validates the routing fields
 
     @cached_property  # built once: forward reads it on every call

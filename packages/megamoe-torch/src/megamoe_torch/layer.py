@@ -154,8 +154,8 @@ class MegaMoE(nn.Module):
     from a single-GPU state dict. `config.dispatcher` picks how tokens travel, or `dispatcher`
     brings one the caller built (a `DeepEPDispatcher` over its deep_ep buffer): the layer's
     group is then the dispatcher's (`process_group`, if given, must hold the same ranks), and
-    config's capacity, max_tokens_per_rank and combine_order, which configure megamoe's own
-    dispatchers, do not apply to it.
+    config's capacity, max_tokens_per_rank, combine_order, dispatch_dtype and combine_dtype,
+    which configure megamoe's own dispatchers, do not apply to it.
     """
 
     def __init__(
@@ -372,6 +372,8 @@ class MegaMoE(nn.Module):
             capacity=self.config.capacity,
             max_tokens_per_rank=self.config.max_tokens_per_rank,
             combine_order=self.config.combine_order,
+            dispatch_dtype=self.config.dispatch_dtype,
+            combine_dtype=self.config.combine_dtype,
         )
         self._dispatcher_key = key
 
@@ -476,6 +478,7 @@ class MegaMoE(nn.Module):
         )
         if not needs_autograd:
             if torch.compiler.is_compiling():
+                batch = batch.dequantized()  # the op takes full-precision rows
                 valid_rows = -1 if batch.valid_rows is None else batch.valid_rows
                 return expert_mlp(
                     batch.rows_MH,

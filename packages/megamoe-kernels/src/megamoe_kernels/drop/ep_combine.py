@@ -24,6 +24,15 @@ combine_partial_sum (on the source): waits, then a warp per token (per slice of 
 are fewer than warps) adds the partials of the owners the token touched, in rank order, in
 fp32. Deterministic; the bf16 partials round once more than the exact combine.
 
+The FP8 wire back (params.fp8_combine, compile time): what crosses NVLink is e4m3 with one
+float32 scale per row and ACTIVATION_GROUP columns (row_vectors.py, fp8_scaling's recipe),
+token-major: combine_push quantizes each output row into returned [max_tokens x top_k, hidden]
+bytes and BUFFER_RETURNED_SCALES, and combine_reduce dequantizes each k's value (e4m3 x scale,
+rounded in fp32) before weight x value; combine_partial quantizes each fp32 partial sum (instead
+of rounding it to bf16) into the source's e4m3 partials and BUFFER_PARTIAL_SCALES, and
+combine_partial_sum adds the dequantized partials in rank order in fp32. Half the combine's
+NVLink bytes, at the cost of e4m3's 3-bit mantissa on what crosses.
+
 Row slices (ep_dispatch.row_slices): a warp that copies or sums a whole row issues its loads
 round after round, each waiting for the last (a 7168-wide bf16 row: 7 rounds of 4 16-byte
 vectors per lane in combine_push, 14 of 2 in the partial-sum kernels). With fewer rows than
@@ -40,14 +49,22 @@ float32 [tokens, top_k], y bf16 [tokens, hidden]; hidden a multiple of 8, rows 1
 
 import cutlass
 import cutlass.cute as cute
-from cutlass._mlir.dialects import llvm
 
-from .ep_dispatch import copy_rounds, copy_row, row_slices, slice_vectors, token_owners
+from .ep_dispatch import (
+    copy_rounds,
+    copy_row,
+    row_slices,
+    scales_of,
+    slice_vectors,
+    token_owners,
+)
 from .ep_sync import (
     BUFFER_PAIR_ROWS,
     BUFFER_PAIR_WEIGHTS,
+    BUFFER_PARTIAL_SCALES,
     BUFFER_PARTIALS,
     BUFFER_RETURNED,
+    BUFFER_RETURNED_SCALES,
     BUFFER_ROW_SOURCES,
     BUFFER_SIGNALS,
     PHASE_RETURNED,
@@ -59,29 +76,24 @@ from .ep_sync import (
     thread_position,
     wait_for_every_source,
 )
+from .row_vectors import (
+    CHUNK,
+    GROUP_VECTORS,
+    load_chunk,
+    load_e4m3,
+    multiply_rounded,
+    quantize_lane,
+    quantize_to_rows,
+    scale_groups,
+    store_chunk,
+    store_e4m3,
+)
 
 PUSH_WARPS = 16
 REDUCE_WARPS = 8
 # combine_partial_sum: its warps' loads are latency-bound (a few tokens each, the owners' rows
 # one after another), so twice the exact reduce's warps keep twice the loads in flight
 PARTIAL_SUM_WARPS = 16
-CHUNK = 8  # bf16 elements per 16-byte vector
-
-
-def multiply_rounded(a, b):
-    """a x b rounded to fp32 on its own (mul.rn): never contracted with the following add into
-    an fma, so each product rounds as the single-GPU combine's does."""
-    return cutlass.Float32(
-        llvm.inline_asm(
-            cutlass.Float32.mlir_type,
-            [cutlass.Float32(a).ir_value(), cutlass.Float32(b).ir_value()],
-            "mul.rn.f32 $0, $1, $2;",
-            "=f,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
 
 
 @cute.kernel
@@ -117,14 +129,30 @@ def combine_push_kernel(
         source = cute.arch.load(row_sources + row * 2, cutlass.Int32)
         pair = cute.arch.load(row_sources + (row * 2 + 1), cutlass.Int32)
         returned_base = peer_address(peer_table, BUFFER_RETURNED, world, source)
-        copy_row(
-            expert_out_address + cutlass.Int64(row) * row_bytes,
-            returned_base + cutlass.Int64(pair) * row_bytes,
-            first,
-            end,
-            lane,
-            unroll,
-        )
+        if cutlass.const_expr(params.fp8_combine):
+            # e4m3 with token-major scales: a slice of whole rounds covers whole groups
+            quantize_to_rows(
+                expert_out_address + cutlass.Int64(row) * row_bytes,
+                returned_base,
+                [pair],
+                scales_of(peer_table, BUFFER_RETURNED_SCALES, world, source),
+                1,
+                scale_groups(row_vectors),
+                row_vectors * CHUNK,
+                first,
+                end,
+                lane,
+                1,
+            )
+        else:
+            copy_row(
+                expert_out_address + cutlass.Int64(row) * row_bytes,
+                returned_base + cutlass.Int64(pair) * row_bytes,
+                first,
+                end,
+                lane,
+                unroll,
+            )
     cute.arch.fence_acq_rel_sys()  # every writer releases its stores
     cute.arch.sync_threads()
     if tidx < world:
@@ -163,6 +191,8 @@ def combine_reduce_kernel(
     )
     weights = global_ptr(cutlass.Float32, weights_address, 4)
     row_bytes = cutlass.Int64(hidden) * 2
+    groups = scale_groups(params.row_vectors)
+    returned_scales = global_ptr(cutlass.Float32, own_address(params, BUFFER_RETURNED_SCALES), 4)
     chunk_layout = cute.make_layout(CHUNK)
     chunks = hidden // CHUNK
     # one thread per (token, 16-byte chunk): every thread of the grid has work even for a
@@ -178,11 +208,20 @@ def combine_reduce_kernel(
         for k in cutlass.range_constexpr(top_k):
             pair = cutlass.Int64(token) * top_k + k
             weight = cute.arch.load(weights + pair, cutlass.Float32)
-            source = cute.make_tensor(
-                global_ptr(cutlass.BFloat16, returned_address + pair * row_bytes + chunk_bytes, 16),
-                chunk_layout,
-            )
-            contribution.store(source.load().to(cutlass.Float32))
+            if cutlass.const_expr(params.fp8_combine):
+                # e4m3 rows of hidden bytes, the chunk's group scale token-major
+                scale = cute.arch.load(
+                    returned_scales + (pair * groups + chunk // GROUP_VECTORS), cutlass.Float32
+                )
+                load_e4m3(contribution, returned_address + pair * hidden + chunk * CHUNK, scale)
+            else:
+                source = cute.make_tensor(
+                    global_ptr(
+                        cutlass.BFloat16, returned_address + pair * row_bytes + chunk_bytes, 16
+                    ),
+                    chunk_layout,
+                )
+                contribution.store(source.load().to(cutlass.Float32))
             for i in cutlass.range_constexpr(CHUNK):
                 total[i] = total[i] + multiply_rounded(contribution[i], weight)
         destination = cute.make_tensor(
@@ -219,20 +258,21 @@ def add_weighted(total, contribution, values, weight):
 
 
 @cute.jit
-def load_chunk(address):
-    """The 8 bf16 of the 16-byte vector at `address`, as a register value."""
-    return cute.make_tensor(
-        global_ptr(cutlass.BFloat16, address, 16), cute.make_layout(CHUNK)
-    ).load()
-
-
-@cute.jit
-def store_chunk(address, total):
-    """Rounds 8 fp32 to bf16 and stores them as one 16-byte vector at `address`."""
-    destination = cute.make_tensor(
-        global_ptr(cutlass.BFloat16, address, 16), cute.make_layout(CHUNK)
-    )
-    destination.store(total.load().to(cutlass.BFloat16))
+def weighted_sum(
+    total, contribution, values, rows, weights, unroll: cutlass.Constexpr, top_k: cutlass.Constexpr
+):
+    """total (8 x unroll fp32) = sum over k in k order of weights[k] x values[k x unroll + u]
+    for the rows[k] here (not -1), in fp32 with each product rounded on its own."""
+    total.fill(0.0)
+    for k in cutlass.range_constexpr(top_k):
+        if rows[k] >= 0:
+            for u in cutlass.range_constexpr(unroll):
+                add_weighted(
+                    cute.make_tensor(total.iterator + u * CHUNK, cute.make_layout(CHUNK)),
+                    contribution,
+                    values[k * unroll + u],
+                    weights[k],
+                )
 
 
 @cute.kernel
@@ -305,31 +345,47 @@ def combine_partial_kernel(
                     safe_row = row
                 addresses.append(expert_out_address + cutlass.Int64(safe_row) * row_bytes)
             partials = peer_address(peer_table, BUFFER_PARTIALS, world, source)
-            partial_row = partials + (cutlass.Int64(rank) * max_tokens + token) * row_bytes
-            for vector in range(first + lane, end, 32 * unroll):
-                values = []  # every load of the group in flight before the first add
-                for k in cutlass.range_constexpr(top_k):
-                    for u in cutlass.range_constexpr(unroll):
-                        values.append(
-                            load_chunk(addresses[k] + cutlass.Int64(vector + 32 * u) * 16)
-                        )
-                total.fill(0.0)
-                for k in cutlass.range_constexpr(top_k):
-                    if rows[k] >= 0:
+            slot = cutlass.Int64(rank) * max_tokens + token
+            if cutlass.const_expr(params.fp8_combine):
+                # the sum quantized (e4m3, token-major scales): every lane runs every trip, as
+                # the group amax crosses lanes; a lane past the slice adds a clamped vector and
+                # stores nothing
+                partial_row = partials + slot * hidden
+                partial_scales = scales_of(peer_table, BUFFER_PARTIAL_SCALES, world, source)
+                partial_scales = partial_scales + slot * scale_groups(row_vectors)
+                for base in range(first, end, 32 * unroll):
+                    values = []  # every load of the group in flight before the first add
+                    for k in cutlass.range_constexpr(top_k):
                         for u in cutlass.range_constexpr(unroll):
-                            add_weighted(
-                                cute.make_tensor(
-                                    total.iterator + u * CHUNK, cute.make_layout(CHUNK)
-                                ),
-                                contribution,
-                                values[k * unroll + u],
-                                weights[k],
+                            vector = cutlass.min(base + lane + 32 * u, end - 1)
+                            values.append(load_chunk(addresses[k] + cutlass.Int64(vector) * 16))
+                    weighted_sum(total, contribution, values, rows, weights, unroll, top_k)
+                    for u in cutlass.range_constexpr(unroll):
+                        vector = base + lane + 32 * u
+                        counted = vector < end
+                        quantized, scale = quantize_lane(
+                            cute.make_tensor(total.iterator + u * CHUNK, cute.make_layout(CHUNK)),
+                            counted,
+                        )
+                        if counted:
+                            store_e4m3(partial_row + cutlass.Int64(vector) * CHUNK, quantized)
+                            if vector % GROUP_VECTORS == 0:
+                                cute.arch.store(partial_scales + vector // GROUP_VECTORS, scale)
+            else:
+                partial_row = partials + slot * row_bytes
+                for vector in range(first + lane, end, 32 * unroll):
+                    values = []  # every load of the group in flight before the first add
+                    for k in cutlass.range_constexpr(top_k):
+                        for u in cutlass.range_constexpr(unroll):
+                            values.append(
+                                load_chunk(addresses[k] + cutlass.Int64(vector + 32 * u) * 16)
                             )
-                for u in cutlass.range_constexpr(unroll):
-                    store_chunk(
-                        partial_row + cutlass.Int64(vector + 32 * u) * 16,
-                        cute.make_tensor(total.iterator + u * CHUNK, cute.make_layout(CHUNK)),
-                    )
+                    weighted_sum(total, contribution, values, rows, weights, unroll, top_k)
+                    for u in cutlass.range_constexpr(unroll):
+                        store_chunk(
+                            partial_row + cutlass.Int64(vector + 32 * u) * 16,
+                            cute.make_tensor(total.iterator + u * CHUNK, cute.make_layout(CHUNK)),
+                        )
     cute.arch.fence_acq_rel_sys()  # every writer releases its stores
     cute.arch.sync_threads()
     if tidx < world:
@@ -371,6 +427,8 @@ def combine_partial_sum_kernel(
     expert_of_pair = global_ptr(cutlass.Int32, expert_of_pair_address, 4)
     row_bytes = cutlass.Int64(hidden) * 2
     row_vectors = hidden // CHUNK
+    groups = scale_groups(row_vectors)
+    partial_scales = global_ptr(cutlass.Float32, own_address(params, BUFFER_PARTIAL_SCALES), 4)
     total = cute.make_rmem_tensor(CHUNK * unroll, cutlass.Float32)
     contribution = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
     # a warp per slice of a token (fewer tokens than warps: each split over several warps): the
@@ -392,16 +450,35 @@ def combine_partial_sum_kernel(
             total.fill(0.0)
             for owner in range(world):  # owners in rank order: a fixed summation order
                 if (owner_mask >> owner) & 1 == 1:
-                    partial_row = (
-                        partials_address + (cutlass.Int64(owner) * max_tokens + token) * row_bytes
-                    )
-                    values = []
-                    for u in cutlass.range_constexpr(unroll):
-                        values.append(load_chunk(partial_row + cutlass.Int64(vector + 32 * u) * 16))
-                    for u in cutlass.range_constexpr(unroll):
-                        contribution.store(values[u].to(cutlass.Float32))
-                        for i in cutlass.range_constexpr(CHUNK):
-                            total[u * CHUNK + i] = total[u * CHUNK + i] + contribution[i]
+                    slot = cutlass.Int64(owner) * max_tokens + token
+                    if cutlass.const_expr(params.fp8_combine):
+                        # e4m3 partials with token-major scales, dequantized in fp32
+                        for u in cutlass.range_constexpr(unroll):
+                            scale = cute.arch.load(
+                                partial_scales
+                                + (slot * groups + (vector + 32 * u) // GROUP_VECTORS),
+                                cutlass.Float32,
+                            )
+                            load_e4m3(
+                                contribution,
+                                partials_address
+                                + slot * hidden
+                                + cutlass.Int64(vector + 32 * u) * CHUNK,
+                                scale,
+                            )
+                            for i in cutlass.range_constexpr(CHUNK):
+                                total[u * CHUNK + i] = total[u * CHUNK + i] + contribution[i]
+                    else:
+                        partial_row = partials_address + slot * row_bytes
+                        values = []
+                        for u in cutlass.range_constexpr(unroll):
+                            values.append(
+                                load_chunk(partial_row + cutlass.Int64(vector + 32 * u) * 16)
+                            )
+                        for u in cutlass.range_constexpr(unroll):
+                            contribution.store(values[u].to(cutlass.Float32))
+                            for i in cutlass.range_constexpr(CHUNK):
+                                total[u * CHUNK + i] = total[u * CHUNK + i] + contribution[i]
             for u in cutlass.range_constexpr(unroll):
                 store_chunk(
                     y_row + cutlass.Int64(vector + 32 * u) * 16,

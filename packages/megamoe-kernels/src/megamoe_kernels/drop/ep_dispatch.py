@@ -30,8 +30,18 @@ signals PHASE_ROWS on every peer once (a receiver waits for grid x epoch adds pe
 wait_phase). With params.pair_weights (for the partial-sum combine), a token's first pair for an owner
 also writes the owner's table entries as dispatch_tokens does.
 
+The FP8 wire (params.fp8_rows, compile time): the token rows are quantized where they are read,
+once per token (row_vectors.py: fp8_scaling's recipe, one scale per row and ACTIVATION_GROUP
+columns), and e4m3 rows cross NVLink: dispatch_rows quantizes each pair's row into its owner's
+e4m3 batch row and its scales (BUFFER_ROW_SCALES [groups, capacity], the FP8 GEMM's layout);
+dispatch_tokens' senders quantize each token once into this rank's batch rows and each other
+owner's e4m3 staged row with its scales (BUFFER_STAGED_SCALES [world x max_tokens, groups]), and
+the receivers copy the e4m3 rows (`unroll` then counts 16-byte e4m3 vectors) and their scales
+into the batch. A batch row holds exactly what quantizing its token row on the host gives.
+
 Layouts: x [tokens, hidden] row-major; expert_of_pair, dest_row int32 [tokens x top_k] in
-(token, k) order; row bytes (hidden x element size) a multiple of 16 and 16-byte aligned rows.
+(token, k) order; row bytes (hidden x element size) a multiple of 16 and 16-byte aligned rows
+(with the FP8 wire, hidden a multiple of 16).
 """
 
 import cutlass
@@ -43,10 +53,12 @@ from .ep_sync import (
     BUFFER_ARRIVED,
     BUFFER_PAIR_ROWS,
     BUFFER_PAIR_WEIGHTS,
+    BUFFER_ROW_SCALES,
     BUFFER_ROW_SOURCES,
     BUFFER_ROWS,
     BUFFER_SIGNALS,
     BUFFER_STAGED,
+    BUFFER_STAGED_SCALES,
     PHASE_ROWS,
     EpParams,
     global_ptr,
@@ -54,6 +66,16 @@ from .ep_sync import (
     signal_peer,
     thread_position,
     wait_flag,
+)
+from .row_vectors import (
+    CHUNK,
+    GROUP_VECTORS,
+    copy_scales,
+    load_bf16_lane,
+    quantize_lane,
+    quantize_to_rows,
+    scale_groups,
+    store_e4m3,
 )
 
 ROWS_WARPS = 16
@@ -146,9 +168,33 @@ def dispatch_rows_kernel(
                 first_for_owner = cutlass.Int32(0)
         if row < capacity:
             rows_base = peer_address(peer_table, BUFFER_ROWS, world, owner)
-            copy_row(
-                token_row, rows_base + cutlass.Int64(row) * row_bytes, 0, row_vectors, lane, unroll
-            )
+            if cutlass.const_expr(params.fp8_rows):
+                scales = global_ptr(
+                    cutlass.Float32, peer_address(peer_table, BUFFER_ROW_SCALES, world, owner), 4
+                )
+                hidden = row_vectors * CHUNK
+                quantize_to_rows(
+                    token_row,
+                    rows_base,
+                    [row],
+                    scales,
+                    capacity,
+                    1,
+                    hidden,
+                    0,
+                    row_vectors,
+                    lane,
+                    1,
+                )
+            else:
+                copy_row(
+                    token_row,
+                    rows_base + cutlass.Int64(row) * row_bytes,
+                    0,
+                    row_vectors,
+                    lane,
+                    unroll,
+                )
         if row < capacity:
             if lane == 0:
                 sources = global_ptr(
@@ -278,6 +324,63 @@ def release_token_flags(peer_table, token, owner_mask, epoch, rank, world, max_t
             )
 
 
+@cute.jit
+def scales_of(peer_table, buffer, world, peer):
+    """Float32 scales buffer `buffer` as `peer` holds it (a pointer)."""
+    return global_ptr(cutlass.Float32, peer_address(peer_table, buffer, world, peer), 4)
+
+
+@cute.jit
+def send_quantized_token(
+    token_row,
+    here_rows,
+    rows_here,
+    row_scales_here,
+    capacity,
+    peer_table,
+    owner_mask,
+    slot,
+    rank,
+    world,
+    row_vectors,
+    lane,
+    top_k: cutlass.Constexpr,
+):
+    """The FP8 wire's sender: a warp quantizes this rank's bf16 token row once (row_vectors.py)
+    and writes it into its batch rows here (here_rows[k]; -1: none) with their scales
+    (group-major [groups, capacity]), and into staged row `slot` of each other rank in
+    owner_mask with the token's scales (token-major [slots, groups])."""
+    hidden = row_vectors * CHUNK
+    groups = scale_groups(row_vectors)
+    for base in range(0, row_vectors, 32):
+        vector = base + lane
+        counted = vector < row_vectors
+        quantized, scale = quantize_lane(load_bf16_lane(token_row, vector, row_vectors), counted)
+        if counted:
+            offset = cutlass.Int64(vector) * CHUNK
+            for k in cutlass.range_constexpr(top_k):
+                if here_rows[k] >= 0:
+                    store_e4m3(rows_here + cutlass.Int64(here_rows[k]) * hidden + offset, quantized)
+            for peer in range(world):
+                if peer != rank:
+                    if (owner_mask >> peer) & 1 == 1:
+                        staged = peer_address(peer_table, BUFFER_STAGED, world, peer)
+                        store_e4m3(staged + slot * hidden + offset, quantized)
+            if vector % GROUP_VECTORS == 0:
+                group = vector // GROUP_VECTORS
+                for k in cutlass.range_constexpr(top_k):
+                    if here_rows[k] >= 0:
+                        cute.arch.store(
+                            row_scales_here + (cutlass.Int64(group) * capacity + here_rows[k]),
+                            scale,
+                        )
+                for peer in range(world):
+                    if peer != rank:
+                        if (owner_mask >> peer) & 1 == 1:
+                            staged_scales = scales_of(peer_table, BUFFER_STAGED_SCALES, world, peer)
+                            cute.arch.store(staged_scales + (slot * groups + group), scale)
+
+
 @cute.kernel
 def dispatch_tokens_kernel(
     x_address: cutlass.Int64,
@@ -348,17 +451,42 @@ def dispatch_tokens_kernel(
                 rows.append(row)
                 here.append(is_here)
             token_row = x_address + cutlass.Int64(token) * row_bytes
-            staged_offset = (cutlass.Int64(rank) * max_tokens + token) * row_bytes
-            for first in range(lane, row_vectors, 32 * unroll):
-                values = load_vectors(token_row, first, unroll)
+            if cutlass.const_expr(params.fp8_rows):
+                here_rows = []
                 for k in cutlass.range_constexpr(top_k):
+                    here_row = cutlass.Int32(-1)
                     if here[k] == 1:
-                        store_vectors(rows_here + cutlass.Int64(rows[k]) * row_bytes, first, values)
-                for peer in range(world):
-                    if peer != rank:
-                        if (owner_mask >> peer) & 1 == 1:
-                            staged = peer_address(peer_table, BUFFER_STAGED, world, peer)
-                            store_vectors(staged + staged_offset, first, values)
+                        here_row = rows[k]
+                    here_rows.append(here_row)
+                send_quantized_token(
+                    token_row,
+                    here_rows,
+                    rows_here,
+                    scales_of(peer_table, BUFFER_ROW_SCALES, world, rank),
+                    capacity,
+                    peer_table,
+                    owner_mask,
+                    cutlass.Int64(rank) * max_tokens + token,
+                    rank,
+                    world,
+                    row_vectors,
+                    lane,
+                    top_k,
+                )
+            else:
+                staged_offset = (cutlass.Int64(rank) * max_tokens + token) * row_bytes
+                for first in range(lane, row_vectors, 32 * unroll):
+                    values = load_vectors(token_row, first, unroll)
+                    for k in cutlass.range_constexpr(top_k):
+                        if here[k] == 1:
+                            store_vectors(
+                                rows_here + cutlass.Int64(rows[k]) * row_bytes, first, values
+                            )
+                    for peer in range(world):
+                        if peer != rank:
+                            if (owner_mask >> peer) & 1 == 1:
+                                staged = peer_address(peer_table, BUFFER_STAGED, world, peer)
+                                store_vectors(staged + staged_offset, first, values)
             if lane < top_k:
                 if lane_owner == rank:
                     if lane_row < capacity:
@@ -398,6 +526,12 @@ def dispatch_tokens_kernel(
             cutlass.Int32, peer_address(peer_table, BUFFER_PAIR_ROWS, world, rank), 4
         )
         pairs_of_source = global_ptr(cutlass.Int32, pairs_of_source_address, 4)
+        # the staged rows as they crossed NVLink: bf16, or e4m3 (hidden bytes) with their scales
+        wire_vectors = row_vectors
+        if cutlass.const_expr(params.fp8_rows):
+            wire_vectors = row_vectors // 2
+        wire_row_bytes = cutlass.Int64(wire_vectors) * 16
+        groups = scale_groups(row_vectors)
         wait_ns = timeout_ns
         for step in range(1, world):
             source = (rank + step) % world
@@ -430,16 +564,28 @@ def dispatch_tokens_kernel(
                     for k in cutlass.range_constexpr(top_k):
                         rows.append(cute.arch.shuffle_sync(lane_row, k))
                     copy_to_rows(
-                        staged_here + slot * row_bytes,
+                        staged_here + slot * wire_row_bytes,
                         rows_here,
                         rows,
-                        row_bytes,
+                        wire_row_bytes,
                         0,
-                        row_vectors,
+                        wire_vectors,
                         lane,
                         unroll,
                         top_k,
                     )
+                    if cutlass.const_expr(params.fp8_rows):
+                        copy_scales(
+                            scales_of(peer_table, BUFFER_STAGED_SCALES, world, rank)
+                            + slot * groups,
+                            scales_of(peer_table, BUFFER_ROW_SCALES, world, rank),
+                            capacity,
+                            rows,
+                            0,
+                            groups,
+                            lane,
+                            top_k,
+                        )
     # PHASE_ROWS stays at grid adds per epoch on every rank, as the direct dispatch (which waits
     # on it) counts, whichever dispatch of a shared workspace ran before
     cute.arch.sync_threads()

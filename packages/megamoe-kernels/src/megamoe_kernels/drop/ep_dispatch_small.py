@@ -35,6 +35,11 @@ the dispatcher's EpParams):
    token, row slice) copies the token's row (from x for this rank's tokens, from the staged
    rows once its flag arrived for the others') into each of its batch rows here.
 
+The FP8 wire (params.fp8_rows): step 2 quantizes each token once into the e4m3 staged rows and
+their scales (ep_dispatch.send_quantized_token), and step 4 quantizes this rank's tokens from x
+and copies the other sources' e4m3 staged rows and scales into the batch (a slice of whole
+rounds of e4m3 vectors holds whole quantization groups).
+
 One CTA ranks every source's pairs: at most SMALL_MAX_PAIRS (world x max_tokens x top_k, the
 shared-memory copy of the ids) and SMALL_MAX_LOCAL_EXPERTS experts per rank (the counters); at
 most 32 ranks (a lane per rank).
@@ -61,6 +66,8 @@ from .ep_dispatch import (
     load_vectors,
     release_token_flags,
     row_slices,
+    scales_of,
+    send_quantized_token,
     slice_vectors,
     store_vectors,
     token_owners,
@@ -70,10 +77,12 @@ from .ep_sync import (
     BUFFER_IDS,
     BUFFER_PAIR_ROWS,
     BUFFER_PAIR_WEIGHTS,
+    BUFFER_ROW_SCALES,
     BUFFER_ROW_SOURCES,
     BUFFER_ROWS,
     BUFFER_SIGNALS,
     BUFFER_STAGED,
+    BUFFER_STAGED_SCALES,
     PHASE_COUNTS,
     PHASE_ROWS,
     EpParams,
@@ -84,6 +93,7 @@ from .ep_sync import (
     thread_position,
     wait_flag,
 )
+from .row_vectors import CHUNK, copy_scales, quantize_to_rows, scale_groups
 from .warp import lanes_with_same_value, warp_inclusive_sum
 
 SMALL_WARPS = 16
@@ -266,14 +276,34 @@ def dispatch_small_kernel(
             for token in range(warp * (grid - 1) + bidx - 1, tokens, senders):
                 owner_mask = token_owners(expert_of_pair, token, local_experts, lane, top_k)
                 token_row = x_address + cutlass.Int64(token) * row_bytes
-                staged_offset = (cutlass.Int64(rank) * max_tokens + token) * row_bytes
-                for vector in range(lane, row_vectors, 32 * unroll):
-                    values = load_vectors(token_row, vector, unroll)
-                    for peer in range(world):
-                        if peer != rank:
-                            if (owner_mask >> peer) & 1 == 1:
-                                staged = peer_address(peer_table, BUFFER_STAGED, world, peer)
-                                store_vectors(staged + staged_offset, vector, values)
+                if cutlass.const_expr(params.fp8_rows):
+                    # quantized once, into the staged rows only (this rank's rows are expanded
+                    # from x once placed)
+                    no_rows = [cutlass.Int32(-1)] * top_k
+                    send_quantized_token(
+                        token_row,
+                        no_rows,
+                        0,
+                        scales_of(peer_table, BUFFER_ROW_SCALES, world, rank),
+                        capacity,
+                        peer_table,
+                        owner_mask,
+                        cutlass.Int64(rank) * max_tokens + token,
+                        rank,
+                        world,
+                        row_vectors,
+                        lane,
+                        top_k,
+                    )
+                else:
+                    staged_offset = (cutlass.Int64(rank) * max_tokens + token) * row_bytes
+                    for vector in range(lane, row_vectors, 32 * unroll):
+                        values = load_vectors(token_row, vector, unroll)
+                        for peer in range(world):
+                            if peer != rank:
+                                if (owner_mask >> peer) & 1 == 1:
+                                    staged = peer_address(peer_table, BUFFER_STAGED, world, peer)
+                                    store_vectors(staged + staged_offset, vector, values)
                 if pair_weights != 0:
                     # each owner's weights of this token (this rank's too) for its partial sums,
                     # released with the token's flag
@@ -322,6 +352,7 @@ def dispatch_small_kernel(
             timeout_ns,
             top_k,
             unroll,
+            params.fp8_rows,
         )
 
 
@@ -528,9 +559,12 @@ def expand_rows(
     timeout_ns,
     top_k: cutlass.Constexpr,
     unroll: cutlass.Constexpr,
+    fp8_rows: cutlass.Constexpr,
 ):
     """Step 4 for the calling warp (every warp of CTA 0, the last SMALL_WARPS - SMALL_SEND_WARPS
-    of the others)."""
+    of the others). With `fp8_rows` the batch rows are e4m3 with their scales: this rank's
+    tokens are quantized from x, the others' staged e4m3 rows and scales copied (a slice of
+    whole rounds of e4m3 vectors covers whole quantization groups)."""
     tidx, bidx, grid, warp, lane = thread_position()
     # the other CTAs' expanders first (spread over the SMs), then CTA 0's
     role_warp = warp + (SMALL_WARPS - SMALL_SEND_WARPS) * (grid - 1)
@@ -542,7 +576,15 @@ def expand_rows(
     arrived_here = global_ptr(
         cutlass.Int64, peer_address(peer_table, BUFFER_ARRIVED, world, rank), 8
     )
-    rounds = copy_rounds(row_vectors, unroll)
+    # the rows as they crossed NVLink: bf16, or e4m3 (hidden bytes) with their scales
+    wire_vectors = row_vectors
+    if cutlass.const_expr(fp8_rows):
+        wire_vectors = row_vectors // 2
+    wire_row_bytes = cutlass.Int64(wire_vectors) * 16
+    groups = scale_groups(row_vectors)
+    row_scales_here = scales_of(peer_table, BUFFER_ROW_SCALES, world, rank)
+    staged_scales_here = scales_of(peer_table, BUFFER_STAGED_SCALES, world, rank)
+    rounds = copy_rounds(wire_vectors, unroll)
     wait_ns = timeout_ns
     for step in range(world):
         source = (rank + step) % world
@@ -584,13 +626,55 @@ def expand_rows(
                 rows = []
                 for k in cutlass.range_constexpr(top_k):
                     rows.append(cute.arch.shuffle_sync(lane_row, k))
-                from_row = staged_here + slot * row_bytes
-                if source == rank:
-                    from_row = x_address + cutlass.Int64(token) * row_bytes
                 first, end = slice_vectors(
-                    item - token * slices, slices, rounds, row_vectors, unroll
+                    item - token * slices, slices, rounds, wire_vectors, unroll
                 )
-                copy_to_rows(from_row, rows_here, rows, row_bytes, first, end, lane, unroll, top_k)
+                if cutlass.const_expr(fp8_rows):
+                    if source == rank:
+                        # e4m3 vector i holds bf16 vectors 2i and 2i + 1
+                        quantize_to_rows(
+                            x_address + cutlass.Int64(token) * row_bytes,
+                            rows_here,
+                            rows,
+                            row_scales_here,
+                            capacity,
+                            1,
+                            row_vectors * CHUNK,
+                            first * 2,
+                            cutlass.min(end * 2, row_vectors),
+                            lane,
+                            top_k,
+                        )
+                    else:
+                        copy_to_rows(
+                            staged_here + slot * wire_row_bytes,
+                            rows_here,
+                            rows,
+                            wire_row_bytes,
+                            first,
+                            end,
+                            lane,
+                            unroll,
+                            top_k,
+                        )
+                        # a group's 128 e4m3 values are 8 vectors
+                        copy_scales(
+                            staged_scales_here + slot * groups,
+                            row_scales_here,
+                            capacity,
+                            rows,
+                            first // 8,
+                            cutlass.min((end + 7) // 8, groups),
+                            lane,
+                            top_k,
+                        )
+                else:
+                    from_row = staged_here + slot * row_bytes
+                    if source == rank:
+                        from_row = x_address + cutlass.Int64(token) * row_bytes
+                    copy_to_rows(
+                        from_row, rows_here, rows, row_bytes, first, end, lane, unroll, top_k
+                    )
 
 
 @cute.jit

@@ -50,7 +50,13 @@ BUFFER_PARTIALS = 8  # [world x max_tokens, hidden]
 BUFFER_ARRIVED = 9  # int64 [world, max_tokens]
 # the small-batch dispatch: per source its pair count, then its expert ids (pair order)
 BUFFER_IDS = 10  # int32 [2 x world, 4 + max_tokens x top_k] (ep_dispatch_small)
-NUM_BUFFERS = 11
+# the FP8 wire (row_vectors.py): with fp8_rows the batch rows and the staged rows are e4m3 with
+# these scales, with fp8_combine the returned rows and the partials are
+BUFFER_ROW_SCALES = 11  # float32 [groups, capacity]: the batch's, group-major (the GEMM's layout)
+BUFFER_STAGED_SCALES = 12  # float32 [world x max_tokens, groups]
+BUFFER_RETURNED_SCALES = 13  # float32 [max_tokens x top_k, groups]
+BUFFER_PARTIAL_SCALES = 14  # float32 [world x max_tokens, groups]
+NUM_BUFFERS = 15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +82,11 @@ class EpParams:
     top_k: experts per token
     grid: CTAs of the persistent kernels, the same on every rank: a receiver waits for `grid`
         adds per source and phase
+    fp8_rows: 1 when the dispatch quantizes the token rows (row_vectors.py): the staged and
+        batch rows are e4m3 (hidden bytes) with their scales, row_vectors still counting the
+        bf16 token row's vectors
+    fp8_combine: 1 when the combine quantizes what crosses NVLink back: the returned rows (or
+        the partial sums) are e4m3 with their scales, summed in fp32 where they land
     """
 
     peer_table_address: cutlass.Int64
@@ -94,6 +105,8 @@ class EpParams:
     pair_weights: cutlass.Int32
     top_k: cutlass.Constexpr
     grid: cutlass.Constexpr
+    fp8_rows: cutlass.Constexpr
+    fp8_combine: cutlass.Constexpr
 
     def _runtime_fields(self):
         return [f for f in dataclasses.fields(self) if f.type is not cutlass.Constexpr]

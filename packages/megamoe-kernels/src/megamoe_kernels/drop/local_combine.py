@@ -18,8 +18,9 @@ H a multiple of 8, rows 16-byte aligned.
 import cutlass
 import cutlass.cute as cute
 
-from .ep_combine import CHUNK, add_weighted, load_chunk, store_chunk
+from .ep_combine import add_weighted
 from .ep_sync import thread_position
+from .row_vectors import CHUNK, load_chunk, store_chunk
 
 COMBINE_THREADS = 256
 COMBINE_MAX_CTAS = 132 * 8  # about 8 CTAs per SM in flight; each thread then strides on

@@ -24,8 +24,9 @@ enough to be resident at once on any Hopper GPU, which its grid-wide barriers ne
    16-byte vector loaded once and stored in the token's top_k rows; without it, after a CTA
    barrier, the CTA's warps copy a pair each (`unroll` 16-byte loads per lane in flight).
    FP8 rows (row_scales given, copy_by_token): each warp quantizes its own tokens as it copies
-   them, one scale per row and ACTIVATION_GROUP columns (fp8_scaling's recipe, the values
-   quantizing each batch row on the host gives), so the batch is e4m3 with no pass before it.
+   them, one scale per row and ACTIVATION_GROUP columns (row_vectors.quantize_to_rows:
+   fp8_scaling's recipe, the values quantizing each batch row on the host gives), so the batch
+   is e4m3 with no pass before it.
    Gathered rows (row_source given, rows None): no row is copied; each pair's lane writes
    row_source[row] = its token instead, and the gate-up GEMM reads the batch rows from the
    tokens (expert_gemm_sm90's gather_rows).
@@ -48,11 +49,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.memory import SmemAllocator
 
-from .ep_combine import CHUNK, load_chunk
 from .ep_dispatch import copy_row, copy_to_rows
 from .ep_place import grid_barrier, scan_cta_counts
-from .ep_sync import global_ptr, thread_position
-from .fp8_scaling import ACTIVATION_GROUP, AMAX_FLOOR, E4M3_MAX
+from .ep_sync import thread_position
+from .row_vectors import quantize_to_rows
 from .warp import warp_inclusive_sum
 
 ROUTE_WARPS = 16
@@ -62,10 +62,6 @@ ROUTE_MAX_EXPERTS = 512  # shared memory: 16 warps x E counters fit in 48 KB
 ROUTE_MAX_TOP_K = 32
 ROUTE_BARRIER_WORDS = 4  # two barriers' arrivals and generations
 NO_EXPERT = 1 << 30  # an arg-max that has seen no expert yet
-# a quantization group's 16-byte vectors sit on neighbouring lanes: the shuffle steps joining
-# their amax
-GROUP_VECTORS = ACTIVATION_GROUP // CHUNK
-GROUP_SHUFFLE_STEPS = GROUP_VECTORS.bit_length() - 1
 
 
 def scratch_words(num_experts: int) -> int:
@@ -303,50 +299,6 @@ def route_token(
     return expert, weight
 
 
-@cute.jit
-def quantize_to_rows(
-    source_row, rows_here, rows, scales_here, scales_stride, hidden, lane, top_k: cutlass.Constexpr
-):
-    """A warp quantizes the bf16 row of `hidden` values at `source_row` into the e4m3 batch rows
-    rows[k] at `rows_here` (hidden bytes each): each group of ACTIVATION_GROUP columns gets the
-    scale amax / E4M3_MAX (amax floored at AMAX_FLOOR), values / scale rounded to nearest even
-    and saturated, the scale stored at scales_here[group x scales_stride + row]. A trip takes
-    32 vectors of 8 values: a group's vectors sit on neighbouring lanes, which share its amax
-    by shuffles; every lane runs every trip (a lane past the row reloads its last vector,
-    counts no amax and stores nothing, as a partial group's zero padding counts none)."""
-    vectors = hidden // CHUNK
-    for base in range(0, vectors, 32):
-        vector = base + lane
-        staged = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
-        loaded = cutlass.min(vector, vectors - 1)
-        staged.store(
-            load_chunk(source_row + cutlass.Int64(loaded) * (CHUNK * 2)).to(cutlass.Float32)
-        )
-        amax = cutlass.Float32(0.0)
-        if vector < vectors:
-            for j in cutlass.range_constexpr(CHUNK):
-                amax = cute.arch.fmax(amax, cute.arch.fmax(staged[j], -staged[j]))
-        for shift in cutlass.range_constexpr(GROUP_SHUFFLE_STEPS):
-            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << shift))
-        if vector < vectors:
-            scale = cutlass.max(amax, cutlass.Float32(AMAX_FLOOR)) / cutlass.Float32(E4M3_MAX)
-            quantized = (staged.load() / scale).to(cutlass.Float8E4M3FN)
-            for k in cutlass.range_constexpr(top_k):
-                destination = cute.make_tensor(
-                    global_ptr(
-                        cutlass.Float8E4M3FN,
-                        rows_here + cutlass.Int64(rows[k]) * hidden + cutlass.Int64(vector) * CHUNK,
-                        CHUNK,
-                    ),
-                    cute.make_layout(CHUNK),
-                )
-                destination.store(quantized)
-            if vector % GROUP_VECTORS == 0:
-                group_scales = scales_here + cutlass.Int64(vector // GROUP_VECTORS) * scales_stride
-                for k in cutlass.range_constexpr(top_k):
-                    cute.arch.store(group_scales + rows[k], scale)
-
-
 @cute.kernel
 def route_and_place_kernel(
     mLogits: cute.Tensor,
@@ -512,7 +464,10 @@ def route_and_place_kernel(
                     rows,
                     mRowScales.iterator,
                     cutlass.Int64(mRowScales.shape[1]),
+                    1,
                     hidden,
+                    0,
+                    row_vectors,
                     lane,
                     top_k,
                 )

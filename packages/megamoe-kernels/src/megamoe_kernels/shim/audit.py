@@ -198,6 +198,10 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "BUFFER_PARTIALS",
             "BUFFER_ARRIVED",
             "BUFFER_IDS",
+            "BUFFER_ROW_SCALES",
+            "BUFFER_STAGED_SCALES",
+            "BUFFER_RETURNED_SCALES",
+            "BUFFER_PARTIAL_SCALES",
             "NUM_BUFFERS",
         )
     ),

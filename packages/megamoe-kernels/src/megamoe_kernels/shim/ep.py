@@ -29,6 +29,8 @@ from collections.abc import Callable
 import torch
 
 _COMPILED: dict[tuple, object] = {}
+# the EpParams fields the drop's EpParams declares Constexpr
+COMPILE_TIME_FIELDS = ("top_k", "grid", "fp8_rows", "fp8_combine")
 _COMPILE_LOCK = threading.Lock()
 
 
@@ -43,9 +45,15 @@ class EpParams:
     [small_dispatch_limits()["scratch_words"]], zeroed once; 0 when the small dispatch is not
     used). Sizes: this `rank` of `world`, `num_experts` in all and `local_experts` per rank,
     `capacity` batch rows, at most `max_tokens` tokens per rank and call of `row_vectors` 16-byte
-    vectors each, `top_k` experts per token; `pair_weights`: the partial-sum combine follows (the
-    dispatch fills its pair tables); `timeout_ns` per wait; `grid` CTAs per persistent kernel,
-    the same on every rank.
+    vectors each (of the bf16 token row), `top_k` experts per token; `pair_weights`: the
+    partial-sum combine follows (the dispatch fills its pair tables); `timeout_ns` per wait;
+    `grid` CTAs per persistent kernel, the same on every rank. The FP8 wire: `fp8_rows` (the
+    dispatch quantizes the token rows: the batch and staged rows are e4m3 with their scales) and
+    `fp8_combine` (the combine quantizes the rows or partial sums it sends back); both need a
+    row of a multiple of 16 values (an even row_vectors).
+
+    Compile time: top_k, grid, fp8_rows and fp8_combine (`compile_time`); every other field is
+    passed at each launch.
     """
 
     peer_table_address: int
@@ -64,6 +72,8 @@ class EpParams:
     pair_weights: bool
     top_k: int
     grid: int
+    fp8_rows: bool = False
+    fp8_combine: bool = False
 
     def __post_init__(self) -> None:
         positive = ("world", "local_experts", "capacity", "max_tokens", "row_vectors", "top_k")
@@ -77,6 +87,22 @@ class EpParams:
                 f"EpParams.num_experts must be local_experts x world = "
                 f"{self.local_experts} x {self.world}, got {self.num_experts}"
             )
+        for name in ("fp8_rows", "fp8_combine"):
+            if getattr(self, name) and self.row_vectors % 2:
+                raise ValueError(
+                    f"EpParams.{name} needs rows of a multiple of 16 values (whole 16-byte e4m3 "
+                    f"vectors: an even row_vectors), got row_vectors={self.row_vectors}"
+                )
+
+    @property
+    def compile_time(self) -> dict[str, int]:
+        """The fields the kernels are compiled for (the rest are passed at each launch)."""
+        return {name: int(getattr(self, name)) for name in COMPILE_TIME_FIELDS}
+
+    @property
+    def dispatch_row_bytes(self) -> int:
+        """Bytes of a row as the dispatch moves it: e4m3 with fp8_rows, else bf16."""
+        return self.row_bytes // 2 if self.fp8_rows else self.row_bytes
 
     @property
     def row_bytes(self) -> int:
@@ -123,7 +149,7 @@ def _ep_kernel(module: str, **constants: Callable[[EpParams], int]):
         @functools.wraps(check)
         def launch(params: EpParams, **call: int) -> None:
             check(params, **call)
-            launcher = _compiled(kernel, params.top_k, params.grid, _constants(kernel, params))
+            launcher = _compiled(kernel, params.compile_time, _constants(kernel, params))
             launcher([call[name] for name in kernel.arguments], params.drop_params, _stream())
 
         return launch
@@ -176,14 +202,20 @@ def layout() -> dict[str, int]:
         "partials": sync.BUFFER_PARTIALS,
         "arrived": sync.BUFFER_ARRIVED,
         "ids": sync.BUFFER_IDS,
+        "row_scales": sync.BUFFER_ROW_SCALES,
+        "staged_scales": sync.BUFFER_STAGED_SCALES,
+        "returned_scales": sync.BUFFER_RETURNED_SCALES,
+        "partial_scales": sync.BUFFER_PARTIAL_SCALES,
         "num_buffers": sync.NUM_BUFFERS,
         "num_phases": sync.NUM_PHASES,
         "status_words": sync.STATUS_WORDS,
     }
 
 
-def _compiled(kernel: EpKernel, top_k: int, grid: int, constants: tuple, *, fake: bool = False):
-    key = (kernel.function, top_k, grid, constants, fake)
+def _compiled(
+    kernel: EpKernel, compile_time: dict[str, int], constants: tuple, *, fake: bool = False
+):
+    key = (kernel.function, tuple(compile_time.items()), constants, fake)
     compiled = _COMPILED.get(key)
     if compiled is not None:
         return compiled
@@ -199,7 +231,7 @@ def _compiled(kernel: EpKernel, top_k: int, grid: int, constants: tuple, *, fake
             function = getattr(drop, kernel.function)
             annotations = inspect.signature(function).parameters
             types = [annotations[name].annotation for name in kernel.arguments]
-            sample = _sample_params(top_k=top_k, grid=grid).drop_params
+            sample = _sample_params(**compile_time).drop_params
             stream = make_fake_stream() if fake else _stream()
             samples = [kind(0) for kind in types]
             compiled = _Launcher(
@@ -209,8 +241,8 @@ def _compiled(kernel: EpKernel, top_k: int, grid: int, constants: tuple, *, fake
     return compiled
 
 
-def _sample_params(*, top_k: int, grid: int) -> EpParams:
-    """EpParams to compile with: only top_k and grid are compile-time, the rest any valid value."""
+def _sample_params(*, top_k: int, grid: int, fp8_rows: int = 0, fp8_combine: int = 0) -> EpParams:
+    """EpParams to compile with: the compile-time fields as given, the rest any valid value."""
     return EpParams(
         peer_table_address=0,
         epoch_address=0,
@@ -224,10 +256,12 @@ def _sample_params(*, top_k: int, grid: int) -> EpParams:
         local_experts=1,
         capacity=1,
         max_tokens=1,
-        row_vectors=1,
+        row_vectors=2,
         pair_weights=False,
         top_k=top_k,
         grid=grid,
+        fp8_rows=bool(fp8_rows),
+        fp8_combine=bool(fp8_combine),
     )
 
 
@@ -265,14 +299,22 @@ def _stream():
     return cuda_driver.CUstream(torch.cuda.current_stream().cuda_stream)
 
 
-def compile_all(*, top_k: int, grid: int, row_bytes: int = 7168 * 2) -> int:
-    """Compiles every kernel for (top_k, grid, row_bytes) without launching; returns how many
-    are cached."""
+def compile_all(
+    *,
+    top_k: int,
+    grid: int,
+    row_bytes: int = 7168 * 2,
+    fp8_rows: bool = False,
+    fp8_combine: bool = False,
+) -> int:
+    """Compiles every kernel for (top_k, grid, bf16 row_bytes, the FP8 wire flags) without
+    launching; returns how many are cached."""
     params = dataclasses.replace(
-        _sample_params(top_k=top_k, grid=grid), row_vectors=row_bytes // 16
+        _sample_params(top_k=top_k, grid=grid, fp8_rows=fp8_rows, fp8_combine=fp8_combine),
+        row_vectors=row_bytes // 16,
     )
     for kernel in KERNELS.values():
-        _compiled(kernel, top_k, grid, _constants(kernel, params), fake=True)
+        _compiled(kernel, params.compile_time, _constants(kernel, params), fake=True)
     return len(_COMPILED)
 
 
@@ -316,6 +358,10 @@ def _copy_unroll(params: EpParams) -> int:
     return copy_unroll(params.row_bytes)
 
 
+def _dispatch_unroll(params: EpParams) -> int:
+    return copy_unroll(params.dispatch_row_bytes)
+
+
 def _combine_unroll(params: EpParams) -> int:
     return combine_unroll(params.row_vectors * 8)
 
@@ -341,7 +387,7 @@ def exchange_and_place(
         raise ValueError(f"num_pairs must be >= 0, got {num_pairs}")
 
 
-@_ep_kernel("ep_dispatch", unroll=_copy_unroll)
+@_ep_kernel("ep_dispatch", unroll=_dispatch_unroll)
 def dispatch_rows(
     params: EpParams,
     *,
@@ -357,7 +403,7 @@ def dispatch_rows(
         raise ValueError(f"num_pairs must be >= 0, got {num_pairs}")
 
 
-@_ep_kernel("ep_dispatch", unroll=_copy_unroll)
+@_ep_kernel("ep_dispatch", unroll=_dispatch_unroll)
 def dispatch_tokens(
     params: EpParams,
     *,
@@ -376,7 +422,7 @@ def dispatch_tokens(
     _check_tokens(tokens, params)
 
 
-@_ep_kernel("ep_dispatch_small", unroll=_copy_unroll)
+@_ep_kernel("ep_dispatch_small", unroll=_dispatch_unroll)
 def dispatch_small(
     params: EpParams,
     *,

@@ -8,6 +8,21 @@ from __future__ import annotations
 
 import torch
 
+# what crosses NVLink in the nvshmem dispatcher's dispatch and combine (SymmetricDispatcher)
+WIRE_DTYPES = ("bf16", "fp8")
+
+
+def check_wire_dtypes(*, dispatch_dtype: str, combine_dtype: str, hidden_size: int) -> None:
+    """Raises unless the dispatch and combine wire dtypes are known and the rows take them."""
+    for name, value in (("dispatch_dtype", dispatch_dtype), ("combine_dtype", combine_dtype)):
+        if value not in WIRE_DTYPES:
+            raise ValueError(f"{name} must be one of {WIRE_DTYPES}, got {value!r}")
+        if value == "fp8" and hidden_size % 16:
+            raise ValueError(
+                f"{name}='fp8' needs a hidden size that is a multiple of 16 (whole 16-byte e4m3 "
+                f"vectors), got hidden_size={hidden_size}; use {name}='bf16'"
+            )
+
 
 def experts_per_rank(num_experts: int, world_size: int) -> int:
     """L = E / world; raises unless the experts split evenly (every rank owns a contiguous block)."""

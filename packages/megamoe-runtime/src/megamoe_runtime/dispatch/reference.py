@@ -1,8 +1,13 @@
 """Pure-torch references of the expert-parallel kernels' arithmetic (dispatch/symmetric.py),
 for the tests: exchange_and_place's placement (the kernel does both steps on the device in one
-launch; tests/test_distributed_placement.py checks the placement rule with them) and the
-partial-sum combine's arithmetic (tests/test_multirank_dispatch.py compares the kernels with it
-bit for bit).
+launch; tests/test_distributed_placement.py checks the placement rule with them), the exact and
+the partial-sum combine's arithmetic, each over a bf16 or an FP8 wire
+(tests/test_multirank_dispatch.py compares the kernels with them bit for bit).
+
+The FP8 wire: what crosses NVLink is e4m3 with one float32 scale per row and 128 columns,
+quantized by megamoe_kernels.quantize_rows' recipe (the dispatch's batch rows are exactly
+quantize_rows of the bf16 batch rows); `wire_values` gives the fp32 values such rows stand for
+where they land.
 
 Shape legend: T tokens, K experts per token, H hidden size, E experts, W world size, P = T x K
 pairs.
@@ -57,6 +62,36 @@ def place_pairs(
     return dest_row_P, expert_offsets
 
 
+def wire_values(rows_NH: torch.Tensor, *, wire: str, dtype: torch.dtype) -> torch.Tensor:
+    """The fp32 values rows (any float dtype) stand for once they crossed the wire: rounded to
+    `dtype` (the bf16 wire), or (wire 'fp8') quantized to e4m3 with one scale per row and 128
+    columns and dequantized (e4m3 x scale, rounded in fp32)."""
+    from megamoe_kernels.shim.fp8 import dequantize_rows, quantize_rows
+
+    if wire == "bf16":
+        return rows_NH.to(dtype).float()
+    if wire != "fp8":
+        raise ValueError(f"wire must be 'bf16' or 'fp8', got {wire!r}")
+    shape = rows_NH.shape
+    flat_NH = rows_NH.reshape(-1, shape[-1])
+    return dequantize_rows(*quantize_rows(flat_NH)).view(shape)
+
+
+def exact_combine(
+    out_TKH: torch.Tensor, weights_TK: torch.Tensor, *, dtype: torch.dtype, wire: str = "bf16"
+) -> torch.Tensor:
+    """What the exact combine computes for a source's tokens, given each (token, k)'s expert
+    output (in `dtype`) and weight: each output as it crossed the wire (`wire_values`), then
+    sum over k in k order of weight x value in fp32 (each product rounded on its own), rounded
+    to `dtype`. Over the bf16 wire, the single-GPU combine's arithmetic."""
+    values_TKH = wire_values(out_TKH, wire=wire, dtype=dtype)
+    products_TKH = weights_TK.float().unsqueeze(-1) * values_TKH  # rounded per element
+    y_TH = torch.zeros(out_TKH.shape[0], out_TKH.shape[2], device=out_TKH.device)
+    for k in range(out_TKH.shape[1]):  # k order, one add at a time (no tree reduction)
+        y_TH = y_TH + products_TKH[:, k]
+    return y_TH.to(dtype)
+
+
 def owner_partials_combine(
     out_TKH: torch.Tensor,
     weights_TK: torch.Tensor,
@@ -64,12 +99,13 @@ def owner_partials_combine(
     *,
     world: int,
     dtype: torch.dtype,
+    wire: str = "bf16",
 ) -> torch.Tensor:
     """What the partial-sum combine computes for a source's tokens, given each (token, k)'s
     expert output, weight and owner rank: per owner, sum over its k in k order of
-    weight x output in fp32 (each product rounded on its own), rounded to `dtype` (the partial
-    that crosses NVLink); then the partials of the owners a token touched, added in rank order
-    in fp32, rounded once more."""
+    weight x output in fp32 (each product rounded on its own), then the partial as it crosses
+    NVLink (`wire_values`: rounded to `dtype`, or e4m3 with its scales); then the partials of
+    the owners a token touched, added in rank order in fp32, rounded to `dtype`."""
     products_TKH = weights_TK.float().unsqueeze(-1) * out_TKH.float()  # rounded per element
     y_TH = torch.zeros(out_TKH.shape[0], out_TKH.shape[2], device=out_TKH.device)
     for owner in range(world):
@@ -78,5 +114,6 @@ def owner_partials_combine(
         for k in range(out_TKH.shape[1]):  # k order, one add at a time (no tree reduction)
             partial_TH = partial_TH + torch.where(mine_TK[:, k, None], products_TKH[:, k], 0.0)
         touched_T1 = mine_TK.any(dim=1, keepdim=True)
-        y_TH = y_TH + torch.where(touched_T1, partial_TH.to(dtype).float(), 0.0)
+        sent_TH = wire_values(partial_TH, wire=wire, dtype=dtype)
+        y_TH = y_TH + torch.where(touched_T1, sent_TH, 0.0)
     return y_TH.to(dtype)

@@ -29,10 +29,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from megamoe_kernels.shim import ep as ep_kernels
+from megamoe_kernels.shim.fp8 import FP8_DTYPE
 
 from megamoe_runtime.dispatch.checks import (
     check_token_count,
     check_top_k,
+    check_wire_dtypes,
     experts_per_rank,
     validate_dispatch_inputs,
 )
@@ -47,6 +49,11 @@ from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.workspace import workspace_for
 
 DEFAULT_TIMEOUT_S = 60.0
+
+
+def _pool_name(name: str, dtype: torch.dtype) -> str:
+    """The workspace name of symmetric buffer `name`: e4m3 buffers apart from bf16 ones."""
+    return f"ep.{name}.e4m3" if dtype == FP8_DTYPE else f"ep.{name}"
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,16 @@ class SymmetricDispatcher:
     MegaMoEConfig(combine_order="owner_partials") selects it) the partial-sum combine instead
     of the exact one, which is not the single-GPU summation order (one more bf16 rounding).
     Every rank of the group makes the same choice: it depends only on the static sizes.
+
+    The wire: `dispatch_dtype` 'bf16' (default) or 'fp8': the dispatch kernels quantize each
+    token row once (e4m3, one float32 scale per row and 128 columns: the recipe of
+    megamoe_kernels.quantize_rows, bit for bit) and e4m3 rows cross NVLink (half the bytes);
+    the batch holds e4m3 rows and `row_scales_GM`, which FP8 experts read as they are (BF16
+    experts dequantize the batch first: ExpertBatch.dequantized). `combine_dtype` 'bf16'
+    (default) or 'fp8': the combine sends each output row (or owner partial sum) back as e4m3
+    with its scales and sums the dequantized values in fp32 where they land. Both change the
+    numbers (e4m3 keeps 3 mantissa bits), so both are opt-in; both need a hidden size that is
+    a multiple of 16.
     """
 
     def __init__(
@@ -93,6 +110,8 @@ class SymmetricDispatcher:
         stage_remote_rows: bool = True,
         combine_partial_sums: bool = False,
         small_batch: bool | None = None,
+        dispatch_dtype: str = "bf16",
+        combine_dtype: str = "bf16",
     ):
         device = torch.device(device)
         if dtype != torch.bfloat16:
@@ -101,6 +120,10 @@ class SymmetricDispatcher:
             raise ValueError(
                 f"hidden_size must be a multiple of 8 (16-byte rows), got {hidden_size}"
             )
+        check_wire_dtypes(
+            dispatch_dtype=dispatch_dtype, combine_dtype=combine_dtype, hidden_size=hidden_size
+        )
+        self.dispatch_dtype, self.combine_dtype = dispatch_dtype, combine_dtype
         if max_tokens_per_rank < 1:
             raise ValueError(f"max_tokens_per_rank must be >= 1, got {max_tokens_per_rank}")
         self.process_group = process_group
@@ -130,6 +153,8 @@ class SymmetricDispatcher:
             dtype=dtype,
             max_tokens_per_rank=max_tokens_per_rank,
             capacity=self.capacity,
+            fp8_rows=dispatch_dtype == "fp8",
+            fp8_combine=combine_dtype == "fp8",
         )
         self.dispatch_algorithm = choose_dispatch(
             self.sizes, stage_remote_rows=stage_remote_rows, small_batch=small_batch, grid=self.grid
@@ -164,21 +189,34 @@ class SymmetricDispatcher:
         shapes = {
             "counts": ((world, self.num_experts), torch.int32),
             "signals": ((layout["num_phases"], world), torch.int64),
-            "rows": ((self.capacity, self.hidden_size), self.dtype),
+            "rows": (
+                (self.capacity, self.hidden_size),
+                FP8_DTYPE if sizes.fp8_rows else self.dtype,
+            ),
             "row_sources": ((self.capacity, 2), torch.int32),
-            "returned": ((self.max_tokens_per_rank * self.top_k, self.hidden_size), self.dtype),
+            **sizes.wire_rows(
+                "returned",
+                "returned_scales",
+                self.max_tokens_per_rank * self.top_k,
+                fp8=sizes.fp8_combine,
+            ),
             **self.dispatch_algorithm.buffer_shapes(sizes),
             **self.combine_algorithm.buffer_shapes(sizes),
         }
+        if sizes.fp8_rows:  # the batch's scales, group-major: the FP8 GEMM's layout
+            shapes["row_scales"] = ((sizes.scale_groups, self.capacity), torch.float32)
         # separate from the signals: each rank bumps its own epoch copy, nobody else writes it
         self.epoch = workspace.buffer("ep.epoch", (1,), torch.int64)
+        # pooled by name and dtype: layers with a bf16 and an FP8 wire keep their own buffers
+        # instead of reallocating one another's
+        pooled = {name: _pool_name(name, dtype) for name, (_, dtype) in shapes.items()}
         self.buffers = {
-            name: workspace.buffer(f"ep.{name}", shape, dtype)
+            name: workspace.buffer(pooled[name], shape, dtype)
             for name, (shape, dtype) in shapes.items()
         }
         table_WW = torch.zeros(layout["num_buffers"], world, dtype=torch.int64, device=self.device)
         for name in shapes:
-            table_WW[layout[name]] = workspace.peer_addresses(f"ep.{name}")
+            table_WW[layout[name]] = workspace.peer_addresses(pooled[name])
         self.peer_table = table_WW
         self.kernel_params = ep_kernels.EpParams(
             peer_table_address=table_WW.data_ptr(),
@@ -197,8 +235,15 @@ class SymmetricDispatcher:
             pair_weights=self.combine_algorithm.writes_pair_weights,
             top_k=self.top_k,
             grid=self.grid,
+            fp8_rows=sizes.fp8_rows,
+            fp8_combine=sizes.fp8_combine,
         )
         self._generation = workspace.generation
+
+    @property
+    def fp8_batches(self) -> bool:
+        """Whether dispatch hands the experts FP8 rows (dispatch_dtype='fp8')."""
+        return self.dispatch_dtype == "fp8"
 
     def raise_if_timed_out(self) -> None:
         """Raises if a wait of this dispatcher's kernels timed out (reads host-mapped memory; it
@@ -261,6 +306,7 @@ class SymmetricDispatcher:
             rows_MH=self.buffers["rows"],
             expert_offsets=call.expert_offsets,
             typical_rows=min(self.capacity, self.max_tokens_per_rank * self.top_k),
+            row_scales_GM=self.buffers.get("row_scales"),
         )
         handle = SymmetricHandle(
             tokens=call.tokens,

@@ -27,6 +27,12 @@ Combine:
   adds the owners' partials in rank order. Deterministic and up to K x fewer combine bytes, but
   one more bf16 rounding than the exact combine. Its dispatch writes the routing weights into the
   owners' pair tables (EpParams.pair_weights).
+The wire (SymmetricSizes.fp8_rows, fp8_combine): with an FP8 dispatch every kernel above moves
+e4m3 token rows with one float32 scale per row and 128 columns instead of bf16 rows, quantized
+where the source reads the token (the batch is e4m3 with `row_scales` [groups, capacity], what the
+FP8 experts take); with an FP8 combine the returned rows (or the partial sums) cross as e4m3 with
+their scales and are summed in fp32 where they land. The staged, returned and partials buffers
+then hold e4m3 rows with token-major scales beside them.
 docs/benchmarks.md has the measured times of each.
 """
 
@@ -37,6 +43,7 @@ from typing import Protocol
 
 import torch
 from megamoe_kernels.shim import ep as ep_kernels
+from megamoe_kernels.shim.fp8 import ACTIVATION_GROUP, FP8_DTYPE
 
 BufferShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -52,11 +59,28 @@ class SymmetricSizes:
     dtype: torch.dtype
     max_tokens_per_rank: int
     capacity: int
+    fp8_rows: bool = False  # the dispatch moves e4m3 rows with their scales
+    fp8_combine: bool = False  # the combine sends e4m3 rows (or partial sums) back
 
     @property
     def token_slots(self) -> int:
         """Rows of the per-(source, token) buffers: W x max_tokens_per_rank."""
         return self.world * self.max_tokens_per_rank
+
+    @property
+    def scale_groups(self) -> int:
+        """Scales per FP8 row: one per ACTIVATION_GROUP columns (the last may be partial)."""
+        return -(-self.hidden_size // ACTIVATION_GROUP)
+
+    def wire_rows(self, name: str, scales_name: str, rows: int, *, fp8: bool) -> BufferShapes:
+        """Buffer `name` of `rows` token rows as they cross NVLink: bf16 rows, or with `fp8`
+        e4m3 rows and buffer `scales_name`, float32 [rows, groups] (token-major), beside them."""
+        if not fp8:
+            return {name: ((rows, self.hidden_size), self.dtype)}
+        return {
+            name: ((rows, self.hidden_size), FP8_DTYPE),
+            scales_name: ((rows, self.scale_groups), torch.float32),
+        }
 
 
 @dataclass(frozen=True)
@@ -103,7 +127,7 @@ class CombineAlgorithm(Protocol):
 
 def _staged_buffers(sizes: SymmetricSizes) -> BufferShapes:
     return {
-        "staged": ((sizes.token_slots, sizes.hidden_size), sizes.dtype),
+        **sizes.wire_rows("staged", "staged_scales", sizes.token_slots, fp8=sizes.fp8_rows),
         "arrived": ((sizes.token_slots,), torch.int64),
         "pair_rows": ((sizes.token_slots * sizes.top_k,), torch.int32),
     }
@@ -207,7 +231,9 @@ class PartialSumCombine:
         return {
             "pair_rows": ((sizes.token_slots * sizes.top_k,), torch.int32),
             "pair_weights": ((sizes.token_slots * sizes.top_k,), torch.float32),
-            "partials": ((sizes.token_slots, sizes.hidden_size), sizes.dtype),
+            **sizes.wire_rows(
+                "partials", "partial_scales", sizes.token_slots, fp8=sizes.fp8_combine
+            ),
         }
 
     def combine(self, params, call: CombineCall) -> None:

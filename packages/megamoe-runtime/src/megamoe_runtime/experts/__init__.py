@@ -66,21 +66,13 @@ def _batch_refusal(
             f"grouped_mm computes bias-free silu(gate) * up experts, and these have "
             f"{', '.join(expert_math)}"
         )
-    if name == "cutedsl" and expert_math and (fp8_weights or fp8_rows):
+    if name == "cutedsl" and expert_math and fp8_weights:
         return (
             f"the cutedsl FP8 kernels are not built for {', '.join(expert_math)} (the bf16 "
             "ones are)"
         )
-    if name == "cutedsl" and fp8_rows and not fp8_weights:
-        return (
-            "the cutedsl kernels take FP8 batch rows with FP8 weights (weight_dtype='fp8') only, "
-            "and this layer's dispatcher hands bf16 experts FP8 rows (FP8 dispatch)"
-        )
-    if name == "grouped_mm" and fp8_rows:
-        return (
-            "grouped_mm takes full-precision batch rows, and this layer's dispatcher hands the "
-            "experts FP8 ones (FP8 dispatch)"
-        )
+    # FP8 rows (an FP8 dispatch) run on every backend: bf16 experts dequantize the batch
+    # (ExpertBatch.dequantized), the reference computes on the values the rows stand for
     return None
 
 

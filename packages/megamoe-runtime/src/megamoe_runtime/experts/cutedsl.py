@@ -319,8 +319,7 @@ class CuteDSLExperts:
     ) -> torch.Tensor:
         if isinstance(prepared, CuteDSLFP8Weights):
             return self._fp8_expert_mlp(batch, prepared, row_scale_M)
-        if batch.row_scales_GM is not None:
-            raise TypeError("FP8 batch rows need FP8 weights (a Prequantized pack)")
+        batch = batch.dequantized()  # FP8 rows (an FP8 dispatch) for bf16 experts
         if not isinstance(prepared, CuteDSLWeights):
             raise TypeError(
                 f"prepared must come from CuteDSLExperts.prepare, got {type(prepared).__name__}"

@@ -49,9 +49,7 @@ class GroupedMMExperts:
     def __call__(
         self, batch: ExpertBatch, prepared: Unquantized, *, row_scale_M: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if batch.row_scales_GM is not None:
-            raise TypeError("grouped_mm takes full-precision batch rows, not FP8 ones")
-        batch = batch.materialized()
+        batch = batch.materialized().dequantized()  # FP8 rows: their bf16 values
         check_batch_matches_weights(batch, prepared)
         intermediate = prepared.intermediate_size
         if batch.is_masked:
