@@ -119,10 +119,21 @@ class EventOverlap:
             pending()
 
 
-def _wait_previous(previous_event) -> None:
-    """The communication stream waits for `previous_event`: what it guards is visible."""
+def _enter_comm_stream(previous_event, asynchronous: bool, allocate_on_comm_stream: bool) -> None:
+    """V1's rule for a call's events (allocate_on_comm_stream needs previous_event and async),
+    then the communication stream waits for `previous_event`: what it guards is visible."""
+    if allocate_on_comm_stream:
+        assert previous_event is not None and asynchronous, (
+            "allocate_on_comm_stream needs previous_event and async"
+        )
     if isinstance(previous_event, EventOverlap):
         previous_event.complete()
+
+
+def _check_v2_events(previous_event, allocate_on_comm_stream: bool) -> None:
+    """V2's rule for a call's events (previous_event needs allocate_on_comm_stream)."""
+    if previous_event is not None:
+        assert allocate_on_comm_stream, "previous_event needs allocate_on_comm_stream"
 
 
 def _deliver(results: tuple, asynchronous: bool) -> tuple[tuple, EventOverlap]:
@@ -149,13 +160,6 @@ def _unwritten_like(value):
     return torch.full_like(value, -1)
 
 
-def _check_async(previous_event, asynchronous: bool, allocate_on_comm_stream: bool) -> None:
-    if allocate_on_comm_stream:
-        assert previous_event is not None and asynchronous, (
-            "allocate_on_comm_stream needs previous_event and async"
-        )
-
-
 def _exchange(group, tensors_per_rank: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     """all_to_all of several row-aligned tensors: tensors_per_rank[r] goes to rank r; returns the
     received tensors, source rank by source rank. FP8 travels as its bytes."""
@@ -180,6 +184,12 @@ def _exchange(group, tensors_per_rank: list[list[torch.Tensor]]) -> list[torch.T
         received.append(out.view(send.dtype) if send.dtype == torch.float8_e4m3fn else out)
     received.append(torch.tensor(receive_sizes, dtype=torch.int64))
     return received
+
+
+def _owner_ranks(topk_idx: torch.Tensor, local: int, world: int):
+    """The rank owning each top-k expert (-1 where none), and is_token_in_rank [T, W]."""
+    owner = torch.where(topk_idx >= 0, topk_idx // local, -1)
+    return owner, torch.stack([(owner == rank).any(dim=1) for rank in range(world)], dim=1)
 
 
 def _local_ids(topk_idx: torch.Tensor, rank: int, local: int) -> torch.Tensor:
@@ -298,6 +308,38 @@ def _normal_dispatch(
     return recv_x, recv_scales, recv_idx, recv_weights, counts, exchange
 
 
+def _check_bf16_rows(x, dims: int = 2) -> None:
+    """What DeepEP's combines and low-latency dispatch take: contiguous bf16 of `dims` dims."""
+    assert x.dim() == dims and x.is_contiguous() and x.dtype == torch.bfloat16
+
+
+def _check_topk(topk_idx, *topk_weights, contiguous: bool = True) -> None:
+    """Top-k ids of deep_ep.topk_idx_t and, where the call takes them, float32 weights;
+    contiguous where the call needs it (V1; V2's host checks ask only the dtypes)."""
+    checks = [(topk_idx, TOPK_IDX_DTYPE)] + [(weights, torch.float32) for weights in topk_weights]
+    for tensor, dtype in checks:
+        assert tensor.dtype == dtype and (tensor.is_contiguous() or not contiguous)
+
+
+def _check_combine_call(x, bias) -> None:
+    """The host checks V1's and V2's normal-mode combines share."""
+    assert bias is None, "not in this stand-in"
+    _check_bf16_rows(x)
+
+
+def _normal_combine(exchange, x, asynchronous: bool, rank_order_TW=None):
+    """V1's and V2's normal-mode combine once their own checks ran: the received rows of
+    `exchange` sent home and added there (see _NormalExchange.combine)."""
+    assert x.shape[0] == exchange.receive_order.numel()
+    (combined,), event = _deliver((exchange.combine(x, rank_order_TW),), asynchronous)
+    return combined, None, event
+
+
+def _cached_dispatch(exchange, x, x_scales, asynchronous: bool) -> tuple[tuple, EventOverlap]:
+    """New rows along the layout of an earlier dispatch (a handle's exchange), no top-k."""
+    return _deliver(tuple(exchange.send(x, x_scales)), asynchronous)
+
+
 def _check_tokens(x, x_scales):
     assert x.dim() == 2 and x.is_contiguous()
     assert x.shape[1] * x.element_size() % 16 == 0
@@ -306,6 +348,27 @@ def _check_tokens(x, x_scales):
         assert x_scales.dim() == 2 and x_scales.shape[0] == x.shape[0]
     else:
         assert x.dtype == torch.bfloat16, "DeepEP dispatches bf16 (or FP8 with scales)"
+
+
+# DeepEP's tuned Configs per EP size (after Buffer.num_sms): NVLink send and receive chunks,
+# RDMA send and receive chunks
+DISPATCH_CONFIGS = {
+    2: (24, 256, 6, 128),
+    4: (6, 256, 6, 128),
+    8: (6, 256, 6, 128),
+    16: (36, 288, 20, 128),
+}
+COMBINE_CONFIGS = {
+    2: (10, 256, 6, 128),
+    4: (9, 256, 6, 128),
+    8: (4, 256, 6, 128),
+    16: (4, 288, 12, 128),
+}
+
+
+def _tuned_config(table: dict[int, tuple[int, ...]], num_ranks: int) -> Config:
+    assert num_ranks in table, f"Unsupported number of EP ranks: {num_ranks}"
+    return Config(Buffer.num_sms, *table[num_ranks])
 
 
 class Buffer:
@@ -338,25 +401,11 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
-        table = {
-            2: (24, 256, 6, 128),
-            4: (6, 256, 6, 128),
-            8: (6, 256, 6, 128),
-            16: (36, 288, 20, 128),
-        }
-        assert num_ranks in table, f"Unsupported number of EP ranks: {num_ranks}"
-        return Config(Buffer.num_sms, *table[num_ranks])
+        return _tuned_config(DISPATCH_CONFIGS, num_ranks)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        table = {
-            2: (10, 256, 6, 128),
-            4: (9, 256, 6, 128),
-            8: (4, 256, 6, 128),
-            16: (4, 288, 12, 128),
-        }
-        assert num_ranks in table, f"Unsupported number of EP ranks: {num_ranks}"
-        return Config(Buffer.num_sms, *table[num_ranks])
+        return _tuned_config(COMBINE_CONFIGS, num_ranks)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(
@@ -390,12 +439,11 @@ class Buffer:
         allocate_on_comm_stream=False,
     ):
         self.calls.append("get_dispatch_layout")
-        assert topk_idx.dim() == 2 and topk_idx.is_contiguous() and topk_idx.dtype == TOPK_IDX_DTYPE
-        _check_async(previous_event, async_finish, allocate_on_comm_stream)
-        _wait_previous(previous_event)
+        assert topk_idx.dim() == 2
+        _check_topk(topk_idx)
+        _enter_comm_stream(previous_event, async_finish, allocate_on_comm_stream)
         world, local = self.group_size, num_experts // self.group_size
-        owner = torch.where(topk_idx >= 0, topk_idx // local, -1)
-        is_token_in_rank = torch.stack([(owner == r).any(dim=1) for r in range(world)], dim=1)
+        _, is_token_in_rank = _owner_ranks(topk_idx, local, world)
         per_rank = is_token_in_rank.sum(dim=0).to(torch.int32)
         per_expert = torch.stack([(topk_idx == e).sum() for e in range(num_experts)]).to(
             torch.int32
@@ -426,18 +474,16 @@ class Buffer:
         assert expert_alignment == 1 and num_worst_tokens == 0, "not in this stand-in"
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         _check_tokens(x, x_scales)
-        _check_async(previous_event, async_finish, allocate_on_comm_stream)
-        _wait_previous(previous_event)
+        _enter_comm_stream(previous_event, async_finish, allocate_on_comm_stream)
         self._normal_kernels_ran(config, x.shape[1] * max(x.element_size(), 2), combine=False)
         if handle is not None:
             assert topk_idx is None and topk_weights is None, "a cached dispatch takes no top-k"
-            shown, event = _deliver(tuple(handle[5].send(x, x_scales)), async_finish)
+            shown, event = _cached_dispatch(handle[5], x, x_scales, async_finish)
             return (shown if x_scales is not None else shown[0]), None, None, None, None, event
         assert num_tokens_per_rank is not None and is_token_in_rank is not None
         assert num_tokens_per_expert is not None and num_tokens_per_rank.dtype == torch.int32
         assert is_token_in_rank.dtype == torch.bool and is_token_in_rank.shape[0] == x.shape[0]
-        assert topk_idx.dtype == TOPK_IDX_DTYPE and topk_idx.is_contiguous()
-        assert topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
+        _check_topk(topk_idx, topk_weights)
         num_experts = num_tokens_per_expert.numel()
         recv_x, recv_scales, recv_idx, recv_weights, counts, exchange = _normal_dispatch(
             self.group, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_experts
@@ -480,16 +526,10 @@ class Buffer:
         allocate_on_comm_stream=False,
     ):
         self.calls.append("combine")
-        assert bias is None, "not in this stand-in"
-        assert x.dim() == 2 and x.is_contiguous() and x.dtype == torch.bfloat16
-        _check_async(previous_event, async_finish, allocate_on_comm_stream)
-        _wait_previous(previous_event)
+        _check_combine_call(x, bias)
+        _enter_comm_stream(previous_event, async_finish, allocate_on_comm_stream)
         self._normal_kernels_ran(config, x.shape[1] * 2, combine=True)
-        exchange = handle[5]
-        assert x.shape[0] == exchange.receive_order.numel()
-        combined = exchange.combine(x)
-        (combined,), event = _deliver((combined,), async_finish)
-        return combined, None, event
+        return _normal_combine(handle[5], x, async_finish)
 
     def clean_low_latency_buffer(self, max_tokens, hidden, num_experts) -> None:
         self.calls.append("clean_low_latency_buffer")
@@ -516,9 +556,9 @@ class Buffer:
         max_tokens, world = num_max_dispatch_tokens_per_rank, self.group_size
         assert self.low_latency_mode
         assert self._low_latency_clean, "run clean_low_latency_buffer after normal-mode kernels"
-        assert x.dim() == 2 and x.is_contiguous() and x.dtype == torch.bfloat16
+        _check_bf16_rows(x)
         assert x.shape[1] % 128 == 0 and x.shape[0] <= max_tokens
-        assert topk_idx.dtype == TOPK_IDX_DTYPE and topk_idx.is_contiguous()
+        _check_topk(topk_idx)
         assert num_experts % world == 0 and world * max_tokens % 4 == 0
         assert not use_fp8 or x.shape[1] % 512 == 0
         assert not (round_scale or use_ue8m0 or return_recv_hook), "not in this stand-in"
@@ -586,10 +626,9 @@ class Buffer:
         src_info, layout_range, max_tokens, hidden, num_experts = handle
         world, local = self.group_size, num_experts // self.group_size
         assert self.low_latency_mode and self._low_latency_clean
-        assert x.dim() == 3 and x.is_contiguous() and x.dtype == torch.bfloat16
+        _check_bf16_rows(x, dims=3)
         assert tuple(x.shape) == (local, world * max_tokens, hidden)
-        assert topk_idx.dtype == TOPK_IDX_DTYPE and topk_idx.is_contiguous()
-        assert topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
+        _check_topk(topk_idx, topk_weights)
         assert topk_weights.shape == topk_idx.shape and topk_idx.shape[0] <= max_tokens
         assert not (use_logfmt or zero_copy or return_recv_hook), "not in this stand-in"
         parts = []
@@ -716,22 +755,19 @@ class ElasticBuffer:
         assert not do_expand and expert_alignment in (None, 1), "not in this stand-in"
         assert isinstance(x, torch.Tensor), "not in this stand-in: FP8 on V2"
         _check_tokens(x, None)
-        if previous_event is not None:
-            assert allocate_on_comm_stream, "previous_event needs allocate_on_comm_stream"
+        _check_v2_events(previous_event, allocate_on_comm_stream)
         if handle is not None:
             assert topk_idx is None and not do_cpu_sync
-            recv_x = handle.exchange.send(x)[0]
-            (recv_x,), event = _deliver((recv_x,), async_with_compute_stream)
+            (recv_x,), event = _cached_dispatch(handle.exchange, x, None, async_with_compute_stream)
             return recv_x, None, None, handle, event
         max_tokens = num_max_tokens_per_rank or self.num_max_tokens_per_rank
         assert x.shape[0] <= max_tokens and num_experts is not None
         assert do_cpu_sync in (None, True), "not in this stand-in: no-sync mode"
-        assert topk_idx.dtype == TOPK_IDX_DTYPE and topk_weights.dtype == torch.float32
+        _check_topk(topk_idx, topk_weights, contiguous=False)
         needed = self.get_buffer_size_hint(self.group, max_tokens, x.shape[1], topk_idx.shape[1])
         assert needed <= self.num_bytes
         local = num_experts // self.num_ranks
-        owner = torch.where(topk_idx >= 0, topk_idx // local, -1)
-        is_token_in_rank = torch.stack([(owner == r).any(dim=1) for r in range(self.num_ranks)], 1)
+        owner, is_token_in_rank = _owner_ranks(topk_idx, local, self.num_ranks)
         recv_x, _, recv_idx, recv_weights, counts, exchange = _normal_dispatch(
             self.group,
             x,
@@ -778,11 +814,9 @@ class ElasticBuffer:
         allocate_on_comm_stream=False,
     ):
         self.calls.append("combine")
-        assert bias is None, "not in this stand-in"
-        assert x.dim() == 2 and x.is_contiguous() and x.dtype == torch.bfloat16
-        if previous_event is not None:
-            assert allocate_on_comm_stream, "previous_event needs allocate_on_comm_stream"
+        _check_combine_call(x, bias)
+        _check_v2_events(previous_event, allocate_on_comm_stream)
         assert x.shape[0] == handle.num_recv_tokens
-        combined = handle.exchange.combine(x, rank_order_TW=handle.rank_order)
-        (combined,), event = _deliver((combined,), async_with_compute_stream)
-        return combined, None, event
+        return _normal_combine(
+            handle.exchange, x, async_with_compute_stream, rank_order_TW=handle.rank_order
+        )

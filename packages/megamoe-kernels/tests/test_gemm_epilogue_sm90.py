@@ -8,8 +8,19 @@ untouched), rel-L2 <= 1e-2 against megamoe_kernels.reference.
 
 from __future__ import annotations
 
+import gemm_cases
 import pytest
 import torch
+from gemm_cases import (
+    DEVICE,
+    EDGE_CASES,
+    TAIL_COUNTS,
+    check_down,
+    check_gate_up,
+    has_sm90,
+    random_counts,
+    replay_with_counts,
+)
 from megamoe_kernels import (
     GemmKnobs,
     SwiGLU,
@@ -18,100 +29,39 @@ from megamoe_kernels import (
     interleave_gate_up,
     interleave_gate_up_bias,
 )
-from megamoe_kernels.reference import (
-    down_reference,
-    expert_mlp_reference,
-    gate_up_swiglu_reference,
-    relative_l2_error,
-)
+from megamoe_kernels.reference import expert_mlp_reference
 from megamoe_kernels.shim.knobs import default_knobs
 
 pytestmark = pytest.mark.gpu
 
-if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+if not has_sm90():
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
 
-DEVICE = torch.device("cuda")
-TOLERANCE = 1e-2
 GPT_OSS_SWIGLU = SwiGLU(limit=7.0, alpha=1.702, up_offset=1.0)
 # (E, H, I): gpt-oss's H = I = 2880 (not multiples of 128: partial column tiles), and tiny
 # dims (a partial K tile, I = 72: one partial output tile)
 DIMS = {"gpt-oss": (8, 2880, 2880), "tiny": (5, 136, 72)}
-TAIL_COUNTS = [1, 0, 15, 17, 33, 63, 65, 127, 129, 0, 255, 7]
+# the plain cooperative tiles and the swap-AB decode tiles
+COOPERATIVE_AND_SWAP_AB = [
+    GemmKnobs(tile_rows=128, tile_cols=128, stages=4),
+    GemmKnobs(tile_rows=32, tile_cols=128, stages=4, swap_ab=True),
+]
 
 
 def make_problem(counts, hidden, intermediate, *, capacity=None, seed=0):
-    """Rows, offsets, w13 [E, 2I, H], w2 [E, H, I] (bf16) and their biases [E, 2I], [E, H]
-    (bf16, as a layer holds them), and the valid row count."""
+    """gemm_cases.make_problem with gate and up values of a few units (many past the limit of 7)
+    and biases w13 [E, 2I], w2 [E, H] (bf16, as a layer holds them) drawn after it: rows,
+    offsets, w13, w2, w13 bias, w2 bias, valid rows."""
     generator = torch.Generator(device=DEVICE).manual_seed(seed)
-    experts, valid = len(counts), sum(counts)
-    capacity = valid if capacity is None else capacity
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, device=DEVICE, generator=generator) * scale).bfloat16()
-
-    rows_MH = randn(capacity, hidden)
-    rows_MH[valid:] = float("nan")
-    offsets = torch.zeros(experts + 1, dtype=torch.int32)
-    offsets[1:] = torch.cumsum(torch.tensor(counts), 0)
-    # gate and up values of a few units: many past the limit of 7
-    w13_E2IH = randn(experts, 2 * intermediate, hidden, scale=4.0 / hidden**0.5)
-    w2_EHI = randn(experts, hidden, intermediate, scale=1.0 / intermediate**0.5)
-    w13_bias_E2I = randn(experts, 2 * intermediate, scale=2.0)
-    w2_bias_EH = randn(experts, hidden, scale=1.0)
-    return rows_MH, offsets.to(DEVICE), w13_E2IH, w2_EHI, w13_bias_E2I, w2_bias_EH, valid
-
-
-def check_gate_up(rows_MH, offsets, w13_E2IH, w13_bias_E2I, valid, *, swiglu, knobs=None):
-    capacity, intermediate = rows_MH.shape[0], w13_E2IH.shape[1] // 2
-    out_MI = torch.full((capacity, intermediate), float("nan"), device=DEVICE).bfloat16()
-    gate_up_swiglu(
-        rows_MH,
-        offsets,
-        interleave_gate_up(w13_E2IH),
-        out_MI=out_MI,
-        knobs=knobs,
-        w13_bias_EB2G=None if w13_bias_E2I is None else interleave_gate_up_bias(w13_bias_E2I),
-        swiglu=swiglu,
+    rows_MH, offsets, w13_E2IH, w2_EHI, valid = gemm_cases.make_problem(
+        counts, hidden, intermediate, capacity=capacity, gate_up_gain=4.0, generator=generator
     )
-    expected = gate_up_swiglu_reference(
-        rows_MH,
-        offsets,
-        w13_E2IH,
-        w13_bias_E2I=w13_bias_E2I,
-        limit=swiglu.limit,
-        alpha=swiglu.alpha,
-        up_offset=swiglu.up_offset,
-    )
-    error = relative_l2_error(out_MI[:valid], expected[:valid])
-    assert error <= TOLERANCE, f"gate_up rel-L2 {error} with {knobs}, {swiglu}"
-    assert torch.isnan(out_MI[valid:]).all(), "gate_up wrote rows past the valid count"
-    return out_MI
-
-
-def check_down(hidden_MI, offsets, w2_EHI, w2_bias_EH, valid, *, row_scale_M=None, knobs=None):
-    capacity, hidden = hidden_MI.shape[0], w2_EHI.shape[1]
-    out_MH = torch.full((capacity, hidden), float("nan"), device=DEVICE).bfloat16()
-    down(
-        hidden_MI,
-        offsets,
-        w2_EHI,
-        row_scale_M=row_scale_M,
-        out_MH=out_MH,
-        knobs=knobs,
-        w2_bias_EH=w2_bias_EH.float(),
-    )
-    expected = down_reference(hidden_MI, offsets, w2_EHI, row_scale_M, w2_bias_EH=w2_bias_EH)
-    error = relative_l2_error(out_MH[:valid], expected[:valid])
-    assert error <= TOLERANCE, f"down rel-L2 {error} with {knobs}"
-    assert torch.isnan(out_MH[valid:]).all(), "down wrote rows past the valid count"
-    return out_MH
-
-
-def random_counts(experts, rows, seed):
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, experts, (rows,), generator=generator)
-    return torch.bincount(ids, minlength=experts).tolist()
+    experts = len(counts)
+    w13_bias_E2I = (
+        torch.randn(experts, 2 * intermediate, device=DEVICE, generator=generator) * 2.0
+    ).bfloat16()
+    w2_bias_EH = torch.randn(experts, hidden, device=DEVICE, generator=generator).bfloat16()
+    return rows_MH, offsets, w13_E2IH, w2_EHI, w13_bias_E2I, w2_bias_EH, valid
 
 
 @pytest.mark.parametrize("dims", sorted(DIMS))
@@ -122,11 +72,11 @@ def test_the_default_profiles_match_the_oracle(dims, rows_per_expert):
     rows_MH, offsets, w13, w2, b13, b2, valid = make_problem(
         counts, hidden, intermediate, capacity=experts * rows_per_expert + 5
     )
-    hidden_MI = check_gate_up(rows_MH, offsets, w13, b13, valid, swiglu=GPT_OSS_SWIGLU)
+    hidden_MI = check_gate_up(rows_MH, offsets, w13, valid, w13_bias_E2I=b13, swiglu=GPT_OSS_SWIGLU)
     hidden_MI[valid:] = float("nan")
     scale_M = torch.rand(rows_MH.shape[0], device=DEVICE)
-    check_down(hidden_MI, offsets, w2, b2, valid, row_scale_M=scale_M)
-    check_down(hidden_MI, offsets, w2, b2, valid)
+    check_down(hidden_MI, offsets, w2, valid, w2_bias_EH=b2, row_scale_M=scale_M)
+    check_down(hidden_MI, offsets, w2, valid, w2_bias_EH=b2)
 
 
 KNOBS = [
@@ -149,10 +99,12 @@ def test_every_tile_family_with_tails(knobs, dims):
     rows_MH, offsets, w13, w2, b13, b2, valid = make_problem(
         counts, hidden, intermediate, capacity=sum(counts) + 9
     )
-    hidden_MI = check_gate_up(rows_MH, offsets, w13, b13, valid, swiglu=GPT_OSS_SWIGLU, knobs=knobs)
+    hidden_MI = check_gate_up(
+        rows_MH, offsets, w13, valid, w13_bias_E2I=b13, swiglu=GPT_OSS_SWIGLU, knobs=knobs
+    )
     hidden_MI[valid:] = float("nan")
     scale_M = torch.rand(rows_MH.shape[0], device=DEVICE)
-    check_down(hidden_MI, offsets, w2, b2, valid, row_scale_M=scale_M, knobs=knobs)
+    check_down(hidden_MI, offsets, w2, valid, w2_bias_EH=b2, row_scale_M=scale_M, knobs=knobs)
 
 
 @pytest.mark.parametrize(
@@ -165,45 +117,37 @@ def test_every_tile_family_with_tails(knobs, dims):
     ],
     ids=str,
 )
-@pytest.mark.parametrize(
-    "knobs",
-    [
-        GemmKnobs(tile_rows=128, tile_cols=128, stages=4),
-        GemmKnobs(tile_rows=32, tile_cols=128, stages=4, swap_ab=True),
-    ],
-    ids=str,
-)
+@pytest.mark.parametrize("knobs", COOPERATIVE_AND_SWAP_AB, ids=str)
 def test_each_epilogue_option_alone(swiglu, biased, knobs):
     _, hidden, intermediate = DIMS["tiny"]
     rows_MH, offsets, w13, _, b13, _, valid = make_problem(
         TAIL_COUNTS, hidden, intermediate, capacity=sum(TAIL_COUNTS) + 3
     )
-    check_gate_up(rows_MH, offsets, w13, b13 if biased else None, valid, swiglu=swiglu, knobs=knobs)
+    bias = b13 if biased else None
+    check_gate_up(rows_MH, offsets, w13, valid, w13_bias_E2I=bias, swiglu=swiglu, knobs=knobs)
 
 
 @pytest.mark.parametrize(
     "counts, capacity",
     [
-        ([0, 0, 0, 0], 64),  # zero valid rows
-        ([0, 300, 0, 0], 300),  # all rows in one expert
-        ([0, 0, 5, 0, 0, 0, 0, 1], 32),  # most experts without rows, capacity > valid
-        ([77], 1000),  # E = 1, capacity 13x the valid rows
-        ([0, 1, 0, 0], 1),  # a capacity of one row
+        EDGE_CASES[name]
+        for name in (
+            "no valid rows",
+            "one expert takes all",
+            "most experts empty, capacity past valid",
+            "one expert, capacity 13x valid",
+            "capacity of one row",
+        )
     ],
 )
-@pytest.mark.parametrize(
-    "knobs",
-    [
-        GemmKnobs(tile_rows=128, tile_cols=128, stages=4),
-        GemmKnobs(tile_rows=32, tile_cols=128, stages=4, swap_ab=True),
-    ],
-    ids=str,
-)
+@pytest.mark.parametrize("knobs", COOPERATIVE_AND_SWAP_AB, ids=str)
 def test_edge_cases(counts, capacity, knobs):
     rows_MH, offsets, w13, w2, b13, b2, valid = make_problem(counts, 256, 192, capacity=capacity)
-    hidden_MI = check_gate_up(rows_MH, offsets, w13, b13, valid, swiglu=GPT_OSS_SWIGLU, knobs=knobs)
+    hidden_MI = check_gate_up(
+        rows_MH, offsets, w13, valid, w13_bias_E2I=b13, swiglu=GPT_OSS_SWIGLU, knobs=knobs
+    )
     hidden_MI[valid:] = float("nan")
-    check_down(hidden_MI, offsets, w2, b2, valid, knobs=knobs)
+    check_down(hidden_MI, offsets, w2, valid, w2_bias_EH=b2, knobs=knobs)
 
 
 def test_each_expert_gets_its_own_bias():
@@ -212,8 +156,8 @@ def test_each_expert_gets_its_own_bias():
     rows_MH, offsets, w13, w2, b13, b2, valid = make_problem(counts, 128, 64)
     w13.zero_()
     w2.zero_()
-    hidden_MI = check_gate_up(rows_MH, offsets, w13, b13, valid, swiglu=GPT_OSS_SWIGLU)
-    out_MH = check_down(hidden_MI, offsets, w2, b2, valid)
+    hidden_MI = check_gate_up(rows_MH, offsets, w13, valid, w13_bias_E2I=b13, swiglu=GPT_OSS_SWIGLU)
+    out_MH = check_down(hidden_MI, offsets, w2, valid, w2_bias_EH=b2)
     expert_of_row = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
     assert torch.equal(out_MH, b2[expert_of_row.to(DEVICE)])
 
@@ -254,18 +198,8 @@ def test_the_biased_pair_replays_in_a_cuda_graph_with_new_routing():
         )
         return down(hidden_MI, offsets, w2, w2_bias_EH=b2_float)
 
-    layer()  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out_MH = layer()
-    for counts in ([2] * 8, [0, 0, 16, 0, 0, 0, 0, 0], [5, 0, 0, 0, 0, 0, 0, 11], [0] * 8):
-        routed = torch.zeros(9, dtype=torch.int32)
-        routed[1:] = torch.cumsum(torch.tensor(counts), 0)
-        offsets.copy_(routed)
-        out_MH.fill_(float("nan"))
-        graph.replay()
-        valid = sum(counts)
-        expected = expert_mlp_reference(
+    def oracle():
+        return expert_mlp_reference(
             rows_MH,
             offsets,
             w13,
@@ -277,9 +211,13 @@ def test_the_biased_pair_replays_in_a_cuda_graph_with_new_routing():
             alpha=1.702,
             up_offset=1.0,
         )
-        if valid:
-            assert relative_l2_error(out_MH[:valid], expected[:valid]) <= TOLERANCE
-        assert torch.isnan(out_MH[valid:]).all()
+
+    layer()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_MH = layer()
+    for counts in ([2] * 8, [0, 0, 16, 0, 0, 0, 0, 0], [5, 0, 0, 0, 0, 0, 0, 11], [0] * 8):
+        replay_with_counts(graph, out_MH, offsets, counts, oracle)
 
 
 def test_the_plain_kernel_is_unchanged_by_a_biased_one_beside_it():

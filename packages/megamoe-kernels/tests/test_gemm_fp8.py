@@ -13,6 +13,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gemm_cases import (
+    DEVICE,
+    assert_valid_rows_match,
+    expert_offsets,
+    has_sm90,
+    poisoned,
+    random_counts,
+    random_rows,
+    random_weights,
+)
 from megamoe_kernels import (
     FP8_DTYPE,
     GemmKnobs,
@@ -38,15 +48,9 @@ from megamoe_kernels.reference import (
 
 pytestmark = pytest.mark.gpu
 
-
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-if not _sm90():
+if not has_sm90():
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
 
-DEVICE = torch.device("cuda")
 DOWN_TOLERANCE = 1e-2
 GATE_UP_TOLERANCE = 5e-2
 GEOMETRY_DIMS = {
@@ -56,13 +60,6 @@ GEOMETRY_DIMS = {
     "partial-k": (8, 2112, 1408),
     "tiny": (16, 256, 128),
 }
-E4M3_NAN = 0x7F
-
-
-def poisoned(shape, dtype):
-    if dtype == FP8_DTYPE:
-        return torch.full(shape, E4M3_NAN, dtype=torch.uint8, device=DEVICE).view(FP8_DTYPE)
-    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
 
 
 def poisoned_scales(groups, rows):
@@ -77,15 +74,12 @@ class Problem:
         experts = len(counts)
         self.valid = sum(counts)
         capacity = self.valid if capacity is None else capacity
-        self.rows_MH = torch.randn(capacity, hidden, device=DEVICE, generator=generator).bfloat16()
-        self.rows_MH[self.valid :] = float("nan")
-        offsets = torch.zeros(experts + 1, dtype=torch.int32)
-        offsets[1:] = torch.cumsum(torch.tensor(counts), 0)
-        self.offsets = offsets.to(DEVICE)
-        w13 = torch.randn(experts, 2 * intermediate, hidden, device=DEVICE, generator=generator)
-        w2 = torch.randn(experts, hidden, intermediate, device=DEVICE, generator=generator)
-        self.w13, self.w13_scales = quantize_weight_blocks(w13 / hidden**0.5)
-        self.w2, self.w2_scales = quantize_weight_blocks(w2 / intermediate**0.5)
+        self.rows_MH = random_rows(generator, capacity, hidden, valid=self.valid)
+        self.offsets = expert_offsets(counts, DEVICE)
+        w13 = random_weights(generator, experts, 2 * intermediate, hidden, dtype=torch.float32)
+        w2 = random_weights(generator, experts, hidden, intermediate, dtype=torch.float32)
+        self.w13, self.w13_scales = quantize_weight_blocks(w13)
+        self.w2, self.w2_scales = quantize_weight_blocks(w2)
         self.w13_interleaved = interleave_gate_up(self.w13)
         self.rows, self.rows_scales = quantize_rows(self.rows_MH, 128)
         self.hidden_MI = torch.randn(
@@ -93,21 +87,22 @@ class Problem:
         ).bfloat16()
         self.hidden, self.hidden_scales = quantize_rows(self.hidden_MI, 64)
 
+    @property
+    def gate_up_operands(self) -> tuple[torch.Tensor, ...]:
+        """gate_up_swiglu_fp8's positional operands for this batch."""
+        return (self.rows, self.rows_scales, self.offsets, self.w13_interleaved, self.w13_scales)
+
+    @property
+    def down_operands(self) -> tuple[torch.Tensor, ...]:
+        """down_fp8's positional operands for this batch."""
+        return (self.hidden, self.hidden_scales, self.offsets, self.w2, self.w2_scales)
+
 
 def check_gate_up(problem, knobs=None):
     capacity, intermediate = problem.rows.shape[0], problem.w13.shape[1] // 2
     out = poisoned((capacity, intermediate), FP8_DTYPE)
     out_scales = poisoned_scales(intermediate // 64, capacity)
-    gate_up_swiglu_fp8(
-        problem.rows,
-        problem.rows_scales,
-        problem.offsets,
-        problem.w13_interleaved,
-        problem.w13_scales,
-        out_MI=out,
-        out_scales=out_scales,
-        knobs=knobs,
-    )
+    gate_up_swiglu_fp8(*problem.gate_up_operands, out_MI=out, out_scales=out_scales, knobs=knobs)
     valid = problem.valid
     expected = gate_up_swiglu_reference(
         dequantize_rows(problem.rows, problem.rows_scales, 128),
@@ -127,16 +122,7 @@ def check_gate_up(problem, knobs=None):
 def check_down(problem, knobs=None, row_scale_M=None):
     capacity, hidden = problem.hidden.shape[0], problem.w2.shape[1]
     out = poisoned((capacity, hidden), torch.bfloat16)
-    down_fp8(
-        problem.hidden,
-        problem.hidden_scales,
-        problem.offsets,
-        problem.w2,
-        problem.w2_scales,
-        row_scale_M=row_scale_M,
-        out_MH=out,
-        knobs=knobs,
-    )
+    down_fp8(*problem.down_operands, row_scale_M=row_scale_M, out_MH=out, knobs=knobs)
     valid = problem.valid
     expected = down_reference(
         dequantize_rows(problem.hidden, problem.hidden_scales, 64),
@@ -144,15 +130,9 @@ def check_down(problem, knobs=None, row_scale_M=None):
         dequantize_weight_blocks(problem.w2, problem.w2_scales),
         row_scale_M,
     )
-    error = relative_l2_error(out[:valid], expected[:valid])
-    assert error <= DOWN_TOLERANCE, f"down_fp8 rel-L2 {error} with {knobs}"
-    assert torch.isnan(out[valid:]).all(), "down_fp8 wrote rows past the valid count"
-
-
-def random_counts(experts, rows, seed):
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, experts, (rows,), generator=generator)
-    return torch.bincount(ids, minlength=experts).tolist()
+    assert_valid_rows_match(
+        out, expected, valid, what=f"down_fp8 with {knobs}", tolerance=DOWN_TOLERANCE
+    )
 
 
 @pytest.mark.parametrize("geometry", sorted(GEOMETRY_DIMS))
@@ -203,21 +183,9 @@ def test_every_fp8_candidate_matches_oracle(op, knobs):
 def test_repeated_runs_are_bitwise_equal():
     counts = random_counts(16, 16 * 200, seed=4)
     problem = Problem(counts, 2048, 768)
-    first, first_scales = gate_up_swiglu_fp8(
-        problem.rows,
-        problem.rows_scales,
-        problem.offsets,
-        problem.w13_interleaved,
-        problem.w13_scales,
-    )
+    first, first_scales = gate_up_swiglu_fp8(*problem.gate_up_operands)
     for _ in range(3):
-        again, again_scales = gate_up_swiglu_fp8(
-            problem.rows,
-            problem.rows_scales,
-            problem.offsets,
-            problem.w13_interleaved,
-            problem.w13_scales,
-        )
+        again, again_scales = gate_up_swiglu_fp8(*problem.gate_up_operands)
         assert torch.equal(again.view(torch.uint8), first.view(torch.uint8))
         assert torch.equal(again_scales, first_scales)
 
@@ -257,10 +225,7 @@ def test_the_fp8_mlp_in_a_cuda_graph_follows_changing_counts_and_meets_the_accur
     w13 = dequantize_weight_blocks(problem.w13, problem.w13_scales)
     w2 = dequantize_weight_blocks(problem.w2, problem.w2_scales)
     for seed in (6, 7):
-        counts = random_counts(experts, capacity, seed=seed)
-        offsets = torch.zeros(experts + 1, dtype=torch.int32)
-        offsets[1:] = torch.cumsum(torch.tensor(counts), 0)
-        problem.offsets.copy_(offsets)
+        problem.offsets.copy_(expert_offsets(random_counts(experts, capacity, seed=seed)))
         graph.replay()
         torch.cuda.synchronize()
         # against the fp32 oracle on the bf16 rows and the dequantized weights
@@ -290,11 +255,4 @@ def test_bf16_ops_refuse_scales_and_fp8_ops_refuse_bf16_rows():
         )
     knobs = GemmKnobs(tile_rows=128, tile_cols=256)
     with pytest.raises(ValueError, match="accumulators per thread"):
-        down_fp8(
-            problem.hidden,
-            problem.hidden_scales,
-            problem.offsets,
-            problem.w2,
-            problem.w2_scales,
-            knobs=knobs,
-        )
+        down_fp8(*problem.down_operands, knobs=knobs)

@@ -9,19 +9,24 @@ output buffer poisoned with NaN (valid rows overwritten, the rest untouched).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
+from gemm_cases import (
+    DEVICE,
+    GATE_UP_FAMILIES,
+    expert_offsets,
+    has_sm90,
+    poisoned,
+    random_weights,
+    with_max_stages,
+)
 from megamoe_kernels import GemmKnobs, gate_up_swiglu, interleave_gate_up
-from megamoe_kernels.shim.knobs import default_knobs, max_stages
+from megamoe_kernels.shim.knobs import default_knobs
 
 pytestmark = pytest.mark.gpu
 
-if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+if not has_sm90():
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
-
-DEVICE = torch.device("cuda")
 
 
 def make_problem(counts, hidden, intermediate, *, tokens, capacity=None, seed=0):
@@ -32,20 +37,15 @@ def make_problem(counts, hidden, intermediate, *, tokens, capacity=None, seed=0)
     source_M = torch.randint(0, tokens, (capacity,), device=DEVICE, generator=generator)
     source_M[valid:] = 1 << 30  # never read: out of range on purpose
     source_M = source_M.to(torch.int32)
-    offsets = torch.zeros(experts + 1, dtype=torch.int32)
-    offsets[1:] = torch.cumsum(torch.tensor(counts), 0)
-    w13_E2IH = (
-        torch.randn(experts, 2 * intermediate, hidden, device=DEVICE, generator=generator)
-        / hidden**0.5
-    ).bfloat16()
-    return x_TH, source_M, offsets.to(DEVICE), interleave_gate_up(w13_E2IH), valid
+    w13_E2IH = random_weights(generator, experts, 2 * intermediate, hidden)
+    return x_TH, source_M, expert_offsets(counts, DEVICE), interleave_gate_up(w13_E2IH), valid
 
 
 def check_gathered_equals_copied(counts, hidden, intermediate, *, tokens, knobs, capacity=None):
     x_TH, source_M, offsets, w13, valid = make_problem(
         counts, hidden, intermediate, tokens=tokens, capacity=capacity
     )
-    rows_MH = torch.full((source_M.shape[0], hidden), float("nan"), device=DEVICE).bfloat16()
+    rows_MH = poisoned((source_M.shape[0], hidden))
     rows_MH[:valid] = x_TH[source_M[:valid].long()]
     expected = gate_up_swiglu(rows_MH, offsets, w13, knobs=knobs)
     out = torch.full_like(expected, float("nan"))
@@ -56,20 +56,14 @@ def check_gathered_equals_copied(counts, hidden, intermediate, *, tokens, knobs,
     assert gathered[valid:].isnan().all()
 
 
-def with_max_stages(knobs: GemmKnobs) -> GemmKnobs:
-    return replace(knobs, stages=max_stages(knobs, "gate_up"))
-
-
 KNOBS = {
-    "prefill": default_knobs("gate_up", 512),
+    "prefill": GATE_UP_FAMILIES["prefill"],
     "prefill 64 rows": with_max_stages(GemmKnobs(tile_rows=64, tile_cols=256)),
-    "pingpong": with_max_stages(GemmKnobs(tile_rows=64, tile_cols=256, pingpong=True)),
-    "cluster": with_max_stages(GemmKnobs(tile_rows=128, tile_cols=256, cluster=(2, 1))),
+    "pingpong": GATE_UP_FAMILIES["pingpong"],
+    "cluster": GATE_UP_FAMILIES["cluster"],
     "decode 16": default_knobs("gate_up", 2),
     "decode 64": default_knobs("gate_up", 32),
-    "decode split-K": with_max_stages(
-        GemmKnobs(tile_rows=16, tile_cols=64, swap_ab=True, split_k=4)
-    ),
+    "decode split-K": GATE_UP_FAMILIES["decode split-K"],
 }
 
 

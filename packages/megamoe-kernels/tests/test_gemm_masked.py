@@ -9,12 +9,18 @@ an output poisoned with NaN (the counted rows overwritten, the rest of each stri
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
+from gemm_cases import (
+    DEVICE,
+    GATE_UP_FAMILIES,
+    expert_offsets,
+    has_sm90,
+    poisoned,
+    random_weights,
+    with_max_stages,
+)
 from megamoe_kernels import (
-    GemmKnobs,
     down,
     down_fp8,
     gate_up_swiglu,
@@ -23,14 +29,13 @@ from megamoe_kernels import (
     quantize_rows,
     quantize_weight_blocks,
 )
-from megamoe_kernels.shim.knobs import default_knobs, max_stages
+from megamoe_kernels.shim.knobs import default_knobs
 
 pytestmark = pytest.mark.gpu
 
-if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+if not has_sm90():
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
 
-DEVICE = torch.device("cuda")
 HIDDEN, INTERMEDIATE = 2048, 768
 
 
@@ -45,18 +50,10 @@ def masked_problem(counts, stride, *, seed=0):
     rows_MH = rows_ESH.bfloat16().view(experts * stride, HIDDEN)
     starts = torch.arange(experts + 1, dtype=torch.int32, device=DEVICE) * stride
     counts_E = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
-    tight_MH = torch.cat([rows_MH[e * stride : e * stride + c] for e, c in enumerate(counts)])
-    offsets = torch.zeros(experts + 1, dtype=torch.int32, device=DEVICE)
-    offsets[1:] = torch.cumsum(counts_E, 0)
-    w13_E2IH = (
-        torch.randn(experts, 2 * INTERMEDIATE, HIDDEN, device=DEVICE, generator=generator)
-        / HIDDEN**0.5
-    ).bfloat16()
-    w2 = (
-        torch.randn(experts, HIDDEN, INTERMEDIATE, device=DEVICE, generator=generator)
-        / INTERMEDIATE**0.5
-    ).bfloat16()
-    return rows_MH, starts, counts_E, tight_MH, offsets, w13_E2IH, w2
+    tight_MH = counted(rows_MH, counts, stride)
+    w13_E2IH = random_weights(generator, experts, 2 * INTERMEDIATE, HIDDEN)
+    w2 = random_weights(generator, experts, HIDDEN, INTERMEDIATE)
+    return rows_MH, starts, counts_E, tight_MH, expert_offsets(counts, DEVICE), w13_E2IH, w2
 
 
 def counted(out_MX, counts, stride):
@@ -68,18 +65,12 @@ def uncounted_untouched(out_MX, counts, stride) -> bool:
     return all(part.float().isnan().all() for part in rest)
 
 
-def with_max_stages(knobs: GemmKnobs, op: str = "gate_up") -> GemmKnobs:
-    return replace(knobs, stages=max_stages(knobs, op))
-
-
 KNOBS = {
-    "prefill": default_knobs("gate_up", 512),
-    "pingpong": with_max_stages(GemmKnobs(tile_rows=64, tile_cols=256, pingpong=True)),
-    "cluster": with_max_stages(GemmKnobs(tile_rows=128, tile_cols=256, cluster=(2, 1))),
+    "prefill": GATE_UP_FAMILIES["prefill"],
+    "pingpong": GATE_UP_FAMILIES["pingpong"],
+    "cluster": GATE_UP_FAMILIES["cluster"],
     "decode": default_knobs("gate_up", 8),
-    "decode split-K": with_max_stages(
-        GemmKnobs(tile_rows=16, tile_cols=64, swap_ab=True, split_k=4)
-    ),
+    "decode split-K": GATE_UP_FAMILIES["decode split-K"],
 }
 COUNTS = {
     "skewed": [200, 0, 1, 130],
@@ -94,7 +85,7 @@ def test_masked_bf16_gemms_give_the_bits_of_the_tight_batch(name, counts):
     counts, stride, knobs = COUNTS[counts], 256, KNOBS[name]
     rows_MH, starts, counts_E, tight_MH, offsets, w13_E2IH, w2 = masked_problem(counts, stride)
     w13 = interleave_gate_up(w13_E2IH)
-    out = torch.full((rows_MH.shape[0], INTERMEDIATE), float("nan"), device=DEVICE).bfloat16()
+    out = poisoned((rows_MH.shape[0], INTERMEDIATE))
     hidden = gate_up_swiglu(rows_MH, starts, w13, knobs=knobs, expert_counts=counts_E, out_MI=out)
     expected = gate_up_swiglu(tight_MH, offsets, w13, knobs=knobs)
     torch.cuda.synchronize()

@@ -11,6 +11,20 @@ from dataclasses import replace
 
 import pytest
 import torch
+from gemm_cases import (
+    DEVICE,
+    EDGE_CASES,
+    TAIL_COUNTS,
+    assert_valid_rows_match,
+    check_down,
+    check_gate_up,
+    has_sm90,
+    make_problem,
+    poisoned,
+    random_counts,
+    replay_with_counts,
+    with_max_stages,
+)
 from megamoe_kernels import (
     GemmKnobs,
     candidate_knobs,
@@ -20,30 +34,14 @@ from megamoe_kernels import (
     gate_up_swiglu,
     interleave_gate_up,
 )
-from megamoe_kernels.reference import (
-    down_reference,
-    expert_mlp_reference,
-    gate_up_swiglu_reference,
-    relative_l2_error,
-)
-from megamoe_kernels.shim.knobs import (
-    CLUSTERS,
-    default_knobs,
-    max_stages,
-)
+from megamoe_kernels.reference import expert_mlp_reference
+from megamoe_kernels.shim.knobs import CLUSTERS, default_knobs
 
 pytestmark = pytest.mark.gpu
 
-
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-if not _sm90():
+if not has_sm90():
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
 
-DEVICE = torch.device("cuda")
-TOLERANCE = 1e-2
 # (E, H, I) per geometry of megamoe_runtime.geometries, with E capped: the tile math depends on
 # H and I; the expert count only lengthens the schedule
 GEOMETRY_DIMS = {
@@ -54,65 +52,6 @@ GEOMETRY_DIMS = {
     "gpt-oss-120b": (8, 2880, 2880),
     "tiny-qwen3": (16, 256, 128),
 }
-
-
-def make_problem(counts, hidden, intermediate, *, capacity=None, seed=0):
-    generator = torch.Generator(device=DEVICE).manual_seed(seed)
-    experts = len(counts)
-    valid = sum(counts)
-    capacity = valid if capacity is None else capacity
-    rows_MH = torch.randn(capacity, hidden, device=DEVICE, generator=generator).bfloat16()
-    rows_MH[valid:] = float("nan")
-    offsets = torch.zeros(experts + 1, dtype=torch.int32)
-    offsets[1:] = torch.cumsum(torch.tensor(counts), 0)
-    w13_E2IH = (
-        torch.randn(experts, 2 * intermediate, hidden, device=DEVICE, generator=generator)
-        / hidden**0.5
-    ).bfloat16()
-    w2_EHI = (
-        torch.randn(experts, hidden, intermediate, device=DEVICE, generator=generator)
-        / intermediate**0.5
-    ).bfloat16()
-    return rows_MH, offsets.to(DEVICE), w13_E2IH, w2_EHI, valid
-
-
-def check_gate_up(rows_MH, offsets, w13_E2IH, valid, knobs=None, tuned_knobs=None):
-    capacity, intermediate = rows_MH.shape[0], w13_E2IH.shape[1] // 2
-    out_MI = torch.full((capacity, intermediate), float("nan"), device=DEVICE).bfloat16()
-    w13_EB2GH = interleave_gate_up(w13_E2IH)
-    gate_up_swiglu(rows_MH, offsets, w13_EB2GH, out_MI=out_MI, knobs=knobs, tuned_knobs=tuned_knobs)
-    expected = gate_up_swiglu_reference(rows_MH, offsets, w13_E2IH)
-    error = relative_l2_error(out_MI[:valid], expected[:valid])
-    assert error <= TOLERANCE, f"gate_up rel-L2 {error} with {knobs}"
-    assert torch.isnan(out_MI[valid:]).all(), "gate_up wrote rows past the valid count"
-    return out_MI
-
-
-def check_down(
-    hidden_MI, offsets, w2_EHI, valid, *, row_scale_M=None, knobs=None, tuned_knobs=None
-):
-    capacity, hidden = hidden_MI.shape[0], w2_EHI.shape[1]
-    out_MH = torch.full((capacity, hidden), float("nan"), device=DEVICE).bfloat16()
-    down(
-        hidden_MI,
-        offsets,
-        w2_EHI,
-        row_scale_M=row_scale_M,
-        out_MH=out_MH,
-        knobs=knobs,
-        tuned_knobs=tuned_knobs,
-    )
-    expected = down_reference(hidden_MI, offsets, w2_EHI, row_scale_M)
-    error = relative_l2_error(out_MH[:valid], expected[:valid])
-    assert error <= TOLERANCE, f"down rel-L2 {error} with {knobs}"
-    assert torch.isnan(out_MH[valid:]).all(), "down wrote rows past the valid count"
-    return out_MH
-
-
-def random_counts(experts, rows, seed):
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, experts, (rows,), generator=generator)
-    return torch.bincount(ids, minlength=experts).tolist()
 
 
 @pytest.mark.parametrize("geometry", sorted(GEOMETRY_DIMS))
@@ -142,15 +81,14 @@ def every_valid_knob(op):
 
 @pytest.mark.parametrize("knobs", list(every_valid_knob("gate_up")), ids=str)
 def test_every_gate_up_variant_with_tails(knobs):
-    # counts around every tile size: tails of 1, tile - 1, tile + 1 rows
-    counts = [1, 0, 15, 17, 33, 63, 65, 127, 129, 0, 255, 7]
+    counts = TAIL_COUNTS
     rows_MH, offsets, w13, _, valid = make_problem(counts, *SMALL, capacity=sum(counts) + 9)
     check_gate_up(rows_MH, offsets, w13, valid, knobs=knobs)
 
 
 @pytest.mark.parametrize("knobs", list(every_valid_knob("down")), ids=str)
 def test_every_down_variant_with_tails(knobs):
-    counts = [1, 0, 15, 17, 33, 63, 65, 127, 129, 0, 255, 7]
+    counts = TAIL_COUNTS
     hidden, intermediate = SMALL[1] + 8, SMALL[0]  # N = 200: a partial column tile
     hidden_MI, offsets, _, w2, valid = make_problem(
         counts, intermediate, hidden, capacity=sum(counts) + 9
@@ -161,18 +99,7 @@ def test_every_down_variant_with_tails(knobs):
     check_down(hidden_MI, offsets, w2, valid, row_scale_M=scale_M, knobs=knobs)
 
 
-@pytest.mark.parametrize(
-    "counts, capacity",
-    [
-        ([0, 0, 0, 0], 64),  # zero valid rows
-        ([0, 300, 0, 0], 300),  # all rows in one expert
-        ([0, 0, 5, 0, 0, 0, 0, 1], 32),  # most experts without rows, capacity > valid
-        ([77], 77),  # E = 1
-        ([77], 1000),  # E = 1, capacity 13x the valid rows
-        ([1, 1, 1, 1, 1, 1, 1, 1], 8),  # decode: one row per expert
-        ([0, 1, 0, 0], 1),  # a capacity of one row
-    ],
-)
+@pytest.mark.parametrize("counts, capacity", list(EDGE_CASES.values()))
 @pytest.mark.parametrize(
     "knobs",
     [
@@ -223,8 +150,8 @@ def test_pingpong_with_several_tiles_per_warpgroup(shape):
     results = {}
     for pingpong in (False, True):
         base = GemmKnobs(tile_rows=tile_rows, tile_cols=tile_cols, pingpong=pingpong)
-        gate_up_knobs = replace(base, stages=min(4, max_stages(base, "gate_up")))
-        down_knobs = replace(base, stages=min(4, max_stages(base, "down")))
+        gate_up_knobs = with_max_stages(base, "gate_up", at_most=4)
+        down_knobs = with_max_stages(base, "down", at_most=4)
         hidden_MI = check_gate_up(rows_MH, offsets, w13, valid, knobs=gate_up_knobs)
         hidden_MI[valid:] = float("nan")
         results[pingpong] = (hidden_MI, check_down(hidden_MI, offsets, w2, valid, knobs=down_knobs))
@@ -340,8 +267,8 @@ def test_clusters_equal_the_single_cta_kernel(shape):
         base = GemmKnobs(
             tile_rows=tile_rows, tile_cols=tile_cols, pingpong=pingpong, cluster=cluster
         )
-        gate_up_knobs = replace(base, stages=max_stages(base, "gate_up"))
-        down_knobs = replace(base, stages=max_stages(base, "down"))
+        gate_up_knobs = with_max_stages(base, "gate_up")
+        down_knobs = with_max_stages(base, "down")
         hidden_MI = check_gate_up(rows_MH, offsets, w13, valid, knobs=gate_up_knobs)
         hidden_MI[valid:] = float("nan")
         scale_M = torch.linspace(0.5, 1.5, rows_MH.shape[0], device=DEVICE)
@@ -395,23 +322,15 @@ def test_split_k_replays_in_a_cuda_graph_with_new_routing():
         hidden_MI = gate_up_swiglu(rows_MH, offsets, w13_interleaved, knobs=gate_up_knobs)
         return down(hidden_MI, offsets, w2, knobs=down_knobs)
 
+    def oracle():
+        return expert_mlp_reference(rows_MH, offsets, w13, w2, round_intermediate_to=torch.bfloat16)
+
     layer()  # compile and allocate the workspace outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out_MH = layer()
     for counts in ([1] * 8, [0, 0, 8, 0, 0, 0, 0, 0], [3, 0, 0, 0, 0, 0, 0, 5], [0] * 8):
-        routed = torch.zeros(9, dtype=torch.int32)
-        routed[1:] = torch.cumsum(torch.tensor(counts), 0)
-        offsets.copy_(routed)
-        out_MH.fill_(float("nan"))
-        graph.replay()
-        valid = sum(counts)
-        expected = expert_mlp_reference(
-            rows_MH, offsets, w13, w2, round_intermediate_to=torch.bfloat16
-        )
-        if valid:
-            assert relative_l2_error(out_MH[:valid], expected[:valid]) <= TOLERANCE
-        assert torch.isnan(out_MH[valid:]).all()
+        replay_with_counts(graph, out_MH, offsets, counts, oracle)
 
 
 def test_split_k_refuses_a_prefill_sized_workspace_and_a_short_k():
@@ -450,12 +369,10 @@ def test_tuned_prefill_knobs_leave_small_batches_to_the_decode_tiles(rows_per_ex
         offsets,
         w13,
         valid,
-        tuned_knobs=replace(tuned, stages=max_stages(tuned, "gate_up")),
+        tuned_knobs=with_max_stages(tuned, "gate_up"),
     )
     hidden_MI[valid:] = float("nan")
-    check_down(
-        hidden_MI, offsets, w2, valid, tuned_knobs=replace(tuned, stages=max_stages(tuned, "down"))
-    )
+    check_down(hidden_MI, offsets, w2, valid, tuned_knobs=with_max_stages(tuned, "down"))
 
 
 @pytest.mark.parametrize("valid_rows_hint", [0, 256, 257, 4096])
@@ -466,18 +383,18 @@ def test_a_wrong_valid_row_hint_still_computes_every_row(valid_rows_hint):
     for valid in (100, 3000):
         counts = random_counts(experts, valid, seed=valid)
         rows_MH, offsets, w13, w2, _ = make_problem(counts, *SMALL, capacity=capacity)
-        hidden_MI = torch.full((capacity, w13.shape[1] // 2), float("nan"), device=DEVICE)
-        hidden_MI = hidden_MI.bfloat16()
+        hidden_MI = poisoned((capacity, w13.shape[1] // 2))
         gate_up_swiglu(
             rows_MH, offsets, interleave_gate_up(w13), out_MI=hidden_MI, valid_rows=valid_rows_hint
         )
-        out_MH = torch.full((capacity, w2.shape[1]), float("nan"), device=DEVICE).bfloat16()
+        out_MH = poisoned((capacity, w2.shape[1]))
         down(hidden_MI, offsets, w2, out_MH=out_MH, valid_rows=valid_rows_hint)
         expected = expert_mlp_reference(
             rows_MH, offsets, w13, w2, round_intermediate_to=torch.bfloat16
         )
-        assert relative_l2_error(out_MH[:valid], expected[:valid]) <= TOLERANCE, valid
-        assert torch.isnan(out_MH[valid:]).all(), valid
+        assert_valid_rows_match(
+            out_MH, expected, valid, what=f"{valid} rows, hint {valid_rows_hint}"
+        )
 
 
 def test_the_default_launches_replay_in_a_graph_across_the_boundary():
@@ -488,20 +405,14 @@ def test_the_default_launches_replay_in_a_graph_across_the_boundary():
     def layer():
         return down(gate_up_swiglu(rows_MH, offsets, w13_interleaved), offsets, w2)
 
+    def oracle():
+        return expert_mlp_reference(rows_MH, offsets, w13, w2, round_intermediate_to=torch.bfloat16)
+
     layer()  # compile both launches of each GEMM outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out_MH = layer()
     for valid in (0, 100, 32 * experts, 32 * experts + 1, 3000, capacity):
-        counts = random_counts(experts, valid, seed=valid)
-        routed = torch.zeros(experts + 1, dtype=torch.int32)
-        routed[1:] = torch.cumsum(torch.tensor(counts), 0)
-        offsets.copy_(routed)
-        out_MH.fill_(float("nan"))
-        graph.replay()
-        expected = expert_mlp_reference(
-            rows_MH, offsets, w13, w2, round_intermediate_to=torch.bfloat16
+        replay_with_counts(
+            graph, out_MH, offsets, random_counts(experts, valid, seed=valid), oracle
         )
-        if valid:
-            assert relative_l2_error(out_MH[:valid], expected[:valid]) <= TOLERANCE, valid
-        assert torch.isnan(out_MH[valid:]).all(), valid
