@@ -289,6 +289,15 @@ def test_routing_megamoe_cannot_express_is_refused_but_bad_run_options_raise():
         swap_moe_blocks(tiny_model("qwen3_moe"), backend="fastest")
 
 
+def test_run_options_reach_the_layer():
+    model = tiny_model("qwen3_moe")
+    swap_moe_blocks(model, backend="reference", layer_path="torch", capacity=64)
+    _, block = moe_blocks(model)[0]
+    assert (block.config.layer_path, block.config.capacity) == ("torch", 64)
+    with pytest.raises(ValueError, match="layer_path"):
+        swap_moe_blocks(tiny_model("qwen3_moe"), backend="reference", layer_path="fastest")
+
+
 def test_semantic_options_are_refused():
     _, block = moe_blocks(tiny_model("qwen2_moe"))[0]
     with pytest.raises(TypeError, match="top_k"):

@@ -55,7 +55,14 @@ from megamoe_torch.layer import MegaMoE
 
 # MegaMoEConfig fields that change how a layer runs, not what it computes ("dispatcher" also
 # takes a dispatcher object the caller built, e.g. a DeepEPDispatcher: see MegaMoE)
-RUN_OPTIONS = ("backend", "capacity", "check_inputs", "dispatcher", "max_tokens_per_rank")
+RUN_OPTIONS = (
+    "backend",
+    "capacity",
+    "check_inputs",
+    "dispatcher",
+    "layer_path",
+    "max_tokens_per_rank",
+)
 # the experts' precision: as the source holds them, FP8, or the activations' dtype
 WEIGHT_DTYPE_CHOICES = ("auto", "fp8", None)
 
