@@ -4,7 +4,7 @@ backend) and a stand-in timer that reads each candidate's time from a table."""
 import torch
 from megamoe_runtime.dispatch import LocalDispatcher
 from megamoe_runtime.experts import ReferenceExperts
-from megamoe_runtime.experts.cutedsl import CuteDSLExperts, CuteDSLWeights
+from megamoe_runtime.experts.cutedsl import CuteDSLExperts, CuteDSLFP8Weights, CuteDSLWeights
 from megamoe_runtime.tuning import KnobCache, expert_knobs
 from megamoe_runtime.tuning.expert_knobs import (
     batch_gemm_key,
@@ -206,6 +206,33 @@ def test_the_cutedsl_backend_keys_and_binds_what_the_tuner_stores(tmp_path):
     backend._launchers[("a class",)] = None
     backend.forget_launchers()
     assert backend._launchers == {}
+
+
+def test_the_cutedsl_backend_keys_fp8_weights_under_the_fp8_ops(tmp_path):
+    # FP8 weights run the FP8 GEMMs: their knobs are looked up, tuned and stored under
+    # gate_up_fp8 / down_fp8 (their own candidates and limits), explicit knobs apply to them too
+    batch, weights = make_problem(24)
+    empty = torch.empty(0)
+    prepared = CuteDSLFP8Weights(
+        w13_EB2GH=empty, w13_scales=empty, w2_EHI=weights.w2_EHI, w2_scales=empty
+    )
+    fp8_dims = {"gate_up_fp8": WEIGHT_DIMS["gate_up"], "down_fp8": WEIGHT_DIMS["down"]}
+    cache = KnobCache(tmp_path / "knobs.json")
+    backend = CuteDSLExperts(knob_cache=cache)
+    keys = backend.knob_keys(batch, prepared)
+    assert keys == {op: batch_gemm_key(op, batch, weight_dims=fp8_dims[op]) for op in fp8_dims}
+    candidates = gemm_candidates("down_fp8", quick=True, same_numbers=True)
+    stored = candidates[-1]
+    expert_knobs.store_tuned(cache, keys["down_fp8"], stored, seconds=1e-3)
+    gate_up, down = backend._knob_arguments(batch, prepared)
+    assert (gate_up, down) == ({"tuned_knobs": None}, {"tuned_knobs": stored})
+    # an entry of the bf16 op is not the FP8 op's
+    bf16_key = batch_gemm_key("down", batch, weight_dims=WEIGHT_DIMS["down"])
+    assert knobs_from_cache(cache, bf16_key) is None
+    explicit = gemm_candidates("gate_up_fp8", quick=True, same_numbers=True)[0]
+    pinned = CuteDSLExperts(gate_up_knobs=explicit, knob_cache=cache)
+    assert list(pinned.knob_keys(batch, prepared)) == ["down_fp8"]
+    assert pinned._knob_arguments(batch, prepared)[0] == {"knobs": explicit}
 
 
 def test_online_candidates_keep_the_numbers():

@@ -9,8 +9,9 @@ capacity, so the pair replays in a CUDA graph.
 
 FP8 weights (a Prequantized pack, which holds no biases) run the FP8 GEMMs: the batch rows are
 quantized to e4m3 per row and 128 columns, the gate-up GEMM's epilogue quantizes its output per
-64 columns for the down GEMM, which writes bf16. Their knobs are the kernels' default profiles
-(no knob-cache lookup and no online tuning yet).
+64 columns for the down GEMM, which writes bf16. Their knobs come as the bf16 GEMMs' do, under
+their own ops ("gate_up_fp8", "down_fp8"): explicit ones, else the knob cache's (filled by
+`megamoe tune` or the layer's online autotune), else the kernels' default profiles.
 
 A masked batch (per-expert counts at a fixed stride: DeepEP's low-latency receive layout) is
 read in place: the kernels' expert walk reads the counts beside the offsets, so they compute
@@ -123,17 +124,34 @@ class CuteDSLExperts:
         self._kept_intermediate: dict[tuple, torch.Tensor] = {}
 
     @staticmethod
-    def _weight_dims(prepared: CuteDSLWeights) -> dict[str, tuple[int, int]]:
+    def _ops(prepared: CuteDSLWeights | CuteDSLFP8Weights) -> tuple[str, str]:
+        """The gate-up and the down GEMM's ops for the weights (their knob-cache keys' ops)."""
+        if isinstance(prepared, CuteDSLFP8Weights):
+            return "gate_up_fp8", "down_fp8"
+        return "gate_up", "down"
+
+    @classmethod
+    def _weight_dims(
+        cls, prepared: CuteDSLWeights | CuteDSLFP8Weights
+    ) -> dict[str, tuple[int, int]]:
         """(N, K) of each op's weight: gate-up (2I, H), down (H, I)."""
         _, hidden, intermediate = prepared.w2_EHI.shape
-        return {"gate_up": (2 * intermediate, hidden), "down": (hidden, intermediate)}
+        gate_up, down = cls._ops(prepared)
+        return {gate_up: (2 * intermediate, hidden), down: (hidden, intermediate)}
+
+    def _explicit_knobs(
+        self, prepared: CuteDSLWeights | CuteDSLFP8Weights
+    ) -> dict[str, GemmKnobs | None]:
+        """The knobs given at construction, by op (they run the FP8 GEMMs of FP8 weights too)."""
+        gate_up, down = self._ops(prepared)
+        return {gate_up: self.gate_up_knobs, down: self.down_knobs}
 
     def knob_keys(self, batch: ExpertBatch, prepared: CuteDSLWeights) -> dict[str, KnobKey]:
         """The knob-cache key of the batch's class for each op whose knobs are looked up (not
         given explicitly), gate-up first."""
         from megamoe_runtime.tuning.expert_knobs import batch_gemm_key
 
-        explicit = {"gate_up": self.gate_up_knobs, "down": self.down_knobs}
+        explicit = self._explicit_knobs(prepared)
         return {
             op: batch_gemm_key(op, batch, weight_dims=weight_dims)
             for op, weight_dims in self._weight_dims(prepared).items()
@@ -171,6 +189,11 @@ class CuteDSLExperts:
     ) -> Callable[[], torch.Tensor]:
         """The expert MLP on `batch` with `knobs` (op -> knobs) in place of the looked-up ones,
         as a knob-cache entry would put them (compiled here): what the online autotuner times."""
+        if isinstance(prepared, CuteDSLFP8Weights):
+            batch = batch.materialized()
+            rows = self._fp8_rows(batch)  # quantized once: the candidates time the GEMMs
+            launchers = self._bind_fp8(batch, rows[0], prepared, None, tuned=knobs)
+            return lambda: self._launch_fp8(launchers, rows, batch, prepared, None)
         gate_up, down = self._bind(batch, prepared, None, tuned=knobs)
         rows_MH, offsets, row_source_M = batch.rows_MH, batch.expert_offsets, batch.row_source_M
         counts = batch.expert_counts
@@ -218,7 +241,7 @@ class CuteDSLExperts:
         entries'; in place of the default profile's, which still hands small batches to the
         decode tiles), else none (the default profile)."""
         tuned = tuned or {}
-        explicit = {"gate_up": self.gate_up_knobs, "down": self.down_knobs}
+        explicit = self._explicit_knobs(prepared)
         weight_dims = self._weight_dims(prepared)
 
         def arguments(op: str) -> dict:
@@ -228,7 +251,8 @@ class CuteDSLExperts:
                 return {"tuned_knobs": tuned[op]}
             return {"tuned_knobs": self._cached_knobs(op, batch, weight_dims[op])}
 
-        return arguments("gate_up"), arguments("down")
+        gate_up, down = self._ops(prepared)
+        return arguments(gate_up), arguments(down)
 
     def _bind(
         self,
@@ -381,47 +405,84 @@ class CuteDSLExperts:
         """The FP8 expert MLP: the rows quantized per 128 columns (unless the batch holds FP8
         rows already), gate-up (its output quantized per 64 columns in its epilogue), down to
         bf16."""
-        from megamoe_kernels import quantize_rows
-
         batch = batch.materialized()  # the FP8 kernels quantize batch rows
-        rows_MH, offsets = batch.rows_MH, batch.expert_offsets
+        rows_MH = batch.rows_MH
         check_batch_matches_weights(batch, prepared, same_dtype=False)
         if batch.row_scales_GM is None and rows_MH.dtype != torch.bfloat16:
             raise TypeError(f"the FP8 kernels take bf16 or FP8 batch rows, got {rows_MH.dtype}")
-        counts = batch.expert_counts
         memo = (
             "fp8",
-            rows_MH.shape[0],
+            batch.capacity,
             batch.is_masked,
+            batch.typical_rows,
             batch.valid_rows,
             rows_MH.get_device(),
             prepared.w2_EHI.shape,
             row_scale_M is None,
         )
-        if batch.row_scales_GM is not None:
-            rows_q, rows_scales = rows_MH, batch.row_scales_GM
-        else:
-            rows_q, rows_scales = quantize_rows(rows_MH)  # one scale per row and 128 columns
+        rows = self._fp8_rows(batch)
         launchers = self._launchers.get(memo)
         if launchers is None:
-            gate_up = gate_up_fp8_launcher(
-                rows_q,
-                offsets,
-                prepared.w13_EB2GH,
-                valid_rows=batch.valid_rows,
-                expert_counts=counts,
+            launchers = self._launchers[memo] = self._bind_fp8(
+                batch, rows[0], prepared, row_scale_M
             )
-            intermediate = prepared.w2_EHI.shape[2]
-            down = down_fp8_launcher(
-                rows_q.new_empty((rows_q.shape[0], intermediate)),
-                offsets,
-                prepared.w2_EHI,
-                row_scale_M=row_scale_M,
-                valid_rows=batch.valid_rows,
-                expert_counts=counts,
-            )
-            launchers = self._launchers[memo] = (gate_up, down)
+        return self._launch_fp8(launchers, rows, batch, prepared, row_scale_M)
+
+    @staticmethod
+    def _fp8_rows(batch: ExpertBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's e4m3 rows and their scales: as the batch holds them, or quantized here
+        (one scale per row and 128 columns)."""
+        from megamoe_kernels import quantize_rows
+
+        if batch.row_scales_GM is not None:
+            return batch.rows_MH, batch.row_scales_GM
+        return quantize_rows(batch.rows_MH)
+
+    def _bind_fp8(
+        self,
+        batch: ExpertBatch,
+        rows_q: torch.Tensor,
+        prepared: CuteDSLFP8Weights,
+        row_scale_M: torch.Tensor | None,
+        *,
+        tuned: Mapping[str, GemmKnobs] | None = None,
+    ) -> tuple[GemmLauncher, GemmLauncher]:
+        """The FP8 gate-up and down GEMM's launchers for the batch's class, on its e4m3 rows
+        `rows_q` (compiled here on first use); `tuned`: knobs for some ops in place of the
+        looked-up ones."""
+        gate_up_knobs, down_knobs = self._knob_arguments(batch, prepared, tuned)
+        gate_up = gate_up_fp8_launcher(
+            rows_q,
+            batch.expert_offsets,
+            prepared.w13_EB2GH,
+            valid_rows=batch.valid_rows,
+            expert_counts=batch.expert_counts,
+            **gate_up_knobs,
+        )
+        intermediate = prepared.w2_EHI.shape[2]
+        down = down_fp8_launcher(
+            rows_q.new_empty((rows_q.shape[0], intermediate)),
+            batch.expert_offsets,
+            prepared.w2_EHI,
+            row_scale_M=row_scale_M,
+            valid_rows=batch.valid_rows,
+            expert_counts=batch.expert_counts,
+            **down_knobs,
+        )
+        return gate_up, down
+
+    @staticmethod
+    def _launch_fp8(
+        launchers: tuple[GemmLauncher, GemmLauncher],
+        rows: tuple[torch.Tensor, torch.Tensor],
+        batch: ExpertBatch,
+        prepared: CuteDSLFP8Weights,
+        row_scale_M: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The two FP8 GEMMs on the batch's e4m3 rows and scales (`rows`)."""
         gate_up, down = launchers
+        rows_q, rows_scales = rows
+        offsets, counts = batch.expert_offsets, batch.expert_counts
         hidden_q, hidden_scales = gate_up(
             rows_q,
             offsets,

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
-from megamoe_kernels import GemmKnobs, candidate_knobs, knob_problems
+from megamoe_kernels import FP8_DTYPE, GemmKnobs, candidate_knobs, knob_problems
+from megamoe_kernels.shim.knobs import FP8_OPS
 
 from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.tuning.autotune import pick_fastest
@@ -61,11 +62,12 @@ def gemm_key(
 
 def batch_gemm_key(op: str, batch: ExpertBatch, *, weight_dims: tuple[int, int]) -> KnobKey:
     """The class of `batch` for `op`: its typical rows where the batch has them (a capacity sized
-    for a worst case), else its capacity, over its experts."""
+    for a worst case), else its capacity, over its experts. An FP8 op's dtype is e4m3, what it
+    reads, whether the batch holds e4m3 rows or bf16 ones quantized before the GEMM."""
     return gemm_key(
         op,
         device=batch.rows_MH.device,
-        dtype=batch.rows_MH.dtype,
+        dtype=FP8_DTYPE if op in FP8_OPS else batch.rows_MH.dtype,
         weight_dims=weight_dims,
         capacity=batch.capacity if batch.typical_rows is None else batch.typical_rows,
         num_experts=batch.num_experts,
