@@ -22,7 +22,8 @@ Layouts (row-major, contiguous last dim):
 
 Structure: persistent CTAs; warpgroup 0 is the producer (one warp issues TMA loads into a
 `stages`-deep shared-memory ring), warpgroups 1..W consume with wgmma and run the epilogue.
-Producer and consumers walk the same device-side schedule: the tiles of expert e are
+Producer and consumers walk the same device-side schedule (tile_schedule.TileSchedule: the
+expert walk, the unit counter, split-K slices): the tiles of expert e are
 ceil(rows_e / tile_rows) x ceil(N / tile_cols), visited in order of e, so the schedule's length
 follows the valid rows, not the capacity. A tile's rows start at offsets[e] + m * tile_rows;
 the rows past offsets[e + 1] that a tile loads belong to another expert or are not data: they
@@ -57,24 +58,19 @@ and drains the ring like a tile whose slab has no rows, and stores nothing.
 split_k = S > 1 (swap_ab only) splits each tile's K into S slices worked by S different CTAs:
 the decode shape has fewer weight tiles than SMs (one expert of 4096 weight rows is 32 tiles of
 128), so the weight stream would run on a quarter of the GPU. The schedule's unit is one slice of
-one tile (slices vary fastest, so the S slices of a tile run at once on neighbouring CTAs). Each
-CTA writes its fp32 accumulators to the tile's slot of a global workspace, fences, and counts
-itself in on the tile's arrival counter; the CTA that arrives last adds the S slices in slice
+one tile (the S slices of a tile run at once on neighbouring CTAs). Each CTA writes its fp32
+accumulators to the tile's slot of a global workspace, fences, and counts itself in on the
+tile's arrival counter; the CTA that arrives last adds the S slices in slice
 order (its own from registers), resets the counter for the next launch and runs the epilogue.
 The sum's order is fixed, so results are deterministic (not bitwise those of split_k = 1).
 
-dynamic_schedule: a CTA's first tile is its index; each later one is the next untaken one, taken
-from a global counter when the CTA's producer is ready for it (instead of every num_ctas-th tile
-of the schedule). The row tiles that share a weight tile sit next to each other in the schedule,
-so they are taken, and their weights read, within moments of each other: the second read hits
-L2. With a static stride, CTAs drift apart over a long schedule (tail tiles are short), and at
-256-512 rows per expert most weight tiles were read from HBM once per row tile. Which CTA works
-a tile changes from run to run; what a tile computes does not, so results stay bitwise
-repeatable. The producer hands each tile's index to the consumers through a small shared-memory
-queue; the CTA that finishes last puts the counter back to zero.
+dynamic_schedule: a CTA's tiles after its first are the next untaken ones, taken from a global
+counter when its producer is ready for them (instead of every num_ctas-th tile of the schedule),
+so the row tiles that share a weight tile run, and read it, together (tile_schedule says why).
+The producer hands each tile's unit to the consumers through a small shared-memory queue.
 
 min_valid_rows / max_valid_rows make a variant for a range of valid rows (offsets[E], read on
-the device): outside [min_valid_rows, max_valid_rows) it walks no experts and exits at once.
+the device): outside [min_valid_rows, max_valid_rows) its schedule is empty and it exits at once.
 Launching one variant per range, each with the tiles its rows want, lets a batch whose capacity
 is sized for the worst case pay for the tiles of the rows it holds, with no host sync.
 

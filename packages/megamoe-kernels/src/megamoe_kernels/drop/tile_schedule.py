@@ -8,7 +8,7 @@ expert themselves (next_tile: a warp reads 128 experts per memory round trip; un
 so a warp walks the experts once per launch).
 
 A unit is:
-  - a tile of one expert's (row tile, column tile), in the plain case; inside an expert the row
+  - in the plain case, one (row tile, column tile) of an expert; inside an expert the row
     tiles vary fastest with rows_fastest (the weight tile streams once), else the column tiles;
   - with cluster_rows = 2, a pair of row tiles of one (expert, column tile): CTA r of the
     cluster takes row tile 2p + r (when an expert's row tiles are odd, the second CTA's tile of
