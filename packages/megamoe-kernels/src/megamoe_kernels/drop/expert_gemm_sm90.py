@@ -22,7 +22,8 @@ Layouts (row-major, contiguous last dim):
 
 Structure: persistent CTAs; warpgroup 0 is the producer (one warp issues TMA loads into a
 `stages`-deep shared-memory ring), warpgroups 1..W consume with wgmma and run the epilogue.
-Producer and consumers walk the same device-side schedule: the tiles of expert e are
+Producer and consumers walk the same device-side schedule (tile_schedule.TileSchedule: the
+expert walk, the unit counter, split-K slices): the tiles of expert e are
 ceil(rows_e / tile_rows) x ceil(N / tile_cols), visited in order of e, so the schedule's length
 follows the valid rows, not the capacity. A tile's rows start at offsets[e] + m * tile_rows;
 the rows past offsets[e + 1] that a tile loads belong to another expert or are not data: they
@@ -57,24 +58,19 @@ and drains the ring like a tile whose slab has no rows, and stores nothing.
 split_k = S > 1 (swap_ab only) splits each tile's K into S slices worked by S different CTAs:
 the decode shape has fewer weight tiles than SMs (one expert of 4096 weight rows is 32 tiles of
 128), so the weight stream would run on a quarter of the GPU. The schedule's unit is one slice of
-one tile (slices vary fastest, so the S slices of a tile run at once on neighbouring CTAs). Each
-CTA writes its fp32 accumulators to the tile's slot of a global workspace, fences, and counts
-itself in on the tile's arrival counter; the CTA that arrives last adds the S slices in slice
+one tile (the S slices of a tile run at once on neighbouring CTAs). Each CTA writes its fp32
+accumulators to the tile's slot of a global workspace, fences, and counts itself in on the
+tile's arrival counter; the CTA that arrives last adds the S slices in slice
 order (its own from registers), resets the counter for the next launch and runs the epilogue.
 The sum's order is fixed, so results are deterministic (not bitwise those of split_k = 1).
 
-dynamic_schedule: a CTA's first tile is its index; each later one is the next untaken one, taken
-from a global counter when the CTA's producer is ready for it (instead of every num_ctas-th tile
-of the schedule). The row tiles that share a weight tile sit next to each other in the schedule,
-so they are taken, and their weights read, within moments of each other: the second read hits
-L2. With a static stride, CTAs drift apart over a long schedule (tail tiles are short), and at
-256-512 rows per expert most weight tiles were read from HBM once per row tile. Which CTA works
-a tile changes from run to run; what a tile computes does not, so results stay bitwise
-repeatable. The producer hands each tile's index to the consumers through a small shared-memory
-queue; the CTA that finishes last puts the counter back to zero.
+dynamic_schedule: a CTA's tiles after its first are the next untaken ones, taken from a global
+counter when its producer is ready for them (instead of every num_ctas-th tile of the schedule),
+so the row tiles that share a weight tile run, and read it, together (tile_schedule says why).
+The producer hands each tile's unit to the consumers through a small shared-memory queue.
 
 min_valid_rows / max_valid_rows make a variant for a range of valid rows (offsets[E], read on
-the device): outside [min_valid_rows, max_valid_rows) it walks no experts and exits at once.
+the device): outside [min_valid_rows, max_valid_rows) its schedule is empty and it exits at once.
 Launching one variant per range, each with the tiles its rows want, lets a batch whose capacity
 is sized for the worst case pay for the tiles of the rows it holds, with no host sync.
 
@@ -117,6 +113,8 @@ INTERMEDIATE_GROUP columns (out_scales [N_out / 64, rows]): the tile is staged i
 each group quantized as it is copied out (8 lanes share a group's amax by shuffles).
 """
 
+import enum
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -126,8 +124,8 @@ from cutlass.memory import SmemAllocator
 
 from .fp8_scaling import AMAX_FLOOR, E4M3_MAX, INTERMEDIATE_GROUP, WEIGHT_BLOCK
 from .gate_up_layout import interleaved_output_column
+from .tile_schedule import UNIT_QUEUE_SLOTS, TileSchedule
 from .tiling import EPILOGUE_ROW_PAD, tile_k
-from .warp import warp_inclusive_sum
 
 THREADS_PER_WARPGROUP = 128
 PRODUCER_REGISTERS = 40
@@ -136,20 +134,22 @@ CONSUMER_REGISTERS = 232
 # and two groups' x scales may take for the promotions to overlap the MMAs (the rest of the 232
 # hold addresses, the other scales and the epilogue's values; above it the kernel spilled)
 OVERLAPPED_PROMOTION_REGISTERS = 200
-# named barriers: epilogue of consumer warpgroup w is EPILOGUE_BARRIER_ID + w; with pingpong,
-# MMA_TURN_BARRIER_ID + w is where warpgroup w hands the tensor cores to the other
-EPILOGUE_BARRIER_ID = 1
-MMA_TURN_BARRIER_ID = 3
 # the producer warpgroup's warps after the TMA warp copy staged tiles out
 STORE_THREADS = THREADS_PER_WARPGROUP - 32
-# experts each lane of a warp reads per trip of the expert walk (one memory round trip)
-EXPERTS_PER_LANE = 4
-# depth of the queue of tile indices from the producer to the consumers
-UNIT_QUEUE_SLOTS = 4
 # the copy-out's vectors of 8 values, and the shuffle steps that join a quantization group's
 # vectors (on neighbouring lanes)
 OUT_VECTOR = 8
 GROUP_SHUFFLE_STEPS = (INTERMEDIATE_GROUP // OUT_VECTOR).bit_length() - 1
+
+
+class BarrierId(enum.IntEnum):
+    """The kernel's named barrier ids (0 is the CTA-wide barrier). Each member spans one id per
+    consumer team: team w's barrier is the member's value + w (teams 0 and 1 with pingpong)."""
+
+    # the threads of team w meet around its staging buffer in the epilogue
+    EPILOGUE = 1
+    # pingpong: where team w hands the tensor cores to the other team
+    MMA_TURN = 3
 
 
 @cute.jit
@@ -256,13 +256,10 @@ class ExpertGroupedGemmSm90:
         self.swap_ab = swap_ab
         self.swiglu = swiglu
         self.row_scale = row_scale
-        self.rows_fastest = rows_fastest
         self.num_ctas = num_ctas
         self.pingpong = pingpong
         self.cluster_rows = cluster_rows
         self.split_k = split_k
-        self.min_valid_rows = min_valid_rows
-        self.max_valid_rows = max_valid_rows
         # multicast loads write into the peer CTA's ring too: not before the wait
         self.weights_before_wait = weights_before_wait and cluster_rows == 1
         self.dynamic_schedule = dynamic_schedule
@@ -276,8 +273,15 @@ class ExpertGroupedGemmSm90:
             "alpha": float(swiglu_alpha),
             "up_offset": float(swiglu_up_offset),
         }
-        # rows of one schedule unit: a row tile per CTA of the cluster
-        self.unit_rows = tile_rows * cluster_rows
+        self.schedule = TileSchedule(
+            tile_rows=tile_rows,
+            cluster_rows=cluster_rows,
+            split_k=split_k,
+            rows_fastest=rows_fastest,
+            dynamic_schedule=dynamic_schedule,
+            min_valid_rows=min_valid_rows,
+            max_valid_rows=max_valid_rows,
+        )
         self.mma_m, self.mma_n = (tile_cols, tile_rows) if swap_ab else (tile_rows, tile_cols)
         # warpgroups that share one tile's MMAs, and the consumer warpgroups of the CTA
         self.tile_warpgroups = 1 if pingpong else self.mma_m // 64
@@ -314,7 +318,7 @@ class ExpertGroupedGemmSm90:
     ):
         if cutlass.const_expr(
             mExpertCounts is not None
-            and (self.min_valid_rows > 0 or self.max_valid_rows is not None)
+            and (self.schedule.min_valid_rows > 0 or self.schedule.max_valid_rows is not None)
         ):
             raise ValueError(
                 "a masked batch's valid rows are its counts' sum, not offsets[E]: launch it "
@@ -419,180 +423,6 @@ class ExpertGroupedGemmSm90:
             # it before its first global memory access
             use_pdl=True,
         )
-
-    @cute.jit
-    def next_tile(
-        self,
-        tile,
-        expert,
-        expert_first_tile,
-        mOffsets,
-        num_experts,
-        col_units,
-        row_limit,
-        mExpertCounts=None,
-    ):
-        """Walks forward from (expert, expert_first_tile) to the expert owning linear schedule
-        unit `tile` (a unit is cluster_rows row tiles of one column tile, or one K slice of a tile
-        with split_k; otherwise a tile). An expert has col_units units per row unit; its rows
-        are clamped to [0, row_limit), the batch's capacity, so bad offsets never address rows
-        past it; with mExpertCounts (masked) an expert's rows end count rows after its start,
-        at most at the next expert's start.
-
-        Called by whole warps: each trip, lane j loads the row ranges of EXPERTS_PER_LANE
-        experts from expert + j * EXPERTS_PER_LANE on, a warp prefix sum of their tile counts
-        finds the lane holding the owner, and that lane finds it among its own experts: 128
-        experts cost one memory round trip. Linear tiles only grow, so each warp walks the
-        experts once in total. Returns (expert, expert_first_tile, the expert's units along its
-        rows, its first row, its row end, found)."""
-        lane = cute.arch.lane_idx()
-        row_units = cutlass.Int32(0)
-        row_begin = cutlass.Int32(0)
-        row_end = cutlass.Int32(0)
-        found = cutlass.Boolean(False)
-        searching = expert < num_experts
-        while searching:
-            lane_expert = expert + lane * EXPERTS_PER_LANE
-            # experts past the last one read an empty range (offsets[E], offsets[E])
-            bounds = [
-                cutlass.min(mOffsets[cutlass.min(lane_expert + j, num_experts)], row_limit)
-                for j in range(EXPERTS_PER_LANE + 1)
-            ]
-            ends = [bounds[j + 1] for j in range(EXPERTS_PER_LANE)]
-            if cutlass.const_expr(mExpertCounts is not None):
-                for j in cutlass.range_constexpr(EXPERTS_PER_LANE):
-                    count = cutlass.Int32(0)
-                    if lane_expert + j < num_experts:
-                        count = cutlass.max(mExpertCounts[lane_expert + j], cutlass.Int32(0))
-                    ends[j] = cutlass.min(bounds[j] + count, bounds[j + 1])
-            expert_row_units = [
-                (ends[j] - bounds[j] + self.unit_rows - 1) // self.unit_rows
-                for j in range(EXPERTS_PER_LANE)
-            ]
-            lane_tiles = cutlass.Int32(0)
-            for j in cutlass.range_constexpr(EXPERTS_PER_LANE):
-                lane_tiles = lane_tiles + expert_row_units[j] * col_units
-            tiles_through_lane = warp_inclusive_sum(lane_tiles, lane)
-            # the lanes whose experts reach past `tile` are a suffix of the warp
-            owners = cute.arch.vote_ballot_sync(tile < expert_first_tile + tiles_through_lane)
-            if owners != 0:
-                owner = 32 - cute.arch.popc(owners)
-                # every lane looks among its experts; the owner lane's answer is the one kept
-                sub_expert = cutlass.Int32(0)
-                sub_first = expert_first_tile + tiles_through_lane - lane_tiles
-                sub_row_units = cutlass.Int32(0)
-                sub_begin = cutlass.Int32(0)
-                sub_end = cutlass.Int32(0)
-                looking = cutlass.Boolean(True)
-                for j in cutlass.range_constexpr(EXPERTS_PER_LANE):
-                    if looking:
-                        if tile < sub_first + expert_row_units[j] * col_units:
-                            looking = False
-                            sub_row_units = expert_row_units[j]
-                            sub_begin = bounds[j]
-                            sub_end = ends[j]
-                        else:
-                            sub_first = sub_first + expert_row_units[j] * col_units
-                            sub_expert = sub_expert + 1
-                expert = (
-                    expert + owner * EXPERTS_PER_LANE + cute.arch.shuffle_sync(sub_expert, owner)
-                )
-                expert_first_tile = cute.arch.shuffle_sync(sub_first, owner)
-                row_units = cute.arch.shuffle_sync(sub_row_units, owner)
-                row_begin = cute.arch.shuffle_sync(sub_begin, owner)
-                row_end = cute.arch.shuffle_sync(sub_end, owner)
-                found = True
-                searching = False
-            else:
-                expert_first_tile = expert_first_tile + cute.arch.shuffle_sync(
-                    tiles_through_lane, 31
-                )
-                expert = expert + 32 * EXPERTS_PER_LANE
-                searching = expert < num_experts
-        return expert, expert_first_tile, row_units, row_begin, row_end, found
-
-    @cute.jit
-    def tile_origin(self, local_unit, row_units, col_tiles, expert_row0, cluster_rank):
-        """The first batch row, the column tile and the K slice of this CTA's tile of an
-        expert's unit (the slice varies fastest)."""
-        split = cutlass.Int32(0)
-        if cutlass.const_expr(self.split_k > 1):
-            split = local_unit % self.split_k
-            local_unit = local_unit // self.split_k
-        row_unit = local_unit // col_tiles
-        col_tile = local_unit % col_tiles
-        if cutlass.const_expr(self.rows_fastest):
-            row_unit = local_unit % row_units
-            col_tile = local_unit // row_units
-        row_tile = row_unit * self.cluster_rows + cluster_rank
-        return expert_row0 + row_tile * self.tile_rows, col_tile, split
-
-    @cute.jit
-    def experts_to_walk(self, mOffsets, num_experts):
-        """num_experts, or 0 when the batch's valid rows (offsets[E]) are outside this
-        variant's range [min_valid_rows, max_valid_rows)."""
-        walked = cutlass.Int32(num_experts)
-        if cutlass.const_expr(self.min_valid_rows > 0 or self.max_valid_rows is not None):
-            valid_rows = mOffsets[num_experts]
-            if valid_rows < self.min_valid_rows:
-                walked = cutlass.Int32(0)
-            if cutlass.const_expr(self.max_valid_rows is not None):
-                if valid_rows >= self.max_valid_rows:
-                    walked = cutlass.Int32(0)
-        return walked
-
-    @cute.jit
-    def k_slice(self, split, k_tiles):
-        """The K tiles [begin, end) of slice `split` (all of them without split_k)."""
-        begin = split * k_tiles // self.split_k
-        end = (split + 1) * k_tiles // self.split_k
-        return begin, end
-
-    @cute.jit
-    def following_unit(self, unit, num_clusters, mUnitCounter):
-        """The producer's next schedule unit: the next untaken one (dynamic_schedule; the
-        counter starts at the first units, which are the CTAs' indices), or num_clusters on."""
-        following = unit + num_clusters
-        if cutlass.const_expr(self.dynamic_schedule):
-            taken = cutlass.Int32(0)
-            if cute.arch.lane_idx() == 0:
-                taken = cute.arch.atomic_add(
-                    mUnitCounter.iterator, cutlass.Int32(1), sem="relaxed", scope="gpu"
-                )
-            following = cute.arch.shuffle_sync(taken, 0) + num_clusters
-        return following
-
-    @cute.jit
-    def retire(self, mUnitCounter, num_ctas):
-        """dynamic_schedule: after a CTA's last take, counts it out; the last CTA out puts the
-        counter back to zero for the next launch (every take happened before it: each CTA's
-        take precedes its count, and the count orders them)."""
-        if cute.arch.lane_idx() == 0:
-            counter = mUnitCounter.iterator
-            retired = cute.arch.atomic_add(
-                counter + 1, cutlass.Int32(1), sem="acq_rel", scope="gpu"
-            )
-            if retired == num_ctas - 1:
-                cute.arch.store(counter, cutlass.Int32(0))
-                cute.arch.store(counter + 1, cutlass.Int32(0))
-
-    @cute.jit
-    def send_unit(self, unit_queue, sUnits, unit_state, unit):
-        """Producer warp: puts the next tile's schedule unit in the consumers' queue (the caller
-        advances unit_state: a state advanced in a helper is not carried through loops)."""
-        unit_queue.producer_acquire(unit_state)
-        if cute.arch.lane_idx() == 0:
-            sUnits[unit_state.index] = unit
-            unit_queue.producer_commit(unit_state)
-
-    @cute.jit
-    def receive_unit(self, unit_queue, sUnits, unit_state):
-        """Consumer team: the schedule unit of its next tile (the caller advances unit_state
-        past it, and with pingpong past the other team's next one)."""
-        unit_queue.consumer_wait(unit_state)
-        unit = sUnits[unit_state.index]
-        unit_queue.consumer_release(unit_state)
-        return unit
 
     @cute.jit
     def tile_tokens(self, mRowSource, row0, rows):
@@ -772,7 +602,7 @@ class ExpertGroupedGemmSm90:
 
         num_experts = cute.size(mOffsets) - 1
         # the experts the walk visits: none when the valid rows are outside this variant's range
-        walked_experts = self.experts_to_walk(mOffsets, num_experts)
+        walked_experts = self.schedule.experts_to_walk(mOffsets, num_experts)
         n_cols = cute.size(mW, mode=[0])
         col_tiles = (n_cols + self.tile_cols - 1) // self.tile_cols
         k_tiles = (cute.size(mX, mode=[1]) + self.tile_k - 1) // self.tile_k
@@ -802,25 +632,27 @@ class ExpertGroupedGemmSm90:
                     pipeline.PipelineUserType.Producer, self.stages
                 )
                 unit = cutlass.Int32(cluster_idx)
-                expert, first, row_units, expert_row0, expert_row_end, found = self.next_tile(
-                    unit,
-                    cutlass.Int32(0),
-                    cutlass.Int32(0),
-                    mOffsets,
-                    walked_experts,
-                    col_units,
-                    capacity,
-                    mExpertCounts,
+                expert, first, row_units, expert_row0, expert_row_end, found = (
+                    self.schedule.next_tile(
+                        unit,
+                        cutlass.Int32(0),
+                        cutlass.Int32(0),
+                        mOffsets,
+                        walked_experts,
+                        col_units,
+                        capacity,
+                        mExpertCounts,
+                    )
                 )
                 # stages of the first tile whose weights are loading already (their full
                 # barriers armed for the whole stage; only the rows are left to load)
                 weights_loading = cutlass.Int32(0)
                 if cutlass.const_expr(self.weights_before_wait):
                     if found:
-                        _, col_tile, split = self.tile_origin(
+                        _, col_tile, split = self.schedule.tile_origin(
                             unit - first, row_units, col_tiles, expert_row0, cluster_rank
                         )
-                        k_begin, k_end = self.k_slice(split, k_tiles)
+                        k_begin, k_end = self.schedule.k_slice(split, k_tiles)
                         weights_loading = cutlass.min(k_end - k_begin, self.stages)
                         weight_state = pipeline.make_pipeline_state(
                             pipeline.PipelineUserType.Producer, self.stages
@@ -841,13 +673,13 @@ class ExpertGroupedGemmSm90:
                     pipeline.PipelineUserType.Producer, UNIT_QUEUE_SLOTS
                 )
                 if cutlass.const_expr(self.dynamic_schedule):
-                    self.send_unit(unit_queue, sUnits, unit_state, unit)
+                    self.schedule.send_unit(unit_queue, sUnits, unit_state, unit)
                     unit_state.advance()
                 while found:
-                    row0, col_tile, split = self.tile_origin(
+                    row0, col_tile, split = self.schedule.tile_origin(
                         unit - first, row_units, col_tiles, expert_row0, cluster_rank
                     )
-                    k_begin, k_end = self.k_slice(split, k_tiles)
+                    k_begin, k_end = self.schedule.k_slice(split, k_tiles)
                     tXsX = tXgX = tile_tokens = None
                     if cutlass.const_expr(self.gather_rows):
                         # the tile's rows of this expert (none for an empty tile)
@@ -909,25 +741,27 @@ class ExpertGroupedGemmSm90:
                         ring.producer_commit(state)
                         state.advance()
                     weights_loading = cutlass.Int32(0)
-                    unit = self.following_unit(unit, num_clusters, mUnitCounter)
+                    unit = self.schedule.following_unit(unit, num_clusters, mUnitCounter)
                     if cutlass.const_expr(self.dynamic_schedule):
-                        self.send_unit(unit_queue, sUnits, unit_state, unit)
+                        self.schedule.send_unit(unit_queue, sUnits, unit_state, unit)
                         unit_state.advance()
-                    expert, first, row_units, expert_row0, expert_row_end, found = self.next_tile(
-                        unit,
-                        expert,
-                        first,
-                        mOffsets,
-                        walked_experts,
-                        col_units,
-                        capacity,
-                        mExpertCounts,
+                    expert, first, row_units, expert_row0, expert_row_end, found = (
+                        self.schedule.next_tile(
+                            unit,
+                            expert,
+                            first,
+                            mOffsets,
+                            walked_experts,
+                            col_units,
+                            capacity,
+                            mExpertCounts,
+                        )
                     )
                 if cutlass.const_expr(self.dynamic_schedule):
                     if cutlass.const_expr(self.pingpong):
                         # the unit past the schedule's end, for the other team too
-                        self.send_unit(unit_queue, sUnits, unit_state, unit)
-                    self.retire(mUnitCounter, num_clusters)
+                        self.schedule.send_unit(unit_queue, sUnits, unit_state, unit)
+                    self.schedule.retire(mUnitCounter, num_clusters)
                 ring.producer_tail(state)
             elif cutlass.const_expr(self.store_warps):
                 self.copy_out_tiles(sOut, sStagedTiles, mOut, mOutScales, store_queue, tidx - 32)
@@ -969,15 +803,15 @@ class ExpertGroupedGemmSm90:
                 pipeline.PipelineUserType.Consumer, self.stages
             )
             epilogue_barrier = pipeline.NamedBarrier(
-                barrier_id=EPILOGUE_BARRIER_ID + team, num_threads=self.tile_threads
+                barrier_id=BarrierId.EPILOGUE + team, num_threads=self.tile_threads
             )
             sOut_team = sOut[(None, None, team)]
             # pingpong: wait for my turn at the tensor cores, then pass it on to the other team
             my_turn = pipeline.NamedBarrier(
-                barrier_id=MMA_TURN_BARRIER_ID + team, num_threads=self.num_consumer_threads
+                barrier_id=BarrierId.MMA_TURN + team, num_threads=self.num_consumer_threads
             )
             other_turn = pipeline.NamedBarrier(
-                barrier_id=MMA_TURN_BARRIER_ID + 1 - team, num_threads=self.num_consumer_threads
+                barrier_id=BarrierId.MMA_TURN + 1 - team, num_threads=self.num_consumer_threads
             )
             unit_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, UNIT_QUEUE_SLOTS
@@ -1001,9 +835,9 @@ class ExpertGroupedGemmSm90:
                 slab_row0 = (warpgroup_idx - 1) * 64
             unit = cutlass.Int32(cluster_idx) + team * num_clusters
             if cutlass.const_expr(self.dynamic_schedule):
-                unit = self.receive_unit(unit_queue, sUnits, unit_state)
+                unit = self.schedule.receive_unit(unit_queue, sUnits, unit_state)
                 unit_state.advance(teams)
-            expert, first, row_units, expert_row0, row_end, found = self.next_tile(
+            expert, first, row_units, expert_row0, row_end, found = self.schedule.next_tile(
                 unit,
                 cutlass.Int32(0),
                 cutlass.Int32(0),
@@ -1014,10 +848,10 @@ class ExpertGroupedGemmSm90:
                 mExpertCounts,
             )
             while found:
-                row0, col_tile, split = self.tile_origin(
+                row0, col_tile, split = self.schedule.tile_origin(
                     unit - first, row_units, col_tiles, expert_row0, cluster_rank
                 )
-                k_begin, k_end = self.k_slice(split, k_tiles)
+                k_begin, k_end = self.schedule.k_slice(split, k_tiles)
                 slice_tiles = k_end - k_begin
 
                 accumulators.fill(0.0)
@@ -1174,11 +1008,11 @@ class ExpertGroupedGemmSm90:
                 )
                 store_state.advance(teams)
                 if cutlass.const_expr(self.dynamic_schedule):
-                    unit = self.receive_unit(unit_queue, sUnits, unit_state)
+                    unit = self.schedule.receive_unit(unit_queue, sUnits, unit_state)
                     unit_state.advance(teams)
                 else:
                     unit = unit + num_clusters * teams
-                expert, first, row_units, expert_row0, row_end, found = self.next_tile(
+                expert, first, row_units, expert_row0, row_end, found = self.schedule.next_tile(
                     unit,
                     expert,
                     first,
