@@ -27,8 +27,8 @@ dispatch_rows (the direct dispatch, persistent grid): one warp per (token, exper
 (rank, pair) at `dest_row[pair]` of the owner's batch for the combine and moves the token's row
 straight into the owner's batch row, so every pair's row crosses NVLink on its own. Each CTA then
 signals PHASE_ROWS on every peer once (a receiver waits for grid x epoch adds per source, in
-wait_phase). With params.pair_weights (for the partial-sum combine), a token's first pair for an owner
-also writes the owner's table entries as dispatch_tokens does.
+wait_phase). With params.pair_weights (for the partial-sum combine), a token's first pair for
+an owner also writes the owner's table entries as dispatch_tokens does.
 
 The FP8 wire (params.fp8_rows, compile time): the token rows are quantized where they are read,
 once per token (row_vectors.py: fp8_scaling's recipe, one scale per row and ACTIVATION_GROUP

@@ -46,13 +46,13 @@ most 32 ranks (a lane per rank).
 
 Scratch (int32, zeroed once): SMALL_SCRATCH_WORDS words: the epoch whose ids are sent, the epoch
 whose rows are placed, the CTAs started (back to 0 after each launch), a pad word.
-Ids buffer (symmetric, int32 [IDS_HALVES x world, ids_words]): a half per epoch parity, so
-that a source's next ids land where no owner can still be reading (the combine between two
-dispatches orders them as well; the ids path does not rely on it), a row per source: its tagged pair count (IDS_COUNT), the
-count as placed (IDS_COUNT_READ, for the expanders), then from word IDS_FIRST its tagged expert
-ids in pair order. A tagged word is the tag (`ids_tag`: a set top bit and the epoch's low 15
-bits) over a 16-bit value; the owner clears every word it reads, so a word left from an epoch
-32768 back never passes for this one's. 32-bit words: a 64-bit tagged variant hit
+Ids buffer (symmetric, int32 [IDS_HALVES x world, ids_words]): a half per epoch parity, so that
+a source's next ids land where no owner can still be reading (the combine between two dispatches
+orders them as well; the ids path does not rely on it), a row per source: its tagged pair count
+(IDS_COUNT), the count as placed (IDS_COUNT_READ, for the expanders), then from word IDS_FIRST
+its tagged expert ids in pair order. A tagged word is the tag (`ids_tag`: a set top bit and the
+epoch's low 15 bits) over a 16-bit value; the owner clears every word it reads, so a word left
+from an epoch 32768 back never passes for this one's. 32-bit words: a 64-bit tagged variant hit
 "Warp Illegal Address" on its reads of words a peer had written, a fault never explained.
 """
 

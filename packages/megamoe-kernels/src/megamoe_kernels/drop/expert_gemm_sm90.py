@@ -104,10 +104,11 @@ tile is 128 values (one weight block); the MMAs of each scale group accumulate i
 set of registers, which is then added to the running sum times the row's and the block's
 scales in fp32: the promotion DeepGEMM does, since Hopper's FP8 MMAs accumulate with fewer
 bits than fp32. With decode tiles a group's products, once its MMAs are done, are copied aside
-and promoted while the next group's MMAs run (the same sums in the same K order). The consumers load the scales they need from global memory before each
-stage's wait (their latency hides behind it): the x scales of the few batch rows each thread
-accumulates and the tile's two weight scales (gate and up blocks with SwiGLU, the two halves
-of a 256-column tile). The scales take no shared memory, so FP8 and BF16 tiles of the same
+and promoted while the next group's MMAs run (the same sums in the same K order). The
+consumers load the scales they need from global memory before each stage's wait (their
+latency hides behind it): the x scales of the few batch rows each thread accumulates and
+the tile's two weight scales (gate and up blocks with SwiGLU, the two halves of a 256-column
+tile). The scales take no shared memory, so FP8 and BF16 tiles of the same
 shape hold the same stages. quantize_out: the gate-up output is e4m3 with one scale per row and
 INTERMEDIATE_GROUP columns (out_scales [N_out / 64, rows]): the tile is staged in bf16 and
 each group quantized as it is copied out (8 lanes share a group's amax by shuffles).
