@@ -201,12 +201,7 @@ def test_experts_not_divisible_by_world_raise(multirank):
 # groups of 128 with 16-byte vectors in whole warps (1024), and of a partial last group with
 # rows that end mid-warp (448)
 FP8_WIRE_ALGORITHMS = {
-    "small": {"small_batch": True},
-    "two-kernel": {"small_batch": False},
-    "direct": {"stage_remote_rows": False},
-    "small-partial": {"small_batch": True, "combine_partial_sums": True},
-    "two-kernel-partial": {"small_batch": False, "combine_partial_sums": True},
-    "direct-partial": {"stage_remote_rows": False, "combine_partial_sums": True},
+    name.removeprefix("nvshmem-"): options for name, options in NVSHMEM_OPTIONS.items()
 }
 FP8_WIRES = {
     "fp8-dispatch": {"dispatch_dtype": "fp8"},
