@@ -25,6 +25,26 @@ FAMILIES = {
 }
 
 
+def tiny_qwen3_moe(transformers, *, hidden_size: int, head_dim: int, moe_intermediate_size: int):
+    """A random two-layer Qwen3-MoE (8 experts, top-2, 96 tokens of vocabulary) in eval mode;
+    the dense MLP as wide as the hidden size (at least 96)."""
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=96,
+        hidden_size=hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        head_dim=head_dim,
+        intermediate_size=max(96, hidden_size),
+        moe_intermediate_size=moe_intermediate_size,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+    )
+    return transformers.Qwen3MoeForCausalLM(config).eval()
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @torch.no_grad()
 def test_layer_compiles_with_no_graph_break_and_matches_eager(family):
@@ -61,21 +81,7 @@ def test_hugging_face_model_with_swapped_blocks_compiles_fullgraph():
     from megamoe_torch import swap_moe_blocks
 
     torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=96,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        head_dim=16,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-    )
-    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    model = tiny_qwen3_moe(transformers, hidden_size=64, head_dim=16, moe_intermediate_size=32)
     swap_moe_blocks(model, backend="reference")
     input_ids = torch.randint(0, 96, (2, 9))
     eager = model(input_ids).logits
@@ -124,21 +130,8 @@ def test_hugging_face_model_on_cutedsl_compiles_on_a_gpu():
     if not torch.cuda.is_available() or not backend_status("cutedsl", torch.device("cuda"))[0]:
         pytest.skip("needs an sm_90 GPU with CuTe DSL")
     torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=96,
-        hidden_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        head_dim=64,
-        intermediate_size=256,
-        moe_intermediate_size=128,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-    )
-    model = transformers.Qwen3MoeForCausalLM(config).eval().to("cuda", torch.bfloat16)
+    model = tiny_qwen3_moe(transformers, hidden_size=256, head_dim=64, moe_intermediate_size=128)
+    model = model.to("cuda", torch.bfloat16)
     report = swap_moe_blocks(model, backend="cutedsl")
     assert len(report.swapped) == 2, report
     batches = [torch.randint(0, 96, (2, 9), device="cuda") for _ in range(3)]
