@@ -9,6 +9,7 @@ import torch
 from megamoe_runtime.dispatch.device_routed import DeviceRoutedDispatcher, device_routing_status
 from megamoe_runtime.dispatch.local import LocalDispatcher, weighted_sum_over_topk
 from megamoe_runtime.routing import RouterConfig, route
+from torch.profiler import ProfilerActivity, profile
 
 pytestmark = pytest.mark.gpu
 
@@ -207,6 +208,52 @@ def test_nan_logits_stay_in_their_token():
     assert 3 in ids_TK[5].tolist()  # NaN ranks above every number, as in torch.topk
     assert torch.isnan(handle.topk_weights_TK[5]).all()
     assert torch.isfinite(handle.topk_weights_TK[torch.arange(64, device="cuda") != 5]).all()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "odd_experts", "dsv3"])
+def test_ties_go_to_the_lower_expert_and_nans_rank_first(name):
+    """Equal choice scores are taken in expert order (with groups, the first groups are kept);
+    a NaN logit's expert comes before every number under sigmoid scoring (under softmax it
+    makes every score of its token NaN: a tie, taken in expert order)."""
+    router = ROUTERS[name]
+    _needs_kernels(router, 256)
+    experts, top_k, tokens = router.num_experts, router.top_k, 40
+    logits_TE = torch.zeros(tokens, experts, device="cuda")
+    nan_experts = [3, experts - 1]
+    logits_TE[2, nan_experts] = float("nan")
+    bias_E = torch.zeros(experts, device="cuda") if router.use_correction_bias else None
+    dispatcher = DeviceRoutedDispatcher(router, hidden_size=256)
+    x_TH = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
+    _, _, ids_TK = dispatcher.route_and_dispatch(x_TH, logits_TE, correction_bias_E=bias_E)
+    ids = ids_TK.tolist()
+    in_order = list(range(top_k))
+    assert all(row == in_order for t, row in enumerate(ids) if t != 2)
+    if router.scoring == "sigmoid":
+        numbers = [e for e in range(experts) if e not in nan_experts]
+        assert ids[2] == nan_experts + numbers[: top_k - 2]
+    else:
+        assert ids[2] == in_order
+
+
+def test_a_captured_one_cta_routing_records_no_fill():
+    """A graph of a decode step's routing launch (one CTA) holds that launch alone: its
+    scratch and status are never zeroed, so no fill kernel joins the replay."""
+    router = ROUTERS["qwen3"]
+    _needs_kernels(router, 2048)
+    dispatcher = DeviceRoutedDispatcher(router, hidden_size=2048)
+    x_TH = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    logits_TE = torch.randn(1, 128, device="cuda")
+    eager_ids_TK = dispatcher.route_and_dispatch(x_TH, logits_TE)[2].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ids_TK = dispatcher.route_and_dispatch(x_TH, logits_TE)[2]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e.key for e in profiler.key_averages() if e.device_type.name == "CUDA"]
+    assert len(kernels) == 1 and "route_and_place" in kernels[0], kernels
+    assert torch.equal(ids_TK, eager_ids_TK)
 
 
 def test_bitwise_repeat_and_graph_replay_with_new_routing():

@@ -5,9 +5,11 @@ enough to be resident at once on any Hopper GPU, which its grid-wide barriers ne
 1. a warp per token, each warp walking a contiguous slice of the tokens in order: the scores
    (softmax over the experts; or sigmoid, plus the correction bias for choosing), the grouped
    top-k mask (groups scored by the sum of their two best choice scores, the best `top_groups`
-   kept, the others' experts given `dropped_score`), then the top-k by repeated warp arg-max
-   (ties to the lower expert id, NaN above every number as torch.topk ranks it); the weights are
-   the chosen experts' unbiased scores, renormalised (k order, fp32; + 1e-20 for sigmoid) and
+   kept, the others' experts given `dropped_score`), then the top-k by repeated warp max of
+   int64 keys that order (choice score, expert) as torch.topk ranks them (ties to the lower
+   expert id, NaN above every number; a 64-bit max is a few instructions where a float arg-max
+   with those rules took about five times as many); the weights are the chosen experts'
+   unbiased scores, renormalised (k order, fp32; + 1e-20 for sigmoid) and
    scaled. Lane k writes topk_ids[t, k] and topk_weights[t, k], and the pair's rank among the
    warp's pairs of its expert so far (per-warp counters in shared memory): a token's experts are
    distinct, and the warp takes its tokens in order, so the ranks follow the (token, k) order;
@@ -47,6 +49,7 @@ Constraints: E <= ROUTE_MAX_EXPERTS, top_k <= 32, T x top_k <= M (the caller che
 
 import cutlass
 import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
 from cutlass.memory import SmemAllocator
 
 from .ep_dispatch import copy_row, copy_to_rows
@@ -62,6 +65,14 @@ ROUTE_MAX_EXPERTS = 512  # shared memory: 16 warps x E counters fit in 48 KB
 ROUTE_MAX_TOP_K = 32
 ROUTE_BARRIER_WORDS = 4  # two barriers' arrivals and generations
 NO_EXPERT = 1 << 30  # an arg-max that has seen no expert yet
+TAKEN_KEY = -(1 << 63)  # below every top_k_key: an expert already chosen, or none
+
+
+def one_cta_token_limit(num_experts: int, one_cta_tokens: int) -> int:
+    """Up to how many tokens route_and_place launches one CTA (its grid rule, on the host):
+    such a launch never touches its scratch nor its status block."""
+    expert_ctas = (num_experts + ROUTE_WARPS - 1) // ROUTE_WARPS
+    return ROUTE_WARPS if expert_ctas <= 1 else min(ROUTE_WARPS, one_cta_tokens)
 
 
 def scratch_words(num_experts: int) -> int:
@@ -98,17 +109,36 @@ def ranks_above(value, index, other_value, other_index):
 
 
 @cute.jit
-def warp_arg_max(value, index, payload):
-    """The (value, index, payload) of the warp's first in top-k order, on every lane."""
+def top_k_key(value, index):
+    """(value, index) as one int64 whose integer order is top-k order: the larger value first
+    (NaN above every number, NaNs equal, -0 equal to +0), ties to the lower index. The high
+    word is the value's bits made order-preserving as a signed integer (a negative float's
+    magnitude bits flipped), the low word 0x7FFFFFFF - index; top_k_index inverts it."""
+    bits = cutlass.Int32(llvm.bitcast(cutlass.Int32.mlir_type, cutlass.Float32(value).ir_value()))
+    magnitude = bits & cutlass.Int32(0x7FFFFFFF)
+    if magnitude == 0:
+        bits = cutlass.Int32(0)  # -0 as +0
+    if magnitude > cutlass.Int32(0x7F800000):
+        bits = cutlass.Int32(0x7FC00000)  # every NaN as the positive quiet NaN, above +inf
+    if bits < 0:
+        bits = bits ^ cutlass.Int32(0x7FFFFFFF)
+    return (cutlass.Int64(bits) << 32) + cutlass.Int64(cutlass.Int32(0x7FFFFFFF) - index)
+
+
+@cute.jit
+def top_k_index(key):
+    """The index a top_k_key holds."""
+    return cutlass.Int32(0x7FFFFFFF) - cutlass.Int32(key & cutlass.Int64(0xFFFFFFFF))
+
+
+@cute.jit
+def warp_max_key(key):
+    """The largest int64 key of the warp, on every lane."""
     for step in cutlass.range_constexpr(5):
-        other_value = cute.arch.shuffle_sync_bfly(value, 1 << step)
-        other_index = cute.arch.shuffle_sync_bfly(index, 1 << step)
-        other_payload = cute.arch.shuffle_sync_bfly(payload, 1 << step)
-        if ranks_above(value, index, other_value, other_index) == 1:
-            value = other_value
-            index = other_index
-            payload = other_payload
-    return value, index, payload
+        other = cute.arch.shuffle_sync_bfly(key, 1 << step)
+        if other > key:
+            key = other
+    return key
 
 
 @cute.jit
@@ -242,28 +272,33 @@ def score_token(
 
 @cute.jit
 def choose_top_k(scores, choices, lane, num_experts: cutlass.Constexpr, top_k: cutlass.Constexpr):
-    """Lane k < top_k's k-th expert and its score, by top_k rounds of warp arg-max."""
+    """Lane k < top_k's k-th expert (by choice score, top-k order) and its score: top_k rounds
+    of a warp max over the experts' top_k_keys, the chosen expert's key dropped by the lane
+    that holds it; then each lane reads its expert's score from that lane."""
     per_lane = (num_experts + 31) // 32
-    taken = cutlass.Int32(0)
+    keys = []
+    for j in cutlass.range_constexpr(per_lane):
+        key = cutlass.Int64(TAKEN_KEY)
+        if lane + 32 * j < num_experts:
+            key = top_k_key(choices[j], lane + 32 * j)
+        keys.append(key)
     my_expert = cutlass.Int32(0)
-    my_score = cutlass.Float32(0.0)
     for k in cutlass.range_constexpr(top_k):
-        best = cutlass.Float32(-float("inf"))
-        best_expert = cutlass.Int32(NO_EXPERT)
-        best_score = cutlass.Float32(0.0)
+        best = keys[0]
+        for j in cutlass.range_constexpr(1, per_lane):
+            if keys[j] > best:
+                best = keys[j]
+        expert = top_k_index(warp_max_key(best))
         for j in cutlass.range_constexpr(per_lane):
-            if lane + 32 * j < num_experts:
-                if ((taken >> j) & 1) == 0:
-                    if ranks_above(best, best_expert, choices[j], lane + 32 * j) == 1:
-                        best = choices[j]
-                        best_expert = lane + 32 * j
-                        best_score = scores[j]
-        best, best_expert, best_score = warp_arg_max(best, best_expert, best_score)
-        if best_expert % 32 == lane:
-            taken = taken | (cutlass.Int32(1) << (best_expert // 32))
+            if lane + 32 * j == expert:
+                keys[j] = cutlass.Int64(TAKEN_KEY)
         if lane == k:
-            my_expert = best_expert
-            my_score = best_score
+            my_expert = expert
+    my_score = cutlass.Float32(0.0)
+    for j in cutlass.range_constexpr(per_lane):
+        score = cute.arch.shuffle_sync(scores[j], my_expert % 32)
+        if my_expert // 32 == j:
+            my_score = score
     return my_expert, my_score
 
 
@@ -529,7 +564,7 @@ def route_and_place(
     # a warp per token, as many CTAs as that fills, at most ROUTE_MAX_CTAS (all resident); one
     # CTA up to `one_cta_tokens` tokens (no grid barrier; its SM copies every row), else at
     # least a warp per expert, so the scan of step 3 takes one expert per warp, not several one
-    # after another
+    # after another (one_cta_token_limit: up to how many tokens this makes one CTA)
     tokens = mLogits.shape[0]
     grid = (tokens + ROUTE_WARPS - 1) // ROUTE_WARPS
     expert_ctas = (num_experts + ROUTE_WARPS - 1) // ROUTE_WARPS
