@@ -6,7 +6,9 @@ given. Run on the GPU machine from the project root:
 
 --weight-dtype fp8 profiles the FP8 layer (e4m3 experts, the dispatch quantizing the rows);
 
---route-ab times the routing kernel's knobs (graph replays, alternating rounds); --router-host
+--route-ab times the routing kernel's knobs (graph replays, alternating rounds); --phases the
+routing kernel with and without its row copies and the combine alone, beside torch copies of the
+same bytes (what HBM gives them here; graph replays, alternating rounds); --router-host
 the host time of the ways to compute fp32 router logits; --host-profile prints where the host
 time of 200 eager forwards goes (cProfile, by own time).
 """
@@ -18,7 +20,7 @@ import cProfile
 import pstats
 
 import torch
-from megamoe_kernels.shim.local_layer import RouteLauncher
+from megamoe_kernels.shim.local_layer import CombineLauncher, RouteLauncher
 from megamoe_runtime.geometries import GEOMETRIES
 from megamoe_runtime.measure import (
     alternating_readings,
@@ -41,6 +43,7 @@ def main() -> None:
     parser.add_argument("--geometry", nargs="+", default=["qwen3-30b-a3b"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 2048, 8192])
     parser.add_argument("--route-ab", action="store_true")
+    parser.add_argument("--phases", action="store_true")
     parser.add_argument("--host-profile", action="store_true")
     parser.add_argument("--router-host", action="store_true")
     parser.add_argument("--weight-dtype", choices=["bf16", "fp8"], default="bf16")
@@ -58,6 +61,8 @@ def main() -> None:
             report(layer, x_TH, f"{name} {args.weight_dtype} {tokens} tokens")
             if args.route_ab:
                 route_ab(layer, x_TH)
+            if args.phases:
+                phases(layer, x_TH)
             if args.host_profile:
                 host_profile(layer, x_TH)
             if args.router_host:
@@ -86,6 +91,70 @@ def router_host(layer, x_TH) -> None:
     print("  router host us: " + ", ".join(f"{k} {host_us(f):.1f}" for k, f in ways.items()))
 
 
+def route_launcher(layer, x_TH, **knobs) -> RouteLauncher:
+    """A routing kernel of the layer's routing constants with `knobs`."""
+    config = layer.config
+    return RouteLauncher(
+        num_experts=config.num_experts,
+        top_k=config.top_k,
+        hidden_size=config.hidden_size,
+        scoring=config.scoring,
+        renormalize=config.renormalize,
+        num_groups=config.num_groups,
+        top_groups=config.top_groups,
+        routed_scaling_factor=config.routed_scaling_factor,
+        has_correction_bias=config.use_correction_bias,
+        device=x_TH.device,
+        **knobs,
+    )
+
+
+def phases(layer, x_TH) -> None:
+    """Graph-replay us of the routing kernel copying the rows and writing only each row's token
+    (gather_rows: the routing, its barriers and the placement without the copy), the combine
+    alone, and torch's copies of the same bytes: each token into its top-k rows, contiguous
+    (the routing's HBM traffic) and the sum of each token's top-k rows, contiguous (the
+    combine's); three alternating rounds."""
+    config = layer.config
+    tokens, hidden, top_k = x_TH.shape[0], config.hidden_size, config.top_k
+    logits = layer.router_logits(x_TH)
+    bias = layer.e_score_correction_bias
+    capacity = tokens * top_k
+    copying = route_launcher(layer, x_TH)
+    gathering = route_launcher(layer, x_TH, gather_rows=True)
+    _, weights_TK, row_of_pair_TK, _, rows_MH, _, _ = copying(
+        logits, x_TH, capacity=capacity, correction_bias_E=bias
+    )
+    combine = CombineLauncher(top_k=top_k, hidden_size=hidden, device=x_TH.device)
+    expert_out_MH = torch.randn_like(rows_MH)
+    spread_TKH = torch.empty((tokens, top_k, hidden), dtype=x_TH.dtype, device=x_TH.device)
+    y_TH = torch.empty_like(x_TH)
+    work = {
+        "route+copy": lambda: copying(logits, x_TH, capacity=capacity, correction_bias_E=bias),
+        "route, no copy": lambda: gathering(
+            logits, x_TH, capacity=capacity, correction_bias_E=bias
+        ),
+        "torch spread": lambda: spread_TKH.copy_(x_TH[:, None, :].expand(-1, top_k, -1)),
+        "combine": lambda: combine(expert_out_MH, row_of_pair_TK, weights_TK),
+        "torch sum": lambda: torch.sum(expert_out_MH.view(tokens, top_k, hidden), 1, out=y_TH),
+    }
+    readings = alternating_readings(
+        {
+            name: lambda fn=fn: median_graph_replay_seconds(fn, device=x_TH.device, repeats=10)
+            for name, fn in work.items()
+        },
+        rounds=3,
+    )
+    copy_bytes = tokens * hidden * 2 * (1 + top_k)
+    print(
+        f"  phases us ({copy_bytes / 1e6:.0f} MB each way, route/combine): "
+        + " | ".join(
+            f"{name} " + " ".join(f"{t * 1e6:.1f}" for t in r.seconds)
+            for name, r in readings.items()
+        )
+    )
+
+
 def route_ab(layer, x_TH) -> None:
     """The routing kernel's knobs (row copy by token or by pair; one CTA up to 16 tokens or 1),
     graph replays, three alternating rounds."""
@@ -96,22 +165,7 @@ def route_ab(layer, x_TH) -> None:
         "by pair, one CTA to 16": dict(copy_by_token=False, one_cta_tokens=16),
         "by token, one CTA to 1": dict(copy_by_token=True, one_cta_tokens=1),
     }
-    launchers = {
-        name: RouteLauncher(
-            num_experts=config.num_experts,
-            top_k=config.top_k,
-            hidden_size=config.hidden_size,
-            scoring=config.scoring,
-            renormalize=config.renormalize,
-            num_groups=config.num_groups,
-            top_groups=config.top_groups,
-            routed_scaling_factor=config.routed_scaling_factor,
-            has_correction_bias=config.use_correction_bias,
-            device=x_TH.device,
-            **knobs,
-        )
-        for name, knobs in variants.items()
-    }
+    launchers = {name: route_launcher(layer, x_TH, **knobs) for name, knobs in variants.items()}
     bias = layer.e_score_correction_bias
     capacity = x_TH.shape[0] * config.top_k
     readings = alternating_readings(
