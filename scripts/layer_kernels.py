@@ -7,8 +7,8 @@ given. Run on the GPU machine from the project root:
 --weight-dtype fp8 profiles the FP8 layer (e4m3 experts, the dispatch quantizing the rows);
 
 --route-ab times the routing kernel's knobs (graph replays, alternating rounds); --phases the
-routing kernel with and without its row copies and the combine alone, beside torch copies of the
-same bytes (what HBM gives them here; graph replays, alternating rounds); --router-host
+routing kernel with and without its row copies and the combine alone, beside torch's kernels on
+the same bytes (graph replays, alternating rounds); --router-host
 the host time of the ways to compute fp32 router logits; --host-profile prints where the host
 time of 200 eager forwards goes (cProfile, by own time).
 """
@@ -21,6 +21,7 @@ import pstats
 
 import torch
 from megamoe_kernels.shim.local_layer import CombineLauncher, RouteLauncher
+from megamoe_runtime.dispatch.device_routed import route_launcher_constants
 from megamoe_runtime.geometries import GEOMETRIES
 from megamoe_runtime.measure import (
     alternating_readings,
@@ -93,17 +94,9 @@ def router_host(layer, x_TH) -> None:
 
 def route_launcher(layer, x_TH, **knobs) -> RouteLauncher:
     """A routing kernel of the layer's routing constants with `knobs`."""
-    config = layer.config
     return RouteLauncher(
-        num_experts=config.num_experts,
-        top_k=config.top_k,
-        hidden_size=config.hidden_size,
-        scoring=config.scoring,
-        renormalize=config.renormalize,
-        num_groups=config.num_groups,
-        top_groups=config.top_groups,
-        routed_scaling_factor=config.routed_scaling_factor,
-        has_correction_bias=config.use_correction_bias,
+        **route_launcher_constants(layer.config.router),
+        hidden_size=layer.config.hidden_size,
         device=x_TH.device,
         **knobs,
     )

@@ -26,6 +26,22 @@ from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.routing import RouterConfig
 
 
+def route_launcher_constants(router: RouterConfig) -> dict:
+    """The routing constants of megamoe_kernels' RouteLauncher for `router` (keyword
+    arguments)."""
+    return dict(
+        num_experts=router.num_experts,
+        top_k=router.top_k,
+        scoring=router.scoring,
+        renormalize=router.renormalize,
+        num_groups=router.num_groups,
+        top_groups=router.top_groups,
+        routed_scaling_factor=router.routed_scaling_factor,
+        dropped_group_score=router.dropped_group_score,
+        has_correction_bias=router.use_correction_bias,
+    )
+
+
 def device_routing_status(
     router: RouterConfig, *, hidden_size: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[bool, str]:
@@ -115,18 +131,9 @@ class DeviceRoutedDispatcher:
         if launcher is None:
             from megamoe_kernels.shim.local_layer import route_launcher
 
-            router = self.router
             launcher = self._route_launchers[key] = route_launcher(
-                num_experts=router.num_experts,
-                top_k=router.top_k,
+                **route_launcher_constants(self.router),
                 hidden_size=self.hidden_size,
-                scoring=router.scoring,
-                renormalize=router.renormalize,
-                num_groups=router.num_groups,
-                top_groups=router.top_groups,
-                routed_scaling_factor=router.routed_scaling_factor,
-                dropped_group_score=router.dropped_group_score,
-                has_correction_bias=router.use_correction_bias,
                 logits_dtype=logits_dtype,
                 rows_dtype=rows_dtype,
                 gather_rows=gather_rows,
