@@ -33,6 +33,13 @@ enough to be resident at once on any Hopper GPU, which its grid-wide barriers ne
    row_source[row] = its token instead, and the gate-up GEMM reads the batch rows from the
    tokens (expert_gemm_sm90's gather_rows).
 
+Shared experts in the batch (`shared_experts` S > 0): every token also visits experts E .. E + S
+- 1 (a shared MLP cut into S experts of the routed experts' size), as pairs top_k .. top_k + S - 1
+of weight 1, after its routed pairs: they are counted, placed and copied like the routed pairs,
+so the batch holds E + S experts, the shared ones last, each with every token's row in token
+order, and the grouped GEMMs compute them with the routed experts (the combine sums top_k + S
+pairs).
+
 route_tokens is step 1 alone (topk_ids and topk_weights; no placement, no copy, no barrier), for
 the expert-parallel dispatchers, which place the pairs themselves.
 
@@ -40,11 +47,12 @@ Layouts: logits [T, E] float32 or bfloat16; correction_bias [E] float32 (optiona
 bfloat16 and rows [M, H] bfloat16 (or e4m3 with row_scales float32 [ceil(H / 128), M],
 group-major) row-major, H a multiple of 8, rows 16-byte aligned (or row_source int32 [M] in
 their place); topk_ids and
-row_of_pair int32 [T, top_k]; topk_weights float32 [T, top_k]; expert_offsets int32 [E + 1];
-scratch int32 [scratch_words(E)], zeroed once when allocated (its barrier words return to their
+row_of_pair int32 [T, top_k + S]; topk_weights float32 [T, top_k + S]; expert_offsets int32
+[E + S + 1]; scratch int32 [scratch_words(E + S)], zeroed once when allocated (its barrier words return to their
 start state, so launches, graph replays included, need no host work); status int64 [4]: a
 barrier wait that times out records (phase + 1, 0, 0, observed) there and carries on.
-Constraints: E <= ROUTE_MAX_EXPERTS, top_k <= 32, T x top_k <= M (the caller checks).
+Constraints: E + S <= ROUTE_MAX_EXPERTS, top_k + S <= ROUTE_MAX_TOP_K, T x (top_k + S) <= M
+(the caller checks).
 """
 
 import cutlass
@@ -359,8 +367,12 @@ def route_and_place_kernel(
     unroll: cutlass.Constexpr,
     copy_by_token: cutlass.Constexpr,
     timeout_ns: cutlass.Constexpr,
+    shared_experts: cutlass.Constexpr,
 ):
     tidx, bidx, grid, warp, lane = thread_position()
+    # the routed experts, then the shared ones; each token's routed pairs, then its shared ones
+    experts = num_experts + shared_experts
+    pairs = top_k + shared_experts
     # the kernel after this one (the gate-up GEMM, launched with programmatic dependent launch)
     # may set up on the SMs this grid leaves; it waits for this grid to finish before it reads
     # anything. Every CTA of this grid is resident once all have passed here
@@ -370,17 +382,15 @@ def route_and_place_kernel(
     smem = SmemAllocator()
     # per-warp counters, then per-warp prefixes, per expert; each expert's first row; the CTA's
     # prefix and the total per expert
-    warp_counts = smem.allocate_tensor(
-        cutlass.Int32, cute.make_layout(ROUTE_WARPS * num_experts), 16
-    )
-    first_row = smem.allocate_tensor(cutlass.Int32, cute.make_layout(num_experts + 1), 16)
-    cta_prefix = smem.allocate_tensor(cutlass.Int32, cute.make_layout(num_experts), 16)
-    totals = smem.allocate_tensor(cutlass.Int32, cute.make_layout(num_experts), 16)
+    warp_counts = smem.allocate_tensor(cutlass.Int32, cute.make_layout(ROUTE_WARPS * experts), 16)
+    first_row = smem.allocate_tensor(cutlass.Int32, cute.make_layout(experts + 1), 16)
+    cta_prefix = smem.allocate_tensor(cutlass.Int32, cute.make_layout(experts), 16)
+    totals = smem.allocate_tensor(cutlass.Int32, cute.make_layout(experts), 16)
 
     scratch = mScratch.iterator
     cta_counts = scratch  # [E, ROUTE_MAX_CTAS]
-    expert_totals = scratch + ROUTE_MAX_CTAS * num_experts
-    barrier = expert_totals + num_experts
+    expert_totals = scratch + ROUTE_MAX_CTAS * experts
+    barrier = expert_totals + experts
     status_address = mStatus.iterator.toint()
 
     # this warp's contiguous tokens (CTA b: tokens [b x per_cta, ...))
@@ -395,7 +405,7 @@ def route_and_place_kernel(
     if warp_end > cta_end:
         warp_end = cta_end
 
-    for i in range(tidx, ROUTE_WARPS * num_experts, ROUTE_THREADS):
+    for i in range(tidx, ROUTE_WARPS * experts, ROUTE_THREADS):
         warp_counts[i] = cutlass.Int32(0)
     cute.arch.sync_threads()
 
@@ -415,22 +425,26 @@ def route_and_place_kernel(
             dropped_score,
             scaling,
         )
-        if lane < top_k:
+        if cutlass.const_expr(shared_experts > 0):
+            if lane >= top_k:
+                expert = num_experts + lane - top_k
+                weight = cutlass.Float32(1.0)
+        if lane < pairs:
             mTopkIds[token, lane] = expert
             mTopkWeights[token, lane] = weight
-            rank = warp_counts[warp * num_experts + expert]
-            warp_counts[warp * num_experts + expert] = rank + 1
+            rank = warp_counts[warp * experts + expert]
+            warp_counts[warp * experts + expert] = rank + 1
             mRowOfPair[token, lane] = rank  # finished in step 4
         cute.arch.sync_warp()
     cute.arch.sync_threads()
 
     # 2. per expert: each warp's exclusive prefix inside the CTA; the CTA's count to the
     #    scratch (a grid of one CTA: its counts are the totals, kept in shared memory)
-    for expert in range(tidx, num_experts, ROUTE_THREADS):
+    for expert in range(tidx, experts, ROUTE_THREADS):
         running = cutlass.Int32(0)
         for w in cutlass.range_constexpr(ROUTE_WARPS):
-            count = warp_counts[w * num_experts + expert]
-            warp_counts[w * num_experts + expert] = running
+            count = warp_counts[w * experts + expert]
+            warp_counts[w * experts + expert] = running
             running = running + count
         if grid == 1:
             totals[expert] = running
@@ -441,12 +455,12 @@ def route_and_place_kernel(
         grid_barrier(barrier, barrier + 1, grid, status_address, 0, 0, timeout_ns)
 
         # 3. a warp per expert: each CTA's exclusive prefix (in place), the expert's total
-        for expert in range(bidx * ROUTE_WARPS + warp, num_experts, grid * ROUTE_WARPS):
+        for expert in range(bidx * ROUTE_WARPS + warp, experts, grid * ROUTE_WARPS):
             carry = scan_cta_counts(cta_counts + expert * ROUTE_MAX_CTAS, grid, lane)
             if lane == 0:
                 cute.arch.store(expert_totals + expert, carry)
         grid_barrier(barrier + 2, barrier + 3, grid, status_address, 1, 0, timeout_ns)
-        for expert in range(tidx, num_experts, ROUTE_THREADS):
+        for expert in range(tidx, experts, ROUTE_THREADS):
             cta_prefix[expert] = cute.arch.load(
                 cta_counts + (expert * ROUTE_MAX_CTAS + bidx), cutlass.Int32, cop="cg"
             )
@@ -456,20 +470,20 @@ def route_and_place_kernel(
     # 4. the experts' first rows (warp 0 scans their totals), then the pairs' rows
     if warp == 0:
         carry = cutlass.Int32(0)
-        for group in range(0, num_experts, 32):
+        for group in range(0, experts, 32):
             expert = group + lane
             rows = cutlass.Int32(0)
-            if expert < num_experts:
+            if expert < experts:
                 rows = totals[expert]
             inclusive = warp_inclusive_sum(rows, lane)
-            if expert < num_experts:
+            if expert < experts:
                 first_row[expert] = carry + inclusive - rows
             carry = carry + cute.arch.shuffle_sync(inclusive, 31)
         if lane == 0:
-            first_row[num_experts] = carry
+            first_row[experts] = carry
     cute.arch.sync_threads()
     if bidx == 0:
-        for expert in range(tidx, num_experts + 1, ROUTE_THREADS):
+        for expert in range(tidx, experts + 1, ROUTE_THREADS):
             mExpertOffsets[expert] = first_row[expert]
     row_bytes = cutlass.Int64(hidden) * 2
     row_vectors = hidden // 8
@@ -479,18 +493,18 @@ def route_and_place_kernel(
         rows_address = mRows.iterator.toint()
     for token in range(warp_begin, warp_end):
         row = cutlass.Int32(-1)
-        if lane < top_k:
+        if lane < pairs:
             expert = mTopkIds[token, lane]
-            row = first_row[expert] + cta_prefix[expert] + warp_counts[warp * num_experts + expert]
+            row = first_row[expert] + cta_prefix[expert] + warp_counts[warp * experts + expert]
             row = row + mRowOfPair[token, lane]
             mRowOfPair[token, lane] = row
             if cutlass.const_expr(mRowSource is not None):
                 mRowSource[row] = token
         if cutlass.const_expr(copy_by_token and mRows is not None):
-            # 5. the warp copies the token's row into its top_k batch rows: each 16-byte vector
-            #    loaded once, stored top_k times
+            # 5. the warp copies the token's row into its batch rows: each 16-byte vector
+            #    loaded once, stored once per pair
             rows = []
-            for k in cutlass.range_constexpr(top_k):
+            for k in cutlass.range_constexpr(pairs):
                 rows.append(cute.arch.shuffle_sync(row, k))
             if cutlass.const_expr(mRowScales is not None):
                 quantize_to_rows(
@@ -504,7 +518,7 @@ def route_and_place_kernel(
                     0,
                     row_vectors,
                     lane,
-                    top_k,
+                    pairs,
                 )
             else:
                 copy_to_rows(
@@ -516,16 +530,16 @@ def route_and_place_kernel(
                     row_vectors,
                     lane,
                     unroll,
-                    top_k,
+                    pairs,
                 )
     if cutlass.const_expr(not copy_by_token and mRows is not None):
         # 5. a warp per pair of this CTA copies its token's row into the batch
         cute.arch.sync_threads()
-        for pair in range(cta_begin * top_k + warp, cta_end * top_k, ROUTE_WARPS):
-            token = pair // top_k
+        for pair in range(cta_begin * pairs + warp, cta_end * pairs, ROUTE_WARPS):
+            token = pair // pairs
             copy_row(
                 x_address + cutlass.Int64(token) * row_bytes,
-                rows_address + cutlass.Int64(mRowOfPair[token, pair - token * top_k]) * row_bytes,
+                rows_address + cutlass.Int64(mRowOfPair[token, pair - token * pairs]) * row_bytes,
                 0,
                 row_vectors,
                 lane,
@@ -559,6 +573,7 @@ def route_and_place(
     copy_by_token: cutlass.Constexpr,
     timeout_ns: cutlass.Constexpr,
     one_cta_tokens: cutlass.Constexpr,
+    shared_experts: cutlass.Constexpr,
     stream,
 ):
     # a warp per token, as many CTAs as that fills, at most ROUTE_MAX_CTAS (all resident); one
@@ -567,7 +582,7 @@ def route_and_place(
     # after another (one_cta_token_limit: up to how many tokens this makes one CTA)
     tokens = mLogits.shape[0]
     grid = (tokens + ROUTE_WARPS - 1) // ROUTE_WARPS
-    expert_ctas = (num_experts + ROUTE_WARPS - 1) // ROUTE_WARPS
+    expert_ctas = (num_experts + shared_experts + ROUTE_WARPS - 1) // ROUTE_WARPS
     if tokens > one_cta_tokens and grid < expert_ctas:
         grid = expert_ctas
     if grid > ROUTE_MAX_CTAS:
@@ -598,6 +613,7 @@ def route_and_place(
         unroll,
         copy_by_token,
         timeout_ns,
+        shared_experts,
     ).launch(grid=[grid, 1, 1], block=[ROUTE_THREADS, 1, 1], stream=stream)
 
 
