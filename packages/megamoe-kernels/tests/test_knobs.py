@@ -264,3 +264,23 @@ def test_rows_are_gathered_by_default_where_the_decode_tiles_run_from_two_tokens
     # a capacity sized for prefill: a few valid rows still run the decode tiles
     assert gathers(16, capacity=65536)
     assert not gathers(1000, capacity=65536)  # 62.5 rows per expert: the prefill tiles run
+
+
+def test_shared_experts_join_the_batch_where_one_decode_row_tile_holds_every_token():
+    from megamoe_kernels import shared_experts_in_batch_by_default
+
+    def joins(tokens, *, capacity=None, experts=256, top_k=8, shared=1):  # dsv3
+        rows = tokens * (top_k + shared)
+        return shared_experts_in_batch_by_default(
+            tokens=tokens,
+            valid_rows=rows,
+            capacity=rows if capacity is None else capacity,
+            num_experts=experts + shared,
+        )
+
+    assert joins(1) and joins(16)  # 16-row decode tiles hold every token
+    assert not joins(17)  # the shared rows would take two row tiles
+    assert not joins(128) and not joins(2048) and not joins(8192)
+    # a capacity sized for prefill: a few valid rows run the 64-row decode tiles
+    assert joins(64, capacity=8192 * 9) and not joins(65, capacity=8192 * 9)
+    assert not joins(1000, capacity=8192 * 9)  # the prefill tiles run

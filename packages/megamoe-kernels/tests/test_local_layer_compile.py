@@ -50,6 +50,28 @@ def test_route_and_place_quantizing_to_fp8_rows_compiles(constants):
     assert launcher.compile() is not None
 
 
+# shared experts in the batch: dsv3's one (copied rows, FP8 rows, gathered rows), a shared MLP
+# of four routed sizes (Qwen2-MoE), the most pairs a warp holds
+SHARED_ROUTERS = [
+    dict(ROUTERS[3], shared_experts=1),
+    dict(ROUTERS[3], shared_experts=1, rows_dtype=torch.float8_e4m3fn),
+    dict(ROUTERS[3], shared_experts=1, gather_rows=True),
+    dict(num_experts=60, top_k=4, hidden_size=2048, shared_experts=4),
+    dict(num_experts=64, top_k=24, hidden_size=512, shared_experts=8, copy_by_token=False),
+]
+
+
+@pytest.mark.parametrize(
+    "constants",
+    SHARED_ROUTERS,
+    ids=lambda c: f"E{c['num_experts']}-K{c['top_k']}-S{c['shared_experts']}",
+)
+def test_route_and_place_with_shared_experts_compiles(constants):
+    launcher = RouteLauncher(**constants, compile_only=True)
+    assert launcher.pairs == constants["top_k"] + constants["shared_experts"]
+    assert launcher.compile() is not None
+
+
 @pytest.mark.parametrize(
     "constants",
     [
@@ -67,6 +89,14 @@ def test_what_the_kernels_cannot_serve_is_refused_with_the_reason():
     assert "top_k=33" in routing_problems(num_experts=128, top_k=33, hidden_size=2048)[0]
     assert "num_experts=1024" in routing_problems(num_experts=1024, top_k=8, hidden_size=2048)[0]
     assert "multiple of 8" in routing_problems(num_experts=8, top_k=2, hidden_size=100)[0]
+    assert (
+        "with 8 shared experts"
+        in routing_problems(num_experts=128, top_k=25, hidden_size=2048, shared_experts=8)[0]
+    )
+    assert (
+        "with 1 shared experts"
+        in routing_problems(num_experts=512, top_k=8, hidden_size=2048, shared_experts=1)[0]
+    )
     with pytest.raises(ValueError, match="correction bias applies to scoring='sigmoid'"):
         RouteLauncher(
             num_experts=8, top_k=2, hidden_size=64, has_correction_bias=True, compile_only=True

@@ -39,6 +39,7 @@ _SHIM_NAMES = (
     "gate_up_swiglu",
     "gate_up_swiglu_fp8",
     "gathers_rows_by_default",
+    "shared_experts_in_batch_by_default",
     "interleave_gate_up",
     "interleave_gate_up_bias",
     "keeps_buffers",

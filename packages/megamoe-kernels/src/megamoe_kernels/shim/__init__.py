@@ -42,6 +42,7 @@ from megamoe_kernels.shim.knobs import (
     gathers_rows_by_default,
     knob_problems,
     resolve_knobs,
+    shared_experts_in_batch_by_default,
 )
 
 __all__ = [
@@ -79,5 +80,6 @@ __all__ = [
     "quantize_weight_blocks",
     "resolve_knobs",
     "row_scales_buffer",
+    "shared_experts_in_batch_by_default",
     "weight_scales_shape",
 ]

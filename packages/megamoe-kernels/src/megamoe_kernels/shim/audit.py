@@ -234,6 +234,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "copy_by_token",
             "timeout_ns",
             "one_cta_tokens",
+            "shared_experts",
             "stream",
         ),
         passed_as="positional",

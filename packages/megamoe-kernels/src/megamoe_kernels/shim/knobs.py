@@ -310,24 +310,52 @@ def default_launches(
     return (Launch(small, 0, boundary), Launch(knobs, boundary, None))
 
 
+def gate_up_decode_knobs(*, valid_rows: int, capacity: int, num_experts: int) -> GemmKnobs | None:
+    """The decode (swap-AB) tiles the default profile's gate-up GEMM runs on `valid_rows` of a
+    batch of `capacity` rows over `num_experts` (as default_launches picks them), or None where
+    it runs prefill tiles."""
+    experts = max(1, num_experts)
+    knobs = default_knobs("gate_up", capacity / experts)
+    if knobs.swap_ab:
+        return knobs
+    if valid_rows < SMALL_BATCH_ROWS_PER_EXPERT * experts + 1:
+        return default_knobs("gate_up", SMALL_BATCH_ROWS_PER_EXPERT)
+    return None
+
+
 @lru_cache(maxsize=1024)
 def gathers_rows_by_default(
     *, tokens: int, valid_rows: int, capacity: int, num_experts: int
 ) -> bool:
     """Whether a local layer's gate-up GEMM reads its rows from the tokens (gate_up_swiglu's
     row_source_M) rather than from rows the dispatch copied out, unless told: where the default
-    profile runs decode (swap-AB) tiles on `valid_rows` of a batch of `capacity` rows (as
-    default_launches picks them), from two tokens on. Measured on the H200 (whole layer, graph
+    profile runs decode (swap-AB) tiles on `valid_rows` of a batch of `capacity` rows
+    (gate_up_decode_knobs), from two tokens on. Measured on the H200 (whole layer, graph
     replays; docs/benchmarks.md, "Gathered rows"): with decode tiles equal or up to 3% faster
     from 16 tokens, 1-4% slower at one token (the row's token is one more load before its
     copy); with prefill tiles the gate-up GEMM is 24-43% slower (its producer warp's 16-byte
     copies against one TMA load per stage: gathering the copied rows in order is as slow),
     more than the copy it saves."""
-    experts = max(1, num_experts)
-    decode_tiles = default_knobs("gate_up", capacity / experts).swap_ab or (
-        valid_rows < SMALL_BATCH_ROWS_PER_EXPERT * experts + 1
-    )
-    return tokens >= 2 and decode_tiles
+    decode = gate_up_decode_knobs(valid_rows=valid_rows, capacity=capacity, num_experts=num_experts)
+    return tokens >= 2 and decode is not None
+
+
+@lru_cache(maxsize=1024)
+def shared_experts_in_batch_by_default(
+    *, tokens: int, valid_rows: int, capacity: int, num_experts: int
+) -> bool:
+    """Whether a local layer's shared experts (a shared MLP cut into experts of the routed
+    size, every token a row in each) join the routed experts' batch on the cutedsl backend,
+    unless told: where the gate-up GEMM runs decode tiles (gate_up_decode_knobs, on the batch
+    with the shared rows) whose row tile holds every token, so each shared expert's weights
+    stream once, beside the routed experts'. Above, the shared rows would take several row
+    tiles, each streaming their weights again, where their own dense GEMMs on a side stream
+    read them once. Measured at dsv3 on the H200 (whole layer, graph replays;
+    docs/benchmarks.md, "Shared experts in the batch"): in the batch 7% faster at 1 token,
+    equal at 16, 1.3% slower at 128 tokens (16-row tiles for 128 shared rows), within 1% at
+    2048 and 8192."""
+    decode = gate_up_decode_knobs(valid_rows=valid_rows, capacity=capacity, num_experts=num_experts)
+    return decode is not None and tokens <= decode.tile_rows
 
 
 @lru_cache(maxsize=1024)

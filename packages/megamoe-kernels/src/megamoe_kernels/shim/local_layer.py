@@ -8,7 +8,9 @@ Shape legend: T tokens, E experts, K experts per token (top-k), H hidden size, M
   launch out: topk_ids [T, K] int32, topk_weights [T, K] float32, row_of_pair [T, K] int32 (the
   batch row of pair (t, k): the order of a stable sort of the flattened ids by expert),
   expert_offsets [E + 1] int32 and the expert-major batch rows [M, H] (rows past T x K
-  unspecified): bf16, or with rows_dtype=e4m3 the rows quantized as they are copied, with
+  unspecified). With `shared_experts=S` every token also visits experts E .. E + S - 1 with
+  weight 1 (a shared MLP cut into S experts of the routed size, computed by the same grouped
+  GEMMs): K + S pairs per token in those tensors, E + S + 1 offsets: bf16, or with rows_dtype=e4m3 the rows quantized as they are copied, with
   their scales [ceil(H / 128), M] float32 (shim/fp8.py's layout and values); or with
   gather_rows=True no rows at all but row_source [M] int32, the token of each batch row, for a
   gate-up GEMM that reads the rows from the tokens (gate_up_swiglu's row_source_M). Every routing
@@ -63,16 +65,30 @@ def _drop_route():
 
 
 def routing_problems(
-    *, num_experts: int, top_k: int, hidden_size: int, num_groups: int = 1
+    *,
+    num_experts: int,
+    top_k: int,
+    hidden_size: int,
+    num_groups: int = 1,
+    shared_experts: int = 0,
 ) -> list[str]:
-    """Why the routing and combine kernels cannot serve this layer ([] when they can)."""
+    """Why the routing and combine kernels cannot serve this layer ([] when they can);
+    `shared_experts`: the experts every token visits besides its top_k (RouteLauncher)."""
     from megamoe_kernels.drop.local_route import ROUTE_MAX_EXPERTS, ROUTE_MAX_TOP_K
 
     problems = []
-    if not 1 <= num_experts <= ROUTE_MAX_EXPERTS:
-        problems.append(f"num_experts={num_experts} is outside [1, {ROUTE_MAX_EXPERTS}]")
-    if not 1 <= top_k <= min(ROUTE_MAX_TOP_K, num_experts):
-        problems.append(f"top_k={top_k} is outside [1, min({ROUTE_MAX_TOP_K}, num_experts)]")
+    if not 1 <= num_experts <= ROUTE_MAX_EXPERTS - shared_experts:
+        problems.append(
+            f"num_experts={num_experts} is outside [1, {ROUTE_MAX_EXPERTS - shared_experts}]"
+            + (f" (with {shared_experts} shared experts)" if shared_experts else "")
+        )
+    if not 1 <= top_k <= min(ROUTE_MAX_TOP_K - shared_experts, num_experts):
+        problems.append(
+            f"top_k={top_k} is outside [1, min({ROUTE_MAX_TOP_K - shared_experts}, num_experts)]"
+            + (f" (with {shared_experts} shared experts)" if shared_experts else "")
+        )
+    if shared_experts < 0:
+        problems.append(f"shared_experts={shared_experts} is negative")
     if hidden_size % 8:
         problems.append(f"hidden_size={hidden_size} is not a multiple of 8 (16-byte row vectors)")
     if num_groups > 32:
@@ -124,13 +140,18 @@ class RouteLauncher:
         logits_dtype: torch.dtype = torch.float32,
         rows_dtype: torch.dtype = torch.bfloat16,
         gather_rows: bool = False,
+        shared_experts: int = 0,
         copy_by_token: bool = True,
         one_cta_tokens: int | None = None,
         device: torch.device | str | None = None,
         compile_only: bool = False,
     ):
         problems = routing_problems(
-            num_experts=num_experts, top_k=top_k, hidden_size=hidden_size, num_groups=num_groups
+            num_experts=num_experts,
+            top_k=top_k,
+            hidden_size=hidden_size,
+            num_groups=num_groups,
+            shared_experts=shared_experts,
         )
         if scoring not in SCORINGS:
             problems.append(f"scoring={scoring!r} is not one of {SCORINGS}")
@@ -152,6 +173,10 @@ class RouteLauncher:
         if problems:
             raise ValueError("the routing kernel cannot serve this layer: " + "; ".join(problems))
         self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
+        self.shared_experts = shared_experts
+        # each token's pairs (its top_k, then the shared experts) and the batch's experts
+        self.pairs = top_k + shared_experts
+        self.batch_experts = num_experts + shared_experts
         self.logits_dtype, self.rows_dtype = logits_dtype, rows_dtype
         self.gather_rows = bool(gather_rows)
         self.scale_groups = None
@@ -161,14 +186,16 @@ class RouteLauncher:
             self.scale_groups = -(-hidden_size // ACTIVATION_GROUP)
         self.has_correction_bias = has_correction_bias
         self.device = None if device is None else torch.device(device)
-        self._scratch_words = _drop_route().scratch_words(num_experts)
+        self._scratch_words = _drop_route().scratch_words(self.batch_experts)
         # reuse_outputs: the last outputs per (device, stream), with the (tokens, capacity) they
         # were made for
         self._kept_outputs: dict[tuple, tuple[tuple[int, int], tuple]] = {}
         if one_cta_tokens is None:
-            one_cta_tokens = _one_cta_tokens(top_k, hidden_size, copies=not gather_rows)
+            one_cta_tokens = _one_cta_tokens(self.pairs, hidden_size, copies=not gather_rows)
         one_cta_tokens = int(one_cta_tokens)
-        self._one_cta_token_limit = _drop_route().one_cta_token_limit(num_experts, one_cta_tokens)
+        self._one_cta_token_limit = _drop_route().one_cta_token_limit(
+            self.batch_experts, one_cta_tokens
+        )
         constants = (
             num_experts,
             top_k,
@@ -182,6 +209,7 @@ class RouteLauncher:
             bool(copy_by_token),
             _BARRIER_TIMEOUT_NS,
             one_cta_tokens,
+            shared_experts,
         )
         device_index = -1 if compile_only or self.device is None else self.device.index
         self._constants = constants
@@ -226,16 +254,16 @@ class RouteLauncher:
         route = _drop_route().route_and_place
         tokens = cute.sym_int32(symbol="tokens")
         rows = cute.sym_int32(symbol="rows")
-        experts, top_k, hidden = self.num_experts, self.top_k, self.hidden_size
+        experts, pairs, hidden = self.num_experts, self.pairs, self.hidden_size
         return cute.compile(
             route,
             row_major(_cutlass_dtype(self.logits_dtype), (tokens, experts)),
             row_major(cutlass.Float32, (experts,)) if self.has_correction_bias else None,
             row_major(cutlass.BFloat16, (tokens, hidden)),
-            row_major(cutlass.Int32, (tokens, top_k)),
-            row_major(cutlass.Float32, (tokens, top_k)),
-            row_major(cutlass.Int32, (tokens, top_k)),
-            row_major(cutlass.Int32, (experts + 1,)),
+            row_major(cutlass.Int32, (tokens, pairs)),
+            row_major(cutlass.Float32, (tokens, pairs)),
+            row_major(cutlass.Int32, (tokens, pairs)),
+            row_major(cutlass.Int32, (self.batch_experts + 1,)),
             None
             if self.gather_rows
             else row_major(_cutlass_dtype(self.rows_dtype), (rows, hidden)),
@@ -326,7 +354,8 @@ class RouteLauncher:
     ) -> tuple[torch.Tensor, ...]:
         """(topk_ids_TK, topk_weights_TK, row_of_pair_TK, expert_offsets, rows_MH or None when
         gathering, row_scales_GM or None for bf16 rows, row_source_M or None unless gathering);
-        capacity >= T x K rows (checked here: the kernel writes rows up to T x K - 1).
+        capacity >= T x pairs rows (checked here: the kernel writes rows up to T x pairs - 1;
+        pairs = K + shared_experts, the columns of the [T, pairs] outputs).
 
         `reuse_outputs`: the outputs of the last call on this stream with the same tokens and
         capacity are written again instead of allocating new ones (five allocations fewer per
@@ -335,9 +364,14 @@ class RouteLauncher:
         safe there. Under CUDA-graph capture the outputs are new, in the graph's memory pool
         (a graph replays on other streams than its capture stream)."""
         tokens = router_logits_TE.shape[0]
-        if tokens * self.top_k > capacity:
+        if tokens * self.pairs > capacity:
+            per_token = (
+                f"(top_k {self.top_k} + {self.shared_experts} shared experts)"
+                if self.shared_experts
+                else f"top_k {self.top_k}"
+            )
             raise ValueError(
-                f"{tokens} tokens x top_k {self.top_k} = {tokens * self.top_k} rows exceed the "
+                f"{tokens} tokens x {per_token} = {tokens * self.pairs} rows exceed the "
                 f"capacity {capacity}; raise capacity or send fewer tokens per call"
             )
         device = x_TH.device
@@ -375,10 +409,10 @@ class RouteLauncher:
     def _new_outputs(self, tokens: int, capacity: int, x_TH: torch.Tensor) -> tuple:
         device = x_TH.device
         return (
-            torch.empty((tokens, self.top_k), dtype=torch.int32, device=device),
-            torch.empty((tokens, self.top_k), dtype=torch.float32, device=device),
-            torch.empty((tokens, self.top_k), dtype=torch.int32, device=device),
-            torch.empty(self.num_experts + 1, dtype=torch.int32, device=device),
+            torch.empty((tokens, self.pairs), dtype=torch.int32, device=device),
+            torch.empty((tokens, self.pairs), dtype=torch.float32, device=device),
+            torch.empty((tokens, self.pairs), dtype=torch.int32, device=device),
+            torch.empty(self.batch_experts + 1, dtype=torch.int32, device=device),
             None
             if self.gather_rows
             else torch.empty((capacity, self.hidden_size), dtype=self.rows_dtype, device=device),
