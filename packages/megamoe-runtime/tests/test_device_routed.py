@@ -68,7 +68,18 @@ def _poison_allocator(device) -> None:
     torch.full((64 << 20,), float("nan"), dtype=torch.float32, device=device)
 
 
-def _check_against_torch(router, tokens, hidden, *, logits_dtype=torch.float32, capacity=None):
+def _check_against_torch(
+    router,
+    tokens,
+    hidden,
+    *,
+    logits_dtype=torch.float32,
+    capacity=None,
+    shared_experts=0,
+    gather_rows=False,
+):
+    """With `shared_experts` S the batch holds E + S experts, the last S every token's with
+    weight 1, after its routed pairs: LocalDispatcher's batch of E + S experts on those ids."""
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(tokens * 7 + router.num_experts)
     x_TH = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, generator=generator)
@@ -82,8 +93,20 @@ def _check_against_torch(router, tokens, hidden, *, logits_dtype=torch.float32, 
     )
     dispatcher = DeviceRoutedDispatcher(router, hidden_size=hidden, capacity=capacity)
     _poison_allocator(device)
-    batch, handle, ids_TK = dispatcher.route_and_dispatch(x_TH, logits_TE, correction_bias_E=bias_E)
+    batch, handle, pair_ids_TP = dispatcher.route_and_dispatch(
+        x_TH,
+        logits_TE,
+        correction_bias_E=bias_E,
+        shared_experts=shared_experts,
+        gather_rows=gather_rows,
+    )
     ref_ids_TK, ref_weights_TK = route(logits_TE, router, correction_bias_E=bias_E)
+    top_k, experts = router.top_k, router.num_experts
+    assert pair_ids_TP.shape == handle.topk_weights_TK.shape == (tokens, top_k + shared_experts)
+    shared_ids = torch.arange(experts, experts + shared_experts, device=device, dtype=torch.int32)
+    assert torch.equal(pair_ids_TP[:, top_k:], shared_ids.expand(tokens, shared_experts))
+    assert (handle.topk_weights_TK[:, top_k:] == 1.0).all()
+    ids_TK = pair_ids_TP[:, :top_k]
 
     # the same choice scores are chosen in the same order (ids may swap between equal scores)
     choice_TE = _choice_scores(logits_TE, router, bias_E)
@@ -91,21 +114,28 @@ def _check_against_torch(router, tokens, hidden, *, logits_dtype=torch.float32, 
     assert ((ids_TK >= 0) & (ids_TK < router.num_experts)).all()
     unique_ids = (ids_TK == ref_ids_TK).all(dim=1)
     torch.testing.assert_close(
-        handle.topk_weights_TK[unique_ids], ref_weights_TK[unique_ids], rtol=2e-6, atol=1e-7
+        handle.topk_weights_TK[:, :top_k][unique_ids],
+        ref_weights_TK[unique_ids],
+        rtol=2e-6,
+        atol=1e-7,
     )
     # placement and copy: exactly LocalDispatcher's on the kernel's own routing
-    oracle, oracle_handle = LocalDispatcher(router.num_experts, capacity=capacity).dispatch(
-        x_TH, ids_TK, handle.topk_weights_TK
-    )
-    valid = tokens * router.top_k
+    batch_capacity = dispatcher.batch_capacity(tokens, shared_experts=shared_experts)
+    oracle, oracle_handle = LocalDispatcher(
+        experts + shared_experts, capacity=batch_capacity
+    ).dispatch(x_TH, pair_ids_TP, handle.topk_weights_TK)
+    valid = tokens * (top_k + shared_experts)
     assert torch.equal(batch.expert_offsets, oracle.expert_offsets)
     assert torch.equal(handle.row_of_pair_TK.long(), oracle_handle.row_of_pair_TK.long())
-    assert torch.equal(batch.rows_MH[:valid], oracle.rows_MH[:valid])
-    assert batch.capacity == (valid if capacity is None else capacity)
-    assert dispatcher._route_launcher(logits_dtype, device).status(device) == [0, 0, 0, 0]
+    assert torch.equal(batch.materialized().rows_MH[:valid], oracle.rows_MH[:valid])
+    assert batch.capacity == batch_capacity
+    launcher = dispatcher._route_launcher(
+        logits_dtype, device, torch.bfloat16, gather_rows, shared_experts
+    )
+    assert launcher.status(device) == [0, 0, 0, 0]
 
     # combine: the torch combine's bits, with and without the shared experts' addend
-    expert_out_MH = torch.randn_like(batch.rows_MH)
+    expert_out_MH = torch.randn_like(batch.materialized().rows_MH)
     y_TH = dispatcher.combine(expert_out_MH, handle)
     expected_TH = weighted_sum_over_topk(
         expert_out_MH, handle.row_of_pair_TK, handle.topk_weights_TK, output_dtype=torch.bfloat16
@@ -174,6 +204,22 @@ def test_capacity_tail_and_overflow():
     with pytest.raises(ValueError, match="exceed the capacity"):
         dispatcher.route_and_dispatch(
             x_TH, logits_TE, correction_bias_E=torch.zeros(256, device="cuda")
+        )
+
+
+@pytest.mark.parametrize("name", ["dsv3", "qwen3", "mixtral"])
+@pytest.mark.parametrize("shared_experts", [1, 3])
+@pytest.mark.parametrize("tokens", [0, 1, 5, 300, 4099])
+def test_shared_experts_in_the_batch(name, shared_experts, tokens):
+    """Shared experts in the batch (one CTA and the grid; copied rows), then gathered rows and
+    a capacity with its tail."""
+    router = ROUTERS[name]
+    _needs_kernels(router, 264)
+    _check_against_torch(router, tokens, 264, shared_experts=shared_experts)
+    if tokens:
+        _check_against_torch(router, tokens, 512, shared_experts=shared_experts, gather_rows=True)
+        _check_against_torch(
+            router, tokens, 264, shared_experts=shared_experts, capacity=tokens * router.top_k + 9
         )
 
 

@@ -157,9 +157,7 @@ def test_the_backend_runs_explicit_knobs_exactly_and_cached_ones_as_tuned(tmp_pa
     batch = small_batch()
     tuned, explicit = candidate_knobs("down")[3:5]
     cache.put(down_key(batch), cache_fields(tuned), microseconds=1.0)
-    prepared = cutedsl.CuteDSLWeights(
-        w13_EB2GH=torch.empty(0), w2_EHI=torch.empty(2, *DOWN_DIMS), source=None
-    )
+    prepared = cutedsl.CuteDSLWeights(w13_EB2GH=torch.empty(0), w2_EHI=torch.empty(2, *DOWN_DIMS))
     gate_up, down = CuteDSLExperts(knob_cache=cache)._knob_arguments(batch, prepared)
     assert gate_up == {"tuned_knobs": None} and down == {"tuned_knobs": tuned}
     gate_up, down = CuteDSLExperts(down_knobs=explicit, knob_cache=cache)._knob_arguments(

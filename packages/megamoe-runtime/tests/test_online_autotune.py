@@ -186,7 +186,7 @@ def test_the_cutedsl_backend_keys_and_binds_what_the_tuner_stores(tmp_path):
     # what CuteDSLExperts gives the tuner, checked without a GPU: the classes it looks knobs up
     # by (only for ops without explicit knobs), and tuned knobs in place of the looked-up ones
     batch, weights = make_problem(24)
-    prepared = CuteDSLWeights(w13_EB2GH=torch.empty(0), w2_EHI=weights.w2_EHI, source=weights)
+    prepared = CuteDSLWeights(w13_EB2GH=torch.empty(0), w2_EHI=weights.w2_EHI)
     cache = KnobCache(tmp_path / "knobs.json")
     backend = CuteDSLExperts(knob_cache=cache)
     keys = backend.knob_keys(batch, prepared)

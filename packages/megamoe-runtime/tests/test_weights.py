@@ -71,3 +71,47 @@ def test_an_fp8_pack_refuses_other_dtypes_and_misshaped_scales():
             w2_EHI=pack.w2_EHI[:, :, :128],
             w2_scales=pack.w2_scales,
         )
+
+
+def test_dense_experts_appended_to_a_pack_sum_to_the_dense_mlp():
+    """with_dense_experts: a dense SwiGLU MLP of intermediate 3 x INTER as experts E .. E + 2;
+    a token's rows in those three experts, summed, are the MLP of the token (the oracle
+    computes in fp32: only the summation order differs); the routed experts are unchanged, and first_experts gives
+    back views of them."""
+    from megamoe_runtime.experts import first_experts
+    from megamoe_runtime.weights import with_dense_experts
+
+    generator = torch.Generator().manual_seed(3)
+    pack = random_pack(3)
+    dense = 3 * INTER
+    gate_FH, up_FH = (torch.randn(dense, H, generator=generator) / H**0.5 for _ in "gu")
+    down_HF = torch.randn(H, dense, generator=generator) / dense**0.5
+    joined = with_dense_experts(pack, gate_FH=gate_FH, up_FH=up_FH, down_HF=down_HF)
+    assert joined.num_experts == E + 3
+    assert torch.equal(joined.w13_E2IH[:E], pack.w13_E2IH)
+    assert torch.equal(joined.w2_EHI[:E], pack.w2_EHI)
+    tokens = torch.randn(5, H, generator=generator)
+    # each token in every dense expert: rows [E x 0 rows..., 5 rows for each dense expert]
+    offsets = torch.tensor([0] * (E + 1) + [5, 10, 15], dtype=torch.int32)
+    batch_rows = tokens.repeat(3, 1)
+    out = expert_mlp_reference(batch_rows, offsets, joined.w13_E2IH, joined.w2_EHI)
+    summed = out.view(3, 5, H).sum(0)
+    mlp = (torch.nn.functional.silu(tokens @ gate_FH.T) * (tokens @ up_FH.T)) @ down_HF.T
+    assert relative_l2_error(summed, mlp) < 1e-5
+    routed = first_experts(joined, E)
+    assert routed.num_experts == E and routed.w13_E2IH.data_ptr() == joined.w13_E2IH.data_ptr()
+
+
+def test_dense_experts_refuse_what_they_cannot_join():
+    from megamoe_runtime.weights import with_dense_experts
+
+    pack = random_pack(4)
+    gate = torch.randn(2 * INTER, H)
+    with pytest.raises(ValueError, match="down must have shape"):
+        with_dense_experts(pack, gate_FH=gate, up_FH=gate, down_HF=torch.randn(H, INTER))
+    odd = torch.randn(INTER + 8, H)
+    with pytest.raises(ValueError, match="not a multiple"):
+        with_dense_experts(pack, gate_FH=odd, up_FH=odd, down_HF=torch.randn(H, INTER + 8))
+    biased = Unquantized(w13_E2IH=pack.w13_E2IH, w2_EHI=pack.w2_EHI, w2_bias_EH=torch.zeros(E, H))
+    with pytest.raises(ValueError, match="bias-free"):
+        with_dense_experts(biased, gate_FH=gate, up_FH=gate, down_HF=torch.randn(H, 2 * INTER))

@@ -13,6 +13,8 @@ Backends transform a pack into their own layout once (ExpertBackend.prepare) and
   scale: the `weight_scale_inv` of DeepSeek-V3's and Qwen3's FP8 checkpoints), the blocks of
   w13 over its stored rows (gate rows, then up rows). `quantize` makes one from an Unquantized
   pack (deterministic: each block's amax / 448); `dequantize` gives the values it stands for.
+- `with_dense_experts(pack, ...)`: the pack with a dense SwiGLU MLP (shared experts) appended as
+  experts of the routed size, for a batch whose last experts every token visits.
 """
 
 from __future__ import annotations
@@ -176,4 +178,50 @@ def dequantize(weights: Prequantized, dtype: torch.dtype = torch.float32) -> Unq
     return Unquantized(
         w13_E2IH=dequantize_weight_blocks(weights.w13_E2IH, weights.w13_scales).to(dtype),
         w2_EHI=dequantize_weight_blocks(weights.w2_EHI, weights.w2_scales).to(dtype),
+    )
+
+
+def with_dense_experts(
+    weights: Unquantized,
+    *,
+    gate_FH: torch.Tensor,
+    up_FH: torch.Tensor,
+    down_HF: torch.Tensor,
+) -> Unquantized:
+    """`weights` and, after its E experts, a dense SwiGLU MLP down(silu(gate x) * up x) of
+    intermediate size F cut into S = F / I experts of the routed experts' size I: expert E + s
+    computes columns [s I, (s + 1) I) of the MLP, so the S experts' outputs sum to the MLP's.
+    A new pack (the routed weights copied once); bias-free plain-SwiGLU experts only."""
+    _, two_intermediate, hidden = weights.w13_E2IH.shape
+    intermediate = two_intermediate // 2
+    dense = gate_FH.shape[0]
+    if weights.expert_math:
+        raise ValueError(
+            f"dense experts join bias-free silu(gate) * up experts; these have "
+            f"{', '.join(weights.expert_math)}"
+        )
+    shapes = {"gate": (gate_FH, (dense, hidden)), "up": (up_FH, (dense, hidden))}
+    shapes["down"] = (down_HF, (hidden, dense))
+    for name, (tensor, shape) in shapes.items():
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
+    if dense % intermediate:
+        raise ValueError(
+            f"the dense MLP's intermediate size {dense} is not a multiple of the experts' "
+            f"{intermediate}"
+        )
+    pieces = dense // intermediate
+    dtype = weights.w13_E2IH.dtype
+    w13_S2IH = torch.cat(
+        (
+            gate_FH.reshape(pieces, intermediate, hidden),
+            up_FH.reshape(pieces, intermediate, hidden),
+        ),
+        dim=1,
+    ).to(dtype)
+    w2_SHI = down_HF.reshape(hidden, pieces, intermediate).permute(1, 0, 2).to(dtype)
+    return Unquantized(
+        w13_E2IH=torch.cat((weights.w13_E2IH, w13_S2IH)),
+        w2_EHI=torch.cat((weights.w2_EHI, w2_SHI)),
+        swiglu=weights.swiglu,
     )

@@ -11,7 +11,9 @@ unspecified way), weights within an ulp or two (the softmax's sum is a warp tree
 routing, the batch, offsets and pair rows are LocalDispatcher's bit for bit. `combine` is one
 launch: the fixed-order fp32 weighted top-k sum of
 `weighted_sum_over_topk`, with the shared experts' output added the way `y + shared` adds it in
-bf16. No host sync, fixed shapes for a fixed capacity: the pair captures in a CUDA graph.
+bf16. `shared_experts=S` puts a shared MLP cut into S experts of the routed size into the batch
+instead (experts E .. E + S - 1, every token's row in each, weight 1, after its routed pairs),
+for the grouped GEMMs to compute with the routed experts; the combine then sums K + S pairs. No host sync, fixed shapes for a fixed capacity: the pair captures in a CUDA graph.
 Replaces about 25 torch launches of the routing (`route`), LocalDispatcher and its combine.
 """
 
@@ -76,6 +78,23 @@ def device_routing_status(
     return True, "sm_90 GPU with CuTe DSL: routing, dispatch and combine on the device"
 
 
+def shared_experts_batch_problems(
+    router: RouterConfig, *, hidden_size: int, shared_experts: int
+) -> list[str]:
+    """Why the device routing kernels cannot put `shared_experts` experts every token visits
+    into the batch beside `router`'s ([] when they can): the experts and the pairs per token
+    they hold."""
+    from megamoe_kernels.shim.local_layer import routing_problems
+
+    return routing_problems(
+        num_experts=router.num_experts,
+        top_k=router.top_k,
+        hidden_size=hidden_size,
+        num_groups=router.num_groups,
+        shared_experts=shared_experts,
+    )
+
+
 def router_features_without_kernels(router: RouterConfig) -> list[str]:
     """The parts of `router` the device routing kernels do not compute ([] when they compute
     it all); `route` computes every RouterConfig."""
@@ -125,8 +144,9 @@ class DeviceRoutedDispatcher:
         device: torch.device,
         rows_dtype: torch.dtype = torch.bfloat16,
         gather_rows: bool = False,
+        shared_experts: int = 0,
     ):
-        key = (logits_dtype, device, rows_dtype, gather_rows)
+        key = (logits_dtype, device, rows_dtype, gather_rows, shared_experts)
         launcher = self._route_launchers.get(key)
         if launcher is None:
             from megamoe_kernels.shim.local_layer import route_launcher
@@ -137,6 +157,7 @@ class DeviceRoutedDispatcher:
                 logits_dtype=logits_dtype,
                 rows_dtype=rows_dtype,
                 gather_rows=gather_rows,
+                shared_experts=shared_experts,
                 device=device,
             )
         return launcher
@@ -162,9 +183,15 @@ class DeviceRoutedDispatcher:
         correction_bias_E: torch.Tensor | None = None,
         rows_dtype: torch.dtype | None = None,
         gather_rows: bool = False,
+        shared_experts: int = 0,
     ) -> tuple[ExpertBatch, LocalHandle, torch.Tensor]:
         """(batch, handle for combine, topk_ids_TK int32); the routing weights are
         handle.topk_weights_TK (float32).
+
+        `shared_experts=S`: the batch holds E + S experts, the last S visited by every token
+        with weight 1 (the ids, weights and pair rows then have K + S columns); `capacity`,
+        which counts the routed rows, grows by capacity / K rows per shared expert
+        (batch_capacity).
 
         `rows_dtype=torch.float8_e4m3fn`: the kernel quantizes each bf16 token as it copies it
         into its top-k rows, so the batch holds e4m3 rows and row_scales_GM (one scale per row
@@ -176,11 +203,11 @@ class DeviceRoutedDispatcher:
         (ExpertBatch.gathered: the tokens and the token of each batch row), for a backend whose
         gate-up GEMM reads the rows from the tokens (cutedsl; the others copy them out)."""
         tokens = x_TH.shape[0]
-        num_pairs = tokens * self.router.top_k
-        capacity = num_pairs if self.capacity is None else self.capacity
+        num_pairs = tokens * (self.router.top_k + shared_experts)
+        capacity = self.batch_capacity(tokens, shared_experts=shared_experts)
         rows_dtype = x_TH.dtype if rows_dtype is None else rows_dtype
         launcher = self._route_launcher(
-            router_logits_TE.dtype, x_TH.device, rows_dtype, gather_rows
+            router_logits_TE.dtype, x_TH.device, rows_dtype, gather_rows, shared_experts
         )
         ids_TK, weights_TK, row_of_pair_TK, offsets, rows_MH, row_scales_GM, row_source_M = (
             launcher(
@@ -205,6 +232,16 @@ class DeviceRoutedDispatcher:
         )
         return batch, handle, ids_TK
 
+    def batch_capacity(self, tokens: int, *, shared_experts: int = 0) -> int:
+        """Rows of the batch of a call of `tokens`: tokens x (K + S) without a capacity, else
+        the capacity (rows for the routed pairs) and, for S shared experts in the batch, room
+        for as many tokens as the capacity has routed rows for: ceil(capacity / K) rows each
+        (a call within the capacity stays within it)."""
+        top_k = self.router.top_k
+        if self.capacity is None:
+            return tokens * (top_k + shared_experts)
+        return self.capacity + shared_experts * -(-self.capacity // top_k)
+
     def route(
         self, router_logits_TE: torch.Tensor, *, correction_bias_E: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,14 +265,16 @@ class DeviceRoutedDispatcher:
         addend_TH: torch.Tensor | None = None,
         weights_applied: bool = False,
     ) -> torch.Tensor:
-        """y[t] = sum over k of weight[t, k] x expert_out[row[t, k]] (+ addend[t]), bf16."""
-        key = (not weights_applied, addend_TH is not None, expert_out_MH.device)
+        """y[t] = sum over k of weight[t, k] x expert_out[row[t, k]] (+ addend[t]), bf16; k
+        over the handle's pairs (top_k, and the shared experts in the batch)."""
+        pairs = handle.row_of_pair_TK.shape[1]
+        key = (not weights_applied, addend_TH is not None, expert_out_MH.device, pairs)
         launcher = self._combine_launchers.get(key)
         if launcher is None:
             from megamoe_kernels.shim.local_layer import combine_launcher
 
             launcher = self._combine_launchers[key] = combine_launcher(
-                top_k=self.router.top_k,
+                top_k=pairs,
                 hidden_size=self.hidden_size,
                 weighted=not weights_applied,
                 has_addend=addend_TH is not None,

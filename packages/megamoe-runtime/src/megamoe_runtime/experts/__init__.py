@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from megamoe_runtime.experts.base import ExpertBackend, check_batch_matches_weights
+from megamoe_runtime.experts.base import (
+    ExpertBackend,
+    check_batch_matches_weights,
+    first_experts,
+)
 from megamoe_runtime.experts.cutedsl import CuteDSLExperts, cutedsl_status
 from megamoe_runtime.experts.grouped_mm import GroupedMMExperts, grouped_mm_status
 from megamoe_runtime.experts.reference import ReferenceExperts
@@ -128,6 +132,7 @@ __all__ = [
     "ReferenceExperts",
     "backend_status",
     "check_batch_matches_weights",
+    "first_experts",
     "make_backend",
     "select_backend",
 ]

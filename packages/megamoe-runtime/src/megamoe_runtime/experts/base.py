@@ -6,6 +6,7 @@ optional per-row scale (`row_scale_M`) that its down-projection epilogue may app
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
 from typing import Any, Protocol
 
 import torch
@@ -55,3 +56,15 @@ def check_batch_matches_weights(
         raise ValueError(
             f"batch on {batch.rows_MH.device} but weights on {weights.w13_E2IH.device}"
         )
+
+
+def first_experts(prepared: Any, count: int) -> Any:
+    """Prepared weights (any backend's: a frozen dataclass whose tensors lead with the expert
+    dimension) for their first `count` experts, as views: a batch of the routed experts alone
+    on weights prepared with shared experts after them."""
+    views = {
+        field.name: value[:count]
+        for field in fields(prepared)
+        if isinstance(value := getattr(prepared, field.name), torch.Tensor)
+    }
+    return replace(prepared, **views)

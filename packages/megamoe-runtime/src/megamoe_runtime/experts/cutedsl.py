@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from megamoe_kernels import (
@@ -41,7 +41,7 @@ from megamoe_kernels import (
 from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.experts.base import check_batch_matches_weights
 from megamoe_runtime.tuning.cache import KnobCache, KnobKey
-from megamoe_runtime.weights import Prequantized, Unquantized, WeightPack
+from megamoe_runtime.weights import Prequantized, WeightPack
 
 
 def cutedsl_status(device: torch.device) -> tuple[bool, str]:
@@ -76,21 +76,18 @@ class _KernelLayoutDims:
 @dataclass(frozen=True)
 class CuteDSLWeights(_KernelLayoutDims):
     """Weights in the kernels' layout: w13 gate/up interleaved ([E, I/8, 16, H]), w2 as given;
-    the biases in float32, w13's interleaved like it ([E, I/8, 16]), w2's [E, H]; the SwiGLU."""
+    the biases in float32, w13's interleaved like it ([E, I/8, 16]), w2's [E, H]; the SwiGLU.
+    Nothing of the source pack is kept (a pack made for the backend alone is freed)."""
 
     w13_EB2GH: torch.Tensor
     w2_EHI: torch.Tensor
-    source: Unquantized
+    swiglu: SwiGLU = field(default_factory=SwiGLU)
     w13_bias_EB2G: torch.Tensor | None = None
     w2_bias_EH: torch.Tensor | None = None
 
     @property
-    def swiglu(self) -> SwiGLU:
-        return self.source.swiglu
-
-    @property
-    def w13_E2IH(self) -> torch.Tensor:
-        return self.source.w13_E2IH
+    def w13_E2IH(self) -> torch.Tensor:  # check_batch_matches_weights reads its dtype, device
+        return self.w13_EB2GH
 
 
 @dataclass(frozen=True)
@@ -329,7 +326,7 @@ class CuteDSLExperts:
         return CuteDSLWeights(
             w13_EB2GH=interleave_gate_up(weights.w13_E2IH),
             w2_EHI=weights.w2_EHI.contiguous(),
-            source=weights,
+            swiglu=weights.swiglu,
             w13_bias_EB2G=None if w13_bias is None else interleave_gate_up_bias(w13_bias),
             w2_bias_EH=None if w2_bias is None else w2_bias.float().contiguous(),
         )
