@@ -12,6 +12,8 @@ from dataclasses import replace
 import pytest
 import torch
 from megamoe_kernels.reference import relative_l2_error
+from megamoe_runtime.dispatch import LocalDispatcher
+from megamoe_runtime.routing import route
 from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.layer import MegaMoE
 
@@ -36,8 +38,9 @@ FAMILIES = {
 }
 
 
-def _pair(family: str, backend: str, tokens: int) -> tuple[MegaMoE, MegaMoE]:
+def _pair(family: str, backend: str, tokens: int, **overrides) -> tuple[MegaMoE, MegaMoE]:
     fields = dict(hidden_size=512, intermediate_size=256, backend=backend, **FAMILIES[family])
+    fields.update(overrides)
     torch.manual_seed(0)
     fused = MegaMoE(
         MegaMoEConfig(**fields, layer_path="fused"), device="cuda", dtype=torch.bfloat16
@@ -59,7 +62,9 @@ def test_fused_path_matches_torch_path(family, backend, tokens):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     try:
-        fused, plain = _pair(family, backend, tokens)
+        # the shared experts as their own MLP on both paths (test_shared_experts_in_the_batch
+        # covers them as experts of the batch)
+        fused, plain = _pair(family, backend, tokens, shared_experts_path="side_stream")
         ok, why = fused.fused_path_status()
     except ValueError as refused:
         pytest.skip(str(refused))
@@ -105,12 +110,12 @@ def test_autograd_takes_the_torch_path():
 def test_shared_experts_on_a_side_stream_give_the_same_bits(family, tokens):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    beside, _ = _pair(family, "cutedsl", tokens)
+    beside, _ = _pair(family, "cutedsl", tokens, shared_experts_path="side_stream")
     ok, why = beside.fused_path_status()
     if not ok or beside.backend != "cutedsl":
         pytest.skip(why)
     fused = MegaMoE(  # the same layer, its shared experts on the caller's stream
-        replace(beside.config, shared_experts_on_side_stream=False),
+        replace(beside.config, shared_experts_path="caller_stream"),
         device="meta",
         dtype=torch.bfloat16,
     )
@@ -165,3 +170,93 @@ def test_gathered_rows_give_the_bits_of_copied_rows(family, tokens):
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(y, layers[False](x))
+
+
+# shared experts that join the batch: dsv3's one (S = 1), two of the routed size (S = 2)
+BATCH_SHARED = {
+    "dsv3": FAMILIES["dsv3"],
+    "two_shared": dict(num_experts=32, top_k=4, num_shared_experts=2),
+}
+
+
+@pytest.mark.parametrize("family", sorted(BATCH_SHARED))
+@pytest.mark.parametrize("backend", ["cutedsl", "reference"])
+@pytest.mark.parametrize("tokens", [0, 1, 77, 1500])
+@torch.no_grad()
+def test_shared_experts_in_the_batch(family, backend, tokens):
+    """shared_experts_path="batch": the shared MLP as S experts of the routed batch (weight 1,
+    every token's row) gives the side stream's output within bf16 rounding, no further from
+    the fp32 oracle; bitwise repeatable, launched and replayed; a caller's capture replays
+    new tokens; the routed experts alone (the torch path) run on a view of the same prepared
+    weights, with their bits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    fields = dict(hidden_size=512, intermediate_size=256, backend=backend, **BATCH_SHARED[family])
+    torch.manual_seed(0)
+    beside = MegaMoE(
+        MegaMoEConfig(**fields, shared_experts_path="side_stream"),
+        device="cuda",
+        dtype=torch.bfloat16,
+    )
+    if beside.e_score_correction_bias is not None:
+        beside.e_score_correction_bias.normal_(0, 0.05)
+    ok, why = beside.fused_path_status()
+    if not ok or beside.backend != backend:
+        pytest.skip(why)
+    in_batch = MegaMoE(
+        replace(beside.config, shared_experts_path="batch"), device="meta", dtype=torch.bfloat16
+    )
+    in_batch.load_state_dict(beside.state_dict(), assign=True)
+    shared = in_batch._shared_experts_in_batch(tokens)
+    assert shared == beside.config.num_shared_experts
+    oracle = MegaMoE(
+        replace(beside.config, backend="reference", layer_path="torch"),
+        device="cuda",
+        dtype=torch.float32,
+    )
+    oracle.load_state_dict({k: v.float() for k, v in beside.state_dict().items()})
+    for seed in range(3):  # launched, then (up to 128 tokens) captured and replayed
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        x = torch.randn(tokens, 512, device="cuda", generator=generator).bfloat16()
+        y = in_batch(x)
+        assert torch.equal(in_batch(x), y)
+        if not tokens:
+            assert y.shape == (0, 512)
+            continue
+        assert torch.isfinite(y).all()
+        # the side stream's shared MLP rounds gate, up, silu and their product to bf16 (torch
+        # ops), the batch's SwiGLU epilogue once: no further from the fp32 oracle
+        y_side = beside(x)
+        expected = oracle(x.float())
+        assert relative_l2_error(y.float(), y_side.float()) < 1e-2
+        error, side_error = (relative_l2_error(v.float(), expected) for v in (y, y_side))
+        assert error < 1.1 * side_error
+    if not tokens:
+        return
+    # a batch of the routed experts alone (the torch path's: autograd's, torch.compile's) runs
+    # on a view of the weights prepared with the shared experts: the routed weights' bits
+    ids, weights = route(
+        beside.router_logits(x),
+        beside.config.router,
+        correction_bias_E=beside.e_score_correction_bias,
+    )
+    routed_batch, _ = LocalDispatcher(beside.config.num_experts).dispatch(x, ids, weights)
+    assert torch.equal(
+        in_batch._run_expert_backend(routed_batch), beside._run_expert_backend(routed_batch)
+    )
+    routed, joined = (in_batch._prepared_weights(shared_in_batch=s) for s in (False, True))
+    assert routed.w2_EHI.shape[0] == joined.w2_EHI.shape[0] - shared
+    assert routed.w2_EHI.data_ptr() == joined.w2_EHI.data_ptr()  # a view, no copy
+    if not in_batch._expert_backend.captures_in_graphs:
+        return  # the reference backend reads the expert offsets on the host
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        in_batch(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = in_batch(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(y, in_batch(x))

@@ -196,3 +196,25 @@ def test_gradients_flow_through_the_reference_backend():
     assert x.grad is not None and torch.isfinite(x.grad).all()
     assert layer.w13.grad is not None and layer.w13.grad.abs().sum() > 0
     assert layer.gate.weight.grad is not None
+
+
+@torch.no_grad()
+def test_shared_experts_the_batch_cannot_hold_say_why():
+    """shared_experts_path="batch" names what keeps the shared experts out of the batch; a
+    device without the fused path runs them as their own MLP."""
+    with pytest.raises(ValueError, match="shared_expert_gate"):
+        MegaMoEConfig(
+            **dict(QWEN2_SHARED, shared_intermediate_size=48), shared_experts_path="batch"
+        )
+    with pytest.raises(ValueError, match="40 is not a multiple of intermediate_size=24"):
+        MegaMoEConfig(**dict(QWEN2_SHARED, shared_expert_gate=False), shared_experts_path="batch")
+    with pytest.raises(ValueError, match="shared_experts_path must be one of"):
+        MegaMoEConfig(**DSV3, shared_experts_path="beside")
+    # a CPU has no fused path: the shared experts run as their own MLP
+    x = torch.randn(3, DSV3["hidden_size"])
+    auto = MegaMoE(MegaMoEConfig(**DSV3), dtype=torch.float32)
+    explicit = MegaMoE(MegaMoEConfig(**DSV3, shared_experts_path="batch"), dtype=torch.float32)
+    explicit.load_state_dict(auto.state_dict())
+    for layer in (auto, explicit):
+        assert layer._shared_batch_experts() == 0 and layer._shared_experts_in_batch(3) == 0
+    assert torch.equal(explicit(x), auto(x))

@@ -17,6 +17,8 @@ from megamoe_runtime.routing import GROUP_SCORES, GroupScore, RouterConfig, Scor
 DISPATCHER_NAMES = ("auto", "torch", "nvshmem")
 KNOB_MODES = ("lookup", "auto")
 LAYER_PATHS = ("auto", "fused", "torch")
+SHARED_EXPERTS_PATHS = ("auto", "batch", "side_stream", "caller_stream")
+SharedExpertsPath = Literal["auto", "batch", "side_stream", "caller_stream"]
 WEIGHT_DTYPES = (None, "fp8")
 
 
@@ -63,11 +65,18 @@ class MegaMoEConfig:
     shared_intermediate_size: int | None = None
     # Qwen2-MoE: the shared experts' output is scaled by sigmoid(x . w_gate)
     shared_expert_gate: bool = False
-    # on the fused path (one GPU), run the shared experts on a side stream of the caller's
-    # stream, beside the routing and the routed experts, joined before the combine adds them
-    # (the same bits; measured at dsv3 on an H200: 223 against 234 us at 1 token, equal within
-    # the spread at 16 and 2048 tokens, scripts/shared_experts_ab.py)
-    shared_experts_on_side_stream: bool = True
+    # where the fused path (one GPU) computes the shared experts:
+    # "batch": in the routed experts' batch, as S = shared_size / intermediate_size more experts
+    #   every token visits with weight 1 (the shared MLP cut into S experts of the routed size),
+    #   computed by the same two grouped GEMMs and summed by the same combine; bf16 weights,
+    #   no gate, no expert bias, the plain SwiGLU, shared_size a multiple of intermediate_size;
+    # "side_stream": their own MLP on a side stream of the caller's stream, beside the routing
+    #   and the routed experts, joined before the combine adds their output;
+    # "caller_stream": their own MLP on the caller's stream, after the routed experts (the
+    #   side stream's bits);
+    # "auto": the measured choice (shared_experts_in_batch_by_default), else "side_stream".
+    # The torch layer path (and expert parallelism) runs them as their own MLP.
+    shared_experts_path: SharedExpertsPath = "auto"
     backend: str = "auto"
     # the routed experts' weights: None, in the layer's dtype; "fp8", e4m3 with one float32
     # scale per 128 x 128 block (the format of DeepSeek-V3's and Qwen3's FP8 checkpoints): the
@@ -173,6 +182,18 @@ class MegaMoEConfig:
             raise ValueError(
                 f"backend must be one of {('auto', *BACKEND_NAMES)}, got {self.backend!r}"
             )
+        if self.shared_experts_path not in SHARED_EXPERTS_PATHS:
+            raise ValueError(
+                f"shared_experts_path must be one of {SHARED_EXPERTS_PATHS}, got "
+                f"{self.shared_experts_path!r}"
+            )
+        if self.shared_experts_path == "batch" and self.num_shared_experts:
+            problems = self.shared_experts_in_batch_problems
+            if problems:
+                raise ValueError(
+                    f"shared_experts_path='batch' cannot put these shared experts into the "
+                    f"routed batch: {'; '.join(problems)}; use 'side_stream' or 'auto'"
+                )
         if self.layer_path not in LAYER_PATHS:
             raise ValueError(f"layer_path must be one of {LAYER_PATHS}, got {self.layer_path!r}")
         if self.dispatcher not in DISPATCHER_NAMES:
@@ -245,6 +266,27 @@ class MegaMoEConfig:
         if self.shared_intermediate_size is not None:
             return self.shared_intermediate_size
         return self.intermediate_size * self.num_shared_experts
+
+    @property
+    def shared_experts_in_batch_problems(self) -> tuple[str, ...]:
+        """Why the shared experts cannot be experts of the routed batch
+        (shared_experts_path="batch"): () when they can. The kernels' own limits (experts and
+        pairs per token) are checked where the layer runs."""
+        if not self.num_shared_experts:
+            return ("the layer has no shared experts",)
+        problems = []
+        if self.shared_size % self.intermediate_size:
+            problems.append(
+                f"the shared experts' intermediate size {self.shared_size} is not a multiple "
+                f"of intermediate_size={self.intermediate_size}"
+            )
+        if self.shared_expert_gate:
+            problems.append("shared_expert_gate=True (the batch's shared rows have weight 1)")
+        if self.weight_dtype is not None or self.shared_weight_dtype is not None:
+            problems.append("FP8 weights (the batch takes bf16 experts)")
+        problems.extend(self.expert_math_features)
+        problems.extend(self.torch_only_features)
+        return tuple(problems)
 
     @classmethod
     def from_geometry(cls, geometry: Geometry, **overrides) -> MegaMoEConfig:

@@ -19,19 +19,34 @@ import math
 from dataclasses import replace
 
 import torch
-from megamoe_kernels import can_gather_rows, gathers_rows_by_default, weight_scales_shape
+from megamoe_kernels import (
+    can_gather_rows,
+    gathers_rows_by_default,
+    shared_experts_in_batch_by_default,
+    weight_scales_shape,
+)
 from megamoe_runtime.dispatch import LocalDispatcher, RowWeightsDispatcher
-from megamoe_runtime.dispatch.device_routed import DeviceRoutedDispatcher, device_routing_status
+from megamoe_runtime.dispatch.device_routed import (
+    DeviceRoutedDispatcher,
+    device_routing_status,
+    shared_experts_batch_problems,
+)
 from megamoe_runtime.distributed import (
     injected_dispatcher_group,
     local_expert_range,
     make_expert_parallel_dispatcher,
     select_dispatcher,
 )
-from megamoe_runtime.experts import backend_status, make_backend, select_backend
+from megamoe_runtime.experts import backend_status, first_experts, make_backend, select_backend
 from megamoe_runtime.routing import check_finite_logits, route
 from megamoe_runtime.tuning.online import OnlineAutotuner
-from megamoe_runtime.weights import FP8_WEIGHT_DTYPE, Prequantized, Unquantized, WeightPack
+from megamoe_runtime.weights import (
+    FP8_WEIGHT_DTYPE,
+    Prequantized,
+    Unquantized,
+    WeightPack,
+    with_dense_experts,
+)
 from torch import nn
 
 from megamoe_torch.config import MegaMoEConfig
@@ -260,6 +275,10 @@ class MegaMoE(nn.Module):
             config.router, hidden_size=hidden, capacity=config.capacity, reuse_outputs=True
         )
         self._fused_status: dict[tuple, tuple[bool, str]] = {}
+        # per backend: how many experts the shared experts make in the fused path's batch (0:
+        # they run as their own MLP), and the routed experts' view of weights prepared with them
+        self._shared_in_batch: dict[tuple, int] = {}
+        self._routed_view: tuple[object, object] | None = None
         # small eager forwards on the fused path replay CUDA graphs of themselves
         self._forward_graphs = ForwardGraphs(self, max_tokens=config.eager_graph_tokens)
         # knobs="auto": times the GEMM knobs of each new batch class once (collectively under
@@ -409,21 +428,95 @@ class MegaMoE(nn.Module):
             self._expert_backend = make_backend(self._backend_name)
             self._prepared.clear()
 
-    def _prepared_weights(self):
+    def _prepared_weights(self, *, shared_in_batch: bool = False):
+        """The backend's layout of the routed experts, or with `shared_in_batch` of the routed
+        then the shared experts (_shared_experts_in_batch). A layer whose shared experts may
+        join the batch prepares them once, with the shared ones: a batch of the routed experts
+        alone takes a view of its first experts."""
+        shared = self._shared_batch_experts()
         # the backend's layout is rebuilt only when the weights change (in place or replaced)
+
         def prepare():
             with torch.no_grad():
-                return self._expert_backend.prepare(self.expert_weight_pack())
+                pack = self.expert_weight_pack()
+                if shared:
+                    mlp = self.shared_experts
+                    pack = with_dense_experts(
+                        pack,
+                        gate_FH=mlp.gate_proj.weight.detach(),
+                        up_FH=mlp.up_proj.weight.detach(),
+                        down_HF=mlp.down_proj.weight.detach(),
+                    )
+                return self._expert_backend.prepare(pack)
 
-        weights = (
+        weights = [
             self.w13,
             self.w2,
             self.w13_scale_inv,
             self.w2_scale_inv,
             self.w13_bias,
             self.w2_bias,
+        ]
+        if shared:
+            mlp = self.shared_experts
+            weights += [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+        prepared = self._prepared.get(weights, prepare, context=(self._backend_name, shared))
+        if not shared or shared_in_batch:
+            return prepared
+        if self._routed_view is None or self._routed_view[0] is not prepared:
+            self._routed_view = (prepared, first_experts(prepared, len(self.local_experts)))
+        return self._routed_view[1]
+
+    def _shared_batch_experts(self) -> int:
+        """How many experts the shared experts make when they join the fused path's batch, S =
+        shared_size / intermediate_size, or 0 where they never do: where no forward takes the
+        fused path on one GPU (expert parallelism, layer_path="torch", no sm_90 GPU), and by
+        config.shared_experts_path ("batch": on any backend, an error where the routing
+        kernels cannot hold S more experts; "auto": on the cutedsl backend where they can; the
+        others: never; the config refuses "batch" for shared experts the batch cannot compute).
+        Fixed per backend and device; _shared_experts_in_batch decides per forward."""
+        config = self.config
+        if self.shared_experts is None or config.shared_experts_path not in ("auto", "batch"):
+            return 0
+        key = (self._backend_name, self.w13.device)
+        shared = self._shared_in_batch.get(key)
+        if shared is None:
+            shared = config.shared_size // config.intermediate_size
+            if (
+                config.shared_experts_in_batch_problems
+                or not self._routes_on_this_gpu
+                or not self.fused_path_status()[0]
+                or (config.shared_experts_path == "auto" and self._backend_name != "cutedsl")
+            ):
+                shared = 0
+            else:
+                problems = shared_experts_batch_problems(
+                    config.router, hidden_size=config.hidden_size, shared_experts=shared
+                )
+                if problems and config.shared_experts_path == "batch":
+                    raise ValueError(
+                        "shared_experts_path='batch' cannot put the shared experts into the "
+                        f"routed batch: {'; '.join(problems)}"
+                    )
+                shared = 0 if problems else shared
+            self._shared_in_batch[key] = shared
+        return shared
+
+    def _shared_experts_in_batch(self, tokens: int) -> int:
+        """The shared experts' experts in the batch of a fused forward of `tokens` tokens (0:
+        they run as their own MLP): _shared_batch_experts', always with
+        shared_experts_path="batch", by the measured rule with "auto"
+        (megamoe_kernels.shared_experts_in_batch_by_default)."""
+        shared = self._shared_batch_experts()
+        if not shared or self.config.shared_experts_path == "batch":
+            return shared
+        joins = shared_experts_in_batch_by_default(
+            tokens=tokens,
+            valid_rows=tokens * (self.config.top_k + shared),
+            capacity=self._device_routed.batch_capacity(tokens, shared_experts=shared),
+            num_experts=self.config.num_experts + shared,
         )
-        return self._prepared.get(weights, prepare, context=(self._backend_name,))
+        return shared if joins else 0
 
     def expert_weight_pack(self, *, detach: bool = True) -> WeightPack:
         """The routed experts' weights as a runtime pack: Unquantized (with the expert biases and
@@ -494,9 +587,10 @@ class MegaMoE(nn.Module):
         # autograd backends take the live parameters as they are (their prepare is the identity)
         return backend(batch, backend.prepare(self.expert_weight_pack(detach=False)))
 
-    def _run_expert_backend(self, batch):
-        """The chosen backend on its prepared weights (tuned first when knobs='auto')."""
-        prepared = self._prepared_weights()
+    def _run_expert_backend(self, batch, *, shared_in_batch: bool = False):
+        """The chosen backend on its prepared weights (tuned first when knobs='auto'); with
+        `shared_in_batch` the batch holds the shared experts after the routed ones."""
+        prepared = self._prepared_weights(shared_in_batch=shared_in_batch)
         # FP8 GEMMs run their default profiles: nothing to tune yet
         if self.config.knobs == "auto" and self.config.weight_dtype is None:
             self._autotuner.ensure_tuned(self._expert_backend, batch, prepared)
@@ -599,13 +693,18 @@ class MegaMoE(nn.Module):
         return self.fused_path_status(x_TH.device)[0]
 
     def _fused_forward(self, x_TH: torch.Tensor, router_logits_TE: torch.Tensor) -> torch.Tensor:
-        """Routing + dispatch (one launch), expert compute, combine (one launch) with the
-        shared experts' output added in it."""
+        """Routing + dispatch (one launch), expert compute, combine (one launch); the shared
+        experts as experts of the batch, or their own MLP's output added in the combine."""
         if self.config.check_inputs:
             check_finite_logits(router_logits_TE)
         x_TH = x_TH.contiguous()  # the kernels take row-major rows (a no-op for most inputs)
+        shared_in_batch = self._shared_experts_in_batch(x_TH.shape[0])
         shared_TH = side = None
-        if self.shared_experts is not None and self.config.shared_experts_on_side_stream:
+        if (
+            self.shared_experts is not None
+            and not shared_in_batch
+            and self.config.shared_experts_path != "caller_stream"
+        ):
             # forked here, joined before the combine: the side stream starts each forward
             # behind everything issued on the caller's stream, so memory it frees is reused
             # only after the caller's stream has read it, and the reverse
@@ -620,12 +719,13 @@ class MegaMoE(nn.Module):
             router_logits_TE,
             correction_bias_E=self.e_score_correction_bias,
             rows_dtype=torch.float8_e4m3fn if self._dispatches_fp8_rows() else None,
-            gather_rows=self._gathers_rows(x_TH),
+            gather_rows=self._gathers_rows(x_TH, shared_in_batch=shared_in_batch),
+            shared_experts=shared_in_batch,
         )
-        expert_out_MH = self._run_expert_backend(batch)
+        expert_out_MH = self._run_expert_backend(batch, shared_in_batch=bool(shared_in_batch))
         if side is not None:
             main.wait_stream(side)
-        elif self.shared_experts is not None:
+        elif self.shared_experts is not None and not shared_in_batch:
             shared_TH = self.shared_experts(x_TH)
         return self._device_routed.combine(expert_out_MH, handle, addend_TH=shared_TH)
 
@@ -655,11 +755,11 @@ class MegaMoE(nn.Module):
             and not torch.cuda.is_current_stream_capturing()
         )
 
-    def _gathers_rows(self, x_TH: torch.Tensor) -> bool:
+    def _gathers_rows(self, x_TH: torch.Tensor, *, shared_in_batch: int = 0) -> bool:
         """Whether the fused path's gate-up GEMM reads the batch rows from the tokens (the
         dispatch copying none): bf16 experts and tokens on the cutedsl backend, a hidden size of
         whole K tiles, and `gather_rows` asking for it (None: the measured choice,
-        gathers_rows_by_default)."""
+        gathers_rows_by_default, on the batch's rows: `shared_in_batch` more per token)."""
         config = self.config
         if not (
             self._backend_name == "cutedsl"
@@ -670,12 +770,11 @@ class MegaMoE(nn.Module):
         if config.gather_rows is not None:
             return config.gather_rows
         tokens = x_TH.shape[0]
-        valid_rows = tokens * config.top_k
         return gathers_rows_by_default(
             tokens=tokens,
-            valid_rows=valid_rows,
-            capacity=valid_rows if config.capacity is None else config.capacity,
-            num_experts=config.num_experts,
+            valid_rows=tokens * (config.top_k + shared_in_batch),
+            capacity=self._device_routed.batch_capacity(tokens, shared_experts=shared_in_batch),
+            num_experts=config.num_experts + shared_in_batch,
         )
 
     def _dispatches_fp8_rows(self) -> bool:
