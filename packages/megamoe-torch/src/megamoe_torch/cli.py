@@ -438,7 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="build a layer, run it on the best backend here, check it against the fp32 oracle and time it",
         description="Builds MegaMoE layers (the benchmark geometries on a GPU, a small Qwen3-like one on a CPU), "
-        "each with bf16 experts and with the same weights in FP8 (e4m3, 128x128 block scales), runs them on the "
+        "each with bf16 experts and with the same weights in FP8 (e4m3, 128x128 block scales; not gpt-oss-120b, "
+        "whose expert biases and clamped SwiGLU FP8 experts do not compute), runs them on the "
         "best backend available, prints the backend, the error against the fp32 oracle (rel-L2; for FP8 also "
         "DeepGEMM's 1 - 2xy/(x^2+y^2), against the dequantized weights) and a timing table of both on every "
         "backend that runs here.",
@@ -469,7 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser = commands.add_parser(
         "bench",
         help="sweep geometries x token counts, backend against grouped_mm in the same run",
-        description="Times expert compute (kernels: CUDA-graph replay) and/or the whole layer (eager) per backend, "
+        description="Times expert compute (kernels: CUDA-graph replay) and/or the whole layer (eager) per backend "
+        "(at each geometry those that compute its experts: not grouped_mm at gpt-oss-120b, said why), "
         "with the speedup over grouped_mm, TFLOP/s, fraction of the roofline floor and rel-L2 against the fp32 "
         "oracle; for modes kernels and eager writes bench.csv and bench.png under --out (bench.png: the speedup "
         "over grouped_mm where grouped_mm ran next to another backend, else the time per call; it needs "
