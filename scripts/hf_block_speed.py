@@ -1,13 +1,15 @@
 """A transformers MoE block against the same block converted to megamoe, at real model sizes.
 
-For the MoE block of Qwen3-30B-A3B, Mixtral-8x7B and DeepSeek-V3 (random bf16 weights, built
-alone from a one-layer config, one family's weights alive at a time), on the same inputs at each
+For the MoE block of Qwen3-30B-A3B, Mixtral-8x7B, DeepSeek-V3 and gpt-oss-120b (random bf16
+weights, built alone from a one-layer config, one family's weights alive at a time; gpt-oss's
+checkpoints hold MXFP4 experts, its block here bf16 ones), on the same inputs at each
 token count: the median wall time of the transformers block's own eager forward, once per experts
 implementation of --hf-experts ('eager' loops over the experts; from_pretrained picks
 'grouped_mm'); of the block converted by `from_hf`, eager and as a CUDA-graph replay (capacity
 fixed at tokens x top_k); of the transformers block as a CUDA-graph replay, '-' where its forward
 does not capture (host syncs); the speedups of megamoe eager and graph over the transformers eager
-forward; megamoe's rel-L2 against the transformers output. Needs transformers >= 5. Run on the
+forward; megamoe's rel-L2 against the transformers output (the hidden states, where a block
+also answers its routing weights). Needs transformers >= 5. Run on the
 GPU machine from the project root (docs/benchmarks.md, "Setting up a GPU machine"):
 
     python3 scripts/hf_block_speed.py
@@ -36,6 +38,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3MoE,
     DeepseekV3PreTrainedModel,
 )
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP, GptOssPreTrainedModel
 from transformers.models.mixtral.modeling_mixtral import (
     MixtralPreTrainedModel,
     MixtralSparseMoeBlock,
@@ -84,6 +87,18 @@ FAMILIES = {
             topk_group=3,
         ),
     ),
+    # router bias, softmax over the top-4 logits, [E, H, 2I] experts with gate and up columns
+    # interleaved and biased, SwiGLU clamped at 7 with alpha 1.702 and (up + 1): the block's own
+    # constants (transformers 5.17 sets them on the experts, 5.24 reads them from the config)
+    "gpt_oss": (
+        GptOssPreTrainedModel,
+        GptOssMLP,
+        dict(),
+        dict(
+            hidden_size=2880, intermediate_size=2880, num_local_experts=128, num_experts_per_tok=4
+        ),
+        dict(hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=4),
+    ),
 }
 
 
@@ -102,6 +117,8 @@ def build_block(family: str, *, tiny: bool, device: torch.device) -> nn.Module:
     finally:
         torch.set_default_dtype(default_dtype)
     keep_fp32 = tuple(getattr(model_class, "_keep_in_fp32_modules_strict", None) or ())
+    # experts held [E, in, out] (gpt-oss) take their inputs along the second-to-last dim
+    transposed = getattr(block.experts, "is_transposed", False)
     torch.manual_seed(0)
     for name, tensor in [*block.named_parameters(), *block.named_buffers()]:
         if name.endswith(keep_fp32):
@@ -110,8 +127,15 @@ def build_block(family: str, *, tiny: bool, device: torch.device) -> nn.Module:
             tensor.uniform_(0.0, 0.1)  # non-negative: -inf and 0.0 group masking pick alike
         else:
             # unit-variance outputs from unit-variance inputs, at every layer of the block
-            tensor.normal_(std=tensor.shape[-1] ** -0.5)
+            expert_weight = transposed and name.startswith("experts.") and tensor.dim() == 3
+            tensor.normal_(std=tensor.shape[-2 if expert_weight else -1] ** -0.5)
     return block.eval()
+
+
+def hidden_states_of(output) -> torch.Tensor:
+    """A block's hidden states: its output, or the first of the outputs it answers (gpt-oss's
+    block answers its top-k routing weights too)."""
+    return output[0] if isinstance(output, tuple) else output
 
 
 def graph_seconds_or_none(fn, *, device: torch.device, repeats: int) -> float | None:
@@ -148,7 +172,7 @@ def bench_point(
     rows = []
     for experts_implementation in args.hf_experts:
         block.experts.config._experts_implementation = experts_implementation
-        hf_out = block(x)
+        hf_out = hidden_states_of(block(x))
         hf_eager = median_seconds(lambda: block(x), device=device, repeats=repeats)
         hf_graph = None
         if device.type == "cuda":
@@ -168,7 +192,8 @@ def bench_family(family: str, args: argparse.Namespace, device: torch.device) ->
     for tokens in args.tokens:
         x = torch.randn(1, tokens, hidden_size, device=device, dtype=torch.bfloat16)
         rows += bench_point(family, block, layer, x, args)
-    # the next family's weights get the memory (DeepSeek-V3's experts alone are 22 GB)
+    # the next family's weights get the memory (DeepSeek-V3's experts alone are 22 GB; from_hf
+    # copies gpt-oss's experts into megamoe's layout, 6.4 GB)
     del block, layer
     gc.collect()
     if device.type == "cuda":

@@ -1,8 +1,15 @@
-"""The MoE geometries megamoe is measured on (docs/benchmarks.md), and their arithmetic."""
+"""The MoE geometries megamoe is measured on (docs/benchmarks.md), and their arithmetic.
+
+A geometry is a model's MoE layer: its sizes, its routing and its experts' math, as the model
+computes them (gpt-oss-120b: a router bias, biases on both expert projections and its clamped
+SwiGLU), so that a layer built from it (MegaMoEConfig.from_geometry) measures that model's layer.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from megamoe_kernels import SwiGLU
 
 
 @dataclass(frozen=True)
@@ -18,6 +25,12 @@ class Geometry:
     routed_scaling_factor: float = 1.0
     use_correction_bias: bool = False
     num_shared_experts: int = 0
+    # the router adds a bias to its logits
+    router_bias: bool = False
+    # each expert projection adds a per-expert bias
+    expert_bias: bool = False
+    # the experts' activation; SwiGLU() is silu(gate) * up
+    swiglu: SwiGLU = field(default_factory=SwiGLU)
 
     def expert_flops(self, rows: int) -> float:
         """FLOPs of the expert MLP on `rows` routed rows: gate-up (2 x 2I x H) + down (2 x H x I)."""
@@ -50,7 +63,18 @@ GEOMETRIES: dict[str, Geometry] = {
             num_shared_experts=1,
         ),
         Geometry("dsv3-ep8-local", 32, 1, 7168, 2048),
-        Geometry("gpt-oss-120b", 128, 4, 2880, 2880),
+        # softmax over the top-4 logits (the renormalised softmax); H = I = 2880 are not
+        # multiples of 128
+        Geometry(
+            "gpt-oss-120b",
+            128,
+            4,
+            2880,
+            2880,
+            router_bias=True,
+            expert_bias=True,
+            swiglu=SwiGLU(limit=7.0, alpha=1.702, up_offset=1.0),
+        ),
         # small enough for a CPU: the demo's default there
         Geometry("tiny-qwen3", 16, 4, 256, 128),
     )

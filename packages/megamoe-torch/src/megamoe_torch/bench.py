@@ -99,8 +99,11 @@ def build_layer(
     seed: int = 0,
     weight_dtype: str | None = None,
 ) -> MegaMoE:
-    """A layer of `geometry` with random weights scaled so bf16 activations stay O(1);
-    weight_dtype="fp8": the same weights quantized per 128 x 128 block."""
+    """A layer of `geometry` (its routing and expert math too: MegaMoEConfig.from_geometry) with
+    random weights scaled so bf16 activations stay O(1), and the router and expert biases a
+    geometry has random too (as reset_parameters draws them), so that they are computed;
+    weight_dtype="fp8": the same weights quantized per 128 x 128 block (a ValueError for a
+    geometry whose expert math FP8 experts do not compute)."""
     torch.manual_seed(seed)
     config = MegaMoEConfig.from_geometry(geometry, backend="reference", weight_dtype=weight_dtype)
     layer = MegaMoE(config, device=device, dtype=dtype)
@@ -140,6 +143,25 @@ def available_backends(device: torch.device, requested: Iterable[str]) -> list[s
     return [name for name in requested if backend_status(name, device)[0]]
 
 
+def layer_backends(layer: MegaMoE, requested: Iterable[str]) -> tuple[list[str], dict[str, str]]:
+    """(the backends of `requested` that compute `layer`'s experts on its device, why each
+    other one does not): grouped_mm computes no expert biases or clamped SwiGLU (gpt-oss-120b),
+    the cutedsl FP8 kernels neither."""
+    runnable, refused = [], {}
+    for name in requested:
+        can_run, reason = backend_status(
+            name,
+            layer.w13.device,
+            fp8_weights=layer.config.weight_dtype == "fp8",
+            expert_math=layer.config.expert_math_features,
+        )
+        if can_run:
+            runnable.append(name)
+        else:
+            refused[name] = reason
+    return runnable, refused
+
+
 @torch.no_grad()
 def bench_point(
     layer: MegaMoE,
@@ -159,7 +181,15 @@ def bench_point(
     pack = layer.expert_weight_pack()
     exact = make_backend("reference").prepare(pack)  # FP8: the dequantized values, in fp32
     oracle_MH = expert_mlp_reference(
-        batch.rows_MH, batch.expert_offsets, exact.w13_E2IH, exact.w2_EHI
+        batch.rows_MH,
+        batch.expert_offsets,
+        exact.w13_E2IH,
+        exact.w2_EHI,
+        w13_bias_E2I=exact.w13_bias_E2I,
+        w2_bias_EH=exact.w2_bias_EH,
+        limit=exact.swiglu.limit,
+        alpha=exact.swiglu.alpha,
+        up_offset=exact.swiglu.up_offset,
     )[:rows]
     fp8_batch = None
     if layer.config.weight_dtype == "fp8":

@@ -183,12 +183,22 @@ def run_demo(args: argparse.Namespace) -> int:
         x_TH = None
         # the same weights twice: in bf16, then quantized per 128 x 128 block (FP8 experts)
         for weights in ("bf16", "fp8"):
-            layer = bench.build_layer(
-                geometry,
-                device=device,
-                dtype=torch.bfloat16,
-                weight_dtype=None if weights == "bf16" else weights,
+            try:
+                layer = bench.build_layer(
+                    geometry,
+                    device=device,
+                    dtype=torch.bfloat16,
+                    weight_dtype=None if weights == "bf16" else weights,
+                )
+            except ValueError as error:  # FP8 experts with expert math they do not compute
+                print(f"  {weights} experts: not built: {error}")
+                continue
+            refused = (
+                bench.layer_backends(layer, [args.backend])[1] if args.backend != "auto" else {}
             )
+            if refused:
+                print(f"  {weights} experts: not run: {args.backend}: {refused[args.backend]}")
+                continue
             layer.use_backend(args.backend)
             if x_TH is None:
                 x_TH = torch.randn(
@@ -247,7 +257,7 @@ def _demo_timings(
     """The demo table's rows of one layer: its forward on every backend that runs it here."""
     chosen, rows = layer.backend, []
     for backend in tqdm(
-        bench.available_backends(device, BACKEND_NAMES),
+        bench.layer_backends(layer, BACKEND_NAMES)[0],
         desc=f"timing {name} {weights}",
         leave=False,
     ):
@@ -314,16 +324,30 @@ def run_bench(args: argparse.Namespace) -> int:
     progress = tqdm(total=len(geometries) * len(token_counts), desc="bench")
     weight_dtype = None if args.weight_dtype == "bf16" else args.weight_dtype
     for name in geometries:
-        layer = bench.build_layer(
-            GEOMETRIES[name], device=device, dtype=torch.bfloat16, weight_dtype=weight_dtype
-        )
+        try:
+            layer = bench.build_layer(
+                GEOMETRIES[name], device=device, dtype=torch.bfloat16, weight_dtype=weight_dtype
+            )
+        except ValueError as error:  # FP8 experts with expert math they do not compute
+            progress.write(f"skipped {name}: {error}")
+            progress.update(len(token_counts))
+            continue
+        # the backends that compute this geometry's experts (grouped_mm: not gpt-oss-120b's)
+        layer_backends, refused = bench.layer_backends(layer, backends)
+        if refused:
+            skipped = "; ".join(f"{backend}: {why}" for backend, why in refused.items())
+            progress.write(f"{name}: skipped {skipped}")
+        if not layer_backends:
+            progress.update(len(token_counts))
+            del layer
+            continue
         for tokens in token_counts:
             point_rows = (
                 bench.bench_point(
                     layer,
                     GEOMETRIES[name],
                     tokens,
-                    backends=backends,
+                    backends=layer_backends,
                     modes=point_modes,
                     repeats=args.repeats,
                 )
@@ -336,7 +360,7 @@ def run_bench(args: argparse.Namespace) -> int:
                     layer,
                     GEOMETRIES[name],
                     tokens,
-                    backends=backends,
+                    backends=layer_backends,
                     repeats=args.repeats,
                     kernel_rows=point_rows,
                 )
@@ -352,12 +376,15 @@ def run_bench(args: argparse.Namespace) -> int:
         sweep = []
         for name in geometries:
             layer = bench.build_layer(GEOMETRIES[name], device=device, dtype=torch.bfloat16)
+            layer_backends = bench.layer_backends(layer, backends)[0]
+            if not layer_backends:
+                continue  # said above
             sweep += bench.capacity_sweep(
                 layer,
                 GEOMETRIES[name],
                 capacity_tokens=max(token_counts),
                 fractions=(0.01, 1 / 16, 0.1, 0.25, 0.5, 1.0),  # 1/16: a capacity 16x the rows
-                backend_name=backends[0],
+                backend_name=layer_backends[0],
                 repeats=args.repeats,
             )
         write_csv(sweep, out / "capacity_sweep.csv")
@@ -411,7 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="build a layer, run it on the best backend here, check it against the fp32 oracle and time it",
         description="Builds MegaMoE layers (the benchmark geometries on a GPU, a small Qwen3-like one on a CPU), "
-        "each with bf16 experts and with the same weights in FP8 (e4m3, 128x128 block scales), runs them on the "
+        "each with bf16 experts and with the same weights in FP8 (e4m3, 128x128 block scales; not gpt-oss-120b, "
+        "whose expert biases and clamped SwiGLU FP8 experts do not compute), runs them on the "
         "best backend available, prints the backend, the error against the fp32 oracle (rel-L2; for FP8 also "
         "DeepGEMM's 1 - 2xy/(x^2+y^2), against the dequantized weights) and a timing table of both on every "
         "backend that runs here.",
@@ -442,7 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser = commands.add_parser(
         "bench",
         help="sweep geometries x token counts, backend against grouped_mm in the same run",
-        description="Times expert compute (kernels: CUDA-graph replay) and/or the whole layer (eager) per backend, "
+        description="Times expert compute (kernels: CUDA-graph replay) and/or the whole layer (eager) per backend "
+        "(at each geometry those that compute its experts: not grouped_mm at gpt-oss-120b, said why), "
         "with the speedup over grouped_mm, TFLOP/s, fraction of the roofline floor and rel-L2 against the fp32 "
         "oracle; for modes kernels and eager writes bench.csv and bench.png under --out (bench.png: the speedup "
         "over grouped_mm where grouped_mm ran next to another backend, else the time per call; it needs "

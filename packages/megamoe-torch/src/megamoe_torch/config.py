@@ -301,6 +301,11 @@ class MegaMoEConfig:
             routed_scaling_factor=geometry.routed_scaling_factor,
             use_correction_bias=geometry.use_correction_bias,
             num_shared_experts=geometry.num_shared_experts,
+            router_bias=geometry.router_bias,
+            expert_bias=geometry.expert_bias,
+            swiglu_limit=geometry.swiglu.limit,
+            swiglu_alpha=geometry.swiglu.alpha,
+            swiglu_up_offset=geometry.swiglu.up_offset,
         )
         fields.update(overrides)
         return cls(**fields)
