@@ -218,3 +218,25 @@ def test_shared_experts_the_batch_cannot_hold_say_why():
     for layer in (auto, explicit):
         assert layer._shared_batch_experts() == 0 and layer._shared_experts_in_batch(3) == 0
     assert torch.equal(explicit(x), auto(x))
+
+
+@torch.no_grad()
+def test_a_dropped_layer_is_freed_by_its_last_reference():
+    """No reference cycle holds a layer (its captured graphs included): what it owns is freed
+    when the last reference goes, never by the cycle collector at a random moment, such as in
+    the middle of another CUDA-graph capture, which destroying a graph would invalidate."""
+    import gc
+    import weakref
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for fields in (QWEN3, DSV3):
+            layer = MegaMoE(MegaMoEConfig(**fields), dtype=torch.float32)
+            layer(torch.randn(3, fields["hidden_size"]))
+            alive = weakref.ref(layer)
+            del layer
+            assert alive() is None
+    finally:
+        if enabled:
+            gc.enable()

@@ -6,8 +6,8 @@ host time per forward measured on the H200 host, several times the GPU time of a
 A replay costs the host a copy of the tokens in, one `cudaGraphLaunch` and a copy of the
 output out (43-177 us measured; docs/benchmarks.md).
 
-`ForwardGraphs.forward(x_TH, router_logits=...)` returns (y_TH, router_logits_TE or None),
-fresh tensors, or None where the forward should run eagerly. Graphs are kept per (tokens,
+`ForwardGraphs.forward(layer, x_TH, router_logits=...)` returns (y_TH, router_logits_TE or
+None), fresh tensors, or None where the forward should run eagerly. Graphs are kept per (tokens,
 device, the caller's stream, the identity and version of every parameter and buffer of the
 layer): the first forward of a key runs eagerly (it compiles the kernels and warms the caches
 the capture records), the second captures, the later ones replay. Any change to a weight (in
@@ -58,11 +58,15 @@ class ForwardGraphs:
     tokens. A capture records `layer._fused_forward_from_tokens(x_TH)`, which computes
     (y_TH, router_logits_TE) as an eager forward does; the layer decides which forwards may be
     captured (the fused path on one GPU, no autograd, no outer capture or compile, no
-    host-synchronising checks). A copy or a pickle of the layer starts with no graphs."""
+    host-synchronising checks). A copy or a pickle of the layer starts with no graphs.
 
-    def __init__(self, layer: torch.nn.Module, *, max_tokens: int):
+    The layer comes with each call rather than being held: a layer and its graphs form no
+    reference cycle, so a dropped layer's graphs are destroyed when its last reference goes,
+    never by the cycle collector in the middle of another capture (destroying a graph there
+    invalidates that capture)."""
+
+    def __init__(self, *, max_tokens: int):
         self.max_tokens = max_tokens
-        self._layer = layer
         self._forget()
 
     def _forget(self) -> None:
@@ -72,7 +76,7 @@ class ForwardGraphs:
         self._tensor_slots: list[tuple[dict, str]] = []
 
     def __getstate__(self) -> dict:
-        return {"max_tokens": self.max_tokens, "_layer": self._layer}
+        return {"max_tokens": self.max_tokens}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -85,32 +89,32 @@ class ForwardGraphs:
         """Drops every graph (their memory returns to the pool)."""
         self._forget()
 
-    def _weights_signature(self) -> tuple:
+    def _weights_signature(self, layer: torch.nn.Module) -> tuple:
         """(address, version) of each parameter and buffer the forward may read: any change
         to one gives another signature (the slots are listed once, while the layer's
         submodules stay the same objects)."""
-        modules = tuple(self._layer._modules.values())
+        modules = tuple(layer._modules.values())
         if len(modules) != len(self._modules) or any(
             a is not b for a, b in zip(modules, self._modules, strict=True)
         ):
             self._modules = modules
             self._tensor_slots = [
                 (container, name)
-                for module in self._layer.modules()
+                for module in layer.modules()
                 for container in (module._parameters, module._buffers)
                 for name in container
             ]
         return tensor_versions(container[name] for container, name in self._tensor_slots)
 
     def forward(
-        self, x_TH: torch.Tensor, *, router_logits: bool = False
+        self, layer: torch.nn.Module, x_TH: torch.Tensor, *, router_logits: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         tokens = x_TH.shape[0]
         if not 0 < tokens <= self.max_tokens:
             return None
         device = x_TH.device
         stream = torch._C._cuda_getCurrentRawStream(device.index)
-        key = (tokens, device.index, stream, self._weights_signature())
+        key = (tokens, device.index, stream, self._weights_signature(layer))
         entry = self._graphs.get(key)
         if entry is None:
             if key not in self._seen:
@@ -119,7 +123,7 @@ class ForwardGraphs:
                     self._seen.popitem(last=False)
                 return None
             del self._seen[key]
-            entry = self._capture(x_TH, device.index, stream)
+            entry = self._capture(layer, x_TH, device.index, stream)
             self._graphs[key] = entry
             if len(self._graphs) > MAX_GRAPHS:
                 self._graphs.popitem(last=False)
@@ -131,13 +135,15 @@ class ForwardGraphs:
         logits_TE = entry.router_logits_TE.clone() if router_logits else None
         return entry.y_TH.clone(), logits_TE
 
-    def _capture(self, x_TH: torch.Tensor, device_index: int, stream: int) -> _Graph:
+    def _capture(
+        self, layer: torch.nn.Module, x_TH: torch.Tensor, device_index: int, stream: int
+    ) -> _Graph:
         static_x_TH = x_TH.clone()
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA calls during the capture are not an error
         with torch.cuda.graph(
             graph, pool=_shared_pool(device_index, stream), capture_error_mode="thread_local"
         ):
-            y_TH, router_logits_TE = self._layer._fused_forward_from_tokens(static_x_TH)
+            y_TH, router_logits_TE = layer._fused_forward_from_tokens(static_x_TH)
         _LIVE_GRAPHS.setdefault((device_index, stream), weakref.WeakSet()).add(graph)
         return _Graph(graph, static_x_TH, y_TH, router_logits_TE)

@@ -280,7 +280,7 @@ class MegaMoE(nn.Module):
         self._shared_in_batch: dict[tuple, int] = {}
         self._routed_view: tuple[object, object] | None = None
         # small eager forwards on the fused path replay CUDA graphs of themselves
-        self._forward_graphs = ForwardGraphs(self, max_tokens=config.eager_graph_tokens)
+        self._forward_graphs = ForwardGraphs(max_tokens=config.eager_graph_tokens)
         # knobs="auto": times the GEMM knobs of each new batch class once (collectively under
         # expert parallelism) and keeps the winner in the knob cache
         self._autotuner = OnlineAutotuner(process_group=process_group)
@@ -796,7 +796,7 @@ class MegaMoE(nn.Module):
         x_TH = x.reshape(-1, self.config.hidden_size)
         self._resolve_dispatcher(x_TH)
         if self._replays_graphs(x_TH):
-            replayed = self._forward_graphs.forward(x_TH, router_logits=return_router_logits)
+            replayed = self._forward_graphs.forward(self, x_TH, router_logits=return_router_logits)
             if replayed is not None:
                 y_TH, router_logits_TE = replayed
                 y = y_TH.view(x.shape)
