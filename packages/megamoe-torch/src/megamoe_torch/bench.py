@@ -246,13 +246,19 @@ def bench_point(
     return out
 
 
-def with_capacity(layer: MegaMoE, capacity: int, **overrides) -> MegaMoE:
+def with_capacity(
+    layer: MegaMoE, capacity: int, *, prepared_like: MegaMoE | None = None, **overrides
+) -> MegaMoE:
     """The same layer, sharing its parameter tensors (no copy), with a fixed expert-batch capacity
     of `capacity` rows (and any other config `overrides`): every shape of its forward is static,
-    so the forward captures in a CUDA graph."""
+    so the forward captures in a CUDA graph. `prepared_like`: another such layer whose backend
+    weights (the prepared expert layout, a copy of the expert weights) this one shares, for
+    variants of a layer on one backend side by side (one copy in memory, not one each)."""
     config = replace(layer.config, capacity=capacity, **overrides)
     fixed = MegaMoE(config, device="meta", dtype=layer.activation_dtype)
     fixed.load_state_dict(layer.state_dict(), assign=True)
+    if prepared_like is not None:
+        fixed._prepared = prepared_like._prepared
     return fixed
 
 
@@ -345,7 +351,9 @@ def bench_layer_point(
     # the baseline is the torch composition end to end: torch routing, dispatch and combine
     all_torch = with_capacity(layer, tokens * geometry.top_k, layer_path="torch")
     # the same forward launching its kernels where `fixed` replays its own graph
-    launching = with_capacity(layer, tokens * geometry.top_k, eager_graph_tokens=0)
+    launching = with_capacity(
+        layer, tokens * geometry.top_k, prepared_like=fixed, eager_graph_tokens=0
+    )
     x_TH, _, _ = routed_tokens(layer, tokens)  # the tokens bench_point dispatches
     gemm_seconds = {
         row.backend: row.microseconds / 1e6
