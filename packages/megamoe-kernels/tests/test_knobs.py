@@ -259,7 +259,10 @@ def test_rows_are_gathered_by_default_where_the_decode_tiles_run_from_two_tokens
         )
 
     assert not gathers(1)  # one token: its copy is cheaper than the load before each gather
-    assert gathers(16) and gathers(1024)  # up to 64 rows per expert: decode tiles
+    assert gathers(16) and gathers(512)  # up to 32 rows per expert: decode tiles of <= 64 rows
+    assert not gathers(1024)  # 64 rows per expert: 128-row decode tiles copy
+    # gpt-oss-120b and dsv3 at 2048 tokens: 64 rows per expert, 128-row decode tiles
+    assert not gathers(2048, experts=128, top_k=4) and not gathers(2048, experts=256, top_k=8)
     assert not gathers(2048) and not gathers(8192)  # prefill tiles
     # a capacity sized for prefill: a few valid rows still run the decode tiles
     assert gathers(16, capacity=65536)

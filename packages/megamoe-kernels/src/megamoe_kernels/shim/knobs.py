@@ -211,6 +211,8 @@ def default_knobs(op: str, rows_per_expert: float) -> GemmKnobs:
 # asks for prefill tiles but the batch holds fewer rows (measured on the H200: swap-AB won by
 # 5-15% at 32 rows per expert, prefill tiles matched or won at 64)
 SMALL_BATCH_ROWS_PER_EXPERT = 32
+# the widest decode row tile whose gate-up GEMM gathers its rows by default
+GATHER_MAX_TILE_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -329,15 +331,17 @@ def gathers_rows_by_default(
 ) -> bool:
     """Whether a local layer's gate-up GEMM reads its rows from the tokens (gate_up_swiglu's
     row_source_M) rather than from rows the dispatch copied out, unless told: where the default
-    profile runs decode (swap-AB) tiles on `valid_rows` of a batch of `capacity` rows
-    (gate_up_decode_knobs), from two tokens on. Measured on the H200 (whole layer, graph
-    replays; docs/benchmarks.md, "Gathered rows"): with decode tiles equal or up to 3% faster
-    from 16 tokens, 1-4% slower at one token (the row's token is one more load before its
-    copy); with prefill tiles the gate-up GEMM is 24-43% slower (its producer warp's 16-byte
-    copies against one TMA load per stage: gathering the copied rows in order is as slow),
-    more than the copy it saves."""
+    profile runs decode (swap-AB) tiles of at most GATHER_MAX_TILE_ROWS rows on `valid_rows`
+    of a batch of `capacity` rows (gate_up_decode_knobs: up to about 32 rows per expert), from
+    two tokens on. Measured on the H200 (whole layer, graph replays; docs/benchmarks.md,
+    "Gathered rows"): with such tiles equal or up to 3% faster from 16 tokens, 1-4% slower at
+    one token (the row's token is one more load before its copy); with the 128-row decode
+    tiles (64 rows per expert: gpt-oss-120b and dsv3 at 2048 tokens) 0-25% slower, and with
+    prefill tiles the gate-up GEMM 24-43% slower (its producer warp's 16-byte copies against
+    one TMA load per stage: gathering the copied rows in order is as slow), more than the
+    copy it saves."""
     decode = gate_up_decode_knobs(valid_rows=valid_rows, capacity=capacity, num_experts=num_experts)
-    return tokens >= 2 and decode is not None
+    return tokens >= 2 and decode is not None and decode.tile_rows <= GATHER_MAX_TILE_ROWS
 
 
 @lru_cache(maxsize=1024)
