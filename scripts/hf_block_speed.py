@@ -14,6 +14,10 @@ GPU machine from the project root (docs/benchmarks.md, "Setting up a GPU machine
 
     python3 scripts/hf_block_speed.py
 
+--fp32-reference adds each block's rel-L2 against the transformers block in fp32 on the same
+weights (its eager experts loop; bf16 inputs cast up): transformers' own bf16 error beside
+megamoe's (the block in fp32 takes 2x its bf16 memory: one family at a time).
+
 --tiny shrinks every size so the script runs on a CPU in seconds (no CUDA graphs there):
 
     python3 scripts/hf_block_speed.py --tiny --device cpu --repeats 3
@@ -22,6 +26,7 @@ GPU machine from the project root (docs/benchmarks.md, "Setting up a GPU machine
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import platform
 
@@ -157,11 +162,18 @@ def ratio(numerator: float, denominator: float | None) -> str:
 
 @torch.no_grad()
 def bench_point(
-    family: str, block: nn.Module, layer: MegaMoE, x: torch.Tensor, args: argparse.Namespace
+    family: str,
+    block: nn.Module,
+    layer: MegaMoE,
+    x: torch.Tensor,
+    args: argparse.Namespace,
+    reference: nn.Module | None = None,
 ) -> list[list[str]]:
-    """One table row per transformers experts implementation, at the token count of `x`."""
+    """One table row per transformers experts implementation, at the token count of `x`;
+    `reference`: the block in fp32, the rel-L2 of both bf16 blocks against it."""
     device, repeats, tokens = x.device, args.repeats, x.shape[1]
     megamoe_out = layer(x)
+    expected = None if reference is None else hidden_states_of(reference(x.float()))
     megamoe_eager = median_seconds(lambda: layer(x), device=device, repeats=repeats)
     megamoe_graph = None
     if device.type == "cuda":
@@ -179,22 +191,31 @@ def bench_point(
             hf_graph = graph_seconds_or_none(lambda: block(x), device=device, repeats=repeats)
         times = [hf_eager, megamoe_eager, megamoe_graph, hf_graph]
         speedups = [ratio(hf_eager, megamoe_eager), ratio(hf_eager, megamoe_graph)]
-        rel_l2 = relative_l2_error(megamoe_out, hf_out)
+        errors = [relative_l2_error(megamoe_out, hf_out)]
+        if expected is not None:
+            errors += [
+                relative_l2_error(hf_out, expected),
+                relative_l2_error(megamoe_out, expected),
+            ]
         row = [family, str(tokens), experts_implementation, *map(microseconds, times), *speedups]
-        rows.append([*row, f"{rel_l2:.2e}"])
+        rows.append([*row, *(f"{error:.2e}" for error in errors)])
     return rows
 
 
 def bench_family(family: str, args: argparse.Namespace, device: torch.device) -> list[list[str]]:
     block = build_block(family, tiny=args.tiny, device=device)
     layer = from_hf(block)  # shares the block's expert tensors
+    reference = None
+    if args.fp32_reference:
+        reference = copy.deepcopy(block).float()
+        reference.experts.config._experts_implementation = "eager"
     hidden_size, rows = layer.config.hidden_size, []
     for tokens in args.tokens:
         x = torch.randn(1, tokens, hidden_size, device=device, dtype=torch.bfloat16)
-        rows += bench_point(family, block, layer, x, args)
+        rows += bench_point(family, block, layer, x, args, reference)
     # the next family's weights get the memory (DeepSeek-V3's experts alone are 22 GB; from_hf
     # copies gpt-oss's experts into megamoe's layout, 6.4 GB)
-    del block, layer
+    del block, layer, reference
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -217,6 +238,11 @@ def main() -> None:
         help="transformers experts implementations to time (from_pretrained picks grouped_mm)",
     )
     parser.add_argument("--tiny", action="store_true", help="toy sizes, for a CPU")
+    parser.add_argument(
+        "--fp32-reference",
+        action="store_true",
+        help="rel-L2 of the transformers and the megamoe block against the block in fp32",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -229,6 +255,8 @@ def main() -> None:
     )
     timed = ["hf eager us", "megamoe eager us", "megamoe graph us", "hf graph us"]
     header = ["family", "tokens", "hf experts", *timed, "x eager", "x graph", "rel-L2"]
+    if args.fp32_reference:
+        header += ["hf vs fp32", "megamoe vs fp32"]
     rows = []
     for family in args.family:
         rows += bench_family(family, args, device)

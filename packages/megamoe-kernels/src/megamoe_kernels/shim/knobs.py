@@ -355,9 +355,9 @@ def shared_experts_in_batch_by_default(
     stream once, beside the routed experts'. Above, the shared rows would take several row
     tiles, each streaming their weights again, where their own dense GEMMs on a side stream
     read them once. Measured at dsv3 on the H200 (whole layer, graph replays;
-    docs/benchmarks.md, "Shared experts in the batch"): in the batch 7% faster at 1 token,
-    equal at 16, 1.3% slower at 128 tokens (16-row tiles for 128 shared rows), within 1% at
-    2048 and 8192."""
+    docs/benchmarks.md, "Shared experts in the batch or beside it"): in the batch 8% faster
+    at 1 token, equal at 16, 1.8% slower at 128 tokens (16-row tiles for 128 shared rows),
+    equal or up to 1% slower at 2048 and 8192."""
     decode = gate_up_decode_knobs(valid_rows=valid_rows, capacity=capacity, num_experts=num_experts)
     return decode is not None and tokens <= decode.tile_rows
 
