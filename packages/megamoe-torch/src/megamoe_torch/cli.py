@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
@@ -105,6 +106,19 @@ def output_folder(text: str) -> Path:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"{text}: {existing} is not writable")
     return path
+
+
+def writable_output_folder(parser: argparse.ArgumentParser, out: Path) -> None:
+    """Creates `out` and writes a probe file in it, before anything is measured: a folder
+    `output_folder` let through can still refuse writes (a read-only file system, /proc, or
+    permissions root ignores in os.access) and an argparse error then beats a traceback after
+    the measurements."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        parser.error(f"argument --out: cannot write into {out}: {error.strerror or error}")
 
 
 def runnable_backends(
@@ -281,6 +295,7 @@ def run_bench_ep(args: argparse.Namespace) -> int:
         )
     if args.device is not None:
         args.parser.error("argument --device: with --ep each rank takes the GPU LOCAL_RANK names")
+    writable_output_folder(args.parser, args.out)
     device = default_device()
     quiet = int(os.environ.get("RANK", "0")) != 0
     backends = (
@@ -308,6 +323,7 @@ def run_bench(args: argparse.Namespace) -> int:
     geometries = args.geometry or (GPU_GEOMETRIES if device.type == "cuda" else CPU_GEOMETRIES)
     token_counts = args.tokens or (TOKEN_COUNTS if device.type == "cuda" else (16, 64))
     backends = runnable_backends(args.parser, args.backends, device)
+    writable_output_folder(args.parser, args.out)
     point_modes = tuple(mode for mode in args.modes if mode != "layer")
     rows, layer_rows = [], []
     out = args.out
