@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from megamoe_torch import MegaMoE, MegaMoEConfig
-from megamoe_torch.ops import expert_mlp
+from megamoe_torch.ops import expert_mlp, expert_parallel_mlp
 
 FAMILIES = {
     "softmax": dict(num_experts=8, top_k=2),
@@ -71,6 +71,22 @@ def test_expert_mlp_op_passes_the_custom_op_checks():
     torch.library.opcheck(
         expert_mlp,
         (rows_MH, offsets, layer.w13.detach(), layer.w2.detach(), layer._layer_id, 6),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+
+
+def test_expert_parallel_op_passes_the_custom_op_checks():
+    # the op runs whatever dispatcher the layer holds: here one rank's local dispatcher (the
+    # expert-parallel layers compile in tests/test_multirank_layer.py)
+    torch.manual_seed(0)
+    layer = MegaMoE(MegaMoEConfig(hidden_size=32, intermediate_size=16, num_experts=4, top_k=2))
+    x_TH = torch.randn(5, 32)
+    topk_ids_TK = torch.tensor([[0, 3], [1, 3], [2, 0], [3, 1], [0, 1]])
+    topk_weights_TK = torch.rand(5, 2)
+    args = (x_TH, topk_ids_TK, topk_weights_TK, layer.w13.detach(), layer.w2.detach())
+    torch.library.opcheck(
+        expert_parallel_mlp,
+        (*args, layer._layer_id),
         test_utils=("test_schema", "test_faketensor"),
     )
 
