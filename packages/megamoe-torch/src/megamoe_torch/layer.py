@@ -40,6 +40,12 @@ from megamoe_torch.fp8_linear import BlockFP8Linear, quantize_loaded_weights
 from megamoe_torch.ops import expert_mlp, expert_parallel_mlp, register_layer
 from megamoe_torch.tensor_cache import DerivedTensorCache
 
+# what torch.compile(fullgraph=True) of a layer with check_inputs=True says
+CHECK_INPUTS_UNDER_COMPILE = (
+    "MegaMoE(check_inputs=True) reads the input and the router logits on the host (a sync "
+    "each), which a compiled graph cannot hold: compile with fullgraph=False (the checks then "
+    "run between graphs) or build the layer with check_inputs=False"
+)
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=), torch >= 2.9
 
 
@@ -690,8 +696,11 @@ class MegaMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, *, return_router_logits: bool = False):
         self._check_input(x)
-        if self.config.check_inputs and not bool(torch.isfinite(x).all()):
-            raise ValueError("x holds NaN or Inf (check_inputs=True)")
+        if self.config.check_inputs:
+            if torch.compiler.is_compiling():
+                torch._dynamo.graph_break(msg=CHECK_INPUTS_UNDER_COMPILE)
+            if not bool(torch.isfinite(x).all()):
+                raise ValueError("x holds NaN or Inf (check_inputs=True)")
         x_TH = x.reshape(-1, self.config.hidden_size)
         if not torch.compiler.is_compiling():  # the expert-compute ops resolve them as they run
             self._resolve_backend()
