@@ -123,28 +123,26 @@ def writable_output_folder(parser: argparse.ArgumentParser, out: Path) -> None:
 
 def runnable_backends(
     parser: argparse.ArgumentParser, requested: list[str] | None, device: torch.device
-) -> list[str]:
-    """The backends bench times, said aloud: those requested (default BENCH_BACKENDS) that run on
-    `device`; where none of the defaults does, those that run; where none requested does, an
-    argparse error naming the ones that would."""
+) -> tuple[list[str], str | None]:
+    """The backends bench times and a line that says which were skipped and why (None: none
+    was): those requested (default BENCH_BACKENDS) that run on `device`; where none of the
+    defaults does, those that run; where none requested does, an argparse error naming the
+    ones that would."""
     statuses = {name: backend_status(name, device) for name in requested or BENCH_BACKENDS}
     runnable = [name for name, (ok, _) in statuses.items() if ok]
     skipped = "; ".join(f"{name}: {reason}" for name, (ok, reason) in statuses.items() if not ok)
     if runnable:
-        if skipped:
-            print(f"timing {', '.join(runnable)} (skipped {skipped})")
-        return runnable
+        return runnable, (f"timing {', '.join(runnable)} (skipped {skipped})" if skipped else None)
     elsewhere = bench.available_backends(device, BACKEND_NAMES)
     if requested:
         parser.error(
             f"argument --backends: none of {' '.join(requested)} can run on {device} ({skipped}); "
             f"what can: --backends {' '.join(elsewhere)}"
         )
-    print(
+    return elsewhere, (
         f"none of the default backends can run on {device} ({skipped}): timing "
         f"{', '.join(elsewhere)} instead (--backends chooses)"
     )
-    return elsewhere
 
 
 def fp32_oracle_of(layer: MegaMoE) -> MegaMoE:
@@ -295,14 +293,17 @@ def run_bench_ep(args: argparse.Namespace) -> int:
         )
     if args.device is not None:
         args.parser.error("argument --device: with --ep each rank takes the GPU LOCAL_RANK names")
-    writable_output_folder(args.parser, args.out)
     device = default_device()
     quiet = int(os.environ.get("RANK", "0")) != 0
-    backends = (
-        [name for name in args.backends or BENCH_BACKENDS if backend_status(name, device)[0]]
-        if quiet
-        else runnable_backends(args.parser, args.backends, device)
-    )
+    if quiet:
+        backends = [
+            name for name in args.backends or BENCH_BACKENDS if backend_status(name, device)[0]
+        ]
+    else:
+        backends, note = runnable_backends(args.parser, args.backends, device)
+    writable_output_folder(args.parser, args.out)  # the last argument check: it makes the folder
+    if not quiet and note:
+        print(note)
     return bench_ep.run_cli(
         geometry=GEOMETRIES[args.geometry[0] if args.geometry else EP_GEOMETRY],
         token_counts=list(args.tokens or EP_TOKEN_COUNTS),
@@ -322,8 +323,10 @@ def run_bench(args: argparse.Namespace) -> int:
     device = args.device or default_device()
     geometries = args.geometry or (GPU_GEOMETRIES if device.type == "cuda" else CPU_GEOMETRIES)
     token_counts = args.tokens or (TOKEN_COUNTS if device.type == "cuda" else (16, 64))
-    backends = runnable_backends(args.parser, args.backends, device)
-    writable_output_folder(args.parser, args.out)
+    backends, note = runnable_backends(args.parser, args.backends, device)
+    writable_output_folder(args.parser, args.out)  # the last argument check: it makes the folder
+    if note:
+        print(note)
     point_modes = tuple(mode for mode in args.modes if mode != "layer")
     rows, layer_rows = [], []
     out = args.out
