@@ -124,6 +124,18 @@ def test_out_that_is_not_writable_is_an_argument_error(tmp_path, no_work, capsys
     assert "argument --out: " in err and "not writable" in err
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_out_where_nothing_can_be_written_is_an_argument_error_before_any_work(no_work, capsys):
+    # /proc takes no new folders, even from root, whom os.access lets through everywhere
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--out", "/proc/megamoe-bench-out"])
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1
+    assert "argument --out: cannot write into /proc/megamoe-bench-out" in err
+    assert out == ""  # nothing said about the backends it would have timed
+
+
 def test_bench_ep_outside_torchrun_says_how_to_launch_it(no_work, monkeypatch, capsys):
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
         monkeypatch.delenv(name, raising=False)

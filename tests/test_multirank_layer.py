@@ -102,6 +102,44 @@ def test_expert_parallel_layer_with_the_fp8_wire(multirank, combine_order):
     multirank(check_layer_matches_single_gpu, "nvshmem", [40, 9], combine_order, "fp8")
 
 
+def check_compiled_layer_matches_single_gpu(rank, world_size, device):
+    # torch.compile(fullgraph=True) of the expert-parallel layer, with no eager forward before
+    # it (the op builds the dispatcher): the routing is traced, the dispatch, expert MLP and
+    # combine run as the op megamoe::expert_parallel_mlp; new token counts, a rank without tokens
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    config = layer_config("torch", device)
+    torch.manual_seed(7)
+    single = MegaMoE(config, device=device, dtype=dtype)
+    with torch.no_grad():
+        single.e_score_correction_bias.uniform_(-0.1, 0.1)
+    parallel = MegaMoE(
+        config, process_group=torch.distributed.group.WORLD, device=device, dtype=dtype
+    )
+    parallel.load_full_state_dict(single.state_dict())
+    compiled = torch.compile(parallel, fullgraph=True)
+    generator = torch.Generator().manual_seed(11)
+    results = []
+    for pattern in ([23, 9], [6, 0], [31, 17]):
+        tokens_per_rank = [pattern[r % len(pattern)] for r in range(world_size)]
+        xs = [torch.randn(t, config.hidden_size, generator=generator) for t in tokens_per_rank]
+        xs = [x.to(device=device, dtype=dtype) for x in xs]
+        with torch.no_grad():
+            y_single = single(torch.cat(xs))
+            y = compiled(xs[rank])
+        first = sum(tokens_per_rank[:rank])
+        results.append((y, y_single[first : first + tokens_per_rank[rank]]))
+    with torch.no_grad():
+        explained = torch._dynamo.explain(parallel)(xs[rank])
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for y, expected in results:
+        torch.testing.assert_close(y, expected, rtol=tolerance, atol=tolerance)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_expert_parallel_layer_compiles_with_no_graph_break(multirank):
+    multirank(check_compiled_layer_matches_single_gpu)
+
+
 def test_unknown_combine_order_raises():
     with pytest.raises(ValueError, match="combine_order"):
         layer_config("torch", torch.device("cpu"), "fastest")

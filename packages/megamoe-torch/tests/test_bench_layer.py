@@ -162,3 +162,54 @@ def test_an_ab_of_forwards_alternates_them_and_lists_each_kinds_times(monkeypatc
         forwards, device=torch.device("cpu"), rounds=1, eager=False
     )
     assert graph_only == {"graph": "1.0 / 1.0", "eager": "-"}
+
+
+def test_tables_widen_a_column_for_a_long_name_or_a_slow_time():
+    # a CPU's FP8 forward takes 100+ ms and its backend reads "reference+fp8": fixed widths ran
+    # such cells into their neighbours ("reference+fp8kernels  129980.7128104.6")
+    point = bench.BenchRow(
+        geometry="qwen3-30b-a3b",
+        tokens=8192,
+        rows=32768,
+        active_experts=128,
+        backend="reference+fp8",
+        mode="kernels",
+        microseconds=1299800.7,
+        host_microseconds=1281040.6,
+        baseline_microseconds=None,
+        speedup=None,
+        tflops=0.04,
+        roofline_fraction=0.0001,
+        rel_l2=1.7e-3,
+    )
+    header, rule, line = bench.format_table([point]).splitlines()
+    assert line.split() == [
+        *("qwen3-30b-a3b", "8192", "32768", "reference+fp8", "kernels"),
+        *("1299800.7", "1281040.6", "-", "0.0", "0.000", "1.7e-03"),
+    ]
+    assert len(rule) == len(header) and header.index("rel-L2") + len("rel-L2") == len(line)
+
+    forward = bench.LayerBenchRow(
+        geometry="qwen3-30b-a3b",
+        tokens=8192,
+        backend="reference+fp8",
+        layer_path="torch",
+        eager_microseconds=5318662.5,
+        graph_microseconds=None,
+        host_microseconds=5279352.2,
+        gpu_ops=443,
+        gpu_memory_ops=None,
+        ops_counted="aten ops",
+        gemm_microseconds=4998156.3,
+        layer_over_gemms=1.06,
+        baseline_eager_microseconds=None,
+        baseline_graph_microseconds=None,
+        launched_eager_microseconds=None,
+        launched_host_microseconds=None,
+        speedup=None,
+    )
+    line = bench.format_layer_table([forward]).splitlines()[2]
+    assert line.split() == [
+        *("qwen3-30b-a3b", "8192", "reference+fp8", "torch", "5318662.5", "-", "5279352.2"),
+        *("-", "-", "443", "-", "4998156.3", "1.06", "-", "-", "-"),
+    ]

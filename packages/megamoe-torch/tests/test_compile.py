@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from megamoe_torch import MegaMoE, MegaMoEConfig
-from megamoe_torch.ops import expert_mlp
+from megamoe_torch.ops import expert_mlp, expert_parallel_mlp
 
 FAMILIES = {
     "softmax": dict(num_experts=8, top_k=2),
@@ -63,6 +63,27 @@ def test_layer_compiles_with_no_graph_break_and_matches_eager(family):
     torch.testing.assert_close(compiled(x2), layer(x2), rtol=1e-5, atol=1e-6)
 
 
+@torch.no_grad()
+def test_check_inputs_under_compile_is_a_graph_break_that_says_why():
+    torch.manual_seed(0)
+    config = MegaMoEConfig(
+        hidden_size=64, intermediate_size=32, check_inputs=True, **FAMILIES["softmax"]
+    )
+    layer = MegaMoE(config, dtype=torch.float32)
+    x = torch.randn(5, 64)
+    with pytest.raises(
+        torch._dynamo.exc.Unsupported,
+        match=r"check_inputs=True\) reads the input .* fullgraph=False",
+    ):
+        torch.compile(layer, fullgraph=True)(x)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer)  # the checks run between graphs
+    torch.testing.assert_close(compiled(x), layer(x), rtol=1e-5, atol=1e-6)
+    x[2, 7] = float("nan")
+    with pytest.raises(ValueError, match="x holds NaN"):
+        compiled(x)
+
+
 def test_expert_mlp_op_passes_the_custom_op_checks():
     torch.manual_seed(0)
     layer = MegaMoE(MegaMoEConfig(hidden_size=32, intermediate_size=16, num_experts=4, top_k=2))
@@ -71,6 +92,22 @@ def test_expert_mlp_op_passes_the_custom_op_checks():
     torch.library.opcheck(
         expert_mlp,
         (rows_MH, offsets, layer.w13.detach(), layer.w2.detach(), layer._layer_id, 6),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+
+
+def test_expert_parallel_op_passes_the_custom_op_checks():
+    # the op runs whatever dispatcher the layer holds: here one rank's local dispatcher (the
+    # expert-parallel layers compile in tests/test_multirank_layer.py)
+    torch.manual_seed(0)
+    layer = MegaMoE(MegaMoEConfig(hidden_size=32, intermediate_size=16, num_experts=4, top_k=2))
+    x_TH = torch.randn(5, 32)
+    topk_ids_TK = torch.tensor([[0, 3], [1, 3], [2, 0], [3, 1], [0, 1]])
+    topk_weights_TK = torch.rand(5, 2)
+    args = (x_TH, topk_ids_TK, topk_weights_TK, layer.w13.detach(), layer.w2.detach())
+    torch.library.opcheck(
+        expert_parallel_mlp,
+        (*args, layer._layer_id),
         test_utils=("test_schema", "test_faketensor"),
     )
 

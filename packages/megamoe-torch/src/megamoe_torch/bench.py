@@ -511,42 +511,77 @@ def plot_bench(rows: list[BenchRow], path: Path) -> str:
     )
 
 
+def aligned_table(header: list[str], body: list[list[str]], *, align: str) -> list[str]:
+    """A text table: each column as wide as its widest cell, two spaces between columns, column
+    i aligned by align[i] ("<" left for names, ">" right for numbers), a rule under the
+    header. A value wider than usual (a long backend name, a slow CPU's time) widens its
+    column rather than running into the next."""
+    widths = [max(len(cell) for cell in column) for column in zip(header, *body, strict=True)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            cell.ljust(width) if side == "<" else cell.rjust(width)
+            for cell, width, side in zip(cells, widths, align, strict=True)
+        ).rstrip()
+
+    head = line(header)
+    return [head, "-" * len(head), *(line(cells) for cells in body)]
+
+
+def _cell(value: float | int | None, spec: str) -> str:
+    """A table cell: the value formatted, "-" where it does not exist."""
+    return "-" if value is None else format(value, spec)
+
+
 def format_table(rows: list[BenchRow]) -> str:
-    header = f"{'geometry':<16}{'tokens':>7}{'rows':>7} {'backend':<11}{'mode':<8}{'us':>9}{'host us':>8}{'x base':>8}{'TFLOP/s':>9}{'roof':>7}{'rel-L2':>9}"
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        ratio = "" if r.speedup is None else f"{r.speedup:.2f}"
-        lines.append(
-            f"{r.geometry:<16}{r.tokens:>7}{r.rows:>7} {r.backend:<11}{r.mode:<8}{r.microseconds:>9.1f}"
-            f"{r.host_microseconds:>8.1f}"
-            f"{ratio:>8}{r.tflops:>9.1f}{r.roofline_fraction:>7.3f}{r.rel_l2:>9.1e}"
-        )
-    return "\n".join(lines)
+    header = ["geometry", "tokens", "rows", "backend", "mode", "us", "host us", "x base"]
+    header += ["TFLOP/s", "roof", "rel-L2"]
+    body = [
+        [
+            r.geometry,
+            str(r.tokens),
+            str(r.rows),
+            r.backend,
+            r.mode,
+            f"{r.microseconds:.1f}",
+            f"{r.host_microseconds:.1f}",
+            _cell(r.speedup, ".2f"),
+            f"{r.tflops:.1f}",
+            f"{r.roofline_fraction:.3f}",
+            f"{r.rel_l2:.1e}",
+        ]
+        for r in rows
+    ]
+    return "\n".join(aligned_table(header, body, align="<>><<>>>>>>"))
 
 
 def format_layer_table(rows: list[LayerBenchRow]) -> str:
     """The layer mode's rows; "-" where a value does not exist (no graph on a CPU, no baseline)."""
-
-    def cell(value: float | int | None, width: int, spec: str) -> str:
-        return f"{'-' if value is None else format(value, spec):>{width}}"
-
-    header = f"{'geometry':<16}{'tokens':>7} {'backend':<11}{'path':<6}{'eager us':>10}{'graph us':>10}{'host us':>9}{'launch us':>10}{'l.host us':>10}{'ops':>6}{'mem':>5}{'gemm us':>9}{'/gemm':>7}{'base eager':>11}{'base graph':>11}{'x base':>8}"
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        lines.append(
-            f"{r.geometry:<16}{r.tokens:>7} {r.backend:<11}{r.layer_path:<6}"
-            f"{r.eager_microseconds:>10.1f}"
-            + cell(r.graph_microseconds, 10, ".1f")
-            + f"{r.host_microseconds:>9.1f}"
-            + cell(r.launched_eager_microseconds, 10, ".1f")
-            + cell(r.launched_host_microseconds, 10, ".1f")
-            + f"{r.gpu_ops:>6}"
-            + cell(r.gpu_memory_ops, 5, "d")
-            + f"{r.gemm_microseconds:>9.1f}{r.layer_over_gemms:>7.2f}"
-            + cell(r.baseline_eager_microseconds, 11, ".1f")
-            + cell(r.baseline_graph_microseconds, 11, ".1f")
-            + cell(r.speedup, 8, ".2f")
-        )
+    header = ["geometry", "tokens", "backend", "path", "eager us", "graph us", "host us"]
+    header += ["launch us", "l.host us", "ops", "mem", "gemm us", "/gemm", "base eager"]
+    header += ["base graph", "x base"]
+    body = [
+        [
+            r.geometry,
+            str(r.tokens),
+            r.backend,
+            r.layer_path,
+            f"{r.eager_microseconds:.1f}",
+            _cell(r.graph_microseconds, ".1f"),
+            f"{r.host_microseconds:.1f}",
+            _cell(r.launched_eager_microseconds, ".1f"),
+            _cell(r.launched_host_microseconds, ".1f"),
+            str(r.gpu_ops),
+            _cell(r.gpu_memory_ops, "d"),
+            f"{r.gemm_microseconds:.1f}",
+            f"{r.layer_over_gemms:.2f}",
+            _cell(r.baseline_eager_microseconds, ".1f"),
+            _cell(r.baseline_graph_microseconds, ".1f"),
+            _cell(r.speedup, ".2f"),
+        ]
+        for r in rows
+    ]
+    lines = aligned_table(header, body, align="<><<" + ">" * 12)
     if rows and rows[0].graph_microseconds is not None:
         lines.append(
             "eager/host: an eager forward (up to eager_graph_tokens tokens on the fused path it "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
@@ -107,30 +108,41 @@ def output_folder(text: str) -> Path:
     return path
 
 
+def writable_output_folder(parser: argparse.ArgumentParser, out: Path) -> None:
+    """Creates `out` and writes a probe file in it, before anything is measured: a folder
+    `output_folder` let through can still refuse writes (a read-only file system, /proc, or
+    permissions root ignores in os.access) and an argparse error then beats a traceback after
+    the measurements."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        parser.error(f"argument --out: cannot write into {out}: {error.strerror or error}")
+
+
 def runnable_backends(
     parser: argparse.ArgumentParser, requested: list[str] | None, device: torch.device
-) -> list[str]:
-    """The backends bench times, said aloud: those requested (default BENCH_BACKENDS) that run on
-    `device`; where none of the defaults does, those that run; where none requested does, an
-    argparse error naming the ones that would."""
+) -> tuple[list[str], str | None]:
+    """The backends bench times and a line that says which were skipped and why (None: none
+    was): those requested (default BENCH_BACKENDS) that run on `device`; where none of the
+    defaults does, those that run; where none requested does, an argparse error naming the
+    ones that would."""
     statuses = {name: backend_status(name, device) for name in requested or BENCH_BACKENDS}
     runnable = [name for name, (ok, _) in statuses.items() if ok]
     skipped = "; ".join(f"{name}: {reason}" for name, (ok, reason) in statuses.items() if not ok)
     if runnable:
-        if skipped:
-            print(f"timing {', '.join(runnable)} (skipped {skipped})")
-        return runnable
+        return runnable, (f"timing {', '.join(runnable)} (skipped {skipped})" if skipped else None)
     elsewhere = bench.available_backends(device, BACKEND_NAMES)
     if requested:
         parser.error(
             f"argument --backends: none of {' '.join(requested)} can run on {device} ({skipped}); "
             f"what can: --backends {' '.join(elsewhere)}"
         )
-    print(
+    return elsewhere, (
         f"none of the default backends can run on {device} ({skipped}): timing "
         f"{', '.join(elsewhere)} instead (--backends chooses)"
     )
-    return elsewhere
 
 
 def fp32_oracle_of(layer: MegaMoE) -> MegaMoE:
@@ -293,11 +305,15 @@ def run_bench_ep(args: argparse.Namespace) -> int:
         args.parser.error("argument --device: with --ep each rank takes the GPU LOCAL_RANK names")
     device = default_device()
     quiet = int(os.environ.get("RANK", "0")) != 0
-    backends = (
-        [name for name in args.backends or BENCH_BACKENDS if backend_status(name, device)[0]]
-        if quiet
-        else runnable_backends(args.parser, args.backends, device)
-    )
+    if quiet:
+        backends = [
+            name for name in args.backends or BENCH_BACKENDS if backend_status(name, device)[0]
+        ]
+    else:
+        backends, note = runnable_backends(args.parser, args.backends, device)
+    writable_output_folder(args.parser, args.out)  # the last argument check: it makes the folder
+    if not quiet and note:
+        print(note)
     return bench_ep.run_cli(
         geometry=GEOMETRIES[args.geometry[0] if args.geometry else EP_GEOMETRY],
         token_counts=list(args.tokens or EP_TOKEN_COUNTS),
@@ -317,7 +333,10 @@ def run_bench(args: argparse.Namespace) -> int:
     device = args.device or default_device()
     geometries = args.geometry or (GPU_GEOMETRIES if device.type == "cuda" else CPU_GEOMETRIES)
     token_counts = args.tokens or (TOKEN_COUNTS if device.type == "cuda" else (16, 64))
-    backends = runnable_backends(args.parser, args.backends, device)
+    backends, note = runnable_backends(args.parser, args.backends, device)
+    writable_output_folder(args.parser, args.out)  # the last argument check: it makes the folder
+    if note:
+        print(note)
     point_modes = tuple(mode for mode in args.modes if mode != "layer")
     rows, layer_rows = [], []
     out = args.out

@@ -52,9 +52,15 @@ from torch import nn
 from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.forward_graphs import ForwardGraphs
 from megamoe_torch.fp8_linear import BlockFP8Linear, quantize_loaded_weights
-from megamoe_torch.ops import expert_mlp, register_layer
+from megamoe_torch.ops import expert_mlp, expert_parallel_mlp, register_layer
 from megamoe_torch.tensor_cache import DerivedTensorCache
 
+# what torch.compile(fullgraph=True) of a layer with check_inputs=True says
+CHECK_INPUTS_UNDER_COMPILE = (
+    "MegaMoE(check_inputs=True) reads the input and the router logits on the host (a sync "
+    "each), which a compiled graph cannot hold: compile with fullgraph=False (the checks then "
+    "run between graphs) or build the layer with check_inputs=False"
+)
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=), torch >= 2.9
 
 
@@ -565,11 +571,16 @@ class MegaMoE(nn.Module):
             weight.copy_(quantized)
             getattr(self, f"{name}_scale_inv").copy_(scales)
 
-    def _expert_compute(self, batch):
-        needs_autograd = torch.is_grad_enabled() and (
-            self.w13.requires_grad or self.w2.requires_grad or batch.rows_MH.requires_grad
+    def _records_autograd(self, *tensors: torch.Tensor) -> bool:
+        """Whether autograd records a computation on `tensors` and the routed experts' weights
+        (then a forward takes the torch path and backends with a backward)."""
+        experts = (self.w13, self.w2, self.w13_bias, self.w2_bias)
+        return torch.is_grad_enabled() and any(
+            tensor is not None and tensor.requires_grad for tensor in (*tensors, *experts)
         )
-        if not needs_autograd:
+
+    def _expert_compute(self, batch):
+        if not self._records_autograd(batch.rows_MH):
             if torch.compiler.is_compiling():
                 batch = batch.dequantized()  # the op takes full-precision rows
                 valid_rows = -1 if batch.valid_rows is None else batch.valid_rows
@@ -683,12 +694,7 @@ class MegaMoE(nn.Module):
         # expert-compute custom op; the device routing kernels have no fake implementation yet
         if torch.compiler.is_compiling():
             return False
-        if torch.is_grad_enabled() and (
-            x_TH.requires_grad
-            or self.w13.requires_grad
-            or self.w2.requires_grad
-            or self.gate.weight.requires_grad
-        ):
+        if self._records_autograd(x_TH, self.gate.weight):
             return False
         return self.fused_path_status(x_TH.device)[0]
 
@@ -789,12 +795,15 @@ class MegaMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, *, return_router_logits: bool = False):
         self._check_input(x)
-        if self.config.check_inputs and not bool(torch.isfinite(x).all()):
-            raise ValueError("x holds NaN or Inf (check_inputs=True)")
-        if not torch.compiler.is_compiling():  # the expert-compute op resolves it when it runs
-            self._resolve_backend()
+        if self.config.check_inputs:
+            if torch.compiler.is_compiling():
+                torch._dynamo.graph_break(msg=CHECK_INPUTS_UNDER_COMPILE)
+            if not bool(torch.isfinite(x).all()):
+                raise ValueError("x holds NaN or Inf (check_inputs=True)")
         x_TH = x.reshape(-1, self.config.hidden_size)
-        self._resolve_dispatcher(x_TH)
+        if not torch.compiler.is_compiling():  # the expert-compute ops resolve them as they run
+            self._resolve_backend()
+            self._resolve_dispatcher(x_TH)
         if self._replays_graphs(x_TH):
             replayed = self._forward_graphs.forward(self, x_TH, router_logits=return_router_logits)
             if replayed is not None:
@@ -818,20 +827,36 @@ class MegaMoE(nn.Module):
                 correction_bias_E=self.e_score_correction_bias,
                 check_finite=self.config.check_inputs,
             )
+        if (
+            torch.compiler.is_compiling()
+            and not self._routes_on_this_gpu
+            and not self._records_autograd(x_TH, topk_weights_TK)
+        ):
+            # the dispatcher exchanges data-dependent sizes with the other ranks: one opaque op
+            y_TH = expert_parallel_mlp(
+                x_TH, topk_ids_TK, topk_weights_TK, self.w13, self.w2, self._layer_id
+            )
+        else:
+            y_TH = self._dispatch_experts_combine(x_TH, topk_ids_TK, topk_weights_TK)
+        if self.shared_experts is not None:
+            y_TH = y_TH + self.shared_experts(x_TH)
+        y = y_TH.reshape(x.shape).to(x.dtype)
+        return (y, router_logits_TE) if return_router_logits else y
+
+    def _dispatch_experts_combine(
+        self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts' y_TH on the torch path: the dispatcher's batch, the expert MLP on
+        it, the dispatcher's combine."""
         batch, handle = self.dispatcher.dispatch(x_TH, topk_ids_TK, topk_weights_TK)
         if self.config.routing_weights_on_input:
             # each row is its routing weight times the token (in x's dtype, as Llama 4 does)
             row_weights_M1 = self.dispatcher.row_weights(batch, handle).unsqueeze(-1)
             batch = replace(batch, rows_MH=batch.rows_MH * row_weights_M1.to(batch.rows_MH.dtype))
             expert_out_MH = self._expert_compute(batch)
-            y_TH = self.dispatcher.combine(expert_out_MH, handle, weights_applied=True)
-        else:
-            expert_out_MH = self._expert_compute(batch)
-            y_TH = self.dispatcher.combine(expert_out_MH, handle)
-        if self.shared_experts is not None:
-            y_TH = y_TH + self.shared_experts(x_TH)
-        y = y_TH.reshape(x.shape).to(x.dtype)
-        return (y, router_logits_TE) if return_router_logits else y
+            return self.dispatcher.combine(expert_out_MH, handle, weights_applied=True)
+        expert_out_MH = self._expert_compute(batch)
+        return self.dispatcher.combine(expert_out_MH, handle)
 
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
