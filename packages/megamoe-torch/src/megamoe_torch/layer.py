@@ -694,7 +694,10 @@ class MegaMoE(nn.Module):
         # expert-compute custom op; the device routing kernels have no fake implementation yet
         if torch.compiler.is_compiling():
             return False
-        if self._records_autograd(x_TH, self.gate.weight):
+        # the shared experts too: the fused path may compute them from detached weights in the
+        # routed batch
+        shared = () if self.shared_experts is None else tuple(self.shared_experts.parameters())
+        if self._records_autograd(x_TH, self.gate.weight, *shared):
             return False
         return self.fused_path_status(x_TH.device)[0]
 
