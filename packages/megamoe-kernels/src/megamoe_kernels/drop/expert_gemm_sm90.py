@@ -123,24 +123,29 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from .fp8_scaling import AMAX_FLOOR, E4M3_MAX, INTERMEDIATE_GROUP, WEIGHT_BLOCK
-from .gate_up_layout import interleaved_output_column
+from .fp8_scaling import WEIGHT_BLOCK
+from .tile_epilogue import (
+    Bias,
+    InlineStore,
+    PlainCopyOut,
+    QuantizedCopyOut,
+    RowScaledOutput,
+    SplitKSum,
+    StoreWarps,
+    SwiGLUOutput,
+    m_side_slot,
+    n_side_slot,
+    up_partner_offset,
+)
 from .tile_schedule import UNIT_QUEUE_SLOTS, TileSchedule
-from .tiling import EPILOGUE_ROW_PAD, tile_k
+from .tiling import EPILOGUE_ROW_PAD, THREADS_PER_WARPGROUP, tile_k
 
-THREADS_PER_WARPGROUP = 128
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
 # FP8: the most registers a consumer thread's running sum, two sets of a scale group's products
 # and two groups' x scales may take for the promotions to overlap the MMAs (the rest of the 232
 # hold addresses, the other scales and the epilogue's values; above it the kernel spilled)
 OVERLAPPED_PROMOTION_REGISTERS = 200
-# the producer warpgroup's warps after the TMA warp copy staged tiles out
-STORE_THREADS = THREADS_PER_WARPGROUP - 32
-# the copy-out's vectors of 8 values, and the shuffle steps that join a quantization group's
-# vectors (on neighbouring lanes)
-OUT_VECTOR = 8
-GROUP_SHUFFLE_STEPS = (INTERMEDIATE_GROUP // OUT_VECTOR).bit_length() - 1
 
 
 class BarrierId(enum.IntEnum):
@@ -151,30 +156,6 @@ class BarrierId(enum.IntEnum):
     EPILOGUE = 1
     # pingpong: where team w hands the tensor cores to the other team
     MMA_TURN = 3
-
-
-@cute.jit
-def swiglu(gate, up, *, limit=None, alpha=1.0, up_offset=0.0):
-    """The pointwise SwiGLU in fp32: gate * sigmoid(alpha * gate) * (up + up_offset), with gate
-    clamped to at most `limit` and up to [-limit, limit] first when `limit` is set; limit, alpha
-    and up_offset are compile-time constants (plain Python numbers), and the defaults are
-    silu(gate) * up (no instruction for the constants they leave out). The reciprocal is the
-    approximate one (one MUFU.RCP; a far gate's 1 + exp(-alpha gate) = inf still gives 0): an
-    IEEE division is a refinement, a check and a slow-path call per value, and the gate-up
-    epilogue runs 64 of them per thread and tile while the tensor cores wait."""
-    if cutlass.const_expr(limit is not None):
-        gate = cute.arch.fmin(gate, cutlass.Float32(limit))
-        up = cute.arch.fmax(cute.arch.fmin(up, cutlass.Float32(limit)), cutlass.Float32(-limit))
-    if cutlass.const_expr(up_offset != 0.0):
-        up = up + cutlass.Float32(up_offset)
-    scaled_gate = gate
-    if cutlass.const_expr(alpha != 1.0):
-        scaled_gate = gate * cutlass.Float32(alpha)
-    return (
-        gate
-        * up
-        * cute.arch.rcp_approx(cutlass.Float32(1.0) + cute.math.exp(-scaled_gate, fastmath=True))
-    )
 
 
 class ExpertGroupedGemmSm90:
@@ -256,7 +237,6 @@ class ExpertGroupedGemmSm90:
         self.stages = stages
         self.swap_ab = swap_ab
         self.swiglu = swiglu
-        self.row_scale = row_scale
         self.num_ctas = num_ctas
         self.pingpong = pingpong
         self.cluster_rows = cluster_rows
@@ -268,12 +248,6 @@ class ExpertGroupedGemmSm90:
         self.scale_group = scale_group
         self.quantize_out = quantize_out
         self.gather_rows = gather_rows
-        self.bias = bias
-        self.swiglu_constants = {
-            "limit": swiglu_limit,
-            "alpha": float(swiglu_alpha),
-            "up_offset": float(swiglu_up_offset),
-        }
         self.schedule = TileSchedule(
             tile_rows=tile_rows,
             cluster_rows=cluster_rows,
@@ -294,9 +268,29 @@ class ExpertGroupedGemmSm90:
         self.threads_per_cta = THREADS_PER_WARPGROUP + self.num_consumer_threads
         self.out_tile_cols = tile_cols // 2 if swiglu else tile_cols
         self.out_row_stride = self.out_tile_cols + EPILOGUE_ROW_PAD
-        # the up partner's offset in a thread's accumulator fragment ((2, 2, N/8) values: the
-        # second mode steps 8 rows, the third 8 columns)
-        self.partner_offset = 2 if swap_ab else 4
+        self.partner_offset = up_partner_offset(swap_ab)
+        # the epilogue's parts (tile_epilogue), in the order a tile goes through them
+        self.split_k_sum = (
+            SplitKSum(split_k=split_k, tile_threads=self.tile_threads) if split_k > 1 else None
+        )
+        self.bias = Bias(swap_ab=swap_ab, tile_cols=tile_cols) if bias else None
+        self.output = (
+            SwiGLUOutput(
+                swap_ab=swap_ab, limit=swiglu_limit, alpha=swiglu_alpha, up_offset=swiglu_up_offset
+            )
+            if swiglu
+            else RowScaledOutput(swap_ab=swap_ab, row_scale=row_scale)
+        )
+        copy_out = (QuantizedCopyOut if quantize_out else PlainCopyOut)(
+            tile_rows=tile_rows, out_tile_cols=self.out_tile_cols
+        )
+        self.tile_store = (
+            StoreWarps(
+                copy_out=copy_out, buffers=self.epilogue_buffers, tile_threads=self.tile_threads
+            )
+            if self.store_warps
+            else InlineStore(copy_out=copy_out, tile_threads=self.tile_threads)
+        )
 
     @cute.jit
     def __call__(
@@ -556,13 +550,7 @@ class ExpertGroupedGemmSm90:
         # pingpong, buffer b is team b's): the consumer team fills it, the store warps drain it
         store_queue = None
         if cutlass.const_expr(self.store_warps):
-            store_queue = pipeline.PipelineAsync.create(
-                barrier_storage=storage.store_barriers.data_ptr(),
-                num_stages=self.epilogue_buffers,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.tile_threads),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, STORE_THREADS),
-                defer_sync=True,
-            )
+            store_queue = self.tile_store.make_queue(storage.store_barriers.data_ptr())
         sStagedTiles = storage.staged_tiles.get_tensor(cute.make_layout((3, self.epilogue_buffers)))
         # a stage is full once its TMA bytes landed and (gathered rows) every lane of the producer
         # warp counted its copies in
@@ -765,7 +753,7 @@ class ExpertGroupedGemmSm90:
                     self.schedule.retire(mUnitCounter, num_clusters)
                 ring.producer_tail(state)
             elif cutlass.const_expr(self.store_warps):
-                self.copy_out_tiles(sOut, sStagedTiles, mOut, mOutScales, store_queue, tidx - 32)
+                self.tile_store.run(sOut, sStagedTiles, mOut, mOutScales, store_queue, tidx - 32)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             consumer_tidx = tidx - THREADS_PER_WARPGROUP
@@ -968,7 +956,7 @@ class ExpertGroupedGemmSm90:
                 # CTA that completes the tile's sum stores it
                 stores = row0 < row_end
                 if cutlass.const_expr(self.split_k > 1):
-                    stores = self.sum_slices(
+                    stores = self.split_k_sum.sum_slices(
                         accumulators,
                         mPartials,
                         mArrivals,
@@ -981,9 +969,9 @@ class ExpertGroupedGemmSm90:
                 stored_rows = cutlass.Int32(0)
                 if stores:
                     stored_rows = cutlass.min(row_end - row0, self.tile_rows)
-                if cutlass.const_expr(self.bias):
+                if cutlass.const_expr(self.bias is not None):
                     if stored_rows > 0:
-                        self.add_bias(
+                        self.bias.add(
                             accumulators,
                             tCcC,
                             mBias,
@@ -1023,38 +1011,10 @@ class ExpertGroupedGemmSm90:
                     capacity,
                     mExpertCounts,
                 )
-            if cutlass.const_expr(self.store_warps):
-                # the team's schedule ended: the store warps stop at the first team that says so
-                self.end_staging(
-                    sStagedTiles[(None, team)], store_queue, store_state, team_tidx=team_tidx
-                )
-
-    def weight_row_slot(self, i, fragment_shape):
-        """Which of a thread's weight rows accumulator value i belongs to (plain Python; the
-        fragment as in x_scale_slot): the N side's columns (2 per block of 8, per N atom), or
-        with swap_ab the M side's rows (2 rows 8 apart; one 64-row atom per warpgroup)."""
-        (_, _, blocks), m_atoms, _ = fragment_shape
-        column, row_half, block = i % 2, (i // 2) % 2, (i // 4) % blocks
-        m_atom, n_atom = (i // (4 * blocks)) % m_atoms, i // (4 * blocks * m_atoms)
-        if self.swap_ab:
-            return row_half + 2 * m_atom
-        return column + 2 * block + 2 * blocks * n_atom
-
-    @cute.jit
-    def add_bias(self, accumulators, tCcC, mBias, *, expert, col_tile, n_cols):
-        """accumulators += the bias of each value's weight row (mBias [E, N] fp32), each of the
-        thread's weight rows loaded once; rows past N read row N - 1 (never stored)."""
-        values, shape = cute.size(accumulators), accumulators.shape
-        slots = sorted({self.weight_row_slot(i, shape) for i in range(values)})
-        firsts = [
-            min(i for i in range(values) if self.weight_row_slot(i, shape) == slot)
-            for slot in slots
-        ]
-        col0 = col_tile * self.tile_cols
-        weight_rows = [tCcC[first][0] if self.swap_ab else tCcC[first][1] for first in firsts]
-        biases = [mBias[(expert, cutlass.min(col0 + row, n_cols - 1))] for row in weight_rows]
-        for i in cutlass.range_constexpr(values):
-            accumulators[i] = accumulators[i] + biases[slots.index(self.weight_row_slot(i, shape))]
+            # the team's schedule ended: the store warps stop at the first team that says so
+            self.tile_store.end(
+                sStagedTiles[(None, team)], store_queue, store_state, team_tidx=team_tidx
+            )
 
     @cute.jit
     def weight_scales(self, mWScales, expert, col_tile, k_tile, n_cols):
@@ -1078,17 +1038,12 @@ class ExpertGroupedGemmSm90:
         return mWScales[(expert, first, k_tile)], mWScales[(expert, second, k_tile)]
 
     def x_scale_slot(self, i, fragment_shape):
-        """Which of a thread's batch rows accumulator value i belongs to (plain Python). A
-        thread's fragment is ((2 adjacent columns, 2 rows 8 apart, column blocks of 8), MMA
-        atoms along M, along N), values in that order; the batch rows are the M side (2 rows
-        per atom: a pingpong warpgroup holds two 64-row atoms of its 128-row tile) or, with
-        swap_ab, the N side (2 columns per block of 8)."""
-        (_, _, blocks), m_atoms, _ = fragment_shape
-        column, row_half, block = i % 2, (i // 2) % 2, (i // 4) % blocks
-        m_atom, n_atom = (i // (4 * blocks)) % m_atoms, i // (4 * blocks * m_atoms)
+        """Which of a thread's batch rows accumulator value i belongs to (plain Python): the
+        MMA's M side (2 rows per atom: a pingpong warpgroup holds two 64-row atoms of its
+        128-row tile) or, with swap_ab, its N side (2 columns per block of 8)."""
         if self.swap_ab:
-            return column + 2 * block + 2 * blocks * n_atom
-        return row_half + 2 * m_atom
+            return n_side_slot(i, fragment_shape)
+        return m_side_slot(i, fragment_shape)
 
     def weight_scale_slot(self, i):
         """Which of weight_scales' two values accumulator value i takes (plain Python)."""
@@ -1156,93 +1111,6 @@ class ExpertGroupedGemmSm90:
             accumulators[i] = accumulators[i] + group_products[i] * scale
 
     @cute.jit
-    def copy_out_quantized(self, sOut, mOut, mOutScales, *, row0, rows, col_tile, tidx, threads):
-        """copy_out of an e4m3 output: each row's groups of INTERMEDIATE_GROUP staged columns
-        get the scale amax / E4M3_MAX (fp8_scaling), stored in mOutScales (rows, groups). The
-        8-value vectors of a group sit on 8 neighbouring lanes, which share its amax by
-        shuffles; every lane runs the same trips (a lane past the tile's vectors works on a
-        clamped row whose group is wholly outside, and stores nothing)."""
-        vector = OUT_VECTOR
-        vectors_per_group = INTERMEDIATE_GROUP // OUT_VECTOR
-        vectors_per_row = self.out_tile_cols // vector
-        n_out = cute.size(mOut, mode=[1])
-        col0 = col_tile * self.out_tile_cols
-        sOut_vectors = cute.zipped_divide(sOut, (1, vector))
-        mOut_vectors = cute.zipped_divide(mOut, (1, vector))
-        store_atom = cute.make_copy_atom(
-            cute.nvgpu.CopyUniversalOp(), mOut.element_type, num_bits_per_copy=8 * vector
-        )
-        total = rows * vectors_per_row
-        for first in cutlass.range(0, total, threads):
-            v = first + tidx
-            row = cutlass.min(v // vectors_per_row, self.tile_rows - 1)
-            col = (v % vectors_per_row) * vector
-            staged = cute.make_rmem_tensor((vector,), cutlass.Float32)
-            staged.store(sOut_vectors[(None, (row, col // vector))].load().to(cutlass.Float32))
-            amax = cutlass.Float32(0.0)
-            for j in cutlass.range_constexpr(vector):
-                amax = cute.arch.fmax(amax, cute.arch.fmax(staged[j], -staged[j]))
-            for shift in cutlass.range_constexpr(GROUP_SHUFFLE_STEPS):
-                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << shift))
-            if v < total and col0 + col < n_out:
-                scale = cutlass.max(amax, cutlass.Float32(AMAX_FLOOR)) / cutlass.Float32(E4M3_MAX)
-                quantized = cute.make_rmem_tensor((vector,), mOut.element_type)
-                quantized.store((staged.load() / scale).to(mOut.element_type))
-                cute.copy(
-                    store_atom,
-                    quantized,
-                    mOut_vectors[(None, (row0 + row, (col0 + col) // vector))],
-                )
-                if (v % vectors_per_group) == 0:
-                    mOutScales[(row0 + row, (col0 + col) // INTERMEDIATE_GROUP)] = scale
-
-    @cute.jit
-    def sum_slices(
-        self, accumulators, mPartials, mArrivals, sLastArrival, *, tile, split, team_tidx, barrier
-    ):
-        """split_k: puts this CTA's slice of the tile in the workspace and counts it in; the
-        CTA that arrives last gets the sum of every slice, in slice order, in `accumulators`
-        and returns True. The workspace holds each thread's fragment as it is in registers
-        (every slice has the same layout), value-major so a warp's stores are coalesced."""
-        values = cute.size(accumulators)
-        arrived_last = cutlass.Boolean(False)
-        if tile < cute.size(mArrivals):
-            partials = mPartials.iterator + tile * self.split_k * values * self.tile_threads
-            mine = partials + split * values * self.tile_threads
-            for v in cutlass.range_constexpr(values):
-                cute.arch.store(
-                    mine + (v * self.tile_threads + team_tidx), accumulators[v], cop="cg"
-                )
-            # every thread's slice is visible at GPU scope before the team counts itself in
-            cute.arch.fence_acq_rel_gpu()
-            barrier.arrive_and_wait()
-            if team_tidx == 0:
-                arrival = mArrivals.iterator + tile
-                before = cute.arch.atomic_add(arrival, cutlass.Int32(1), sem="acq_rel", scope="gpu")
-                last = before == self.split_k - 1
-                if last:
-                    # every slice has arrived: ready for the next launch
-                    cute.arch.store(arrival, cutlass.Int32(0))
-                sLastArrival[0] = cutlass.Int32(last)
-            barrier.arrive_and_wait()
-            arrived_last = sLastArrival[0] != 0
-            if arrived_last:
-                cute.arch.fence_acq_rel_gpu()
-                for v in cutlass.range_constexpr(values):
-                    total = cutlass.Float32(0.0)
-                    for s in cutlass.range_constexpr(self.split_k):
-                        value = accumulators[v]
-                        if s != split:
-                            value = cute.arch.load(
-                                partials + ((s * values + v) * self.tile_threads + team_tidx),
-                                cutlass.Float32,
-                                cop="cg",
-                            )
-                        total = total + value
-                    accumulators[v] = total
-        return arrived_last
-
-    @cute.jit
     def stage_tile(
         self,
         accumulators,
@@ -1261,136 +1129,22 @@ class ExpertGroupedGemmSm90:
         team_tidx,
         barrier,
     ):
-        """Consumer team: writes the tile's output values (SwiGLU or plain, optional row scale)
-        into its staging buffer, for the batch rows [row0, row0 + rows) to be stored (rows = 0:
-        none). With store warps it waits for them to have drained the buffer first, then hands
-        it over with the rows and the column tile; otherwise the team copies it out itself."""
-        if cutlass.const_expr(self.store_warps):
-            store_queue.producer_acquire(store_state)
+        """Consumer team: writes the tile's output values into its staging buffer, for the
+        batch rows [row0, row0 + rows) to be stored (rows = 0: none), once the buffer is free,
+        and has them copied out (tile_epilogue: the output, the store)."""
+        self.tile_store.acquire(store_queue, store_state)
         if rows > 0:
-            out_dtype = sOut.element_type
-            # accumulator values i, i + 1 are adjacent columns of one row: staged as one 32-bit
-            # word (with swap_ab they are adjacent rows: staged one by one)
-            pair = 1 if self.swap_ab else 2
-            sOut_pairs = cute.zipped_divide(sOut, (1, pair))
-            pair_atom = cute.make_copy_atom(
-                cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=out_dtype.width * pair
-            )
-            for j in cutlass.range_constexpr(cute.size(accumulators) // pair):
-                i = j * pair
-                m, n = tCcC[i]
-                row, col = (n, m) if self.swap_ab else (m, n)
-                values = cute.make_rmem_tensor((pair,), out_dtype)
-                if cutlass.const_expr(self.swiglu):
-                    if cutlass.const_expr((i // self.partner_offset) % 2 == 0):
-                        for p in cutlass.range_constexpr(pair):
-                            gate = accumulators[i + p]
-                            up = accumulators[i + p + self.partner_offset]
-                            values[p] = swiglu(gate, up, **self.swiglu_constants).to(out_dtype)
-                        out_col = interleaved_output_column(col)
-                        cute.copy(pair_atom, values, sOut_pairs[(None, (row, out_col // pair))])
-                else:
-                    scale = cutlass.Float32(1.0)
-                    if cutlass.const_expr(self.row_scale):
-                        # unmasked (rows past row_end are never stored; the index stays inside
-                        # the batch), so the values of one row share one load
-                        scale = mRowScale[cutlass.min(row0 + row, cute.size(mRowScale) - 1)]
-                    for p in cutlass.range_constexpr(pair):
-                        values[p] = (accumulators[i + p] * scale).to(out_dtype)
-                    cute.copy(pair_atom, values, sOut_pairs[(None, (row, col // pair))])
-        if cutlass.const_expr(self.store_warps):
-            if team_tidx == 0:
-                sStagedTile[0] = row0
-                sStagedTile[1] = rows
-                sStagedTile[2] = col_tile
-            store_queue.producer_commit(store_state)
-        else:
-            barrier.arrive_and_wait()
-            self.copy_out(
-                sOut,
-                mOut,
-                mOutScales,
-                row0=row0,
-                rows=rows,
-                col_tile=col_tile,
-                tidx=team_tidx,
-                threads=self.tile_threads,
-            )
-            barrier.arrive_and_wait()
-
-    @cute.jit
-    def end_staging(self, sStagedTile, store_queue, store_state, *, team_tidx):
-        """Consumer team: tells the store warps its schedule ended (rows = -1)."""
-        store_queue.producer_acquire(store_state)
-        if team_tidx == 0:
-            sStagedTile[1] = cutlass.Int32(-1)
-        store_queue.producer_commit(store_state)
-
-    @cute.jit
-    def copy_out(self, sOut, mOut, mOutScales, *, row0, rows, col_tile, tidx, threads):
-        """Copies a staged tile out to the batch rows [row0, row0 + rows), in 16-byte vectors,
-        the columns below N_out; `threads` threads share it, this one is `tidx`."""
-        if cutlass.const_expr(self.quantize_out):
-            self.copy_out_quantized(
-                sOut,
-                mOut,
-                mOutScales,
-                row0=row0,
-                rows=rows,
-                col_tile=col_tile,
-                tidx=tidx,
-                threads=threads,
-            )
-        else:
-            self.copy_out_plain(
-                sOut, mOut, row0=row0, rows=rows, col_tile=col_tile, tidx=tidx, threads=threads
-            )
-
-    @cute.jit
-    def copy_out_plain(self, sOut, mOut, *, row0, rows, col_tile, tidx, threads):
-        """copy_out of an output stored as staged."""
-        out_dtype = mOut.element_type
-        vector = 8
-        vectors_per_row = self.out_tile_cols // vector
-        n_out = cute.size(mOut, mode=[1])
-        col0 = col_tile * self.out_tile_cols
-        sOut_vectors = cute.zipped_divide(sOut, (1, vector))
-        mOut_vectors = cute.zipped_divide(mOut, (1, vector))
-        copy_atom = cute.make_copy_atom(
-            cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=128
+            self.output.stage(accumulators, tCcC, sOut, mRowScale, row0=row0)
+        self.tile_store.hand_over(
+            sOut,
+            sStagedTile,
+            mOut,
+            mOutScales,
+            store_queue,
+            store_state,
+            row0=row0,
+            rows=rows,
+            col_tile=col_tile,
+            team_tidx=team_tidx,
+            barrier=barrier,
         )
-        for v in cutlass.range(tidx, rows * vectors_per_row, threads):
-            row = v // vectors_per_row
-            col = (v % vectors_per_row) * vector
-            if col0 + col < n_out:
-                cute.copy(
-                    copy_atom,
-                    sOut_vectors[(None, (row, col // vector))],
-                    mOut_vectors[(None, (row0 + row, (col0 + col) // vector))],
-                )
-
-    @cute.jit
-    def copy_out_tiles(self, sOut, sStagedTiles, mOut, mOutScales, store_queue, store_tidx):
-        """Store warps: copy each staged tile out and give its buffer back, in the CTA's tile
-        order, until a team's end."""
-        state = pipeline.make_pipeline_state(
-            pipeline.PipelineUserType.Consumer, self.epilogue_buffers
-        )
-        running = cutlass.Boolean(True)
-        while running:
-            store_queue.consumer_wait(state)
-            buffer = state.index
-            rows = sStagedTiles[(1, buffer)]
-            running = rows >= 0
-            self.copy_out(
-                sOut[(None, None, buffer)],
-                mOut,
-                mOutScales,
-                row0=sStagedTiles[(0, buffer)],
-                rows=rows,
-                col_tile=sStagedTiles[(2, buffer)],
-                tidx=store_tidx,
-                threads=STORE_THREADS,
-            )
-            store_queue.consumer_release(state)
-            state.advance()
