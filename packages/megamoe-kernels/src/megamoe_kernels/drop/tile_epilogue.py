@@ -91,6 +91,21 @@ def swiglu(gate, up, *, limit=None, alpha=1.0, up_offset=0.0):
     )
 
 
+class EpilogueTensors:
+    """A launch's global tensors of the epilogue, held together for the kernel's calls: out
+    [capacity, N_out], out_scales (a quantized output's [rows, N_out groups], else None),
+    row_scale [capacity] (or None), bias [E, N] (or None), and split-K's workspace, partials
+    and arrivals (or None)."""
+
+    def __init__(self, *, mOut, mOutScales, mRowScale, mBias, mPartials, mArrivals):
+        self.mOut = mOut
+        self.mOutScales = mOutScales
+        self.mRowScale = mRowScale
+        self.mBias = mBias
+        self.mPartials = mPartials
+        self.mArrivals = mArrivals
+
+
 class SplitKSum:
     """split_k = S > 1: the S CTAs that work one tile's K slices add them up. Each writes its
     fp32 accumulators to the tile's slot of a global workspace, fences and counts itself in on
