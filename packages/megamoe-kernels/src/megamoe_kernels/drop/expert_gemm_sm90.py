@@ -20,20 +20,21 @@ Layouts (row-major, contiguous last dim):
   unit_counter [2] int32, dynamic_schedule only: zero before the first launch; each launch
             leaves it zero
 
-Structure: persistent CTAs; warpgroup 0 is the producer (one warp issues TMA loads into a
-`stages`-deep shared-memory ring), warpgroups 1..W consume with wgmma and run the epilogue.
-Producer and consumers walk the same device-side schedule (tile_schedule.TileSchedule: the
-expert walk, the unit counter, split-K slices): the tiles of expert e are
-ceil(rows_e / tile_rows) x ceil(N / tile_cols), visited in order of e, so the schedule's length
-follows the valid rows, not the capacity. A tile's rows start at offsets[e] + m * tile_rows;
-the rows past offsets[e + 1] that a tile loads belong to another expert or are not data: they
-only feed output rows that the epilogue never stores. The epilogue writes the tile's output
-values to a shared-memory staging buffer, which is copied out in 16-byte vectors, only the
-expert's rows and the columns below N_out. Without swap_ab the producer warpgroup's other three
-warps (the store warps) do the copy-out while the consumers go on to the next tile's MMAs, so it
-runs beside the tensor cores; the buffer goes back to the consumers through a second mbarrier
-once drained. With swap_ab (a tile or two per CTA: nothing to overlap, and the handoff's wake-up
-would only lengthen the kernel's tail) the consumers copy out themselves.
+Structure: persistent CTAs; warpgroup 0 is the producer (`produce`: one warp issues TMA loads
+into a `stages`-deep shared-memory ring), warpgroups 1..W consume (`consume`: for each tile, the
+mainloop, `mma_tile` or FP8's `mma_tile_fp8`, then `finish_tile`, the epilogue). Producer and
+consumers walk the same device-side schedule (tile_schedule.TileSchedule: the expert walk, the
+unit counter, split-K slices): the tiles of expert e are ceil(rows_e / tile_rows) x
+ceil(N / tile_cols), visited in order of e, so the schedule's length follows the valid rows,
+not the capacity. A tile's rows start at offsets[e] + m * tile_rows; the rows past
+offsets[e + 1] that a tile loads belong to another expert or are not data: they only feed output
+rows that the epilogue never stores. The epilogue (tile_epilogue: split-K's sum, the bias,
+SwiGLU or the row scale, the copy-out) writes the tile's output values to a shared-memory
+staging buffer, which is copied out in 16-byte vectors, only the expert's rows and the columns
+below N_out. Without swap_ab the producer warpgroup's other three warps (the store warps) do
+the copy-out while the consumers go on to the next tile's MMAs, so it runs beside the tensor
+cores; with swap_ab (a tile or two per CTA: nothing to overlap) the consumers copy out
+themselves.
 Launched with programmatic dependent launch: a kernel that follows (the down GEMM after the
 gate-up one) sets up while this one drains.
 
@@ -123,24 +124,30 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from .fp8_scaling import AMAX_FLOOR, E4M3_MAX, INTERMEDIATE_GROUP, WEIGHT_BLOCK
-from .gate_up_layout import interleaved_output_column
+from .fp8_scaling import WEIGHT_BLOCK
+from .tile_epilogue import (
+    Bias,
+    EpilogueTensors,
+    InlineStore,
+    PlainCopyOut,
+    QuantizedCopyOut,
+    RowScaledOutput,
+    SplitKSum,
+    StoreWarps,
+    SwiGLUOutput,
+    m_side_slot,
+    n_side_slot,
+    up_partner_offset,
+)
 from .tile_schedule import UNIT_QUEUE_SLOTS, TileSchedule
-from .tiling import EPILOGUE_ROW_PAD, tile_k
+from .tiling import EPILOGUE_ROW_PAD, THREADS_PER_WARPGROUP, tile_k
 
-THREADS_PER_WARPGROUP = 128
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
 # FP8: the most registers a consumer thread's running sum, two sets of a scale group's products
 # and two groups' x scales may take for the promotions to overlap the MMAs (the rest of the 232
 # hold addresses, the other scales and the epilogue's values; above it the kernel spilled)
 OVERLAPPED_PROMOTION_REGISTERS = 200
-# the producer warpgroup's warps after the TMA warp copy staged tiles out
-STORE_THREADS = THREADS_PER_WARPGROUP - 32
-# the copy-out's vectors of 8 values, and the shuffle steps that join a quantization group's
-# vectors (on neighbouring lanes)
-OUT_VECTOR = 8
-GROUP_SHUFFLE_STEPS = (INTERMEDIATE_GROUP // OUT_VECTOR).bit_length() - 1
 
 
 class BarrierId(enum.IntEnum):
@@ -153,28 +160,38 @@ class BarrierId(enum.IntEnum):
     MMA_TURN = 3
 
 
-@cute.jit
-def swiglu(gate, up, *, limit=None, alpha=1.0, up_offset=0.0):
-    """The pointwise SwiGLU in fp32: gate * sigmoid(alpha * gate) * (up + up_offset), with gate
-    clamped to at most `limit` and up to [-limit, limit] first when `limit` is set; limit, alpha
-    and up_offset are compile-time constants (plain Python numbers), and the defaults are
-    silu(gate) * up (no instruction for the constants they leave out). The reciprocal is the
-    approximate one (one MUFU.RCP; a far gate's 1 + exp(-alpha gate) = inf still gives 0): an
-    IEEE division is a refinement, a check and a slow-path call per value, and the gate-up
-    epilogue runs 64 of them per thread and tile while the tensor cores wait."""
-    if cutlass.const_expr(limit is not None):
-        gate = cute.arch.fmin(gate, cutlass.Float32(limit))
-        up = cute.arch.fmax(cute.arch.fmin(up, cutlass.Float32(limit)), cutlass.Float32(-limit))
-    if cutlass.const_expr(up_offset != 0.0):
-        up = up + cutlass.Float32(up_offset)
-    scaled_gate = gate
-    if cutlass.const_expr(alpha != 1.0):
-        scaled_gate = gate * cutlass.Float32(alpha)
-    return (
-        gate
-        * up
-        * cute.arch.rcp_approx(cutlass.Float32(1.0) + cute.math.exp(-scaled_gate, fastmath=True))
-    )
+class ScheduleArgs:
+    """One launch's values of the tile schedule's calls, read once at the kernel's start and
+    never changed: the offsets (and counts) the walk reads, the experts it walks (none outside
+    the variant's range of valid rows), the weight rows N, the column tiles and units, the K
+    tiles, the row limit (the capacity), and this CTA's place among the clusters."""
+
+    def __init__(
+        self,
+        *,
+        mOffsets,
+        mExpertCounts,
+        experts,
+        n_cols,
+        col_tiles,
+        col_units,
+        k_tiles,
+        capacity,
+        cluster_rank,
+        cluster_idx,
+        num_clusters,
+    ):
+        self.mOffsets = mOffsets
+        self.mExpertCounts = mExpertCounts
+        self.experts = experts
+        self.n_cols = n_cols
+        self.col_tiles = col_tiles
+        self.col_units = col_units
+        self.k_tiles = k_tiles
+        self.capacity = capacity
+        self.cluster_rank = cluster_rank
+        self.cluster_idx = cluster_idx
+        self.num_clusters = num_clusters
 
 
 class ExpertGroupedGemmSm90:
@@ -256,7 +273,6 @@ class ExpertGroupedGemmSm90:
         self.stages = stages
         self.swap_ab = swap_ab
         self.swiglu = swiglu
-        self.row_scale = row_scale
         self.num_ctas = num_ctas
         self.pingpong = pingpong
         self.cluster_rows = cluster_rows
@@ -268,12 +284,6 @@ class ExpertGroupedGemmSm90:
         self.scale_group = scale_group
         self.quantize_out = quantize_out
         self.gather_rows = gather_rows
-        self.bias = bias
-        self.swiglu_constants = {
-            "limit": swiglu_limit,
-            "alpha": float(swiglu_alpha),
-            "up_offset": float(swiglu_up_offset),
-        }
         self.schedule = TileSchedule(
             tile_rows=tile_rows,
             cluster_rows=cluster_rows,
@@ -294,9 +304,29 @@ class ExpertGroupedGemmSm90:
         self.threads_per_cta = THREADS_PER_WARPGROUP + self.num_consumer_threads
         self.out_tile_cols = tile_cols // 2 if swiglu else tile_cols
         self.out_row_stride = self.out_tile_cols + EPILOGUE_ROW_PAD
-        # the up partner's offset in a thread's accumulator fragment ((2, 2, N/8) values: the
-        # second mode steps 8 rows, the third 8 columns)
-        self.partner_offset = 2 if swap_ab else 4
+        self.partner_offset = up_partner_offset(swap_ab)
+        # the epilogue's parts (tile_epilogue), in the order a tile goes through them
+        self.split_k_sum = (
+            SplitKSum(split_k=split_k, tile_threads=self.tile_threads) if split_k > 1 else None
+        )
+        self.bias = Bias(swap_ab=swap_ab, tile_cols=tile_cols) if bias else None
+        self.output = (
+            SwiGLUOutput(
+                swap_ab=swap_ab, limit=swiglu_limit, alpha=swiglu_alpha, up_offset=swiglu_up_offset
+            )
+            if swiglu
+            else RowScaledOutput(swap_ab=swap_ab, row_scale=row_scale)
+        )
+        copy_out = (QuantizedCopyOut if quantize_out else PlainCopyOut)(
+            tile_rows=tile_rows, out_tile_cols=self.out_tile_cols
+        )
+        self.tile_store = (
+            StoreWarps(
+                copy_out=copy_out, buffers=self.epilogue_buffers, tile_threads=self.tile_threads
+            )
+            if self.store_warps
+            else InlineStore(copy_out=copy_out, tile_threads=self.tile_threads)
+        )
 
     @cute.jit
     def __call__(
@@ -556,36 +586,9 @@ class ExpertGroupedGemmSm90:
         # pingpong, buffer b is team b's): the consumer team fills it, the store warps drain it
         store_queue = None
         if cutlass.const_expr(self.store_warps):
-            store_queue = pipeline.PipelineAsync.create(
-                barrier_storage=storage.store_barriers.data_ptr(),
-                num_stages=self.epilogue_buffers,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.tile_threads),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, STORE_THREADS),
-                defer_sync=True,
-            )
+            store_queue = self.tile_store.make_queue(storage.store_barriers.data_ptr())
         sStagedTiles = storage.staged_tiles.get_tensor(cute.make_layout((3, self.epilogue_buffers)))
-        # a stage is full once its TMA bytes landed and (gathered rows) every lane of the producer
-        # warp counted its copies in
-        tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(w_layout, (None, None, 0)))
-        producer_arrivals = 1
-        if cutlass.const_expr(self.gather_rows):
-            producer_arrivals = 1 + 32
-        else:
-            tx_bytes = tx_bytes + cute.size_in_bytes(
-                self.ab_dtype, cute.slice_(x_layout, (None, None, 0))
-            )
-        ring = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.ring_barriers.data_ptr(),
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producer_arrivals),
-            # each stage is read by the warps of one tile's warpgroups, in every CTA of the
-            # cluster (each CTA's TMA writes into all of them): every warp releases it everywhere
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.tile_warpgroups * 4 * self.cluster_rows
-            ),
-            tx_count=tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, self.cluster_rows, 1, 1)),
-        )
+        ring = self.make_ring(storage, x_layout, w_layout)
         sX = storage.sX.get_tensor(x_layout.outer, swizzle=x_layout.inner)
         sW = storage.sW.get_tensor(w_layout.outer, swizzle=w_layout.inner)
         sOut = storage.sOut.get_tensor(out_layout)
@@ -601,6 +604,95 @@ class ExpertGroupedGemmSm90:
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
 
+        walk = self.schedule_args(mOffsets, mExpertCounts, mX, mW, mOut, block_idx=block_idx)
+        # (tile_cols, TILE_K, col tiles, k tiles, E); this CTA loads its slice of each weight
+        # tile and multicasts it to the cluster
+        gW = cute.local_tile(mW, (self.tile_cols, self.tile_k), (None, None, None))
+        tWsW, tWgW = cpasync.tma_partition(
+            tma_w,
+            walk.cluster_rank,
+            cute.make_layout(self.cluster_rows),
+            cute.group_modes(sW, 0, 2),
+            cute.group_modes(gW, 0, 2),
+        )
+        cluster_mask = cutlass.Int16((1 << self.cluster_rows) - 1)
+        warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+
+        if warpgroup_idx == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+            if warp_idx == 0:
+                self.produce(
+                    ring,
+                    unit_queue,
+                    sUnits,
+                    walk,
+                    tma_x,
+                    mX,
+                    sX,
+                    tma_w,
+                    tWsW,
+                    tWgW,
+                    mRowSource,
+                    mUnitCounter,
+                    cluster_mask=cluster_mask,
+                )
+            elif cutlass.const_expr(self.store_warps):
+                self.tile_store.run(sOut, sStagedTiles, mOut, mOutScales, store_queue, tidx - 32)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+            self.consume(
+                ring,
+                unit_queue,
+                sUnits,
+                store_queue,
+                sStagedTiles,
+                storage.last_arrival.get_tensor(cute.make_layout(1)),
+                sX,
+                sW,
+                sOut,
+                tiled_mma,
+                walk,
+                mXScales,
+                mWScales,
+                EpilogueTensors(
+                    mOut=mOut,
+                    mOutScales=mOutScales,
+                    mRowScale=mRowScale,
+                    mBias=mBias,
+                    mPartials=mPartials,
+                    mArrivals=mArrivals,
+                ),
+                tidx=tidx,
+                warpgroup_idx=warpgroup_idx,
+            )
+
+    def make_ring(self, storage, x_layout, w_layout):
+        """The TMA ring's pipeline (plain Python, run while tracing). A stage is full once its
+        TMA bytes landed and (gathered rows) every lane of the producer warp counted its copies
+        in; it is read by the warps of one tile's warpgroups, in every CTA of the cluster (each
+        CTA's TMA writes into all of them): every warp releases it everywhere."""
+        tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(w_layout, (None, None, 0)))
+        producer_arrivals = 1
+        if cutlass.const_expr(self.gather_rows):
+            producer_arrivals = 1 + 32
+        else:
+            tx_bytes = tx_bytes + cute.size_in_bytes(
+                self.ab_dtype, cute.slice_(x_layout, (None, None, 0))
+            )
+        return pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ring_barriers.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producer_arrivals),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.tile_warpgroups * 4 * self.cluster_rows
+            ),
+            tx_count=tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, self.cluster_rows, 1, 1)),
+        )
+
+    @cute.jit
+    def schedule_args(self, mOffsets, mExpertCounts, mX, mW, mOut, *, block_idx):
+        """This launch's ScheduleArgs, read after the wait for the previous kernel."""
         num_experts = cute.size(mOffsets) - 1
         # the experts the walk visits: none when the valid rows are outside this variant's range
         walked_experts = self.schedule.experts_to_walk(mOffsets, num_experts)
@@ -613,448 +705,618 @@ class ExpertGroupedGemmSm90:
         cluster_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster_idx = block_idx // self.cluster_rows
         num_clusters = cute.arch.grid_dim()[0] // self.cluster_rows
-        # (tile_cols, TILE_K, col tiles, k tiles, E); this CTA loads its slice of each weight
-        # tile and multicasts it to the cluster
-        gW = cute.local_tile(mW, (self.tile_cols, self.tile_k), (None, None, None))
-        tWsW, tWgW = cpasync.tma_partition(
-            tma_w,
-            cluster_rank,
-            cute.make_layout(self.cluster_rows),
-            cute.group_modes(sW, 0, 2),
-            cute.group_modes(gW, 0, 2),
+        return ScheduleArgs(
+            mOffsets=mOffsets,
+            mExpertCounts=mExpertCounts,
+            experts=walked_experts,
+            n_cols=n_cols,
+            col_tiles=col_tiles,
+            col_units=col_units,
+            k_tiles=k_tiles,
+            capacity=capacity,
+            cluster_rank=cluster_rank,
+            cluster_idx=cluster_idx,
+            num_clusters=num_clusters,
         )
-        cluster_mask = cutlass.Int16((1 << self.cluster_rows) - 1)
-        warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
 
-        if warpgroup_idx == 0:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
-            if warp_idx == 0:
-                state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.stages
+    @cute.jit
+    def find_tile(self, walk, unit, expert, first):
+        """The schedule's walk from (expert, first) to the expert owning unit `unit`
+        (TileSchedule.next_tile): (expert, its first unit, its row units, its first row, its
+        row end, found)."""
+        return self.schedule.next_tile(
+            unit,
+            expert,
+            first,
+            walk.mOffsets,
+            walk.experts,
+            walk.col_units,
+            walk.capacity,
+            walk.mExpertCounts,
+        )
+
+    @cute.jit
+    def tile_at(self, walk, unit, first, row_units, expert_row0):
+        """This CTA's tile of schedule unit `unit` of the expert whose units start at `first`:
+        (its first batch row, its column tile, its K slice, the slice's K tiles [begin, end))."""
+        row0, col_tile, split = self.schedule.tile_origin(
+            unit - first, row_units, walk.col_tiles, expert_row0, walk.cluster_rank
+        )
+        k_begin, k_end = self.schedule.k_slice(split, walk.k_tiles)
+        return row0, col_tile, split, k_begin, k_end
+
+    @cute.jit
+    def produce(
+        self,
+        ring,
+        unit_queue,
+        sUnits,
+        walk,
+        tma_x,
+        mX,
+        sX,
+        tma_w,
+        tWsW,
+        tWgW,
+        mRowSource,
+        mUnitCounter,
+        *,
+        cluster_mask,
+    ):
+        """Producer warp: walks the schedule and loads each tile's K tiles into the ring (with
+        dynamic_schedule taking each unit after the first from the counter and telling it to
+        the consumers)."""
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        unit = cutlass.Int32(walk.cluster_idx)
+        expert, first, row_units, expert_row0, expert_row_end, found = self.find_tile(
+            walk, unit, cutlass.Int32(0), cutlass.Int32(0)
+        )
+        # stages of the first tile whose weights are loading already (their full barriers armed
+        # for the whole stage; only the rows are left to load)
+        weights_loading = cutlass.Int32(0)
+        if cutlass.const_expr(self.weights_before_wait):
+            if found:
+                _, col_tile, _, k_begin, k_end = self.tile_at(
+                    walk, unit, first, row_units, expert_row0
                 )
-                unit = cutlass.Int32(cluster_idx)
-                expert, first, row_units, expert_row0, expert_row_end, found = (
-                    self.schedule.next_tile(
-                        unit,
-                        cutlass.Int32(0),
-                        cutlass.Int32(0),
-                        mOffsets,
-                        walked_experts,
-                        col_units,
-                        capacity,
-                        mExpertCounts,
-                    )
+                weights_loading = self.load_weights_early(
+                    ring,
+                    tma_w,
+                    tWsW,
+                    tWgW,
+                    expert=expert,
+                    col_tile=col_tile,
+                    k_begin=k_begin,
+                    k_end=k_end,
                 )
-                # stages of the first tile whose weights are loading already (their full
-                # barriers armed for the whole stage; only the rows are left to load)
-                weights_loading = cutlass.Int32(0)
-                if cutlass.const_expr(self.weights_before_wait):
-                    if found:
-                        _, col_tile, split = self.schedule.tile_origin(
-                            unit - first, row_units, col_tiles, expert_row0, cluster_rank
-                        )
-                        k_begin, k_end = self.schedule.k_slice(split, k_tiles)
-                        weights_loading = cutlass.min(k_end - k_begin, self.stages)
-                        weight_state = pipeline.make_pipeline_state(
-                            pipeline.PipelineUserType.Producer, self.stages
-                        )
-                        tWgW_tile = tWgW[(None, col_tile, None, expert)]
-                        for k_tile in range(k_begin, k_begin + weights_loading):
-                            ring.producer_acquire(weight_state)
-                            cute.copy(
-                                tma_w,
-                                tWgW_tile[(None, k_tile)],
-                                tWsW[(None, weight_state.index)],
-                                tma_bar_ptr=ring.producer_get_barrier(weight_state),
-                            )
-                            weight_state.advance()
-                    cute.arch.griddepcontrol_wait()
-                    cute.arch.griddepcontrol_launch_dependents()
-                unit_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, UNIT_QUEUE_SLOTS
-                )
-                if cutlass.const_expr(self.dynamic_schedule):
-                    self.schedule.send_unit(unit_queue, sUnits, unit_state, unit)
-                    unit_state.advance()
-                while found:
-                    row0, col_tile, split = self.schedule.tile_origin(
-                        unit - first, row_units, col_tiles, expert_row0, cluster_rank
-                    )
-                    k_begin, k_end = self.schedule.k_slice(split, k_tiles)
-                    tXsX = tXgX = tile_tokens = None
-                    if cutlass.const_expr(self.gather_rows):
-                        # the tile's rows of this expert (none for an empty tile)
-                        tile_tokens = self.tile_tokens(mRowSource, row0, expert_row_end - row0)
-                    else:
-                        if row0 >= expert_row_end:
-                            # an empty tile (the cluster's partner has the expert's last row
-                            # tile): load rows that exist; nothing reads them
-                            row0 = expert_row0
-                        gX = cute.local_tile(
-                            cute.domain_offset((row0, 0), mX),
-                            (self.tile_rows, self.tile_k),
-                            (0, None),
-                        )
-                        tXsX, tXgX = cpasync.tma_partition(
-                            tma_x,
-                            0,
-                            cute.make_layout(1),
-                            cute.group_modes(sX, 0, 2),
-                            cute.group_modes(gX, 0, 2),
-                        )
-                    tWgW_tile = tWgW[(None, col_tile, None, expert)]
-                    for k_tile in range(k_begin, k_end):
-                        weights_loaded = k_tile - k_begin < weights_loading
-                        if not weights_loaded:
-                            ring.producer_acquire(state)
-                        barrier = ring.producer_get_barrier(state)
-                        if cutlass.const_expr(not self.gather_rows):
-                            cute.copy(
-                                tma_x,
-                                tXgX[(None, k_tile)],
-                                tXsX[(None, state.index)],
-                                tma_bar_ptr=barrier,
-                            )
-                        if cutlass.const_expr(self.cluster_rows > 1):
-                            cute.copy(
-                                tma_w,
-                                tWgW_tile[(None, k_tile)],
-                                tWsW[(None, state.index)],
-                                tma_bar_ptr=barrier,
-                                mcast_mask=cluster_mask,
-                            )
-                        elif not weights_loaded:
-                            cute.copy(
-                                tma_w,
-                                tWgW_tile[(None, k_tile)],
-                                tWsW[(None, state.index)],
-                                tma_bar_ptr=barrier,
-                            )
-                        if cutlass.const_expr(self.gather_rows):
-                            self.gather_stage(
-                                mX,
-                                sX[(None, None, state.index)],
-                                tile_tokens,
-                                rows=expert_row_end - row0,
-                                k_tile=k_tile,
-                            )
-                            cute.arch.cp_async_mbarrier_arrive_noinc(barrier)
-                        ring.producer_commit(state)
-                        state.advance()
-                    weights_loading = cutlass.Int32(0)
-                    unit = self.schedule.following_unit(unit, num_clusters, mUnitCounter)
-                    if cutlass.const_expr(self.dynamic_schedule):
-                        self.schedule.send_unit(unit_queue, sUnits, unit_state, unit)
-                        unit_state.advance()
-                    expert, first, row_units, expert_row0, expert_row_end, found = (
-                        self.schedule.next_tile(
-                            unit,
-                            expert,
-                            first,
-                            mOffsets,
-                            walked_experts,
-                            col_units,
-                            capacity,
-                            mExpertCounts,
-                        )
-                    )
-                if cutlass.const_expr(self.dynamic_schedule):
-                    if cutlass.const_expr(self.pingpong):
-                        # the unit past the schedule's end, for the other team too
-                        self.schedule.send_unit(unit_queue, sUnits, unit_state, unit)
-                    self.schedule.retire(mUnitCounter, num_clusters)
-                ring.producer_tail(state)
-            elif cutlass.const_expr(self.store_warps):
-                self.copy_out_tiles(sOut, sStagedTiles, mOut, mOutScales, store_queue, tidx - 32)
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+        unit_state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Producer, UNIT_QUEUE_SLOTS
+        )
+        if cutlass.const_expr(self.dynamic_schedule):
+            self.schedule.send_unit(unit_queue, sUnits, unit_state, unit)
+            unit_state.advance()
+        while found:
+            row0, col_tile, _, k_begin, k_end = self.tile_at(
+                walk, unit, first, row_units, expert_row0
+            )
+            state_after = self.load_tile(
+                ring,
+                state,
+                tma_x,
+                mX,
+                sX,
+                tma_w,
+                tWsW,
+                tWgW,
+                mRowSource,
+                expert=expert,
+                row0=row0,
+                expert_row0=expert_row0,
+                expert_row_end=expert_row_end,
+                col_tile=col_tile,
+                k_begin=k_begin,
+                k_end=k_end,
+                weights_loading=weights_loading,
+                cluster_mask=cluster_mask,
+            )
+            weights_loading = cutlass.Int32(0)
+            unit = self.schedule.following_unit(unit, walk.num_clusters, mUnitCounter)
+            if cutlass.const_expr(self.dynamic_schedule):
+                self.schedule.send_unit(unit_queue, sUnits, unit_state, unit)
+                unit_state.advance()
+            expert, first, row_units, expert_row0, expert_row_end, found = self.find_tile(
+                walk, unit, expert, first
+            )
+            # assigned last (consume says why)
+            state = state_after
+        if cutlass.const_expr(self.dynamic_schedule):
+            if cutlass.const_expr(self.pingpong):
+                # the unit past the schedule's end, for the other team too
+                self.schedule.send_unit(unit_queue, sUnits, unit_state, unit)
+            self.schedule.retire(mUnitCounter, walk.num_clusters)
+        ring.producer_tail(state)
+
+    @cute.jit
+    def load_weights_early(self, ring, tma_w, tWsW, tWgW, *, expert, col_tile, k_begin, k_end):
+        """weights_before_wait, producer warp: issues the first tile's weight loads (up to a
+        ring's worth) before the wait; returns how many. Its stages' full barriers are armed
+        for the whole stage: load_tile adds only the rows."""
+        weights_loading = cutlass.min(k_end - k_begin, self.stages)
+        weight_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        tWgW_tile = tWgW[(None, col_tile, None, expert)]
+        for k_tile in range(k_begin, k_begin + weights_loading):
+            ring.producer_acquire(weight_state)
+            cute.copy(
+                tma_w,
+                tWgW_tile[(None, k_tile)],
+                tWsW[(None, weight_state.index)],
+                tma_bar_ptr=ring.producer_get_barrier(weight_state),
+            )
+            weight_state.advance()
+        return weights_loading
+
+    @cute.jit
+    def load_tile(
+        self,
+        ring,
+        state,
+        tma_x,
+        mX,
+        sX,
+        tma_w,
+        tWsW,
+        tWgW,
+        mRowSource,
+        *,
+        expert,
+        row0,
+        expert_row0,
+        expert_row_end,
+        col_tile,
+        k_begin,
+        k_end,
+        weights_loading,
+        cluster_mask,
+    ):
+        """Producer warp: loads K tiles [k_begin, k_end) of a tile into the ring, the rows by
+        TMA (or gathered by the warp's lanes) and the weights by TMA (multicast to the cluster;
+        the first `weights_loading` of them are loading already); returns the ring's state."""
+        tXsX = tXgX = tile_tokens = None
+        if cutlass.const_expr(self.gather_rows):
+            # the tile's rows of this expert (none for an empty tile)
+            tile_tokens = self.tile_tokens(mRowSource, row0, expert_row_end - row0)
         else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-            consumer_tidx = tidx - THREADS_PER_WARPGROUP
-            # the consumer warpgroups that work one tile together (all of them, or with pingpong
-            # one warpgroup taking every other tile of the CTA): `teams` teams take turns
-            team = 0
-            teams = self.num_consumer_warpgroups // self.tile_warpgroups
-            if cutlass.const_expr(self.pingpong):
-                team = warpgroup_idx - 1
-            team_tidx = consumer_tidx - team * self.tile_threads
-            thr_mma = tiled_mma.get_slice(team_tidx)
-            sA, sB = (sW, sX) if self.swap_ab else (sX, sW)
-            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-            tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.mma_m, self.mma_n)))
-            accumulators = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
-            num_k_blocks = cute.size(tCrA, mode=[2])
-            # FP8: a scale group's MMAs accumulate in group_products before they are scaled into
-            # the sum (overlapped: from finished_products, with the scales in pending_scales)
-            group_products = None
-            finished_products = None
-            pending_scales = None
-            overlapped = False
-            if cutlass.const_expr(self.block_scaled):
-                overlapped = self.overlaps_promotion(tCcC.shape)
-                group_products = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
-                if cutlass.const_expr(overlapped):
-                    finished_products = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
-                pending_scales = cute.make_rmem_tensor(
-                    self.x_scale_slots(tCcC.shape) + 2, cutlass.Float32
+            if row0 >= expert_row_end:
+                # an empty tile (the cluster's partner has the expert's last row tile): load
+                # rows that exist; nothing reads them
+                row0 = expert_row0
+            gX = cute.local_tile(
+                cute.domain_offset((row0, 0), mX),
+                (self.tile_rows, self.tile_k),
+                (0, None),
+            )
+            tXsX, tXgX = cpasync.tma_partition(
+                tma_x,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sX, 0, 2),
+                cute.group_modes(gX, 0, 2),
+            )
+        tWgW_tile = tWgW[(None, col_tile, None, expert)]
+        for k_tile in range(k_begin, k_end):
+            weights_loaded = k_tile - k_begin < weights_loading
+            if not weights_loaded:
+                ring.producer_acquire(state)
+            barrier = ring.producer_get_barrier(state)
+            if cutlass.const_expr(not self.gather_rows):
+                cute.copy(
+                    tma_x,
+                    tXgX[(None, k_tile)],
+                    tXsX[(None, state.index)],
+                    tma_bar_ptr=barrier,
                 )
-            read_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, self.stages
-            )
-            release_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, self.stages
-            )
-            epilogue_barrier = pipeline.NamedBarrier(
-                barrier_id=BarrierId.EPILOGUE + team, num_threads=self.tile_threads
-            )
-            sOut_team = sOut[(None, None, team)]
-            # pingpong: wait for my turn at the tensor cores, then pass it on to the other team
-            my_turn = pipeline.NamedBarrier(
-                barrier_id=BarrierId.MMA_TURN + team, num_threads=self.num_consumer_threads
-            )
-            other_turn = pipeline.NamedBarrier(
-                barrier_id=BarrierId.MMA_TURN + 1 - team, num_threads=self.num_consumer_threads
-            )
-            unit_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, UNIT_QUEUE_SLOTS
-            )
-            # this team's staging buffer (its index stays `team`; the phase follows its tiles)
-            store_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Producer, self.epilogue_buffers
-            )
-            if cutlass.const_expr(self.pingpong):
-                # the ring and the unit queue hold the tiles in CTA order: skip the other team's
-                # first tile
-                read_state.advance(team * k_tiles)
-                release_state.advance(team * k_tiles)
-                unit_state.advance(team)
-                store_state.advance(team)
+            if cutlass.const_expr(self.cluster_rows > 1):
+                cute.copy(
+                    tma_w,
+                    tWgW_tile[(None, k_tile)],
+                    tWsW[(None, state.index)],
+                    tma_bar_ptr=barrier,
+                    mcast_mask=cluster_mask,
+                )
+            elif not weights_loaded:
+                cute.copy(
+                    tma_w,
+                    tWgW_tile[(None, k_tile)],
+                    tWsW[(None, state.index)],
+                    tma_bar_ptr=barrier,
+                )
+            if cutlass.const_expr(self.gather_rows):
+                self.gather_stage(
+                    mX,
+                    sX[(None, None, state.index)],
+                    tile_tokens,
+                    rows=expert_row_end - row0,
+                    k_tile=k_tile,
+                )
+                cute.arch.cp_async_mbarrier_arrive_noinc(barrier)
+            ring.producer_commit(state)
+            state.advance()
+        return state
 
-            # first batch row of this warpgroup's accumulator slab (the weight's side with swap_ab,
-            # or a whole tile with pingpong: never skipped)
-            slab_row0 = 0
-            if cutlass.const_expr(not self.swap_ab and not self.pingpong):
-                slab_row0 = (warpgroup_idx - 1) * 64
-            unit = cutlass.Int32(cluster_idx) + team * num_clusters
+    @cute.jit
+    def consume(
+        self,
+        ring,
+        unit_queue,
+        sUnits,
+        store_queue,
+        sStagedTiles,
+        sLastArrival,
+        sX,
+        sW,
+        sOut,
+        tiled_mma,
+        walk,
+        mXScales,
+        mWScales,
+        tensors,
+        *,
+        tidx,
+        warpgroup_idx,
+    ):
+        """Consumer warpgroup: walks the schedule with its team, runs each tile's mainloop on
+        the ring and its epilogue.
+
+        The mainloops return the ring's states (a helper's dynamic loop rebinds its own
+        names: the caller's state objects do not advance in place). The tile loop assigns them
+        last, after the schedule's values: the DSL carries a loop's values in the order their
+        names are first assigned in it, then the names whose methods it calls, and the
+        registers they get follow that order; assigned last, the states keep the place they
+        have when the loop calls their advance() itself, and the kernel compiles to the same
+        SASS as with the mainloops written inline."""
+        consumer_tidx = tidx - THREADS_PER_WARPGROUP
+        # the consumer warpgroups that work one tile together (all of them, or with pingpong
+        # one warpgroup taking every other tile of the CTA): `teams` teams take turns
+        team = 0
+        teams = self.num_consumer_warpgroups // self.tile_warpgroups
+        if cutlass.const_expr(self.pingpong):
+            team = warpgroup_idx - 1
+        team_tidx = consumer_tidx - team * self.tile_threads
+        thr_mma = tiled_mma.get_slice(team_tidx)
+        sA, sB = (sW, sX) if self.swap_ab else (sX, sW)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.mma_m, self.mma_n)))
+        accumulators = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
+        promotion = None
+        if cutlass.const_expr(self.block_scaled):
+            promotion = self.promotion_registers(tCcC)
+        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        release_state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Consumer, self.stages
+        )
+        epilogue_barrier = pipeline.NamedBarrier(
+            barrier_id=BarrierId.EPILOGUE + team, num_threads=self.tile_threads
+        )
+        sOut_team = sOut[(None, None, team)]
+        # pingpong: wait for my turn at the tensor cores, then pass it on to the other team
+        my_turn = pipeline.NamedBarrier(
+            barrier_id=BarrierId.MMA_TURN + team, num_threads=self.num_consumer_threads
+        )
+        other_turn = pipeline.NamedBarrier(
+            barrier_id=BarrierId.MMA_TURN + 1 - team, num_threads=self.num_consumer_threads
+        )
+        unit_state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Consumer, UNIT_QUEUE_SLOTS
+        )
+        # this team's staging buffer (its index stays `team`; the phase follows its tiles)
+        store_state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Producer, self.epilogue_buffers
+        )
+        if cutlass.const_expr(self.pingpong):
+            # the ring and the unit queue hold the tiles in CTA order: skip the other team's
+            # first tile
+            read_state.advance(team * walk.k_tiles)
+            release_state.advance(team * walk.k_tiles)
+            unit_state.advance(team)
+            store_state.advance(team)
+
+        # first batch row of this warpgroup's accumulator slab (the weight's side with swap_ab,
+        # or a whole tile with pingpong: never skipped)
+        slab_row0 = 0
+        if cutlass.const_expr(not self.swap_ab and not self.pingpong):
+            slab_row0 = (warpgroup_idx - 1) * 64
+        unit = cutlass.Int32(walk.cluster_idx) + team * walk.num_clusters
+        if cutlass.const_expr(self.dynamic_schedule):
+            unit = self.schedule.receive_unit(unit_queue, sUnits, unit_state)
+            unit_state.advance(teams)
+        expert, first, row_units, expert_row0, row_end, found = self.find_tile(
+            walk, unit, cutlass.Int32(0), cutlass.Int32(0)
+        )
+        while found:
+            row0, col_tile, split, k_begin, k_end = self.tile_at(
+                walk, unit, first, row_units, expert_row0
+            )
+            slice_tiles = k_end - k_begin
+
+            accumulators.fill(0.0)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            if cutlass.const_expr(self.pingpong):
+                # the CTA's first tile (team 0's) starts at once; every later one waits for the
+                # other team's mainloop
+                if unit > walk.cluster_idx:
+                    my_turn.arrive_and_wait()
+            # the ring's states after this tile's stages (unchanged until a mainloop's return)
+            read_after, release_after = read_state, release_state
+            if row0 + slab_row0 < row_end:
+                if cutlass.const_expr(self.block_scaled):
+                    read_after, release_after = self.mma_tile_fp8(
+                        ring,
+                        read_state,
+                        release_state,
+                        tiled_mma,
+                        accumulators,
+                        tCrA,
+                        tCrB,
+                        tCcC,
+                        promotion,
+                        mXScales,
+                        mWScales,
+                        walk,
+                        expert=expert,
+                        col_tile=col_tile,
+                        row0=row0,
+                        k_begin=k_begin,
+                        slice_tiles=slice_tiles,
+                    )
+                else:
+                    read_after, release_after = self.mma_tile(
+                        ring,
+                        read_state,
+                        release_state,
+                        tiled_mma,
+                        accumulators,
+                        tCrA,
+                        tCrB,
+                        slice_tiles=slice_tiles,
+                    )
+            else:
+                # a warpgroup whose 64-row slab lies wholly past the expert's rows skips its
+                # MMAs (it still drains the ring): tail tiles cost what their rows need
+                read_after, release_after = self.skip_tile(
+                    ring, read_state, release_state, slice_tiles=slice_tiles
+                )
+            if cutlass.const_expr(self.pingpong):
+                other_turn.arrive()
+                # the other team's next tile sits between this tile and my next one
+                read_after.advance(walk.k_tiles)
+                release_after.advance(walk.k_tiles)
+
+            self.finish_tile(
+                accumulators,
+                tCcC,
+                sOut_team,
+                sStagedTiles[(None, team)],
+                sLastArrival,
+                store_queue,
+                store_state,
+                tensors,
+                unit=unit,
+                split=split,
+                expert=expert,
+                row0=row0,
+                row_end=row_end,
+                col_tile=col_tile,
+                n_cols=walk.n_cols,
+                team_tidx=team_tidx,
+                barrier=epilogue_barrier,
+            )
+            store_state.advance(teams)
             if cutlass.const_expr(self.dynamic_schedule):
                 unit = self.schedule.receive_unit(unit_queue, sUnits, unit_state)
                 unit_state.advance(teams)
-            expert, first, row_units, expert_row0, row_end, found = self.schedule.next_tile(
-                unit,
-                cutlass.Int32(0),
-                cutlass.Int32(0),
-                mOffsets,
-                walked_experts,
-                col_units,
-                capacity,
-                mExpertCounts,
+            else:
+                unit = unit + walk.num_clusters * teams
+            expert, first, row_units, expert_row0, row_end, found = self.find_tile(
+                walk, unit, expert, first
             )
-            while found:
-                row0, col_tile, split = self.schedule.tile_origin(
-                    unit - first, row_units, col_tiles, expert_row0, cluster_rank
-                )
-                k_begin, k_end = self.schedule.k_slice(split, k_tiles)
-                slice_tiles = k_end - k_begin
-
-                accumulators.fill(0.0)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                if cutlass.const_expr(self.pingpong):
-                    # the CTA's first tile (team 0's) starts at once; every later one waits for the
-                    # other team's mainloop
-                    if unit > cluster_idx:
-                        my_turn.arrive_and_wait()
-                # a warpgroup whose 64-row slab lies wholly past the expert's rows skips its
-                # MMAs (it still drains the ring): tail tiles cost what their rows need
-                slab_has_rows = row0 + slab_row0 < row_end
-                if cutlass.const_expr(self.block_scaled):
-                    if slab_has_rows:
-                        # overlapped: each scale group's products, once its MMAs are done, move
-                        # to finished_products and are promoted while the next group's MMAs run
-                        # (no MMA is left in flight across a wait on the ring). The first
-                        # promotion adds zeros. Otherwise each group is promoted as soon as its
-                        # MMAs are done
-                        k_blocks_per_group = num_k_blocks // self.groups_per_tile
-                        if cutlass.const_expr(overlapped):
-                            finished_products.fill(0.0)
-                            pending_scales.fill(0.0)
-                        for k_tile in range(slice_tiles):
-                            # issued before the wait: the loads' latency hides behind it
-                            weight_scales = self.weight_scales(
-                                mWScales, expert, col_tile, k_begin + k_tile, n_cols
-                            )
-                            x_scales = self.row_scales(
-                                mXScales,
-                                tCcC,
-                                row0=row0,
-                                capacity=capacity,
-                                k_tile=k_begin + k_tile,
-                            )
-                            ring.consumer_wait(read_state)
-                            stage = read_state.index
-                            for group in cutlass.range_constexpr(self.groups_per_tile):
-                                warpgroup.fence()
-                                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                                for k_block in cutlass.range_constexpr(k_blocks_per_group):
-                                    coord = (
-                                        None,
-                                        None,
-                                        group * k_blocks_per_group + k_block,
-                                        stage,
-                                    )
-                                    cute.gemm(
-                                        tiled_mma,
-                                        group_products,
-                                        tCrA[coord],
-                                        tCrB[coord],
-                                        group_products,
-                                    )
-                                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                                warpgroup.commit_group()
-                                if cutlass.const_expr(overlapped):
-                                    self.promote(accumulators, finished_products, pending_scales)
-                                    warpgroup.wait_group(0)
-                                    finished_products.store(group_products.load())
-                                    self.keep_scales(pending_scales, x_scales[group], weight_scales)
-                                else:
-                                    warpgroup.wait_group(0)
-                                    self.keep_scales(pending_scales, x_scales[group], weight_scales)
-                                    self.promote(accumulators, group_products, pending_scales)
-                            ring.consumer_release(release_state)
-                            release_state.advance()
-                            read_state.advance()
-                        if cutlass.const_expr(overlapped):
-                            self.promote(accumulators, finished_products, pending_scales)
-                    else:
-                        for k_tile in range(slice_tiles):
-                            ring.consumer_wait(read_state)
-                            ring.consumer_release(release_state)
-                            release_state.advance()
-                            read_state.advance()
-                else:
-                    if slab_has_rows:
-                        warpgroup.fence()
-                        for k_tile in range(slice_tiles):
-                            ring.consumer_wait(read_state)
-                            if cutlass.const_expr(self.gather_rows):
-                                # the MMAs (async proxy) read rows the copies (generic) wrote
-                                cute.arch.fence_proxy("async.shared", space="cta")
-                            for k_block in cutlass.range_constexpr(num_k_blocks):
-                                coord = (None, None, k_block, read_state.index)
-                                cute.gemm(
-                                    tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators
-                                )
-                            warpgroup.commit_group()
-                            # keep one wgmma batch in flight; release the stage before it
-                            warpgroup.wait_group(1)
-                            if k_tile > 0:
-                                self.release_stage(ring, release_state)
-                                release_state.advance()
-                            read_state.advance()
-                        warpgroup.wait_group(0)
-                        self.release_stage(ring, release_state)
-                        release_state.advance()
-                    else:
-                        for k_tile in range(slice_tiles):
-                            ring.consumer_wait(read_state)
-                            ring.consumer_release(release_state)
-                            release_state.advance()
-                            read_state.advance()
-                if cutlass.const_expr(self.pingpong):
-                    other_turn.arrive()
-                    # the other team's next tile sits between this tile and my next one
-                    read_state.advance(k_tiles)
-                    release_state.advance(k_tiles)
-
-                # an empty tile of a cluster's last pair stores nothing; with split_k only the
-                # CTA that completes the tile's sum stores it
-                stores = row0 < row_end
-                if cutlass.const_expr(self.split_k > 1):
-                    stores = self.sum_slices(
-                        accumulators,
-                        mPartials,
-                        mArrivals,
-                        storage.last_arrival.get_tensor(cute.make_layout(1)),
-                        tile=unit // self.split_k,
-                        split=split,
-                        team_tidx=team_tidx,
-                        barrier=epilogue_barrier,
-                    )
-                stored_rows = cutlass.Int32(0)
-                if stores:
-                    stored_rows = cutlass.min(row_end - row0, self.tile_rows)
-                if cutlass.const_expr(self.bias):
-                    if stored_rows > 0:
-                        self.add_bias(
-                            accumulators,
-                            tCcC,
-                            mBias,
-                            expert=expert,
-                            col_tile=col_tile,
-                            n_cols=n_cols,
-                        )
-                self.stage_tile(
-                    accumulators,
-                    tCcC,
-                    sOut_team,
-                    sStagedTiles[(None, team)],
-                    mOut,
-                    mOutScales,
-                    mRowScale,
-                    store_queue,
-                    store_state,
-                    row0=row0,
-                    rows=stored_rows,
-                    col_tile=col_tile,
-                    team_tidx=team_tidx,
-                    barrier=epilogue_barrier,
-                )
-                store_state.advance(teams)
-                if cutlass.const_expr(self.dynamic_schedule):
-                    unit = self.schedule.receive_unit(unit_queue, sUnits, unit_state)
-                    unit_state.advance(teams)
-                else:
-                    unit = unit + num_clusters * teams
-                expert, first, row_units, expert_row0, row_end, found = self.schedule.next_tile(
-                    unit,
-                    expert,
-                    first,
-                    mOffsets,
-                    walked_experts,
-                    col_units,
-                    capacity,
-                    mExpertCounts,
-                )
-            if cutlass.const_expr(self.store_warps):
-                # the team's schedule ended: the store warps stop at the first team that says so
-                self.end_staging(
-                    sStagedTiles[(None, team)], store_queue, store_state, team_tidx=team_tidx
-                )
-
-    def weight_row_slot(self, i, fragment_shape):
-        """Which of a thread's weight rows accumulator value i belongs to (plain Python; the
-        fragment as in x_scale_slot): the N side's columns (2 per block of 8, per N atom), or
-        with swap_ab the M side's rows (2 rows 8 apart; one 64-row atom per warpgroup)."""
-        (_, _, blocks), m_atoms, _ = fragment_shape
-        column, row_half, block = i % 2, (i // 2) % 2, (i // 4) % blocks
-        m_atom, n_atom = (i // (4 * blocks)) % m_atoms, i // (4 * blocks * m_atoms)
-        if self.swap_ab:
-            return row_half + 2 * m_atom
-        return column + 2 * block + 2 * blocks * n_atom
+            # assigned last: see the docstring
+            release_state, read_state = release_after, read_after
+        # the team's schedule ended: the store warps stop at the first team that says so
+        self.tile_store.end(
+            sStagedTiles[(None, team)], store_queue, store_state, team_tidx=team_tidx
+        )
 
     @cute.jit
-    def add_bias(self, accumulators, tCcC, mBias, *, expert, col_tile, n_cols):
-        """accumulators += the bias of each value's weight row (mBias [E, N] fp32), each of the
-        thread's weight rows loaded once; rows past N read row N - 1 (never stored)."""
-        values, shape = cute.size(accumulators), accumulators.shape
-        slots = sorted({self.weight_row_slot(i, shape) for i in range(values)})
-        firsts = [
-            min(i for i in range(values) if self.weight_row_slot(i, shape) == slot)
-            for slot in slots
-        ]
-        col0 = col_tile * self.tile_cols
-        weight_rows = [tCcC[first][0] if self.swap_ab else tCcC[first][1] for first in firsts]
-        biases = [mBias[(expert, cutlass.min(col0 + row, n_cols - 1))] for row in weight_rows]
-        for i in cutlass.range_constexpr(values):
-            accumulators[i] = accumulators[i] + biases[slots.index(self.weight_row_slot(i, shape))]
+    def mma_tile(
+        self, ring, read_state, release_state, tiled_mma, accumulators, tCrA, tCrB, *, slice_tiles
+    ):
+        """Consumer team, bf16: accumulators += the MMAs of `slice_tiles` K tiles from the
+        ring, one wgmma batch kept in flight (a stage is released once the batch after the one
+        that read it is issued); returns the ring's (read, release) states."""
+        num_k_blocks = cute.size(tCrA, mode=[2])
+        warpgroup.fence()
+        for k_tile in range(slice_tiles):
+            ring.consumer_wait(read_state)
+            if cutlass.const_expr(self.gather_rows):
+                # the MMAs (async proxy) read rows the copies (generic) wrote
+                cute.arch.fence_proxy("async.shared", space="cta")
+            for k_block in cutlass.range_constexpr(num_k_blocks):
+                coord = (None, None, k_block, read_state.index)
+                cute.gemm(tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators)
+            warpgroup.commit_group()
+            # keep one wgmma batch in flight; release the stage before it
+            warpgroup.wait_group(1)
+            if k_tile > 0:
+                self.release_stage(ring, release_state)
+                release_state.advance()
+            read_state.advance()
+        warpgroup.wait_group(0)
+        self.release_stage(ring, release_state)
+        release_state.advance()
+        return read_state, release_state
+
+    @cute.jit
+    def skip_tile(self, ring, read_state, release_state, *, slice_tiles):
+        """Consumer team whose slab has no rows: drains the tile's stages from the ring
+        without MMAs; returns the ring's (read, release) states."""
+        for k_tile in range(slice_tiles):
+            ring.consumer_wait(read_state)
+            ring.consumer_release(release_state)
+            release_state.advance()
+            read_state.advance()
+        return read_state, release_state
+
+    def promotion_registers(self, tCcC):
+        """FP8: the registers of the promotions beside the running sum (plain Python, run while
+        tracing): (group_products, finished_products, pending_scales, overlapped). A scale
+        group's MMAs accumulate in group_products before they are scaled into the sum
+        (overlapped: from finished_products, with the scales in pending_scales)."""
+        overlapped = self.overlaps_promotion(tCcC.shape)
+        group_products = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
+        finished_products = None
+        if overlapped:
+            finished_products = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
+        pending_scales = cute.make_rmem_tensor(self.x_scale_slots(tCcC.shape) + 2, cutlass.Float32)
+        return group_products, finished_products, pending_scales, overlapped
+
+    @cute.jit
+    def mma_tile_fp8(
+        self,
+        ring,
+        read_state,
+        release_state,
+        tiled_mma,
+        accumulators,
+        tCrA,
+        tCrB,
+        tCcC,
+        promotion,
+        mXScales,
+        mWScales,
+        walk,
+        *,
+        expert,
+        col_tile,
+        row0,
+        k_begin,
+        slice_tiles,
+    ):
+        """Consumer team, FP8: accumulators += the MMAs of `slice_tiles` K tiles from the ring,
+        each scale group's products promoted with its scales. Overlapped, each group's
+        products, once its MMAs are done, move to finished_products and are promoted while the
+        next group's MMAs run (no MMA is left in flight across a wait on the ring; the first
+        promotion adds zeros); otherwise each group is promoted as soon as its MMAs are done.
+        Returns the ring's (read, release) states."""
+        group_products, finished_products, pending_scales, overlapped = promotion
+        k_blocks_per_group = cute.size(tCrA, mode=[2]) // self.groups_per_tile
+        if cutlass.const_expr(overlapped):
+            finished_products.fill(0.0)
+            pending_scales.fill(0.0)
+        for k_tile in range(slice_tiles):
+            # issued before the wait: the loads' latency hides behind it
+            weight_scales = self.weight_scales(
+                mWScales, expert, col_tile, k_begin + k_tile, walk.n_cols
+            )
+            x_scales = self.row_scales(
+                mXScales, tCcC, row0=row0, capacity=walk.capacity, k_tile=k_begin + k_tile
+            )
+            ring.consumer_wait(read_state)
+            stage = read_state.index
+            for group in cutlass.range_constexpr(self.groups_per_tile):
+                warpgroup.fence()
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                for k_block in cutlass.range_constexpr(k_blocks_per_group):
+                    coord = (None, None, group * k_blocks_per_group + k_block, stage)
+                    cute.gemm(tiled_mma, group_products, tCrA[coord], tCrB[coord], group_products)
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.commit_group()
+                if cutlass.const_expr(overlapped):
+                    self.promote(accumulators, finished_products, pending_scales)
+                    warpgroup.wait_group(0)
+                    finished_products.store(group_products.load())
+                    self.keep_scales(pending_scales, x_scales[group], weight_scales)
+                else:
+                    warpgroup.wait_group(0)
+                    self.keep_scales(pending_scales, x_scales[group], weight_scales)
+                    self.promote(accumulators, group_products, pending_scales)
+            ring.consumer_release(release_state)
+            release_state.advance()
+            read_state.advance()
+        if cutlass.const_expr(overlapped):
+            self.promote(accumulators, finished_products, pending_scales)
+        return read_state, release_state
+
+    @cute.jit
+    def finish_tile(
+        self,
+        accumulators,
+        tCcC,
+        sOut,
+        sStagedTile,
+        sLastArrival,
+        store_queue,
+        store_state,
+        tensors,
+        *,
+        unit,
+        split,
+        expert,
+        row0,
+        row_end,
+        col_tile,
+        n_cols,
+        team_tidx,
+        barrier,
+    ):
+        """Consumer team: the tile's epilogue (tile_epilogue), from its accumulators to the
+        batch rows [row0, row_end) of its expert: split-K's sum, the bias, the output values
+        staged in the team's buffer once it is free, and their copy-out."""
+        # an empty tile of a cluster's last pair stores nothing; with split_k only the CTA that
+        # completes the tile's sum stores it
+        stores = row0 < row_end
+        if cutlass.const_expr(self.split_k_sum is not None):
+            stores = self.split_k_sum.sum_slices(
+                accumulators,
+                tensors.mPartials,
+                tensors.mArrivals,
+                sLastArrival,
+                tile=unit // self.split_k,
+                split=split,
+                team_tidx=team_tidx,
+                barrier=barrier,
+            )
+        stored_rows = cutlass.Int32(0)
+        if stores:
+            stored_rows = cutlass.min(row_end - row0, self.tile_rows)
+        if cutlass.const_expr(self.bias is not None):
+            if stored_rows > 0:
+                self.bias.add(
+                    accumulators,
+                    tCcC,
+                    tensors.mBias,
+                    expert=expert,
+                    col_tile=col_tile,
+                    n_cols=n_cols,
+                )
+        self.tile_store.acquire(store_queue, store_state)
+        if stored_rows > 0:
+            self.output.stage(accumulators, tCcC, sOut, tensors.mRowScale, row0=row0)
+        self.tile_store.hand_over(
+            sOut,
+            sStagedTile,
+            tensors.mOut,
+            tensors.mOutScales,
+            store_queue,
+            store_state,
+            row0=row0,
+            rows=stored_rows,
+            col_tile=col_tile,
+            team_tidx=team_tidx,
+            barrier=barrier,
+        )
 
     @cute.jit
     def weight_scales(self, mWScales, expert, col_tile, k_tile, n_cols):
@@ -1078,17 +1340,12 @@ class ExpertGroupedGemmSm90:
         return mWScales[(expert, first, k_tile)], mWScales[(expert, second, k_tile)]
 
     def x_scale_slot(self, i, fragment_shape):
-        """Which of a thread's batch rows accumulator value i belongs to (plain Python). A
-        thread's fragment is ((2 adjacent columns, 2 rows 8 apart, column blocks of 8), MMA
-        atoms along M, along N), values in that order; the batch rows are the M side (2 rows
-        per atom: a pingpong warpgroup holds two 64-row atoms of its 128-row tile) or, with
-        swap_ab, the N side (2 columns per block of 8)."""
-        (_, _, blocks), m_atoms, _ = fragment_shape
-        column, row_half, block = i % 2, (i // 2) % 2, (i // 4) % blocks
-        m_atom, n_atom = (i // (4 * blocks)) % m_atoms, i // (4 * blocks * m_atoms)
+        """Which of a thread's batch rows accumulator value i belongs to (plain Python): the
+        MMA's M side (2 rows per atom: a pingpong warpgroup holds two 64-row atoms of its
+        128-row tile) or, with swap_ab, its N side (2 columns per block of 8)."""
         if self.swap_ab:
-            return column + 2 * block + 2 * blocks * n_atom
-        return row_half + 2 * m_atom
+            return n_side_slot(i, fragment_shape)
+        return m_side_slot(i, fragment_shape)
 
     def weight_scale_slot(self, i):
         """Which of weight_scales' two values accumulator value i takes (plain Python)."""
@@ -1154,243 +1411,3 @@ class ExpertGroupedGemmSm90:
             x_scale = pending_scales[self.x_scale_slot(i, shape)]
             scale = x_scale * pending_scales[slots + self.weight_scale_slot(i)]
             accumulators[i] = accumulators[i] + group_products[i] * scale
-
-    @cute.jit
-    def copy_out_quantized(self, sOut, mOut, mOutScales, *, row0, rows, col_tile, tidx, threads):
-        """copy_out of an e4m3 output: each row's groups of INTERMEDIATE_GROUP staged columns
-        get the scale amax / E4M3_MAX (fp8_scaling), stored in mOutScales (rows, groups). The
-        8-value vectors of a group sit on 8 neighbouring lanes, which share its amax by
-        shuffles; every lane runs the same trips (a lane past the tile's vectors works on a
-        clamped row whose group is wholly outside, and stores nothing)."""
-        vector = OUT_VECTOR
-        vectors_per_group = INTERMEDIATE_GROUP // OUT_VECTOR
-        vectors_per_row = self.out_tile_cols // vector
-        n_out = cute.size(mOut, mode=[1])
-        col0 = col_tile * self.out_tile_cols
-        sOut_vectors = cute.zipped_divide(sOut, (1, vector))
-        mOut_vectors = cute.zipped_divide(mOut, (1, vector))
-        store_atom = cute.make_copy_atom(
-            cute.nvgpu.CopyUniversalOp(), mOut.element_type, num_bits_per_copy=8 * vector
-        )
-        total = rows * vectors_per_row
-        for first in cutlass.range(0, total, threads):
-            v = first + tidx
-            row = cutlass.min(v // vectors_per_row, self.tile_rows - 1)
-            col = (v % vectors_per_row) * vector
-            staged = cute.make_rmem_tensor((vector,), cutlass.Float32)
-            staged.store(sOut_vectors[(None, (row, col // vector))].load().to(cutlass.Float32))
-            amax = cutlass.Float32(0.0)
-            for j in cutlass.range_constexpr(vector):
-                amax = cute.arch.fmax(amax, cute.arch.fmax(staged[j], -staged[j]))
-            for shift in cutlass.range_constexpr(GROUP_SHUFFLE_STEPS):
-                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << shift))
-            if v < total and col0 + col < n_out:
-                scale = cutlass.max(amax, cutlass.Float32(AMAX_FLOOR)) / cutlass.Float32(E4M3_MAX)
-                quantized = cute.make_rmem_tensor((vector,), mOut.element_type)
-                quantized.store((staged.load() / scale).to(mOut.element_type))
-                cute.copy(
-                    store_atom,
-                    quantized,
-                    mOut_vectors[(None, (row0 + row, (col0 + col) // vector))],
-                )
-                if (v % vectors_per_group) == 0:
-                    mOutScales[(row0 + row, (col0 + col) // INTERMEDIATE_GROUP)] = scale
-
-    @cute.jit
-    def sum_slices(
-        self, accumulators, mPartials, mArrivals, sLastArrival, *, tile, split, team_tidx, barrier
-    ):
-        """split_k: puts this CTA's slice of the tile in the workspace and counts it in; the
-        CTA that arrives last gets the sum of every slice, in slice order, in `accumulators`
-        and returns True. The workspace holds each thread's fragment as it is in registers
-        (every slice has the same layout), value-major so a warp's stores are coalesced."""
-        values = cute.size(accumulators)
-        arrived_last = cutlass.Boolean(False)
-        if tile < cute.size(mArrivals):
-            partials = mPartials.iterator + tile * self.split_k * values * self.tile_threads
-            mine = partials + split * values * self.tile_threads
-            for v in cutlass.range_constexpr(values):
-                cute.arch.store(
-                    mine + (v * self.tile_threads + team_tidx), accumulators[v], cop="cg"
-                )
-            # every thread's slice is visible at GPU scope before the team counts itself in
-            cute.arch.fence_acq_rel_gpu()
-            barrier.arrive_and_wait()
-            if team_tidx == 0:
-                arrival = mArrivals.iterator + tile
-                before = cute.arch.atomic_add(arrival, cutlass.Int32(1), sem="acq_rel", scope="gpu")
-                last = before == self.split_k - 1
-                if last:
-                    # every slice has arrived: ready for the next launch
-                    cute.arch.store(arrival, cutlass.Int32(0))
-                sLastArrival[0] = cutlass.Int32(last)
-            barrier.arrive_and_wait()
-            arrived_last = sLastArrival[0] != 0
-            if arrived_last:
-                cute.arch.fence_acq_rel_gpu()
-                for v in cutlass.range_constexpr(values):
-                    total = cutlass.Float32(0.0)
-                    for s in cutlass.range_constexpr(self.split_k):
-                        value = accumulators[v]
-                        if s != split:
-                            value = cute.arch.load(
-                                partials + ((s * values + v) * self.tile_threads + team_tidx),
-                                cutlass.Float32,
-                                cop="cg",
-                            )
-                        total = total + value
-                    accumulators[v] = total
-        return arrived_last
-
-    @cute.jit
-    def stage_tile(
-        self,
-        accumulators,
-        tCcC,
-        sOut,
-        sStagedTile,
-        mOut,
-        mOutScales,
-        mRowScale,
-        store_queue,
-        store_state,
-        *,
-        row0,
-        rows,
-        col_tile,
-        team_tidx,
-        barrier,
-    ):
-        """Consumer team: writes the tile's output values (SwiGLU or plain, optional row scale)
-        into its staging buffer, for the batch rows [row0, row0 + rows) to be stored (rows = 0:
-        none). With store warps it waits for them to have drained the buffer first, then hands
-        it over with the rows and the column tile; otherwise the team copies it out itself."""
-        if cutlass.const_expr(self.store_warps):
-            store_queue.producer_acquire(store_state)
-        if rows > 0:
-            out_dtype = sOut.element_type
-            # accumulator values i, i + 1 are adjacent columns of one row: staged as one 32-bit
-            # word (with swap_ab they are adjacent rows: staged one by one)
-            pair = 1 if self.swap_ab else 2
-            sOut_pairs = cute.zipped_divide(sOut, (1, pair))
-            pair_atom = cute.make_copy_atom(
-                cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=out_dtype.width * pair
-            )
-            for j in cutlass.range_constexpr(cute.size(accumulators) // pair):
-                i = j * pair
-                m, n = tCcC[i]
-                row, col = (n, m) if self.swap_ab else (m, n)
-                values = cute.make_rmem_tensor((pair,), out_dtype)
-                if cutlass.const_expr(self.swiglu):
-                    if cutlass.const_expr((i // self.partner_offset) % 2 == 0):
-                        for p in cutlass.range_constexpr(pair):
-                            gate = accumulators[i + p]
-                            up = accumulators[i + p + self.partner_offset]
-                            values[p] = swiglu(gate, up, **self.swiglu_constants).to(out_dtype)
-                        out_col = interleaved_output_column(col)
-                        cute.copy(pair_atom, values, sOut_pairs[(None, (row, out_col // pair))])
-                else:
-                    scale = cutlass.Float32(1.0)
-                    if cutlass.const_expr(self.row_scale):
-                        # unmasked (rows past row_end are never stored; the index stays inside
-                        # the batch), so the values of one row share one load
-                        scale = mRowScale[cutlass.min(row0 + row, cute.size(mRowScale) - 1)]
-                    for p in cutlass.range_constexpr(pair):
-                        values[p] = (accumulators[i + p] * scale).to(out_dtype)
-                    cute.copy(pair_atom, values, sOut_pairs[(None, (row, col // pair))])
-        if cutlass.const_expr(self.store_warps):
-            if team_tidx == 0:
-                sStagedTile[0] = row0
-                sStagedTile[1] = rows
-                sStagedTile[2] = col_tile
-            store_queue.producer_commit(store_state)
-        else:
-            barrier.arrive_and_wait()
-            self.copy_out(
-                sOut,
-                mOut,
-                mOutScales,
-                row0=row0,
-                rows=rows,
-                col_tile=col_tile,
-                tidx=team_tidx,
-                threads=self.tile_threads,
-            )
-            barrier.arrive_and_wait()
-
-    @cute.jit
-    def end_staging(self, sStagedTile, store_queue, store_state, *, team_tidx):
-        """Consumer team: tells the store warps its schedule ended (rows = -1)."""
-        store_queue.producer_acquire(store_state)
-        if team_tidx == 0:
-            sStagedTile[1] = cutlass.Int32(-1)
-        store_queue.producer_commit(store_state)
-
-    @cute.jit
-    def copy_out(self, sOut, mOut, mOutScales, *, row0, rows, col_tile, tidx, threads):
-        """Copies a staged tile out to the batch rows [row0, row0 + rows), in 16-byte vectors,
-        the columns below N_out; `threads` threads share it, this one is `tidx`."""
-        if cutlass.const_expr(self.quantize_out):
-            self.copy_out_quantized(
-                sOut,
-                mOut,
-                mOutScales,
-                row0=row0,
-                rows=rows,
-                col_tile=col_tile,
-                tidx=tidx,
-                threads=threads,
-            )
-        else:
-            self.copy_out_plain(
-                sOut, mOut, row0=row0, rows=rows, col_tile=col_tile, tidx=tidx, threads=threads
-            )
-
-    @cute.jit
-    def copy_out_plain(self, sOut, mOut, *, row0, rows, col_tile, tidx, threads):
-        """copy_out of an output stored as staged."""
-        out_dtype = mOut.element_type
-        vector = 8
-        vectors_per_row = self.out_tile_cols // vector
-        n_out = cute.size(mOut, mode=[1])
-        col0 = col_tile * self.out_tile_cols
-        sOut_vectors = cute.zipped_divide(sOut, (1, vector))
-        mOut_vectors = cute.zipped_divide(mOut, (1, vector))
-        copy_atom = cute.make_copy_atom(
-            cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=128
-        )
-        for v in cutlass.range(tidx, rows * vectors_per_row, threads):
-            row = v // vectors_per_row
-            col = (v % vectors_per_row) * vector
-            if col0 + col < n_out:
-                cute.copy(
-                    copy_atom,
-                    sOut_vectors[(None, (row, col // vector))],
-                    mOut_vectors[(None, (row0 + row, (col0 + col) // vector))],
-                )
-
-    @cute.jit
-    def copy_out_tiles(self, sOut, sStagedTiles, mOut, mOutScales, store_queue, store_tidx):
-        """Store warps: copy each staged tile out and give its buffer back, in the CTA's tile
-        order, until a team's end."""
-        state = pipeline.make_pipeline_state(
-            pipeline.PipelineUserType.Consumer, self.epilogue_buffers
-        )
-        running = cutlass.Boolean(True)
-        while running:
-            store_queue.consumer_wait(state)
-            buffer = state.index
-            rows = sStagedTiles[(1, buffer)]
-            running = rows >= 0
-            self.copy_out(
-                sOut[(None, None, buffer)],
-                mOut,
-                mOutScales,
-                row0=sStagedTiles[(0, buffer)],
-                rows=rows,
-                col_tile=sStagedTiles[(2, buffer)],
-                tidx=store_tidx,
-                threads=STORE_THREADS,
-            )
-            store_queue.consumer_release(state)
-            state.advance()

@@ -6,6 +6,7 @@ TILE_K = 64  # bf16 values per K tile
 FP8_TILE_K = 128  # e4m3 values per K tile (one weight scale block)
 SMEM_CAPACITY_BYTES = 227 * 1024
 SMEM_RESERVED_BYTES = 1024
+THREADS_PER_WARPGROUP = 128
 # padding of each staged output row: keeps 16-byte alignment and spreads rows over banks
 EPILOGUE_ROW_PAD = 8
 
