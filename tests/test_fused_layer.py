@@ -54,6 +54,22 @@ def _pair(family: str, backend: str, tokens: int, **overrides) -> tuple[MegaMoE,
     return fused, plain
 
 
+def _check_a_callers_capture(layer: MegaMoE, x: torch.Tensor, *, expected: MegaMoE) -> None:
+    """`layer` captured in a caller's CUDA graph (after a warm-up on a side stream) replays new
+    tokens in x with the bits `expected` computes eagerly."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = layer(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(y, expected(x))
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("backend", ["cutedsl", "reference"])
 @pytest.mark.parametrize("tokens", [0, 1, 77, 1500])
@@ -125,17 +141,7 @@ def test_shared_experts_on_a_side_stream_give_the_same_bits(family, tokens):
         x = torch.randn(tokens, 512, device="cuda", generator=generator).bfloat16()
         assert torch.equal(beside(x), fused(x))
     # inside a caller's capture the fork and the join are recorded too
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        beside(x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = beside(x)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    assert torch.equal(y, fused(x))
+    _check_a_callers_capture(beside, x, expected=fused)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -249,14 +255,4 @@ def test_shared_experts_in_the_batch(family, backend, tokens):
     assert routed.w2_EHI.data_ptr() == joined.w2_EHI.data_ptr()  # a view, no copy
     if not in_batch._expert_backend.captures_in_graphs:
         return  # the reference backend reads the expert offsets on the host
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        in_batch(x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = in_batch(x)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    assert torch.equal(y, in_batch(x))
+    _check_a_callers_capture(in_batch, x, expected=in_batch)

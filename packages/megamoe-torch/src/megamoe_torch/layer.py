@@ -440,7 +440,6 @@ class MegaMoE(nn.Module):
         join the batch prepares them once, with the shared ones: a batch of the routed experts
         alone takes a view of its first experts."""
         shared = self._shared_batch_experts()
-        # the backend's layout is rebuilt only when the weights change (in place or replaced)
 
         def prepare():
             with torch.no_grad():
@@ -466,6 +465,7 @@ class MegaMoE(nn.Module):
         if shared:
             mlp = self.shared_experts
             weights += [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+        # the backend's layout is rebuilt only when the weights change (in place or replaced)
         prepared = self._prepared.get(weights, prepare, context=(self._backend_name, shared))
         if not shared or shared_in_batch:
             return prepared
@@ -509,9 +509,9 @@ class MegaMoE(nn.Module):
         return shared
 
     def _shared_experts_in_batch(self, tokens: int) -> int:
-        """The shared experts' experts in the batch of a fused forward of `tokens` tokens (0:
-        they run as their own MLP): _shared_batch_experts', always with
-        shared_experts_path="batch", by the measured rule with "auto"
+        """How many experts the shared experts make in the batch of a fused forward of
+        `tokens` tokens (0: they run as their own MLP): _shared_batch_experts() always with
+        shared_experts_path="batch", and with "auto" where the measured rule says so
         (megamoe_kernels.shared_experts_in_batch_by_default)."""
         shared = self._shared_batch_experts()
         if not shared or self.config.shared_experts_path == "batch":
@@ -694,11 +694,12 @@ class MegaMoE(nn.Module):
         # expert-compute custom op; the device routing kernels have no fake implementation yet
         if torch.compiler.is_compiling():
             return False
-        # the shared experts too: the fused path may compute them from detached weights in the
-        # routed batch
-        shared = () if self.shared_experts is None else tuple(self.shared_experts.parameters())
-        if self._records_autograd(x_TH, self.gate.weight, *shared):
-            return False
+        if torch.is_grad_enabled():
+            # the shared experts too: the fused path may compute them from detached weights in
+            # the routed batch
+            shared = () if self.shared_experts is None else self.shared_experts.parameters()
+            if self._records_autograd(x_TH, self.gate.weight, *shared):
+                return False
         return self.fused_path_status(x_TH.device)[0]
 
     def _fused_forward(self, x_TH: torch.Tensor, router_logits_TE: torch.Tensor) -> torch.Tensor:
