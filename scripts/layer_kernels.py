@@ -10,7 +10,9 @@ given. Run on the GPU machine from the project root:
 routing kernel with and without its row copies and the combine alone, beside torch's kernels on
 the same bytes (graph replays, alternating rounds); --router-host
 the host time of the ways to compute fp32 router logits; --host-profile prints where the host
-time of 200 eager forwards goes (cProfile, by own time).
+time of an eager forward goes: single forwards, each issued after the GPU drained (as the
+bench's "host us" times them), under cProfile (cumulative time per function, which cProfile
+inflates), then, uninstrumented, the steps of a forward that replays the layer's graph.
 """
 
 from __future__ import annotations
@@ -181,18 +183,44 @@ def route_ab(layer, x_TH) -> None:
     )
 
 
-def host_profile(layer, x_TH) -> None:
-    """Own host time per function over 200 eager forwards (cProfile)."""
-    for _ in range(20):
+def host_profile(layer, x_TH, rounds: int = 40) -> None:
+    """Where the host time of single eager forwards goes (each after the GPU drained): cProfile's
+    cumulative time per function, then the uninstrumented steps of a replayed forward."""
+    for _ in range(3):
         layer(x_TH)
-    torch.cuda.synchronize()
     profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(200):
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        profiler.enable()
         layer(x_TH)
-    profiler.disable()
+        profiler.disable()
     torch.cuda.synchronize()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
+    print(f"  cProfile, {rounds} single forwards:")
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+    graphs = layer._forward_graphs._graphs
+    if not graphs:
+        return
+    entry = next(reversed(graphs.values()))
+    steps = {
+        "forward": lambda: layer(x_TH),
+        "copy in": lambda: entry.x_TH.copy_(x_TH),
+        "graph replay": entry.graph.replay,
+        "clone out": entry.y_TH.clone,
+        "copy, replay, clone": lambda: (
+            entry.x_TH.copy_(x_TH),
+            entry.graph.replay(),
+            entry.y_TH.clone(),
+        ),
+        "weights signature": lambda: layer._forward_graphs._weights_signature(layer),
+        "stream capturing?": torch.cuda.is_current_stream_capturing,
+        "empty 4 KB": lambda: torch.empty(1024, device="cuda"),
+    }
+    device = torch.device("cuda")
+    single = {
+        name: host_seconds_per_call(step, device=device, rounds=41) * 1e6
+        for name, step in steps.items()
+    }
+    print("  replay host us (single calls): " + ", ".join(f"{k} {v:.1f}" for k, v in single.items()))
 
 
 def report(layer, x_TH, title: str) -> None:

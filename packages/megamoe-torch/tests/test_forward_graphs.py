@@ -1,6 +1,7 @@
 """Small eager forwards replayed from the layer's own CUDA graphs (forward_graphs.py): the same
-bits as launching the forward, fresh outputs per call, a new graph whenever a weight changes,
-per stream, bounded in number, and never inside an outer capture."""
+bits as launching the forward, fresh outputs per call in the caller's shape, a new graph whenever
+a weight or the config changes, per stream, bounded in number, never inside an outer capture,
+and a replay that runs none of the layer's other work."""
 
 from __future__ import annotations
 
@@ -132,3 +133,52 @@ def test_larger_forwards_and_outer_captures_launch():
         x.copy_(_tokens(4, seed=10 + seed))
         graph.replay()
         assert torch.equal(y, launching(x))
+    # a capture on a stream whose forwards the layer replays: the lean path steps aside too
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            replaying(x)
+    torch.cuda.synchronize()
+    assert len(replaying._forward_graphs) == 1
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        y = replaying(x)
+    for seed in range(3):
+        x.copy_(_tokens(4, seed=20 + seed))
+        graph.replay()
+        assert torch.equal(y, launching(x))
+
+
+@torch.no_grad()
+def test_a_replay_does_no_other_work_and_keeps_the_callers_shape(monkeypatch):
+    replaying, launching = _pair("qwen3")
+    x = _tokens(6, seed=4).view(2, 3, 512)
+    for _ in range(2):  # launched, captured
+        replaying(x)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a replay ran the layer's checks")
+
+    monkeypatch.setattr(replaying, "_check_input", refused)
+    monkeypatch.setattr(replaying, "_resolve_backend", refused)
+    for seed in range(3):
+        x = _tokens(6, seed=30 + seed).view(2, 3, 512)
+        y, logits = replaying(x, return_router_logits=True)
+        expected, expected_logits = launching(x, return_router_logits=True)
+        assert y.shape == (2, 3, 512)
+        assert torch.equal(y, expected)
+        assert torch.equal(logits, expected_logits)
+
+
+@torch.no_grad()
+def test_a_new_config_drops_the_graphs():
+    replaying, launching = _pair("qwen3")
+    x = _tokens(3, seed=5)
+    for _ in range(3):
+        replaying(x)
+    assert len(replaying._forward_graphs) == 1
+    replaying.use_backend("cutedsl")  # another config object: the graphs were captured under
+    assert torch.equal(replaying(x), launching(x))
+    assert len(replaying._forward_graphs) == 0
+    for _ in range(2):
+        assert torch.equal(replaying(x), launching(x))
+    assert len(replaying._forward_graphs) == 1

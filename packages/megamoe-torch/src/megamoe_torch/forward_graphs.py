@@ -6,13 +6,20 @@ host time per forward measured on the H200 host, several times the GPU time of a
 A replay costs the host a copy of the tokens in, one `cudaGraphLaunch` and a copy of the
 output out (43-177 us measured; docs/benchmarks.md).
 
-`ForwardGraphs.forward(layer, x_TH, router_logits=...)` returns (y_TH, router_logits_TE or
-None), fresh tensors, or None where the forward should run eagerly. Graphs are kept per (tokens,
-device, the caller's stream, the identity and version of every parameter and buffer of the
-layer): the first forward of a key runs eagerly (it compiles the kernels and warms the caches
-the capture records), the second captures, the later ones replay. Any change to a weight (in
-place, replaced, moved) changes the key, so a replay never reads stale prepared weights. At
-most `MAX_GRAPHS` graphs per layer, the least recently used dropped first.
+`ForwardGraphs.forward(layer, x, router_logits=...)` returns (y, router_logits_TE or None),
+fresh tensors (y in x's shape), or None where the forward should run eagerly. Graphs are kept
+per (x's shape, dtype and device, the caller's stream, the identity and version of every
+parameter and buffer of the layer) under one layer config: the first forward of a key runs
+eagerly (it compiles the kernels and warms the caches the capture records), the second
+captures, the later ones replay. Any change to a weight (in place, replaced, moved) changes the
+key, so a replay never reads stale prepared weights; a new config (`use_backend`) drops every
+graph. At most `MAX_GRAPHS` graphs per layer, the least recently used dropped first.
+
+`ForwardGraphs.replay(layer, x, router_logits=...)` is the layer's lean path, taken before any
+other work of a forward that autograd does not record: the replay of a graph already captured
+for this key (which the layer's checks admitted when it captured), or None. Its host time is
+the key (an address and a version per parameter), the copy in, the graph launch and the copy
+out.
 
 The graphs of one (device, stream), every layer's, share one memory pool while one of them
 lives: replays on one stream never overlap, and each graph's static input and outputs stay
@@ -48,9 +55,16 @@ def _shared_pool(device_index: int, stream: int) -> tuple:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    x_TH: torch.Tensor
-    y_TH: torch.Tensor
+    x: torch.Tensor  # the static input, in the caller's shape
+    y: torch.Tensor  # the static output, a view in the caller's shape
     router_logits_TE: torch.Tensor
+
+    def run(self, x: torch.Tensor, router_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.x.copy_(x)
+        self.graph.replay()
+        # the next replay overwrites the graph's outputs: the caller gets its own
+        logits_TE = self.router_logits_TE.clone() if router_logits else None
+        return self.y.clone(), logits_TE
 
 
 class ForwardGraphs:
@@ -70,6 +84,7 @@ class ForwardGraphs:
         self._forget()
 
     def _forget(self) -> None:
+        self._config = None  # the layer config the graphs were captured under
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._seen: OrderedDict[tuple, None] = OrderedDict()
         self._modules: tuple = ()
@@ -106,15 +121,38 @@ class ForwardGraphs:
             ]
         return tensor_versions(container[name] for container, name in self._tensor_slots)
 
-    def forward(
-        self, layer: torch.nn.Module, x_TH: torch.Tensor, *, router_logits: bool = False
+    def _key(self, layer: torch.nn.Module, x: torch.Tensor, device_index: int) -> tuple:
+        stream = torch._C._cuda_getCurrentRawStream(device_index)
+        return (x.shape, x.dtype, device_index, stream, self._weights_signature(layer))
+
+    def replay(
+        self, layer: torch.nn.Module, x: torch.Tensor, *, router_logits: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        tokens = x_TH.shape[0]
-        if not 0 < tokens <= self.max_tokens:
+        """The replay of the graph captured for this forward's key, or None (no graph yet, another
+        config, a CPU tensor, or the caller's stream capturing a graph of its own)."""
+        if not self._graphs or layer.config is not self._config:
             return None
-        device = x_TH.device
-        stream = torch._C._cuda_getCurrentRawStream(device.index)
-        key = (tokens, device.index, stream, self._weights_signature(layer))
+        device_index = x.get_device()
+        if device_index < 0:
+            return None
+        entry = self._graphs.get(self._key(layer, x, device_index))
+        if entry is None or torch.cuda.is_current_stream_capturing():
+            return None
+        return entry.run(x, router_logits)
+
+    def forward(
+        self, layer: torch.nn.Module, x: torch.Tensor, *, router_logits: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A forward the layer admitted for graphs: replayed, captured (the second forward of its
+        key) or None (the first: run it eagerly)."""
+        if not 0 < x.numel() // layer.config.hidden_size <= self.max_tokens:
+            return None
+        if layer.config is not self._config:
+            self._forget()
+            self._config = layer.config
+        device_index = x.get_device()
+        stream = torch._C._cuda_getCurrentRawStream(device_index)
+        key = self._key(layer, x, device_index)
         entry = self._graphs.get(key)
         if entry is None:
             if key not in self._seen:
@@ -123,27 +161,26 @@ class ForwardGraphs:
                     self._seen.popitem(last=False)
                 return None
             del self._seen[key]
-            entry = self._capture(layer, x_TH, device.index, stream)
+            entry = self._capture(layer, x, device_index, stream)
             self._graphs[key] = entry
             if len(self._graphs) > MAX_GRAPHS:
                 self._graphs.popitem(last=False)
         else:
             self._graphs.move_to_end(key)
-        entry.x_TH.copy_(x_TH)
-        entry.graph.replay()
-        # the next replay overwrites the graph's outputs: the caller gets its own
-        logits_TE = entry.router_logits_TE.clone() if router_logits else None
-        return entry.y_TH.clone(), logits_TE
+        return entry.run(x, router_logits)
 
     def _capture(
-        self, layer: torch.nn.Module, x_TH: torch.Tensor, device_index: int, stream: int
+        self, layer: torch.nn.Module, x: torch.Tensor, device_index: int, stream: int
     ) -> _Graph:
-        static_x_TH = x_TH.clone()
+        static_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        static_x.copy_(x)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA calls during the capture are not an error
         with torch.cuda.graph(
             graph, pool=_shared_pool(device_index, stream), capture_error_mode="thread_local"
         ):
-            y_TH, router_logits_TE = layer._fused_forward_from_tokens(static_x_TH)
+            y_TH, router_logits_TE = layer._fused_forward_from_tokens(
+                static_x.view(-1, layer.config.hidden_size)
+            )
         _LIVE_GRAPHS.setdefault((device_index, stream), weakref.WeakSet()).add(graph)
-        return _Graph(graph, static_x_TH, y_TH, router_logits_TE)
+        return _Graph(graph, static_x, y_TH.view(x.shape), router_logits_TE)
