@@ -37,7 +37,7 @@ from megamoe_runtime.measure import (
     median_graph_replay_seconds,
     tflops,
 )
-from megamoe_torch.tune import gemm_runners
+from megamoe_torch.tune import gemm_runners, tuning_problem
 
 # (tile_rows, tile_cols, pingpong)
 SHAPES = [
@@ -75,10 +75,12 @@ def sweep(
 ) -> None:
     device = torch.device("cuda")
     geometry = GEOMETRIES[geometry_name]
-    batch, runners = gemm_runners(geometry, tokens, device=device)
+    problem = tuning_problem(geometry, tokens, device=device)
+    batch, runners = problem.batch, gemm_runners(problem)
     valid = int(batch.expert_offsets[-1])
     experts_with_rows = int((batch.expert_offsets.diff() > 0).sum())
-    for op, ((n, k), run) in runners.items():
+    for op, key in problem.keys.items():
+        n, k, run = key.out_features, key.in_features, runners[op]
         flops = 2 * valid * n * k
         weight_bytes = experts_with_rows * n * k * 2
         first = None

@@ -27,7 +27,7 @@ import torch
 from megamoe_kernels import default_knobs
 from megamoe_runtime.geometries import GEOMETRIES
 from megamoe_runtime.measure import captured_graph, tflops
-from megamoe_torch.tune import gemm_runners
+from megamoe_torch.tune import gemm_runners, tuning_problem
 
 SMI_FIELDS = "clocks.sm,power.draw,clocks_event_reasons.active"
 CALLS = 10  # calls per captured graph
@@ -96,16 +96,17 @@ def main() -> None:
     for geometry_name in args.geometry:
         geometry = GEOMETRIES[geometry_name]
         for tokens in args.tokens:
-            batch, runners = gemm_runners(geometry, tokens, device=device)
-            valid = int(batch.expert_offsets[-1])
-            rows_per_expert = batch.capacity / geometry.num_experts
-            for op, ((n, k), run) in runners.items():
+            problem = tuning_problem(geometry, tokens, device=device)
+            runners = gemm_runners(problem)
+            valid = int(problem.batch.expert_offsets[-1])
+            rows_per_expert = problem.batch.capacity / geometry.num_experts
+            for op, key in problem.keys.items():
                 knobs = default_knobs(op, rows_per_expert)
                 workloads.append(
                     (
                         f"{geometry_name} {tokens} {op}",
-                        lambda run=run, knobs=knobs: run(knobs),
-                        2 * valid * n * k,
+                        lambda run=runners[op], knobs=knobs: run(knobs),
+                        2 * valid * key.out_features * key.in_features,
                     )
                 )
     workloads.append((dense[0] + " (again)", *dense[1:]))

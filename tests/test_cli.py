@@ -106,6 +106,21 @@ def test_bad_numbers_and_devices_are_argument_errors(argv, argument, no_work, ca
     assert f"argument {argument}: " in exits_with_one_line_error(argv, capsys)
 
 
+def test_tune_weight_dtype_is_bf16_or_fp8(no_work, capsys):
+    argv = ["tune", "--geometry", "tiny-qwen3", "--tokens", "16", "--weight-dtype", "fp16"]
+    err = exits_with_one_line_error(argv, capsys)
+    assert "argument --weight-dtype: invalid choice: 'fp16'" in err
+    assert "'bf16', 'fp8'" in err
+
+
+def test_tune_refuses_fp8_for_experts_fp8_does_not_compute(no_work, capsys):
+    # gpt-oss-120b's expert biases and clamped SwiGLU: said before any tuning starts
+    argv = ["tune", "--geometry", "tiny-qwen3", "gpt-oss-120b", "--tokens", "16"]
+    err = exits_with_one_line_error([*argv, "--weight-dtype", "fp8"], capsys)
+    assert "argument --geometry: gpt-oss-120b has no fp8 experts" in err
+    assert "tune it with --weight-dtype bf16" in err
+
+
 def test_out_that_is_a_file_is_an_argument_error(tmp_path, no_work, capsys):
     a_file = tmp_path / "results"
     a_file.write_text("")

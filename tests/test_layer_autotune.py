@@ -76,7 +76,7 @@ class StandInExperts:
         pass
 
     def prepare(self, weights):
-        return weights
+        return self.reference.prepare(weights)  # FP8 weights: the values they stand for
 
     def __call__(self, batch, prepared, *, row_scale_M=None):
         self.looked_up = {
@@ -162,6 +162,17 @@ def test_auto_tunes_at_the_first_forward_and_later_processes_look_it_up(tmp_path
     plain = MegaMoE(layer_config("lookup"))
     with torch.no_grad():
         torch.testing.assert_close(plain(x), y, rtol=0, atol=0)
+
+
+def test_auto_tunes_a_layer_of_fp8_experts_too(tmp_path):
+    # the stand-in keys every layer under the bf16 ops; the cutedsl backend's FP8 keys are
+    # checked in megamoe-runtime's test_online_autotune
+    timer = TableTimer(RANK_TIMES[0])
+    with StandIns(timer, tmp_path / "knobs.json"), torch.no_grad():
+        layer = MegaMoE(layer_config("auto", weight_dtype="fp8", intermediate_size=128))
+        layer(torch.randn(24, 64))
+        assert timer.timed == [(op, knobs) for op in OPS for knobs in CANDIDATES[op]]
+        assert layer._expert_backend.looked_up == {op: CANDIDATES[op][0] for op in OPS}
 
 
 def test_lookup_never_measures(tmp_path):

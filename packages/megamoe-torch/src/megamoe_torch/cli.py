@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 import megamoe_torch
 from megamoe_torch import bench, bench_ep
+from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.fp8_linear import BlockFP8Linear
 from megamoe_torch.layer import MegaMoE
 
@@ -33,6 +34,9 @@ BENCH_BACKENDS = ("cutedsl", "grouped_mm")
 # 1 - 2xy/(x^2+y^2) of the FP8 layer (the activations' e4m3 rounding on the FP8 kernels)
 BF16_BOUND = 1e-2
 FP8_BOUND = 2e-3
+# --weight-dtype of bench and tune: the experts' weights, bf16 or FP8 (e4m3 with 128x128 block
+# scales); MegaMoEConfig's weight_dtype of each (config_weight_dtype)
+WEIGHT_DTYPES = ("bf16", "fp8")
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -142,6 +146,22 @@ def runnable_backends(
     return elsewhere, (
         f"none of the default backends can run on {device} ({skipped}): timing "
         f"{', '.join(elsewhere)} instead (--backends chooses)"
+    )
+
+
+def config_weight_dtype(weight_dtype: str) -> str | None:
+    """MegaMoEConfig's weight_dtype for a --weight-dtype (one of WEIGHT_DTYPES)."""
+    return None if weight_dtype == "bf16" else weight_dtype
+
+
+def add_weight_dtype_argument(parser: argparse.ArgumentParser, *, what: str) -> None:
+    """--weight-dtype, as bench and tune name it; `what`: what the choice does there."""
+    parser.add_argument(
+        "--weight-dtype",
+        choices=WEIGHT_DTYPES,
+        default="bf16",
+        help=f"the experts' weights: bf16, or fp8 (e4m3 with 128x128 block scales); {what} "
+        "(default: bf16)",
     )
 
 
@@ -341,7 +361,7 @@ def run_bench(args: argparse.Namespace) -> int:
     rows, layer_rows = [], []
     out = args.out
     progress = tqdm(total=len(geometries) * len(token_counts), desc="bench")
-    weight_dtype = None if args.weight_dtype == "bf16" else args.weight_dtype
+    weight_dtype = config_weight_dtype(args.weight_dtype)
     for name in geometries:
         try:
             layer = bench.build_layer(
@@ -421,11 +441,19 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    from megamoe_runtime.experts import backend_status
     from megamoe_runtime.tuning.cache import KnobCache
 
     from megamoe_torch.tune import tune_point
 
+    weight_dtype = config_weight_dtype(args.weight_dtype)
+    for name in args.geometry:
+        try:  # the layer's own refusal: FP8 experts with expert math they do not compute
+            MegaMoEConfig.from_geometry(GEOMETRIES[name], weight_dtype=weight_dtype)
+        except ValueError as error:
+            args.parser.error(
+                f"argument --geometry: {name} has no {args.weight_dtype} experts ({error}); "
+                "tune it with --weight-dtype bf16"
+            )
     available, reason = backend_status("cutedsl", default_device())
     if not available:
         print(
@@ -435,10 +463,15 @@ def run_tune(args: argparse.Namespace) -> int:
         return 2
     cache = KnobCache(args.cache)
     points = [(g, t) for g in args.geometry for t in args.tokens]
-    print(f"tuning {len(points)} points into {cache.path}")
+    print(f"tuning {len(points)} points of {args.weight_dtype} experts into {cache.path}")
     for name, tokens in tqdm(points, desc="tune"):
         for result in tune_point(
-            GEOMETRIES[name], tokens, cache=cache, repeats=args.repeats, quick=args.quick
+            GEOMETRIES[name],
+            tokens,
+            cache=cache,
+            weight_dtype=weight_dtype,
+            repeats=args.repeats,
+            quick=args.quick,
         ):
             print(
                 f"{name} {tokens} tokens {result.op}: {result.microseconds:.1f} us "
@@ -521,13 +554,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="kernels: expert compute, graph replay; eager: the layer, eager; layer: the layer "
         "eager and graphed, its kernel count and host time, against its GEMMs (default: kernels)",
     )
-    bench_parser.add_argument(
-        "--weight-dtype",
-        choices=("bf16", "fp8"),
-        default="bf16",
-        help="the experts' weights: bf16, or fp8 (e4m3 with 128x128 block scales; rows name the "
-        "backend with +fp8, accuracy is against the oracle on the dequantized weights; run the "
-        "bench once per dtype for the comparison) (default: bf16)",
+    add_weight_dtype_argument(
+        bench_parser,
+        what="with fp8 rows name the backend with +fp8 and accuracy is against the oracle on the "
+        "dequantized weights; run the bench once per dtype for the comparison",
     )
     bench_parser.add_argument("--repeats", type=positive_int, default=30)
     bench_parser.add_argument(
@@ -563,7 +593,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="time every valid cutedsl knob combination per point and store the fastest in the knob cache",
         description="Offline tuner: for each geometry and token count, times every valid knob combination of the "
         "gate-up and down kernels (CUDA-graph replay) and stores the fastest in the knob cache "
-        "($MEGAMOE_KNOB_CACHE, default ~/.cache/megamoe/knobs.json), which the cutedsl backend reads.",
+        "($MEGAMOE_KNOB_CACHE, default ~/.cache/megamoe/knobs.json), which the cutedsl backend reads. "
+        "--weight-dtype fp8 tunes the FP8 kernels (gate_up_fp8, down_fp8) that layers with "
+        "weight_dtype='fp8' run.",
     )
     tune.add_argument("--geometry", nargs="+", required=True, choices=sorted(GEOMETRIES))
     tune.add_argument("--tokens", nargs="+", type=positive_int, required=True)
@@ -577,7 +609,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="only the deepest ring that fits per tile shape (about a third of the candidates)",
     )
-    tune.set_defaults(run=run_tune)
+    add_weight_dtype_argument(
+        tune,
+        what="fp8 times the FP8 GEMMs (gate_up_fp8, down_fp8) on e4m3 rows (one scale per row "
+        "and 128 columns) and stores the fastest under the keys an FP8 layer looks up (not "
+        "gpt-oss-120b, whose expert math FP8 experts do not compute)",
+    )
+    tune.set_defaults(run=run_tune, parser=tune)
     return parser
 
 

@@ -602,8 +602,7 @@ class MegaMoE(nn.Module):
         """The chosen backend on its prepared weights (tuned first when knobs='auto'); with
         `shared_in_batch` the batch holds the shared experts after the routed ones."""
         prepared = self._prepared_weights(shared_in_batch=shared_in_batch)
-        # FP8 GEMMs run their default profiles: nothing to tune yet
-        if self.config.knobs == "auto" and self.config.weight_dtype is None:
+        if self.config.knobs == "auto":  # FP8 experts too: their GEMMs have knobs of their own
             self._autotuner.ensure_tuned(self._expert_backend, batch, prepared)
         return self._expert_backend(batch, prepared)
 
