@@ -203,13 +203,13 @@ def host_profile(layer, x_TH, rounds: int = 40) -> None:
     entry = next(reversed(graphs.values()))
     steps = {
         "forward": lambda: layer(x_TH),
-        "copy in": lambda: entry.x_TH.copy_(x_TH),
+        "copy in": lambda: entry.x.copy_(x_TH),
         "graph replay": entry.graph.replay,
-        "clone out": entry.y_TH.clone,
+        "clone out": entry.y.clone,
         "copy, replay, clone": lambda: (
-            entry.x_TH.copy_(x_TH),
+            entry.x.copy_(x_TH),
             entry.graph.replay(),
-            entry.y_TH.clone(),
+            entry.y.clone(),
         ),
         "weights signature": lambda: layer._forward_graphs._weights_signature(layer),
         "stream capturing?": torch.cuda.is_current_stream_capturing,
@@ -220,7 +220,9 @@ def host_profile(layer, x_TH, rounds: int = 40) -> None:
         name: host_seconds_per_call(step, device=device, rounds=41) * 1e6
         for name, step in steps.items()
     }
-    print("  replay host us (single calls): " + ", ".join(f"{k} {v:.1f}" for k, v in single.items()))
+    print(
+        "  replay host us (single calls): " + ", ".join(f"{k} {v:.1f}" for k, v in single.items())
+    )
 
 
 def report(layer, x_TH, title: str) -> None:
@@ -238,14 +240,17 @@ def report(layer, x_TH, title: str) -> None:
     logits = layer.router_logits(x_TH)
     dispatcher = layer._device_routed
     rows_dtype = torch.float8_e4m3fn if layer._dispatches_fp8_rows() else None
-    batch, handle, _ = dispatcher.route_and_dispatch(x_TH, logits, rows_dtype=rows_dtype)
+    bias = layer.e_score_correction_bias
+    batch, handle, _ = dispatcher.route_and_dispatch(
+        x_TH, logits, correction_bias_E=bias, rows_dtype=rows_dtype
+    )
     prepared = layer._prepared_weights()
     out = layer._expert_backend(batch, prepared)
     steps = {
         "forward": lambda: layer(x_TH),
         "router logits": lambda: layer.router_logits(x_TH),
         "route+dispatch": lambda: dispatcher.route_and_dispatch(
-            x_TH, logits, rows_dtype=rows_dtype
+            x_TH, logits, correction_bias_E=bias, rows_dtype=rows_dtype
         ),
         "expert compute": lambda: layer._expert_backend(batch, prepared),
         "combine": lambda: dispatcher.combine(out, handle),
