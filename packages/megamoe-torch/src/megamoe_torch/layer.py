@@ -697,7 +697,7 @@ class MegaMoE(nn.Module):
 
     def _runs_fused(self, x_TH: torch.Tensor) -> bool:
         compiling = torch.compiler.is_compiling()
-        if compiling and not (self._routes_on_this_gpu and not self.config.check_inputs):
+        if compiling and (not self._routes_on_this_gpu or self.config.check_inputs):
             # the torch steps are traced (inductor fuses them) around the expert-compute
             # custom ops: the routing kernel alone (expert parallelism) has no fake
             # implementation, and check_inputs reads the logits on the host
