@@ -1,13 +1,15 @@
 """torch.compile: the layer and a Hugging Face model with swapped blocks compile with
-fullgraph=True (no graph break: the expert compute is the custom op megamoe::expert_mlp) and
-give the eager outputs."""
+fullgraph=True (no graph break: the expert compute is the custom op megamoe::expert_mlp, and on
+one GPU the fused path after the router is the custom op megamoe::fused_moe) and give the eager
+outputs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from megamoe_runtime.routing import route
 from megamoe_torch import MegaMoE, MegaMoEConfig
-from megamoe_torch.ops import expert_mlp, expert_parallel_mlp
+from megamoe_torch.ops import expert_mlp, expert_parallel_mlp, fused_moe
 
 FAMILIES = {
     "softmax": dict(num_experts=8, top_k=2),
@@ -112,6 +114,174 @@ def test_expert_parallel_op_passes_the_custom_op_checks():
     )
 
 
+def fused_path_on_a_cpu(monkeypatch, layer: MegaMoE) -> list[int]:
+    """Makes `layer` take the fused path on a CPU: fused_path_status says it runs, and
+    _fused_forward computes the torch path's answer from the same tokens and logits (route,
+    the local dispatcher, the layer's backend, the shared experts), as the device kernels
+    would. Returns the tokens of each _fused_forward call."""
+    calls = []
+
+    def status(device=None):
+        # a first status check reads the GPU and the installed packages, which dynamo cannot
+        # trace in every torch version: it must run outside the trace
+        torch._dynamo.graph_break()
+        return True, "patched for the test"
+
+    def fused_forward(x_TH, router_logits_TE):
+        calls.append(x_TH.shape[0])
+        topk_ids_TK, topk_weights_TK = route(
+            router_logits_TE, layer.config.router, correction_bias_E=layer.e_score_correction_bias
+        )
+        y_TH = layer._dispatch_experts_combine(x_TH, topk_ids_TK, topk_weights_TK)
+        if layer.shared_experts is not None:
+            y_TH = y_TH + layer.shared_experts(x_TH)
+        return y_TH.to(x_TH.dtype)
+
+    monkeypatch.setattr(layer, "fused_path_status", status)
+    monkeypatch.setattr(layer, "_fused_forward", fused_forward)
+    return calls
+
+
+def fused_moe_nodes(graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [
+        node
+        for node in graph_module.graph.nodes
+        if node.op == "call_function" and node.target is torch.ops.megamoe.fused_moe.default
+    ]
+
+
+def check_router_then_fused_op(
+    layer: MegaMoE, graph: torch.fx.GraphModule, example_inputs: list
+) -> None:
+    """`graph`, dynamo's of a forward of `layer`, is the router, the op megamoe::fused_moe and
+    a view of its answer: every other tensor it computes feeds the op (no routing, dispatch,
+    expert op or combine of the torch path, no shared experts added twice); the op takes
+    w13, w2 and every other parameter and buffer of the layer but the router's."""
+    (op,) = fused_moe_nodes(graph)
+    feeds_op = op.all_input_nodes
+    ancestors = set()
+    while feeds_op:
+        node = feeds_op.pop()
+        if node not in ancestors:
+            ancestors.add(node)
+            feeds_op.extend(node.all_input_nodes)
+    for node in graph.graph.nodes:
+        computes_tensor = isinstance(node.meta.get("example_value"), torch.Tensor)
+        if node.op.startswith("call_") and computes_tensor and node is not op:
+            assert node in ancestors or node.args[0] is op, node.format_node()
+    placeholders = [node for node in graph.graph.nodes if node.op == "placeholder"]
+    graph_input = dict(zip(placeholders, example_inputs, strict=True))
+    *_, w13, w2, other_weights, layer_id = op.args
+    assert graph_input[w13] is layer.w13 and graph_input[w2] is layer.w2
+    named = (*layer.gate.parameters(), layer.w13, layer.w2)
+    others = [
+        tensor
+        for tensor in (*layer.parameters(), *layer.buffers())
+        if not any(tensor is t for t in named)
+    ]
+    assert sorted(id(graph_input[node]) for node in other_weights) == sorted(map(id, others))
+    assert layer_id == layer._layer_id
+
+
+FUSED_FAMILIES = {
+    **FAMILIES,
+    "fp8_experts": dict(num_experts=8, top_k=2, weight_dtype="fp8"),
+    "gpt_oss_biases": dict(
+        num_experts=8,
+        top_k=2,
+        router_bias=True,
+        expert_bias=True,
+        swiglu_limit=7.0,
+        swiglu_alpha=1.702,
+        swiglu_up_offset=1.0,
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FUSED_FAMILIES))
+@torch.no_grad()
+def test_a_fused_forward_compiles_to_the_router_and_the_fused_op(monkeypatch, family):
+    torch.manual_seed(0)
+    config = MegaMoEConfig(
+        hidden_size=128, intermediate_size=64, backend="reference", **FUSED_FAMILIES[family]
+    )
+    layer = MegaMoE(config, dtype=torch.float32)
+    if layer.e_score_correction_bias is not None:
+        layer.e_score_correction_bias.normal_(0, 0.05)
+    x = torch.randn(3, 7, 128)
+    expected = layer(x)  # the torch path, before the patch
+    calls = fused_path_on_a_cpu(monkeypatch, layer)
+    graphs = []
+
+    def keep_graph(graph_module, example_inputs):
+        graphs.append((graph_module, example_inputs))
+        return graph_module.forward
+
+    y, logits = torch.compile(layer, backend=keep_graph, fullgraph=True)(
+        x, return_router_logits=True
+    )
+    assert calls == [21]
+    ((graph, example_inputs),) = graphs
+    check_router_then_fused_op(layer, graph, example_inputs)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits, layer.router_logits(x.reshape(-1, 128)))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)
+    torch.testing.assert_close(compiled(x), expected, rtol=1e-5, atol=1e-6)
+    x2 = torch.randn(3, 7, 128)  # another routing, the same graph
+    torch.testing.assert_close(compiled(x2), layer(x2), rtol=1e-5, atol=1e-6)
+    assert calls == [21] * 4  # two compiled forwards, one eager, and the first above
+
+
+@pytest.mark.parametrize("why", ["autograd", "check_inputs"])
+def test_a_compiled_forward_the_fused_path_cannot_take_keeps_the_torch_path(monkeypatch, why):
+    torch.manual_seed(0)
+    config = MegaMoEConfig(
+        hidden_size=64,
+        intermediate_size=32,
+        backend="reference",
+        check_inputs=why == "check_inputs",
+        **FAMILIES["sigmoid_grouped_shared_gated"],
+    )
+    layer = MegaMoE(config, dtype=torch.float32)
+    fused_path_on_a_cpu(monkeypatch, layer)
+    x = torch.randn(9, 64)
+    with torch.set_grad_enabled(why == "autograd"):
+        explained = torch._dynamo.explain(layer)(x)
+    assert explained.graph_count >= 1
+    for graph in explained.graphs:
+        assert not fused_moe_nodes(graph), graph.code
+
+
+def fused_moe_arguments(layer: MegaMoE, tokens: int) -> tuple:
+    x_TH = torch.randn(tokens, layer.config.hidden_size)
+    other_weights = [tensor.detach() for tensor in layer._fused_moe_weights()]
+    return (
+        x_TH,
+        layer.router_logits(x_TH).detach(),
+        layer.w13.detach(),
+        layer.w2.detach(),
+        other_weights,
+        layer._layer_id,
+    )
+
+
+@pytest.mark.parametrize("family", sorted(FUSED_FAMILIES))
+def test_fused_moe_op_passes_the_custom_op_checks(monkeypatch, family):
+    torch.manual_seed(0)
+    config = MegaMoEConfig(
+        hidden_size=128, intermediate_size=64, backend="reference", **FUSED_FAMILIES[family]
+    )
+    layer = MegaMoE(config, dtype=torch.float32)
+    calls = fused_path_on_a_cpu(monkeypatch, layer)
+    # the schema check compares e4m3 inputs with arithmetic the CPU lacks for them
+    checks = ("test_faketensor",) if config.weight_dtype else ("test_schema", "test_faketensor")
+    for tokens in (5, 0):
+        torch.library.opcheck(fused_moe, fused_moe_arguments(layer, tokens), test_utils=checks)
+    assert calls and set(calls) == {5, 0}
+
+
 @torch.no_grad()
 def test_hugging_face_model_with_swapped_blocks_compiles_fullgraph():
     transformers = pytest.importorskip("transformers")
@@ -126,30 +296,104 @@ def test_hugging_face_model_with_swapped_blocks_compiles_fullgraph():
     torch.testing.assert_close(compiled(input_ids).logits, eager, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-@torch.no_grad()
-def test_cutedsl_layer_compiles_on_a_gpu(mode):
+# bf16 layers whose fused path the compiled forward runs: qwen3's routing (fp32 logits), with
+# a static capacity, FP8 experts, a gated shared expert beside bf16 logits, and DeepSeek-V3's
+# grouped sigmoid routing with its correction bias and a shared expert (in the batch for a few
+# tokens, on a side stream for more)
+GPU_FAMILIES = {
+    "qwen3": dict(num_experts=32, top_k=4),
+    "qwen3_capacity": dict(num_experts=32, top_k=4, capacity=256 * 4),
+    "qwen3_fp8": dict(num_experts=32, top_k=4, weight_dtype="fp8"),
+    "qwen2_gated_shared_bf16_logits": dict(
+        num_experts=16,
+        top_k=4,
+        num_shared_experts=1,
+        shared_expert_gate=True,
+        router_dtype="input",
+    ),
+    "dsv3_shared": dict(
+        num_experts=64,
+        top_k=6,
+        scoring="sigmoid",
+        num_groups=8,
+        top_groups=3,
+        routed_scaling_factor=2.5,
+        use_correction_bias=True,
+        num_shared_experts=1,
+    ),
+}
+
+
+def cuda_fused_layer(family: str) -> MegaMoE:
+    """A bf16 layer of GPU_FAMILIES on the GPU on the cutedsl backend whose forwards take the
+    fused path (skips where they cannot)."""
     from megamoe_runtime.experts import backend_status
 
     if not torch.cuda.is_available() or not backend_status("cutedsl", torch.device("cuda"))[0]:
         pytest.skip("needs an sm_90 GPU with CuTe DSL")
-    torch.manual_seed(0)
     config = MegaMoEConfig(
-        hidden_size=512,
-        intermediate_size=256,
-        backend="cutedsl",
-        capacity=64 * 4,
-        **FAMILIES["softmax"],
+        hidden_size=512, intermediate_size=256, backend="cutedsl", **GPU_FAMILIES[family]
     )
+    torch.manual_seed(0)
     layer = MegaMoE(config, device="cuda", dtype=torch.bfloat16)
-    # an eager forward first: the backend prepares its weights and buffers outside the CUDA
-    # graphs' memory pool, which refuses memory that outlives a call (README, torch.compile)
-    layer(torch.randn(64, 512, device="cuda", dtype=torch.bfloat16))
+    ok, why = layer.fused_path_status()
+    if not ok:
+        pytest.skip(why)
+    if layer.e_score_correction_bias is not None:
+        layer.e_score_correction_bias.normal_(0, 0.05)
+    return layer
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", sorted(GPU_FAMILIES))
+@pytest.mark.parametrize("tokens", [5, 200])
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+@torch.no_grad()
+def test_a_compiled_forward_on_a_gpu_runs_the_fused_kernels(monkeypatch, family, tokens, mode):
+    """On one GPU a compiled forward (fullgraph; the default mode and inductor's CUDA graphs)
+    is the router GEMM and megamoe::fused_moe: the eager forward's bits, call after call with
+    new tokens, the op run by every call (reduce-overhead: until the graph is recorded, then
+    replayed)."""
+    from torch._dynamo.utils import counters
+
+    layer = cuda_fused_layer(family)
+    inputs = []
+    for seed in range(3):
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        inputs.append(torch.randn(tokens, 512, device="cuda", generator=generator).bfloat16())
+    # eager forwards first: they compile the kernels and prepare the weights outside the
+    # CUDA-graph trees' pool, which refuses memory that outlives a call (README, torch.compile)
+    eager = [layer(x, return_router_logits=True) for x in inputs]
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(layer)(inputs[0])
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    (graph,) = explained.graphs
+    assert len(fused_moe_nodes(graph)) == 1, graph.code
+    assert "expert_mlp" not in graph.code, graph.code  # the torch path's expert op
+
+    torch._dynamo.reset()
+    fused_forward = layer._fused_forward
+    calls = []
+
+    def counted_fused_forward(x_TH, router_logits_TE):
+        calls.append(x_TH.shape[0])
+        return fused_forward(x_TH, router_logits_TE)
+
+    monkeypatch.setattr(layer, "_fused_forward", counted_fused_forward)
+    counters.clear()
     compiled = torch.compile(layer, fullgraph=True, mode=mode)
-    for _ in range(3):  # reduce-overhead records, then replays a CUDA graph
-        x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
-        torch.testing.assert_close(compiled(x).clone(), layer(x), rtol=2e-2, atol=2e-2)
+    for call, (x, (y_eager, logits_eager)) in enumerate(zip(inputs * 2, eager * 2, strict=True)):
+        y, logits = compiled(x, return_router_logits=True)
+        y, logits = y.clone(), logits.clone()  # the next replay overwrites the graph's outputs
+        # the op's answer is the eager fused path's on the same logits, bit for bit
+        assert torch.equal(y, fused_forward(x, logits)), f"call {call}"
+        assert torch.equal(logits, logits_eager), f"call {call}: the router GEMM rounds otherwise"
+        assert torch.equal(y, y_eager), f"call {call}"
+    if mode is None:
+        assert calls == [tokens] * 6
+    else:
+        assert calls and len(calls) < 6, f"no CUDA graph replayed the op: {calls}"
+        assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
 @pytest.mark.gpu

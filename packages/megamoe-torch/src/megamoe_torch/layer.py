@@ -10,7 +10,8 @@ On one sm_90 GPU without autograd the routing, the dispatch and the combine run 
 kernels (DeviceRoutedDispatcher): a forward is the router GEMM, one routing launch, the two
 expert GEMMs and one combine launch (plus the shared experts' GEMMs), within an ulp or two of the
 torch path's routing weights (DeviceRoutedDispatcher says where they differ), deterministic.
-`config.layer_path` chooses ("auto", "fused", "torch").
+`config.layer_path` chooses ("auto", "fused", "torch"). Under torch.compile such a forward is the
+router GEMM (traced) and the custom op megamoe::fused_moe (ops.py), which runs the rest.
 """
 
 from __future__ import annotations
@@ -52,7 +53,13 @@ from torch import nn
 from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.forward_graphs import ForwardGraphs
 from megamoe_torch.fp8_linear import BlockFP8Linear, quantize_loaded_weights
-from megamoe_torch.ops import expert_mlp, expert_parallel_mlp, register_layer
+from megamoe_torch.ops import (
+    expert_mlp,
+    expert_parallel_mlp,
+    fused_moe,
+    fused_path_runs,
+    register_layer,
+)
 from megamoe_torch.tensor_cache import DerivedTensorCache
 
 # what torch.compile(fullgraph=True) of a layer with check_inputs=True says
@@ -290,8 +297,7 @@ class MegaMoE(nn.Module):
         # knobs="auto": times the GEMM knobs of each new batch class once (collectively under
         # expert parallelism) and keeps the winner in the knob cache
         self._autotuner = OnlineAutotuner(process_group=process_group)
-        # under torch.compile the expert compute is the custom op megamoe::expert_mlp, which
-        # finds this layer by its id
+        # under torch.compile the custom ops (ops.py) find this layer by its id
         self._layer_id = register_layer(self)
         self.reset_parameters()
 
@@ -689,9 +695,11 @@ class MegaMoE(nn.Module):
         return status
 
     def _runs_fused(self, x_TH: torch.Tensor) -> bool:
-        # under torch.compile the torch steps are traced (inductor fuses them) around the
-        # expert-compute custom op; the device routing kernels have no fake implementation yet
-        if torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if compiling and (not self._routes_on_this_gpu or self.config.check_inputs):
+            # the torch steps are traced (inductor fuses them) around the expert-compute
+            # custom ops: the routing kernel alone (expert parallelism) has no fake
+            # implementation, and check_inputs reads the logits on the host
             return False
         if torch.is_grad_enabled():
             # the shared experts too: the fused path may compute them from detached weights in
@@ -699,6 +707,8 @@ class MegaMoE(nn.Module):
             shared = () if self.shared_experts is None else self.shared_experts.parameters()
             if self._records_autograd(x_TH, self.gate.weight, *shared):
                 return False
+        if compiling:  # on one GPU the custom op megamoe::fused_moe
+            return fused_path_runs(self._layer_id, x_TH.device)
         return self.fused_path_status(x_TH.device)[0]
 
     def _fused_forward(self, x_TH: torch.Tensor, router_logits_TE: torch.Tensor) -> torch.Tensor:
@@ -738,6 +748,21 @@ class MegaMoE(nn.Module):
             shared_TH = self.shared_experts(x_TH)
         return self._device_routed.combine(expert_out_MH, handle, addend_TH=shared_TH)
 
+    def _fused_moe_weights(self) -> list[torch.Tensor]:
+        """Every tensor _fused_forward reads besides the tokens, the logits and w13/w2: the
+        block scales, the expert biases, the correction bias and the shared experts' parameters
+        and buffers (the custom op megamoe::fused_moe takes them, ops.py says why)."""
+        tensors = [
+            self.w13_scale_inv,
+            self.w2_scale_inv,
+            self.w13_bias,
+            self.w2_bias,
+            self.e_score_correction_bias,
+        ]
+        if self.shared_experts is not None:
+            tensors += [*self.shared_experts.parameters(), *self.shared_experts.buffers()]
+        return [tensor for tensor in tensors if tensor is not None]
+
     def _fused_forward_from_tokens(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(y_TH, router_logits_TE) of the fused path: what a captured forward records."""
         router_logits_TE = self.router_logits(x_TH)
@@ -755,6 +780,9 @@ class MegaMoE(nn.Module):
         capture. The graphs take forwards of 1 to eager_graph_tokens tokens."""
         return (
             self._forward_graphs.max_tokens > 0
+            # a compiled forward's fused path is the op megamoe::fused_moe, which launches
+            # (inductor's CUDA graphs, mode="reduce-overhead", capture it)
+            and not torch.compiler.is_compiling()
             and self._routes_on_this_gpu
             and not self.config.check_inputs
             and x_TH.is_cuda
@@ -824,7 +852,19 @@ class MegaMoE(nn.Module):
         router_logits_TE = self.router_logits(x_TH)
         if self._runs_fused(x_TH):
             if self._routes_on_this_gpu:
-                y = self._fused_forward(x_TH, router_logits_TE).view(x.shape)
+                if torch.compiler.is_compiling():
+                    # the routing, dispatch, experts, combine and shared experts: one op
+                    y_TH = fused_moe(
+                        x_TH,
+                        router_logits_TE,
+                        self.w13,
+                        self.w2,
+                        self._fused_moe_weights(),
+                        self._layer_id,
+                    )
+                else:
+                    y_TH = self._fused_forward(x_TH, router_logits_TE)
+                y = y_TH.view(x.shape)
                 return (y, router_logits_TE) if return_router_logits else y
             if self.config.check_inputs:
                 check_finite_logits(router_logits_TE)

@@ -1,5 +1,5 @@
-"""torch.library custom ops: the layer's expert compute as one opaque op, so torch.compile traces
-the whole forward around it with no graph break.
+"""torch.library custom ops: the layer's device work as opaque ops, so torch.compile traces the
+whole forward around them with no graph break.
 
 `megamoe::expert_mlp(rows_MH, expert_offsets, w13_E2IH, w2_EHI, layer_id, valid_rows,
 expert_counts)` runs the expert MLP of the MegaMoE registered under `layer_id` on an expert-major
@@ -17,6 +17,13 @@ rank's experts and the combine back, y_TH, as one op. Those steps exchange count
 whose sizes only the other ranks know (the torch dispatcher syncs them to the host), so no
 shape inside is static; the op's answer is [T, H] in x's dtype, which its fake implementation
 gives. Inside it runs the layer's dispatcher and backend as an eager forward does.
+
+`megamoe::fused_moe(x_TH, router_logits_TE, w13_E2IH, w2_EHI, other_weights, layer_id)` is the
+fused path of a layer on one GPU after its router: the routing and dispatch launch, the expert
+GEMMs, the combine launch and the shared experts (in the batch or on a side stream), y_TH [T, H]
+in x's dtype, as `MegaMoE._fused_forward` runs them eagerly. Its fake implementation gives that
+shape; no host sync inside, so inductor's CUDA graphs (mode="reduce-overhead") capture it.
+`other_weights` lists every other tensor of the layer the op reads (below, `fused_moe`).
 
 Layers register themselves at construction (`register_layer`), held weakly.
 """
@@ -102,4 +109,48 @@ def expert_parallel_mlp(
 
 @expert_parallel_mlp.register_fake
 def _expert_parallel_mlp_fake(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, layer_id):
+    return x_TH.new_empty(x_TH.shape)
+
+
+@torch.compiler.assume_constant_result
+def fused_path_runs(layer_id: int, device: torch.device) -> bool:
+    """fused_path_status(device)[0] of layer `layer_id`, run as it is (not traced) when dynamo
+    traces a forward: a host check, cached per device and activation dtype, whose first call
+    reads the GPU's capability and the installed packages, which dynamo cannot trace in every
+    torch version. Fixed for a compiled graph: dynamo guards the input's device and dtype."""
+    return _layer("fused_moe", layer_id).fused_path_status(device)[0]
+
+
+@torch.library.custom_op("megamoe::fused_moe", mutates_args=())
+def fused_moe(
+    x_TH: torch.Tensor,
+    router_logits_TE: torch.Tensor,
+    w13_E2IH: torch.Tensor,
+    w2_EHI: torch.Tensor,
+    other_weights: list[torch.Tensor],
+    layer_id: int,
+) -> torch.Tensor:
+    """y_TH of layer `layer_id`'s fused path from its router logits: routing and dispatch, the
+    routed experts, the combine, plus the shared experts.
+
+    The op reads the layer's tensors through the layer, not through its arguments, and a graph
+    sees only the arguments: it orders the op after a write to them, and inductor's CUDA graphs
+    record again when one is another tensor (a replaced weight), where a replay would read one
+    it never saw at its old address. So `other_weights` holds all the others the forward reads
+    (MegaMoE._fused_moe_weights: block scales, expert biases, the correction bias the routing
+    kernel reads, the shared experts' weights), not only the routed weights expert_mlp takes."""
+    layer = _layer("fused_moe", layer_id)
+    layer._resolve_backend()
+    # the routing kernel reads row-major logits whatever layout the graph gave them (a no-op
+    # for the router's own)
+    router_logits_TE = router_logits_TE.contiguous()
+    # nothing kept past the call (as in expert_mlp): the routing's outputs and the GEMMs'
+    # scratch are made anew, in the CUDA-graph trees' pool under mode="reduce-overhead"
+    with fresh_scratch():
+        # the combine's output: a fresh tensor in x's dtype (bf16), aliasing nothing
+        return layer._fused_forward(x_TH, router_logits_TE)
+
+
+@fused_moe.register_fake
+def _fused_moe_fake(x_TH, router_logits_TE, w13_E2IH, w2_EHI, other_weights, layer_id):
     return x_TH.new_empty(x_TH.shape)
