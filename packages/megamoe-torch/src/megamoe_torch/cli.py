@@ -351,7 +351,7 @@ def run_bench(args: argparse.Namespace) -> int:
             progress.write(f"skipped {name}: {error}")
             progress.update(len(token_counts))
             continue
-        # the backends that compute this geometry's experts (grouped_mm: not gpt-oss-120b's)
+        # the backends that compute this geometry's experts here
         layer_backends, refused = bench.layer_backends(layer, backends)
         if refused:
             skipped = "; ".join(f"{backend}: {why}" for backend, why in refused.items())
@@ -490,7 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="sweep geometries x token counts, backend against grouped_mm in the same run",
         description="Times expert compute (kernels: CUDA-graph replay) and/or the whole layer (eager) per backend "
-        "(at each geometry those that compute its experts: not grouped_mm at gpt-oss-120b, said why), "
+        "(at each geometry those that run here and compute its experts, gpt-oss-120b's biases and clamped "
+        "SwiGLU included; the others skipped, said why), "
         "with the speedup over grouped_mm, TFLOP/s, fraction of the roofline floor and rel-L2 against the fp32 "
         "oracle; for modes kernels and eager writes bench.csv and bench.png under --out (bench.png: the speedup "
         "over grouped_mm where grouped_mm ran next to another backend, else the time per call; it needs "
