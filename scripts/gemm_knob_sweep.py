@@ -7,7 +7,8 @@
         --clusters 1 2 --rounds 3
 
 Per (geometry, tokens): the layer's own router on random tokens, the tight expert-major batch,
-then each GEMM with each tile shape of SHAPES, in each cluster size and ring depth asked for
+then each GEMM (with the geometry's epilogue: gpt-oss-120b's biases and clamped SwiGLU) with
+each tile shape of SHAPES, in each cluster size and ring depth asked for
 ("max": the deepest that fits; default), CUDA-graph replay; prints us, TFLOP/s and the largest
 difference from the first variant's output (every variant computes the same sums in the same
 order, so 0 is expected). `megamoe tune` searches every
@@ -37,7 +38,7 @@ from megamoe_runtime.measure import (
     median_graph_replay_seconds,
     tflops,
 )
-from megamoe_torch.tune import gemm_runners
+from megamoe_torch.tune import gemm_runners, tuning_point
 
 # (tile_rows, tile_cols, pingpong)
 SHAPES = [
@@ -75,10 +76,12 @@ def sweep(
 ) -> None:
     device = torch.device("cuda")
     geometry = GEOMETRIES[geometry_name]
-    batch, runners = gemm_runners(geometry, tokens, device=device)
+    point = tuning_point(geometry, tokens, device=device)
+    batch = point.batch
     valid = int(batch.expert_offsets[-1])
     experts_with_rows = int((batch.expert_offsets.diff() > 0).sum())
-    for op, ((n, k), run) in runners.items():
+    for op, run in gemm_runners(point).items():
+        n, k = point.keys[op].out_features, point.keys[op].in_features
         flops = 2 * valid * n * k
         weight_bytes = experts_with_rows * n * k * 2
         first = None

@@ -10,7 +10,8 @@ calls to warm up and times ten more (the burst), then keeps replaying until `--h
 have passed and takes the median rate of the last half (sustained). nvidia-smi samples the SM
 clock, the power draw and the clock-limit reasons every 50 ms meanwhile (0x4: the software
 power cap). Each workload is one CUDA graph of ten calls; the expert GEMMs run on the
-default-profile knobs and read their weights cold (the same runners as `megamoe tune` and
+default-profile knobs, with the geometry's epilogue (gpt-oss-120b's biases and clamped SwiGLU),
+and read their weights cold (the same runners as `megamoe tune` and
 scripts/gemm_knob_sweep.py). The dense matmul runs first and last, so a drift of the card
 between them shows.
 """
@@ -27,7 +28,7 @@ import torch
 from megamoe_kernels import default_knobs
 from megamoe_runtime.geometries import GEOMETRIES
 from megamoe_runtime.measure import captured_graph, tflops
-from megamoe_torch.tune import gemm_runners
+from megamoe_torch.tune import gemm_runners, tuning_point
 
 SMI_FIELDS = "clocks.sm,power.draw,clocks_event_reasons.active"
 CALLS = 10  # calls per captured graph
@@ -96,10 +97,12 @@ def main() -> None:
     for geometry_name in args.geometry:
         geometry = GEOMETRIES[geometry_name]
         for tokens in args.tokens:
-            batch, runners = gemm_runners(geometry, tokens, device=device)
+            point = tuning_point(geometry, tokens, device=device)
+            batch = point.batch
             valid = int(batch.expert_offsets[-1])
             rows_per_expert = batch.capacity / geometry.num_experts
-            for op, ((n, k), run) in runners.items():
+            for op, run in gemm_runners(point).items():
+                n, k = point.keys[op].out_features, point.keys[op].in_features
                 knobs = default_knobs(op, rows_per_expert)
                 workloads.append(
                     (

@@ -1,19 +1,26 @@
 """`megamoe tune`: find the fastest cutedsl knobs per geometry and token count, store them in the
-knob cache ($MEGAMOE_KNOB_CACHE), where the cutedsl backend finds them on later runs."""
+knob cache ($MEGAMOE_KNOB_CACHE), where the cutedsl backend finds them on later runs.
+
+Each GEMM is timed as the geometry's layer runs it: its epilogue variant (gpt-oss-120b's biases
+and clamped SwiGLU) and, as the entry's key, the class the backend looks up for the layer's
+batch. The key names the op, the GPU, the dtype, the weight dims and the rows per expert, not
+the epilogue: the entry serves any layer of those dims, and was timed with this geometry's."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from megamoe_kernels import GemmKnobs
 from megamoe_runtime.dispatch import LocalDispatcher
-from megamoe_runtime.experts.cutedsl import CuteDSLExperts
+from megamoe_runtime.expert_batch import ExpertBatch
+from megamoe_runtime.experts.cutedsl import CuteDSLExperts, CuteDSLWeights
 from megamoe_runtime.geometries import Geometry
 from megamoe_runtime.measure import median_graph_replay_seconds
-from megamoe_runtime.tuning.cache import KnobCache
-from megamoe_runtime.tuning.expert_knobs import gemm_candidates, gemm_key, tune_gemm
-from megamoe_runtime.weights import Unquantized
+from megamoe_runtime.tuning.cache import KnobCache, KnobKey
+from megamoe_runtime.tuning.expert_knobs import gemm_candidates, tune_gemm
 
 from megamoe_torch import bench
 
@@ -57,70 +64,85 @@ class TuneResult:
     candidates: int
 
 
+@dataclass(frozen=True)
+class TuningPoint:
+    """One (geometry, tokens) point as a layer of the geometry hands it to the cutedsl backend:
+    the batch its local dispatch makes of random tokens its own router routed, its expert
+    weights as the backend prepares them (with the geometry's expert math: biases and the
+    SwiGLU, epilogue variants of the kernels), and the knob-cache key of each GEMM the backend
+    looks up for that batch (`CuteDSLExperts.knob_keys`), under which the tuner stores it."""
+
+    batch: ExpertBatch
+    prepared: CuteDSLWeights
+    keys: dict[str, KnobKey]
+
+
 @torch.no_grad()
-def gemm_runners(geometry: Geometry, tokens: int, *, device: torch.device):
-    """The geometry's own router on random tokens, the tight batch, and one runner per op
-    (knobs or None -> output; the down GEMM reads the gate-up output of the default knobs).
-    Each runner cycles through copies of its weights, so timed calls read them cold from HBM
-    as a layer does (weight_copies_for_cold_l2).
-
-    Returns (batch, {op: (weight_dims, runner)})."""
-    from megamoe_kernels import down, gate_up_swiglu
-
+def tuning_point(geometry: Geometry, tokens: int, *, device: torch.device) -> TuningPoint:
     layer = bench.build_layer(geometry, device=device, dtype=torch.bfloat16)
     x_TH, ids, weights = bench.routed_tokens(layer, tokens)
     batch, _ = LocalDispatcher(geometry.num_experts).dispatch(x_TH, ids, weights)
-    prepared = CuteDSLExperts().prepare(
-        Unquantized(w13_E2IH=layer.w13.detach(), w2_EHI=layer.w2.detach())
-    )
-    hidden_MI = gate_up_swiglu(batch.rows_MH, batch.expert_offsets, prepared.w13_EB2GH)
-    hidden, intermediate = geometry.hidden_size, geometry.intermediate_size
-    experts_with_rows = int((batch.expert_offsets.diff() > 0).sum())
-    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
+    backend = CuteDSLExperts()
+    prepared = backend.prepare(layer.expert_weight_pack())
+    return TuningPoint(batch=batch, prepared=prepared, keys=backend.knob_keys(batch, prepared))
+
+
+@torch.no_grad()
+def gemm_runners(
+    point: TuningPoint, *, l2_bytes: int | None = None
+) -> dict[str, Callable[[GemmKnobs | None], torch.Tensor]]:
+    """One runner per op (knobs or None -> output) of the point's GEMMs, with the epilogue the
+    layer's run (the pack's biases and SwiGLU); the down GEMM reads the gate-up output of the
+    default knobs. Each runner cycles through copies of its weights, so timed calls read them
+    cold from HBM as a layer does (weight_copies_for_cold_l2 with an L2 of `l2_bytes`; None:
+    the batch's GPU's). An op's weight dims (N, K) are its key's out and in features."""
+    from megamoe_kernels import down, gate_up_swiglu
+
+    batch, prepared = point.batch, point.prepared
+    if l2_bytes is None:
+        l2_bytes = torch.cuda.get_device_properties(batch.rows_MH.device).L2_cache_size
+    rows_MH, offsets = batch.rows_MH, batch.expert_offsets
+    gate_up_epilogue = {"w13_bias_EB2G": prepared.w13_bias_EB2G, "swiglu": prepared.swiglu}
+    down_epilogue = {"w2_bias_EH": prepared.w2_bias_EH}
+    hidden_MI = gate_up_swiglu(rows_MH, offsets, prepared.w13_EB2GH, **gate_up_epilogue)
+    experts_with_rows = int((offsets.diff() > 0).sum())
     w13s, w2s = (
         _cycled_copies(weight, experts_with_rows=experts_with_rows, l2_bytes=l2_bytes)
         for weight in (prepared.w13_EB2GH, prepared.w2_EHI)
     )
-    return batch, {
-        "gate_up": (
-            (2 * intermediate, hidden),
-            lambda knobs: gate_up_swiglu(
-                batch.rows_MH, batch.expert_offsets, next(w13s), knobs=knobs
-            ),
+    return {
+        "gate_up": lambda knobs: gate_up_swiglu(
+            rows_MH, offsets, next(w13s), knobs=knobs, **gate_up_epilogue
         ),
-        "down": (
-            (hidden, intermediate),
-            lambda knobs: down(hidden_MI, batch.expert_offsets, next(w2s), knobs=knobs),
-        ),
+        "down": lambda knobs: down(hidden_MI, offsets, next(w2s), knobs=knobs, **down_epilogue),
     }
 
 
 @torch.no_grad()
 def tune_point(
-    geometry: Geometry, tokens: int, *, cache: KnobCache, repeats: int = 10, quick: bool = False
+    geometry: Geometry,
+    tokens: int,
+    *,
+    cache: KnobCache,
+    repeats: int = 10,
+    quick: bool = False,
+    device: torch.device | None = None,
 ) -> list[TuneResult]:
-    """Tunes gate-up and down for one (geometry, tokens) point on the current GPU; `quick` times
-    only the deepest ring of each tile shape."""
-    device = torch.device("cuda")
-    batch, ops = gemm_runners(geometry, tokens, device=device)
+    """Tunes gate-up and down for one (geometry, tokens) point on `device` (None: the current
+    GPU), each with the geometry's own epilogue, and stores the fastest under the key the
+    layer looks it up by; `quick` times only the deepest ring of each tile shape."""
+    device = torch.device("cuda") if device is None else device
+    point = tuning_point(geometry, tokens, device=device)
     results = []
-    for op, (weight_dims, run) in ops.items():
+    for op, run in gemm_runners(point).items():
 
         def seconds_of(knobs, run=run):
             return median_graph_replay_seconds(lambda: run(knobs), device=device, repeats=repeats)
 
-        key = gemm_key(
-            op,
-            device=device,
-            dtype=torch.bfloat16,
-            weight_dims=weight_dims,
-            capacity=batch.capacity,
-            num_experts=geometry.num_experts,
-        )
         candidates = gemm_candidates(op, quick=quick)
         default_seconds = seconds_of(None)
         best, best_seconds = tune_gemm(
-            op, key=key, seconds_of=seconds_of, cache=cache, candidates=candidates
+            op, key=point.keys[op], seconds_of=seconds_of, cache=cache, candidates=candidates
         )
         results.append(
             TuneResult(
