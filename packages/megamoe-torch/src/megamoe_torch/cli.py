@@ -563,8 +563,10 @@ def build_parser() -> argparse.ArgumentParser:
         "tune",
         help="time every valid cutedsl knob combination per point and store the fastest in the knob cache",
         description="Offline tuner: for each geometry and token count, times every valid knob combination of the "
-        "gate-up and down kernels (CUDA-graph replay) and stores the fastest in the knob cache "
-        "($MEGAMOE_KNOB_CACHE, default ~/.cache/megamoe/knobs.json), which the cutedsl backend reads.",
+        "gate-up and down kernels (CUDA-graph replay) on the batch the geometry's layer makes of random tokens, "
+        "each kernel with the layer's epilogue (gpt-oss-120b: its expert biases and clamped SwiGLU), and stores "
+        "the fastest in the knob cache ($MEGAMOE_KNOB_CACHE, default ~/.cache/megamoe/knobs.json) under the key "
+        "the cutedsl backend looks up for that batch.",
     )
     tune.add_argument("--geometry", nargs="+", required=True, choices=sorted(GEOMETRIES))
     tune.add_argument("--tokens", nargs="+", type=positive_int, required=True)
