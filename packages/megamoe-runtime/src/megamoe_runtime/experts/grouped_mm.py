@@ -90,9 +90,9 @@ class GroupedMMExperts:
         row_biases = _RowBiases(batch) if w13_bias is not None or w2_bias is not None else None
         gate_up = torch._grouped_mm(rows, prepared.w13_E2IH.transpose(1, 2), offs=offs)
         if prepared.expert_math:
-            gate_up = gate_up.float()
+            gate_up = gate_up.float()  # a copy of the bf16 output: the bias adds in place
             if w13_bias is not None:
-                gate_up = gate_up + row_biases(w13_bias)
+                gate_up += row_biases(w13_bias)
             activation = prepared.swiglu
             hidden = swiglu(
                 gate_up[..., :intermediate],
@@ -108,7 +108,7 @@ class GroupedMMExperts:
             return out.reshape(batch.capacity, batch.hidden_size)  # a view
         out_fp32 = out.float()
         if w2_bias is not None:
-            out_fp32 = out_fp32 + row_biases(w2_bias)
+            out_fp32 += row_biases(w2_bias)
         out_fp32 = out_fp32.reshape(batch.capacity, batch.hidden_size)
         if row_scale_M is not None:
             out_fp32 = out_fp32 * row_scale_M.unsqueeze(-1)
