@@ -1,6 +1,7 @@
 """CUDA graphs: the MegaMoE forward (route, local dispatch, expert compute, combine) captured once
 with a fixed capacity, then replayed on new hidden states, so every replay routes differently
-(different per-expert counts); every replay must match an eager fp32-oracle layer."""
+(different per-expert counts); every replay must match an eager fp32-oracle layer. Plain experts
+and gpt-oss's (expert biases, the clamped SwiGLU)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ from megamoe_torch.layer import MegaMoE
 pytestmark = pytest.mark.gpu
 
 TOKENS, TOP_K = 96, 4
+EXPERT_MATH = {
+    "plain": {},
+    "gpt-oss": dict(expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702, swiglu_up_offset=1.0),
+}
 
 
 def _layer(backend: str, **overrides) -> MegaMoE:
@@ -30,12 +35,17 @@ def _layer(backend: str, **overrides) -> MegaMoE:
     return MegaMoE(config, device="cuda", dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("expert_math", sorted(EXPERT_MATH))
 @pytest.mark.parametrize("backend", ["cutedsl", "grouped_mm"])
-def test_captured_forward_replays_correctly_with_new_routings(backend):
+def test_captured_forward_replays_correctly_with_new_routings(backend, expert_math):
     if not torch.cuda.is_available() or not backend_status(backend, torch.device("cuda"))[0]:
         pytest.skip(f"backend {backend} cannot run here")
-    layer = _layer(backend)
-    oracle = _layer("reference")
+    layer = _layer(backend, **EXPERT_MATH[expert_math])
+    if layer.w13_bias is not None:
+        with torch.no_grad():  # biases that matter next to the products
+            layer.w13_bias.normal_(0, 1.0)
+            layer.w2_bias.normal_(0, 0.5)
+    oracle = _layer("reference", **EXPERT_MATH[expert_math])
     oracle.load_state_dict(layer.state_dict())
     x_TH = torch.randn(TOKENS, 512, device="cuda", dtype=torch.bfloat16)
 

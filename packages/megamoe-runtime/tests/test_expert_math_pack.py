@@ -1,17 +1,21 @@
 """A weight pack with the experts' biases and the clamped SwiGLU (gpt-oss) on a CPU: its checks,
-the reference backend computing the whole math, grouped_mm refusing it, the cutedsl backend
-laying the biases out for its kernels, and the backend choice."""
+the reference backend computing the whole math, grouped_mm computing it as the reference does
+(torch's CPU torch._grouped_mm, where this torch has one), the cutedsl backend laying the biases
+out for its kernels, and the backend choice."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 from megamoe_kernels import SwiGLU, interleave_gate_up, interleave_gate_up_bias
-from megamoe_kernels.reference import expert_mlp_reference
+from megamoe_kernels.reference import expert_mlp_reference, relative_l2_error
 from megamoe_runtime.expert_batch import ExpertBatch
-from megamoe_runtime.experts import backend_status, make_backend, select_backend
+from megamoe_runtime.experts import _batch_refusal, make_backend, select_backend
 from megamoe_runtime.experts.cutedsl import CuteDSLExperts
 from megamoe_runtime.weights import Unquantized, quantize
+from test_masked_batch import grouped_mm_runs_on_cpu
 
 E, H, INTER = 4, 64, 48
 GPT_OSS_SWIGLU = SwiGLU(limit=7.0, alpha=1.702, up_offset=1.0)
@@ -76,15 +80,135 @@ def test_the_pack_names_its_expert_math_and_checks_the_biases():
         quantize(pack)
 
 
-def test_grouped_mm_refuses_the_expert_math_naming_it():
-    with pytest.raises(ValueError, match="grouped_mm computes bias-free.*per-expert biases"):
-        make_backend("grouped_mm").prepare(gpt_oss_pack(dtype=torch.bfloat16))
-    available, reason = backend_status(
-        "grouped_mm", torch.device("cuda"), expert_math=("per-expert biases",)
+requires_cpu_grouped_mm = pytest.mark.skipif(
+    not grouped_mm_runs_on_cpu(), reason="this torch has no CPU torch._grouped_mm"
+)
+# tail sizes with an empty expert, one expert taking every row, no rows at all
+COUNTS = {"tails": [3, 0, 17, 1], "one expert": [0, 29, 0, 0], "no rows": [0, 0, 0, 0]}
+# the pack's expert math, each feature alone and both
+FEATURES = {
+    "biases": dict(swiglu=SwiGLU()),
+    "clamped swiglu": dict(w13_bias_E2I=None, w2_bias_EH=None),
+    "both": {},
+}
+PAST_THE_VALID_ROWS = 5
+
+
+def tight_batch(counts: list[int], *, seed: int = 1) -> ExpertBatch:
+    """bf16 rows of experts with `counts` rows each, and NaN rows past them up to the
+    capacity: a backend that lets an unspecified row reach a valid one fails."""
+    generator = torch.Generator().manual_seed(seed)
+    valid = sum(counts)
+    rows = torch.full((valid + PAST_THE_VALID_ROWS, H), float("nan"), dtype=torch.bfloat16)
+    rows[:valid] = torch.randn(valid, H, generator=generator).to(torch.bfloat16)
+    offsets = torch.zeros(E + 1, dtype=torch.int32)
+    offsets[1:] = torch.tensor(counts).cumsum(0)
+    return ExpertBatch(rows_MH=rows, expert_offsets=offsets, valid_rows=valid)
+
+
+def reference_of(pack: Unquantized, batch: ExpertBatch, row_scale_M=None) -> torch.Tensor:
+    """The fp32 oracle of the pack's whole expert math on the batch."""
+    return expert_mlp_reference(
+        batch.rows_MH,
+        batch.expert_offsets,
+        pack.w13_E2IH,
+        pack.w2_EHI,
+        row_scale_M,
+        w13_bias_E2I=pack.w13_bias_E2I,
+        w2_bias_EH=pack.w2_bias_EH,
+        limit=pack.swiglu.limit,
+        alpha=pack.swiglu.alpha,
+        up_offset=pack.swiglu.up_offset,
+        expert_counts=batch.expert_counts,
     )
-    assert not available and "per-expert biases" in reason
-    name, reason = select_backend("auto", torch.device("cpu"), expert_math=("per-expert biases",))
-    assert name == "reference"
+
+
+@requires_cpu_grouped_mm
+@pytest.mark.parametrize("features", sorted(FEATURES))
+@pytest.mark.parametrize("counts", COUNTS.values(), ids=COUNTS)
+def test_grouped_mm_computes_the_expert_math_as_the_reference_does(counts, features):
+    pack = replace(gpt_oss_pack(seed=2, dtype=torch.bfloat16), **FEATURES[features])
+    batch = tight_batch(counts)
+    scale_M = torch.rand(batch.capacity, generator=torch.Generator().manual_seed(3))
+    backend = make_backend("grouped_mm")
+    out = backend(batch, backend.prepare(pack), row_scale_M=scale_M)
+    assert out.shape == (batch.capacity, H) and out.dtype == torch.bfloat16
+    valid = sum(counts)
+    assert torch.isfinite(out[:valid]).all()
+    expected = reference_of(pack, batch, scale_M)[:valid]
+    assert relative_l2_error(out[:valid], expected) < 1e-2
+    if valid:  # the math is computed: without it the output is another
+        plain = Unquantized(w13_E2IH=pack.w13_E2IH, w2_EHI=pack.w2_EHI)
+        assert relative_l2_error(out[:valid], reference_of(plain, batch, scale_M)[:valid]) > 0.1
+
+
+@requires_cpu_grouped_mm
+def test_grouped_mm_computes_the_expert_math_on_a_masked_batch():
+    stride, counts = 9, [9, 0, 1, 4]
+    generator = torch.Generator().manual_seed(4)
+    rows_ESH = torch.full((E, stride, H), float("nan"), dtype=torch.bfloat16)
+    for expert, count in enumerate(counts):
+        rows_ESH[expert, :count] = torch.randn(count, H, generator=generator).to(torch.bfloat16)
+    batch = ExpertBatch.masked(rows_ESH, torch.tensor(counts, dtype=torch.int32))
+    pack = gpt_oss_pack(seed=5, dtype=torch.bfloat16)
+    backend = make_backend("grouped_mm")
+    out_ESH = backend(batch, backend.prepare(pack)).view(E, stride, H)
+    expected_ESH = reference_of(pack, batch).view(E, stride, H)
+    valid_ES = torch.arange(stride)[None, :] < torch.tensor(counts)[:, None]
+    assert torch.isfinite(out_ESH[valid_ES]).all()
+    assert relative_l2_error(out_ESH[valid_ES], expected_ESH[valid_ES]) < 1e-2
+
+
+@requires_cpu_grouped_mm
+def test_grouped_mm_gradients_of_the_expert_math_match_the_reference():
+    # rows past the valid ones (NaN in, unspecified out) reach no gradient: not the biases'
+    counts = [3, 0, 17, 1]
+    valid = sum(counts)
+    batch = tight_batch(counts)
+    pack = gpt_oss_pack(seed=6, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(7)
+    scale_M = torch.rand(batch.capacity, generator=generator)
+    probe = torch.randn(valid, H, generator=generator)
+    tensors = {
+        "rows": batch.rows_MH[:valid],
+        "w13": pack.w13_E2IH,
+        "w2": pack.w2_EHI,
+        "w13_bias": pack.w13_bias_E2I,
+        "w2_bias": pack.w2_bias_EH,
+    }
+
+    def gradients(dtype, compute):
+        leaves = {name: t.to(dtype, copy=True).requires_grad_() for name, t in tensors.items()}
+        rows = torch.cat((leaves["rows"], batch.rows_MH[valid:].to(dtype)))
+        leaf_pack = Unquantized(
+            w13_E2IH=leaves["w13"],
+            w2_EHI=leaves["w2"],
+            w13_bias_E2I=leaves["w13_bias"],
+            w2_bias_EH=leaves["w2_bias"],
+            swiglu=pack.swiglu,
+        )
+        out = compute(replace(batch, rows_MH=rows), leaf_pack)
+        (out[:valid].float() * probe).sum().backward()
+        return {name: leaf.grad for name, leaf in leaves.items()}
+
+    backend = make_backend("grouped_mm")
+    actual = gradients(torch.bfloat16, lambda b, p: backend(b, p, row_scale_M=scale_M))
+    expected = gradients(torch.float32, lambda b, p: reference_of(p, b, scale_M))
+    for name in tensors:
+        assert torch.isfinite(actual[name]).all(), name
+        # bf16 gradients (measured 3e-3 to 1.3e-2) against the fp32 oracle's
+        assert relative_l2_error(actual[name], expected[name]) < 3e-2, name
+
+
+def test_every_backend_but_the_fp8_kernels_takes_the_expert_math():
+    math = ("per-expert biases",)
+    choice = dict(masked_batches=False, fp8_rows=False, expert_math=math)
+    for name in ("cutedsl", "grouped_mm", "reference"):
+        assert _batch_refusal(name, fp8_weights=False, **choice) is None
+    assert "per-expert biases" in _batch_refusal("cutedsl", fp8_weights=True, **choice)
+    # a CPU: grouped_mm needs a CUDA device, whatever the experts compute
+    name, reason = select_backend("auto", torch.device("cpu"), expert_math=math)
+    assert name == "reference" and "needs a CUDA device" in reason
 
 
 def test_the_cutedsl_backend_interleaves_the_w13_bias_like_w13_and_keeps_both_in_float32():

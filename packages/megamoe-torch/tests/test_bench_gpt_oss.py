@@ -1,7 +1,8 @@
 """The gpt-oss-120b benchmark geometry at a tiny size: a layer built from it computes transformers'
 gpt-oss MoE block (router bias, softmax over the top-k logits, biases on both expert projections,
 SwiGLU clamped at 7 with alpha 1.702 and up + 1), and `megamoe bench` and `megamoe demo` run it on
-the backends that compute it, saying why the others are skipped."""
+every backend that runs on the device, grouped_mm and its all-torch layer among them (FP8
+experts, which do not compute it, skipped with the reason)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from megamoe_runtime import experts
 from megamoe_runtime.geometries import GEOMETRIES
 from megamoe_torch import bench
 from megamoe_torch.cli import main
+from test_layer_expert_math import grouped_mm_runs_on_cpu
 
 # the real geometry's routing and expert math, at a size a CPU runs in a blink
 TINY_GPT_OSS = replace(
@@ -87,36 +89,37 @@ def test_the_layer_holds_random_router_and_expert_biases():
     assert not torch.equal(layer.w13_bias[0], layer.w13_bias[1])
 
 
-def test_grouped_mm_is_refused_for_the_expert_math_and_the_reference_computes_it():
+def test_the_backends_are_chosen_for_the_device_not_for_the_expert_math():
     layer = bench.build_layer(TINY_GPT_OSS, device=CPU, dtype=torch.bfloat16)
     runnable, refused = bench.layer_backends(layer, ["grouped_mm", "reference"])
     assert runnable == ["reference"]
-    assert "expert_bias=True" in refused["grouped_mm"]
-    assert "swiglu_limit=7.0" in refused["grouped_mm"]
-    # a geometry without that math: grouped_mm is refused for this device alone
-    plain = bench.build_layer(GEOMETRIES["tiny-qwen3"], device=CPU, dtype=torch.bfloat16)
-    refused_plain = bench.layer_backends(plain, ["grouped_mm"])[1]
-    assert "expert_bias" not in refused_plain["grouped_mm"]
+    assert "needs a CUDA device" in refused["grouped_mm"]
+    assert "expert_bias" not in refused["grouped_mm"]
 
 
-def test_bench_skips_grouped_mm_at_the_geometry_and_times_the_rest(
+@pytest.mark.skipif(not grouped_mm_runs_on_cpu(), reason="this torch has no CPU torch._grouped_mm")
+def test_bench_times_grouped_mm_and_the_all_torch_layer_at_the_geometry(
     tiny_gpt_oss_geometry, monkeypatch, tmp_path, capsys
 ):
-    # grouped_mm as it is on an H200: it runs on the device, not these experts
+    # grouped_mm as it is on an H200: this CPU's torch._grouped_mm computes it
     monkeypatch.setattr(experts, "grouped_mm_status", lambda device: (True, "an sm_90 GPU"))
     argv = ["bench", "--device", "cpu", "--geometry", tiny_gpt_oss_geometry.name, "--tokens", "5"]
     argv += ["--backends", "grouped_mm", "reference", "--modes", "kernels", "layer"]
     assert main([*argv, "--repeats", "1", "--out", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert f"{tiny_gpt_oss_geometry.name}: skipped grouped_mm: grouped_mm computes bias-free" in out
+    assert "skipped" not in capsys.readouterr().out
     with (tmp_path / "bench.csv").open() as handle:
-        (kernels_row,) = csv.DictReader(handle)
+        kernels_rows = {row["backend"]: row for row in csv.DictReader(handle)}
     with (tmp_path / "layer.csv").open() as handle:
-        (layer_row,) = csv.DictReader(handle)
-    assert kernels_row["backend"] == layer_row["backend"] == "reference"
-    # against the fp32 oracle of the same expert math: bf16 rounding only
-    assert float(kernels_row["rel_l2"]) < 1e-2
-    assert layer_row["speedup"] == ""  # no grouped_mm layer to compare with
+        layer_rows = {row["backend"]: row for row in csv.DictReader(handle)}
+    assert set(kernels_rows) == set(layer_rows) == {"grouped_mm", "reference"}
+    for row in kernels_rows.values():
+        # against the fp32 oracle of the same expert math: bf16 rounding only
+        assert float(row["rel_l2"]) < 1e-2
+        assert row["speedup"] != ""  # against grouped_mm, measured in the same run
+    # the all-torch layer (grouped_mm on the torch path) is the layer mode's baseline
+    assert layer_rows["grouped_mm"]["layer_path"] == "torch"
+    assert float(layer_rows["reference"]["baseline_eager_microseconds"]) > 0
+    assert layer_rows["reference"]["speedup"] != ""
 
 
 def test_bench_with_fp8_experts_skips_the_geometry_with_the_reason(

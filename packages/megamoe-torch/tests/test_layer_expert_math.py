@@ -1,8 +1,9 @@
 """The expert math of the families the Hugging Face reader adds, against per-token float64 loops:
 router and expert biases, the clamped SwiGLU of gpt-oss, routing weights on the expert input
 (Llama 4), softmax with a correction bias (ERNIE 4.5), the choice on logits + bias (Kolibri),
-group-limited greedy top-k (DeepSeek-V2);
-and the backends that do not compute it refused with the reason."""
+group-limited greedy top-k (DeepSeek-V2); the gpt-oss layer on grouped_mm against the reference
+backend, forward and backward; and the backends that do not compute the rest refused with the
+reason."""
 
 import math
 
@@ -140,19 +141,57 @@ def test_the_swiglu_limit_is_reached_by_the_test_inputs():
 
 def test_expert_math_trains_through_the_reference_backend():
     layer = make_layer(GPT_OSS)
-    assert layer.backend == "reference"  # a CPU layer; grouped_mm lacks this math on a GPU
+    assert layer.backend == "reference"  # a CPU layer (grouped_mm computes it on a GPU)
     x = torch.randn(9, 32, requires_grad=True)
     layer(x).square().sum().backward()
     for parameter in (x, layer.w13, layer.w2, layer.w13_bias, layer.w2_bias, layer.gate.bias):
         assert parameter.grad is not None and parameter.grad.abs().sum() > 0
 
 
-def test_grouped_mm_is_refused_for_biases_and_the_clamped_swiglu_naming_them():
-    with pytest.raises(ValueError, match="grouped_mm.*expert_bias=True.*swiglu_limit=7.0"):
-        MegaMoE(MegaMoEConfig(**GPT_OSS, backend="grouped_mm"))
-    layer = make_layer(GPT_OSS)
-    with pytest.raises(ValueError, match="grouped_mm"):
-        layer.use_backend("grouped_mm")
+def grouped_mm_runs_on_cpu() -> bool:
+    """Whether this torch's torch._grouped_mm has a CPU kernel (the backend itself then runs
+    on a CPU; megamoe picks it on an sm_90 GPU only)."""
+    try:
+        torch._grouped_mm(
+            torch.zeros(2, 8, 16, dtype=torch.bfloat16),
+            torch.zeros(2, 16, 16, dtype=torch.bfloat16),
+        )
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(not grouped_mm_runs_on_cpu(), reason="this torch has no CPU torch._grouped_mm")
+def test_grouped_mm_computes_and_trains_the_gpt_oss_layer_as_the_reference_does(monkeypatch):
+    from megamoe_runtime import experts
+
+    # grouped_mm as on an sm_90 GPU: this CPU's torch._grouped_mm computes it
+    monkeypatch.setattr(experts, "grouped_mm_status", lambda device: (True, "an sm_90 GPU"))
+    layer = make_layer(GPT_OSS).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.w13_bias.normal_(0, 1.0)
+        layer.w2_bias.normal_(0, 0.5)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 32, generator=generator).to(torch.bfloat16)
+    probe = torch.randn(37, 32, generator=generator)
+    with torch.no_grad():
+        expected = per_token_float64(layer, x)
+    results = {}
+    for backend in ("grouped_mm", "reference"):
+        layer.use_backend(backend)
+        assert layer.backend == backend
+        layer.zero_grad()
+        leaf = x.clone().requires_grad_()
+        y = layer(leaf)
+        (y.float() * probe).sum().backward()
+        parameters = (layer.w13, layer.w2, layer.w13_bias, layer.w2_bias, layer.gate.bias)
+        results[backend] = (y.detach(), [leaf.grad, *(p.grad for p in parameters)])
+    y, gradients = results["grouped_mm"]
+    assert ((y.double() - expected).norm() / expected.norm()) < 1e-2
+    for actual, reference in zip(gradients, results["reference"][1], strict=True):
+        assert torch.isfinite(actual).all() and reference.abs().sum() > 0
+        relative = (actual.double() - reference.double()).norm() / reference.double().norm()
+        assert relative < 1e-2  # bf16 gradients of the same bf16 layer
 
 
 def test_the_cutedsl_backend_is_not_refused_for_biases_and_the_clamped_swiglu():

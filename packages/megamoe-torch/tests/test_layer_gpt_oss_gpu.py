@@ -1,6 +1,8 @@
 """A gpt-oss layer (router bias, expert biases, SwiGLU clamped at 7 with alpha 1.702 and up + 1)
-on an sm_90 GPU: backend 'auto' picks cutedsl, and its forwards (the fused path, eager graph
-replays, the torch layer path) match the reference backend within the bf16 tolerance."""
+on an sm_90 GPU: backend 'auto' picks cutedsl, and its forwards and grouped_mm's (the fused
+path, eager graph replays, the torch layer path) match the reference backend within the bf16
+tolerance; a forward that records gradients runs on grouped_mm, with the reference's
+gradients."""
 
 import pytest
 import torch
@@ -46,12 +48,14 @@ def make_layer(dims, **overrides):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("backend", ["auto", "grouped_mm"])
 @pytest.mark.parametrize("dims", sorted(DIMS))
 @pytest.mark.parametrize("tokens", [1, 5, 77, 600])
 @pytest.mark.parametrize("layer_path", ["auto", "torch"])
-def test_a_gpt_oss_layer_on_cutedsl_matches_the_reference_backend(dims, tokens, layer_path):
-    layer = make_layer(dims, layer_path=layer_path)
-    assert layer.backend == "cutedsl", layer.backend_reason
+def test_a_gpt_oss_layer_matches_the_reference_backend(backend, dims, tokens, layer_path):
+    layer = make_layer(dims, layer_path=layer_path, backend=backend)
+    expected_backend = "cutedsl" if backend == "auto" else backend
+    assert layer.backend == expected_backend, layer.backend_reason
     x = torch.randn(tokens, layer.config.hidden_size, device="cuda", dtype=torch.bfloat16)
     # twice: the second forward of a small batch on the fused path replays a captured graph
     outputs = [layer(x) for _ in range(2)]
@@ -60,7 +64,32 @@ def test_a_gpt_oss_layer_on_cutedsl_matches_the_reference_backend(dims, tokens, 
     for actual in outputs:
         assert torch.isfinite(actual).all()
         error = relative_l2_error(actual, expected)
-        assert error < TOLERANCE, (dims, tokens, layer_path, error)
+        assert error < TOLERANCE, (backend, dims, tokens, layer_path, error)
+
+
+@pytest.mark.parametrize("dims", sorted(DIMS))
+def test_a_gpt_oss_layer_trains_through_grouped_mm_with_the_reference_gradients(dims):
+    # backend 'auto' runs cutedsl, which has no backward: a forward that autograd records runs
+    # on grouped_mm, which computes the biases and the clamped SwiGLU
+    layer = make_layer(dims)
+    assert layer.backend == "cutedsl"
+    hidden = layer.config.hidden_size
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(77, hidden, device="cuda", generator=generator).to(torch.bfloat16)
+    probe = torch.randn(77, hidden, device="cuda", generator=generator)
+    parameters = (layer.w13, layer.w2, layer.w13_bias, layer.w2_bias, layer.gate.bias)
+    gradients = {}
+    for backend in ("auto", "reference"):
+        layer.use_backend(backend)
+        layer.zero_grad()
+        leaf = x.clone().requires_grad_()
+        (layer(leaf).float() * probe).sum().backward()
+        gradients[backend] = [leaf.grad, *(p.grad for p in parameters)]
+    layer.use_backend("auto")
+    assert layer._autograd_backend().name == "grouped_mm"
+    for actual, expected in zip(gradients["auto"], gradients["reference"], strict=True):
+        assert torch.isfinite(actual).all()
+        assert relative_l2_error(actual, expected) < TOLERANCE
 
 
 @torch.no_grad()

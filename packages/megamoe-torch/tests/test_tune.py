@@ -1,9 +1,13 @@
-"""The offline tuner without a GPU: its cold-L2 weight copies (plain arithmetic), and what it
+"""The offline tuner without a GPU: its cold-L2 weight copies (plain arithmetic), what it
 stores, with stand-in runners and timings, read back as a layer of the tuned weight dtype
-resolves its knobs."""
+resolves its knobs, and the epilogue its runners give each GEMM (gpt-oss-120b's biases and
+clamped SwiGLU), with the kernels stood in for."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import megamoe_kernels
 import pytest
 import torch
 from megamoe_kernels import quantize_weight_blocks
@@ -144,3 +148,43 @@ def test_fp8_weight_copies_carry_their_block_scales():
         # each copy of the weight reads scales of its own: the original's, or a clone
         is_original = copy_ENK.data_ptr() == w_ENK.data_ptr()
         assert (copy_scales.data_ptr() == scales.data_ptr()) == is_original
+
+
+TINY_GPT_OSS = replace(
+    GEOMETRIES["gpt-oss-120b"],
+    name="test-gpt-oss",
+    num_experts=8,
+    hidden_size=64,
+    intermediate_size=32,
+)
+
+
+@pytest.mark.parametrize("geometry", [TINY_GPT_OSS, GEOMETRY], ids=lambda g: g.name)
+def test_the_runners_run_the_geometrys_epilogue(geometry, monkeypatch):
+    # the kernels stood in for by recorders: each GEMM gets the bias and the SwiGLU the layer's do
+    calls = []
+
+    def recorder(name):
+        def kernel(rows, offsets, weight, **options):
+            calls.append((name, options))
+            return torch.empty(0)
+
+        return kernel
+
+    monkeypatch.setattr(megamoe_kernels, "gate_up_swiglu", recorder("gate_up"))
+    monkeypatch.setattr(megamoe_kernels, "down", recorder("down"))
+    problem = tune.tuning_problem(geometry, TOKENS, device=torch.device("cpu"))
+    runners = tune.gemm_runners(problem, l2_bytes=L2)
+    knobs = {op: gemm_candidates(op, quick=True)[0] for op in runners}
+    for op, run in runners.items():
+        run(knobs[op])
+    assert [name for name, _ in calls] == ["gate_up", "gate_up", "down"]
+    (_, default_gate_up), (_, gate_up), (_, down) = calls
+    prepared = problem.prepared
+    assert gate_up["knobs"] == knobs["gate_up"] and down["knobs"] == knobs["down"]
+    for options in (default_gate_up, gate_up):
+        assert options["swiglu"] == geometry.swiglu
+        assert options["w13_bias_EB2G"] is prepared.w13_bias_EB2G
+    assert down["w2_bias_EH"] is prepared.w2_bias_EH
+    has_biases = geometry.expert_bias
+    assert (prepared.w13_bias_EB2G is not None) == (prepared.w2_bias_EH is not None) == has_biases

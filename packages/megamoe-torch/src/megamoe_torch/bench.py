@@ -145,8 +145,8 @@ def available_backends(device: torch.device, requested: Iterable[str]) -> list[s
 
 def layer_backends(layer: MegaMoE, requested: Iterable[str]) -> tuple[list[str], dict[str, str]]:
     """(the backends of `requested` that compute `layer`'s experts on its device, why each
-    other one does not): grouped_mm computes no expert biases or clamped SwiGLU (gpt-oss-120b),
-    the cutedsl FP8 kernels neither."""
+    other one does not): the device, and for FP8 experts the expert math (the cutedsl FP8
+    kernels compute no expert biases or clamped SwiGLU)."""
     runnable, refused = [], {}
     for name in requested:
         can_run, reason = backend_status(

@@ -371,7 +371,7 @@ def run_bench(args: argparse.Namespace) -> int:
             progress.write(f"skipped {name}: {error}")
             progress.update(len(token_counts))
             continue
-        # the backends that compute this geometry's experts (grouped_mm: not gpt-oss-120b's)
+        # the backends that compute this geometry's experts here
         layer_backends, refused = bench.layer_backends(layer, backends)
         if refused:
             skipped = "; ".join(f"{backend}: {why}" for backend, why in refused.items())
@@ -523,7 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="sweep geometries x token counts, backend against grouped_mm in the same run",
         description="Times expert compute (kernels: CUDA-graph replay) and/or the whole layer (eager) per backend "
-        "(at each geometry those that compute its experts: not grouped_mm at gpt-oss-120b, said why), "
+        "(at each geometry those that run here and compute its experts, gpt-oss-120b's biases and clamped "
+        "SwiGLU included; the others skipped, said why), "
         "with the speedup over grouped_mm, TFLOP/s, fraction of the roofline floor and rel-L2 against the fp32 "
         "oracle; for modes kernels and eager writes bench.csv and bench.png under --out (bench.png: the speedup "
         "over grouped_mm where grouped_mm ran next to another backend, else the time per call; it needs "
@@ -592,10 +593,11 @@ def build_parser() -> argparse.ArgumentParser:
         "tune",
         help="time every valid cutedsl knob combination per point and store the fastest in the knob cache",
         description="Offline tuner: for each geometry and token count, times every valid knob combination of the "
-        "gate-up and down kernels (CUDA-graph replay) and stores the fastest in the knob cache "
-        "($MEGAMOE_KNOB_CACHE, default ~/.cache/megamoe/knobs.json), which the cutedsl backend reads. "
-        "--weight-dtype fp8 tunes the FP8 kernels (gate_up_fp8, down_fp8) that layers with "
-        "weight_dtype='fp8' run.",
+        "gate-up and down kernels (CUDA-graph replay) on the batch the geometry's layer makes of random tokens, "
+        "each kernel with the layer's epilogue (gpt-oss-120b: its expert biases and clamped SwiGLU), and stores "
+        "the fastest in the knob cache ($MEGAMOE_KNOB_CACHE, default ~/.cache/megamoe/knobs.json) under the key "
+        "the cutedsl backend looks up for that batch. --weight-dtype fp8 tunes the FP8 kernels (gate_up_fp8, "
+        "down_fp8) that layers with weight_dtype='fp8' run.",
     )
     tune.add_argument("--geometry", nargs="+", required=True, choices=sorted(GEOMETRIES))
     tune.add_argument("--tokens", nargs="+", type=positive_int, required=True)

@@ -46,8 +46,8 @@ class MegaMoEConfig:
     router_dtype: Literal["float32", "input"] = "float32"
     # the router adds a bias to its logits, x W_gate^T + b (gpt-oss): `gate.bias` [E]
     router_bias: bool = False
-    # The expert math below is computed by the reference and the cutedsl (bf16 weights)
-    # backends, not by grouped_mm (`expert_math_features` names what a config uses of it).
+    # The expert math below is computed by every backend, with bf16 weights (FP8 experts do
+    # not combine with it); `expert_math_features` names what a config uses of it.
     # each expert projection adds a per-expert bias (gpt-oss): `w13_bias` [E, 2I], `w2_bias` [E, H]
     expert_bias: bool = False
     # the experts' SwiGLU, gate * sigmoid(swiglu_alpha * gate) * (up + swiglu_up_offset), with
@@ -235,8 +235,8 @@ class MegaMoEConfig:
 
     @property
     def expert_math_features(self) -> tuple[str, ...]:
-        """The expert math beyond bias-free silu(gate) * up experts this config uses, which the
-        reference and the cutedsl backends compute and grouped_mm does not: () when none."""
+        """The expert math beyond bias-free silu(gate) * up experts this config uses, which
+        every backend computes with bf16 weights and FP8 experts do not: () when none."""
         features = []
         if self.expert_bias:
             features.append("expert_bias=True")

@@ -128,12 +128,8 @@ def _check_torch_only_features(
     process_group: torch.distributed.ProcessGroup | None = None,
 ) -> None:
     """Refuses a backend, layer path or expert parallelism that cannot compute the config's
-    expert math (MegaMoEConfig.expert_math_features and torch_only_features)."""
-    if config.expert_math_features and backend == "grouped_mm":
-        raise ValueError(
-            f"backend 'grouped_mm' does not compute {', '.join(config.expert_math_features)}: "
-            "use backend='cutedsl', 'reference' or 'auto' (which picks one of them)"
-        )
+    torch-only math (MegaMoEConfig.torch_only_features; its expert_math_features every backend
+    computes)."""
     features = config.torch_only_features
     if not features:
         return

@@ -2,10 +2,16 @@
 store them in the knob cache ($MEGAMOE_KNOB_CACHE) under the keys the cutedsl backend looks
 them up by (`CuteDSLExperts.knob_keys`), where a layer finds them on later runs: bf16 experts
 tune the ops gate_up and down, FP8 ones (e4m3 weights with 128 x 128 block scales) gate_up_fp8
-and down_fp8, on e4m3 rows with their row scales as the FP8 dispatch writes them."""
+and down_fp8, on e4m3 rows with their row scales as the FP8 dispatch writes them.
+
+Each GEMM is timed as the geometry's layer runs it: its epilogue variant (gpt-oss-120b's expert
+biases and clamped SwiGLU) on the batch the layer's router and dispatch make of random tokens.
+The key names the op, the GPU, the dtype, the weight dims and the rows per expert, not the
+epilogue: the entry serves any layer of those dims, and was timed with this geometry's."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,13 +90,13 @@ def tuning_problem(
 
 
 @torch.no_grad()
-def gemm_runners(problem: TuningProblem) -> dict[str, Runner]:
+def gemm_runners(problem: TuningProblem, *, l2_bytes: int | None = None) -> dict[str, Runner]:
     """One runner per op of `problem`: bf16 rows and weights, or for FP8 weights the rows
     quantized to e4m3 per 128 columns (what the FP8 dispatch writes) and the weights with their
     block scales. The down GEMM reads the gate-up output of the default knobs. Each runner
     cycles through copies of its weights, so timed calls read them cold from HBM as a layer
-    does (weight_copies_for_cold_l2). The bias-free GEMMs: a knob class does not tell a pack's
-    biases or SwiGLU apart."""
+    does (weight_copies_for_cold_l2 with an L2 of `l2_bytes`; None: the batch's GPU's). bf16 GEMMs run the pack's epilogue (its expert biases and
+    SwiGLU variant), as the layer does; the FP8 kernels have none."""
     from megamoe_kernels import down, down_fp8, gate_up_swiglu, gate_up_swiglu_fp8, quantize_rows
 
     batch, prepared = problem.batch, problem.prepared
@@ -102,13 +108,17 @@ def gemm_runners(problem: TuningProblem) -> dict[str, Runner]:
         w13 = (prepared.w13_EB2GH, prepared.w13_scales)
         w2 = (prepared.w2_EHI, prepared.w2_scales)
     else:
-        gate_up_gemm, down_gemm = gate_up_swiglu, down
+        gate_up_gemm = functools.partial(
+            gate_up_swiglu, w13_bias_EB2G=prepared.w13_bias_EB2G, swiglu=prepared.swiglu
+        )
+        down_gemm = functools.partial(down, w2_bias_EH=prepared.w2_bias_EH)
         rows, w13, w2 = (batch.rows_MH,), (prepared.w13_EB2GH,), (prepared.w2_EHI,)
     offsets = batch.expert_offsets
     hidden = gate_up_gemm(*rows, offsets, *w13)
     hidden = hidden if isinstance(hidden, tuple) else (hidden,)  # FP8: e4m3 and its scales
     experts_with_rows = int((offsets.diff() > 0).sum())
-    l2_bytes = torch.cuda.get_device_properties(offsets.device).L2_cache_size
+    if l2_bytes is None:
+        l2_bytes = torch.cuda.get_device_properties(offsets.device).L2_cache_size
     w13s, w2s = (
         _cycled_copies(weights, experts_with_rows=experts_with_rows, l2_bytes=l2_bytes)
         for weights in (w13, w2)

@@ -65,11 +65,6 @@ def _batch_refusal(
     expert_math: tuple[str, ...] = (),
 ) -> str | None:
     """Why backend `name` cannot compute such batches or experts (None: it can)."""
-    if name == "grouped_mm" and expert_math:
-        return (
-            f"grouped_mm computes bias-free silu(gate) * up experts, and these have "
-            f"{', '.join(expert_math)}"
-        )
     if name == "cutedsl" and expert_math and fp8_weights:
         return (
             f"the cutedsl FP8 kernels are not built for {', '.join(expert_math)} (the bf16 "
