@@ -325,7 +325,7 @@ def test_split_k_replays_in_a_cuda_graph_with_new_routing():
     def oracle():
         return expert_mlp_reference(rows_MH, offsets, w13, w2, round_intermediate_to=torch.bfloat16)
 
-    layer()  # compile and allocate the workspace outside the capture
+    layer()  # compile outside the capture (the capture makes a workspace of its own)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out_MH = layer()

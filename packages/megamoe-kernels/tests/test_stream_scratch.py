@@ -52,3 +52,25 @@ def test_inside_fresh_scratch_nothing_is_kept(monkeypatch):
     assert keeps_buffers()
     kept = expert_gemm._stream_scratch(device, ("unit_counter",), object)
     assert expert_gemm._stream_scratch(device, ("unit_counter",), object) is kept
+
+
+def test_a_capturing_stream_keeps_scratch_of_its_own(monkeypatch):
+    # made in the capture and kept past it (the graph's replays fill and read it), apart from
+    # the eager launches' scratch of the same stream; inside fresh_scratch, made per call
+    from megamoe_kernels import fresh_scratch
+
+    capturing = SimpleNamespace(now=False)
+    monkeypatch.setattr(expert_gemm, "_current_stream_handle", lambda device: 1)
+    monkeypatch.setattr(expert_gemm, "_cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing.now)
+    monkeypatch.setattr(expert_gemm, "_STREAM_SCRATCH", {})
+    device = torch.device("cuda", 0)
+    eager = expert_gemm._stream_scratch(device, ("unit_counter",), object)
+    capturing.now = True
+    captured = expert_gemm._stream_scratch(device, ("unit_counter",), object)
+    assert captured is not eager
+    assert expert_gemm._stream_scratch(device, ("unit_counter",), object) is captured
+    with fresh_scratch():
+        assert expert_gemm._stream_scratch(device, ("unit_counter",), object) is not captured
+    capturing.now = False
+    assert expert_gemm._stream_scratch(device, ("unit_counter",), object) is eager

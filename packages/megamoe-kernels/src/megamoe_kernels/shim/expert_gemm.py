@@ -98,7 +98,7 @@ _DEFAULT_SM_COUNT = 132  # H200; only used when compiling without a GPU
 _ALIGN_BYTES = 16  # TMA and 16-byte vector stores: every tensor's base address
 # split-K is for decode batches: a workspace beyond this means the knobs do not fit the batch
 _SPLIT_K_MAX_WORKSPACE_BYTES = 256 << 20
-# scratch of the launches on a stream, by (device, stream, what)
+# scratch of the launches on a stream, by (device, stream, capturing, what)
 _STREAM_SCRATCH: dict[tuple, object] = {}
 # per thread: how many fresh_scratch() contexts are open
 _FRESH_SCRATCH = threading.local()
@@ -490,11 +490,17 @@ def keeps_buffers() -> bool:
 def _stream_scratch(device: torch.device, what: tuple, make: Callable[[], object]):
     """Scratch that launches leave as they found it, shared by the launches on the current
     stream (they run one after another): made by `make` on first use, then kept for good.
-    Where no buffer may be kept (keeps_buffers(): under CUDA-graph capture, inside
-    fresh_scratch()) it is made anew for the call (inside a graph, its pool owns it)."""
-    if not keeps_buffers():
+
+    Under CUDA-graph capture the capturing stream has scratch of its own, made in the capture
+    (from the graph's pool) and kept past it: a graph's scratch must outlive the capture, or
+    the pool hands its memory to a later tensor of the graph, and each replay's fill of the
+    scratch (torch.zeros records one) would write into that tensor. The graphs captured on one
+    stream share it, so they replay one at a time (one stream's order, as a graph-per-shape
+    cache replays them). Inside fresh_scratch() it is made anew for the call."""
+    if getattr(_FRESH_SCRATCH, "depth", 0):
         return make()
-    key = (device, _current_stream_handle(device), what)
+    capturing = _cuda_available() and torch.cuda.is_current_stream_capturing()
+    key = (device, _current_stream_handle(device), capturing, what)
     scratch = _STREAM_SCRATCH.get(key)
     if scratch is None:
         scratch = _STREAM_SCRATCH[key] = make()
