@@ -611,6 +611,7 @@ class MegaMoE(nn.Module):
     def _autograd_backend(self):
         """The backend for a forward that autograd records: the chosen one if it has a backward;
         under 'auto', the best backend that has one; an explicit choice without one raises."""
+        self._resolve_backend()  # after use_backend, the new choice's
         if getattr(self._expert_backend, "supports_autograd", False):
             return self._expert_backend
         if self.config.backend != "auto":
