@@ -1,8 +1,10 @@
 """A gpt-oss layer (router bias, expert biases, SwiGLU clamped at 7 with alpha 1.702 and up + 1)
 on an sm_90 GPU: backend 'auto' picks cutedsl, and its forwards and grouped_mm's (the fused
 path, eager graph replays, the torch layer path) match the reference backend within the bf16
-tolerance; a forward that records gradients runs on grouped_mm, with the reference's
-gradients."""
+tolerance; a forward that records gradients runs on grouped_mm, its gradients as close to the
+fp32 layer's as the reference backend's."""
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -70,26 +72,39 @@ def test_a_gpt_oss_layer_matches_the_reference_backend(backend, dims, tokens, la
 @pytest.mark.parametrize("dims", sorted(DIMS))
 def test_a_gpt_oss_layer_trains_through_grouped_mm_with_the_reference_gradients(dims):
     # backend 'auto' runs cutedsl, which has no backward: a forward that autograd records runs
-    # on grouped_mm, which computes the biases and the clamped SwiGLU
+    # on grouped_mm, which computes the biases and the clamped SwiGLU. Its bf16 gradients are
+    # as close to the fp32 layer's as the reference backend's bf16 ones (at gpt-oss's dims
+    # both are about 1% from each other: bf16 roundings through the clamp's derivative)
     layer = make_layer(dims)
     assert layer.backend == "cutedsl"
+    exact = MegaMoE(replace(layer.config, backend="reference"), device="cuda")
+    exact.load_state_dict(layer.state_dict())  # the same weights, in fp32
     hidden = layer.config.hidden_size
     generator = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(77, hidden, device="cuda", generator=generator).to(torch.bfloat16)
     probe = torch.randn(77, hidden, device="cuda", generator=generator)
-    parameters = (layer.w13, layer.w2, layer.w13_bias, layer.w2_bias, layer.gate.bias)
-    gradients = {}
+
+    def gradients(module, x):
+        module.zero_grad()
+        leaf = x.clone().requires_grad_()
+        (module(leaf).float() * probe).sum().backward()
+        parameters = (module.w13, module.w2, module.w13_bias, module.w2_bias, module.gate.bias)
+        return [leaf.grad, *(p.grad for p in parameters)]
+
+    by_backend = {}
     for backend in ("auto", "reference"):
         layer.use_backend(backend)
-        layer.zero_grad()
-        leaf = x.clone().requires_grad_()
-        (layer(leaf).float() * probe).sum().backward()
-        gradients[backend] = [leaf.grad, *(p.grad for p in parameters)]
+        by_backend[backend] = gradients(layer, x)
     layer.use_backend("auto")
     assert layer._autograd_backend().name == "grouped_mm"
-    for actual, expected in zip(gradients["auto"], gradients["reference"], strict=True):
+    fp32 = gradients(exact, x.float())
+    for actual, bf16_reference, expected in zip(
+        by_backend["auto"], by_backend["reference"], fp32, strict=True
+    ):
         assert torch.isfinite(actual).all()
-        assert relative_l2_error(actual, expected) < TOLERANCE
+        error = relative_l2_error(actual, expected)
+        reference_error = relative_l2_error(bf16_reference, expected)
+        assert error <= 1.5 * reference_error + 1e-3, (error, reference_error)
 
 
 @torch.no_grad()
