@@ -44,6 +44,24 @@ def warp_sum_float(value):
     return value
 
 
+@cute.jit
+def add_products(sums, weight_vector, x_rows, vector, token_block: cutlass.Constexpr):
+    """sums[t] += x_rows[t]'s 16-byte vector `vector` . weight_vector (8 fp32), element by
+    element: a product of two bf16 is exact in fp32 (short of overflow and underflow), so with or
+    without contraction into an fma the sums have the same bits."""
+    weights = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
+    weights.store(weight_vector)
+    values = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
+    for t in cutlass.range_constexpr(token_block):
+        values.store(
+            load_chunk(x_rows[t] + cutlass.Int64(vector) * (CHUNK * 2)).to(cutlass.Float32)
+        )
+        total = sums[t]
+        for j in cutlass.range_constexpr(CHUNK):
+            total = total + values[j] * weights[j]
+        sums[t] = total
+
+
 @cute.kernel
 def router_logits_kernel(
     mX: cute.Tensor,
@@ -91,21 +109,15 @@ def router_logits_kernel(
         x_rows.append(mX.iterator.toint() + cutlass.Int64(token) * row_bytes)
     sums = cute.make_rmem_tensor(token_block, cutlass.Float32)
     sums.fill(0.0)
-    weight_vector = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
-    token_vector = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
     for i in cutlass.range_constexpr(per_thread):
         vector = tidx + i * ROUTER_THREADS
-        if vector < vectors:
-            weight_vector.store(weights[i])
-            for t in cutlass.range_constexpr(token_block):
-                token_vector.store(
-                    load_chunk(x_rows[t] + cutlass.Int64(vector) * (CHUNK * 2)).to(cutlass.Float32)
-                )
-                total = sums[t]
-                for j in cutlass.range_constexpr(CHUNK):
-                    # exact products: with or without contraction into an fma, the same bits
-                    total = total + token_vector[j] * weight_vector[j]
-                sums[t] = total
+        # every thread has vector i but in the row's last, partial CTA step: no branch there, so
+        # the loads of several vectors may be in flight together
+        if cutlass.const_expr((i + 1) * ROUTER_THREADS <= vectors):
+            add_products(sums, weights[i], x_rows, vector, token_block)
+        else:
+            if vector < vectors:
+                add_products(sums, weights[i], x_rows, vector, token_block)
     for t in cutlass.range_constexpr(token_block):
         total = warp_sum_float(sums[t])
         if lane == 0:
