@@ -19,6 +19,8 @@ _SHIM_NAMES = (
     "GemmKnobs",
     "GemmLauncher",
     "Launch",
+    "ROUTER_LOGITS_MAX_TOKENS",
+    "RouterLogitsLauncher",
     "SwiGLU",
     "cached_kernel_count",
     "can_gather_rows",
@@ -48,6 +50,8 @@ _SHIM_NAMES = (
     "quantize_weight_blocks",
     "resolve_knobs",
     "row_scales_buffer",
+    "router_logits_launcher",
+    "router_logits_problems",
     "weight_scales_shape",
 )
 

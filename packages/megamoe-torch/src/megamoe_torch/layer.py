@@ -7,11 +7,13 @@ forward: logits = x W_gate^T -> route (top-k ids, weights) -> dispatch into an e
 -> expert MLP (the chosen backend) -> combine (weighted top-k sum) [+ shared experts].
 
 On one sm_90 GPU without autograd the routing, the dispatch and the combine run as two device
-kernels (DeviceRoutedDispatcher): a forward is the router GEMM, one routing launch, the two
-expert GEMMs and one combine launch (plus the shared experts' GEMMs), within an ulp or two of the
-torch path's routing weights (DeviceRoutedDispatcher says where they differ), deterministic.
-`config.layer_path` chooses ("auto", "fused", "torch"). Under torch.compile such a forward is the
-router GEMM (traced) and the custom op megamoe::fused_moe (ops.py), which runs the rest.
+kernels (DeviceRoutedDispatcher): a forward is the router GEMM (up to ROUTER_KERNEL_MAX_TOKENS
+tokens the router-logits kernel, which lets the routing kernel start before it ends), one routing
+launch, the two expert GEMMs and one combine launch (plus the shared experts' GEMMs), within an
+ulp or two of the torch path's routing weights (DeviceRoutedDispatcher says where they differ),
+deterministic. `config.layer_path` chooses ("auto", "fused", "torch"). Under torch.compile such
+a forward is the router GEMM (traced, the GEMM library at every size) and the custom op
+megamoe::fused_moe (ops.py), which runs the rest.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ from dataclasses import replace
 
 import torch
 from megamoe_kernels import (
+    ROUTER_LOGITS_MAX_TOKENS,
     can_gather_rows,
     gathers_rows_by_default,
+    router_logits_launcher,
+    router_logits_problems,
     shared_experts_in_batch_by_default,
     weight_scales_shape,
 )
@@ -69,6 +74,16 @@ CHECK_INPUTS_UNDER_COMPILE = (
     "run between graphs) or build the layer with check_inputs=False"
 )
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=), torch >= 2.9
+# Up to this many tokens the fused path computes the router logits with the router-logits kernel
+# (megamoe_kernels.RouterLogitsLauncher: launched with programmatic dependent launch, so the
+# routing kernel is scheduled before it ends) in place of the GEMM library; 0 keeps the GEMM
+# library at every size. The bound is measured (docs/benchmarks.md, scripts/router_ab.py); a
+# module constant so one process can A/B the two. It is read by each launched forward and each
+# capture: a graph the layer captured keeps what it recorded (layer._forward_graphs.clear()).
+ROUTER_KERNEL_MAX_TOKENS = 16
+# the router-logits kernel per (weight shape, logits dtype, bias dtype, device), None where it
+# cannot serve the router: one lookup per forward
+_ROUTER_KERNELS: dict[tuple, object] = {}
 
 
 def _bf16_mm_to_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
@@ -644,6 +659,41 @@ class MegaMoE(nn.Module):
             )
         return self.gate(x_TH)
 
+    def _fused_router_logits(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """router_logits(x_TH) on the fused path (no autograd, one sm_90 GPU, not traced): up to
+        ROUTER_KERNEL_MAX_TOKENS tokens the router-logits kernel computes them where it serves
+        the router (bf16 tokens and weight; fp32 logits for router_dtype='float32', bf16 for
+        'input'; the bias added in fp32), the same values up to fp32 summation order."""
+        weight = self.gate.weight
+        bias = self.gate.bias
+        if not (
+            0 < x_TH.shape[0] <= min(ROUTER_KERNEL_MAX_TOKENS, ROUTER_LOGITS_MAX_TOKENS)
+            and x_TH.dtype == weight.dtype == torch.bfloat16
+            and weight.is_contiguous()
+            and (bias is None or bias.is_contiguous())
+        ):
+            return self.router_logits(x_TH)
+        # 'input': gate(x) in bf16, the GEMM's fp32 sum (+ bias) rounded to bf16
+        logits_dtype = torch.float32 if self.config.router_dtype == "float32" else x_TH.dtype
+        bias_dtype = None if bias is None else bias.dtype
+        key = (weight.shape, logits_dtype, bias_dtype, x_TH.device)
+        launcher = _ROUTER_KERNELS.get(key, False)
+        if launcher is False:
+            constants = dict(
+                num_experts=weight.shape[0],
+                hidden_size=weight.shape[1],
+                logits_dtype=logits_dtype,
+                bias_dtype=bias_dtype,
+            )
+            launcher = _ROUTER_KERNELS[key] = (
+                None
+                if router_logits_problems(**constants)
+                else router_logits_launcher(**constants, device=x_TH.device)
+            )
+        if launcher is None:
+            return self.router_logits(x_TH)
+        return launcher(x_TH.contiguous(), weight, bias_E=bias)
+
     def _add_router_bias(self, logits_TE: torch.Tensor) -> torch.Tensor:
         """fp32 logits plus the router bias (router_bias=True), added in fp32."""
         if self.gate.bias is None:
@@ -762,7 +812,7 @@ class MegaMoE(nn.Module):
 
     def _fused_forward_from_tokens(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(y_TH, router_logits_TE) of the fused path: what a captured forward records."""
-        router_logits_TE = self.router_logits(x_TH)
+        router_logits_TE = self._fused_router_logits(x_TH)
         return self._fused_forward(x_TH, router_logits_TE), router_logits_TE
 
     @property
@@ -846,8 +896,13 @@ class MegaMoE(nn.Module):
             replayed = self._forward_graphs.forward(self, x, router_logits=return_router_logits)
             if replayed is not None:
                 return replayed if return_router_logits else replayed[0]
-        router_logits_TE = self.router_logits(x_TH)
-        if self._runs_fused(x_TH):
+        runs_fused = self._runs_fused(x_TH)
+        if runs_fused and self._routes_on_this_gpu and not torch.compiler.is_compiling():
+            router_logits_TE = self._fused_router_logits(x_TH)
+        else:
+            # traced under torch.compile: the custom op megamoe::fused_moe takes the logits
+            router_logits_TE = self.router_logits(x_TH)
+        if runs_fused:
             if self._routes_on_this_gpu:
                 if torch.compiler.is_compiling():
                     # the routing, dispatch, experts, combine and shared experts: one op

@@ -43,6 +43,10 @@ pairs).
 route_tokens is step 1 alone (topk_ids and topk_weights; no placement, no copy, no barrier), for
 the expert-parallel dispatchers, which place the pairs themselves.
 
+Both are launched with programmatic dependent launch and wait (griddepcontrol.wait) before their
+first read: the kernel that computes the logits (local_router.router_logits) lets them be
+scheduled as it starts, and after a kernel that does not signal early the wait returns at once.
+
 Layouts: logits [T, E] float32 or bfloat16; correction_bias [E] float32 (optional); x [T, H]
 bfloat16 and rows [M, H] bfloat16 (or e4m3 with row_scales float32 [ceil(H / 128), M],
 group-major) row-major, H a multiple of 8, rows 16-byte aligned (or row_source int32 [M] in
@@ -377,6 +381,11 @@ def route_and_place_kernel(
     # may set up on the SMs this grid leaves; it waits for this grid to finish before it reads
     # anything. Every CTA of this grid is resident once all have passed here
     cute.arch.griddepcontrol_launch_dependents()
+    # launched with programmatic dependent launch too: the kernel before this one (the router
+    # logits kernel) lets this grid be scheduled early; wait for it (and, through it, every
+    # earlier kernel: x) to finish before reading the logits. After a kernel that does not
+    # signal early this returns at once
+    cute.arch.griddepcontrol_wait()
     tokens = mLogits.shape[0]
     hidden = mX.shape[1]
     smem = SmemAllocator()
@@ -614,7 +623,7 @@ def route_and_place(
         copy_by_token,
         timeout_ns,
         shared_experts,
-    ).launch(grid=[grid, 1, 1], block=[ROUTE_THREADS, 1, 1], stream=stream)
+    ).launch(grid=[grid, 1, 1], block=[ROUTE_THREADS, 1, 1], stream=stream, use_pdl=True)
 
 
 @cute.kernel
@@ -633,6 +642,8 @@ def route_tokens_kernel(
     scaling: cutlass.Constexpr,
 ):
     _, bidx, _, warp, lane = thread_position()
+    # launched with programmatic dependent launch, as route_and_place is
+    cute.arch.griddepcontrol_wait()
     token = bidx * ROUTE_WARPS + warp
     if token < mLogits.shape[0]:
         expert, weight = route_token(
@@ -688,4 +699,4 @@ def route_tokens(
         top_groups,
         dropped_score,
         scaling,
-    ).launch(grid=[grid, 1, 1], block=[ROUTE_THREADS, 1, 1], stream=stream)
+    ).launch(grid=[grid, 1, 1], block=[ROUTE_THREADS, 1, 1], stream=stream, use_pdl=True)

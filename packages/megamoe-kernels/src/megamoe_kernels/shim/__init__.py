@@ -44,14 +44,22 @@ from megamoe_kernels.shim.knobs import (
     resolve_knobs,
     shared_experts_in_batch_by_default,
 )
+from megamoe_kernels.shim.router_logits import (
+    ROUTER_LOGITS_MAX_TOKENS,
+    RouterLogitsLauncher,
+    router_logits_launcher,
+    router_logits_problems,
+)
 
 __all__ = [
     "FP8_DTYPE",
     "OPS",
     "PROFILE_ROWS_PER_EXPERT",
+    "ROUTER_LOGITS_MAX_TOKENS",
     "GemmKnobs",
     "GemmLauncher",
     "Launch",
+    "RouterLogitsLauncher",
     "SwiGLU",
     "cached_kernel_count",
     "can_gather_rows",
@@ -79,6 +87,8 @@ __all__ = [
     "quantize_rows",
     "quantize_weight_blocks",
     "resolve_knobs",
+    "router_logits_launcher",
+    "router_logits_problems",
     "row_scales_buffer",
     "shared_experts_in_batch_by_default",
     "weight_scales_shape",

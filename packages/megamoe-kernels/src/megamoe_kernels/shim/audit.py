@@ -270,6 +270,15 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
         parameters=("mExpertOut", "mRowOfPair", "mWeights", "mAddend", "mY", "top_k", "stream"),
         passed_as="positional",
     ),
+    # shim/router_logits.py: the decode router's logits
+    DropSymbol(
+        "local_router",
+        "router_logits",
+        "function",
+        parameters=("mX", "mWeight", "mBias", "mLogits", "hidden_size", "token_block", "stream"),
+        passed_as="positional",
+    ),
+    DropSymbol("local_router", "ROUTER_MAX_TOKEN_BLOCK", "constant"),
 )
 
 

@@ -1,0 +1,67 @@
+"""Compile-only: the router-logits kernel compiles for sm_90a on a CPU for the routers it serves
+(every token block, both logits dtypes, with and without a bias), and refuses what it cannot
+serve with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megamoe_kernels.shim.router_logits import (
+    ROUTER_LOGITS_MAX_TOKENS,
+    TOKEN_BLOCKS,
+    RouterLogitsLauncher,
+    router_logits_problems,
+    token_block,
+)
+
+pytestmark = pytest.mark.compile
+
+ROUTERS = [
+    dict(num_experts=128, hidden_size=2048),  # qwen3-30b-a3b: two vectors per thread
+    dict(num_experts=256, hidden_size=7168),  # dsv3: seven
+    dict(num_experts=8, hidden_size=4096, logits_dtype=torch.bfloat16),  # mixtral, bf16 logits
+    # gpt-oss: a bf16 bias, 2880 = 2.8 CTA steps (a tail)
+    dict(num_experts=128, hidden_size=2880, bias_dtype=torch.bfloat16),
+    dict(num_experts=60, hidden_size=8, bias_dtype=torch.float32),  # one vector, most threads idle
+]
+
+
+@pytest.mark.parametrize(
+    "constants", ROUTERS, ids=lambda c: f"E{c['num_experts']}-H{c['hidden_size']}"
+)
+@pytest.mark.parametrize("tokens", [1, 3, 8, ROUTER_LOGITS_MAX_TOKENS])
+def test_router_logits_compiles_for_each_token_block(constants, tokens):
+    launcher = RouterLogitsLauncher(**constants, compile_only=True)
+    assert launcher.compile(tokens) is not None
+
+
+def test_the_token_block_is_the_smallest_that_holds_the_tokens():
+    assert [token_block(tokens) for tokens in (1, 2, 3, 4, 5, 8, 9, 64)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert TOKEN_BLOCKS[-1] == token_block(ROUTER_LOGITS_MAX_TOKENS)
+
+
+def test_what_the_kernel_cannot_serve_is_refused_with_the_reason():
+    assert router_logits_problems(num_experts=128, hidden_size=2048) == []
+    assert "hidden_size=100" in router_logits_problems(num_experts=8, hidden_size=100)[0]
+    assert "hidden_size=32768" in router_logits_problems(num_experts=8, hidden_size=32768)[0]
+    assert "num_experts=0" in router_logits_problems(num_experts=0, hidden_size=2048)[0]
+    with pytest.raises(ValueError, match="logits_dtype=torch.float16"):
+        RouterLogitsLauncher(
+            num_experts=8, hidden_size=64, logits_dtype=torch.float16, compile_only=True
+        )
+    with pytest.raises(ValueError, match="bias_dtype=torch.int32"):
+        RouterLogitsLauncher(
+            num_experts=8, hidden_size=64, bias_dtype=torch.int32, compile_only=True
+        )
+
+
+def test_calls_the_kernel_cannot_take_are_refused_before_a_launch():
+    launcher = RouterLogitsLauncher(num_experts=8, hidden_size=64, compile_only=True)
+    weight_EH = torch.randn(8, 64).bfloat16()
+    too_many = torch.randn(ROUTER_LOGITS_MAX_TOKENS + 1, 64).bfloat16()
+    with pytest.raises(ValueError, match=f"at most {ROUTER_LOGITS_MAX_TOKENS}"):
+        launcher(too_many, weight_EH)
+    with pytest.raises(ValueError, match="bias_E is given"):
+        launcher(too_many[:1], weight_EH, bias_E=torch.randn(8))
+    empty = launcher(too_many[:0], weight_EH)  # no tokens: no launch
+    assert empty.shape == (0, 8) and empty.dtype == torch.float32
