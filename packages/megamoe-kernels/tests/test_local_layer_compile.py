@@ -72,6 +72,61 @@ def test_route_and_place_with_shared_experts_compiles(constants):
     assert launcher.compile() is not None
 
 
+# rows scaled by their routing weight as they are copied (Llama 4: sigmoid top-1 with its
+# shared expert in the batch; top-2 by pair, not by token; a width of one vector per lane)
+WEIGHTS_ON_INPUT_ROUTERS = [
+    dict(
+        num_experts=16,
+        top_k=1,
+        hidden_size=5120,
+        scoring="sigmoid",
+        renormalize=False,
+        shared_experts=1,
+    ),
+    dict(
+        num_experts=128,
+        top_k=2,
+        hidden_size=5120,
+        scoring="sigmoid",
+        renormalize=False,
+        copy_by_token=False,
+    ),
+    dict(num_experts=8, top_k=2, hidden_size=256, logits_dtype=torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize(
+    "constants",
+    WEIGHTS_ON_INPUT_ROUTERS,
+    ids=lambda c: f"E{c['num_experts']}-K{c['top_k']}-H{c['hidden_size']}",
+)
+def test_route_and_place_scaling_rows_by_their_weights_compiles(constants):
+    launcher = RouteLauncher(**constants, weights_on_input=True, compile_only=True)
+    plain = RouteLauncher(**constants, compile_only=True)
+    assert launcher.compile() is not None
+    assert launcher.compile() is not plain.compile()  # its own compiled variant
+
+
+@pytest.mark.parametrize(
+    ("constants", "message"),
+    [
+        (dict(rows_dtype=torch.float8_e4m3fn), "rows_dtype=torch.float8_e4m3fn"),
+        (dict(gather_rows=True), "gather_rows=True"),
+    ],
+)
+def test_scaled_rows_are_refused_where_no_bf16_row_is_copied(constants, message):
+    with pytest.raises(ValueError, match="weights_on_input=True") as refusal:
+        RouteLauncher(
+            num_experts=8,
+            top_k=2,
+            hidden_size=256,
+            weights_on_input=True,
+            compile_only=True,
+            **constants,
+        )
+    assert message in str(refusal.value)
+
+
 @pytest.mark.parametrize(
     "constants",
     [

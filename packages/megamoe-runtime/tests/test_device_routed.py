@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 from megamoe_runtime.dispatch.device_routed import DeviceRoutedDispatcher, device_routing_status
-from megamoe_runtime.dispatch.local import LocalDispatcher, weighted_sum_over_topk
+from megamoe_runtime.dispatch.local import (
+    LocalDispatcher,
+    LocalHandle,
+    row_weights_of,
+    weighted_sum_over_topk,
+)
 from megamoe_runtime.routing import RouterConfig, route
 from torch.profiler import ProfilerActivity, profile
 
@@ -380,3 +385,87 @@ def test_fp8_rows_are_quantized_in_the_dispatch_as_quantizing_each_row_gives(
         x, logits, correction_bias_E=bias, rows_dtype=torch.float8_e4m3fn
     )
     assert torch.equal(repeat.rows_MH[:valid].view(torch.uint8), expected_rows.view(torch.uint8))
+
+
+# Llama 4's routing: sigmoid, top-1 (Scout's 16 experts) or top-2, not renormalised
+WEIGHTS_ON_INPUT_ROUTERS = {
+    "llama4_top1": RouterConfig(num_experts=16, top_k=1, scoring="sigmoid", renormalize=False),
+    "llama4_top2": RouterConfig(num_experts=128, top_k=2, scoring="sigmoid", renormalize=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WEIGHTS_ON_INPUT_ROUTERS))
+@pytest.mark.parametrize("shared_experts", [0, 1])
+@pytest.mark.parametrize("copy_by_token", [True, False])
+@pytest.mark.parametrize("tokens", [0, 1, 5, 77, 600, 4099])
+def test_rows_scaled_by_their_weights_are_the_bits_of_torchs_product(
+    name, shared_experts, copy_by_token, tokens
+):
+    """weights_on_input: each batch row is x * w.to(bf16) bit for bit (the torch layer path's
+    scaling of the dispatched rows), on the kernel's own routing; the rest of the launch is
+    the plain one's, and the combine sums the rows unweighted."""
+    from megamoe_kernels.shim.local_layer import route_launcher
+    from megamoe_runtime.dispatch.device_routed import route_launcher_constants
+
+    router = WEIGHTS_ON_INPUT_ROUTERS[name]
+    hidden = 5120
+    _needs_kernels(router, hidden)
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(tokens * 3 + router.top_k)
+    # rows of very different magnitudes, so the products cover many exponents
+    x_TH = torch.randn(tokens, hidden, device=device, generator=generator)
+    x_TH = x_TH * torch.rand(tokens, 1, device=device, generator=generator).mul(40).sub(20).exp2()
+    x_TH = x_TH.bfloat16()
+    logits_TE = torch.randn(tokens, router.num_experts, device=device, generator=generator)
+    dispatcher = DeviceRoutedDispatcher(router, hidden_size=hidden)
+    plain, plain_handle, plain_ids = dispatcher.route_and_dispatch(
+        x_TH, logits_TE, shared_experts=shared_experts
+    )
+    _poison_allocator(device)
+    if copy_by_token:
+        batch, handle, ids = dispatcher.route_and_dispatch(
+            x_TH, logits_TE, shared_experts=shared_experts, weights_on_input=True
+        )
+        rows_MH, offsets = batch.rows_MH, batch.expert_offsets
+    else:  # a warp per pair: the launcher's other copy
+        launcher = route_launcher(
+            **route_launcher_constants(router),
+            hidden_size=hidden,
+            shared_experts=shared_experts,
+            weights_on_input=True,
+            copy_by_token=False,
+            device=device,
+        )
+        capacity = dispatcher.batch_capacity(tokens, shared_experts=shared_experts)
+        ids, weights_TK, row_of_pair_TK, offsets, rows_MH, _, _ = launcher(
+            logits_TE, x_TH, capacity=capacity
+        )
+        handle = LocalHandle(
+            row_of_pair_TK=row_of_pair_TK, topk_weights_TK=weights_TK, output_dtype=x_TH.dtype
+        )
+    assert torch.equal(ids, plain_ids)
+    assert torch.equal(offsets, plain.expert_offsets)
+    assert torch.equal(handle.row_of_pair_TK, plain_handle.row_of_pair_TK)
+    assert torch.equal(handle.topk_weights_TK, plain_handle.topk_weights_TK)
+    valid = tokens * (router.top_k + shared_experts)
+    row_weights_M1 = row_weights_of(plain, plain_handle)[:valid].unsqueeze(-1)
+    expected_MH = plain.rows_MH[:valid] * row_weights_M1.to(torch.bfloat16)
+    assert torch.equal(rows_MH[:valid].view(torch.int16), expected_MH.view(torch.int16))
+    expert_out_MH = torch.randn_like(rows_MH)
+    assert torch.equal(
+        dispatcher.combine(expert_out_MH, handle, weights_applied=True),
+        weighted_sum_over_topk(
+            expert_out_MH, handle.row_of_pair_TK, None, output_dtype=torch.bfloat16
+        ),
+    )
+
+
+def test_scaled_rows_are_refused_with_fp8_or_gathered_rows():
+    router = WEIGHTS_ON_INPUT_ROUTERS["llama4_top1"]
+    _needs_kernels(router, 256)
+    dispatcher = DeviceRoutedDispatcher(router, hidden_size=256)
+    x_TH = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    logits_TE = torch.randn(4, 16, device="cuda")
+    for refused in (dict(gather_rows=True), dict(rows_dtype=torch.float8_e4m3fn)):
+        with pytest.raises(ValueError, match="weights_on_input=True"):
+            dispatcher.route_and_dispatch(x_TH, logits_TE, weights_on_input=True, **refused)

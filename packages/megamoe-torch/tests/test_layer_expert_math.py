@@ -1,8 +1,8 @@
 """The expert math of the families the Hugging Face reader adds, against per-token float64 loops:
 router and expert biases, the clamped SwiGLU of gpt-oss, routing weights on the expert input
 (Llama 4), softmax with a correction bias (ERNIE 4.5), the choice on logits + bias (Kolibri),
-group-limited greedy top-k (DeepSeek-V2); the gpt-oss layer on grouped_mm against the reference
-backend, forward and backward; and the backends that do not compute the rest refused with the
+group-limited greedy top-k (DeepSeek-V2); the gpt-oss and Llama 4 layers on grouped_mm against
+the reference backend, forward and backward; and what cannot compute them refused with the
 reason."""
 
 import math
@@ -111,9 +111,12 @@ def per_token_float64(layer: MegaMoE, x_TH: torch.Tensor) -> torch.Tensor:
                 expert_out = expert_out + layer.w2_bias[expert].double()
             y += expert_out if c.routing_weights_on_input else weight * expert_out
         if layer.shared_experts is not None:
-            shared = layer.shared_experts.double()
-            y += shared.down_proj(torch.nn.functional.silu(shared.gate_proj(x)) * shared.up_proj(x))
-            layer.shared_experts.float()
+            shared = layer.shared_experts
+            gate, up, down = (
+                projection.weight.double()
+                for projection in (shared.gate_proj, shared.up_proj, shared.down_proj)
+            )
+            y += down @ (torch.nn.functional.silu(gate @ x) * (up @ x))
         out.append(y)
     return torch.stack(out)
 
@@ -162,15 +165,17 @@ def grouped_mm_runs_on_cpu() -> bool:
 
 
 @pytest.mark.skipif(not grouped_mm_runs_on_cpu(), reason="this torch has no CPU torch._grouped_mm")
-def test_grouped_mm_computes_and_trains_the_gpt_oss_layer_as_the_reference_does(monkeypatch):
+@pytest.mark.parametrize("fields", [GPT_OSS, LLAMA4], ids=["gpt-oss", "llama4"])
+def test_grouped_mm_computes_and_trains_the_layer_as_the_reference_does(monkeypatch, fields):
     from megamoe_runtime import experts
 
     # grouped_mm as on an sm_90 GPU: this CPU's torch._grouped_mm computes it
     monkeypatch.setattr(experts, "grouped_mm_status", lambda device: (True, "an sm_90 GPU"))
-    layer = make_layer(GPT_OSS).to(torch.bfloat16)
+    layer = make_layer(fields).to(torch.bfloat16)
     with torch.no_grad():
-        layer.w13_bias.normal_(0, 1.0)
-        layer.w2_bias.normal_(0, 0.5)
+        if layer.w13_bias is not None:
+            layer.w13_bias.normal_(0, 1.0)
+            layer.w2_bias.normal_(0, 0.5)
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(37, 32, generator=generator).to(torch.bfloat16)
     probe = torch.randn(37, 32, generator=generator)
@@ -184,8 +189,19 @@ def test_grouped_mm_computes_and_trains_the_gpt_oss_layer_as_the_reference_does(
         leaf = x.clone().requires_grad_()
         y = layer(leaf)
         (y.float() * probe).sum().backward()
-        parameters = (layer.w13, layer.w2, layer.w13_bias, layer.w2_bias, layer.gate.bias)
-        results[backend] = (y.detach(), [leaf.grad, *(p.grad for p in parameters)])
+        # with routing weights on the input the router's weight learns through the experts
+        parameters = (
+            layer.w13,
+            layer.w2,
+            layer.w13_bias,
+            layer.w2_bias,
+            layer.gate.bias,
+            layer.gate.weight,
+        )
+        results[backend] = (
+            y.detach(),
+            [leaf.grad, *(p.grad for p in parameters if p is not None)],
+        )
     y, gradients = results["grouped_mm"]
     assert ((y.double() - expected).norm() / expected.norm()) < 1e-2
     for actual, reference in zip(gradients, results["reference"][1], strict=True):
@@ -202,15 +218,39 @@ def test_the_cutedsl_backend_is_not_refused_for_biases_and_the_clamped_swiglu():
 
 
 @pytest.mark.parametrize("backend", ["grouped_mm", "cutedsl"])
-def test_a_backend_without_routing_weights_on_input_is_refused_naming_it(backend):
+def test_every_backend_is_chosen_for_routing_weights_on_input(monkeypatch, backend):
+    from megamoe_runtime import experts
+
+    # the backends as on an sm_90 GPU: nothing in the Llama 4 math steers the choice
+    for status in ("grouped_mm_status", "cutedsl_status"):
+        monkeypatch.setattr(experts, status, lambda device, *_, **__: (True, "an sm_90 GPU"))
     layer = make_layer(LLAMA4)
-    with pytest.raises(ValueError, match="routing_weights_on_input=True"):
-        layer.use_backend(backend)
+    layer.use_backend(backend)
+    assert layer.backend == backend
+    layer.use_backend("auto")
+    assert layer.backend == "cutedsl"
 
 
-def test_the_fused_layer_path_is_refused_for_routing_weights_on_input():
-    with pytest.raises(ValueError, match="layer_path='fused'"):
-        MegaMoE(MegaMoEConfig(**LLAMA4, layer_path="fused"))
+def test_the_fused_path_is_not_refused_for_routing_weights_on_input():
+    # refused for the device only (a CPU here), naming the device, not the feature
+    layer = MegaMoE(MegaMoEConfig(**LLAMA4))
+    ok, why = layer.fused_path_status()
+    assert not ok and "routing_weights_on_input" not in why and "GPU" in why
+    with pytest.raises(ValueError, match="cannot run on cpu"):
+        MegaMoE(MegaMoEConfig(**LLAMA4, layer_path="fused")).fused_path_status()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(gather_rows=True), "gather_rows=True"),
+        (dict(weight_dtype="fp8"), "weight_dtype='fp8'"),
+    ],
+)
+def test_what_cannot_compute_routing_weights_on_input_is_refused_naming_it(fields, message):
+    with pytest.raises(ValueError, match=message) as refusal:
+        MegaMoEConfig(**LLAMA4, **fields)
+    assert "routing_weights_on_input=True" in str(refusal.value)
 
 
 def test_the_weight_pack_carries_the_biases_and_the_swiglu():

@@ -57,8 +57,10 @@ class MegaMoEConfig:
     swiglu_alpha: float = 1.0
     swiglu_up_offset: float = 0.0
     # each chosen expert computes on its routing weight times the token, f_e(w_e x), and the
-    # top-k outputs are summed unweighted (Llama 4); otherwise the sum of w_e f_e(x). Computed
-    # on the torch layer path with the reference backend only (`torch_only_features`)
+    # top-k outputs are summed unweighted (Llama 4); otherwise the sum of w_e f_e(x). w_e x is
+    # rounded to x's dtype (x * w.to(x.dtype), as transformers computes it), then the experts
+    # run on it: every backend with bf16 weights, the fused path too (its routing kernel scales
+    # each row as it copies it); not under expert parallelism
     routing_weights_on_input: bool = False
     num_shared_experts: int = 0
     # defaults to intermediate_size * num_shared_experts
@@ -140,7 +142,8 @@ class MegaMoEConfig:
     # written and read less); False, the dispatch copies each token into its top-k rows; None,
     # the measured choice: gathered where the GEMMs run decode tiles, from 2 tokens on
     # (megamoe_kernels.shim.knobs.gathers_rows_by_default; docs/benchmarks.md, "Gathered
-    # rows"). The same bits either way.
+    # rows"). The same bits either way. routing_weights_on_input=True copies (each row is
+    # scaled as it is copied): None or False.
     gather_rows: bool | None = None
 
     def __post_init__(self) -> None:
@@ -175,9 +178,22 @@ class MegaMoEConfig:
             )
         if self.shared_weight_dtype == "fp8" and self.num_shared_experts == 0:
             raise ValueError("shared_weight_dtype='fp8' needs num_shared_experts >= 1")
-        if self.weight_dtype == "fp8" and (self.torch_only_features or self.expert_math_features):
-            features = (*self.expert_math_features, *self.torch_only_features)
-            raise ValueError(f"weight_dtype='fp8' does not combine with {', '.join(features)}")
+        if self.weight_dtype == "fp8" and (
+            self.expert_math_features or self.routing_weights_on_input
+        ):
+            features = self.expert_math_features + (
+                ("routing_weights_on_input=True",) if self.routing_weights_on_input else ()
+            )
+            raise ValueError(
+                f"weight_dtype='fp8' does not combine with {', '.join(features)} (the FP8 "
+                "experts and the FP8 dispatch do not compute it): use weight_dtype=None"
+            )
+        if self.gather_rows and self.routing_weights_on_input:
+            raise ValueError(
+                "gather_rows=True reads the batch rows from the tokens as they are, but "
+                "routing_weights_on_input=True makes each row its token times its routing weight "
+                "(the dispatch writes them scaled): use gather_rows=None or False"
+            )
         if self.backend not in ("auto", *BACKEND_NAMES):
             raise ValueError(
                 f"backend must be one of {('auto', *BACKEND_NAMES)}, got {self.backend!r}"
@@ -255,13 +271,6 @@ class MegaMoEConfig:
         )
 
     @property
-    def torch_only_features(self) -> tuple[str, ...]:
-        """The math this config uses that only the reference backend on the torch layer path
-        computes (the cutedsl and grouped_mm backends and the fused layer path do not): () when
-        none."""
-        return ("routing_weights_on_input=True",) if self.routing_weights_on_input else ()
-
-    @property
     def shared_size(self) -> int:
         if self.shared_intermediate_size is not None:
             return self.shared_intermediate_size
@@ -285,7 +294,6 @@ class MegaMoEConfig:
         if self.weight_dtype is not None or self.shared_weight_dtype is not None:
             problems.append("FP8 weights (the batch takes bf16 experts)")
         problems.extend(self.expert_math_features)
-        problems.extend(self.torch_only_features)
         return tuple(problems)
 
     @classmethod

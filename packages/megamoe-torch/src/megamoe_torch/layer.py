@@ -136,28 +136,11 @@ class SharedExperts(nn.Module):
         return y_TH
 
 
-def _check_torch_only_features(
-    config: MegaMoEConfig,
-    *,
-    backend: str,
-    process_group: torch.distributed.ProcessGroup | None = None,
+def _check_routing_weights_on_input(
+    config: MegaMoEConfig, *, process_group: torch.distributed.ProcessGroup | None
 ) -> None:
-    """Refuses a backend, layer path or expert parallelism that cannot compute the config's
-    torch-only math (MegaMoEConfig.torch_only_features; its expert_math_features every backend
-    computes)."""
-    features = config.torch_only_features
-    if not features:
-        return
-    if backend not in ("auto", "reference"):
-        raise ValueError(
-            f"backend {backend!r} does not compute {', '.join(features)}: use backend='reference' "
-            "or 'auto' (which picks it for this config)"
-        )
-    if config.layer_path == "fused":
-        raise ValueError(
-            f"layer_path='fused' does not compute {', '.join(features)}: use layer_path='torch' "
-            "or 'auto'"
-        )
+    """Refuses expert parallelism for routing_weights_on_input=True (every backend and the
+    fused path on one GPU compute it)."""
     if config.routing_weights_on_input and process_group is not None:
         raise ValueError(
             "routing_weights_on_input=True needs each batch row's routing weight where the expert "
@@ -231,7 +214,7 @@ class MegaMoE(nn.Module):
                 top_k=config.top_k,
                 hidden_size=hidden,
             )
-        _check_torch_only_features(config, backend=config.backend, process_group=process_group)
+        _check_routing_weights_on_input(config, process_group=process_group)
         self.process_group = process_group
         self.local_experts = local_expert_range(experts, process_group)
         local = len(self.local_experts)
@@ -331,7 +314,6 @@ class MegaMoE(nn.Module):
 
     def use_backend(self, backend: str) -> None:
         """Switches the expert-compute backend ('auto' or a name); weights are re-prepared lazily."""
-        _check_torch_only_features(self.config, backend=backend)
         self.config = replace(self.config, backend=backend)
         self._backend_name = None
 
@@ -441,12 +423,6 @@ class MegaMoE(nn.Module):
                 fp8_weights=self.config.weight_dtype == "fp8",
                 expert_math=self.config.expert_math_features,
             )
-            features = self.config.torch_only_features
-            if features and self._backend_name != "reference":  # backend "auto" (else refused)
-                self._backend_name = "reference"
-                self._backend_reason = (
-                    f"auto: reference, the only backend that computes {', '.join(features)}"
-                )
             self._backend_device = device
             self._expert_backend = make_backend(self._backend_name)
             self._prepared.clear()
@@ -726,9 +702,6 @@ class MegaMoE(nn.Module):
         if status is None:
             if self.config.layer_path == "torch":
                 status = (False, "layer_path='torch'")
-            elif self.config.torch_only_features:
-                features = ", ".join(self.config.torch_only_features)
-                status = (False, f"the fused path's kernels do not compute {features}")
             else:
                 status = device_routing_status(
                     self.config.router,
@@ -779,7 +752,10 @@ class MegaMoE(nn.Module):
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 shared_TH = self.shared_experts(x_TH)
-        # FP8 experts: the dispatch quantizes each token as it copies it into its top-k rows
+        # FP8 experts: the dispatch quantizes each token as it copies it into its top-k rows;
+        # routing_weights_on_input: it scales each row by its pair's weight (the shared
+        # experts' weight is 1), and the combine sums the rows unweighted
+        weights_on_input = self.config.routing_weights_on_input
         batch, handle, _ = self._device_routed.route_and_dispatch(
             x_TH,
             router_logits_TE,
@@ -787,13 +763,16 @@ class MegaMoE(nn.Module):
             rows_dtype=torch.float8_e4m3fn if self._dispatches_fp8_rows() else None,
             gather_rows=self._gathers_rows(x_TH, shared_in_batch=shared_in_batch),
             shared_experts=shared_in_batch,
+            weights_on_input=weights_on_input,
         )
         expert_out_MH = self._run_expert_backend(batch, shared_in_batch=bool(shared_in_batch))
         if side is not None:
             main.wait_stream(side)
         elif self.shared_experts is not None and not shared_in_batch:
             shared_TH = self.shared_experts(x_TH)
-        return self._device_routed.combine(expert_out_MH, handle, addend_TH=shared_TH)
+        return self._device_routed.combine(
+            expert_out_MH, handle, addend_TH=shared_TH, weights_applied=weights_on_input
+        )
 
     def _fused_moe_weights(self) -> list[torch.Tensor]:
         """Every tensor _fused_forward reads besides the tokens, the logits and w13/w2: the
@@ -835,19 +814,21 @@ class MegaMoE(nn.Module):
             and x_TH.is_cuda
             and self._runs_fused(x_TH)
             and self._expert_backend.captures_in_graphs
-            and not self.config.torch_only_features
             and not torch.cuda.is_current_stream_capturing()
         )
 
     def _gathers_rows(self, x_TH: torch.Tensor, *, shared_in_batch: int = 0) -> bool:
         """Whether the fused path's gate-up GEMM reads the batch rows from the tokens (the
         dispatch copying none): bf16 experts and tokens on the cutedsl backend, a hidden size of
-        whole K tiles, and `gather_rows` asking for it (None: the measured choice,
-        gathers_rows_by_default, on the batch's rows: `shared_in_batch` more per token)."""
+        whole K tiles, rows that are the tokens as they are (not routing_weights_on_input: the
+        dispatch writes each row scaled by its weight), and `gather_rows` asking for it (None:
+        the measured choice, gathers_rows_by_default, on the batch's rows: `shared_in_batch`
+        more per token)."""
         config = self.config
         if not (
             self._backend_name == "cutedsl"
             and config.weight_dtype is None
+            and not config.routing_weights_on_input
             and can_gather_rows(config.hidden_size, x_TH.dtype)
         ):
             return False

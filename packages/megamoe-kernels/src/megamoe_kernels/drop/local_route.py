@@ -29,6 +29,10 @@ enough to be resident at once on any Hopper GPU, which its grid-wide barriers ne
    them, one scale per row and ACTIVATION_GROUP columns (row_vectors.quantize_to_rows:
    fp8_scaling's recipe, the values quantizing each batch row on the host gives), so the batch
    is e4m3 with no pass before it.
+   Scaled rows (`weights_on_input`, bf16 rows): each pair's row is its token times the pair's
+   weight rounded to bf16, each value rounded once to bf16 (row_vectors.scale_to_rows: the
+   bits of torch's `x * w.to(torch.bfloat16)`), for experts that compute on w x (Llama 4);
+   the combine then sums the pairs unweighted.
    Gathered rows (row_source given, rows None): no row is copied; each pair's lane writes
    row_source[row] = its token instead, and the gate-up GEMM reads the batch rows from the
    tokens (expert_gemm_sm90's gather_rows).
@@ -67,7 +71,7 @@ from cutlass.memory import SmemAllocator
 from .ep_dispatch import copy_row, copy_to_rows
 from .ep_place import grid_barrier, scan_cta_counts
 from .ep_sync import thread_position
-from .row_vectors import quantize_to_rows
+from .row_vectors import bf16_weight, quantize_to_rows, scale_to_rows
 from .warp import warp_inclusive_sum
 
 ROUTE_WARPS = 16
@@ -372,6 +376,7 @@ def route_and_place_kernel(
     copy_by_token: cutlass.Constexpr,
     timeout_ns: cutlass.Constexpr,
     shared_experts: cutlass.Constexpr,
+    weights_on_input: cutlass.Constexpr,
 ):
     tidx, bidx, grid, warp, lane = thread_position()
     # the routed experts, then the shared ones; each token's routed pairs, then its shared ones
@@ -502,11 +507,14 @@ def route_and_place_kernel(
         rows_address = mRows.iterator.toint()
     for token in range(warp_begin, warp_end):
         row = cutlass.Int32(-1)
+        weight = cutlass.Float32(0.0)
         if lane < pairs:
             expert = mTopkIds[token, lane]
             row = first_row[expert] + cta_prefix[expert] + warp_counts[warp * experts + expert]
             row = row + mRowOfPair[token, lane]
             mRowOfPair[token, lane] = row
+            if cutlass.const_expr(weights_on_input):
+                weight = bf16_weight(mTopkWeights[token, lane])
             if cutlass.const_expr(mRowSource is not None):
                 mRowSource[row] = token
         if cutlass.const_expr(copy_by_token and mRows is not None):
@@ -515,7 +523,21 @@ def route_and_place_kernel(
             rows = []
             for k in cutlass.range_constexpr(pairs):
                 rows.append(cute.arch.shuffle_sync(row, k))
-            if cutlass.const_expr(mRowScales is not None):
+            if cutlass.const_expr(weights_on_input):
+                weights = []
+                for k in cutlass.range_constexpr(pairs):
+                    weights.append(cute.arch.shuffle_sync(weight, k))
+                scale_to_rows(
+                    x_address + cutlass.Int64(token) * row_bytes,
+                    rows_address,
+                    rows,
+                    weights,
+                    row_bytes,
+                    row_vectors,
+                    lane,
+                    pairs,
+                )
+            elif cutlass.const_expr(mRowScales is not None):
                 quantize_to_rows(
                     x_address + cutlass.Int64(token) * row_bytes,
                     rows_address,
@@ -546,14 +568,27 @@ def route_and_place_kernel(
         cute.arch.sync_threads()
         for pair in range(cta_begin * pairs + warp, cta_end * pairs, ROUTE_WARPS):
             token = pair // pairs
-            copy_row(
-                x_address + cutlass.Int64(token) * row_bytes,
-                rows_address + cutlass.Int64(mRowOfPair[token, pair - token * pairs]) * row_bytes,
-                0,
-                row_vectors,
-                lane,
-                unroll,
-            )
+            if cutlass.const_expr(weights_on_input):
+                scale_to_rows(
+                    x_address + cutlass.Int64(token) * row_bytes,
+                    rows_address,
+                    [mRowOfPair[token, pair - token * pairs]],
+                    [bf16_weight(mTopkWeights[token, pair - token * pairs])],
+                    row_bytes,
+                    row_vectors,
+                    lane,
+                    1,
+                )
+            else:
+                copy_row(
+                    x_address + cutlass.Int64(token) * row_bytes,
+                    rows_address
+                    + cutlass.Int64(mRowOfPair[token, pair - token * pairs]) * row_bytes,
+                    0,
+                    row_vectors,
+                    lane,
+                    unroll,
+                )
 
 
 @cute.jit
@@ -583,6 +618,7 @@ def route_and_place(
     timeout_ns: cutlass.Constexpr,
     one_cta_tokens: cutlass.Constexpr,
     shared_experts: cutlass.Constexpr,
+    weights_on_input: cutlass.Constexpr,
     stream,
 ):
     # a warp per token, as many CTAs as that fills, at most ROUTE_MAX_CTAS (all resident); one
@@ -623,6 +659,7 @@ def route_and_place(
         copy_by_token,
         timeout_ns,
         shared_experts,
+        weights_on_input,
     ).launch(grid=[grid, 1, 1], block=[ROUTE_THREADS, 1, 1], stream=stream, use_pdl=True)
 
 

@@ -1,5 +1,6 @@
-"""16-byte vectors of a row (sm_90a): bf16 loads and stores, and their FP8 (e4m3) quantization
-and dequantization with fp8_scaling's recipe, for every kernel that writes or reads FP8 rows.
+"""16-byte vectors of a row (sm_90a): bf16 loads and stores, their scaling by a weight per
+destination row (scale_to_rows), and their FP8 (e4m3) quantization and dequantization with
+fp8_scaling's recipe, for every kernel that writes or reads FP8 rows.
 
 A warp covers a row 32 vectors at a time, lane l taking vector base + l (8 values): a
 quantization group's ACTIVATION_GROUP // CHUNK = GROUP_VECTORS vectors sit on neighbouring
@@ -117,6 +118,41 @@ def load_bf16_lane(source_row, vector, end):
     loaded = cutlass.min(vector, end - 1)
     values.store(load_chunk(source_row + cutlass.Int64(loaded) * (CHUNK * 2)).to(cutlass.Float32))
     return values
+
+
+@cute.jit
+def bf16_weight(weight):
+    """`weight` (fp32) rounded to bf16 (to nearest even) and back to fp32: the factor
+    `w.to(torch.bfloat16)` multiplies a bf16 row by."""
+    return cutlass.Float32(cutlass.BFloat16(weight))
+
+
+@cute.jit
+def scale_to_rows(
+    source_row,
+    rows_base,
+    rows,
+    weights,
+    row_bytes,
+    row_vectors,
+    lane,
+    top_k: cutlass.Constexpr,
+):
+    """A warp writes the bf16 row at `source_row` times weights[k] into each bf16 row rows[k]
+    at `rows_base` (row_bytes each; a row of -1 is skipped): each value the fp32 product of the
+    token's bf16 and weights[k] (a bf16 value, bf16_weight), rounded once to bf16, which is
+    what `x * w.to(torch.bfloat16)` gives in bf16 (the product of two bf16 values is exact in
+    fp32, so no contraction can change it). Each 16-byte vector is loaded once."""
+    for vector in range(lane, row_vectors, 32):
+        values = load_bf16_lane(source_row, vector, row_vectors)
+        scaled = cute.make_rmem_tensor(CHUNK, cutlass.Float32)
+        for k in cutlass.range_constexpr(top_k):
+            if rows[k] >= 0:
+                scaled.store(values.load() * weights[k])
+                store_chunk(
+                    rows_base + cutlass.Int64(rows[k]) * row_bytes + cutlass.Int64(vector) * 16,
+                    scaled,
+                )
 
 
 @cute.jit

@@ -235,6 +235,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "timeout_ns",
             "one_cta_tokens",
             "shared_experts",
+            "weights_on_input",
             "stream",
         ),
         passed_as="positional",

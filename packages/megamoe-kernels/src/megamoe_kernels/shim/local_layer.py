@@ -13,7 +13,10 @@ Shape legend: T tokens, E experts, K experts per token (top-k), H hidden size, M
   GEMMs): K + S pairs per token in those tensors, E + S + 1 offsets: bf16, or with rows_dtype=e4m3 the rows quantized as they are copied, with
   their scales [ceil(H / 128), M] float32 (shim/fp8.py's layout and values); or with
   gather_rows=True no rows at all but row_source [M] int32, the token of each batch row, for a
-  gate-up GEMM that reads the rows from the tokens (gate_up_swiglu's row_source_M). Every routing
+  gate-up GEMM that reads the rows from the tokens (gate_up_swiglu's row_source_M); or with
+  weights_on_input=True (bf16, copied) each pair's row scaled by its routing weight, the bits of
+  `x * w.to(torch.bfloat16)`, for experts that compute on w x (Llama 4), combined unweighted.
+  Every routing
   family of megamoe: softmax or sigmoid scoring, grouped top-k with a correction bias,
   renormalisation, routed scaling.
   `RouteLauncher.route(logits)`: the routing alone (ids and weights, one launch), for the
@@ -141,6 +144,7 @@ class RouteLauncher:
         rows_dtype: torch.dtype = torch.bfloat16,
         gather_rows: bool = False,
         shared_experts: int = 0,
+        weights_on_input: bool = False,
         copy_by_token: bool = True,
         one_cta_tokens: int | None = None,
         device: torch.device | str | None = None,
@@ -170,6 +174,12 @@ class RouteLauncher:
             problems.append("e4m3 rows are quantized by token (copy_by_token=True)")
         if gather_rows and rows_dtype != torch.bfloat16:
             problems.append("gathered rows are the bf16 tokens (rows_dtype=torch.bfloat16)")
+        if weights_on_input and (gather_rows or rows_dtype != torch.bfloat16):
+            problems.append(
+                f"weights_on_input=True writes scaled bf16 rows, got gather_rows={gather_rows} "
+                f"and rows_dtype={rows_dtype} (accepted: gather_rows=False, "
+                "rows_dtype=torch.bfloat16)"
+            )
         if problems:
             raise ValueError("the routing kernel cannot serve this layer: " + "; ".join(problems))
         self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
@@ -179,6 +189,7 @@ class RouteLauncher:
         self.batch_experts = num_experts + shared_experts
         self.logits_dtype, self.rows_dtype = logits_dtype, rows_dtype
         self.gather_rows = bool(gather_rows)
+        self.weights_on_input = bool(weights_on_input)
         self.scale_groups = None
         if rows_dtype == torch.float8_e4m3fn:
             from megamoe_kernels.drop.fp8_scaling import ACTIVATION_GROUP
@@ -210,6 +221,7 @@ class RouteLauncher:
             _BARRIER_TIMEOUT_NS,
             one_cta_tokens,
             shared_experts,
+            self.weights_on_input,
         )
         device_index = -1 if compile_only or self.device is None else self.device.index
         self._constants = constants

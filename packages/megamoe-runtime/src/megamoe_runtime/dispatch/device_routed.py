@@ -13,7 +13,10 @@ launch: the fixed-order fp32 weighted top-k sum of
 `weighted_sum_over_topk`, with the shared experts' output added the way `y + shared` adds it in
 bf16. `shared_experts=S` puts a shared MLP cut into S experts of the routed size into the batch
 instead (experts E .. E + S - 1, every token's row in each, weight 1, after its routed pairs),
-for the grouped GEMMs to compute with the routed experts; the combine then sums K + S pairs. No host sync, fixed shapes for a fixed capacity: the pair captures in a CUDA graph.
+for the grouped GEMMs to compute with the routed experts; the combine then sums K + S pairs.
+`weights_on_input=True` writes each batch row as its token times the pair's weight (the bits of
+`x * w.to(torch.bfloat16)`) for experts that compute on w x (Llama 4), and `combine(...,
+weights_applied=True)` then sums the rows unweighted. No host sync, fixed shapes for a fixed capacity: the pair captures in a CUDA graph.
 Replaces about 25 torch launches of the routing (`route`), LocalDispatcher and its combine.
 """
 
@@ -145,8 +148,9 @@ class DeviceRoutedDispatcher:
         rows_dtype: torch.dtype = torch.bfloat16,
         gather_rows: bool = False,
         shared_experts: int = 0,
+        weights_on_input: bool = False,
     ):
-        key = (logits_dtype, device, rows_dtype, gather_rows, shared_experts)
+        key = (logits_dtype, device, rows_dtype, gather_rows, shared_experts, weights_on_input)
         launcher = self._route_launchers.get(key)
         if launcher is None:
             from megamoe_kernels.shim.local_layer import route_launcher
@@ -158,6 +162,7 @@ class DeviceRoutedDispatcher:
                 rows_dtype=rows_dtype,
                 gather_rows=gather_rows,
                 shared_experts=shared_experts,
+                weights_on_input=weights_on_input,
                 device=device,
             )
         return launcher
@@ -184,6 +189,7 @@ class DeviceRoutedDispatcher:
         rows_dtype: torch.dtype | None = None,
         gather_rows: bool = False,
         shared_experts: int = 0,
+        weights_on_input: bool = False,
     ) -> tuple[ExpertBatch, LocalHandle, torch.Tensor]:
         """(batch, handle for combine, topk_ids_TK int32); the routing weights are
         handle.topk_weights_TK (float32).
@@ -201,13 +207,29 @@ class DeviceRoutedDispatcher:
 
         `gather_rows=True` (bf16 tokens): no row is copied; the batch is gathered
         (ExpertBatch.gathered: the tokens and the token of each batch row), for a backend whose
-        gate-up GEMM reads the rows from the tokens (cutedsl; the others copy them out)."""
+        gate-up GEMM reads the rows from the tokens (cutedsl; the others copy them out).
+
+        `weights_on_input=True` (bf16 rows, copied): each pair's row is its token times the
+        pair's weight, x * w.to(torch.bfloat16) bit for bit, for experts that compute on w x
+        (Llama 4); combine the outputs with weights_applied=True. Refused with e4m3 rows and
+        with gather_rows, which copy no bf16 row."""
+        if weights_on_input and (gather_rows or rows_dtype not in (None, torch.bfloat16)):
+            raise ValueError(
+                f"weights_on_input=True writes scaled bf16 rows: it takes gather_rows=False and "
+                f"rows_dtype None or torch.bfloat16, got gather_rows={gather_rows}, "
+                f"rows_dtype={rows_dtype}"
+            )
         tokens = x_TH.shape[0]
         num_pairs = tokens * (self.router.top_k + shared_experts)
         capacity = self.batch_capacity(tokens, shared_experts=shared_experts)
         rows_dtype = x_TH.dtype if rows_dtype is None else rows_dtype
         launcher = self._route_launcher(
-            router_logits_TE.dtype, x_TH.device, rows_dtype, gather_rows, shared_experts
+            router_logits_TE.dtype,
+            x_TH.device,
+            rows_dtype,
+            gather_rows,
+            shared_experts,
+            weights_on_input,
         )
         ids_TK, weights_TK, row_of_pair_TK, offsets, rows_MH, row_scales_GM, row_source_M = (
             launcher(
