@@ -2,7 +2,7 @@
 megamoe_torch.layer.ROUTER_KERNEL_MAX_TOKENS. Per geometry and token count:
 
 (a) the router alone, CUDA-graph replays: the layer's router_logits (the GEMM library) and the
-    kernel (the layer's _fused_router_logits);
+    kernel (both through layer.router_logits, with the bound at 0 and on);
 (b) the whole fused forward, CUDA-graph replays, with the kernel off (ROUTER_KERNEL_MAX_TOKENS =
     0) and on;
 
@@ -101,9 +101,10 @@ def main() -> None:
             if not ok:
                 print(f"{name} {tokens}: no fused path ({why})")
                 continue
-            library_TE = layer.router_logits(x_TH)
+            with router_kernel_tokens(0):
+                library_TE = layer.router_logits(x_TH)
             with router_kernel_tokens(on):
-                kernel_TE = layer._fused_router_logits(x_TH)
+                kernel_TE = layer.router_logits(x_TH)
             check = logits_check(layer, x_TH, library_TE, kernel_TE)
             readings = alternating_readings(
                 {
@@ -113,7 +114,7 @@ def main() -> None:
                         device=device,
                     ),
                     "router kernel": graph_us(
-                        lambda layer=layer, x_TH=x_TH: layer._fused_router_logits(x_TH),
+                        lambda layer=layer, x_TH=x_TH: layer.router_logits(x_TH),
                         limit=on,
                         device=device,
                     ),

@@ -1,15 +1,19 @@
-"""The fused path's router logits from the router-logits kernel (up to ROUTER_KERNEL_MAX_TOKENS
+"""The layer's router logits from the router-logits kernel (up to ROUTER_KERNEL_MAX_TOKENS
 tokens) against the GEMM library's (ROUTER_KERNEL_MAX_TOKENS = 0): the same logits up to fp32
 summation order, the same experts, the same output within the routing weights' ulps; launched
-forwards and replayed graphs alike."""
+forwards and replayed graphs alike; the torch path and a compiled forward take the same kernel
+(the same bits as the fused path); the op megamoe::router_logits passes torch's opcheck."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 from megamoe_torch import layer as layer_module
 from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.layer import MegaMoE
+from megamoe_torch.ops import router_logits as router_logits_op
 
 pytestmark = pytest.mark.gpu
 
@@ -71,6 +75,22 @@ def _assert_same_logits(kernel_TE, library_TE, x_TH, layer):
     assert (error <= allowed).all(), f"worst error / allowed {(error / allowed).max().item()}"
 
 
+def _count_kernel_lookups(monkeypatch) -> list[int]:
+    """The token counts of the forwards that take the router-logits kernel from now on."""
+    calls = []
+    router_kernel = layer_module.router_kernel
+
+    def counted(*key):
+        launcher = router_kernel(*key)
+        assert launcher is not None, f"the kernel cannot run {key}"
+        return lambda x_TH, *args, **kwargs: (
+            calls.append(x_TH.shape[0]) or launcher(x_TH, *args, **kwargs)
+        )
+
+    monkeypatch.setattr(layer_module, "router_kernel", counted)
+    return calls
+
+
 @pytest.mark.parametrize("router", sorted(ROUTERS))
 @pytest.mark.parametrize("tokens", [1, 3, 16])
 @torch.no_grad()
@@ -81,12 +101,9 @@ def test_the_kernel_gives_the_libraries_logits_and_experts(router, tokens, monke
     library_y, library_TE = layer(x_TH, return_router_logits=True)
     assert torch.equal(library_TE, layer.router_logits(x_TH))
     monkeypatch.setattr(layer_module, "ROUTER_KERNEL_MAX_TOKENS", 16)
-    # the kernel computes the logits: the GEMM library's path is never asked
-    public_router_logits = layer.router_logits
-    layer.router_logits = lambda x: pytest.fail("the GEMM library computed the logits")
+    kernels = _count_kernel_lookups(monkeypatch)
     kernel_y, kernel_TE = layer(x_TH, return_router_logits=True)
-    del layer.router_logits
-    assert layer.router_logits == public_router_logits
+    assert kernels == [tokens]  # the kernel computed the logits
     _assert_same_logits(kernel_TE, library_TE, x_TH, layer)
     # random logits have no near-ties: the same experts, so the output differs only by the
     # routing weights' last bits
@@ -114,9 +131,34 @@ def test_replayed_graphs_compute_the_logits_with_the_kernel(router):
 def test_more_tokens_than_the_bound_use_the_library(monkeypatch):
     layer = _layer("softmax_fp32")
     monkeypatch.setattr(layer_module, "ROUTER_KERNEL_MAX_TOKENS", 4)
-    calls = []
-    public_router_logits = layer.router_logits
-    layer.router_logits = lambda x: calls.append(x.shape[0]) or public_router_logits(x)
+    kernels = _count_kernel_lookups(monkeypatch)
     layer(_tokens(4, seed=1))
     layer(_tokens(5, seed=2))
-    assert calls == [5]
+    assert kernels == [4]
+
+
+@pytest.mark.parametrize("router", ["softmax_fp32", "bf16_logits"])
+@torch.no_grad()
+def test_the_torch_path_and_a_compiled_forward_take_the_kernel_too(router):
+    layer = _layer(router)
+    torch_path = MegaMoE(
+        replace(layer.config, layer_path="torch"), device="cuda", dtype=torch.bfloat16
+    )
+    torch_path.load_state_dict(layer.state_dict())
+    compiled = torch.compile(layer, fullgraph=True)
+    for seed in range(2):
+        x_TH = _tokens(7, seed=seed)
+        _, logits_TE = layer(x_TH, return_router_logits=True)
+        assert torch.equal(torch_path(x_TH, return_router_logits=True)[1], logits_TE)
+        assert torch.equal(compiled(x_TH, return_router_logits=True)[1], logits_TE)
+
+
+@torch.no_grad()
+def test_the_router_op_passes_opcheck():
+    layer = _layer("router_bias")
+    # no autograd formula: inputs that need no gradient
+    weight, bias = layer.gate.weight.detach(), layer.gate.bias.detach()
+    for tokens in (1, 9):
+        x_TH = _tokens(tokens, seed=tokens)
+        torch.library.opcheck(router_logits_op, (x_TH, weight, bias, torch.float32))
+        torch.library.opcheck(router_logits_op, (x_TH, weight, None, torch.bfloat16))

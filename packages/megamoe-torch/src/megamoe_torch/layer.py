@@ -8,12 +8,13 @@ forward: logits = x W_gate^T -> route (top-k ids, weights) -> dispatch into an e
 
 On one sm_90 GPU without autograd the routing, the dispatch and the combine run as two device
 kernels (DeviceRoutedDispatcher): a forward is the router GEMM (up to ROUTER_KERNEL_MAX_TOKENS
-tokens the router-logits kernel, which lets the routing kernel start before it ends), one routing
-launch, the two expert GEMMs and one combine launch (plus the shared experts' GEMMs), within an
+tokens the router-logits kernel, on every path, which lets the routing kernel start before it
+ends), one routing launch, the two expert GEMMs and one combine launch (plus the shared experts' GEMMs), within an
 ulp or two of the torch path's routing weights (DeviceRoutedDispatcher says where they differ),
 deterministic. `config.layer_path` chooses ("auto", "fused", "torch"). Under torch.compile such
-a forward is the router GEMM (traced, the GEMM library at every size) and the custom op
-megamoe::fused_moe (ops.py), which runs the rest.
+a forward is the router (traced: the GEMM library, or the custom op megamoe::router_logits where
+an eager forward takes the kernel) and the custom op megamoe::fused_moe (ops.py), which runs the
+rest.
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ from megamoe_kernels import (
     ROUTER_LOGITS_MAX_TOKENS,
     can_gather_rows,
     gathers_rows_by_default,
-    router_logits_launcher,
-    router_logits_problems,
     shared_experts_in_batch_by_default,
     weight_scales_shape,
 )
@@ -64,7 +63,10 @@ from megamoe_torch.ops import (
     fused_moe,
     fused_path_runs,
     register_layer,
+    router_kernel,
+    router_kernel_runs,
 )
+from megamoe_torch.ops import router_logits as router_logits_op
 from megamoe_torch.tensor_cache import DerivedTensorCache
 
 # what torch.compile(fullgraph=True) of a layer with check_inputs=True says
@@ -74,16 +76,13 @@ CHECK_INPUTS_UNDER_COMPILE = (
     "run between graphs) or build the layer with check_inputs=False"
 )
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=), torch >= 2.9
-# Up to this many tokens the fused path computes the router logits with the router-logits kernel
+# Up to this many tokens router_logits computes the logits with the router-logits kernel
 # (megamoe_kernels.RouterLogitsLauncher: launched with programmatic dependent launch, so the
 # routing kernel is scheduled before it ends) in place of the GEMM library; 0 keeps the GEMM
 # library at every size. The bound is measured (docs/benchmarks.md, scripts/router_ab.py); a
 # module constant so one process can A/B the two. It is read by each launched forward and each
 # capture: a graph the layer captured keeps what it recorded (layer._forward_graphs.clear()).
 ROUTER_KERNEL_MAX_TOKENS = 16
-# the router-logits kernel per (weight shape, logits dtype, bias dtype, device), None where it
-# cannot serve the router: one lookup per forward
-_ROUTER_KERNELS: dict[tuple, object] = {}
 
 
 def _bf16_mm_to_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
@@ -617,6 +616,26 @@ class MegaMoE(nn.Module):
         return make_backend("grouped_mm" if grouped_mm else "reference")
 
     def router_logits(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """logits_TE of the router: fp32 for router_dtype='float32' (the bias added in fp32),
+        x's dtype for 'input'. 1 to ROUTER_KERNEL_MAX_TOKENS bf16 tokens on an sm_90 GPU, not
+        recorded by autograd, take the router-logits kernel (eager and compiled forwards, every
+        layer path: the same bits on each); others the GEMM library."""
+        if self._router_kernel_takes(x_TH):
+            weight, bias = self.gate.weight, self.gate.bias
+            logits_dtype = torch.float32 if self.config.router_dtype == "float32" else x_TH.dtype
+            kernel_key = (
+                *weight.shape,
+                logits_dtype,
+                None if bias is None else bias.dtype,
+                x_TH.device,
+            )
+            if torch.compiler.is_compiling():
+                if router_kernel_runs(*kernel_key):
+                    return router_logits_op(x_TH, weight, bias, logits_dtype)
+            else:
+                launcher = router_kernel(*kernel_key)
+                if launcher is not None:
+                    return launcher(x_TH.contiguous(), weight, bias_E=bias)
         if self.config.router_dtype == "float32":
             weight = self.gate.weight
             if (
@@ -635,40 +654,26 @@ class MegaMoE(nn.Module):
             )
         return self.gate(x_TH)
 
-    def _fused_router_logits(self, x_TH: torch.Tensor) -> torch.Tensor:
-        """router_logits(x_TH) on the fused path (no autograd, one sm_90 GPU, not traced): up to
-        ROUTER_KERNEL_MAX_TOKENS tokens the router-logits kernel computes them where it serves
-        the router (bf16 tokens and weight; fp32 logits for router_dtype='float32', bf16 for
-        'input'; the bias added in fp32), the same values up to fp32 summation order."""
-        weight = self.gate.weight
-        bias = self.gate.bias
-        if not (
-            0 < x_TH.shape[0] <= min(ROUTER_KERNEL_MAX_TOKENS, ROUTER_LOGITS_MAX_TOKENS)
+    def _router_kernel_takes(self, x_TH: torch.Tensor) -> bool:
+        """Whether these tokens and the router's tensors are of the kind the router-logits
+        kernel takes (router_kernel says whether it runs on their device)."""
+        weight, bias = self.gate.weight, self.gate.bias
+        return (
+            x_TH.is_cuda
+            and 0 < x_TH.shape[0] <= min(ROUTER_KERNEL_MAX_TOKENS, ROUTER_LOGITS_MAX_TOKENS)
             and x_TH.dtype == weight.dtype == torch.bfloat16
             and weight.is_contiguous()
             and (bias is None or bias.is_contiguous())
-        ):
-            return self.router_logits(x_TH)
-        # 'input': gate(x) in bf16, the GEMM's fp32 sum (+ bias) rounded to bf16
-        logits_dtype = torch.float32 if self.config.router_dtype == "float32" else x_TH.dtype
-        bias_dtype = None if bias is None else bias.dtype
-        key = (weight.shape, logits_dtype, bias_dtype, x_TH.device)
-        launcher = _ROUTER_KERNELS.get(key, False)
-        if launcher is False:
-            constants = dict(
-                num_experts=weight.shape[0],
-                hidden_size=weight.shape[1],
-                logits_dtype=logits_dtype,
-                bias_dtype=bias_dtype,
+            # the kernel has no backward
+            and not (
+                torch.is_grad_enabled()
+                and (
+                    x_TH.requires_grad
+                    or weight.requires_grad
+                    or (bias is not None and bias.requires_grad)
+                )
             )
-            launcher = _ROUTER_KERNELS[key] = (
-                None
-                if router_logits_problems(**constants)
-                else router_logits_launcher(**constants, device=x_TH.device)
-            )
-        if launcher is None:
-            return self.router_logits(x_TH)
-        return launcher(x_TH.contiguous(), weight, bias_E=bias)
+        )
 
     def _add_router_bias(self, logits_TE: torch.Tensor) -> torch.Tensor:
         """fp32 logits plus the router bias (router_bias=True), added in fp32."""
@@ -791,7 +796,7 @@ class MegaMoE(nn.Module):
 
     def _fused_forward_from_tokens(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(y_TH, router_logits_TE) of the fused path: what a captured forward records."""
-        router_logits_TE = self._fused_router_logits(x_TH)
+        router_logits_TE = self.router_logits(x_TH)
         return self._fused_forward(x_TH, router_logits_TE), router_logits_TE
 
     @property
@@ -878,11 +883,8 @@ class MegaMoE(nn.Module):
             if replayed is not None:
                 return replayed if return_router_logits else replayed[0]
         runs_fused = self._runs_fused(x_TH)
-        if runs_fused and self._routes_on_this_gpu and not torch.compiler.is_compiling():
-            router_logits_TE = self._fused_router_logits(x_TH)
-        else:
-            # traced under torch.compile: the custom op megamoe::fused_moe takes the logits
-            router_logits_TE = self.router_logits(x_TH)
+        # traced under torch.compile: the custom op megamoe::fused_moe takes the logits
+        router_logits_TE = self.router_logits(x_TH)
         if runs_fused:
             if self._routes_on_this_gpu:
                 if torch.compiler.is_compiling():

@@ -25,16 +25,22 @@ in x's dtype, as `MegaMoE._fused_forward` runs them eagerly. Its fake implementa
 shape; no host sync inside, so inductor's CUDA graphs (mode="reduce-overhead") capture it.
 `other_weights` lists every other tensor of the layer the op reads (below, `fused_moe`).
 
+`megamoe::router_logits(x_TH, weight_EH, bias_E, logits_dtype)` is the router-logits kernel
+(megamoe_kernels.RouterLogitsLauncher) as an op, so a compiled decode forward computes the
+router logits with the kernel an eager one launches: the same bits on both. Eager forwards call
+the kernel directly (`router_kernel`), without the op's dispatch.
+
 Layers register themselves at construction (`register_layer`), held weakly.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import weakref
 
 import torch
-from megamoe_kernels import fresh_scratch
+from megamoe_kernels import fresh_scratch, router_logits_launcher, router_logits_problems
 from megamoe_runtime.expert_batch import ExpertBatch
 
 _LAYERS: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
@@ -154,3 +160,74 @@ def fused_moe(
 @fused_moe.register_fake
 def _fused_moe_fake(x_TH, router_logits_TE, w13_E2IH, w2_EHI, other_weights, layer_id):
     return x_TH.new_empty(x_TH.shape)
+
+
+# the router-logits kernel per (E, H, logits dtype, bias dtype, device); None where it cannot run
+_ROUTER_KERNELS: dict[tuple, object] = {}
+
+
+def router_kernel(
+    num_experts: int,
+    hidden_size: int,
+    logits_dtype: torch.dtype,
+    bias_dtype: torch.dtype | None,
+    device: torch.device,
+):
+    """The router-logits kernel (a RouterLogitsLauncher) for this router on `device`, or None
+    where it cannot run there: not an sm_90 GPU, CuTe DSL or tvm-ffi not installed, or a router
+    it does not take (router_logits_problems). Kept per arguments: one lookup a call."""
+    key = (num_experts, hidden_size, logits_dtype, bias_dtype, device)
+    launcher = _ROUTER_KERNELS.get(key, False)
+    if launcher is False:
+        constants = dict(
+            num_experts=num_experts,
+            hidden_size=hidden_size,
+            logits_dtype=logits_dtype,
+            bias_dtype=bias_dtype,
+        )
+        runs = (
+            device.type == "cuda"
+            and torch.cuda.get_device_capability(device) == (9, 0)
+            and all(importlib.util.find_spec(module) for module in ("cutlass", "tvm_ffi"))
+            and not router_logits_problems(**constants)
+        )
+        launcher = router_logits_launcher(**constants, device=device) if runs else None
+        _ROUTER_KERNELS[key] = launcher
+    return launcher
+
+
+@torch.compiler.assume_constant_result
+def router_kernel_runs(
+    num_experts: int,
+    hidden_size: int,
+    logits_dtype: torch.dtype,
+    bias_dtype: torch.dtype | None,
+    device: torch.device,
+) -> bool:
+    """router_kernel(...) is not None, run as it is when dynamo traces a forward (a host check
+    that reads the GPU's capability and the installed packages)."""
+    return router_kernel(num_experts, hidden_size, logits_dtype, bias_dtype, device) is not None
+
+
+@torch.library.custom_op("megamoe::router_logits", mutates_args=())
+def router_logits(
+    x_TH: torch.Tensor,
+    weight_EH: torch.Tensor,
+    bias_E: torch.Tensor | None,
+    logits_dtype: torch.dtype,
+) -> torch.Tensor:
+    """logits_TE = x_TH weight_EH^T (+ bias_E) by the router-logits kernel, in logits_dtype."""
+    bias_dtype = None if bias_E is None else bias_E.dtype
+    launcher = router_kernel(*weight_EH.shape, logits_dtype, bias_dtype, x_TH.device)
+    if launcher is None:
+        raise RuntimeError(
+            f"megamoe::router_logits: the router-logits kernel cannot run this router on "
+            f"{x_TH.device} (weight {tuple(weight_EH.shape)}, logits {logits_dtype}, bias "
+            f"{bias_dtype}): check router_kernel_runs first"
+        )
+    return launcher(x_TH.contiguous(), weight_EH, bias_E=bias_E)
+
+
+@router_logits.register_fake
+def _router_logits_fake(x_TH, weight_EH, bias_E, logits_dtype):
+    return x_TH.new_empty((x_TH.shape[0], weight_EH.shape[0]), dtype=logits_dtype)
