@@ -105,9 +105,25 @@ def test_decode_tiles_narrow_with_the_row_tile(rows_per_expert, tile_rows, tile_
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("capacity, experts", [(2, 32), (64 * 128, 128), (500, 8)])
 def test_a_decode_capacity_launches_one_kernel_for_every_batch(op, capacity, experts):
-    assert launches(op, capacity, experts, DSV3) == (
-        Launch(default_knobs(op, capacity / experts), 0, None),
-    )
+    (launch,) = launches(op, capacity, experts, DSV3)
+    assert (launch.min_valid_rows, launch.max_valid_rows) == (0, None)
+    profile = default_knobs(op, capacity / experts)
+    # a decode down GEMM may take wider columns (the tests below); nothing else changes
+    assert replace(launch.knobs, tile_cols=profile.tile_cols, stages=profile.stages) == profile
+
+
+def test_the_fp8_decode_down_takes_128_columns_past_one_wave():
+    # qwen3, one token: 8 experts with rows, 256 CTAs of 64 columns (two waves): FP8 widens,
+    # bf16 keeps the profile (neither fits beside the gate-up)
+    (fp8,) = launches("down_fp8", 8, 128, QWEN3)
+    assert (fp8.knobs.tile_rows, fp8.knobs.tile_cols) == (16, 128)
+    assert fp8.knobs.stages == max_stages(fp8.knobs, "down_fp8")
+    assert knob_problems(fp8.knobs, "down_fp8") == []
+    (bf16,) = launches("down", 8, 128, QWEN3)
+    assert bf16.knobs == default_knobs("down", 8 / 128)
+    # mixtral-8x7b, one token: 2 experts with rows, 128 CTAs of 64 columns fit in one wave
+    (fp8,) = launches("down_fp8", 2, 8, {"down": (4096, 14336)})
+    assert fp8.knobs == default_knobs("down_fp8", 2 / 8)
 
 
 def test_the_decode_down_widens_its_tiles_to_fit_beside_its_gate_up():

@@ -64,8 +64,8 @@ def hgmma_shapes(cubin: Path, tools: Path) -> list[str]:
 
 
 def variants_to_check() -> list[tuple[str, str, object, int]]:
-    """(label, op, knobs, rows per expert): every default profile and the decode down tile
-    that widens beside its gate-up, plus the pingpong and the 2-CTA cluster and split-K decode
+    """(label, op, knobs, rows per expert): every default profile and the decode down tiles
+    that widen (beside the gate-up; FP8 past one wave), plus the pingpong and the 2-CTA cluster and split-K decode
     variants, which no profile picks but a tuner may."""
     from megamoe_kernels import GemmKnobs, default_knobs, default_launches
     from megamoe_kernels.shim.knobs import PROFILE_ROWS_PER_EXPERT, max_stages
@@ -90,6 +90,9 @@ def variants_to_check() -> list[tuple[str, str, object, int]]:
     # the wider decode down tile that fits beside its gate-up (dsv3, 8-way EP rank, 1 token)
     (beside,) = default_launches("down", 1, 32, weight_dims=(7168, 2048), sms=132)
     variants.append(("beside-gate-up", "down", beside.knobs, 1))
+    # the FP8 decode down tile that widens past one wave (qwen3-30b-a3b, 1 token)
+    (wide_fp8,) = default_launches("down_fp8", 8, 128, weight_dims=(2048, 768), sms=132)
+    variants.append(("wide-fp8", "down_fp8", wide_fp8.knobs, 1))
     return variants
 
 

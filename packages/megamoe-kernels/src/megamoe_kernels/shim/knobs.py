@@ -246,17 +246,25 @@ def _down_knobs_beside_gate_up(
     leaves free and start the moment it ends; CTAs that find no free SM start later. So where
     128-column down tiles let both grids fit on the GPU at once and `knobs`' narrower ones do
     not, the wider tiles win (dsv3 on an 8-way expert-parallel rank, one token: the whole MLP
-    35.5 -> 28.2 us). Counts are bounds (max_row_tiles)."""
+    35.5 -> 28.2 us). Counts are bounds (max_row_tiles).
+
+    The FP8 down GEMM takes the wider tiles wherever its narrow grid needs more than one wave:
+    each K step of an FP8 tile also promotes its accumulators with their block scales, which a
+    128-column tile does once for twice the columns (whole FP8 MLP, scripts/fp8_down_tiles_ab.py:
+    1.003-1.128x at 1-16 tokens of qwen3-30b-a3b, dsv3-ep8-local, dsv3 and mixtral-8x7b; the
+    one loss, 0.95x, is mixtral at one token, whose 128 narrow CTAs fit in one wave)."""
     hidden, intermediate = weight_dims
     wide = replace(knobs, tile_cols=SWAP_COL_TILES[-1])
     if knobs == wide:
         return knobs
     row_tiles = max_row_tiles(capacity, experts, knobs.tile_rows)
-    gate_up = default_knobs("gate_up_fp8" if is_fp8(op) else "gate_up", capacity / max(1, experts))
 
     def ctas(columns: int, cols_per_tile: int) -> int:
         return row_tiles * -(-columns // cols_per_tile)
 
+    if is_fp8(op) and ctas(hidden, knobs.tile_cols) > sms:
+        return replace(wide, stages=max_stages(wide, op))
+    gate_up = default_knobs("gate_up_fp8" if is_fp8(op) else "gate_up", capacity / max(1, experts))
     gate_up_ctas = ctas(2 * intermediate, gate_up.tile_cols)
     if gate_up_ctas + ctas(hidden, knobs.tile_cols) <= sms:
         return knobs
