@@ -65,8 +65,8 @@ def hgmma_shapes(cubin: Path, tools: Path) -> list[str]:
 
 def variants_to_check() -> list[tuple[str, str, object, int]]:
     """(label, op, knobs, rows per expert): every default profile and the decode down tiles
-    that widen (beside the gate-up; FP8 past one wave), plus the pingpong and the 2-CTA cluster and split-K decode
-    variants, which no profile picks but a tuner may."""
+    that widen (beside the gate-up; FP8 past one wave), plus the pingpong and the 2-CTA
+    cluster and split-K decode variants, which no profile picks but a tuner may."""
     from megamoe_kernels import GemmKnobs, default_knobs, default_launches
     from megamoe_kernels.shim.knobs import PROFILE_ROWS_PER_EXPERT, max_stages
 

@@ -9,12 +9,12 @@ forward: logits = x W_gate^T -> route (top-k ids, weights) -> dispatch into an e
 On one sm_90 GPU without autograd the routing, the dispatch and the combine run as two device
 kernels (DeviceRoutedDispatcher): a forward is the router GEMM (up to ROUTER_KERNEL_MAX_TOKENS
 tokens the router-logits kernel, on every path, which lets the routing kernel start before it
-ends), one routing launch, the two expert GEMMs and one combine launch (plus the shared experts' GEMMs), within an
-ulp or two of the torch path's routing weights (DeviceRoutedDispatcher says where they differ),
-deterministic. `config.layer_path` chooses ("auto", "fused", "torch"). Under torch.compile such
-a forward is the router (traced: the GEMM library, or the custom op megamoe::router_logits where
-an eager forward takes the kernel) and the custom op megamoe::fused_moe (ops.py), which runs the
-rest.
+ends), one routing launch, the two expert GEMMs and one combine launch (plus the shared experts'
+GEMMs), within an ulp or two of the torch path's routing weights (DeviceRoutedDispatcher says where
+they differ), deterministic. `config.layer_path` chooses ("auto", "fused", "torch"). Under
+torch.compile such a forward is the router (traced: the GEMM library, or the custom op
+megamoe::router_logits where an eager forward takes the kernel) and the custom op
+megamoe::fused_moe (ops.py), which runs the rest.
 """
 
 from __future__ import annotations
