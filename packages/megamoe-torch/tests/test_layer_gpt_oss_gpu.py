@@ -4,10 +4,9 @@ path, eager graph replays, the torch layer path) match the reference backend wit
 tolerance; a forward that records gradients runs on grouped_mm, its gradients as close to the
 fp32 layer's as the reference backend's."""
 
-from dataclasses import replace
-
 import pytest
 import torch
+from layer_gradients import bf16_and_fp32_gradients
 from megamoe_kernels.reference import relative_l2_error
 from megamoe_torch import MegaMoE, MegaMoEConfig
 
@@ -79,30 +78,9 @@ def test_a_gpt_oss_layer_trains_through_grouped_mm_with_the_reference_gradients(
     # tens of percent
     layer = make_layer(dims)
     assert layer.backend == "cutedsl"
-    exact = MegaMoE(replace(layer.config, backend="reference"), device="cuda")
-    exact.load_state_dict(layer.state_dict())  # the same weights, in fp32
-    hidden = layer.config.hidden_size
-    generator = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(77, hidden, device="cuda", generator=generator).to(torch.bfloat16)
-    probe = torch.randn(77, hidden, device="cuda", generator=generator)
-
-    def gradients(module, x):
-        module.zero_grad()
-        leaf = x.clone().requires_grad_()
-        (module(leaf).float() * probe).sum().backward()
-        parameters = (module.w13, module.w2, module.w13_bias, module.w2_bias, module.gate.bias)
-        return [leaf.grad, *(p.grad for p in parameters)]
-
-    by_backend = {}
-    for backend in ("auto", "reference"):
-        layer.use_backend(backend)
-        by_backend[backend] = gradients(layer, x)
-    layer.use_backend("auto")
+    triples = bf16_and_fp32_gradients(layer, ("w13", "w2", "w13_bias", "w2_bias", "gate.bias"))
     assert layer._autograd_backend().name == "grouped_mm"
-    fp32 = gradients(exact, x.float())
-    for actual, bf16_reference, expected in zip(
-        by_backend["auto"], by_backend["reference"], fp32, strict=True
-    ):
+    for actual, bf16_reference, expected in triples:
         assert torch.isfinite(actual).all()
         error = relative_l2_error(actual, expected)
         reference_error = relative_l2_error(bf16_reference, expected)
