@@ -95,10 +95,13 @@ def router_host(layer, x_TH) -> None:
 
 
 def route_launcher(layer, x_TH, **knobs) -> RouteLauncher:
-    """A routing kernel of the layer's routing constants with `knobs`."""
+    """A routing kernel of the layer's routing constants (e4m3 rows for FP8 experts) with
+    `knobs`."""
+    fp8 = layer.config.weight_dtype == "fp8"
     return RouteLauncher(
         **route_launcher_constants(layer.config.router),
         hidden_size=layer.config.hidden_size,
+        rows_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
         device=x_TH.device,
         **knobs,
     )
@@ -151,8 +154,9 @@ def phases(layer, x_TH) -> None:
 
 
 def route_ab(layer, x_TH) -> None:
-    """The routing kernel's knobs (row copy by token or by pair; one CTA up to 16 tokens or 1),
-    graph replays, three alternating rounds."""
+    """The routing kernel's knobs (row copy by token or by pair; one CTA up to 16 tokens or 1;
+    with FP8 experts, the quantizing copy's loads in flight: the default or one), graph
+    replays, three alternating rounds."""
     config = layer.config
     logits = layer.router_logits(x_TH)
     variants = {
@@ -160,6 +164,8 @@ def route_ab(layer, x_TH) -> None:
         "by pair, one CTA to 16": dict(copy_by_token=False, one_cta_tokens=16),
         "by token, one CTA to 1": dict(copy_by_token=True, one_cta_tokens=1),
     }
+    if config.weight_dtype == "fp8":  # e4m3 rows are quantized by token
+        variants = {"quantize, default unroll": dict(), "quantize, unroll 1": dict(unroll=1)}
     launchers = {name: route_launcher(layer, x_TH, **knobs) for name, knobs in variants.items()}
     bias = layer.e_score_correction_bias
     capacity = x_TH.shape[0] * config.top_k

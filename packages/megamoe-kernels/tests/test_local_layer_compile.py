@@ -30,6 +30,7 @@ ROUTERS = [
 FP8_ROUTERS = [
     dict(ROUTERS[0], rows_dtype=torch.float8_e4m3fn),
     dict(ROUTERS[3], rows_dtype=torch.float8_e4m3fn),
+    dict(ROUTERS[3], rows_dtype=torch.float8_e4m3fn, unroll=1),  # one load in flight
     dict(num_experts=40, top_k=6, hidden_size=2880, rows_dtype=torch.float8_e4m3fn),
 ]
 
@@ -42,7 +43,9 @@ def test_route_and_place_and_the_routing_alone_compile(constants):
 
 
 @pytest.mark.parametrize(
-    "constants", FP8_ROUTERS, ids=lambda c: f"E{c['num_experts']}-H{c['hidden_size']}"
+    "constants",
+    FP8_ROUTERS,
+    ids=lambda c: f"E{c['num_experts']}-H{c['hidden_size']}-U{c.get('unroll', 'auto')}",
 )
 def test_route_and_place_quantizing_to_fp8_rows_compiles(constants):
     launcher = RouteLauncher(**constants, compile_only=True)
@@ -156,6 +159,12 @@ def test_what_the_kernels_cannot_serve_is_refused_with_the_reason():
         RouteLauncher(
             num_experts=8, top_k=2, hidden_size=64, has_correction_bias=True, compile_only=True
         )
+    for unroll in (3, 16):
+        with pytest.raises(ValueError, match=f"unroll={unroll} must be 1, 2, 4 or 8"):
+            RouteLauncher(num_experts=8, top_k=2, hidden_size=2048, unroll=unroll)
+    # dsv3's 896 vectors: 256 do not divide them
+    with pytest.raises(ValueError, match="the largest here: 4"):
+        RouteLauncher(num_experts=8, top_k=2, hidden_size=7168, unroll=8)
     with pytest.raises(ValueError, match="quantized by token"):
         RouteLauncher(
             num_experts=8,

@@ -26,9 +26,9 @@ enough to be resident at once on any Hopper GPU, which its grid-wide barriers ne
    16-byte vector loaded once and stored in the token's top_k rows; without it, after a CTA
    barrier, the CTA's warps copy a pair each (`unroll` 16-byte loads per lane in flight).
    FP8 rows (row_scales given, copy_by_token): each warp quantizes its own tokens as it copies
-   them, one scale per row and ACTIVATION_GROUP columns (row_vectors.quantize_to_rows:
-   fp8_scaling's recipe, the values quantizing each batch row on the host gives), so the batch
-   is e4m3 with no pass before it.
+   them (`unroll` trips of loads in flight), one scale per row and ACTIVATION_GROUP columns
+   (row_vectors.quantize_to_rows: fp8_scaling's recipe, the values quantizing each batch row on
+   the host gives), so the batch is e4m3 with no pass before it.
    Scaled rows (`weights_on_input`, bf16 rows): each pair's row is its token times the pair's
    weight rounded to bf16, each value rounded once to bf16 (row_vectors.scale_to_rows: the
    bits of torch's `x * w.to(torch.bfloat16)`), for experts that compute on w x (Llama 4);
@@ -550,6 +550,7 @@ def route_and_place_kernel(
                     row_vectors,
                     lane,
                     pairs,
+                    unroll,
                 )
             else:
                 copy_to_rows(

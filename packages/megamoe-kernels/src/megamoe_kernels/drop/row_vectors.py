@@ -168,27 +168,62 @@ def quantize_to_rows(
     end,
     lane,
     top_k: cutlass.Constexpr,
+    in_flight: cutlass.Constexpr = 1,
 ):
     """A warp quantizes bf16 vectors [first, end) (first a multiple of 32) of the row of `hidden`
     values at `source_row` into the e4m3 rows rows[k] at `rows_base` (hidden bytes each; a
     row of -1 is skipped), the scale of group g of row r stored at scales + g x group_stride +
-    r x row_stride (see the module docstring)."""
-    for base in range(first, end, 32):
-        vector = base + lane
-        counted = vector < end
-        quantized, scale = quantize_lane(load_bf16_lane(source_row, vector, end), counted)
-        if counted:
+    r x row_stride (see the module docstring). `in_flight` trips' loads are issued before the
+    first of them is quantized (a lane keeps that many vectors in flight; trips past `end`
+    count and store nothing)."""
+    for base in range(first, end, 32 * in_flight):
+        loaded = []
+        for trip in cutlass.range_constexpr(in_flight):
+            loaded.append(load_bf16_lane(source_row, base + 32 * trip + lane, end))
+        for trip in cutlass.range_constexpr(in_flight):
+            _quantize_trip(
+                loaded[trip],
+                base + 32 * trip + lane,
+                end,
+                rows_base,
+                rows,
+                scales,
+                group_stride,
+                row_stride,
+                hidden,
+                top_k,
+            )
+
+
+@cute.jit
+def _quantize_trip(
+    values,
+    vector,
+    end,
+    rows_base,
+    rows,
+    scales,
+    group_stride,
+    row_stride,
+    hidden,
+    top_k: cutlass.Constexpr,
+):
+    """One trip of quantize_to_rows: the lane's loaded vector `vector` (8 fp32 `values`)
+    quantized with its group's scale and stored in each row rows[k] (every lane calls it)."""
+    counted = vector < end
+    quantized, scale = quantize_lane(values, counted)
+    if counted:
+        for k in cutlass.range_constexpr(top_k):
+            if rows[k] >= 0:
+                store_e4m3(
+                    rows_base + cutlass.Int64(rows[k]) * hidden + cutlass.Int64(vector) * CHUNK,
+                    quantized,
+                )
+        if vector % GROUP_VECTORS == 0:
+            group_scales = scales + cutlass.Int64(vector // GROUP_VECTORS) * group_stride
             for k in cutlass.range_constexpr(top_k):
                 if rows[k] >= 0:
-                    store_e4m3(
-                        rows_base + cutlass.Int64(rows[k]) * hidden + cutlass.Int64(vector) * CHUNK,
-                        quantized,
-                    )
-            if vector % GROUP_VECTORS == 0:
-                group_scales = scales + cutlass.Int64(vector // GROUP_VECTORS) * group_stride
-                for k in cutlass.range_constexpr(top_k):
-                    if rows[k] >= 0:
-                        cute.arch.store(group_scales + cutlass.Int64(rows[k]) * row_stride, scale)
+                    cute.arch.store(group_scales + cutlass.Int64(rows[k]) * row_stride, scale)
 
 
 @cute.jit

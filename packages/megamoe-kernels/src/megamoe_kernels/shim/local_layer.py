@@ -125,7 +125,10 @@ def _cutlass_dtype(dtype: torch.dtype):
 class RouteLauncher:
     """Routing + dispatch of one layer's routing constants, compiled on first use; a call
     allocates (or reuses) the outputs and launches one kernel. See the module docstring for the
-    tensors; `copy_by_token` and `one_cta_tokens` are the kernel's knobs (docs/kernels-design.md)."""
+    tensors; `copy_by_token`, `one_cta_tokens` and `unroll` are the kernel's knobs
+    (docs/kernels-design.md). `unroll`: the 16-byte loads a lane keeps in flight as it copies or
+    quantizes a row, 1, 2, 4 or 8 with 32 x unroll vectors dividing the row (None: the largest,
+    copy_unroll)."""
 
     def __init__(
         self,
@@ -147,6 +150,7 @@ class RouteLauncher:
         weights_on_input: bool = False,
         copy_by_token: bool = True,
         one_cta_tokens: int | None = None,
+        unroll: int | None = None,
         device: torch.device | str | None = None,
         compile_only: bool = False,
     ):
@@ -182,6 +186,14 @@ class RouteLauncher:
             )
         if problems:
             raise ValueError("the routing kernel cannot serve this layer: " + "; ".join(problems))
+        largest_unroll = copy_unroll(hidden_size * 2)
+        if unroll is None:
+            unroll = largest_unroll
+        elif unroll not in (1, 2, 4, 8) or (hidden_size // 8) % (32 * unroll):
+            raise ValueError(
+                f"unroll={unroll} must be 1, 2, 4 or 8 with 32 x unroll 16-byte vectors dividing "
+                f"the row of hidden_size={hidden_size} (the largest here: {largest_unroll})"
+            )
         self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
         self.shared_experts = shared_experts
         # each token's pairs (its top_k, then the shared experts) and the batch's experts
@@ -216,7 +228,7 @@ class RouteLauncher:
             top_groups if scoring == "sigmoid" else 1,
             float(dropped_group_score),
             float(routed_scaling_factor),
-            copy_unroll(hidden_size * 2),
+            int(unroll),
             bool(copy_by_token),
             _BARRIER_TIMEOUT_NS,
             one_cta_tokens,
