@@ -7,7 +7,7 @@ machine from the project root:
 
 --gemm times the gate-up GEMM alone instead (uniform random top-k routing, the default
 profile): on rows copied out, gathered from the tokens by each way of loading them
-(GATHER_LOADS: a TMA box per row, the producer warp's cp.async copies), and gathered in order
+(GATHER_LOADS: the producer warp's copies split a lane per row or a lane per chunk), and gathered in order
 from the copied rows themselves (the same addresses the copy reads, through the default
 gathering loads).
 """

@@ -1,6 +1,6 @@
 """The gate-up GEMM reading its batch rows from the tokens (row_source_M) on an sm_90 GPU: the
 same bits as the GEMM on the rows copied out, for every tile family and both ways of loading
-the rows (GATHER_LOADS: a TMA box per row, the producer warp's copies), tails, empty experts,
+the rows (GATHER_LOADS: a lane per row, a lane per 16-byte chunk of a row), tails, empty experts,
 one expert taking every row, a capacity past the valid rows, and graph replay with new routing.
 
 Every case: fresh random tokens and weights, a random token for each row (tokens repeat, as
@@ -133,4 +133,4 @@ def test_gathered_rows_are_refused_where_not_built():
     with pytest.raises(ValueError, match="gather_loads must be None or one of"):
         gate_up_swiglu(x_TH, offsets, w13, row_source_M=source_M, gather_loads="bulk")
     with pytest.raises(ValueError, match="without one"):
-        gate_up_swiglu(x_TH[source_M.long()], offsets, w13, gather_loads="tma")
+        gate_up_swiglu(x_TH[source_M.long()], offsets, w13, gather_loads="rows")

@@ -89,18 +89,14 @@ N read a bias that is never stored). Without it the kernel holds no bias code.
 
 gather_rows: x is the tokens [T, K], not the batch, and row_source [capacity] int32 names the
 token of each batch row, so the dispatch writes no expert-major copy of the tokens. The
-producer warp's lanes gather a tile's rows themselves, lane l its own rows l, l + 32, ..., in
-one of two ways (gather_loads):
-  "tma": one TMA box of one row (a K tile: 128 bytes) per row, at the row's place in the
-    stage: the TMA swizzles by shared-memory address, so the boxes land where a whole stage's
-    box would have put them, and they complete on the stage's full barrier as that box would.
-    Every row of the tile is loaded (rows past the expert's from token 0: they feed output rows
-    that are never stored), so a stage's byte count is the copied rows'.
-  "lanes": cp.async, 16 bytes each, into the swizzled stage, each lane counting itself in on
-    the stage's full barrier (cp.async.mbarrier.arrive.noinc); the consumers fence the async
-    proxy after each wait (the MMAs read what generic-proxy copies wrote) and before each
-    release. Rows past the expert's are not loaded.
-The weights come by TMA either way. BF16 only; K a multiple of the K tile.
+producer warp's lanes gather a tile's rows themselves (cp.async, 16 bytes each; gather_loads
+"rows": lane l copies the whole K tile of its own rows l, l + 32, ...; "chunks": each copy
+instruction of the warp takes whole K tiles of 4 rows, 8 lanes a row) into the swizzled stage
+the TMA would have written, and count themselves in on the stage's full barrier (cp.async.mbarrier.arrive.noinc; the weights still come by
+TMA). The consumers fence the async proxy after each wait (the MMAs read what generic-proxy
+copies wrote) and before each release. Rows past the expert's are not loaded (they feed output
+rows that are never stored). BF16 only; K a multiple of the K tile. The 16-byte copies are
+slower than a stage's TMA box with prefill tiles (the layer gathers with decode tiles only).
 
 FP8 (scale_group set): x and w are e4m3 with float32 block scales (fp8_scaling): x_scales
 [K / scale_group, rows] (a row's scale for each group of scale_group columns, group-major so a
@@ -146,10 +142,9 @@ from .tile_epilogue import (
 )
 from .tile_schedule import UNIT_QUEUE_SLOTS, TileSchedule
 from .tiling import EPILOGUE_ROW_PAD, THREADS_PER_WARPGROUP, tile_k
-from .tma_rows import descriptor_address, load_box_2d
 
 PRODUCER_REGISTERS = 40
-GATHER_LOADS = ("tma", "lanes")
+GATHER_LOADS = ("rows", "chunks")
 CONSUMER_REGISTERS = 232
 # FP8: the most registers a consumer thread's running sum, two sets of a scale group's products
 # and two groups' x scales may take for the promotions to overlap the MMAs (the rest of the 232
@@ -233,7 +228,8 @@ class ExpertGroupedGemmSm90:
                quantizing gate-up); None: bf16, no scales
     quantize_out: FP8 gate-up: the output is e4m3 with INTERMEDIATE_GROUP-column scales
     gather_rows: x holds the tokens and row_source the token of each batch row (bf16 only)
-    gather_loads: how gathered rows load: "tma" (a TMA box per row) or "lanes" (cp.async)
+    gather_loads: how the producer warp's lanes split the gathered rows' copies: "rows" (a
+               lane per row) or "chunks" (a lane per 16-byte chunk of a row)
     """
 
     def __init__(
@@ -257,7 +253,7 @@ class ExpertGroupedGemmSm90:
         scale_group=None,
         quantize_out=False,
         gather_rows=False,
-        gather_loads="tma",
+        gather_loads="rows",
         bias=False,
         swiglu_limit=None,
         swiglu_alpha=1.0,
@@ -295,8 +291,7 @@ class ExpertGroupedGemmSm90:
         self.scale_group = scale_group
         self.quantize_out = quantize_out
         self.gather_rows = gather_rows
-        # the producer warp's lanes copy a tile's rows (and count themselves in on its stages)
-        self.lanes_gather = gather_rows and gather_loads == "lanes"
+        self.gather_loads = gather_loads
         self.schedule = TileSchedule(
             tile_rows=tile_rows,
             cluster_rows=cluster_rows,
@@ -394,7 +389,7 @@ class ExpertGroupedGemmSm90:
             self.stages,
         )
         x_layout, w_layout = (b_layout, a_layout) if self.swap_ab else (a_layout, b_layout)
-        # the rows: a stage's box, a box per gathered row, or the lanes' copies (no TMA)
+        # gathered rows are copied by the producer warp's lanes, not by TMA
         tma_x, tma_mX = None, mX
         if cutlass.const_expr(not self.gather_rows):
             tma_x, tma_mX = cpasync.make_tiled_tma_atom(
@@ -402,14 +397,6 @@ class ExpertGroupedGemmSm90:
                 mX,
                 cute.slice_(x_layout, (None, None, 0)),
                 (self.tile_rows, self.tile_k),
-            )
-        elif cutlass.const_expr(not self.lanes_gather):
-            # each lane issues its rows' boxes with the atom's descriptor (tma_rows)
-            tma_x, _ = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(),
-                mX,
-                self.row_box_layout(x_layout),
-                (1, self.tile_k),
             )
         tma_w, tma_mW = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SMulticastOp()
@@ -476,18 +463,6 @@ class ExpertGroupedGemmSm90:
             use_pdl=True,
         )
 
-    def row_box_layout(self, x_layout):
-        """gather_rows by TMA: the shared-memory layout of one row's box, the stage's swizzle
-        over (1, K tile) (plain Python, run while tracing). A stage's rows must sit K tile
-        values apart (a K tile is one swizzle row of 128 bytes), so row r's box starts at
-        r x 128 bytes."""
-        stage = cute.slice_(x_layout, (None, None, 0))
-        if cute.crd2idx((1, 0), stage.outer) != self.tile_k:
-            raise ValueError("gather_loads='tma': a stage's rows must be one K tile apart")
-        return cute.make_composed_layout(
-            stage.inner, 0, cute.make_layout((1, self.tile_k), stride=(self.tile_k, 1))
-        )
-
     @cute.jit
     def tile_tokens(self, mRowSource, row0, rows):
         """gather_rows, producer warp: lane l's tokens of the tile's rows l, l + 32, ... (0 for
@@ -502,32 +477,13 @@ class ExpertGroupedGemmSm90:
         return tokens
 
     @cute.jit
-    def gather_stage_by_tma(self, x_descriptor, sX_address, tile_tokens, barrier, *, stage, k_tile):
-        """gather_rows by TMA, producer warp: loads K tile `k_tile` of every row of the tile
-        into stage `stage` (sX_address: the ring's rows, a shared address), lane l its rows l,
-        l + 32, ..., one box each from its token (token 0 past the expert's rows), completing
-        on the stage's full barrier (a shared address)."""
-        lane = cute.arch.lane_idx()
-        row_bytes = self.tile_k * (self.ab_dtype.width // 8)
-        for j in cutlass.range_constexpr((self.tile_rows + 31) // 32):
-            row = lane + 32 * j
-            if row < self.tile_rows:
-                load_box_2d(
-                    x_descriptor,
-                    sX_address + (stage * self.tile_rows + row) * row_bytes,
-                    barrier,
-                    k_tile * self.tile_k,
-                    tile_tokens[j],
-                )
-
-    @cute.jit
     def gather_stage(self, mX, sX_stage, tile_tokens, *, rows, k_tile):
-        """gather_rows by the lanes, producer warp: copies K tile `k_tile` of the tile's first
-        `rows` rows from their tokens into a stage. Lane l copies its own rows l, l + 32, ...
-        (the tokens tile_tokens holds), each row's K tile in 16-byte chunks: no value passes
-        between lanes, and every copy's address is the row's plus a constant, so the copies
-        issue back to back. The copies go through L1 (a warp's copy reads 16 bytes of 32 rows;
-        the next chunk of each row is the other half of the 32-byte sector it fetched)."""
+        """gather_rows, producer warp: copies K tile `k_tile` of the tile's first `rows` rows
+        from their tokens into a stage. Lane l copies its own rows l, l + 32, ... (the tokens
+        tile_tokens holds), each row's K tile in 16-byte chunks: no value passes between lanes,
+        and every copy's address is the row's plus a constant, so the copies issue back to back.
+        The copies go through L1 (a warp's copy reads 16 bytes of 32 rows; the next chunk of
+        each row is the other half of the 32-byte sector it fetched)."""
         lane = cute.arch.lane_idx()
         element_bytes = self.ab_dtype.width // 8
         chunk_elements = 16 // element_bytes
@@ -562,11 +518,53 @@ class ExpertGroupedGemmSm90:
                     cute.copy(copy_atom, source, destination[(0, None)])
 
     @cute.jit
+    def gather_stage_by_chunks(self, mX, sX_stage, tile_tokens, *, rows, k_tile):
+        """gather_rows by chunks, producer warp: copies K tile `k_tile` of the tile's first
+        `rows` rows from their tokens into a stage, each copy instruction of the warp whole K
+        tiles of 32 / chunks rows (lane l: chunk l % chunks of row l // chunks of the group):
+        its loads touch 4 rows' 128 bytes where a lane per row touches 32 rows. A row's token
+        comes by shuffle from the lane tile_tokens holds it on."""
+        lane = cute.arch.lane_idx()
+        element_bytes = self.ab_dtype.width // 8
+        chunk_elements = 16 // element_bytes
+        chunks = self.tile_k // chunk_elements
+        rows_per_copy = 32 // chunks
+        chunk = lane % chunks
+        hidden = cute.size(mX, mode=[1])
+        x_address = mX.iterator.toint() + (k_tile * self.tile_k + chunk * chunk_elements) * (
+            element_bytes
+        )
+        copy_atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS),
+            self.ab_dtype,
+            num_bits_per_copy=128,
+        )
+        valid_rows = cutlass.min(rows, self.tile_rows)
+        for group in cutlass.range_constexpr(self.tile_rows // rows_per_copy):
+            row = group * rows_per_copy + lane // chunks
+            # every lane shuffles (the holder of row r's token is lane r % 32)
+            token = cute.arch.shuffle_sync(
+                tile_tokens[group * rows_per_copy // 32], offset=row % 32
+            )
+            if row < valid_rows:
+                source = cute.make_tensor(
+                    cute.make_ptr(
+                        self.ab_dtype,
+                        x_address + cutlass.Int64(token) * hidden * element_bytes,
+                        cute.AddressSpace.gmem,
+                        assumed_align=16,
+                    ),
+                    cute.make_layout(chunk_elements),
+                )
+                # one 16-byte vector: the swizzle moves whole chunks
+                destination = cute.local_tile(sX_stage, (1, chunk_elements), (row, chunk))
+                cute.copy(copy_atom, source, destination[(0, None)])
+
+    @cute.jit
     def release_stage(self, ring, release_state):
-        """A consumer warp is done reading a stage; with rows gathered by the lanes the next
-        copies into it (generic proxy) are ordered after the MMAs that read it (async proxy)
-        first."""
-        if cutlass.const_expr(self.lanes_gather):
+        """A consumer warp is done reading a stage; with gathered rows the next copies into it
+        (generic proxy) are ordered after the MMAs that read it (async proxy) first."""
+        if cutlass.const_expr(self.gather_rows):
             cute.arch.fence_proxy("async.shared", space="cta")
         ring.consumer_release(release_state)
 
@@ -617,7 +615,7 @@ class ExpertGroupedGemmSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         block_idx, _, _ = cute.arch.block_idx()
         if warp_idx == 0:
-            if cutlass.const_expr(not self.lanes_gather):
+            if cutlass.const_expr(not self.gather_rows):
                 cpasync.prefetch_descriptor(tma_x)
             cpasync.prefetch_descriptor(tma_w)
 
@@ -688,7 +686,6 @@ class ExpertGroupedGemmSm90:
                     mRowSource,
                     mUnitCounter,
                     cluster_mask=cluster_mask,
-                    sX_address=storage.sX.data_ptr().toint(),
                 )
             elif cutlass.const_expr(self.store_warps):
                 self.tile_store.run(sOut, sStagedTiles, mOut, mOutScales, store_queue, tidx - 32)
@@ -722,12 +719,12 @@ class ExpertGroupedGemmSm90:
 
     def make_ring(self, storage, x_layout, w_layout):
         """The TMA ring's pipeline (plain Python, run while tracing). A stage is full once its
-        TMA bytes landed and (rows gathered by the lanes) every lane of the producer warp counted
-        its copies in; it is read by the warps of one tile's warpgroups, in every CTA of the
-        cluster (each CTA's TMA writes into all of them): every warp releases it everywhere."""
+        TMA bytes landed and (gathered rows) every lane of the producer warp counted its copies
+        in; it is read by the warps of one tile's warpgroups, in every CTA of the cluster (each
+        CTA's TMA writes into all of them): every warp releases it everywhere."""
         tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(w_layout, (None, None, 0)))
         producer_arrivals = 1
-        if cutlass.const_expr(self.lanes_gather):
+        if cutlass.const_expr(self.gather_rows):
             producer_arrivals = 1 + 32
         else:
             tx_bytes = tx_bytes + cute.size_in_bytes(
@@ -816,16 +813,11 @@ class ExpertGroupedGemmSm90:
         mUnitCounter,
         *,
         cluster_mask,
-        sX_address,
     ):
         """Producer warp: walks the schedule and loads each tile's K tiles into the ring (with
         dynamic_schedule taking each unit after the first from the counter and telling it to
-        the consumers). sX_address: the ring's rows (a shared address), for rows gathered by
-        TMA."""
+        the consumers)."""
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        x_descriptor = None
-        if cutlass.const_expr(self.gather_rows and not self.lanes_gather):
-            x_descriptor = descriptor_address(tma_x)
         unit = cutlass.Int32(walk.cluster_idx)
         expert, first, row_units, expert_row0, expert_row_end, found = self.find_tile(
             walk, unit, cutlass.Int32(0), cutlass.Int32(0)
@@ -870,8 +862,6 @@ class ExpertGroupedGemmSm90:
                 tWsW,
                 tWgW,
                 mRowSource,
-                x_descriptor,
-                sX_address,
                 expert=expert,
                 row0=row0,
                 expert_row0=expert_row0,
@@ -930,8 +920,6 @@ class ExpertGroupedGemmSm90:
         tWsW,
         tWgW,
         mRowSource,
-        x_descriptor,
-        sX_address,
         *,
         expert,
         row0,
@@ -944,9 +932,8 @@ class ExpertGroupedGemmSm90:
         cluster_mask,
     ):
         """Producer warp: loads K tiles [k_begin, k_end) of a tile into the ring, the rows by
-        TMA (or gathered: a box per row, or the lanes' copies) and the weights by TMA
-        (multicast to the cluster; the first `weights_loading` of them are loading already);
-        returns the ring's state."""
+        TMA (or gathered by the warp's lanes) and the weights by TMA (multicast to the cluster;
+        the first `weights_loading` of them are loading already); returns the ring's state."""
         tXsX = tXgX = tile_tokens = None
         if cutlass.const_expr(self.gather_rows):
             # the tile's rows of this expert (none for an empty tile)
@@ -996,8 +983,8 @@ class ExpertGroupedGemmSm90:
                     tWsW[(None, state.index)],
                     tma_bar_ptr=barrier,
                 )
-            if cutlass.const_expr(self.lanes_gather):
-                self.gather_stage(
+            if cutlass.const_expr(self.gather_rows and self.gather_loads == "chunks"):
+                self.gather_stage_by_chunks(
                     mX,
                     sX[(None, None, state.index)],
                     tile_tokens,
@@ -1006,14 +993,14 @@ class ExpertGroupedGemmSm90:
                 )
                 cute.arch.cp_async_mbarrier_arrive_noinc(barrier)
             elif cutlass.const_expr(self.gather_rows):
-                self.gather_stage_by_tma(
-                    x_descriptor,
-                    sX_address,
+                self.gather_stage(
+                    mX,
+                    sX[(None, None, state.index)],
                     tile_tokens,
-                    barrier.toint(),
-                    stage=state.index,
+                    rows=expert_row_end - row0,
                     k_tile=k_tile,
                 )
+                cute.arch.cp_async_mbarrier_arrive_noinc(barrier)
             ring.producer_commit(state)
             state.advance()
         return state
@@ -1213,7 +1200,7 @@ class ExpertGroupedGemmSm90:
         warpgroup.fence()
         for k_tile in range(slice_tiles):
             ring.consumer_wait(read_state)
-            if cutlass.const_expr(self.lanes_gather):
+            if cutlass.const_expr(self.gather_rows):
                 # the MMAs (async proxy) read rows the copies (generic) wrote
                 cute.arch.fence_proxy("async.shared", space="cta")
             for k_block in cutlass.range_constexpr(num_k_blocks):

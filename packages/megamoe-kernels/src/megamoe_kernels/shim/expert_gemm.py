@@ -242,8 +242,9 @@ def can_gather_rows(hidden_size: int, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and hidden_size % TILE_K == 0
 
 
-# how the gate-up GEMM loads gathered rows: a TMA box per row, or the producer warp's cp.async
-GATHER_LOADS = ("tma", "lanes")
+# how the gate-up GEMM's producer warp splits the copies of gathered rows: a lane per row, or
+# a lane per 16-byte chunk of a row
+GATHER_LOADS = ("rows", "chunks")
 
 
 def _gather_loads(knobs: GemmKnobs, requested: str | None) -> str:
@@ -251,7 +252,7 @@ def _gather_loads(knobs: GemmKnobs, requested: str | None) -> str:
     (docs/benchmarks.md, "Gathered rows")."""
     if requested is not None:
         return requested
-    return "lanes" if knobs.swap_ab else "tma"
+    return "chunks"
 
 
 def _check_row_source(row_source_M, x_TH: torch.Tensor, hidden: int) -> int:
@@ -1021,9 +1022,9 @@ def gate_up_swiglu(
     row_source_M: int32 [M], the token of each batch row: rows_MH is then the tokens [T, H]
     and the kernel reads each batch row from its token (H a multiple of 64), with the bits of
     rows_MH[row_source_M] as the batch. Rows past expert_offsets[E] are never read.
-    gather_loads: how the kernel loads them, one of GATHER_LOADS: "tma" (a TMA box per row) or
-    "lanes" (16-byte cp.async copies by the producer warp's lanes); the same bits either way.
-    None: the default for the launch's tiles.
+    gather_loads: how the kernel's producer warp splits the copies, one of GATHER_LOADS: "rows"
+    (each lane copies whole rows) or "chunks" (each lane a 16-byte chunk of a row); the same
+    bits either way. None: the default for the launch's tiles.
 
     knobs: run exactly these. tuned_knobs: knobs tuned for the batch's class (a knob-cache
     entry), in place of the default profile's; with prefill ones a batch of few valid rows
