@@ -1,7 +1,7 @@
 """The gate-up GEMM reading its batch rows from the tokens (row_source_M) on an sm_90 GPU: the
-same bits as the GEMM on the rows copied out, for every tile family and both ways of loading
-the rows (GATHER_LOADS: a lane per row, a lane per 16-byte chunk of a row), tails, empty experts,
-one expert taking every row, a capacity past the valid rows, and graph replay with new routing.
+same bits as the GEMM on the rows copied out, for every tile family, tails, empty experts, one
+expert taking every row, a capacity past the valid rows, and graph replay with new routing
+(decode and prefill tiles).
 
 Every case: fresh random tokens and weights, a random token for each row (tokens repeat, as
 top-k routing repeats them), sources past the valid rows out of range (never read), and an
@@ -21,7 +21,7 @@ from gemm_cases import (
     random_weights,
     with_max_stages,
 )
-from megamoe_kernels import GATHER_LOADS, GemmKnobs, gate_up_swiglu, interleave_gate_up
+from megamoe_kernels import GemmKnobs, gate_up_swiglu, interleave_gate_up
 from megamoe_kernels.shim.knobs import default_knobs
 
 pytestmark = pytest.mark.gpu
@@ -42,9 +42,7 @@ def make_problem(counts, hidden, intermediate, *, tokens, capacity=None, seed=0)
     return x_TH, source_M, expert_offsets(counts, DEVICE), interleave_gate_up(w13_E2IH), valid
 
 
-def check_gathered_equals_copied(
-    counts, hidden, intermediate, *, tokens, knobs, loads, capacity=None
-):
+def check_gathered_equals_copied(counts, hidden, intermediate, *, tokens, knobs, capacity=None):
     x_TH, source_M, offsets, w13, valid = make_problem(
         counts, hidden, intermediate, tokens=tokens, capacity=capacity
     )
@@ -52,9 +50,7 @@ def check_gathered_equals_copied(
     rows_MH[:valid] = x_TH[source_M[:valid].long()]
     expected = gate_up_swiglu(rows_MH, offsets, w13, knobs=knobs)
     out = torch.full_like(expected, float("nan"))
-    gathered = gate_up_swiglu(
-        x_TH, offsets, w13, knobs=knobs, row_source_M=source_M, out_MI=out, gather_loads=loads
-    )
+    gathered = gate_up_swiglu(x_TH, offsets, w13, knobs=knobs, row_source_M=source_M, out_MI=out)
     torch.cuda.synchronize()
     assert gathered is out
     assert torch.equal(gathered[:valid], expected[:valid])
@@ -72,41 +68,28 @@ KNOBS = {
 }
 
 
-@pytest.mark.parametrize("loads", GATHER_LOADS)
 @pytest.mark.parametrize("name", list(KNOBS))
 @pytest.mark.parametrize(
     "counts",
     [[300, 0, 129, 1, 77], [0, 0, 500, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]],
     ids=["tails", "one expert takes all", "one row each", "no rows"],
 )
-def test_gathered_rows_give_the_bits_of_copied_rows(name, counts, loads):
-    check_gathered_equals_copied(
-        counts, 2048, 768, tokens=97, knobs=KNOBS[name], loads=loads, capacity=600
-    )
+def test_gathered_rows_give_the_bits_of_copied_rows(name, counts):
+    check_gathered_equals_copied(counts, 2048, 768, tokens=97, knobs=KNOBS[name], capacity=600)
 
 
-@pytest.mark.parametrize("loads", GATHER_LOADS)
 @pytest.mark.parametrize("hidden, intermediate", [(7168, 2048), (2880, 2880), (256, 128)])
-def test_gathered_rows_at_other_shapes(hidden, intermediate, loads):
+def test_gathered_rows_at_other_shapes(hidden, intermediate):
     for knobs in (default_knobs("gate_up", 512), default_knobs("gate_up", 4)):
-        check_gathered_equals_copied(
-            [200, 3, 0, 64], hidden, intermediate, tokens=70, knobs=knobs, loads=loads
-        )
+        check_gathered_equals_copied([200, 3, 0, 64], hidden, intermediate, tokens=70, knobs=knobs)
 
 
-def test_default_gathered_rows_give_the_bits_of_copied_rows():
-    # the default load for each tile (no gather_loads)
-    for knobs in (default_knobs("gate_up", 512), default_knobs("gate_up", 4)):
-        check_gathered_equals_copied([90, 0, 33], 2048, 768, tokens=50, knobs=knobs, loads=None)
-
-
-@pytest.mark.parametrize("loads", GATHER_LOADS)
 @pytest.mark.parametrize("rows", [39, 600], ids=["decode tiles", "prefill tiles"])
-def test_gathered_rows_replay_in_a_graph_with_new_routing(rows, loads):
+def test_gathered_rows_replay_in_a_graph_with_new_routing(rows):
     counts = [rows // 2, rows // 4, 0, rows - rows // 2 - rows // 4]
     x_TH, source_M, offsets, w13, _ = make_problem(counts, 2048, 768, tokens=40)
     knobs = default_knobs("gate_up", rows)
-    arguments = {"knobs": knobs, "row_source_M": source_M, "gather_loads": loads}
+    arguments = {"knobs": knobs, "row_source_M": source_M}
     out = gate_up_swiglu(x_TH, offsets, w13, **arguments)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -130,7 +113,3 @@ def test_gathered_rows_are_refused_where_not_built():
     with pytest.raises(ValueError, match="multiple of 64"):
         bad = make_problem([4, 4], 2056, 768, tokens=8)
         gate_up_swiglu(bad[0], bad[2], bad[3], row_source_M=bad[1])
-    with pytest.raises(ValueError, match="gather_loads must be None or one of"):
-        gate_up_swiglu(x_TH, offsets, w13, row_source_M=source_M, gather_loads="bulk")
-    with pytest.raises(ValueError, match="without one"):
-        gate_up_swiglu(x_TH[source_M.long()], offsets, w13, gather_loads="rows")

@@ -16,7 +16,6 @@ except importlib.metadata.PackageNotFoundError:  # imported from a source tree, 
 
 _SHIM_NAMES = (
     "FP8_DTYPE",
-    "GATHER_LOADS",
     "GemmKnobs",
     "GemmLauncher",
     "Launch",

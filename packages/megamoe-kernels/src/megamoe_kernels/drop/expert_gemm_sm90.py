@@ -89,10 +89,9 @@ N read a bias that is never stored). Without it the kernel holds no bias code.
 
 gather_rows: x is the tokens [T, K], not the batch, and row_source [capacity] int32 names the
 token of each batch row, so the dispatch writes no expert-major copy of the tokens. The
-producer warp's lanes gather a tile's rows themselves (cp.async, 16 bytes each; gather_loads
-"rows": lane l copies the whole K tile of its own rows l, l + 32, ...; "chunks": each copy
-instruction of the warp takes whole K tiles of 4 rows, 8 lanes a row) into the swizzled stage
-the TMA would have written, and count themselves in on the stage's full barrier (cp.async.mbarrier.arrive.noinc; the weights still come by
+producer warp's lanes gather a tile's rows themselves (cp.async, 16 bytes each, lane l its own
+rows l, l + 32, ...) into the swizzled stage the TMA would have written, and count themselves
+in on the stage's full barrier (cp.async.mbarrier.arrive.noinc; the weights still come by
 TMA). The consumers fence the async proxy after each wait (the MMAs read what generic-proxy
 copies wrote) and before each release. Rows past the expert's are not loaded (they feed output
 rows that are never stored). BF16 only; K a multiple of the K tile. The 16-byte copies are
@@ -144,7 +143,6 @@ from .tile_schedule import UNIT_QUEUE_SLOTS, TileSchedule
 from .tiling import EPILOGUE_ROW_PAD, THREADS_PER_WARPGROUP, tile_k
 
 PRODUCER_REGISTERS = 40
-GATHER_LOADS = ("rows", "chunks")
 CONSUMER_REGISTERS = 232
 # FP8: the most registers a consumer thread's running sum, two sets of a scale group's products
 # and two groups' x scales may take for the promotions to overlap the MMAs (the rest of the 232
@@ -228,8 +226,6 @@ class ExpertGroupedGemmSm90:
                quantizing gate-up); None: bf16, no scales
     quantize_out: FP8 gate-up: the output is e4m3 with INTERMEDIATE_GROUP-column scales
     gather_rows: x holds the tokens and row_source the token of each batch row (bf16 only)
-    gather_loads: how the producer warp's lanes split the gathered rows' copies: "rows" (a
-               lane per row) or "chunks" (a lane per 16-byte chunk of a row)
     """
 
     def __init__(
@@ -253,7 +249,6 @@ class ExpertGroupedGemmSm90:
         scale_group=None,
         quantize_out=False,
         gather_rows=False,
-        gather_loads="rows",
         bias=False,
         swiglu_limit=None,
         swiglu_alpha=1.0,
@@ -268,8 +263,6 @@ class ExpertGroupedGemmSm90:
             raise ValueError(
                 "gather_rows: bf16 only (FP8 rows carry scales the consumers would have to gather)"
             )
-        if gather_loads not in GATHER_LOADS:
-            raise ValueError(f"gather_loads must be one of {GATHER_LOADS}, got {gather_loads!r}")
         if dynamic_schedule and (cluster_rows > 1 or split_k > 1):
             raise ValueError(
                 "dynamic_schedule: not with cluster_rows > 1 (both CTAs of a cluster work one "
@@ -291,7 +284,6 @@ class ExpertGroupedGemmSm90:
         self.scale_group = scale_group
         self.quantize_out = quantize_out
         self.gather_rows = gather_rows
-        self.gather_loads = gather_loads
         self.schedule = TileSchedule(
             tile_rows=tile_rows,
             cluster_rows=cluster_rows,
@@ -516,49 +508,6 @@ class ExpertGroupedGemmSm90:
                     # one 16-byte vector: the swizzle moves whole chunks
                     destination = cute.local_tile(sX_stage, (1, chunk_elements), (row, chunk))
                     cute.copy(copy_atom, source, destination[(0, None)])
-
-    @cute.jit
-    def gather_stage_by_chunks(self, mX, sX_stage, tile_tokens, *, rows, k_tile):
-        """gather_rows by chunks, producer warp: copies K tile `k_tile` of the tile's first
-        `rows` rows from their tokens into a stage, each copy instruction of the warp whole K
-        tiles of 32 / chunks rows (lane l: chunk l % chunks of row l // chunks of the group):
-        its loads touch 4 rows' 128 bytes where a lane per row touches 32 rows. A row's token
-        comes by shuffle from the lane tile_tokens holds it on."""
-        lane = cute.arch.lane_idx()
-        element_bytes = self.ab_dtype.width // 8
-        chunk_elements = 16 // element_bytes
-        chunks = self.tile_k // chunk_elements
-        rows_per_copy = 32 // chunks
-        chunk = lane % chunks
-        hidden = cute.size(mX, mode=[1])
-        x_address = mX.iterator.toint() + (k_tile * self.tile_k + chunk * chunk_elements) * (
-            element_bytes
-        )
-        copy_atom = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS),
-            self.ab_dtype,
-            num_bits_per_copy=128,
-        )
-        valid_rows = cutlass.min(rows, self.tile_rows)
-        for group in cutlass.range_constexpr(self.tile_rows // rows_per_copy):
-            row = group * rows_per_copy + lane // chunks
-            # every lane shuffles (the holder of row r's token is lane r % 32)
-            token = cute.arch.shuffle_sync(
-                tile_tokens[group * rows_per_copy // 32], offset=row % 32
-            )
-            if row < valid_rows:
-                source = cute.make_tensor(
-                    cute.make_ptr(
-                        self.ab_dtype,
-                        x_address + cutlass.Int64(token) * hidden * element_bytes,
-                        cute.AddressSpace.gmem,
-                        assumed_align=16,
-                    ),
-                    cute.make_layout(chunk_elements),
-                )
-                # one 16-byte vector: the swizzle moves whole chunks
-                destination = cute.local_tile(sX_stage, (1, chunk_elements), (row, chunk))
-                cute.copy(copy_atom, source, destination[(0, None)])
 
     @cute.jit
     def release_stage(self, ring, release_state):
@@ -983,16 +932,7 @@ class ExpertGroupedGemmSm90:
                     tWsW[(None, state.index)],
                     tma_bar_ptr=barrier,
                 )
-            if cutlass.const_expr(self.gather_rows and self.gather_loads == "chunks"):
-                self.gather_stage_by_chunks(
-                    mX,
-                    sX[(None, None, state.index)],
-                    tile_tokens,
-                    rows=expert_row_end - row0,
-                    k_tile=k_tile,
-                )
-                cute.arch.cp_async_mbarrier_arrive_noinc(barrier)
-            elif cutlass.const_expr(self.gather_rows):
+            if cutlass.const_expr(self.gather_rows):
                 self.gather_stage(
                     mX,
                     sX[(None, None, state.index)],

@@ -5,7 +5,6 @@ Importing this package imports torch but not CuTe DSL; kernels compile on first 
 
 from megamoe_kernels.shim.epilogue import SwiGLU, interleave_gate_up_bias
 from megamoe_kernels.shim.expert_gemm import (
-    GATHER_LOADS,
     GemmLauncher,
     cached_kernel_count,
     can_gather_rows,
@@ -54,7 +53,6 @@ from megamoe_kernels.shim.router_logits import (
 
 __all__ = [
     "FP8_DTYPE",
-    "GATHER_LOADS",
     "OPS",
     "PROFILE_ROWS_PER_EXPERT",
     "ROUTER_LOGITS_MAX_TOKENS",

@@ -242,19 +242,6 @@ def can_gather_rows(hidden_size: int, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and hidden_size % TILE_K == 0
 
 
-# how the gate-up GEMM's producer warp splits the copies of gathered rows: a lane per row, or
-# a lane per 16-byte chunk of a row
-GATHER_LOADS = ("rows", "chunks")
-
-
-def _gather_loads(knobs: GemmKnobs, requested: str | None) -> str:
-    """The way a launch with these knobs loads gathered rows: `requested`, else the default
-    (docs/benchmarks.md, "Gathered rows")."""
-    if requested is not None:
-        return requested
-    return "chunks"
-
-
 def _check_row_source(row_source_M, x_TH: torch.Tensor, hidden: int) -> int:
     """Gathered rows: row_source_M is int32 [M] beside bf16 tokens whose hidden size is a
     multiple of the K tile; returns M (the batch's capacity)."""
@@ -818,18 +805,12 @@ def _launcher(
     expert_counts: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     swiglu: SwiGLU | None = None,
-    gather_loads: str | None = None,
 ) -> GemmLauncher:
     """The launcher for this kind of call: looked up, else the op's checks run, the launches
     are planned and compiled (compile_only: compiled, nothing will run) and it is kept. A
     masked batch launches one kernel, for `valid_rows` (or the capacity when unknown): its
     valid rows are the counts' sum, which no kernel reads."""
     swiglu = PLAIN_SWIGLU if swiglu is None else swiglu
-    if gather_loads is not None and (row_source_M is None or gather_loads not in GATHER_LOADS):
-        raise ValueError(
-            f"gather_loads must be None or one of {GATHER_LOADS} with a row_source_M, got "
-            f"{gather_loads!r}" + ("" if row_source_M is not None else " without one")
-        )
 
     def check() -> None:
         # the scales are not part of the kind of call: a call's own are checked with it
@@ -860,7 +841,6 @@ def _launcher(
             tuned_knobs,
             batch_shape,
             gathers,
-            gather_loads,
             masked,
             w.shape,
             valid_rows,
@@ -895,7 +875,6 @@ def _launcher(
                     w.shape,
                     has_row_scale,
                     gathers,
-                    gather_loads,
                     masked,
                     has_bias,
                     swiglu,
@@ -922,18 +901,7 @@ def _launcher(
 
 
 def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callable, bool]:
-    (
-        _,
-        _,
-        weight_shape,
-        has_row_scale,
-        gathers,
-        gather_loads,
-        masked,
-        has_bias,
-        swiglu,
-        device_index,
-    ) = key
+    _, _, weight_shape, has_row_scale, gathers, masked, has_bias, swiglu, device_index = key
     with _COMPILE_LOCK:
         entry = _COMPILED.get(key)
         if entry is not None:
@@ -968,7 +936,6 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callabl
                 scale_group=scale_group(op),
                 quantize_out=op == "gate_up_fp8",
                 gather_rows=gathers,
-                gather_loads=_gather_loads(launch.knobs, gather_loads),
                 bias=has_bias,
                 **(swiglu.kernel_constants() if is_gate_up(op) else {}),
                 # persistent CTAs: those beyond the routed tiles find no work and exit
@@ -1010,7 +977,6 @@ def gate_up_swiglu(
     row_source_M: torch.Tensor | None = None,
     w13_bias_EB2G: torch.Tensor | None = None,
     swiglu: SwiGLU | None = None,
-    gather_loads: str | None = None,
 ) -> torch.Tensor:
     """silu(x Wg^T) * (x Wu^T) per expert, bf16 out, fp32 accumulation.
 
@@ -1022,9 +988,6 @@ def gate_up_swiglu(
     row_source_M: int32 [M], the token of each batch row: rows_MH is then the tokens [T, H]
     and the kernel reads each batch row from its token (H a multiple of 64), with the bits of
     rows_MH[row_source_M] as the batch. Rows past expert_offsets[E] are never read.
-    gather_loads: how the kernel's producer warp splits the copies, one of GATHER_LOADS: "rows"
-    (each lane copies whole rows) or "chunks" (each lane a 16-byte chunk of a row); the same
-    bits either way. None: the default for the launch's tiles.
 
     knobs: run exactly these. tuned_knobs: knobs tuned for the batch's class (a knob-cache
     entry), in place of the default profile's; with prefill ones a batch of few valid rows
@@ -1046,7 +1009,6 @@ def gate_up_swiglu(
         row_source_M=row_source_M,
         w13_bias_EB2G=w13_bias_EB2G,
         swiglu=swiglu,
-        gather_loads=gather_loads,
     )
     return launcher(
         rows_MH,
@@ -1118,7 +1080,6 @@ def gate_up_launcher(
     row_source_M: torch.Tensor | None = None,
     w13_bias_EB2G: torch.Tensor | None = None,
     swiglu: SwiGLU | None = None,
-    gather_loads: str | None = None,
 ) -> GemmLauncher:
     """gate_up_swiglu's launcher for calls like this one (arguments as there): keep it to
     launch the same kind of call again with no lookup, as launcher(rows_MH, expert_offsets,
@@ -1138,7 +1099,6 @@ def gate_up_launcher(
         row_source_M=row_source_M,
         bias=w13_bias_EB2G,
         swiglu=swiglu,
-        gather_loads=gather_loads,
     )
 
 
