@@ -154,18 +154,25 @@ def phases(layer, x_TH) -> None:
 
 
 def route_ab(layer, x_TH) -> None:
-    """The routing kernel's knobs (row copy by token or by pair; one CTA up to 16 tokens or 1;
-    with FP8 experts, the quantizing copy's loads in flight: the default or one), graph
-    replays, three alternating rounds."""
+    """The routing kernel's knobs against its defaults (rows copied by token, one CTA up to 16
+    tokens, a CTA's rows split between its warps below 16 tokens, the most loads in flight):
+    rows not split, copied by pair, one CTA up to 1 token; with FP8 experts (e4m3 rows are
+    quantized by token) rows not split, one load in flight. Graph replays, three alternating
+    rounds."""
     config = layer.config
     logits = layer.router_logits(x_TH)
     variants = {
-        "by token, one CTA to 16": dict(copy_by_token=True, one_cta_tokens=16),
-        "by pair, one CTA to 16": dict(copy_by_token=False, one_cta_tokens=16),
-        "by token, one CTA to 1": dict(copy_by_token=True, one_cta_tokens=1),
+        "default": dict(),
+        "rows not split": dict(split_tokens=0),
+        "by pair": dict(copy_by_token=False),
+        "one CTA to 1": dict(one_cta_tokens=1),
     }
-    if config.weight_dtype == "fp8":  # e4m3 rows are quantized by token
-        variants = {"quantize, default unroll": dict(), "quantize, unroll 1": dict(unroll=1)}
+    if config.weight_dtype == "fp8":
+        variants = {
+            "default": dict(),
+            "rows not split": dict(split_tokens=0),
+            "unroll 1": dict(unroll=1),
+        }
     launchers = {name: route_launcher(layer, x_TH, **knobs) for name, knobs in variants.items()}
     bias = layer.e_score_correction_bias
     capacity = x_TH.shape[0] * config.top_k

@@ -178,10 +178,19 @@ def test_gathered_rows_give_the_bits_of_copied_rows(family, tokens):
     assert torch.equal(y, layers[False](x))
 
 
-# shared experts that join the batch: dsv3's one (S = 1), two of the routed size (S = 2)
+# shared experts that join the batch: dsv3's one (S = 1), two of the routed size (S = 2), and
+# Qwen2-MoE's gated MLP of two routed sizes (its pairs weigh sigmoid(x . w_gate))
 BATCH_SHARED = {
     "dsv3": FAMILIES["dsv3"],
     "two_shared": dict(num_experts=32, top_k=4, num_shared_experts=2),
+    "qwen2_gated_shared": dict(
+        num_experts=16,
+        top_k=4,
+        renormalize=False,
+        num_shared_experts=1,
+        shared_intermediate_size=512,
+        shared_expert_gate=True,
+    ),
 }
 
 
@@ -190,8 +199,9 @@ BATCH_SHARED = {
 @pytest.mark.parametrize("tokens", [0, 1, 77, 1500])
 @torch.no_grad()
 def test_shared_experts_in_the_batch(family, backend, tokens):
-    """shared_experts_path="batch": the shared MLP as S experts of the routed batch (weight 1,
-    every token's row) gives the side stream's output within bf16 rounding, no further from
+    """shared_experts_path="batch": the shared MLP as S experts of the routed batch (weight 1 or
+    its gate's sigmoid, every token's row) gives the side stream's output within bf16 rounding
+    (a gate's within bf16 rounding of its logit and sigmoid), no further from
     the fp32 oracle; bitwise repeatable, launched and replayed; a caller's capture replays
     new tokens; the routed experts alone (the torch path) run on a view of the same prepared
     weights, with their bits."""
@@ -214,7 +224,7 @@ def test_shared_experts_in_the_batch(family, backend, tokens):
     )
     in_batch.load_state_dict(beside.state_dict(), assign=True)
     shared = in_batch._shared_experts_in_batch(tokens)
-    assert shared == beside.config.num_shared_experts
+    assert shared == beside.config.shared_size // beside.config.intermediate_size
     oracle = MegaMoE(
         replace(beside.config, backend="reference", layer_path="torch"),
         device="cuda",

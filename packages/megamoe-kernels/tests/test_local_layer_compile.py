@@ -54,12 +54,12 @@ def test_route_and_place_quantizing_to_fp8_rows_compiles(constants):
 
 
 # shared experts in the batch: dsv3's one (copied rows, FP8 rows, gathered rows), a shared MLP
-# of four routed sizes (Qwen2-MoE), the most pairs a warp holds
+# of four routed sizes with its sigmoid gate (Qwen2-MoE), the most pairs a warp holds
 SHARED_ROUTERS = [
     dict(ROUTERS[3], shared_experts=1),
     dict(ROUTERS[3], shared_experts=1, rows_dtype=torch.float8_e4m3fn),
     dict(ROUTERS[3], shared_experts=1, gather_rows=True),
-    dict(num_experts=60, top_k=4, hidden_size=2048, shared_experts=4),
+    dict(num_experts=60, top_k=4, hidden_size=2048, shared_experts=4, shared_expert_gate=True),
     dict(num_experts=64, top_k=24, hidden_size=512, shared_experts=8, copy_by_token=False),
 ]
 
@@ -178,3 +178,8 @@ def test_what_the_kernels_cannot_serve_is_refused_with_the_reason():
         RouteLauncher(
             num_experts=8, top_k=2, hidden_size=64, logits_dtype=torch.float16, compile_only=True
         )
+
+
+def test_a_shared_gate_needs_shared_experts():
+    with pytest.raises(ValueError, match="shared_expert_gate=True gates shared experts"):
+        RouteLauncher(**ROUTERS[0], shared_expert_gate=True, compile_only=True)

@@ -82,9 +82,11 @@ def _check_against_torch(
     capacity=None,
     shared_experts=0,
     gather_rows=False,
+    shared_gate=False,
 ):
     """With `shared_experts` S the batch holds E + S experts, the last S every token's with
-    weight 1, after its routed pairs: LocalDispatcher's batch of E + S experts on those ids."""
+    weight 1 (`shared_gate`: sigmoid of a random gate logit per token), after its routed pairs:
+    LocalDispatcher's batch of E + S experts on those ids."""
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(tokens * 7 + router.num_experts)
     x_TH = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, generator=generator)
@@ -96,6 +98,7 @@ def _check_against_torch(
         if router.use_correction_bias
         else None
     )
+    gate_T = 4 * torch.randn(tokens, device=device, generator=generator) if shared_gate else None
     dispatcher = DeviceRoutedDispatcher(router, hidden_size=hidden, capacity=capacity)
     _poison_allocator(device)
     batch, handle, pair_ids_TP = dispatcher.route_and_dispatch(
@@ -103,6 +106,7 @@ def _check_against_torch(
         logits_TE,
         correction_bias_E=bias_E,
         shared_experts=shared_experts,
+        shared_gate_logits_T=gate_T,
         gather_rows=gather_rows,
     )
     ref_ids_TK, ref_weights_TK = route(logits_TE, router, correction_bias_E=bias_E)
@@ -110,7 +114,15 @@ def _check_against_torch(
     assert pair_ids_TP.shape == handle.topk_weights_TK.shape == (tokens, top_k + shared_experts)
     shared_ids = torch.arange(experts, experts + shared_experts, device=device, dtype=torch.int32)
     assert torch.equal(pair_ids_TP[:, top_k:], shared_ids.expand(tokens, shared_experts))
-    assert (handle.topk_weights_TK[:, top_k:] == 1.0).all()
+    if shared_gate:
+        torch.testing.assert_close(
+            handle.topk_weights_TK[:, top_k:],
+            torch.sigmoid(gate_T)[:, None].expand(tokens, shared_experts),
+            rtol=2e-6,
+            atol=1e-7,
+        )
+    else:
+        assert (handle.topk_weights_TK[:, top_k:] == 1.0).all()
     ids_TK = pair_ids_TP[:, :top_k]
 
     # the same choice scores are chosen in the same order (ids may swap between equal scores)
@@ -135,7 +147,7 @@ def _check_against_torch(
     assert torch.equal(batch.materialized().rows_MH[:valid], oracle.rows_MH[:valid])
     assert batch.capacity == batch_capacity
     launcher = dispatcher._route_launcher(
-        logits_dtype, device, torch.bfloat16, gather_rows, shared_experts
+        logits_dtype, device, torch.bfloat16, gather_rows, shared_experts, False, shared_gate
     )
     assert launcher.status(device) == [0, 0, 0, 0]
 
@@ -225,6 +237,31 @@ def test_shared_experts_in_the_batch(name, shared_experts, tokens):
         _check_against_torch(router, tokens, 512, shared_experts=shared_experts, gather_rows=True)
         _check_against_torch(
             router, tokens, 264, shared_experts=shared_experts, capacity=tokens * router.top_k + 9
+        )
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 5, 300, 4099])
+def test_gated_shared_experts_in_the_batch(tokens):
+    """Qwen2-MoE's shared MLP (four routed sizes) with its sigmoid gate: the shared pairs weigh
+    sigmoid(gate logit); copied and gathered rows."""
+    router = ROUTERS["qwen3"]
+    _needs_kernels(router, 264)
+    _check_against_torch(router, tokens, 264, shared_experts=4, shared_gate=True)
+    if tokens:
+        _check_against_torch(
+            router, tokens, 512, shared_experts=4, shared_gate=True, gather_rows=True
+        )
+
+
+def test_a_shared_gate_without_shared_experts_is_refused():
+    router = ROUTERS["qwen3"]
+    _needs_kernels(router, 264)
+    dispatcher = DeviceRoutedDispatcher(router, hidden_size=264)
+    x_TH = torch.randn(3, 264, device="cuda", dtype=torch.bfloat16)
+    logits_TE = torch.randn(3, router.num_experts, device="cuda")
+    with pytest.raises(ValueError, match="shared_gate_logits_T gates shared experts"):
+        dispatcher.route_and_dispatch(
+            x_TH, logits_TE, shared_gate_logits_T=torch.zeros(3, device="cuda")
         )
 
 
@@ -385,6 +422,52 @@ def test_fp8_rows_are_quantized_in_the_dispatch_as_quantizing_each_row_gives(
         x, logits, correction_bias_E=bias, rows_dtype=torch.float8_e4m3fn
     )
     assert torch.equal(repeat.rows_MH[:valid].view(torch.uint8), expected_rows.view(torch.uint8))
+
+
+@pytest.mark.parametrize("hidden", [264, 2880, 7168])
+@pytest.mark.parametrize("rows_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "e4m3"])
+@pytest.mark.parametrize("tokens", [1, 5, 15, 40])
+def test_rows_split_between_warps_give_the_bits_of_rows_copied_by_token(hidden, rows_dtype, tokens):
+    """split_tokens: a CTA of fewer tokens shares its rows' copies (or quantization) between its
+    warps, in slices of 32 x unroll vectors (the last one partial where the row is not whole
+    slices: 264 and 2880); the batch, its scales and the routing outputs are split_tokens=0's
+    bit for bit (40 tokens: a grid whose CTAs hold fewer than 16 tokens)."""
+    from megamoe_kernels.shim.local_layer import RouteLauncher
+    from megamoe_runtime.dispatch.device_routed import route_launcher_constants
+
+    router = ROUTERS["qwen3"]
+    _needs_kernels(router, hidden)
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(tokens * 3 + hidden)
+    x = torch.randn(tokens, hidden, device=device, generator=generator).bfloat16()
+    logits = torch.randn(tokens, router.num_experts, device=device, generator=generator)
+    valid = tokens * router.top_k
+    outputs = {}
+    for split in (0, 16):
+        launcher = RouteLauncher(
+            **route_launcher_constants(router),
+            hidden_size=hidden,
+            rows_dtype=rows_dtype,
+            split_tokens=split,
+            one_cta_tokens=4,
+            device=device,
+        )
+        _poison_allocator(device)
+        outputs[split] = launcher(logits, x, capacity=valid + 3)
+    for name, kept, split in zip(
+        ("ids", "weights", "row_of_pair", "offsets", "rows", "scales"),
+        outputs[0][:6],
+        outputs[16][:6],
+        strict=True,
+    ):
+        if kept is None:
+            assert split is None
+            continue
+        if name == "rows":
+            kept, split = kept[:valid].view(torch.uint8), split[:valid].view(torch.uint8)
+        if name == "scales":
+            kept, split = kept[:, :valid], split[:, :valid]
+        assert torch.equal(kept, split), name
 
 
 # Llama 4's routing: sigmoid, top-1 (Scout's 16 experts) or top-2, not renormalised

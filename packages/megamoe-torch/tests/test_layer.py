@@ -202,12 +202,13 @@ def test_gradients_flow_through_the_reference_backend():
 def test_shared_experts_the_batch_cannot_hold_say_why():
     """shared_experts_path="batch" names what keeps the shared experts out of the batch; a
     device without the fused path runs them as their own MLP."""
-    with pytest.raises(ValueError, match="shared_expert_gate"):
-        MegaMoEConfig(
-            **dict(QWEN2_SHARED, shared_intermediate_size=48), shared_experts_path="batch"
-        )
+    # a gated shared MLP (Qwen2-MoE) joins the batch: its gate weighs the shared pairs
+    gated = MegaMoEConfig(
+        **dict(QWEN2_SHARED, shared_intermediate_size=48), shared_experts_path="batch"
+    )
+    assert gated.shared_experts_in_batch_problems == ()
     with pytest.raises(ValueError, match="40 is not a multiple of intermediate_size=24"):
-        MegaMoEConfig(**dict(QWEN2_SHARED, shared_expert_gate=False), shared_experts_path="batch")
+        MegaMoEConfig(**QWEN2_SHARED, shared_experts_path="batch")
     with pytest.raises(ValueError, match="shared_experts_path must be one of"):
         MegaMoEConfig(**DSV3, shared_experts_path="beside")
     # a CPU has no fused path: the shared experts run as their own MLP

@@ -20,11 +20,15 @@ class Geometry:
     hidden_size: int
     intermediate_size: int
     scoring: str = "softmax"
+    # the top-k weights divided by their sum
+    renormalize: bool = True
     num_groups: int = 1
     top_groups: int = 1
     routed_scaling_factor: float = 1.0
     use_correction_bias: bool = False
     num_shared_experts: int = 0
+    # the shared experts' output is scaled by sigmoid(x . w_gate) (Qwen2-MoE)
+    shared_expert_gate: bool = False
     # the router adds a bias to its logits
     router_bias: bool = False
     # each expert projection adds a per-expert bias
@@ -63,6 +67,18 @@ GEOMETRIES: dict[str, Geometry] = {
             num_shared_experts=1,
         ),
         Geometry("dsv3-ep8-local", 32, 1, 7168, 2048),
+        # Qwen2-57B-A14B: a shared MLP of 20480 (8 routed sizes) under a sigmoid gate, top-8
+        # weights not renormalised
+        Geometry(
+            "qwen2-57b-a14b",
+            64,
+            8,
+            3584,
+            2560,
+            renormalize=False,
+            num_shared_experts=8,
+            shared_expert_gate=True,
+        ),
         # softmax over the top-4 logits (the renormalised softmax); H = I = 2880 are not
         # multiples of 128
         Geometry(

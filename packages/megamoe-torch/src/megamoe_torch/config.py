@@ -70,8 +70,9 @@ class MegaMoEConfig:
     # where the fused path (one GPU) computes the shared experts:
     # "batch": in the routed experts' batch, as S = shared_size / intermediate_size more experts
     #   every token visits with weight 1 (the shared MLP cut into S experts of the routed size),
-    #   computed by the same two grouped GEMMs and summed by the same combine; bf16 weights,
-    #   no gate, no expert bias, the plain SwiGLU, shared_size a multiple of intermediate_size;
+    #   or with shared_expert_gate sigmoid(x . w_gate), computed by the same two grouped GEMMs
+    #   and summed by the same combine; bf16 weights, no expert bias, the plain SwiGLU,
+    #   shared_size a multiple of intermediate_size;
     # "side_stream": their own MLP on a side stream of the caller's stream, beside the routing
     #   and the routed experts, joined before the combine adds their output;
     # "caller_stream": their own MLP on the caller's stream, after the routed experts (the
@@ -289,8 +290,6 @@ class MegaMoEConfig:
                 f"the shared experts' intermediate size {self.shared_size} is not a multiple "
                 f"of intermediate_size={self.intermediate_size}"
             )
-        if self.shared_expert_gate:
-            problems.append("shared_expert_gate=True (the batch's shared rows have weight 1)")
         if self.weight_dtype is not None or self.shared_weight_dtype is not None:
             problems.append("FP8 weights (the batch takes bf16 experts)")
         problems.extend(self.expert_math_features)
@@ -304,11 +303,13 @@ class MegaMoEConfig:
             num_experts=geometry.num_experts,
             top_k=geometry.top_k,
             scoring=geometry.scoring,
+            renormalize=geometry.renormalize,
             num_groups=geometry.num_groups,
             top_groups=geometry.top_groups,
             routed_scaling_factor=geometry.routed_scaling_factor,
             use_correction_bias=geometry.use_correction_bias,
             num_shared_experts=geometry.num_shared_experts,
+            shared_expert_gate=geometry.shared_expert_gate,
             router_bias=geometry.router_bias,
             expert_bias=geometry.expert_bias,
             swiglu_limit=geometry.swiglu.limit,

@@ -761,6 +761,10 @@ class MegaMoE(nn.Module):
         # routing_weights_on_input: it scales each row by its pair's weight (the shared
         # experts' weight is 1), and the combine sums the rows unweighted
         weights_on_input = self.config.routing_weights_on_input
+        shared_gate_logits_T = None
+        if shared_in_batch and self.shared_experts.gate is not None:
+            # Qwen2-MoE: the shared pairs weigh sigmoid(x . w_gate) in the combine
+            shared_gate_logits_T = self._shared_gate_logits(x_TH)
         batch, handle, _ = self._device_routed.route_and_dispatch(
             x_TH,
             router_logits_TE,
@@ -768,6 +772,7 @@ class MegaMoE(nn.Module):
             rows_dtype=torch.float8_e4m3fn if self._dispatches_fp8_rows() else None,
             gather_rows=self._gathers_rows(x_TH, shared_in_batch=shared_in_batch),
             shared_experts=shared_in_batch,
+            shared_gate_logits_T=shared_gate_logits_T,
             weights_on_input=weights_on_input,
         )
         expert_out_MH = self._run_expert_backend(batch, shared_in_batch=bool(shared_in_batch))
@@ -778,6 +783,23 @@ class MegaMoE(nn.Module):
         return self._device_routed.combine(
             expert_out_MH, handle, addend_TH=shared_TH, weights_applied=weights_on_input
         )
+
+    def _shared_gate_logits(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """float32 [T]: x . w_gate of the shared experts' sigmoid gate, for the batch's shared
+        pairs (fused path, no autograd): the router-logits kernel for 1 to
+        ROUTER_KERNEL_MAX_TOKENS bf16 tokens where it runs, else one bf16 GEMM with fp32
+        output (the products of the router's logits, accumulated in fp32)."""
+        weight = self.shared_experts.gate.weight  # [1, H]
+        tokens = x_TH.shape[0]
+        bf16 = x_TH.dtype == weight.dtype == torch.bfloat16
+        if bf16 and 0 < tokens <= min(ROUTER_KERNEL_MAX_TOKENS, ROUTER_LOGITS_MAX_TOKENS):
+            launcher = router_kernel(*weight.shape, torch.float32, None, x_TH.device)
+            if launcher is not None:
+                return launcher(x_TH, weight.detach()).view(tokens)
+        logits_T1 = _bf16_mm_to_float32(x_TH, weight.detach().t()) if bf16 else None
+        if logits_T1 is None:
+            logits_T1 = nn.functional.linear(x_TH.float(), weight.detach().float())
+        return logits_T1.view(tokens)
 
     def _fused_moe_weights(self) -> list[torch.Tensor]:
         """Every tensor _fused_forward reads besides the tokens, the logits and w13/w2: the

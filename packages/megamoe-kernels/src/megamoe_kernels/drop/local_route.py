@@ -26,7 +26,11 @@ enough to be resident at once on any Hopper GPU, which its grid-wide barriers ne
    16-byte vector loaded once and stored in the token's top_k rows; without it, after a CTA
    barrier, the CTA's warps copy a pair each (`unroll` 16-byte loads per lane in flight).
    FP8 rows (row_scales given, copy_by_token): each warp quantizes its own tokens as it copies
-   them (`unroll` trips of loads in flight), one scale per row and ACTIVATION_GROUP columns
+   them (`unroll` trips of loads in flight), one scale per row and ACTIVATION_GROUP columns.
+   A CTA of fewer than `split_tokens` tokens (decode: a warp or a few would copy while the
+   others wait) instead has all its warps take slices of 32 x unroll vectors of its tokens'
+   rows (step 6, after a CTA barrier: the pairs' rows come from row_of_pair), with the same
+   bits
    (row_vectors.quantize_to_rows: fp8_scaling's recipe, the values quantizing each batch row on
    the host gives), so the batch is e4m3 with no pass before it.
    Scaled rows (`weights_on_input`, bf16 rows): each pair's row is its token times the pair's
@@ -42,7 +46,8 @@ Shared experts in the batch (`shared_experts` S > 0): every token also visits ex
 of weight 1, after its routed pairs: they are counted, placed and copied like the routed pairs,
 so the batch holds E + S experts, the shared ones last, each with every token's row in token
 order, and the grouped GEMMs compute them with the routed experts (the combine sums top_k + S
-pairs).
+pairs). With a shared gate (shared_gate [T] float32, the logit of Qwen2-MoE's sigmoid gate on
+the shared MLP) the shared pairs' weight is sigmoid(shared_gate[t]) in place of 1.
 
 route_tokens is step 1 alone (topk_ids and topk_weights; no placement, no copy, no barrier), for
 the expert-parallel dispatchers, which place the pairs themselves.
@@ -51,7 +56,8 @@ Both are launched with programmatic dependent launch and wait (griddepcontrol.wa
 first read: the kernel that computes the logits (local_router.router_logits) lets them be
 scheduled as it starts, and after a kernel that does not signal early the wait returns at once.
 
-Layouts: logits [T, E] float32 or bfloat16; correction_bias [E] float32 (optional); x [T, H]
+Layouts: logits [T, E] float32 or bfloat16; correction_bias [E] float32 (optional);
+shared_gate [T] float32 (optional, with S > 0); x [T, H]
 bfloat16 and rows [M, H] bfloat16 (or e4m3 with row_scales float32 [ceil(H / 128), M],
 group-major) row-major, H a multiple of 8, rows 16-byte aligned (or row_source int32 [M] in
 their place); topk_ids and
@@ -204,6 +210,12 @@ def warp_max(value):
 
 
 @cute.jit
+def sigmoid_of(logit):
+    """1 / (1 + exp(-logit)) in fp32: the sigmoid scoring's, and the shared gate's."""
+    return cutlass.Float32(1.0) / (cutlass.Float32(1.0) + cute.math.exp(-logit))
+
+
+@cute.jit
 def score_token(
     mLogits,
     mBias,
@@ -245,7 +257,7 @@ def score_token(
             choices.append(exps[j] / total)
     else:
         for j in cutlass.range_constexpr(per_lane):
-            score = cutlass.Float32(1.0) / (cutlass.Float32(1.0) + cute.math.exp(-logits[j]))
+            score = sigmoid_of(logits[j])
             choice = score
             if cutlass.const_expr(mBias is not None):
                 if lane + 32 * j < num_experts:
@@ -350,10 +362,51 @@ def route_token(
     return expert, weight
 
 
+@cute.jit
+def write_row_vectors(
+    mX,
+    mRows,
+    mRowScales,
+    token,
+    rows,
+    first,
+    end,
+    lane,
+    pairs: cutlass.Constexpr,
+    unroll: cutlass.Constexpr,
+):
+    """A warp writes 16-byte vectors [first, end) of `token`'s row into its pair rows `rows`:
+    copied (bf16 rows), or quantized with their groups' scales (e4m3 rows); first a multiple of
+    32 x unroll vectors (whole quantization groups), end that or the row's end."""
+    hidden = mX.shape[1]
+    row_bytes = cutlass.Int64(hidden) * 2
+    source = mX.iterator.toint() + cutlass.Int64(token) * row_bytes
+    if cutlass.const_expr(mRowScales is not None):
+        quantize_to_rows(
+            source,
+            mRows.iterator.toint(),
+            rows,
+            mRowScales.iterator,
+            cutlass.Int64(mRowScales.shape[1]),
+            1,
+            hidden,
+            first,
+            end,
+            lane,
+            pairs,
+            unroll,
+        )
+    else:
+        copy_to_rows(
+            source, mRows.iterator.toint(), rows, row_bytes, first, end, lane, unroll, pairs
+        )
+
+
 @cute.kernel
 def route_and_place_kernel(
     mLogits: cute.Tensor,
     mBias,
+    mSharedGate,
     mX: cute.Tensor,
     mTopkIds: cute.Tensor,
     mTopkWeights: cute.Tensor,
@@ -377,6 +430,7 @@ def route_and_place_kernel(
     timeout_ns: cutlass.Constexpr,
     shared_experts: cutlass.Constexpr,
     weights_on_input: cutlass.Constexpr,
+    split_tokens: cutlass.Constexpr,
 ):
     tidx, bidx, grid, warp, lane = thread_position()
     # the routed experts, then the shared ones; each token's routed pairs, then its shared ones
@@ -443,6 +497,8 @@ def route_and_place_kernel(
             if lane >= top_k:
                 expert = num_experts + lane - top_k
                 weight = cutlass.Float32(1.0)
+                if cutlass.const_expr(mSharedGate is not None):
+                    weight = sigmoid_of(cutlass.Float32(mSharedGate[token]))
         if lane < pairs:
             mTopkIds[token, lane] = expert
             mTopkWeights[token, lane] = weight
@@ -505,6 +561,11 @@ def route_and_place_kernel(
     rows_address = cutlass.Int64(0)
     if cutlass.const_expr(mRows is not None):
         rows_address = mRows.iterator.toint()
+    # a CTA of fewer than split_tokens tokens (decode) splits each row between its warps (step
+    # 6) instead of leaving each token's row to the one warp that routed it
+    split_rows = cutlass.Boolean(False)
+    if cutlass.const_expr(copy_by_token and mRows is not None and not weights_on_input):
+        split_rows = cta_end - cta_begin < split_tokens
     for token in range(warp_begin, warp_end):
         row = cutlass.Int32(-1)
         weight = cutlass.Float32(0.0)
@@ -518,51 +579,56 @@ def route_and_place_kernel(
             if cutlass.const_expr(mRowSource is not None):
                 mRowSource[row] = token
         if cutlass.const_expr(copy_by_token and mRows is not None):
-            # 5. the warp copies the token's row into its batch rows: each 16-byte vector
-            #    loaded once, stored once per pair
-            rows = []
-            for k in cutlass.range_constexpr(pairs):
-                rows.append(cute.arch.shuffle_sync(row, k))
-            if cutlass.const_expr(weights_on_input):
-                weights = []
+            if not split_rows:
+                # 5. the warp copies the token's row into its batch rows: each 16-byte vector
+                #    loaded once, stored once per pair
+                rows = []
                 for k in cutlass.range_constexpr(pairs):
-                    weights.append(cute.arch.shuffle_sync(weight, k))
-                scale_to_rows(
-                    x_address + cutlass.Int64(token) * row_bytes,
-                    rows_address,
+                    rows.append(cute.arch.shuffle_sync(row, k))
+                if cutlass.const_expr(weights_on_input):
+                    weights = []
+                    for k in cutlass.range_constexpr(pairs):
+                        weights.append(cute.arch.shuffle_sync(weight, k))
+                    scale_to_rows(
+                        x_address + cutlass.Int64(token) * row_bytes,
+                        rows_address,
+                        rows,
+                        weights,
+                        row_bytes,
+                        row_vectors,
+                        lane,
+                        pairs,
+                    )
+                else:
+                    write_row_vectors(
+                        mX, mRows, mRowScales, token, rows, 0, row_vectors, lane, pairs, unroll
+                    )
+    if cutlass.const_expr(copy_by_token and mRows is not None and not weights_on_input):
+        if split_rows:
+            # 6. the CTA's warps take slices of 32 x unroll vectors (whole quantization groups) of
+            #    its tokens' rows, each with its token's pair rows from mRowOfPair (written in step
+            #    4 by the warp that routed it)
+            cute.arch.sync_threads()
+            # the last slice may be partial: with unroll 1 a row need not be whole trips of 32
+            slice_vectors = 32 * unroll
+            slices = (row_vectors + slice_vectors - 1) // slice_vectors
+            for item in range(warp, (cta_end - cta_begin) * slices, ROUTE_WARPS):
+                token = cta_begin + item // slices
+                first = (item - (token - cta_begin) * slices) * slice_vectors
+                rows = []
+                for k in cutlass.range_constexpr(pairs):
+                    rows.append(mRowOfPair[token, k])
+                write_row_vectors(
+                    mX,
+                    mRows,
+                    mRowScales,
+                    token,
                     rows,
-                    weights,
-                    row_bytes,
-                    row_vectors,
-                    lane,
-                    pairs,
-                )
-            elif cutlass.const_expr(mRowScales is not None):
-                quantize_to_rows(
-                    x_address + cutlass.Int64(token) * row_bytes,
-                    rows_address,
-                    rows,
-                    mRowScales.iterator,
-                    cutlass.Int64(mRowScales.shape[1]),
-                    1,
-                    hidden,
-                    0,
-                    row_vectors,
+                    first,
+                    cutlass.min(first + slice_vectors, row_vectors),
                     lane,
                     pairs,
                     unroll,
-                )
-            else:
-                copy_to_rows(
-                    x_address + cutlass.Int64(token) * row_bytes,
-                    rows_address,
-                    rows,
-                    row_bytes,
-                    0,
-                    row_vectors,
-                    lane,
-                    unroll,
-                    pairs,
                 )
     if cutlass.const_expr(not copy_by_token and mRows is not None):
         # 5. a warp per pair of this CTA copies its token's row into the batch
@@ -596,6 +662,7 @@ def route_and_place_kernel(
 def route_and_place(
     mLogits: cute.Tensor,
     mBias,
+    mSharedGate,
     mX: cute.Tensor,
     mTopkIds: cute.Tensor,
     mTopkWeights: cute.Tensor,
@@ -620,6 +687,7 @@ def route_and_place(
     one_cta_tokens: cutlass.Constexpr,
     shared_experts: cutlass.Constexpr,
     weights_on_input: cutlass.Constexpr,
+    split_tokens: cutlass.Constexpr,
     stream,
 ):
     # a warp per token, as many CTAs as that fills, at most ROUTE_MAX_CTAS (all resident); one
@@ -638,6 +706,7 @@ def route_and_place(
     route_and_place_kernel(
         mLogits,
         mBias,
+        mSharedGate,
         mX,
         mTopkIds,
         mTopkWeights,
@@ -661,6 +730,7 @@ def route_and_place(
         timeout_ns,
         shared_experts,
         weights_on_input,
+        split_tokens,
     ).launch(grid=[grid, 1, 1], block=[ROUTE_THREADS, 1, 1], stream=stream, use_pdl=True)
 
 

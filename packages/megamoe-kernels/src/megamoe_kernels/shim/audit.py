@@ -212,6 +212,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
         parameters=(
             "mLogits",
             "mBias",
+            "mSharedGate",
             "mX",
             "mTopkIds",
             "mTopkWeights",
@@ -236,6 +237,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "one_cta_tokens",
             "shared_experts",
             "weights_on_input",
+            "split_tokens",
             "stream",
         ),
         passed_as="positional",

@@ -10,7 +10,10 @@ Shape legend: T tokens, E experts, K experts per token (top-k), H hidden size, M
   expert_offsets [E + 1] int32 and the expert-major batch rows [M, H] (rows past T x K
   unspecified). With `shared_experts=S` every token also visits experts E .. E + S - 1 with
   weight 1 (a shared MLP cut into S experts of the routed size, computed by the same grouped
-  GEMMs): K + S pairs per token in those tensors, E + S + 1 offsets: bf16, or with rows_dtype=e4m3 the rows quantized as they are copied, with
+  GEMMs): K + S pairs per token in those tensors, E + S + 1 offsets; with
+  `shared_expert_gate=True` the shared pairs' weight is sigmoid of each token's gate logit
+  (shared_gate_T [T] float32, Qwen2-MoE's gate on its shared MLP) in place of 1. The rows:
+  bf16, or with rows_dtype=e4m3 the rows quantized as they are copied, with
   their scales [ceil(H / 128), M] float32 (shim/fp8.py's layout and values); or with
   gather_rows=True no rows at all but row_source [M] int32, the token of each batch row, for a
   gate-up GEMM that reads the rows from the tokens (gate_up_swiglu's row_source_M); or with
@@ -125,10 +128,12 @@ def _cutlass_dtype(dtype: torch.dtype):
 class RouteLauncher:
     """Routing + dispatch of one layer's routing constants, compiled on first use; a call
     allocates (or reuses) the outputs and launches one kernel. See the module docstring for the
-    tensors; `copy_by_token`, `one_cta_tokens` and `unroll` are the kernel's knobs
-    (docs/kernels-design.md). `unroll`: the 16-byte loads a lane keeps in flight as it copies or
-    quantizes a row, 1, 2, 4 or 8 with 32 x unroll vectors dividing the row (None: the largest,
-    copy_unroll)."""
+    tensors; `copy_by_token`, `one_cta_tokens`, `unroll` and `split_tokens` are the kernel's
+    knobs (docs/kernels-design.md). `unroll`: the 16-byte loads a lane keeps in flight as it
+    copies or quantizes a row, 1, 2, 4 or 8 with 32 x unroll vectors dividing the row (None:
+    the largest, copy_unroll). `split_tokens`: a CTA of fewer tokens than this has all its
+    warps share its rows' copies (0: never; None: ROUTE_WARPS where a row holds several whole
+    slices of 32 x unroll vectors, else 0)."""
 
     def __init__(
         self,
@@ -147,10 +152,12 @@ class RouteLauncher:
         rows_dtype: torch.dtype = torch.bfloat16,
         gather_rows: bool = False,
         shared_experts: int = 0,
+        shared_expert_gate: bool = False,
         weights_on_input: bool = False,
         copy_by_token: bool = True,
         one_cta_tokens: int | None = None,
         unroll: int | None = None,
+        split_tokens: int | None = None,
         device: torch.device | str | None = None,
         compile_only: bool = False,
     ):
@@ -163,6 +170,10 @@ class RouteLauncher:
         )
         if scoring not in SCORINGS:
             problems.append(f"scoring={scoring!r} is not one of {SCORINGS}")
+        if shared_expert_gate and shared_experts < 1:
+            problems.append(
+                "shared_expert_gate=True gates shared experts: it needs shared_experts >= 1"
+            )
         if has_correction_bias and scoring != "sigmoid":
             problems.append("a correction bias applies to scoring='sigmoid' only")
         if num_groups < 1 or num_experts % num_groups or not 1 <= top_groups <= num_groups:
@@ -208,6 +219,7 @@ class RouteLauncher:
 
             self.scale_groups = -(-hidden_size // ACTIVATION_GROUP)
         self.has_correction_bias = has_correction_bias
+        self.shared_expert_gate = bool(shared_expert_gate)
         self.device = None if device is None else torch.device(device)
         self._scratch_words = _drop_route().scratch_words(self.batch_experts)
         # reuse_outputs: the last outputs per (device, stream), with the (tokens, capacity) they
@@ -216,6 +228,20 @@ class RouteLauncher:
         if one_cta_tokens is None:
             one_cta_tokens = _one_cta_tokens(self.pairs, hidden_size, copies=not gather_rows)
         one_cta_tokens = int(one_cta_tokens)
+        if split_tokens is None:
+            # measured (docs/benchmarks.md, "Routing kernel knobs"): splitting pays where a row
+            # holds several slices of 32 x unroll vectors (dsv3's 7168: 7); a row of one slice
+            # (qwen3's 2048 at unroll 8) only pays the CTA barrier. Rows of whole slices only:
+            # a partial last slice was not yet checked on a GPU
+            row_vectors = hidden_size // 8
+            slice_vectors = 32 * unroll
+            splits = row_vectors % slice_vectors == 0 and row_vectors > slice_vectors
+            split_tokens = _drop_route().ROUTE_WARPS if splits else 0
+        elif not 0 <= split_tokens <= _drop_route().ROUTE_WARPS:
+            raise ValueError(
+                f"split_tokens={split_tokens} must lie in [0, {_drop_route().ROUTE_WARPS}] (a "
+                "CTA's warps)"
+            )
         self._one_cta_token_limit = _drop_route().one_cta_token_limit(
             self.batch_experts, one_cta_tokens
         )
@@ -234,6 +260,7 @@ class RouteLauncher:
             one_cta_tokens,
             shared_experts,
             self.weights_on_input,
+            int(split_tokens),
         )
         device_index = -1 if compile_only or self.device is None else self.device.index
         self._constants = constants
@@ -245,6 +272,7 @@ class RouteLauncher:
             rows_dtype,
             self.gather_rows,
             has_correction_bias,
+            self.shared_expert_gate,
             device_index,
         )
         # route_tokens takes the routing constants alone (the first eight)
@@ -283,6 +311,7 @@ class RouteLauncher:
             route,
             row_major(_cutlass_dtype(self.logits_dtype), (tokens, experts)),
             row_major(cutlass.Float32, (experts,)) if self.has_correction_bias else None,
+            row_major(cutlass.Float32, (tokens,)) if self.shared_expert_gate else None,
             row_major(cutlass.BFloat16, (tokens, hidden)),
             row_major(cutlass.Int32, (tokens, pairs)),
             row_major(cutlass.Float32, (tokens, pairs)),
@@ -374,12 +403,15 @@ class RouteLauncher:
         *,
         capacity: int,
         correction_bias_E: torch.Tensor | None = None,
+        shared_gate_T: torch.Tensor | None = None,
         reuse_outputs: bool = False,
     ) -> tuple[torch.Tensor, ...]:
         """(topk_ids_TK, topk_weights_TK, row_of_pair_TK, expert_offsets, rows_MH or None when
         gathering, row_scales_GM or None for bf16 rows, row_source_M or None unless gathering);
         capacity >= T x pairs rows (checked here: the kernel writes rows up to T x pairs - 1;
-        pairs = K + shared_experts, the columns of the [T, pairs] outputs).
+        pairs = K + shared_experts, the columns of the [T, pairs] outputs). shared_gate_T: the
+        shared experts' gate logits, float32 [T], given exactly when built with
+        shared_expert_gate=True.
 
         `reuse_outputs`: the outputs of the last call on this stream with the same tokens and
         capacity are written again instead of allocating new ones (five allocations fewer per
@@ -388,6 +420,11 @@ class RouteLauncher:
         safe there. Under CUDA-graph capture the outputs are new, in the graph's memory pool
         (a graph replays on other streams than its capture stream)."""
         tokens = router_logits_TE.shape[0]
+        if (shared_gate_T is not None) != self.shared_expert_gate:
+            raise ValueError(
+                "shared_gate_T is required by a launcher built with shared_expert_gate=True and "
+                f"refused by others (this one: shared_expert_gate={self.shared_expert_gate})"
+            )
         if tokens * self.pairs > capacity:
             per_token = (
                 f"(top_k {self.top_k} + {self.shared_experts} shared experts)"
@@ -415,6 +452,7 @@ class RouteLauncher:
             compiled(
                 router_logits_TE,
                 correction_bias_E,
+                shared_gate_T,
                 x_TH,
                 ids_TK,
                 weights_TK,
@@ -427,7 +465,7 @@ class RouteLauncher:
                 status,
             )
         except Exception as failure:
-            self._explain(failure, router_logits_TE, x_TH, correction_bias_E)
+            self._explain(failure, router_logits_TE, x_TH, correction_bias_E, shared_gate_T)
         return outputs
 
     def _new_outputs(self, tokens: int, capacity: int, x_TH: torch.Tensor) -> tuple:
@@ -446,12 +484,16 @@ class RouteLauncher:
             torch.empty(capacity, dtype=torch.int32, device=device) if self.gather_rows else None,
         )
 
-    def _explain(self, failure, router_logits_TE, x_TH, correction_bias_E) -> None:
+    def _explain(
+        self, failure, router_logits_TE, x_TH, correction_bias_E, shared_gate_T=None
+    ) -> None:
         """Re-raises a refused launch as an error that names the argument at fault."""
         checks = [("router_logits", router_logits_TE, self.logits_dtype, (None, self.num_experts))]
         if x_TH is not None:
             tokens = router_logits_TE.shape[0]
             checks.append(("x", x_TH, torch.bfloat16, (tokens, self.hidden_size)))
+            if self.shared_expert_gate:
+                checks.append(("shared_gate", shared_gate_T, torch.float32, (tokens,)))
         if self.has_correction_bias:
             checks.append(
                 ("correction_bias", correction_bias_E, torch.float32, (self.num_experts,))

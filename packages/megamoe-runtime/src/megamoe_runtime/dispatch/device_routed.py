@@ -13,7 +13,9 @@ launch: the fixed-order fp32 weighted top-k sum of
 `weighted_sum_over_topk`, with the shared experts' output added the way `y + shared` adds it in
 bf16. `shared_experts=S` puts a shared MLP cut into S experts of the routed size into the batch
 instead (experts E .. E + S - 1, every token's row in each, weight 1, after its routed pairs),
-for the grouped GEMMs to compute with the routed experts; the combine then sums K + S pairs.
+for the grouped GEMMs to compute with the routed experts; the combine then sums K + S pairs
+(with `shared_gate_logits_T`, Qwen2-MoE's gated shared MLP, each token's shared pairs weigh
+sigmoid of its gate logit in place of 1).
 `weights_on_input=True` writes each batch row as its token times the pair's weight (the bits of
 `x * w.to(torch.bfloat16)`) for experts that compute on w x (Llama 4), and `combine(...,
 weights_applied=True)` then sums the rows unweighted. No host sync, fixed shapes for a fixed capacity: the pair captures in a CUDA graph.
@@ -149,8 +151,17 @@ class DeviceRoutedDispatcher:
         gather_rows: bool = False,
         shared_experts: int = 0,
         weights_on_input: bool = False,
+        shared_expert_gate: bool = False,
     ):
-        key = (logits_dtype, device, rows_dtype, gather_rows, shared_experts, weights_on_input)
+        key = (
+            logits_dtype,
+            device,
+            rows_dtype,
+            gather_rows,
+            shared_experts,
+            weights_on_input,
+            shared_expert_gate,
+        )
         launcher = self._route_launchers.get(key)
         if launcher is None:
             from megamoe_kernels.shim.local_layer import route_launcher
@@ -162,6 +173,7 @@ class DeviceRoutedDispatcher:
                 rows_dtype=rows_dtype,
                 gather_rows=gather_rows,
                 shared_experts=shared_experts,
+                shared_expert_gate=shared_expert_gate,
                 weights_on_input=weights_on_input,
                 device=device,
             )
@@ -189,6 +201,7 @@ class DeviceRoutedDispatcher:
         rows_dtype: torch.dtype | None = None,
         gather_rows: bool = False,
         shared_experts: int = 0,
+        shared_gate_logits_T: torch.Tensor | None = None,
         weights_on_input: bool = False,
     ) -> tuple[ExpertBatch, LocalHandle, torch.Tensor]:
         """(batch, handle for combine, topk_ids_TK int32); the routing weights are
@@ -197,7 +210,9 @@ class DeviceRoutedDispatcher:
         `shared_experts=S`: the batch holds E + S experts, the last S visited by every token
         with weight 1 (the ids, weights and pair rows then have K + S columns); `capacity`,
         which counts the routed rows, grows by capacity / K rows per shared expert
-        (batch_capacity).
+        (batch_capacity). `shared_gate_logits_T` (float32 [T], with S > 0): the logit of a
+        sigmoid gate on the shared MLP (Qwen2-MoE's), each token's shared pairs then weighing
+        sigmoid(logit) instead of 1.
 
         `rows_dtype=torch.float8_e4m3fn`: the kernel quantizes each bf16 token as it copies it
         into its top-k rows, so the batch holds e4m3 rows and row_scales_GM (one scale per row
@@ -219,6 +234,10 @@ class DeviceRoutedDispatcher:
                 f"rows_dtype None or torch.bfloat16, got gather_rows={gather_rows}, "
                 f"rows_dtype={rows_dtype}"
             )
+        if shared_gate_logits_T is not None and not shared_experts:
+            raise ValueError(
+                "shared_gate_logits_T gates shared experts in the batch: pass shared_experts >= 1"
+            )
         tokens = x_TH.shape[0]
         num_pairs = tokens * (self.router.top_k + shared_experts)
         capacity = self.batch_capacity(tokens, shared_experts=shared_experts)
@@ -230,6 +249,7 @@ class DeviceRoutedDispatcher:
             gather_rows,
             shared_experts,
             weights_on_input,
+            shared_gate_logits_T is not None,
         )
         ids_TK, weights_TK, row_of_pair_TK, offsets, rows_MH, row_scales_GM, row_source_M = (
             launcher(
@@ -237,6 +257,7 @@ class DeviceRoutedDispatcher:
                 x_TH,
                 capacity=capacity,
                 correction_bias_E=self._correction_bias(correction_bias_E),
+                shared_gate_T=shared_gate_logits_T,
                 reuse_outputs=self.reuse_outputs,
             )
         )
