@@ -26,13 +26,13 @@ enough to be resident at once on any Hopper GPU, which its grid-wide barriers ne
    16-byte vector loaded once and stored in the token's top_k rows; without it, after a CTA
    barrier, the CTA's warps copy a pair each (`unroll` 16-byte loads per lane in flight).
    FP8 rows (row_scales given, copy_by_token): each warp quantizes its own tokens as it copies
-   them (`unroll` trips of loads in flight), one scale per row and ACTIVATION_GROUP columns.
-   A CTA of fewer than `split_tokens` tokens (decode: a warp or a few would copy while the
-   others wait) instead has all its warps take slices of 32 x unroll vectors of its tokens'
-   rows (step 6, after a CTA barrier: the pairs' rows come from row_of_pair), with the same
-   bits
+   them (`unroll` trips of loads in flight), one scale per row and ACTIVATION_GROUP columns
    (row_vectors.quantize_to_rows: fp8_scaling's recipe, the values quantizing each batch row on
    the host gives), so the batch is e4m3 with no pass before it.
+   A CTA of fewer than `split_tokens` tokens (decode: a warp or a few would copy while the
+   others wait) instead has all its warps take slices of 32 x unroll vectors of its tokens'
+   rows, bf16 or e4m3 (step 6, after a CTA barrier: the pairs' rows come from row_of_pair),
+   with the same bits.
    Scaled rows (`weights_on_input`, bf16 rows): each pair's row is its token times the pair's
    weight rounded to bf16, each value rounded once to bf16 (row_vectors.scale_to_rows: the
    bits of torch's `x * w.to(torch.bfloat16)`), for experts that compute on w x (Llama 4);
@@ -563,8 +563,10 @@ def route_and_place_kernel(
         rows_address = mRows.iterator.toint()
     # a CTA of fewer than split_tokens tokens (decode) splits each row between its warps (step
     # 6) instead of leaving each token's row to the one warp that routed it
+    # (scaled rows are always copied by the warp that routed the token)
+    can_split = copy_by_token and mRows is not None and not weights_on_input
     split_rows = cutlass.Boolean(False)
-    if cutlass.const_expr(copy_by_token and mRows is not None and not weights_on_input):
+    if cutlass.const_expr(can_split):
         split_rows = cta_end - cta_begin < split_tokens
     for token in range(warp_begin, warp_end):
         row = cutlass.Int32(-1)
@@ -603,7 +605,7 @@ def route_and_place_kernel(
                     write_row_vectors(
                         mX, mRows, mRowScales, token, rows, 0, row_vectors, lane, pairs, unroll
                     )
-    if cutlass.const_expr(copy_by_token and mRows is not None and not weights_on_input):
+    if cutlass.const_expr(can_split):
         if split_rows:
             # 6. the CTA's warps take slices of 32 x unroll vectors (whole quantization groups) of
             #    its tokens' rows, each with its token's pair rows from mRowOfPair (written in step
