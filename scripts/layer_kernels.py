@@ -155,24 +155,21 @@ def phases(layer, x_TH) -> None:
 
 def route_ab(layer, x_TH) -> None:
     """The routing kernel's knobs against its defaults (rows copied by token, one CTA up to 16
-    tokens, a CTA's rows split between its warps below 16 tokens, the most loads in flight):
-    rows not split, copied by pair, one CTA up to 1 token; with FP8 experts (e4m3 rows are
-    quantized by token) rows not split, one load in flight. Graph replays, three alternating
-    rounds."""
+    tokens, a CTA's rows split between its warps below 16 tokens where the row holds several
+    slices, the most loads in flight): rows not split, and rows split at every unroll that
+    divides the row (slices of 32 x unroll vectors; with FP8 experts e4m3 rows quantized by
+    token). Graph replays, three alternating rounds."""
     config = layer.config
     logits = layer.router_logits(x_TH)
+    row_vectors = config.hidden_size // 8
     variants = {
         "default": dict(),
         "rows not split": dict(split_tokens=0),
-        "by pair": dict(copy_by_token=False),
-        "one CTA to 1": dict(one_cta_tokens=1),
+        "split": dict(split_tokens=16),
     }
-    if config.weight_dtype == "fp8":
-        variants = {
-            "default": dict(),
-            "rows not split": dict(split_tokens=0),
-            "unroll 1": dict(unroll=1),
-        }
+    for unroll in (1, 2, 4, 8):
+        if row_vectors % (32 * unroll) == 0:
+            variants[f"unroll {unroll} split"] = dict(unroll=unroll, split_tokens=16)
     launchers = {name: route_launcher(layer, x_TH, **knobs) for name, knobs in variants.items()}
     bias = layer.e_score_correction_bias
     capacity = x_TH.shape[0] * config.top_k

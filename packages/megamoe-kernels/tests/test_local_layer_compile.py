@@ -142,6 +142,28 @@ def test_combine_compiles(constants):
     assert CombineLauncher(**constants, compile_only=True).compiled is not None
 
 
+@pytest.mark.parametrize(
+    ("hidden_size", "rows_dtype", "unroll", "split_tokens"),
+    [
+        (2048, torch.bfloat16, 8, 0),  # qwen3: a row is one slice, nothing to share
+        (7168, torch.bfloat16, 4, 16),  # dsv3: 7 slices
+        (2880, torch.bfloat16, 1, 16),  # gpt-oss: 11 slices and a part
+        (2048, torch.float8_e4m3fn, 2, 16),  # quantized rows keep 4 slices or more
+        (4096, torch.float8_e4m3fn, 4, 16),
+        (7168, torch.float8_e4m3fn, 4, 16),
+        (2880, torch.float8_e4m3fn, 1, 16),
+        (256, torch.float8_e4m3fn, 1, 0),  # one slice at unroll 1
+    ],
+)
+def test_the_default_copy_knobs_follow_the_measured_rule(
+    hidden_size, rows_dtype, unroll, split_tokens
+):
+    launcher = RouteLauncher(
+        num_experts=8, top_k=2, hidden_size=hidden_size, rows_dtype=rows_dtype, compile_only=True
+    )
+    assert (launcher.unroll, launcher.split_tokens) == (unroll, split_tokens)
+
+
 def test_what_the_kernels_cannot_serve_is_refused_with_the_reason():
     assert routing_problems(num_experts=128, top_k=8, hidden_size=2048) == []
     assert "top_k=33" in routing_problems(num_experts=128, top_k=33, hidden_size=2048)[0]

@@ -59,6 +59,8 @@ ROW_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 _BARRIER_TIMEOUT_NS = 10_000_000_000
 # the routing kernel's rows one CTA copies at most (_one_cta_tokens)
 _ONE_CTA_COPY_BYTES = 256 << 10
+# e4m3 rows: the default unroll leaves a row at least this many slices of 32 x unroll vectors
+QUANTIZED_ROW_SLICES = 4
 
 
 def _drop_route():
@@ -131,9 +133,10 @@ class RouteLauncher:
     tensors; `copy_by_token`, `one_cta_tokens`, `unroll` and `split_tokens` are the kernel's
     knobs (docs/kernels-design.md). `unroll`: the 16-byte loads a lane keeps in flight as it
     copies or quantizes a row, 1, 2, 4 or 8 with 32 x unroll vectors dividing the row (None:
-    the largest, copy_unroll). `split_tokens`: a CTA of fewer tokens than this has all its
-    warps share its rows' copies (0: never; None: ROUTE_WARPS where a row holds several whole
-    slices of 32 x unroll vectors, else 0)."""
+    the largest, copy_unroll; for e4m3 rows the largest that leaves a row at least
+    QUANTIZED_ROW_SLICES slices). `split_tokens`: a CTA of fewer tokens than this has all its
+    warps share its rows' copies in slices of 32 x unroll vectors (0: never; None: ROUTE_WARPS
+    where a row holds more than one slice, else 0)."""
 
     def __init__(
         self,
@@ -198,8 +201,14 @@ class RouteLauncher:
         if problems:
             raise ValueError("the routing kernel cannot serve this layer: " + "; ".join(problems))
         largest_unroll = copy_unroll(hidden_size * 2)
+        row_vectors = hidden_size // 8
         if unroll is None:
             unroll = largest_unroll
+            if rows_dtype == torch.float8_e4m3fn:
+                # measured (docs/benchmarks.md, "Routing kernel knobs"): a quantizing copy is
+                # fastest with fewer loads in flight and more slices to share at decode
+                while unroll > 1 and row_vectors < QUANTIZED_ROW_SLICES * 32 * unroll:
+                    unroll //= 2
         elif unroll not in (1, 2, 4, 8) or (hidden_size // 8) % (32 * unroll):
             raise ValueError(
                 f"unroll={unroll} must be 1, 2, 4 or 8 with 32 x unroll 16-byte vectors dividing "
@@ -230,18 +239,17 @@ class RouteLauncher:
         one_cta_tokens = int(one_cta_tokens)
         if split_tokens is None:
             # measured (docs/benchmarks.md, "Routing kernel knobs"): splitting pays where a row
-            # holds several slices of 32 x unroll vectors (dsv3's 7168: 7); a row of one slice
-            # (qwen3's 2048 at unroll 8) only pays the CTA barrier. Rows of whole slices only:
-            # a partial last slice was not yet checked on a GPU
-            row_vectors = hidden_size // 8
-            slice_vectors = 32 * unroll
-            splits = row_vectors % slice_vectors == 0 and row_vectors > slice_vectors
+            # holds more than one slice of 32 x unroll vectors (dsv3's 7168: 7, gpt-oss's 2880:
+            # 11 and a part); a row of one slice (qwen3's 2048 at unroll 8) only pays the CTA
+            # barrier
+            splits = row_vectors > 32 * unroll
             split_tokens = _drop_route().ROUTE_WARPS if splits else 0
         elif not 0 <= split_tokens <= _drop_route().ROUTE_WARPS:
             raise ValueError(
                 f"split_tokens={split_tokens} must lie in [0, {_drop_route().ROUTE_WARPS}] (a "
                 "CTA's warps)"
             )
+        self.unroll, self.split_tokens = int(unroll), int(split_tokens)
         self._one_cta_token_limit = _drop_route().one_cta_token_limit(
             self.batch_experts, one_cta_tokens
         )
