@@ -16,6 +16,7 @@ except importlib.metadata.PackageNotFoundError:  # imported from a source tree, 
 
 _SHIM_NAMES = (
     "FP8_DTYPE",
+    "PACKED_TILE_COLS",
     "GemmKnobs",
     "GemmLauncher",
     "Launch",
@@ -44,14 +45,19 @@ _SHIM_NAMES = (
     "shared_experts_in_batch_by_default",
     "interleave_gate_up",
     "interleave_gate_up_bias",
+    "is_packed_weight",
     "keeps_buffers",
     "knob_problems",
+    "pack_problems",
+    "pack_weight_tiles",
     "quantize_rows",
     "quantize_weight_blocks",
     "resolve_knobs",
     "row_scales_buffer",
     "router_logits_launcher",
     "router_logits_problems",
+    "stored_weight_dims",
+    "unpack_weight_tiles",
     "weight_scales_shape",
 )
 

@@ -1,5 +1,5 @@
 """Checks that every default kernel profile, and each kernel variant no profile picks (pingpong,
-2-CTA clusters, split-K), compiles to wgmma: its SASS must hold HGMMA, or for the FP8 ops QGMMA
+2-CTA clusters, split-K, FP8 on packed weights), compiles to wgmma: its SASS must hold HGMMA, or for the FP8 ops QGMMA
 with e4m3 inputs (the SASS name of an FP8 wgmma).
 
     python -m megamoe_kernels.sass_check [--dump-dir DIR]
@@ -26,6 +26,20 @@ from pathlib import Path
 EXPERTS, HIDDEN, INTERMEDIATE = 8, 2880, 2880
 # FP8: I a multiple of the 128-row weight block; H = 16.5 K tiles (a partial last one)
 FP8_HIDDEN, FP8_INTERMEDIATE = 2112, 1408
+# FP8 packed weights: whole packets
+PACKED_HIDDEN, PACKED_INTERMEDIATE = 2048, 768
+
+
+def packed_meta(n: int, k: int):
+    """A meta tensor in the packed layout of an e4m3 [EXPERTS, n, k] weight."""
+    import torch
+
+    from megamoe_kernels import FP8_DTYPE
+    from megamoe_kernels.shim.weight_packets import PACKET_ROWS, packet_strides
+
+    strides = packet_strides(FP8_DTYPE, EXPERTS, n, k)
+    shape = (EXPERTS, n // PACKET_ROWS, k // strides[3], PACKET_ROWS, strides[3])
+    return torch.empty_strided(shape, strides, dtype=FP8_DTYPE, device="meta")
 
 
 def disassembler_bin_dir() -> Path | None:
@@ -93,6 +107,12 @@ def variants_to_check() -> list[tuple[str, str, object, int]]:
     # the FP8 decode down tile that widens past one wave (qwen3-30b-a3b, 1 token)
     (wide_fp8,) = default_launches("down_fp8", 8, 128, weight_dims=(2048, 768), sms=132)
     variants.append(("wide-fp8", "down_fp8", wide_fp8.knobs, 1))
+    # packed weights (their FP8 kernels prefetch the scales): a decode and a prefill profile
+    variants += [
+        ("packed", op, default_knobs(op, rows), rows)
+        for rows in (1, 512)
+        for op in ("gate_up_fp8", "down_fp8")
+    ]
     return variants
 
 
@@ -116,6 +136,12 @@ def compile_profiles(dump_dir: Path) -> dict[str, list[Path]]:
     w2 = torch.empty(EXPERTS, HIDDEN, INTERMEDIATE, **meta)
     w13_fp8 = torch.empty(EXPERTS, 2 * FP8_INTERMEDIATE // 16, 16, FP8_HIDDEN, **fp8_meta)
     w2_fp8 = torch.empty(EXPERTS, FP8_HIDDEN, FP8_INTERMEDIATE, **fp8_meta)
+    # packed: whole packets (N a multiple of 256, K of the 128-value K tile)
+    packed_fp8 = {
+        "gate_up_fp8": packed_meta(2 * PACKED_INTERMEDIATE, PACKED_HIDDEN),
+        "down_fp8": packed_meta(PACKED_HIDDEN, PACKED_INTERMEDIATE),
+    }
+    packed_rows = {"gate_up_fp8": PACKED_HIDDEN, "down_fp8": PACKED_INTERMEDIATE}
 
     def gate_up_fp8(rows, offsets, weight, *, knobs, compile_only):
         return gate_up_fp8_launcher(rows, offsets, weight, knobs=knobs, compile_only=compile_only)
@@ -133,10 +159,12 @@ def compile_profiles(dump_dir: Path) -> dict[str, list[Path]]:
     seen = set()
     for label, op, knobs, rows_per_expert in variants_to_check():
         capacity = rows_per_expert * EXPERTS
-        if (op, knobs) in seen:  # compiled once already (the capacity is a dynamic dim)
+        if (op, knobs, label == "packed") in seen:  # compiled already (capacity is dynamic)
             continue
-        seen.add((op, knobs))
+        seen.add((op, knobs, label == "packed"))
         gemm, width, weight, rows_meta = gemms[op]
+        if label == "packed":
+            width, weight = packed_rows[op], packed_fp8[op]
         gemm(
             torch.empty(capacity, width, **rows_meta),
             offsets,

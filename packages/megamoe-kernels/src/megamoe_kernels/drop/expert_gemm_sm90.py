@@ -226,6 +226,10 @@ class ExpertGroupedGemmSm90:
                quantizing gate-up); None: bf16, no scales
     quantize_out: FP8 gate-up: the output is e4m3 with INTERMEDIATE_GROUP-column scales
     gather_rows: x holds the tokens and row_source the token of each batch row (bf16 only)
+    prefetch_weight_scales: FP8: before a tile's mainloop its consumers prefetch into L2 the
+               weight scales of each of its K tiles (a thread a K tile): for scales that lie
+               a cache line or more apart (a packed weight's, after each of its tiles), whose
+               loads would otherwise each wait on HBM inside the mainloop
     """
 
     def __init__(
@@ -253,6 +257,7 @@ class ExpertGroupedGemmSm90:
         swiglu_limit=None,
         swiglu_alpha=1.0,
         swiglu_up_offset=0.0,
+        prefetch_weight_scales=False,
     ):
         if not swiglu and (swiglu_limit, swiglu_alpha, swiglu_up_offset) != (None, 1.0, 0.0):
             raise ValueError(
@@ -284,6 +289,7 @@ class ExpertGroupedGemmSm90:
         self.scale_group = scale_group
         self.quantize_out = quantize_out
         self.gather_rows = gather_rows
+        self.prefetch_weight_scales = prefetch_weight_scales and self.block_scaled
         self.schedule = TileSchedule(
             tile_rows=tile_rows,
             cluster_rows=cluster_rows,
@@ -1215,6 +1221,10 @@ class ExpertGroupedGemmSm90:
         if cutlass.const_expr(overlapped):
             finished_products.fill(0.0)
             pending_scales.fill(0.0)
+        if cutlass.const_expr(self.prefetch_weight_scales):
+            tidx, _, _ = cute.arch.thread_idx()
+            for k_tile in range(tidx % self.tile_threads, slice_tiles, self.tile_threads):
+                self.prefetch_scales(mWScales, expert, col_tile, k_begin + k_tile, walk.n_cols)
         for k_tile in range(slice_tiles):
             # issued before the wait: the loads' latency hides behind it
             weight_scales = self.weight_scales(
@@ -1324,6 +1334,20 @@ class ExpertGroupedGemmSm90:
         blocks a tile's columns fall in: with SwiGLU its gate rows and its up rows (each in one
         128-row block of the source w13, since I is a multiple of 128), else the tile's two
         128-column halves (one block, twice, for tiles of at most 128 columns)."""
+        first, second = self.weight_scale_blocks(mWScales, col_tile, n_cols)
+        return mWScales[(expert, first, k_tile)], mWScales[(expert, second, k_tile)]
+
+    @cute.jit
+    def prefetch_scales(self, mWScales, expert, col_tile, k_tile, n_cols):
+        """FP8: prefetches into L2 the line of the first of weight_scales' two scales (in a
+        packed weight both lie in one packet's scale words)."""
+        first, _ = self.weight_scale_blocks(mWScales, col_tile, n_cols)
+        offset = cute.crd2idx((expert, first, k_tile), mWScales.layout)
+        cute.arch.prefetch((mWScales.iterator + offset).llvm_ptr, cache_level="L2")
+
+    @cute.jit
+    def weight_scale_blocks(self, mWScales, col_tile, n_cols):
+        """FP8: the two weight blocks along N whose scales weight_scales reads."""
         blocks = cute.size(mWScales, mode=[1])
         first = cutlass.Int32(0)
         second = cutlass.Int32(0)
@@ -1337,7 +1361,7 @@ class ExpertGroupedGemmSm90:
         else:
             first = col_tile * self.tile_cols // WEIGHT_BLOCK
             second = first
-        return mWScales[(expert, first, k_tile)], mWScales[(expert, second, k_tile)]
+        return first, second
 
     def x_scale_slot(self, i, fragment_shape):
         """Which of a thread's batch rows accumulator value i belongs to (plain Python): the

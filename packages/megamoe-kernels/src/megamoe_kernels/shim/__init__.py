@@ -50,10 +50,19 @@ from megamoe_kernels.shim.router_logits import (
     router_logits_launcher,
     router_logits_problems,
 )
+from megamoe_kernels.shim.weight_packets import (
+    PACKED_TILE_COLS,
+    is_packed_weight,
+    pack_problems,
+    pack_weight_tiles,
+    stored_weight_dims,
+    unpack_weight_tiles,
+)
 
 __all__ = [
     "FP8_DTYPE",
     "OPS",
+    "PACKED_TILE_COLS",
     "PROFILE_ROWS_PER_EXPERT",
     "ROUTER_LOGITS_MAX_TOKENS",
     "GemmKnobs",
@@ -82,8 +91,11 @@ __all__ = [
     "gathers_rows_by_default",
     "interleave_gate_up",
     "interleave_gate_up_bias",
+    "is_packed_weight",
     "keeps_buffers",
     "knob_problems",
+    "pack_problems",
+    "pack_weight_tiles",
     "quantize_rows",
     "quantize_weight_blocks",
     "resolve_knobs",
@@ -91,5 +103,7 @@ __all__ = [
     "router_logits_problems",
     "row_scales_buffer",
     "shared_experts_in_batch_by_default",
+    "stored_weight_dims",
+    "unpack_weight_tiles",
     "weight_scales_shape",
 ]

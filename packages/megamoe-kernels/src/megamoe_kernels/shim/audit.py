@@ -116,6 +116,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "swiglu_limit",
             "swiglu_alpha",
             "swiglu_up_offset",
+            "prefetch_weight_scales",
         ),
     ),
     DropSymbol(

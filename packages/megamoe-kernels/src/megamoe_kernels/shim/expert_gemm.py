@@ -21,6 +21,9 @@ B = I / GATE_UP_BLOCK pair blocks. The batch is tight and expert-major: expert e
   hidden_scales, expert_offsets, w2_EHI, w2_scales, row_scale_M=None)` -> bf16 [M, H]. The
   weight scales are per 128 x 128 block of the weight before the gate/up interleave. The
   FP8 GEMMs are not built with biases or the clamped SwiGLU.
+- Packed weights (`pack_weight_tiles`, shim/weight_packets.py) in place of w13_EB2GH or w2_EHI,
+  with FP8 the scale words it returned in place of the weight scales: the same output bits;
+  told from their 5-D shape and strides.
 Rows past expert_offsets[E] of an output are left as they were (unspecified).
 Masked batches (`expert_counts`, int32 [E] on the GPU, every op): expert e owns rows
 [expert_offsets[e], expert_offsets[e] + expert_counts[e]) of a receive buffer with a stride per
@@ -89,6 +92,15 @@ from megamoe_kernels.shim.knobs import (
     max_row_tiles,
     resolve_knobs,
     scale_group,
+)
+from megamoe_kernels.shim.weight_packets import (
+    PACKED_TILE_COLS,
+    PACKET_ROWS,
+    is_packed_shape,
+    pack_problems,
+    packed_dims,
+    packed_scale_words,
+    packet_strides,
 )
 
 _COMPILE_LOCK = threading.Lock()
@@ -220,8 +232,25 @@ def _check_row_scales(name: str, scales: torch.Tensor, *, groups: int, rows: int
 
 
 def _check_weight_scales(
-    name: str, scales: torch.Tensor, *, experts: int, n: int, k: int, device
+    name: str, scales: torch.Tensor, *, experts: int, n: int, k: int, device, packed_weight=None
 ) -> None:
+    """FP8 weight scales: [E, N/128, K/128] float32, or with a packed weight its scale words'
+    view of the same allocation."""
+    if packed_weight is not None:
+        words = packed_scale_words(packed_weight)
+        if (
+            not isinstance(scales, torch.Tensor)
+            or scales.dtype != torch.float32
+            or tuple(scales.shape) != words.shape
+            or scales.stride() != words.stride()
+            or scales.data_ptr() != words.data_ptr()
+        ):
+            raise ValueError(
+                f"{name} of a packed weight must be the scale words pack_weight_tiles returned "
+                f"beside it (float32 {list(words.shape)}, strides {words.stride()}, in the "
+                f"weight's allocation), got {_described(scales)}"
+            )
+        return
     blocks = list(weight_scales_shape((experts, n, k)))
     if (
         not isinstance(scales, torch.Tensor)
@@ -285,12 +314,44 @@ def _check_bias(name: str, bias, *, shape: tuple[int, ...], device, made_by: str
     _check_common(name, bias, dim=len(shape), device=device)
 
 
+def _check_packed(
+    name: str, weight: torch.Tensor, *, device, gate_up: bool
+) -> tuple[int, int, int]:
+    """A packed weight (shim/weight_packets.py): its dtype, packet shape and strides, device
+    and alignment; returns its (E, N, K)."""
+    experts, n, k = packed_dims(tuple(weight.shape))
+    problems = pack_problems(weight.dtype, n, k, gate_up=gate_up)
+    if problems:
+        raise ValueError(f"{name} is packed but cannot be: " + "; ".join(problems))
+    strides = packet_strides(weight.dtype, experts, n, k)
+    if weight.shape[3] != PACKET_ROWS or weight.stride() != strides:
+        raise ValueError(
+            f"{name} packed must be [E, N/{PACKET_ROWS}, K tiles, {PACKET_ROWS}, K tile] with "
+            f"strides {strides} (pack_weight_tiles makes it), got shape {tuple(weight.shape)} "
+            f"and strides {weight.stride()}"
+        )
+    if weight.device != device:
+        raise ValueError(f"{name} is on {weight.device}, the batch rows on {device}")
+    if weight.data_ptr() % _ALIGN_BYTES:
+        raise ValueError(
+            f"{name} must be {_ALIGN_BYTES}-byte aligned, got address {weight.data_ptr():#x}"
+        )
+    return experts, n, k
+
+
 def _check_gate_up(
     rows_MH, expert_offsets, w13_EB2GH, out_MI, *, fp8=False, row_source_M=None, bias=None
 ) -> None:
     """Every rule of gate_up_swiglu's arguments, with an error that names the argument (with
     row_source_M, rows_MH is the tokens the rows are gathered from)."""
-    if (
+    dtype = FP8_DTYPE if fp8 else torch.bfloat16
+    packed = isinstance(w13_EB2GH, torch.Tensor) and is_packed_shape(w13_EB2GH.shape)
+    if packed:
+        if not isinstance(rows_MH, torch.Tensor):
+            raise TypeError(f"rows must be a torch.Tensor, got {type(rows_MH).__name__}")
+        experts, n, hidden = _check_packed("w13", w13_EB2GH, device=rows_MH.device, gate_up=True)
+        blocks = n // (2 * GATE_UP_BLOCK)
+    elif (
         not isinstance(w13_EB2GH, torch.Tensor)
         or w13_EB2GH.dim() != 4
         or w13_EB2GH.shape[2] != 2 * GATE_UP_BLOCK
@@ -298,12 +359,14 @@ def _check_gate_up(
         shape = tuple(w13_EB2GH.shape) if isinstance(w13_EB2GH, torch.Tensor) else w13_EB2GH
         raise ValueError(
             f"w13 must be the interleaved [E, I/{GATE_UP_BLOCK}, {2 * GATE_UP_BLOCK}, H] layout "
-            f"from interleave_gate_up(w13_E2IH), got shape {shape}"
+            f"from interleave_gate_up(w13_E2IH), or that packed (pack_weight_tiles), got shape "
+            f"{shape}"
         )
-    experts, blocks, _, hidden = w13_EB2GH.shape
-    dtype = FP8_DTYPE if fp8 else torch.bfloat16
+    else:
+        experts, blocks, _, hidden = w13_EB2GH.shape
     _check_batch(rows_MH, expert_offsets, experts, dtype)
-    _check_common("w13", w13_EB2GH, dim=4, device=rows_MH.device)
+    if not packed:
+        _check_common("w13", w13_EB2GH, dim=4, device=rows_MH.device)
     if w13_EB2GH.dtype != rows_MH.dtype or hidden != rows_MH.shape[1]:
         raise ValueError(
             f"w13 {w13_EB2GH.dtype} [..., H={hidden}] does not match rows {rows_MH.dtype} "
@@ -337,8 +400,13 @@ def _check_down(
     """Every rule of down's arguments, with an error that names the argument."""
     if not isinstance(hidden_MI, torch.Tensor):
         raise TypeError(f"rows must be a torch.Tensor, got {type(hidden_MI).__name__}")
-    _check_common("w2", w2_EHI, dim=3, device=hidden_MI.device)
-    experts, hidden, intermediate = w2_EHI.shape
+    if isinstance(w2_EHI, torch.Tensor) and is_packed_shape(w2_EHI.shape):
+        experts, hidden, intermediate = _check_packed(
+            "w2", w2_EHI, device=hidden_MI.device, gate_up=False
+        )
+    else:
+        _check_common("w2", w2_EHI, dim=3, device=hidden_MI.device)
+        experts, hidden, intermediate = w2_EHI.shape
     _check_batch(hidden_MI, expert_offsets, experts, FP8_DTYPE if fp8 else torch.bfloat16)
     if w2_EHI.dtype != hidden_MI.dtype or intermediate != hidden_MI.shape[1]:
         raise ValueError(
@@ -509,8 +577,12 @@ def _stream_scratch(device: torch.device, what: tuple, make: Callable[[], object
 
 def _gemm_dims(op: str, weight_shape: tuple[int, ...]) -> tuple[int, int, int]:
     """(N, K, output columns) of an op's GEMM from its stored weight's shape: gate-up
-    [E, B, 16, H] has N = B x 16 weight rows, which SwiGLU halves; down [E, H, I] has N = H."""
-    n, k = math.prod(weight_shape[1:-1]), weight_shape[-1]
+    [E, B, 16, H] has N = B x 16 weight rows, which SwiGLU halves; down [E, H, I] has N = H;
+    a packed weight [E, N/128, K tiles, 128, K tile] its packets' rows and values."""
+    if is_packed_shape(weight_shape):
+        _, n, k = packed_dims(weight_shape)
+    else:
+        n, k = math.prod(weight_shape[1:-1]), weight_shape[-1]
     return n, k, n // 2 if is_gate_up(op) else n
 
 
@@ -566,6 +638,12 @@ def _launches(
         launches = (Launch(resolve_knobs(op, capacity / max(1, experts), knobs)),)
     for launch in launches:
         _check_split_k(op, launch.knobs, k)
+        if is_packed_shape(weight_shape) and launch.knobs.tile_cols not in PACKED_TILE_COLS:
+            raise ValueError(
+                f"tile_cols={launch.knobs.tile_cols} with packed weights: accepted "
+                f"{PACKED_TILE_COLS} (a tile's weight rows lie in one packet of {PACKET_ROWS} or "
+                "fill two)"
+            )
     return launches
 
 
@@ -738,6 +816,8 @@ def _check_op(
         experts = w.shape[0] if isinstance(w, torch.Tensor) else 0
         _check_expert_counts(expert_counts, x_MK, experts)
     _check_epilogue(op, bias=bias, swiglu=swiglu)
+    if bias is not None and isinstance(w, torch.Tensor) and is_packed_shape(w.shape):
+        raise ValueError("packed weights are not built with a bias: pass the row-major weight")
     if is_gate_up(op):
         if row_scale_M is not None:
             raise ValueError("row_scale_M is the down GEMM's; the gate-up GEMM takes none")
@@ -758,7 +838,15 @@ def _check_op(
     _check_row_scales(
         "x_scales", x_scales, groups=-(-k // scale_group(op)), rows=rows, device=device
     )
-    _check_weight_scales("w_scales", w_scales, experts=w.shape[0], n=n, k=k, device=device)
+    _check_weight_scales(
+        "w_scales",
+        w_scales,
+        experts=w.shape[0],
+        n=n,
+        k=k,
+        device=device,
+        packed_weight=w if is_packed_shape(w.shape) else None,
+    )
     if out_scales is not None:
         _check_row_scales(
             "out_scales",
@@ -937,6 +1025,8 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callabl
                 quantize_out=op == "gate_up_fp8",
                 gather_rows=gathers,
                 bias=has_bias,
+                # a packed weight's scales lie a packet apart: one line per K tile
+                prefetch_weight_scales=is_packed_shape(weight_shape),
                 **(swiglu.kernel_constants() if is_gate_up(op) else {}),
                 # persistent CTAs: those beyond the routed tiles find no work and exit
                 num_ctas=_persistent_ctas(device_index, launch.knobs.cluster[0]),

@@ -7,8 +7,9 @@ device (the environment stream, so CUDA-graph capture records the launch). Measu
 a few microseconds per launch, against ~70 us for the pointer wrappers this replaces.
 
 The signature: x [rows, K], w as stored ([E, ...], contiguous, E * N * K elements, each expert's
-N x K block row-major), out [rows, N_out], offsets [E + 1] int32, row scale [rows] float32 or
-None, for split-K variants the workspace: partials [words] float32 and arrivals [slots]
+N x K block row-major; or packed, shim/weight_packets.py: a 5-D view with the packets' strides,
+the FP8 w_scales then its scale words' view of the same allocation), out [rows, N_out],
+offsets [E + 1] int32, row scale [rows] float32 or None, for split-K variants the workspace: partials [words] float32 and arrivals [slots]
 int32 (else None, None), and for variants with a dynamic schedule the unit counter [2] int32
 (else None), and for FP8 variants the scales (fp8_scaling): x_scales [K groups, rows],
 w_scales [E, N blocks, K blocks] and, with a quantized output, out_scales [N_out groups, rows]
@@ -30,20 +31,70 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import torch
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
 from megamoe_kernels.drop.fp8_scaling import INTERMEDIATE_GROUP, WEIGHT_BLOCK
+from megamoe_kernels.shim.fp8 import FP8_DTYPE
+from megamoe_kernels.shim.weight_packets import SCALE_WORDS, is_packed_shape, packet_strides
 
 TENSOR_ALIGN_BYTES = 16  # TMA and the 16-byte vector stores; the shim's checks say the same
 
 
 class StoredWeightLaunch:
     """The drop's kernels of one call (one variant, or one per range of valid rows), launched
-    one after the other from one host call, taking the weight in its stored layout."""
+    one after the other from one host call, taking the weight in its stored layout: row-major,
+    or packed (shim/weight_packets.py: `packet` = (packet elements, packet rows, K tile
+    values), the scale words in the same allocation, `gate_up` saying whose)."""
 
-    def __init__(self, kernels, *, n: int, k: int, experts: int):
+    def __init__(
+        self,
+        kernels,
+        *,
+        n: int,
+        k: int,
+        experts: int,
+        packet: tuple[int, int, int] | None = None,
+        gate_up: bool = False,
+    ):
         self.kernels = kernels
         self.n, self.k, self.experts = n, k, experts
+        self.packet, self.gate_up = packet, gate_up
+
+    def packed_views(self, mWStored, mWScalesStored):
+        """The kernel's (N, K, E) weight and [E, N blocks, K blocks] scales over a packed
+        allocation: the weight's modes are (rows within a packet, packets) and (values within
+        a row, K tiles), so a tile of 64, 128 or 256 rows is one TMA box; a gate-up scale
+        block b lies in packet 2 b's first word (gate blocks) or packet 2 (b - I/128)'s second
+        (up blocks), a down block b in packet b's first word."""
+        packet_elements, rows, row_values = self.packet
+        n_tiles, k_tiles = self.n // rows, self.k // row_values
+        expert_stride = n_tiles * k_tiles * packet_elements
+        mW = cute.make_tensor(
+            mWStored.iterator,
+            cute.make_layout(
+                ((rows, n_tiles), (row_values, k_tiles), self.experts),
+                stride=(
+                    (row_values, k_tiles * packet_elements),
+                    (1, packet_elements),
+                    expert_stride,
+                ),
+            ),
+        )
+        mWScales = None
+        if mWScalesStored is not None:
+            words = packet_elements * mWStored.element_type.width // 32
+            block_layout = cute.make_layout(n_tiles, stride=k_tiles * words)
+            if self.gate_up:
+                block_layout = cute.make_layout((n_tiles // 2, 2), stride=(2 * k_tiles * words, 1))
+            mWScales = cute.make_tensor(
+                mWScalesStored.iterator,
+                cute.make_layout(
+                    (self.experts, block_layout.shape, k_tiles),
+                    stride=(n_tiles * k_tiles * words, block_layout.stride, words),
+                ),
+            )
+        return mW, mWScales
 
     @cute.jit
     def __call__(
@@ -57,7 +108,7 @@ class StoredWeightLaunch:
         mArrivals,
         mUnitCounter,
         mXScales,
-        mWScales,
+        mWScalesStored,
         mOutScales,
         mRowSource,
         mExpertCounts,
@@ -65,9 +116,13 @@ class StoredWeightLaunch:
         stream,
     ):
         n, k, experts = self.n, self.k, self.experts
-        mW = cute.make_tensor(
-            mWStored.iterator, cute.make_layout((n, k, experts), stride=(k, 1, n * k))
-        )
+        mWScales = mWScalesStored
+        if cutlass.const_expr(self.packet is not None):
+            mW, mWScales = self.packed_views(mWStored, mWScalesStored)
+        else:
+            mW = cute.make_tensor(
+                mWStored.iterator, cute.make_layout((n, k, experts), stride=(k, 1, n * k))
+            )
         # the bias as the kernel indexes it: [E, N]
         mBias = None
         if cutlass.const_expr(mBiasStored is not None):
@@ -142,14 +197,34 @@ def compile_stored_weight_launch(
     x = row_major(ab_dtype, (cute.sym_int32(symbol="tokens") if gather_rows else rows, k))
     row_source = row_major(cutlass.Int32, (rows,)) if gather_rows else None
     expert_counts = row_major(cutlass.Int32, (experts,)) if masked else None
-    w = row_major(ab_dtype, tuple(weight_shape))
+    packet = None
+    if is_packed_shape(weight_shape):
+        # the packet layout's strides (shim/weight_packets.py), which the signature checks
+        torch_dtype = FP8_DTYPE if scale_group is not None else torch.bfloat16
+        strides = packet_strides(torch_dtype, experts, n, k)
+        w = make_fake_tensor(
+            ab_dtype, tuple(weight_shape), stride=strides, assumed_align=TENSOR_ALIGN_BYTES
+        )
+        packet = (strides[2], weight_shape[3], weight_shape[4])
+    else:
+        w = row_major(ab_dtype, tuple(weight_shape))
     out = row_major(out_dtype, (rows, n_out))
     x_scales = w_scales = out_scales = None
     if scale_group is not None:
         x_scales = rows_contiguous(cutlass.Float32, -(-k // scale_group), rows)
-        w_scales = row_major(
-            cutlass.Float32, (experts, -(-n // WEIGHT_BLOCK), -(-k // WEIGHT_BLOCK))
-        )
+        if packet is not None:
+            words = packet[0] // 4
+            n_tiles, k_tiles = weight_shape[1], weight_shape[2]
+            w_scales = make_fake_tensor(
+                cutlass.Float32,
+                (experts, n_tiles, k_tiles, SCALE_WORDS),
+                stride=(n_tiles * k_tiles * words, k_tiles * words, words, 1),
+                assumed_align=TENSOR_ALIGN_BYTES,
+            )
+        else:
+            w_scales = row_major(
+                cutlass.Float32, (experts, -(-n // WEIGHT_BLOCK), -(-k // WEIGHT_BLOCK))
+            )
     if quantize_out:
         out_scales = rows_contiguous(cutlass.Float32, -(-n_out // INTERMEDIATE_GROUP), rows)
     offsets = row_major(cutlass.Int32, (experts + 1,))
@@ -160,7 +235,9 @@ def compile_stored_weight_launch(
         arrivals = row_major(cutlass.Int32, (cute.sym_int32(symbol="slots"),))
     unit_counter = row_major(cutlass.Int32, (2,)) if dynamic_schedule else None
     bias = row_major(cutlass.Float32, tuple(weight_shape[:-1])) if has_bias else None
-    launch = StoredWeightLaunch(kernels, n=n, k=k, experts=experts)
+    launch = StoredWeightLaunch(
+        kernels, n=n, k=k, experts=experts, packet=packet, gate_up=n_out != n
+    )
     return cute.compile(
         launch,
         x,
