@@ -111,7 +111,7 @@ class StandIns:
             online_tuning.replay_seconds,
             os.environ.get(ENVIRONMENT_VARIABLE),
         )
-        layer_module.make_backend = lambda name: StandInExperts()
+        layer_module.make_backend = lambda name, **options: StandInExperts()
         online_tuning.replay_seconds = self.timer
         os.environ[ENVIRONMENT_VARIABLE] = str(self.cache_path)
         return self

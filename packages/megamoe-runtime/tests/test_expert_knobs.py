@@ -164,3 +164,20 @@ def test_the_backend_runs_explicit_knobs_exactly_and_cached_ones_as_tuned(tmp_pa
         batch, prepared
     )
     assert down == {"knobs": explicit}
+
+
+def test_packed_weights_skip_cached_knobs_whose_tiles_their_packets_do_not_serve(tmp_path):
+    # a 192-column tile would straddle the 128-row packets: the default profile runs instead
+    from megamoe_kernels import pack_weight_tiles
+
+    cache = KnobCache(tmp_path / "knobs.json")
+    batch = small_batch()
+    for tile_cols, served in ((192, False), (128, True)):
+        tuned = next(k for k in candidate_knobs("down") if k.tile_cols == tile_cols)
+        cache.put(down_key(batch), cache_fields(tuned), microseconds=1.0)
+        w2 = torch.zeros(2, *DOWN_DIMS, dtype=torch.bfloat16)
+        packed, _ = pack_weight_tiles(w2, gate_up=False)
+        prepared = cutedsl.CuteDSLWeights(w13_EB2GH=torch.empty(0), w2_EHI=packed)
+        assert (prepared.hidden_size, prepared.intermediate_size) == DOWN_DIMS
+        _, down = CuteDSLExperts(knob_cache=cache, tile_pack=True)._knob_arguments(batch, prepared)
+        assert down == {"tuned_knobs": tuned if served else None}

@@ -88,6 +88,13 @@ class MegaMoEConfig:
     # activations quantized per row and 128 channels); the reference backend computes with the
     # dequantized weights (the FP8 oracle)
     weight_dtype: Literal["fp8"] | None = None
+    # the cutedsl backend's routed-expert weights in the weight-packet layout (each 128-row tile
+    # of a K tile contiguous, in the order the GEMMs read them; FP8 tiles followed by their
+    # block scales in the same allocation): the same output bits, laid out once when the
+    # weights are prepared. Opt-in (docs/benchmarks.md, "Weight packets"). Needs H and 2I
+    # multiples of 256 and no expert biases (refused at load with the reason); the other
+    # backends keep their own layout
+    tile_pack: bool = False
     # the shared experts' weights: None, in the layer's dtype; "fp8", e4m3 with one float32
     # scale per 128 x 128 block (`shared_experts.{gate,up,down}_proj.weight` and
     # `.weight_scale_inv`, as DeepSeek-V3's FP8 checkpoints hold them), quantized as they load
@@ -155,6 +162,8 @@ class MegaMoEConfig:
             raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
         if self.shared_expert_gate and self.num_shared_experts == 0:
             raise ValueError("shared_expert_gate needs num_shared_experts >= 1")
+        if not isinstance(self.tile_pack, bool):
+            raise TypeError(f"tile_pack must be a bool, got {self.tile_pack!r}")
         if self.router_dtype not in ("float32", "input"):
             raise ValueError(
                 f"router_dtype must be 'float32' or 'input', got {self.router_dtype!r}"

@@ -423,7 +423,7 @@ class MegaMoE(nn.Module):
                 expert_math=self.config.expert_math_features,
             )
             self._backend_device = device
-            self._expert_backend = make_backend(self._backend_name)
+            self._expert_backend = make_backend(self._backend_name, tile_pack=self.config.tile_pack)
             self._prepared.clear()
 
     def _prepared_weights(self, *, shared_in_batch: bool = False):

@@ -58,8 +58,26 @@ def _cycled_copies(weights: tuple[torch.Tensor, ...], *, experts_with_rows: int,
         l2_bytes=l2_bytes,
         tensor_bytes=sum(tensor.numel() * tensor.element_size() for tensor in weights),
     )
-    clones = (tuple(tensor.clone() for tensor in weights) for _ in range(copies - 1))
+    clones = (_clone_keeping_layout(weights) for _ in range(copies - 1))
     return itertools.cycle([weights, *clones])
+
+
+def _clone_keeping_layout(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Clones of `tensors` with their strides, those that share an allocation sharing the
+    clone of it (a packed weight and its scale words: megamoe_kernels.pack_weight_tiles)."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    clones = []
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in storages:
+            storages[storage.data_ptr()] = storage.clone()
+        clone = storages[storage.data_ptr()]
+        clones.append(
+            torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+                clone, tensor.storage_offset(), tensor.shape, tensor.stride()
+            )
+        )
+    return tuple(clones)
 
 
 @dataclass(frozen=True)

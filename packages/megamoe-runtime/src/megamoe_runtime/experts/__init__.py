@@ -108,7 +108,9 @@ def select_backend(
     raise AssertionError("the reference backend always runs")
 
 
-def make_backend(name: str) -> ExpertBackend:
+def make_backend(name: str, *, tile_pack: bool = False) -> ExpertBackend:
+    """The backend `name`; tile_pack: the cutedsl backend lays its weights out in packets
+    (CuteDSLExperts(tile_pack=True)); the others keep their own layout."""
     backends = {
         "reference": ReferenceExperts,
         "grouped_mm": GroupedMMExperts,
@@ -116,6 +118,8 @@ def make_backend(name: str) -> ExpertBackend:
     }
     if name not in backends:
         raise ValueError(f"backend must be one of {tuple(backends)}, got {name!r}")
+    if name == "cutedsl":
+        return CuteDSLExperts(tile_pack=tile_pack)
     return backends[name]()
 
 

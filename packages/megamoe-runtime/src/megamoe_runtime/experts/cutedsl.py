@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 from megamoe_kernels import (
+    PACKED_TILE_COLS,
     GemmKnobs,
     GemmLauncher,
     SwiGLU,
@@ -35,7 +36,9 @@ from megamoe_kernels import (
     down_launcher,
     gate_up_fp8_launcher,
     gate_up_launcher,
+    is_packed_weight,
     keeps_buffers,
+    stored_weight_dims,
 )
 
 from megamoe_runtime.expert_batch import ExpertBatch
@@ -60,7 +63,8 @@ def cutedsl_status(device: torch.device) -> tuple[bool, str]:
 
 
 class _KernelLayoutDims:
-    """What check_batch_matches_weights reads of weights in the kernels' layout."""
+    """What check_batch_matches_weights and the backend read of weights in the kernels' layout
+    (row-major or packed: megamoe_kernels.stored_weight_dims tells either's dims)."""
 
     w2_EHI: torch.Tensor
 
@@ -70,14 +74,19 @@ class _KernelLayoutDims:
 
     @property
     def hidden_size(self) -> int:
-        return self.w2_EHI.shape[1]
+        return stored_weight_dims(self.w2_EHI)[1]
+
+    @property
+    def intermediate_size(self) -> int:
+        return stored_weight_dims(self.w2_EHI)[2]
 
 
 @dataclass(frozen=True)
 class CuteDSLWeights(_KernelLayoutDims):
-    """Weights in the kernels' layout: w13 gate/up interleaved ([E, I/8, 16, H]), w2 as given;
-    the biases in float32, w13's interleaved like it ([E, I/8, 16]), w2's [E, H]; the SwiGLU.
-    Nothing of the source pack is kept (a pack made for the backend alone is freed)."""
+    """Weights in the kernels' layout: w13 gate/up interleaved ([E, I/8, 16, H]), w2 as given,
+    or both packed (tile_pack: megamoe_kernels.pack_weight_tiles); the biases in float32, w13's
+    interleaved like it ([E, I/8, 16]), w2's [E, H]; the SwiGLU. Nothing of the source pack is
+    kept (a pack made for the backend alone is freed)."""
 
     w13_EB2GH: torch.Tensor
     w2_EHI: torch.Tensor
@@ -93,7 +102,8 @@ class CuteDSLWeights(_KernelLayoutDims):
 @dataclass(frozen=True)
 class CuteDSLFP8Weights(_KernelLayoutDims):
     """FP8 weights in the kernels' layout: e4m3 w13 gate/up interleaved ([E, I/8, 16, H]) with
-    its block scales over the source rows, e4m3 w2 with its block scales."""
+    its block scales over the source rows, e4m3 w2 with its block scales; or both packed
+    (tile_pack), each scale a view of its weight's allocation (the packets' scale words)."""
 
     w13_EB2GH: torch.Tensor
     w13_scales: torch.Tensor
@@ -110,12 +120,22 @@ class CuteDSLExperts:
     supports_autograd = False
     captures_in_graphs = True
 
-    def __init__(self, *, gate_up_knobs=None, down_knobs=None, knob_cache: KnobCache | None = None):
+    def __init__(
+        self,
+        *,
+        gate_up_knobs=None,
+        down_knobs=None,
+        knob_cache: KnobCache | None = None,
+        tile_pack: bool = False,
+    ):
         # None: tuned knobs from the knob cache (`megamoe tune`) if it holds the batch's class,
         # else from the entries megamoe ships, else the kernels' default profile for the batch's
         # rows per expert
         self.gate_up_knobs = gate_up_knobs
         self.down_knobs = down_knobs
+        # prepare() lays the weights out in packets (megamoe_kernels.pack_weight_tiles): the
+        # same bits, read tile by tile; a shape it cannot pack is refused there
+        self.tile_pack = bool(tile_pack)
         self.knob_cache = KnobCache() if knob_cache is None else knob_cache
         self._launchers: dict[tuple, tuple[GemmLauncher, GemmLauncher]] = {}
         self._kept_intermediate: dict[tuple, torch.Tensor] = {}
@@ -132,7 +152,7 @@ class CuteDSLExperts:
         cls, prepared: CuteDSLWeights | CuteDSLFP8Weights
     ) -> dict[str, tuple[int, int]]:
         """(N, K) of each op's weight: gate-up (2I, H), down (H, I)."""
-        _, hidden, intermediate = prepared.w2_EHI.shape
+        hidden, intermediate = prepared.hidden_size, prepared.intermediate_size
         gate_up, down = cls._ops(prepared)
         return {gate_up: (2 * intermediate, hidden), down: (hidden, intermediate)}
 
@@ -175,7 +195,18 @@ class CuteDSLExperts:
             weight_dims=self._weight_dims(prepared)[op],
             sms=torch.cuda.get_device_properties(device).multi_processor_count,
         )[-1].knobs
-        return [untuned, *gemm_candidates(op, quick=True, same_numbers=True)]
+        candidates = gemm_candidates(op, quick=True, same_numbers=True)
+        # packed weights: the tiles packets serve, the list padded to its length with the first
+        # (ranks time lists of one length in lockstep)
+        served = [knobs for knobs in candidates if self._reads_the_weights(prepared, knobs)]
+        served += [untuned] * (len(candidates) - len(served))
+        return [untuned, *served]
+
+    @staticmethod
+    def _reads_the_weights(prepared: CuteDSLWeights | CuteDSLFP8Weights, knobs) -> bool:
+        """Whether a GEMM with `knobs` reads the prepared weights' layout: any tile reads
+        row-major weights; packed ones take tiles of PACKED_TILE_COLS weight rows."""
+        return not is_packed_weight(prepared.w2_EHI) or knobs.tile_cols in PACKED_TILE_COLS
 
     def expert_runner(
         self,
@@ -246,7 +277,10 @@ class CuteDSLExperts:
                 return {"knobs": explicit[op]}
             if op in tuned:
                 return {"tuned_knobs": tuned[op]}
-            return {"tuned_knobs": self._cached_knobs(op, batch, weight_dims[op])}
+            cached = self._cached_knobs(op, batch, weight_dims[op])
+            if cached is not None and not self._reads_the_weights(prepared, cached):
+                cached = None  # tuned for row-major weights with tiles packets do not serve
+            return {"tuned_knobs": cached}
 
         gate_up, down = self._ops(prepared)
         return arguments(gate_up), arguments(down)
@@ -274,7 +308,7 @@ class CuteDSLExperts:
             swiglu=prepared.swiglu,
             **gate_up_knobs,
         )
-        intermediate = prepared.w2_EHI.shape[2]
+        intermediate = prepared.intermediate_size
         down = down_launcher(
             rows_MH.new_empty((batch.capacity, intermediate)),
             offsets,
@@ -307,6 +341,8 @@ class CuteDSLExperts:
     def prepare(self, weights: WeightPack) -> CuteDSLWeights | CuteDSLFP8Weights:
         from megamoe_kernels import interleave_gate_up, interleave_gate_up_bias
 
+        if self.tile_pack:
+            self._check_packable(weights)
         if isinstance(weights, Prequantized):
             if weights.intermediate_size % 128:
                 raise ValueError(
@@ -314,22 +350,63 @@ class CuteDSLExperts:
                     f"tile's gate and up rows each lie in one weight block), got "
                     f"{weights.intermediate_size}: use backend='reference' or bf16 weights"
                 )
+            w13, w13_scales = self._packed(
+                interleave_gate_up(weights.w13_E2IH), weights.w13_scales.contiguous(), gate_up=True
+            )
+            w2, w2_scales = self._packed(
+                weights.w2_EHI.contiguous(), weights.w2_scales.contiguous(), gate_up=False
+            )
             return CuteDSLFP8Weights(
-                w13_EB2GH=interleave_gate_up(weights.w13_E2IH),
-                w13_scales=weights.w13_scales.contiguous(),
-                w2_EHI=weights.w2_EHI.contiguous(),
-                w2_scales=weights.w2_scales.contiguous(),
+                w13_EB2GH=w13, w13_scales=w13_scales, w2_EHI=w2, w2_scales=w2_scales
             )
         if weights.w13_E2IH.dtype != torch.bfloat16:
             raise TypeError(f"the cutedsl backend runs bf16 weights, got {weights.w13_E2IH.dtype}")
         w13_bias, w2_bias = weights.w13_bias_E2I, weights.w2_bias_EH
+        w13, _ = self._packed(interleave_gate_up(weights.w13_E2IH), None, gate_up=True)
+        w2, _ = self._packed(weights.w2_EHI.contiguous(), None, gate_up=False)
         return CuteDSLWeights(
-            w13_EB2GH=interleave_gate_up(weights.w13_E2IH),
-            w2_EHI=weights.w2_EHI.contiguous(),
+            w13_EB2GH=w13,
+            w2_EHI=w2,
             swiglu=weights.swiglu,
             w13_bias_EB2G=None if w13_bias is None else interleave_gate_up_bias(w13_bias),
             w2_bias_EH=None if w2_bias is None else w2_bias.float().contiguous(),
         )
+
+    def _check_packable(self, weights: WeightPack) -> None:
+        """tile_pack: refuses, with every reason, weights the packet layout cannot hold."""
+        from megamoe_kernels import pack_problems
+
+        dtype = weights.w13_E2IH.dtype
+        hidden, intermediate = weights.hidden_size, weights.intermediate_size
+        problems = [
+            f"{name}: {problem}"
+            for name, n, k, gate_up in (
+                ("w13", 2 * intermediate, hidden, True),
+                ("w2", hidden, intermediate, False),
+            )
+            for problem in pack_problems(dtype, n, k, gate_up=gate_up)
+        ]
+        if not isinstance(weights, Prequantized) and (
+            weights.w13_bias_E2I is not None or weights.w2_bias_EH is not None
+        ):
+            problems.append("the pack has expert biases (packed GEMMs are built without them)")
+        if problems:
+            raise ValueError(
+                "tile_pack=True cannot lay these weights out in packets: "
+                + "; ".join(problems)
+                + " (tile_pack=False keeps them row-major)"
+            )
+
+    def _packed(
+        self, weight: torch.Tensor, scales: torch.Tensor | None, *, gate_up: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight (and FP8 scales) as the GEMMs take them: packed with tile_pack, else as
+        given."""
+        if not self.tile_pack:
+            return weight, scales
+        from megamoe_kernels import pack_weight_tiles
+
+        return pack_weight_tiles(weight, scales, gate_up=gate_up)
 
     def __call__(
         self,
@@ -456,7 +533,7 @@ class CuteDSLExperts:
             expert_counts=batch.expert_counts,
             **gate_up_knobs,
         )
-        intermediate = prepared.w2_EHI.shape[2]
+        intermediate = prepared.intermediate_size
         down = down_fp8_launcher(
             rows_q.new_empty((rows_q.shape[0], intermediate)),
             batch.expert_offsets,
