@@ -291,9 +291,13 @@ def test_routing_megamoe_cannot_express_is_refused_but_bad_run_options_raise():
 
 def test_run_options_reach_the_layer():
     model = tiny_model("qwen3_moe")
-    swap_moe_blocks(model, backend="reference", layer_path="torch", capacity=64)
+    swap_moe_blocks(model, backend="reference", layer_path="torch", capacity=64, tile_pack=True)
     _, block = moe_blocks(model)[0]
-    assert (block.config.layer_path, block.config.capacity) == ("torch", 64)
+    assert (block.config.layer_path, block.config.capacity, block.config.tile_pack) == (
+        "torch",
+        64,
+        True,
+    )
     with pytest.raises(ValueError, match="layer_path"):
         swap_moe_blocks(tiny_model("qwen3_moe"), backend="reference", layer_path="fastest")
 

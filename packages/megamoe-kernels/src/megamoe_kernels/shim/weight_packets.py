@@ -146,8 +146,9 @@ def pack_weight_tiles(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A stored weight (gate-up: interleave_gate_up's [E, I/8, 16, H]; down: [E, H, I]; bf16,
     or e4m3 with its [E, N/128, K/128] block scales) -> (the packed weight, for FP8 its scale
-    words' view of the same allocation, else None). Deterministic; the source can be released
-    afterwards. Refuses (ValueError, with the reason) what cannot be packed."""
+    words' view of the same allocation, else None). Deterministic; it allocates the packets
+    alone (the source's size, FP8 0.8% more) and the source can be released afterwards.
+    Refuses (ValueError, with the reason) what cannot be packed."""
     if not isinstance(weight, torch.Tensor) or weight.dim() != (4 if gate_up else 3):
         what = "interleave_gate_up's [E, I/8, 16, H]" if gate_up else "[E, H, I]"
         got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
@@ -178,23 +179,23 @@ def pack_weight_tiles(
         raise ValueError("cannot pack this weight: " + "; ".join(problems))
     row_values = _row_values(weight.dtype)
     n_tiles, k_tiles = n // PACKET_ROWS, k // row_values
-    # moved as bytes (e4m3 has no copy kernel on every device)
-    tiles = (
+    packet_bytes = SCALED_PACKET_BYTES if fp8 else TILE_BYTES
+    storage = torch.empty(
+        (experts, n_tiles, k_tiles, packet_bytes), dtype=torch.uint8, device=weight.device
+    )
+    # copied as bytes (e4m3 has no copy kernel on every device) from a permuted view of the
+    # source straight into the packets: no other copy of the weight is made
+    storage[..., :TILE_BYTES].unflatten(-1, (PACKET_ROWS, TILE_K_BYTES)).copy_(
         weight.view(torch.uint8)
         .reshape(experts, n_tiles, PACKET_ROWS, k_tiles, TILE_K_BYTES)
         .permute(0, 1, 3, 2, 4)
-        .reshape(experts, n_tiles, k_tiles, TILE_BYTES)
     )
-    packet_bytes = SCALED_PACKET_BYTES if fp8 else TILE_BYTES
-    storage = torch.zeros(
-        (experts, n_tiles, k_tiles, packet_bytes), dtype=torch.uint8, device=weight.device
-    )
-    storage[..., :TILE_BYTES] = tiles
     if fp8:
         words = _scale_words(scales, gate_up=gate_up, n_tiles=n_tiles).contiguous()
         storage[..., TILE_BYTES : TILE_BYTES + 4 * SCALE_WORDS] = words.view(torch.uint8).view(
             experts, n_tiles, k_tiles, 4 * SCALE_WORDS
         )
+        storage[..., TILE_BYTES + 4 * SCALE_WORDS :] = 0
     packed = torch.as_strided(
         storage.view(-1).view(weight.dtype),
         (experts, n_tiles, k_tiles, PACKET_ROWS, row_values),

@@ -62,6 +62,7 @@ RUN_OPTIONS = (
     "dispatcher",
     "layer_path",
     "max_tokens_per_rank",
+    "tile_pack",
 )
 # the experts' precision: as the source holds them, FP8, or the activations' dtype
 WEIGHT_DTYPE_CHOICES = ("auto", "fp8", None)
