@@ -181,8 +181,9 @@ class CuteDSLExperts:
         """What the online autotuner times for `op` on this batch: first the knobs that run it
         without a tuned entry (the default profile's for the batch's capacity: stored as a tuned
         entry they launch the same kernels), then every candidate that keeps the numbers (no
-        split-K; `gemm_candidates`), the deepest ring of each tile shape. The list's length does
-        not depend on the batch (ranks time it in lockstep), so the first may appear twice."""
+        split-K; `gemm_candidates`), the deepest ring of each tile shape, on packed weights
+        those whose tiles packets serve. The list's length does not depend on the batch (ranks
+        time it in lockstep), so the first may appear twice."""
         from megamoe_kernels import default_launches
 
         from megamoe_runtime.tuning.expert_knobs import gemm_candidates
@@ -196,11 +197,8 @@ class CuteDSLExperts:
             sms=torch.cuda.get_device_properties(device).multi_processor_count,
         )[-1].knobs
         candidates = gemm_candidates(op, quick=True, same_numbers=True)
-        # packed weights: the tiles packets serve, the list padded to its length with the first
-        # (ranks time lists of one length in lockstep)
-        served = [knobs for knobs in candidates if self._reads_the_weights(prepared, knobs)]
-        served += [untuned] * (len(candidates) - len(served))
-        return [untuned, *served]
+        # packed weights (every rank's layer lays its weights out alike): the tiles packets serve
+        return [untuned, *(k for k in candidates if self._reads_the_weights(prepared, k))]
 
     @staticmethod
     def _reads_the_weights(prepared: CuteDSLWeights | CuteDSLFP8Weights, knobs) -> bool:
