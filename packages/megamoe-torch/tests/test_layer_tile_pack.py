@@ -35,13 +35,21 @@ def test_tile_pack_must_be_a_bool():
 def test_weights_the_packets_cannot_hold_are_refused_at_load_with_the_reason():
     from megamoe_runtime.experts import CuteDSLExperts
 
-    # gpt-oss-like: 2880 is no multiple of 256, and the experts have biases
+    # gpt-oss's sizes: 2880 is no multiple of 256
     layer = MegaMoE(
         config(hidden_size=2880, intermediate_size=2880, num_experts=4, top_k=2, backend="auto"),
         dtype=torch.bfloat16,
     )
     with pytest.raises(ValueError, match="N=2880 weight rows is not a multiple of 256"):
         CuteDSLExperts(tile_pack=True).prepare(layer.expert_weight_pack())
+
+
+def test_the_other_backends_keep_their_own_layout():
+    packed = MegaMoE(config(backend="reference"), dtype=torch.float32)
+    row_major = MegaMoE(config(backend="reference", tile_pack=False), dtype=torch.float32)
+    row_major.load_state_dict(packed.state_dict())
+    x = torch.randn(5, 1024)
+    assert torch.equal(packed(x), row_major(x))
 
 
 @pytest.mark.gpu
