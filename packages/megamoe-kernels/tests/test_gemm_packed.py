@@ -13,7 +13,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gemm_cases import DEVICE, has_sm90, poisoned, random_counts, random_rows, random_weights
+from gemm_cases import (
+    DEVICE,
+    expert_offsets,
+    has_sm90,
+    poisoned,
+    random_counts,
+    random_rows,
+    random_weights,
+)
 from megamoe_kernels import (
     FP8_DTYPE,
     candidate_knobs,
@@ -46,9 +54,7 @@ class Problem:
         experts, self.valid = len(counts), sum(counts)
         self.capacity = self.valid if capacity is None else capacity
         self.fp8 = fp8
-        offsets = torch.zeros(experts + 1, dtype=torch.int32)
-        offsets[1:] = torch.cumsum(torch.tensor(counts), 0)
-        self.offsets = offsets.to(DEVICE)
+        self.offsets = expert_offsets(counts, DEVICE)
         rows = random_rows(generator, self.capacity, hidden, valid=self.valid)
         hidden_rows = random_rows(generator, self.capacity, intermediate, valid=self.valid)
         dtype = torch.float32 if fp8 else torch.bfloat16

@@ -63,7 +63,6 @@ the graph, and a memset between the two GEMMs would cost the programmatic depend
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -101,6 +100,7 @@ from megamoe_kernels.shim.weight_packets import (
     packed_dims,
     packed_scale_words,
     packet_strides,
+    stored_shape_dims,
 )
 
 _COMPILE_LOCK = threading.Lock()
@@ -579,10 +579,7 @@ def _gemm_dims(op: str, weight_shape: tuple[int, ...]) -> tuple[int, int, int]:
     """(N, K, output columns) of an op's GEMM from its stored weight's shape: gate-up
     [E, B, 16, H] has N = B x 16 weight rows, which SwiGLU halves; down [E, H, I] has N = H;
     a packed weight [E, N/128, K tiles, 128, K tile] its packets' rows and values."""
-    if is_packed_shape(weight_shape):
-        _, n, k = packed_dims(weight_shape)
-    else:
-        n, k = math.prod(weight_shape[1:-1]), weight_shape[-1]
+    _, n, k = stored_shape_dims(weight_shape)
     return n, k, n // 2 if is_gate_up(op) else n
 
 

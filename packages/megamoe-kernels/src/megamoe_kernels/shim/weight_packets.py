@@ -59,6 +59,7 @@ __all__ = [
     "packed_dims",
     "packed_scale_words",
     "packet_strides",
+    "stored_shape_dims",
     "stored_weight_dims",
     "unpack_weight_tiles",
 ]
@@ -98,13 +99,18 @@ def packed_dims(shape: tuple[int, ...]) -> tuple[int, int, int]:
     return experts, n_tiles * rows, k_tiles * row_values
 
 
-def stored_weight_dims(weight: torch.Tensor) -> tuple[int, int, int]:
-    """(E, N, K) of a stored weight in either layout: packed, interleaved gate-up
+def stored_shape_dims(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(E, N, K) of a stored weight's shape in either layout: packed, interleaved gate-up
     [E, I/8, 16, H] (N = 2I) or [E, N, K]."""
-    shape = tuple(weight.shape)
+    shape = tuple(shape)
     if is_packed_shape(shape):
         return packed_dims(shape)
     return shape[0], math.prod(shape[1:-1]), shape[-1]
+
+
+def stored_weight_dims(weight: torch.Tensor) -> tuple[int, int, int]:
+    """(E, N, K) of a stored weight tensor (stored_shape_dims)."""
+    return stored_shape_dims(weight.shape)
 
 
 def pack_problems(dtype: torch.dtype, n: int, k: int, *, gate_up: bool) -> list[str]:
@@ -158,8 +164,7 @@ def pack_weight_tiles(
             f"gate-up weight to pack must be interleaved [E, I/{GATE_UP_BLOCK}, "
             f"{2 * GATE_UP_BLOCK}, H], got {tuple(weight.shape)}"
         )
-    experts, k = weight.shape[0], weight.shape[-1]
-    n = torch.Size(weight.shape[1:-1]).numel()
+    experts, n, k = stored_shape_dims(weight.shape)
     problems = pack_problems(weight.dtype, n, k, gate_up=gate_up)
     fp8 = weight.dtype == FP8_DTYPE
     if fp8:
