@@ -5,6 +5,8 @@
     python3 scripts/gemm_knob_sweep.py --geometry dsv3-ep8-local --tokens 1 --split-k 1 2 4 8
     python3 scripts/gemm_knob_sweep.py --geometry qwen3-30b-a3b --tokens 8192 --shapes 128x256 \
         --clusters 1 2 --rounds 3
+    python3 scripts/gemm_knob_sweep.py --geometry dsv3-ep8-local --tokens 2048 --weight-dtype fp8 \
+        --shapes 128x128swap 64x128 64x128pp 128x128 --rounds 2
 
 Per (geometry, tokens): the layer's own router on random tokens, the tight expert-major batch,
 then each GEMM with each tile shape of SHAPES, in each cluster size and ring depth asked for
@@ -12,9 +14,12 @@ then each GEMM with each tile shape of SHAPES, in each cluster size and ring dep
 difference from the first variant's output (every variant computes the same sums in the same
 order, so 0 is expected). `megamoe tune` searches every
 valid combination and stores the winner; this is the quick side-by-side look. --shapes keeps
-only the named tile shapes (ROWSxCOLS, ROWSxCOLSpp for pingpong); --rounds times every variant
-that many times, alternating, and prints each reading: a difference smaller than the readings'
-spread is noise.
+only the named tile shapes (ROWSxCOLS, ROWSxCOLSpp for pingpong, ROWSxCOLSswap for the swap-AB
+decode tiles); a shape invalid for an op (knob_problems) is left out of that op's variants.
+--rounds times every variant that many times, alternating, and prints each reading: a
+difference smaller than the readings' spread is noise. --weight-dtype fp8 times the FP8 GEMMs
+(gate_up_fp8, down_fp8) on e4m3 rows and block-scaled weights, as `megamoe tune` does; their
+weight stream counts one byte per weight.
 
 --split-k times the batch's default-profile knobs (swap-AB at decode) with each split-K instead
 of SHAPES, and also prints the weight stream's rate (the bytes of every expert with rows over the
@@ -39,26 +44,28 @@ from megamoe_runtime.measure import (
 )
 from megamoe_torch.tune import gemm_runners, tuning_problem
 
-# (tile_rows, tile_cols, pingpong)
+# (tile_rows, tile_cols, pingpong, swap_ab)
 SHAPES = [
-    (128, 256, False),
-    (64, 256, True),
-    (128, 128, True),
-    (128, 128, False),
-    (64, 192, True),
-    (128, 192, False),
+    (128, 256, False, False),
+    (64, 256, True, False),
+    (128, 128, True, False),
+    (128, 128, False, False),
+    (64, 192, True, False),
+    (128, 192, False, False),
 ]
 
 
-def parse_shape(text: str) -> tuple[int, int, bool]:
-    """A tile shape argument: 128x256 -> (128, 256, False), 64x256pp -> (64, 256, True)."""
-    pingpong = text.endswith("pp")
-    rows, _, cols = text.removesuffix("pp").partition("x")
+def parse_shape(text: str) -> tuple[int, int, bool, bool]:
+    """A tile shape argument: 128x256 -> (128, 256, False, False), 64x256pp -> (64, 256, True,
+    False), 128x128swap -> (128, 128, False, True)."""
+    pingpong, swap_ab = text.endswith("pp"), text.endswith("swap")
+    rows, _, cols = text.removesuffix("pp").removesuffix("swap").partition("x")
     if not (rows.isdigit() and cols.isdigit()):
         raise argparse.ArgumentTypeError(
-            f"tile shape {text!r}: expected ROWSxCOLS or ROWSxCOLSpp, e.g. 128x256 or 64x256pp"
+            f"tile shape {text!r}: expected ROWSxCOLS, ROWSxCOLSpp or ROWSxCOLSswap, e.g. 128x256, "
+            "64x256pp or 128x128swap"
         )
-    return int(rows), int(cols), pingpong
+    return int(rows), int(cols), pingpong, swap_ab
 
 
 @torch.no_grad()
@@ -70,29 +77,35 @@ def sweep(
     clusters: list[int],
     stages: list[str],
     splits: list[int] | None,
-    shapes: list[tuple[int, int, bool]],
+    shapes: list[tuple[int, int, bool, bool]],
     rounds: int,
+    weight_dtype: str,
 ) -> None:
     device = torch.device("cuda")
     geometry = GEOMETRIES[geometry_name]
-    problem = tuning_problem(geometry, tokens, device=device)
+    fp8 = weight_dtype == "fp8"
+    problem = tuning_problem(geometry, tokens, device=device, weight_dtype="fp8" if fp8 else None)
     batch, runners = problem.batch, gemm_runners(problem)
     valid = int(batch.expert_offsets[-1])
     experts_with_rows = int((batch.expert_offsets.diff() > 0).sum())
     for op, key in problem.keys.items():
         n, k, run = key.out_features, key.in_features, runners[op]
         flops = 2 * valid * n * k
-        weight_bytes = experts_with_rows * n * k * 2
+        weight_bytes = experts_with_rows * n * k * (1 if fp8 else 2)
         first = None
         variants = []
         if splits:
             profile = default_knobs(op, batch.capacity / geometry.num_experts)
             variants = [replace(profile, split_k=split) for split in splits]
-        for (tile_rows, tile_cols, pingpong), cluster in itertools.product(
+        for (tile_rows, tile_cols, pingpong, swap_ab), cluster in itertools.product(
             [] if splits else shapes, clusters
         ):
             shape = GemmKnobs(
-                tile_rows=tile_rows, tile_cols=tile_cols, pingpong=pingpong, cluster=(cluster, 1)
+                tile_rows=tile_rows,
+                tile_cols=tile_cols,
+                pingpong=pingpong,
+                swap_ab=swap_ab,
+                cluster=(cluster, 1),
             )
             for depth in stages:
                 knobs = replace(
@@ -102,7 +115,8 @@ def sweep(
                     variants.append(knobs)
         differences = []
         for knobs in variants:
-            out = run(knobs)[:valid].float()
+            out = run(knobs)
+            out = (out[0] if isinstance(out, tuple) else out)[:valid].float()  # FP8: e4m3, scales
             first = out if first is None else first
             differences.append((out - first).abs().max().item())
         readings = alternating_readings(
@@ -118,7 +132,7 @@ def sweep(
             seconds = readings[index].best
             all_readings = str(readings[index])
             print(
-                f"{geometry_name:16s} {tokens:6d} {op:8s} {knobs.tile_rows}x{knobs.tile_cols}"
+                f"{geometry_name:16s} {tokens:6d} {op:11s} {knobs.tile_rows}x{knobs.tile_cols}"
                 f"{' swap' if knobs.swap_ab else ''}{' pingpong' if knobs.pingpong else '':9s} "
                 f"cluster={knobs.cluster[0]} split_k={knobs.split_k} stages={knobs.stages:2d} "
                 f"{seconds * 1e6:9.1f} us {tflops(flops, seconds):6.0f} TFLOP/s "
@@ -147,6 +161,12 @@ def main() -> None:
         help="tile shapes ROWSxCOLS, ROWSxCOLSpp for pingpong (default: all of SHAPES)",
     )
     parser.add_argument("--rounds", type=int, default=1, help="alternating timings per variant")
+    parser.add_argument(
+        "--weight-dtype",
+        choices=["bf16", "fp8"],
+        default="bf16",
+        help="bf16 experts, or fp8 (e4m3 weights with 128x128 block scales, e4m3 rows)",
+    )
     args = parser.parse_args()
     for geometry_name in args.geometry:
         for tokens in args.tokens:
@@ -159,6 +179,7 @@ def main() -> None:
                 splits=args.split_k,
                 shapes=args.shapes,
                 rounds=args.rounds,
+                weight_dtype=args.weight_dtype,
             )
 
 
