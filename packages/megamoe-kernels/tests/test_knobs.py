@@ -15,6 +15,9 @@ from megamoe_kernels import (
     resolve_knobs,
 )
 from megamoe_kernels.shim.knobs import (
+    DECODE_MAX_ROWS_PER_EXPERT,
+    FP8_DECODE_MAX_ROWS_PER_EXPERT,
+    FP8_NARROW_PREFILL_MAX_ROWS_PER_EXPERT,
     FP8_OPS,
     OPS,
     PROFILE_ROWS_PER_EXPERT,
@@ -30,7 +33,8 @@ from megamoe_kernels.shim.knobs import (
 def test_default_profile_is_always_valid(op, rows_per_expert):
     knobs = default_knobs(op, rows_per_expert)
     assert knob_problems(knobs, op) == []
-    assert knobs.swap_ab == (rows_per_expert <= 64)
+    decode_max = FP8_DECODE_MAX_ROWS_PER_EXPERT.get(op, DECODE_MAX_ROWS_PER_EXPERT)
+    assert knobs.swap_ab == (rows_per_expert <= decode_max)
 
 
 @pytest.mark.parametrize(
@@ -97,14 +101,30 @@ def launches(op, capacity, experts, dims):
 )
 def test_decode_tiles_narrow_with_the_row_tile(rows_per_expert, tile_rows, tile_cols):
     # a 16-row tile is bound by its weight stream: 64 columns put twice the CTAs on it
-    for op in ("gate_up", "down", "down_fp8"):
+    for op in ("gate_up", "down"):
         knobs = default_knobs(op, rows_per_expert)
         assert (knobs.tile_rows, knobs.tile_cols) == (tile_rows, tile_cols)
 
 
+@pytest.mark.parametrize(
+    "rows_per_expert, tile_rows", [(0, 16), (1, 16), (8, 16), (10, 16), (11, 32), (16, 32)]
+)
+def test_fp8_decode_row_tiles_hold_one_and_a_half_times_the_mean(rows_per_expert, tile_rows):
+    # no margin above 1.5x the mean: each batch row of an FP8 decode tile costs a row-scale load
+    # per K step; gate-up's tiles are whole quantization groups (128 columns)
+    down = default_knobs("down_fp8", rows_per_expert)
+    assert (down.swap_ab, down.tile_rows) == (True, tile_rows)
+    assert down.tile_cols == (64 if tile_rows == 16 else 128)
+    if rows_per_expert <= FP8_DECODE_MAX_ROWS_PER_EXPERT["gate_up_fp8"]:
+        gate_up = default_knobs("gate_up_fp8", rows_per_expert)
+        assert (gate_up.swap_ab, gate_up.tile_rows, gate_up.tile_cols) == (True, tile_rows, 128)
+
+
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("capacity, experts", [(2, 32), (64 * 128, 128), (500, 8)])
-def test_a_decode_capacity_launches_one_kernel_for_every_batch(op, capacity, experts):
+@pytest.mark.parametrize("capacity, experts", [(2, 32), (8 * 128, 128), (60, 8), (32 * 8, 8)])
+def test_a_capacity_of_few_rows_launches_one_kernel_for_every_batch(op, capacity, experts):
+    # up to 32 rows per expert (decode tiles, or FP8's narrow prefill tiles from 8-16): one
+    # launch, whose tiles serve any batch the capacity holds
     (launch,) = launches(op, capacity, experts, DSV3)
     assert (launch.min_valid_rows, launch.max_valid_rows) == (0, None)
     profile = default_knobs(op, capacity / experts)
@@ -155,7 +175,13 @@ def test_a_prefill_capacity_adds_decode_tiles_for_batches_of_few_rows(op):
     boundary = SMALL_BATCH_ROWS_PER_EXPERT * experts + 1
     assert small == Launch(default_knobs(op, SMALL_BATCH_ROWS_PER_EXPERT), 0, boundary)
     assert large == Launch(default_knobs(op, 512), boundary, None)
-    assert small.knobs.swap_ab and not large.knobs.swap_ab
+    assert not large.knobs.swap_ab
+    # FP8's small batches take its narrow prefill tile (decode tiles stop at 8-16 rows per
+    # expert), bf16's the decode tiles
+    if op in FP8_OPS:
+        assert (small.knobs.swap_ab, small.knobs.tile_rows) == (False, 64)
+    else:
+        assert small.knobs.swap_ab
 
 
 def test_tuned_prefill_knobs_take_the_prefill_range_and_leave_small_batches_to_decode_tiles():
@@ -223,12 +249,14 @@ def test_invalid_tuned_knobs_fail_closed():
 
 
 @pytest.mark.parametrize("op", FP8_OPS)
-@pytest.mark.parametrize("rows_per_expert", [1, 16, 128, 512])
+@pytest.mark.parametrize("rows_per_expert", [1, 16, 32, 64, 128, 512])
 def test_fp8_profiles_keep_two_accumulator_sets_in_registers(op, rows_per_expert):
     knobs = default_knobs(op, rows_per_expert)
     assert knob_problems(knobs, op) == []
-    if rows_per_expert > 64:
-        assert (knobs.tile_rows, knobs.tile_cols) == (128, 128)
+    if rows_per_expert > FP8_NARROW_PREFILL_MAX_ROWS_PER_EXPERT:
+        assert (knobs.swap_ab, knobs.tile_rows, knobs.tile_cols) == (False, 128, 128)
+    elif rows_per_expert > FP8_DECODE_MAX_ROWS_PER_EXPERT[op]:
+        assert (knobs.swap_ab, knobs.tile_rows, knobs.tile_cols) == (False, 64, 128)
     if op == "gate_up_fp8":
         # the tile's output columns are whole 64-column quantization groups
         assert knobs.tile_cols == 128
@@ -276,8 +304,8 @@ def test_rows_are_gathered_by_default_where_the_decode_tiles_run_from_two_tokens
 
     assert not gathers(1)  # one token: its copy is cheaper than the load before each gather
     assert gathers(16) and gathers(512)  # up to 32 rows per expert: decode tiles of <= 64 rows
-    assert not gathers(1024)  # 64 rows per expert: 128-row decode tiles copy
-    # gpt-oss-120b and dsv3 at 2048 tokens: 64 rows per expert, 128-row decode tiles
+    assert not gathers(1024)  # 64 rows per expert: prefill tiles copy
+    # gpt-oss-120b and dsv3 at 2048 tokens: 64 rows per expert, prefill tiles
     assert not gathers(2048, experts=128, top_k=4) and not gathers(2048, experts=256, top_k=8)
     assert not gathers(2048) and not gathers(8192)  # prefill tiles
     # a capacity sized for prefill: a few valid rows still run the decode tiles

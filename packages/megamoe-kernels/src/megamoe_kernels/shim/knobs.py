@@ -180,36 +180,71 @@ def check_knobs(knobs: GemmKnobs, op: str) -> GemmKnobs:
     return knobs
 
 
+# rows per expert up to which the bf16 default profile runs decode (swap-AB) tiles (the expert
+# GEMMs on the H200 at 64 rows per expert: 128x256 prefill tiles 1.10-1.13x faster than the
+# 128-row decode tile at dsv3-ep8-local, qwen3, gpt-oss-120b and mixtral; equal at 32)
+DECODE_MAX_ROWS_PER_EXPERT = 32
+# the FP8 ops': each K step of an FP8 decode tile also loads a row scale per batch row its
+# threads hold (a prefill tile's threads hold 2 rows per MMA atom), so the prefill tiles win
+# from fewer rows: the gate-up GEMM above 8 rows per expert, the down GEMM above 16
+FP8_DECODE_MAX_ROWS_PER_EXPERT = {"gate_up_fp8": 8, "down_fp8": 16}
+# rows per expert up to which the FP8 prefill tile is 64 rows (one consumer warpgroup), not 128
+FP8_NARROW_PREFILL_MAX_ROWS_PER_EXPERT = 32
+
+
 def default_knobs(op: str, rows_per_expert: float) -> GemmKnobs:
     """The default profile, keyed on the expected rows per expert.
 
-    Up to 64 rows per expert: swap-AB, with a row tile that holds nearly every expert's rows
-    (1.5x the mean + 8), so each expert's weights stream from memory once; 64 weight rows per
-    tile with the 16-row tile, 128 above. Above 64 rows per expert: 128x256 tiles. Both take
-    the deepest ring that fits.
+    bf16, up to DECODE_MAX_ROWS_PER_EXPERT rows per expert: swap-AB, with a row tile that
+    holds nearly every expert's rows (1.5x the mean + 8), so each expert's weights stream from
+    memory once; 64 weight rows per tile with the 16-row tile, 128 above. Above: 128x256
+    tiles. Both take the deepest ring that fits.
 
     Why 64 columns with 16 rows (up to ~5 rows per expert): so thin an MMA leaves the tile bound
     by its weight stream, and halving the tile doubles the CTAs that stream (whole expert MLP on
     the H200: 1-16% faster at 1-4 rows per expert; from 8 rows per expert, where the row tile is
     32, equal or 1-5% slower: docs/benchmarks.md, "Decode column tiles").
 
-    FP8 ops take 128x128 prefill tiles (two accumulator sets of a 128x256 tile would not fit
-    in registers), and the FP8 gate-up's decode tiles 128 columns (whole quantization groups)."""
-    if rows_per_expert <= 64:
-        wanted = 1.5 * rows_per_expert + 8
-        tile_rows = next((size for size in SWAP_ROW_TILES if size >= wanted), SWAP_ROW_TILES[-1])
+    FP8: swap-AB up to FP8_DECODE_MAX_ROWS_PER_EXPERT (8 rows per expert for gate-up, 16 for
+    down) with a row tile of 1.5x the mean (no margin: each of a decode tile's batch rows costs a
+    row-scale load per K step, so the 16-row tile beat the 32-row one at 8 rows per expert by
+    5-10%, and lost at 16), 128 columns for gate-up (whole quantization groups); above, prefill
+    tiles of 64x128 up to FP8_NARROW_PREFILL_MAX_ROWS_PER_EXPERT, 128x128 beyond (two
+    accumulator sets of a 128x256 tile would not fit in registers). Measured on the H200,
+    each GEMM alone: docs/benchmarks.md, "Tiles by rows per expert"."""
+    if is_fp8(op):
+        return _fp8_default_knobs(op, rows_per_expert)
+    if rows_per_expert <= DECODE_MAX_ROWS_PER_EXPERT:
+        tile_rows = _swap_row_tile(1.5 * rows_per_expert + 8)
         tile_cols = SWAP_COL_TILES[0] if tile_rows == SWAP_ROW_TILES[0] else SWAP_COL_TILES[1]
-        if op == "gate_up_fp8":
-            tile_cols = SWAP_COL_TILES[1]
         knobs = GemmKnobs(tile_rows=tile_rows, tile_cols=tile_cols, swap_ab=True)
     else:
-        knobs = GemmKnobs(tile_rows=128, tile_cols=128 if is_fp8(op) else 256, swap_ab=False)
+        knobs = GemmKnobs(tile_rows=128, tile_cols=256, swap_ab=False)
     return replace(knobs, stages=max_stages(knobs, op))
 
 
-# rows per expert up to which decode (swap-AB) tiles beat the prefill ones when the capacity
-# asks for prefill tiles but the batch holds fewer rows (measured on the H200: swap-AB won by
-# 5-15% at 32 rows per expert, prefill tiles matched or won at 64)
+def _fp8_default_knobs(op: str, rows_per_expert: float) -> GemmKnobs:
+    if rows_per_expert <= FP8_DECODE_MAX_ROWS_PER_EXPERT[op]:
+        tile_rows = _swap_row_tile(1.5 * rows_per_expert)
+        tile_cols = SWAP_COL_TILES[0] if tile_rows == SWAP_ROW_TILES[0] else SWAP_COL_TILES[1]
+        if is_gate_up(op):
+            tile_cols = SWAP_COL_TILES[1]
+        knobs = GemmKnobs(tile_rows=tile_rows, tile_cols=tile_cols, swap_ab=True)
+    else:
+        narrow = rows_per_expert <= FP8_NARROW_PREFILL_MAX_ROWS_PER_EXPERT
+        knobs = GemmKnobs(tile_rows=64 if narrow else 128, tile_cols=128, swap_ab=False)
+    return replace(knobs, stages=max_stages(knobs, op))
+
+
+def _swap_row_tile(wanted_rows: float) -> int:
+    """The smallest decode row tile of at least `wanted_rows` rows (the largest if none)."""
+    return next((size for size in SWAP_ROW_TILES if size >= wanted_rows), SWAP_ROW_TILES[-1])
+
+
+# rows per expert up to which the profile's tiles for that many rows (bf16: decode tiles; FP8:
+# 64x128) beat the prefill ones when the capacity asks for prefill tiles but the batch holds
+# fewer rows (measured on the H200: bf16 swap-AB won by 5-15% at 32 rows per expert, prefill
+# tiles matched or won at 64)
 SMALL_BATCH_ROWS_PER_EXPERT = 32
 # the widest decode row tile whose gate-up GEMM gathers its rows by default
 GATHER_MAX_TILE_ROWS = 64
@@ -289,7 +324,7 @@ def default_launches(
     batch, chosen on the device by the batch's valid rows (offsets[E]).
 
     The profile is keyed on rows per expert, and the capacity only bounds them: when capacity / E
-    asks for prefill tiles, a second launch with the decode tiles of SMALL_BATCH_ROWS_PER_EXPERT
+    asks for its widest tiles, a second launch with the tiles of SMALL_BATCH_ROWS_PER_EXPERT
     takes batches of at most that many valid rows per expert, so a capacity sized for the worst
     case (an expert-parallel receiver, a fixed serving capacity) costs the tiles of what the
     batch holds. The launch with nothing to do reads offsets[E] and exits. A decode down GEMM
@@ -343,8 +378,8 @@ def gathers_rows_by_default(
     of a batch of `capacity` rows (gate_up_decode_knobs: up to about 32 rows per expert), from
     two tokens on. Measured on the H200 (whole layer, graph replays; docs/benchmarks.md,
     "Gathered rows"): with such tiles equal or up to 3% faster from 16 tokens, 1-4% slower at
-    one token (the row's token is one more load before its copy); with the 128-row decode
-    tiles (64 rows per expert: gpt-oss-120b and dsv3 at 2048 tokens) 0-25% slower, and with
+    one token (the row's token is one more load before its copy); with 128-row decode tiles
+    (measured at 64 rows per expert, gpt-oss-120b and dsv3 at 2048 tokens) 0-25% slower; with
     prefill tiles the gate-up GEMM 24-43% slower (its producer warp's 16-byte copies against
     one TMA load per stage: gathering the copied rows in order is as slow), more than the
     copy it saves."""
