@@ -136,7 +136,9 @@ def check_down(problem, knobs=None, row_scale_M=None):
 
 
 @pytest.mark.parametrize("geometry", sorted(GEOMETRY_DIMS))
-@pytest.mark.parametrize("rows_per_expert", [1, 3, 40, 300])
+# the default profile's tiles at each: decode tiles (1, 3), 64x128 gate-up beside a decode down
+# (12), 64x128 both (24), 128x128 both (40, 300)
+@pytest.mark.parametrize("rows_per_expert", [1, 3, 12, 24, 40, 300])
 def test_geometry_matches_oracle(geometry, rows_per_expert):
     experts, hidden, intermediate = GEOMETRY_DIMS[geometry]
     counts = random_counts(experts, rows_per_expert * experts, seed=rows_per_expert)
