@@ -158,7 +158,8 @@ def main() -> None:
         nargs="+",
         type=parse_shape,
         default=SHAPES,
-        help="tile shapes ROWSxCOLS, ROWSxCOLSpp for pingpong (default: all of SHAPES)",
+        help="tile shapes ROWSxCOLS, ROWSxCOLSpp for pingpong, ROWSxCOLSswap for swap-AB "
+        "(default: all of SHAPES)",
     )
     parser.add_argument("--rounds", type=int, default=1, help="alternating timings per variant")
     parser.add_argument(
