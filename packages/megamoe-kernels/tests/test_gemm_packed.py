@@ -77,7 +77,7 @@ class Problem:
         w13 = self.w13_packed if packed else self.w13
         if self.fp8:
             out = poisoned((self.capacity, intermediate), FP8_DTYPE)
-            scales = torch.full((intermediate // 64, self.capacity), float("nan"), device=DEVICE)
+            scales = poisoned((intermediate // 64, self.capacity), torch.float32)
             gate_up_swiglu_fp8(
                 self.rows,
                 self.rows_scales,

@@ -215,9 +215,7 @@ def default_knobs(op: str, rows_per_expert: float) -> GemmKnobs:
     if is_fp8(op):
         return _fp8_default_knobs(op, rows_per_expert)
     if rows_per_expert <= DECODE_MAX_ROWS_PER_EXPERT:
-        tile_rows = _swap_row_tile(1.5 * rows_per_expert + 8)
-        tile_cols = SWAP_COL_TILES[0] if tile_rows == SWAP_ROW_TILES[0] else SWAP_COL_TILES[1]
-        knobs = GemmKnobs(tile_rows=tile_rows, tile_cols=tile_cols, swap_ab=True)
+        knobs = _decode_knobs(1.5 * rows_per_expert + 8)
     else:
         knobs = GemmKnobs(tile_rows=128, tile_cols=256, swap_ab=False)
     return replace(knobs, stages=max_stages(knobs, op))
@@ -225,20 +223,21 @@ def default_knobs(op: str, rows_per_expert: float) -> GemmKnobs:
 
 def _fp8_default_knobs(op: str, rows_per_expert: float) -> GemmKnobs:
     if rows_per_expert <= FP8_DECODE_MAX_ROWS_PER_EXPERT[op]:
-        tile_rows = _swap_row_tile(1.5 * rows_per_expert)
-        tile_cols = SWAP_COL_TILES[0] if tile_rows == SWAP_ROW_TILES[0] else SWAP_COL_TILES[1]
+        knobs = _decode_knobs(1.5 * rows_per_expert)
         if is_gate_up(op):
-            tile_cols = SWAP_COL_TILES[1]
-        knobs = GemmKnobs(tile_rows=tile_rows, tile_cols=tile_cols, swap_ab=True)
+            knobs = replace(knobs, tile_cols=SWAP_COL_TILES[1])
     else:
         narrow = rows_per_expert <= FP8_NARROW_PREFILL_MAX_ROWS_PER_EXPERT
         knobs = GemmKnobs(tile_rows=64 if narrow else 128, tile_cols=128, swap_ab=False)
     return replace(knobs, stages=max_stages(knobs, op))
 
 
-def _swap_row_tile(wanted_rows: float) -> int:
-    """The smallest decode row tile of at least `wanted_rows` rows (the largest if none)."""
-    return next((size for size in SWAP_ROW_TILES if size >= wanted_rows), SWAP_ROW_TILES[-1])
+def _decode_knobs(wanted_rows: float) -> GemmKnobs:
+    """Swap-AB knobs with the smallest decode row tile of at least `wanted_rows` rows (the
+    largest if none), 64 columns with the 16-row tile and 128 above (stages left to set)."""
+    tile_rows = next((size for size in SWAP_ROW_TILES if size >= wanted_rows), SWAP_ROW_TILES[-1])
+    tile_cols = SWAP_COL_TILES[0] if tile_rows == SWAP_ROW_TILES[0] else SWAP_COL_TILES[1]
+    return GemmKnobs(tile_rows=tile_rows, tile_cols=tile_cols, swap_ab=True)
 
 
 # rows per expert up to which the profile's tiles for that many rows (bf16: decode tiles; FP8:
