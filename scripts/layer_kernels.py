@@ -8,7 +8,11 @@ given. Run on the GPU machine from the project root:
 
 --route-ab times the routing kernel's knobs (graph replays, alternating rounds); --phases the
 routing kernel with and without its row copies and the combine alone, beside torch's kernels on
-the same bytes (graph replays, alternating rounds); --router-host
+the same bytes (graph replays, alternating rounds); --critical-path what each step of a
+decode forward costs it: the whole fused forward against the forward without its combine (the
+expert rows returned as they are) and without its router GEMM (the logits computed before),
+and the router and routing launches alone (graph replays, alternating rounds; layers without
+shared experts); --router-host
 the host time of the ways to compute fp32 router logits; --host-profile prints where the host
 time of an eager forward goes: single forwards, each issued after the GPU drained (as the
 bench's "host us" times them), under cProfile (cumulative time per function, which cProfile
@@ -47,6 +51,7 @@ def main() -> None:
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 2048, 8192])
     parser.add_argument("--route-ab", action="store_true")
     parser.add_argument("--phases", action="store_true")
+    parser.add_argument("--critical-path", action="store_true")
     parser.add_argument("--host-profile", action="store_true")
     parser.add_argument("--router-host", action="store_true")
     parser.add_argument("--weight-dtype", choices=["bf16", "fp8"], default="bf16")
@@ -66,6 +71,8 @@ def main() -> None:
                 route_ab(layer, x_TH)
             if args.phases:
                 phases(layer, x_TH)
+            if args.critical_path:
+                critical_path(layer, x_TH)
             if args.host_profile:
                 host_profile(layer, x_TH)
             if args.router_host:
@@ -146,6 +153,57 @@ def phases(layer, x_TH) -> None:
     copy_bytes = tokens * hidden * 2 * (1 + top_k)
     print(
         f"  phases us ({copy_bytes / 1e6:.0f} MB each way, route/combine): "
+        + " | ".join(
+            f"{name} " + " ".join(f"{t * 1e6:.1f}" for t in r.seconds)
+            for name, r in readings.items()
+        )
+    )
+
+
+def critical_path(layer, x_TH) -> None:
+    """Graph-replay us of the fused forward's steps as its chain runs them: the whole forward,
+    the forward without its combine and without its router GEMM, and the router and the routing
+    launch alone; three alternating rounds."""
+    if layer.shared_experts is not None:
+        print("  critical path: layers without shared experts only")
+        return
+    dispatcher = layer._device_routed
+    rows_dtype = torch.float8_e4m3fn if layer._dispatches_fp8_rows() else None
+    bias = layer.e_score_correction_bias
+    logits_TE = layer.router_logits(x_TH)
+
+    def experts(logits):
+        batch, handle, _ = dispatcher.route_and_dispatch(
+            x_TH,
+            logits,
+            correction_bias_E=bias,
+            rows_dtype=rows_dtype,
+            gather_rows=layer._gathers_rows(x_TH),
+        )
+        return layer._run_expert_backend(batch), handle
+
+    def forward():
+        expert_out_MH, handle = experts(layer.router_logits(x_TH))
+        return dispatcher.combine(expert_out_MH, handle)
+
+    work = {
+        "forward": forward,
+        "no combine": lambda: experts(layer.router_logits(x_TH)),
+        "no router": lambda: dispatcher.combine(*experts(logits_TE)),
+        "router + routing": lambda: dispatcher.route_and_dispatch(
+            x_TH, layer.router_logits(x_TH), correction_bias_E=bias, rows_dtype=rows_dtype
+        ),
+    }
+    assert torch.equal(forward(), layer._fused_forward(x_TH, logits_TE))
+    readings = alternating_readings(
+        {
+            name: lambda fn=fn: median_graph_replay_seconds(fn, device=x_TH.device, repeats=20)
+            for name, fn in work.items()
+        },
+        rounds=3,
+    )
+    print(
+        "  critical path us: "
         + " | ".join(
             f"{name} " + " ".join(f"{t * 1e6:.1f}" for t in r.seconds)
             for name, r in readings.items()
