@@ -38,6 +38,13 @@ from megamoe_torch.bench import build_layer, routed_tokens, with_capacity
 from torch.profiler import ProfilerActivity, profile
 
 
+def readings_line(readings) -> str:
+    """Each candidate's readings in us, on one line: "name t t t | name t t t"."""
+    return " | ".join(
+        f"{name} " + " ".join(f"{t * 1e6:.1f}" for t in r.seconds) for name, r in readings.items()
+    )
+
+
 def host_us(fn, calls: int = 50) -> float:
     """Median over rounds of the CPU time to issue `calls` calls, per call (GPU runs behind)."""
     device = torch.device("cuda")
@@ -153,10 +160,7 @@ def phases(layer, x_TH) -> None:
     copy_bytes = tokens * hidden * 2 * (1 + top_k)
     print(
         f"  phases us ({copy_bytes / 1e6:.0f} MB each way, route/combine): "
-        + " | ".join(
-            f"{name} " + " ".join(f"{t * 1e6:.1f}" for t in r.seconds)
-            for name, r in readings.items()
-        )
+        + readings_line(readings)
     )
 
 
@@ -202,13 +206,7 @@ def critical_path(layer, x_TH) -> None:
         },
         rounds=3,
     )
-    print(
-        "  critical path us: "
-        + " | ".join(
-            f"{name} " + " ".join(f"{t * 1e6:.1f}" for t in r.seconds)
-            for name, r in readings.items()
-        )
-    )
+    print(f"  critical path us: {readings_line(readings)}")
 
 
 def route_ab(layer, x_TH) -> None:
@@ -242,13 +240,7 @@ def route_ab(layer, x_TH) -> None:
         },
         rounds=3,
     )
-    print(
-        "  route+dispatch us: "
-        + " | ".join(
-            f"{name} " + " ".join(f"{t * 1e6:.1f}" for t in r.seconds)
-            for name, r in readings.items()
-        )
-    )
+    print(f"  route+dispatch us: {readings_line(readings)}")
 
 
 def host_profile(layer, x_TH, rounds: int = 40) -> None:
