@@ -213,23 +213,23 @@ def default_knobs(op: str, rows_per_expert: float) -> GemmKnobs:
     accumulator sets of a 128x256 tile would not fit in registers). Measured on the H200,
     each GEMM alone: docs/benchmarks.md, "Tiles by rows per expert"."""
     if is_fp8(op):
-        return _fp8_default_knobs(op, rows_per_expert)
-    if rows_per_expert <= DECODE_MAX_ROWS_PER_EXPERT:
+        knobs = _fp8_tile(op, rows_per_expert)
+    elif rows_per_expert <= DECODE_MAX_ROWS_PER_EXPERT:
         knobs = _decode_knobs(1.5 * rows_per_expert + 8)
     else:
         knobs = GemmKnobs(tile_rows=128, tile_cols=256, swap_ab=False)
     return replace(knobs, stages=max_stages(knobs, op))
 
 
-def _fp8_default_knobs(op: str, rows_per_expert: float) -> GemmKnobs:
+def _fp8_tile(op: str, rows_per_expert: float) -> GemmKnobs:
+    """The FP8 profile's tile for `rows_per_expert` (default_knobs sets the stages)."""
     if rows_per_expert <= FP8_DECODE_MAX_ROWS_PER_EXPERT[op]:
         knobs = _decode_knobs(1.5 * rows_per_expert)
         if is_gate_up(op):
             knobs = replace(knobs, tile_cols=SWAP_COL_TILES[1])
-    else:
-        narrow = rows_per_expert <= FP8_NARROW_PREFILL_MAX_ROWS_PER_EXPERT
-        knobs = GemmKnobs(tile_rows=64 if narrow else 128, tile_cols=128, swap_ab=False)
-    return replace(knobs, stages=max_stages(knobs, op))
+        return knobs
+    narrow = rows_per_expert <= FP8_NARROW_PREFILL_MAX_ROWS_PER_EXPERT
+    return GemmKnobs(tile_rows=64 if narrow else 128, tile_cols=128, swap_ab=False)
 
 
 def _decode_knobs(wanted_rows: float) -> GemmKnobs:
