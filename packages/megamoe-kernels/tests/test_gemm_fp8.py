@@ -133,11 +133,12 @@ def check_down(problem, knobs=None, row_scale_M=None):
     assert_valid_rows_match(
         out, expected, valid, what=f"down_fp8 with {knobs}", tolerance=DOWN_TOLERANCE
     )
+    return out
 
 
 @pytest.mark.parametrize("geometry", sorted(GEOMETRY_DIMS))
-# the default profile's tiles at each: decode tiles (1, 3), 64x128 gate-up beside a decode down
-# (12), 64x128 both (24), 128x128 both (40, 300)
+# the default profile's tiles at each: decode tiles (1, 3), 64x256 gate-up beside a decode down
+# (12), 64x256 both (24), 128x256 both (40, 300)
 @pytest.mark.parametrize("rows_per_expert", [1, 3, 12, 24, 40, 300])
 def test_geometry_matches_oracle(geometry, rows_per_expert):
     experts, hidden, intermediate = GEOMETRY_DIMS[geometry]
@@ -180,6 +181,25 @@ def test_every_fp8_candidate_matches_oracle(op, knobs):
         check_gate_up(problem, knobs)
     else:
         check_down(problem, knobs)
+
+
+@pytest.mark.parametrize("tile_rows", [64, 128])
+@pytest.mark.parametrize("geometry", ["partial-k", "qwen3-30b-a3b"])
+def test_tiles_of_two_weight_blocks_are_bitwise_equal_to_tiles_of_one(geometry, tile_rows):
+    # a 256-column tile runs the 128-column tile's MMAs and promotions a weight block at a time:
+    # the same sums in the same order; partial-k's down GEMM ends in a half tile (N = 2112)
+    experts, hidden, intermediate = GEOMETRY_DIMS[geometry]
+    counts = random_counts(experts, 150 * experts, seed=6)
+    counts[1], counts[-1] = 0, 1
+    problem = Problem(counts, hidden, intermediate, capacity=sum(counts) + 7)
+    narrow = GemmKnobs(tile_rows=tile_rows, tile_cols=128, stages=3)
+    wide = GemmKnobs(tile_rows=tile_rows, tile_cols=256, stages=3)
+    out, out_scales = check_gate_up(problem, wide)
+    narrow_out, narrow_scales = check_gate_up(problem, narrow)
+    assert torch.equal(out.view(torch.uint8), narrow_out.view(torch.uint8))
+    assert torch.equal(out_scales.view(torch.int32), narrow_scales.view(torch.int32))
+    outs = [check_down(problem, knobs) for knobs in (wide, narrow)]
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
 
 
 def test_repeated_runs_are_bitwise_equal():
@@ -255,6 +275,6 @@ def test_bf16_ops_refuse_scales_and_fp8_ops_refuse_bf16_rows():
         down_fp8(
             problem.hidden, problem.hidden_scales, problem.offsets, problem.w2, problem.w13_scales
         )
-    knobs = GemmKnobs(tile_rows=128, tile_cols=256)
-    with pytest.raises(ValueError, match="accumulators per thread"):
+    knobs = GemmKnobs(tile_rows=128, tile_cols=128, pingpong=True)
+    with pytest.raises(ValueError, match="products of a scale group per thread"):
         down_fp8(*problem.down_operands, knobs=knobs)

@@ -18,6 +18,7 @@ pytest.importorskip("cutlass")
 
 from megamoe_kernels import (
     FP8_DTYPE,
+    GemmKnobs,
     default_knobs,
     down_fp8,
     down_fp8_launcher,
@@ -54,6 +55,22 @@ def test_every_default_fp8_profile_compiles(rows_per_expert):
     ):
         knobs = default_knobs(op, rows_per_expert)
         launcher(x, offsets, w, knobs=knobs, compile_only=True)
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        GemmKnobs(tile_rows=128, tile_cols=256, stages=3),
+        GemmKnobs(tile_rows=64, tile_cols=256, stages=3, pingpong=True),
+        GemmKnobs(tile_rows=128, tile_cols=256, stages=3, cluster=(2, 1)),
+    ],
+    ids=str,
+)
+def test_fp8_tiles_of_two_weight_blocks_compile(knobs):
+    # their MMAs and promotions run one weight block's columns at a time
+    rows_MH, offsets, w13, hidden_MI, w2 = meta_operands(512 * EXPERTS)
+    gate_up_fp8_launcher(rows_MH, offsets, w13, knobs=knobs, compile_only=True)
+    down_fp8_launcher(hidden_MI, offsets, w2, knobs=knobs, compile_only=True)
 
 
 def test_the_default_fp8_launches_of_a_prefill_capacity_compile():

@@ -250,22 +250,22 @@ def test_invalid_tuned_knobs_fail_closed():
 
 @pytest.mark.parametrize("op", FP8_OPS)
 @pytest.mark.parametrize("rows_per_expert", [1, 16, 32, 64, 128, 512])
-def test_fp8_profiles_keep_two_accumulator_sets_in_registers(op, rows_per_expert):
+def test_fp8_profiles_fit_the_running_sum_and_a_group_s_products_in_registers(op, rows_per_expert):
     knobs = default_knobs(op, rows_per_expert)
     assert knob_problems(knobs, op) == []
     if rows_per_expert > FP8_NARROW_PREFILL_MAX_ROWS_PER_EXPERT:
-        assert (knobs.swap_ab, knobs.tile_rows, knobs.tile_cols) == (False, 128, 128)
+        assert (knobs.swap_ab, knobs.tile_rows, knobs.tile_cols) == (False, 128, 256)
     elif rows_per_expert > FP8_DECODE_MAX_ROWS_PER_EXPERT[op]:
-        assert (knobs.swap_ab, knobs.tile_rows, knobs.tile_cols) == (False, 64, 128)
+        assert (knobs.swap_ab, knobs.tile_rows, knobs.tile_cols) == (False, 64, 256)
     if op == "gate_up_fp8":
         # the tile's output columns are whole 64-column quantization groups
-        assert knobs.tile_cols == 128
+        assert knobs.tile_cols % 128 == 0
 
 
 @pytest.mark.parametrize(
     "op, knobs, reason",
     [
-        ("gate_up_fp8", GemmKnobs(tile_rows=128, tile_cols=256), "128 accumulators per thread"),
+        ("gate_up_fp8", GemmKnobs(tile_rows=128, tile_cols=192), "is a multiple of 128"),
         ("down_fp8", GemmKnobs(tile_rows=64, tile_cols=192), "tile_cols=192 for down_fp8"),
         (
             "gate_up_fp8",
@@ -281,6 +281,23 @@ def test_fp8_profiles_keep_two_accumulator_sets_in_registers(op, rows_per_expert
 )
 def test_fp8_tiles_that_do_not_fit_are_refused(op, knobs, reason):
     assert any(reason in problem for problem in knob_problems(knobs, op))
+
+
+@pytest.mark.parametrize("op", ["gate_up_fp8", "down_fp8"])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        GemmKnobs(tile_rows=128, tile_cols=256, stages=3),
+        GemmKnobs(tile_rows=64, tile_cols=256, stages=3),
+        GemmKnobs(tile_rows=64, tile_cols=256, stages=3, pingpong=True),
+        GemmKnobs(tile_rows=128, tile_cols=256, stages=3, cluster=(2, 1)),
+    ],
+    ids=str,
+)
+def test_fp8_tiles_of_two_weight_blocks_are_accepted(op, knobs):
+    # their MMAs and promotions run a weight block's 128 columns at a time: 64 products per
+    # thread beside a running sum of at most 128
+    assert knob_problems(knobs, op) == []
 
 
 def test_a_stage_holds_128_bytes_of_k_per_row_in_bf16_and_fp8():

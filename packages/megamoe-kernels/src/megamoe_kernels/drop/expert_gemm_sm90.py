@@ -109,7 +109,10 @@ and promoted while the next group's MMAs run (the same sums in the same K order)
 consumers load the scales they need from global memory before each stage's wait (their
 latency hides behind it): the x scales of the few batch rows each thread accumulates and
 the tile's two weight scales (gate and up blocks with SwiGLU, the two halves of a 256-column
-tile). The scales take no shared memory, so FP8 and BF16 tiles of the same
+tile). A prefill tile wider than a weight block (256 columns) runs its MMAs a 128-column slice
+at a time, each slice's products promoted as its MMAs end: the running sum of the whole tile
+and the products of one slice fit the consumers' registers where two sets of the whole tile
+would not. The scales take no shared memory, so FP8 and BF16 tiles of the same
 shape hold the same stages. quantize_out: the gate-up output is e4m3 with one scale per row and
 INTERMEDIATE_GROUP columns (out_scales [N_out / 64, rows]): the tile is staged in bf16 and
 each group quantized as it is copied out (8 lanes share a group's amax by shuffles).
@@ -300,6 +303,16 @@ class ExpertGroupedGemmSm90:
             max_valid_rows=max_valid_rows,
         )
         self.mma_m, self.mma_n = (tile_cols, tile_rows) if swap_ab else (tile_rows, tile_cols)
+        # FP8 prefill tiles wider than a weight block: the MMAs' column slices, each promoted as
+        # its MMAs end (mma_tile_fp8)
+        self.mma_slices = 1
+        if self.block_scaled and not swap_ab and self.mma_n > WEIGHT_BLOCK:
+            if self.mma_n % WEIGHT_BLOCK:
+                raise ValueError(
+                    f"tile_cols={tile_cols}: an FP8 prefill tile wider than {WEIGHT_BLOCK} columns "
+                    f"is a multiple of {WEIGHT_BLOCK} (its MMAs run a weight block at a time)"
+                )
+            self.mma_slices = self.mma_n // WEIGHT_BLOCK
         # warpgroups that share one tile's MMAs, and the consumer warpgroups of the CTA
         self.tile_warpgroups = 1 if pingpong else self.mma_m // 64
         self.num_consumer_warpgroups = 2 if pingpong else self.tile_warpgroups
@@ -374,6 +387,19 @@ class ExpertGroupedGemmSm90:
             (self.tile_warpgroups, 1, 1),
             tiler_mn=(64, self.mma_n),
         )
+        # the MMAs of one column slice (the whole tile's unless mma_slices > 1); tiled_mma
+        # lays out the accumulators and the epilogue
+        self.slice_mma = self.tiled_mma
+        if cutlass.const_expr(self.mma_slices > 1):
+            self.slice_mma = sm90_utils.make_trivial_tiled_mma(
+                ab_dtype,
+                ab_dtype,
+                k_major,
+                k_major,
+                cutlass.Float32,
+                (self.tile_warpgroups, 1, 1),
+                tiler_mn=(64, self.mma_n // self.mma_slices),
+            )
         a_layout = sm90_utils.make_smem_layout_a(
             cutlass.tensor_utils.LayoutEnum.ROW_MAJOR,
             (self.mma_m, self.mma_n, self.tile_k),
@@ -446,6 +472,7 @@ class ExpertGroupedGemmSm90:
             mExpertCounts,
             mBias,
             self.tiled_mma,
+            self.slice_mma,
             x_layout,
             w_layout,
             out_layout,
@@ -562,6 +589,7 @@ class ExpertGroupedGemmSm90:
         mExpertCounts,
         mBias,
         tiled_mma: cute.TiledMma,
+        slice_mma: cute.TiledMma,
         x_layout: cute.ComposedLayout,
         w_layout: cute.ComposedLayout,
         out_layout: cute.Layout,
@@ -657,6 +685,7 @@ class ExpertGroupedGemmSm90:
                 sW,
                 sOut,
                 tiled_mma,
+                slice_mma,
                 walk,
                 mXScales,
                 mWScales,
@@ -964,6 +993,7 @@ class ExpertGroupedGemmSm90:
         sW,
         sOut,
         tiled_mma,
+        slice_mma,
         walk,
         mXScales,
         mWScales,
@@ -997,8 +1027,17 @@ class ExpertGroupedGemmSm90:
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.mma_m, self.mma_n)))
         accumulators = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
         promotion = None
+        tCrB_slices = None
         if cutlass.const_expr(self.block_scaled):
-            promotion = self.promotion_registers(tCcC)
+            thr_slice = slice_mma.get_slice(team_tidx)
+            tCrA = slice_mma.make_fragment_A(thr_slice.partition_A(sA))
+            tCrB_slices = [
+                slice_mma.make_fragment_B(thr_slice.partition_B(sB_slice))
+                for sB_slice in self.column_slices(sB)
+            ]
+            promotion = self.promotion_registers(
+                tCcC, thr_slice.partition_C(cute.make_identity_tensor(self.slice_shape()))
+            )
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release_state = pipeline.make_pipeline_state(
             pipeline.PipelineUserType.Consumer, self.stages
@@ -1062,10 +1101,10 @@ class ExpertGroupedGemmSm90:
                         ring,
                         read_state,
                         release_state,
-                        tiled_mma,
+                        slice_mma,
                         accumulators,
                         tCrA,
-                        tCrB,
+                        tCrB_slices,
                         tCcC,
                         promotion,
                         mXScales,
@@ -1175,13 +1214,38 @@ class ExpertGroupedGemmSm90:
             read_state.advance()
         return read_state, release_state
 
-    def promotion_registers(self, tCcC):
+    def slice_shape(self):
+        """FP8: the (MMA M, MMA N) of one column slice's MMAs (plain Python)."""
+        return (self.mma_m, self.mma_n // self.mma_slices)
+
+    def column_slices(self, sB):
+        """FP8: the MMA B operand's ring, one view per column slice (plain Python, run while
+        tracing): mma_slices views of mma_n / mma_slices rows each (whole 8-row swizzle atoms,
+        so each is a ring the MMAs read as they read the whole one)."""
+        if self.mma_slices == 1:
+            return [sB]
+        rows = self.mma_n // self.mma_slices
+        return [
+            cute.local_tile(sB, (rows, self.tile_k), (s, 0, None)) for s in range(self.mma_slices)
+        ]
+
+    def promotion_registers(self, tCcC, tCcC_slice):
         """FP8: the registers of the promotions beside the running sum (plain Python, run while
         tracing): (group_products, finished_products, pending_scales, overlapped). A scale
-        group's MMAs accumulate in group_products before they are scaled into the sum
-        (overlapped: from finished_products, with the scales in pending_scales)."""
+        group's MMAs (of one column slice) accumulate in group_products before they are scaled
+        into the sum (overlapped: from finished_products, with the scales in pending_scales).
+        Column slice s's value i is the running sum's value s * (a slice's values) + i: each
+        fragment is one MMA atom's ((2, 2, column blocks of 8), 1, 1), the blocks outermost."""
+        if self.mma_slices > 1:
+            (_, _, blocks), m_atoms, n_atoms = tCcC.shape
+            (_, _, slice_blocks), _, _ = tCcC_slice.shape
+            if (m_atoms, n_atoms, blocks) != (1, 1, self.mma_slices * slice_blocks):
+                raise ValueError(
+                    f"the column slices' fragments {tCcC_slice.shape} do not tile the tile's "
+                    f"{tCcC.shape}"
+                )
         overlapped = self.overlaps_promotion(tCcC.shape)
-        group_products = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
+        group_products = cute.make_rmem_tensor(tCcC_slice.shape, cutlass.Float32)
         finished_products = None
         if overlapped:
             finished_products = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
@@ -1194,10 +1258,10 @@ class ExpertGroupedGemmSm90:
         ring,
         read_state,
         release_state,
-        tiled_mma,
+        slice_mma,
         accumulators,
         tCrA,
-        tCrB,
+        tCrB_slices,
         tCcC,
         promotion,
         mXScales,
@@ -1214,10 +1278,12 @@ class ExpertGroupedGemmSm90:
         each scale group's products promoted with its scales. Overlapped, each group's
         products, once its MMAs are done, move to finished_products and are promoted while the
         next group's MMAs run (no MMA is left in flight across a wait on the ring; the first
-        promotion adds zeros); otherwise each group is promoted as soon as its MMAs are done.
-        Returns the ring's (read, release) states."""
+        promotion adds zeros); otherwise each group's products of each column slice are
+        promoted as soon as their MMAs are done (slice_mma: one slice's MMAs; tCrB_slices: the
+        B operand of each). Returns the ring's (read, release) states."""
         group_products, finished_products, pending_scales, overlapped = promotion
         k_blocks_per_group = cute.size(tCrA, mode=[2]) // self.groups_per_tile
+        slice_values = cute.size(group_products)
         if cutlass.const_expr(overlapped):
             finished_products.fill(0.0)
             pending_scales.fill(0.0)
@@ -1236,22 +1302,32 @@ class ExpertGroupedGemmSm90:
             ring.consumer_wait(read_state)
             stage = read_state.index
             for group in cutlass.range_constexpr(self.groups_per_tile):
-                warpgroup.fence()
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                for k_block in cutlass.range_constexpr(k_blocks_per_group):
-                    coord = (None, None, group * k_blocks_per_group + k_block, stage)
-                    cute.gemm(tiled_mma, group_products, tCrA[coord], tCrB[coord], group_products)
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.commit_group()
-                if cutlass.const_expr(overlapped):
-                    self.promote(accumulators, finished_products, pending_scales)
-                    warpgroup.wait_group(0)
-                    finished_products.store(group_products.load())
-                    self.keep_scales(pending_scales, x_scales[group], weight_scales)
-                else:
-                    warpgroup.wait_group(0)
-                    self.keep_scales(pending_scales, x_scales[group], weight_scales)
-                    self.promote(accumulators, group_products, pending_scales)
+                for column_slice in cutlass.range_constexpr(self.mma_slices):
+                    tCrB = tCrB_slices[column_slice]
+                    warpgroup.fence()
+                    slice_mma.set(warpgroup.Field.ACCUMULATE, False)
+                    for k_block in cutlass.range_constexpr(k_blocks_per_group):
+                        coord = (None, None, group * k_blocks_per_group + k_block, stage)
+                        cute.gemm(
+                            slice_mma, group_products, tCrA[coord], tCrB[coord], group_products
+                        )
+                        slice_mma.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.commit_group()
+                    if cutlass.const_expr(overlapped):
+                        self.promote(accumulators, finished_products, pending_scales)
+                        warpgroup.wait_group(0)
+                        finished_products.store(group_products.load())
+                        self.keep_scales(pending_scales, x_scales[group], weight_scales)
+                    else:
+                        warpgroup.wait_group(0)
+                        if cutlass.const_expr(column_slice == 0):
+                            self.keep_scales(pending_scales, x_scales[group], weight_scales)
+                        self.promote(
+                            accumulators,
+                            group_products,
+                            pending_scales,
+                            first=column_slice * slice_values,
+                        )
             ring.consumer_release(release_state)
             release_state.advance()
             read_state.advance()
@@ -1426,12 +1502,16 @@ class ExpertGroupedGemmSm90:
             pending_scales[slots + j] = weight_scales[j]
 
     @cute.jit
-    def promote(self, accumulators, group_products, pending_scales):
-        """FP8: accumulators += group_products x (the row's x scale) x (the block's weight
-        scale), in fp32, with the scales keep_scales holds."""
-        values, shape = cute.size(accumulators), accumulators.shape
+    def promote(
+        self, accumulators, group_products, pending_scales, *, first: cutlass.Constexpr = 0
+    ):
+        """FP8: accumulators[first:first + the products' values] += group_products x (the
+        row's x scale) x (the block's weight scale), in fp32, with the scales keep_scales
+        holds (`first`: a column slice's first value in the running sum)."""
+        shape = accumulators.shape
         slots = self.x_scale_slots(shape)
-        for i in cutlass.range_constexpr(values):
-            x_scale = pending_scales[self.x_scale_slot(i, shape)]
-            scale = x_scale * pending_scales[slots + self.weight_scale_slot(i)]
-            accumulators[i] = accumulators[i] + group_products[i] * scale
+        for i in cutlass.range_constexpr(cute.size(group_products)):
+            j = first + i
+            x_scale = pending_scales[self.x_scale_slot(j, shape)]
+            scale = x_scale * pending_scales[slots + self.weight_scale_slot(j)]
+            accumulators[j] = accumulators[j] + group_products[i] * scale

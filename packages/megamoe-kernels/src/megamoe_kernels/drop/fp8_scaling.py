@@ -10,8 +10,8 @@ normal number), and q = round-to-nearest-even(value / s), saturated to +-E4M3_MA
 - the gate-up output fed to the down GEMM: one scale per row and INTERMEDIATE_GROUP columns.
   A gate-up tile of 128 accumulator columns holds 64 output columns (the SwiGLU halves them),
   so the epilogue quantizes whole groups without another tile's values; 128-column groups
-  would need 256-column tiles, whose two accumulator sets (the running sum and the
-  block's partial product) take 256 registers per thread.
+  would need every gate-up tile to hold 256 accumulator columns, and the decode (swap-AB)
+  tiles hold 128 (their M side, with a running sum and two product sets per thread).
 
 Plain Python: the kernels and the host code both read these.
 """

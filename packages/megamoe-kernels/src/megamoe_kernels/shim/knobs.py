@@ -13,7 +13,7 @@ import itertools
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from megamoe_kernels.drop.fp8_scaling import ACTIVATION_GROUP, INTERMEDIATE_GROUP
+from megamoe_kernels.drop.fp8_scaling import ACTIVATION_GROUP, INTERMEDIATE_GROUP, WEIGHT_BLOCK
 from megamoe_kernels.drop.tiling import (
     EPILOGUE_ROW_PAD,
     SMEM_CAPACITY_BYTES,
@@ -23,9 +23,11 @@ from megamoe_kernels.drop.tiling import (
 
 OPS = ("gate_up", "down", "gate_up_fp8", "down_fp8")
 FP8_OPS = ("gate_up_fp8", "down_fp8")
-# FP8 keeps two accumulator sets (the running sum and a scale group's products): at most 64
-# fp32 accumulators per consumer thread each, 128 registers in all
-FP8_MAX_ACCUMULATORS_PER_THREAD = 64
+# FP8 keeps a scale group's products beside the running sum: at most 64 fp32 products per
+# consumer thread (with the running sum's 128 at most, as bf16's); a prefill tile wider than a
+# weight block runs its MMAs and promotions a block's columns at a time, so its products are
+# those of one such slice
+FP8_MAX_PRODUCTS_PER_THREAD = 64
 ROW_TILES = (64, 128)
 COL_TILES = (64, 128, 192, 256)
 SWAP_ROW_TILES = (16, 32, 64, 128)
@@ -152,22 +154,29 @@ def _fp8_problems(knobs: GemmKnobs, op: str) -> list[str]:
     mma_m = knobs.tile_cols if knobs.swap_ab else knobs.tile_rows
     mma_n = knobs.tile_rows if knobs.swap_ab else knobs.tile_cols
     threads = 128 if knobs.pingpong else mma_m // 64 * 128
-    per_thread = mma_m * mma_n // threads
-    if per_thread > FP8_MAX_ACCUMULATORS_PER_THREAD:
+    sliced = not knobs.swap_ab and mma_n > WEIGHT_BLOCK
+    if sliced and mma_n % WEIGHT_BLOCK:
+        problems.append(
+            f"tile_cols={knobs.tile_cols} for {op}: an FP8 prefill tile wider than "
+            f"{WEIGHT_BLOCK} columns is a multiple of {WEIGHT_BLOCK} (its MMAs and promotions "
+            "run a weight block's columns at a time)"
+        )
+    products = mma_m * (WEIGHT_BLOCK if sliced else mma_n) // threads
+    if products > FP8_MAX_PRODUCTS_PER_THREAD:
         problems.append(
             f"a {knobs.tile_rows}x{knobs.tile_cols} FP8 tile{' with pingpong' if knobs.pingpong else ''}"
-            f" holds {per_thread} accumulators per thread: FP8 keeps two sets (the running sum "
-            f"and a scale group's products), at most {FP8_MAX_ACCUMULATORS_PER_THREAD} each"
+            f" holds {products} products of a scale group per thread beside its running sum: at "
+            f"most {FP8_MAX_PRODUCTS_PER_THREAD}"
         )
     if is_gate_up(op) and knobs.tile_cols % (2 * INTERMEDIATE_GROUP):
         problems.append(
             f"tile_cols={knobs.tile_cols} for {op}: a multiple of {2 * INTERMEDIATE_GROUP} (the "
             f"tile's output columns are whole {INTERMEDIATE_GROUP}-column quantization groups)"
         )
-    elif knobs.tile_cols not in (64, 128):
+    elif not is_gate_up(op) and knobs.tile_cols not in (64, 128, 2 * WEIGHT_BLOCK):
         problems.append(
-            f"tile_cols={knobs.tile_cols} for {op}: accepted (64, 128) (each tile's columns "
-            "lie in one 128-row weight block)"
+            f"tile_cols={knobs.tile_cols} for {op}: accepted (64, 128, {2 * WEIGHT_BLOCK}) (each "
+            "tile's columns lie in one 128-row weight block, or in two whole ones)"
         )
     return problems
 
@@ -209,9 +218,10 @@ def default_knobs(op: str, rows_per_expert: float) -> GemmKnobs:
     down) with a row tile of 1.5x the mean (no margin: each of a decode tile's batch rows costs a
     row-scale load per K step, so the 16-row tile beat the 32-row one at 8 rows per expert by
     5-10%, and lost at 16), 128 columns for gate-up (whole quantization groups); above, prefill
-    tiles of 64x128 up to FP8_NARROW_PREFILL_MAX_ROWS_PER_EXPERT, 128x128 beyond (two
-    accumulator sets of a 128x256 tile would not fit in registers). Measured on the H200,
-    each GEMM alone: docs/benchmarks.md, "Tiles by rows per expert"."""
+    tiles of 64x256 up to FP8_NARROW_PREFILL_MAX_ROWS_PER_EXPERT, 128x256 beyond (their MMAs
+    and promotions run a weight block's columns at a time; against the same row tiles with 128
+    columns, 4-20% less time from 4 to 2048 rows per expert). Measured on the H200, each GEMM
+    alone: docs/benchmarks.md, "Tiles by rows per expert"."""
     if is_fp8(op):
         knobs = _fp8_tile(op, rows_per_expert)
     elif rows_per_expert <= DECODE_MAX_ROWS_PER_EXPERT:
@@ -229,7 +239,7 @@ def _fp8_tile(op: str, rows_per_expert: float) -> GemmKnobs:
             knobs = replace(knobs, tile_cols=SWAP_COL_TILES[1])
         return knobs
     narrow = rows_per_expert <= FP8_NARROW_PREFILL_MAX_ROWS_PER_EXPERT
-    return GemmKnobs(tile_rows=64 if narrow else 128, tile_cols=128, swap_ab=False)
+    return GemmKnobs(tile_rows=64 if narrow else 128, tile_cols=2 * WEIGHT_BLOCK, swap_ab=False)
 
 
 def _decode_knobs(wanted_rows: float) -> GemmKnobs:
@@ -241,7 +251,7 @@ def _decode_knobs(wanted_rows: float) -> GemmKnobs:
 
 
 # rows per expert up to which the profile's tiles for that many rows (bf16: decode tiles; FP8:
-# 64x128) beat the prefill ones when the capacity asks for prefill tiles but the batch holds
+# 64x256) beat the prefill ones when the capacity asks for prefill tiles but the batch holds
 # fewer rows (measured on the H200: bf16 swap-AB won by 5-15% at 32 rows per expert, prefill
 # tiles matched or won at 64)
 SMALL_BATCH_ROWS_PER_EXPERT = 32
