@@ -137,8 +137,7 @@ def check_down(problem, knobs=None, row_scale_M=None):
 
 
 @pytest.mark.parametrize("geometry", sorted(GEOMETRY_DIMS))
-# the default profile's tiles at each: decode tiles (1, 3), 64x256 gate-up beside a decode down
-# (12), 64x256 both (24), 128x256 both (40, 300)
+# the default profile's tiles at each: decode tiles (1), 64x256 (3, 12, 24), 128x256 (40, 300)
 @pytest.mark.parametrize("rows_per_expert", [1, 3, 12, 24, 40, 300])
 def test_geometry_matches_oracle(geometry, rows_per_expert):
     experts, hidden, intermediate = GEOMETRY_DIMS[geometry]

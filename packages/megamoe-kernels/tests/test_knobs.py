@@ -33,7 +33,7 @@ from megamoe_kernels.shim.knobs import (
 def test_default_profile_is_always_valid(op, rows_per_expert):
     knobs = default_knobs(op, rows_per_expert)
     assert knob_problems(knobs, op) == []
-    decode_max = FP8_DECODE_MAX_ROWS_PER_EXPERT.get(op, DECODE_MAX_ROWS_PER_EXPERT)
+    decode_max = FP8_DECODE_MAX_ROWS_PER_EXPERT if op in FP8_OPS else DECODE_MAX_ROWS_PER_EXPERT
     assert knobs.swap_ab == (rows_per_expert <= decode_max)
 
 
@@ -106,24 +106,25 @@ def test_decode_tiles_narrow_with_the_row_tile(rows_per_expert, tile_rows, tile_
         assert (knobs.tile_rows, knobs.tile_cols) == (tile_rows, tile_cols)
 
 
-@pytest.mark.parametrize(
-    "rows_per_expert, tile_rows", [(0, 16), (1, 16), (8, 16), (10, 16), (11, 32), (16, 32)]
-)
-def test_fp8_decode_row_tiles_hold_one_and_a_half_times_the_mean(rows_per_expert, tile_rows):
-    # no margin above 1.5x the mean: each batch row of an FP8 decode tile costs a row-scale load
-    # per K step; gate-up's tiles are whole quantization groups (128 columns)
+@pytest.mark.parametrize("rows_per_expert", [0, 0.25, 1, 1.5, 2, 8, 16])
+def test_fp8_decode_tiles_end_at_one_row_per_expert(rows_per_expert):
+    # up to one row per expert the 16-row decode tile (1.5x the mean, no margin: each batch row
+    # of an FP8 decode tile costs a row-scale load per K step; gate-up's 128 columns are whole
+    # quantization groups); above, the narrow prefill tile
     down = default_knobs("down_fp8", rows_per_expert)
-    assert (down.swap_ab, down.tile_rows) == (True, tile_rows)
-    assert down.tile_cols == (64 if tile_rows == 16 else 128)
-    if rows_per_expert <= FP8_DECODE_MAX_ROWS_PER_EXPERT["gate_up_fp8"]:
-        gate_up = default_knobs("gate_up_fp8", rows_per_expert)
-        assert (gate_up.swap_ab, gate_up.tile_rows, gate_up.tile_cols) == (True, tile_rows, 128)
+    gate_up = default_knobs("gate_up_fp8", rows_per_expert)
+    if rows_per_expert <= FP8_DECODE_MAX_ROWS_PER_EXPERT:
+        assert (down.swap_ab, down.tile_rows, down.tile_cols) == (True, 16, 64)
+        assert (gate_up.swap_ab, gate_up.tile_rows, gate_up.tile_cols) == (True, 16, 128)
+    else:
+        for knobs in (down, gate_up):
+            assert (knobs.swap_ab, knobs.tile_rows, knobs.tile_cols) == (False, 64, 256)
 
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("capacity, experts", [(2, 32), (8 * 128, 128), (60, 8), (32 * 8, 8)])
 def test_a_capacity_of_few_rows_launches_one_kernel_for_every_batch(op, capacity, experts):
-    # up to 32 rows per expert (decode tiles, or FP8's narrow prefill tiles from 8-16): one
+    # up to 32 rows per expert (decode tiles, or FP8's narrow prefill tiles above 1): one
     # launch, whose tiles serve any batch the capacity holds
     (launch,) = launches(op, capacity, experts, DSV3)
     assert (launch.min_valid_rows, launch.max_valid_rows) == (0, None)
@@ -176,8 +177,8 @@ def test_a_prefill_capacity_adds_decode_tiles_for_batches_of_few_rows(op):
     assert small == Launch(default_knobs(op, SMALL_BATCH_ROWS_PER_EXPERT), 0, boundary)
     assert large == Launch(default_knobs(op, 512), boundary, None)
     assert not large.knobs.swap_ab
-    # FP8's small batches take its narrow prefill tile (decode tiles stop at 8-16 rows per
-    # expert), bf16's the decode tiles
+    # FP8's small batches take its narrow prefill tile (decode tiles stop at 1 row per expert),
+    # bf16's the decode tiles
     if op in FP8_OPS:
         assert (small.knobs.swap_ab, small.knobs.tile_rows) == (False, 64)
     else:
@@ -255,7 +256,7 @@ def test_fp8_profiles_fit_the_running_sum_and_a_group_s_products_in_registers(op
     assert knob_problems(knobs, op) == []
     if rows_per_expert > FP8_NARROW_PREFILL_MAX_ROWS_PER_EXPERT:
         assert (knobs.swap_ab, knobs.tile_rows, knobs.tile_cols) == (False, 128, 256)
-    elif rows_per_expert > FP8_DECODE_MAX_ROWS_PER_EXPERT[op]:
+    elif rows_per_expert > FP8_DECODE_MAX_ROWS_PER_EXPERT:
         assert (knobs.swap_ab, knobs.tile_rows, knobs.tile_cols) == (False, 64, 256)
     if op == "gate_up_fp8":
         # the tile's output columns are whole 64-column quantization groups

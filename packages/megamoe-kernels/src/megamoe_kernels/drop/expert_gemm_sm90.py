@@ -377,29 +377,12 @@ class ExpertGroupedGemmSm90:
         ab_dtype = mX.element_type
         self.ab_dtype = ab_dtype
         self.tile_k = tile_k(ab_dtype.width // 8)
-        k_major = cute.nvgpu.OperandMajorMode.K
-        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            ab_dtype,
-            ab_dtype,
-            k_major,
-            k_major,
-            cutlass.Float32,
-            (self.tile_warpgroups, 1, 1),
-            tiler_mn=(64, self.mma_n),
-        )
+        self.tiled_mma = self.tiled_mma_of(ab_dtype, self.mma_n)
         # the MMAs of one column slice (the whole tile's unless mma_slices > 1); tiled_mma
         # lays out the accumulators and the epilogue
         self.slice_mma = self.tiled_mma
         if cutlass.const_expr(self.mma_slices > 1):
-            self.slice_mma = sm90_utils.make_trivial_tiled_mma(
-                ab_dtype,
-                ab_dtype,
-                k_major,
-                k_major,
-                cutlass.Float32,
-                (self.tile_warpgroups, 1, 1),
-                tiler_mn=(64, self.mma_n // self.mma_slices),
-            )
+            self.slice_mma = self.tiled_mma_of(ab_dtype, self.mma_n // self.mma_slices)
         a_layout = sm90_utils.make_smem_layout_a(
             cutlass.tensor_utils.LayoutEnum.ROW_MAJOR,
             (self.mma_m, self.mma_n, self.tile_k),
@@ -486,6 +469,20 @@ class ExpertGroupedGemmSm90:
             # descriptors) while the previous kernel on the stream finishes; the kernel waits for
             # it before its first global memory access
             use_pdl=True,
+        )
+
+    def tiled_mma_of(self, ab_dtype, columns):
+        """The tile's warpgroups side by side along the MMA's M, each 64 rows by `columns` of
+        its N (plain Python, run while tracing)."""
+        k_major = cute.nvgpu.OperandMajorMode.K
+        return sm90_utils.make_trivial_tiled_mma(
+            ab_dtype,
+            ab_dtype,
+            k_major,
+            k_major,
+            cutlass.Float32,
+            (self.tile_warpgroups, 1, 1),
+            tiler_mn=(64, columns),
         )
 
     @cute.jit

@@ -195,8 +195,10 @@ def check_knobs(knobs: GemmKnobs, op: str) -> GemmKnobs:
 DECODE_MAX_ROWS_PER_EXPERT = 32
 # the FP8 ops': each K step of an FP8 decode tile also loads a row scale per batch row its
 # threads hold (a prefill tile's threads hold 2 rows per MMA atom), so the prefill tiles win
-# from fewer rows: the gate-up GEMM above 8 rows per expert, the down GEMM above 16
-FP8_DECODE_MAX_ROWS_PER_EXPERT = {"gate_up_fp8": 8, "down_fp8": 16}
+# from fewer rows (the whole FP8 MLP on the H200 with 64x256 tiles from above 1 row per expert
+# against decode tiles up to 8 / 16 (gate-up / down): 5-9% faster at 4-8 rows per expert,
+# equal at mixtral's 4; each GEMM alone, 64x256 matched or beat the decode tiles from 2)
+FP8_DECODE_MAX_ROWS_PER_EXPERT = 1
 # rows per expert up to which the FP8 prefill tile is 64 rows (one consumer warpgroup), not 128
 FP8_NARROW_PREFILL_MAX_ROWS_PER_EXPERT = 32
 
@@ -214,10 +216,10 @@ def default_knobs(op: str, rows_per_expert: float) -> GemmKnobs:
     the H200: 1-16% faster at 1-4 rows per expert; from 8 rows per expert, where the row tile is
     32, equal or 1-5% slower: docs/benchmarks.md, "Decode column tiles").
 
-    FP8: swap-AB up to FP8_DECODE_MAX_ROWS_PER_EXPERT (8 rows per expert for gate-up, 16 for
-    down) with a row tile of 1.5x the mean (no margin: each of a decode tile's batch rows costs a
-    row-scale load per K step, so the 16-row tile beat the 32-row one at 8 rows per expert by
-    5-10%, and lost at 16), 128 columns for gate-up (whole quantization groups); above, prefill
+    FP8: swap-AB up to FP8_DECODE_MAX_ROWS_PER_EXPERT (1 row per expert) with a row tile of
+    1.5x the mean (no margin: each of a decode tile's batch rows costs a row-scale load per K
+    step, so the 16-row tile beat the 32-row one at 8 rows per expert by 5-10%), 128 columns
+    for gate-up (whole quantization groups); above, prefill
     tiles of 64x256 up to FP8_NARROW_PREFILL_MAX_ROWS_PER_EXPERT, 128x256 beyond (their MMAs
     and promotions run a weight block's columns at a time; against the same row tiles with 128
     columns, 4-20% less time from 4 to 2048 rows per expert). Measured on the H200, each GEMM
@@ -233,7 +235,7 @@ def default_knobs(op: str, rows_per_expert: float) -> GemmKnobs:
 
 def _fp8_tile(op: str, rows_per_expert: float) -> GemmKnobs:
     """The FP8 profile's tile for `rows_per_expert` (default_knobs sets the stages)."""
-    if rows_per_expert <= FP8_DECODE_MAX_ROWS_PER_EXPERT[op]:
+    if rows_per_expert <= FP8_DECODE_MAX_ROWS_PER_EXPERT:
         knobs = _decode_knobs(1.5 * rows_per_expert)
         if is_gate_up(op):
             knobs = replace(knobs, tile_cols=SWAP_COL_TILES[1])
