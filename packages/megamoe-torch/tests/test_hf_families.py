@@ -4,7 +4,8 @@ A family either swaps exactly (fp32 logits within 1e-5 rel-L2, greedy generate()
 checkpoint saved and read back as the original's) or every MoE block it has is left in place and
 reported with the reason. The families that swap exactly with transformers 5.24 must keep doing
 so: a transformers release that changes one of them fails here, and one that adds a family shows
-up as a new test.
+up as a new test. Older releases that build one of them in a layout megamoe does not read
+(`OLDER_LAYOUTS`) must have it reported with that layout as the reason.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from hf_family_walk import NOT_WALKED, check_family, moe_families  # noqa: E402
+from test_hf_models import transformers_before  # noqa: E402
 
 # the families that swap exactly with transformers 5.24 (the floor this test holds)
 SWAP_EXACTLY = {
@@ -28,6 +30,13 @@ SWAP_EXACTLY = {
     "openai_privacy_filter", "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_next",
     "qwen3_omni_moe", "qwen3_vl_moe", "qwen4_exp", "solar_open", "step3p7", "unlimited_ocr",
 }  # fmt: skip
+# families of SWAP_EXACTLY that transformers releases before the one given built in a layout
+# megamoe does not read, and the tensor of that layout the reason names
+OLDER_LAYOUTS = {
+    # AriaExperts route inside their own forward, through grouped-GEMM modules fc1 [E, H, 2I]
+    # and fc2 [E, I, H]; from 5.18 on they take the routing and hold gate_up_proj and down_proj
+    "aria": ("5.18.0", "experts.fc1.weight"),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +54,10 @@ def test_family_swaps_exactly_or_is_reported_with_the_reason(family):
     if family in NOT_WALKED:
         pytest.skip(f"{family} is {NOT_WALKED[family]}")
     result = check_family(family)  # a family the walk cannot build raises here, with the error
-    if family in SWAP_EXACTLY:
+    since, older_layout = OLDER_LAYOUTS.get(family, (None, None))
+    if since is not None and transformers_before(since):
+        assert result.status == "skipped" and older_layout in result.detail, result.detail
+    elif family in SWAP_EXACTLY:
         assert result.status == "swaps exactly", result.detail
     assert result.status in ("swaps exactly", "skipped"), result.detail
     if result.status == "swaps exactly":
