@@ -219,11 +219,11 @@ def default_knobs(op: str, rows_per_expert: float) -> GemmKnobs:
     FP8: swap-AB up to FP8_DECODE_MAX_ROWS_PER_EXPERT (1 row per expert) with a row tile of
     1.5x the mean (no margin: each of a decode tile's batch rows costs a row-scale load per K
     step, so the 16-row tile beat the 32-row one at 8 rows per expert by 5-10%), 128 columns
-    for gate-up (whole quantization groups); above, prefill
-    tiles of 64x256 up to FP8_NARROW_PREFILL_MAX_ROWS_PER_EXPERT, 128x256 beyond (their MMAs
-    and promotions run a weight block's columns at a time; against the same row tiles with 128
-    columns, 4-20% less time from 4 to 2048 rows per expert). Measured on the H200, each GEMM
-    alone: docs/benchmarks.md, "Tiles by rows per expert"."""
+    for gate-up (whole quantization groups); above, prefill tiles of 64x256 up to
+    FP8_NARROW_PREFILL_MAX_ROWS_PER_EXPERT, 128x256 beyond (their MMAs and promotions run a
+    weight block's columns at a time; against the same row tiles with 128 columns, 4-20% less
+    time from 4 to 2048 rows per expert). Measured on the H200: docs/benchmarks.md, "Tiles by
+    rows per expert" and "FP8 tiles of two weight blocks"."""
     if is_fp8(op):
         knobs = _fp8_tile(op, rows_per_expert)
     elif rows_per_expert <= DECODE_MAX_ROWS_PER_EXPERT:
