@@ -149,6 +149,8 @@ FAMILY_FIELDS: dict[str, dict] = {
         "expert_layer_period": 2,
         "expert_layer_offset": 1,
     },
+    # its indexer heads read the query heads of one key head (4 / 2 in the tiny model)
+    "kolibri1_1": {"index_num_heads": 2},
     "lfm2_moe": {"layer_types": ["full_attention", "conv"], "num_dense_layers": 0},
     "muse_spark": {
         "audio_config": {
