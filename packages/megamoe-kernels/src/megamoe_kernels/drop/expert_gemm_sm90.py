@@ -1018,20 +1018,19 @@ class ExpertGroupedGemmSm90:
             team = warpgroup_idx - 1
         team_tidx = consumer_tidx - team * self.tile_threads
         thr_mma = tiled_mma.get_slice(team_tidx)
-        sA, sB = (sW, sX) if self.swap_ab else (sX, sW)
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.mma_m, self.mma_n)))
         accumulators = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
+        # the MMAs' operands, as one column slice's MMAs read them (the whole tile's but in FP8
+        # tiles of two weight blocks)
+        sA, sB = (sW, sX) if self.swap_ab else (sX, sW)
+        thr_slice = slice_mma.get_slice(team_tidx)
+        tCrA = slice_mma.make_fragment_A(thr_slice.partition_A(sA))
+        tCrB_slices = [
+            slice_mma.make_fragment_B(thr_slice.partition_B(sB_slice))
+            for sB_slice in self.column_slices(sB)
+        ]
         promotion = None
-        tCrB_slices = None
         if cutlass.const_expr(self.block_scaled):
-            thr_slice = slice_mma.get_slice(team_tidx)
-            tCrA = slice_mma.make_fragment_A(thr_slice.partition_A(sA))
-            tCrB_slices = [
-                slice_mma.make_fragment_B(thr_slice.partition_B(sB_slice))
-                for sB_slice in self.column_slices(sB)
-            ]
             promotion = self.promotion_registers(
                 tCcC, thr_slice.partition_C(cute.make_identity_tensor(self.slice_shape()))
             )
@@ -1121,7 +1120,7 @@ class ExpertGroupedGemmSm90:
                         tiled_mma,
                         accumulators,
                         tCrA,
-                        tCrB,
+                        tCrB_slices[0],
                         slice_tiles=slice_tiles,
                     )
             else:
@@ -1216,7 +1215,7 @@ class ExpertGroupedGemmSm90:
         return (self.mma_m, self.mma_n // self.mma_slices)
 
     def column_slices(self, sB):
-        """FP8: the MMA B operand's ring, one view per column slice (plain Python, run while
+        """The MMA B operand's ring, one view per column slice (plain Python, run while
         tracing): mma_slices views of mma_n / mma_slices rows each (whole 8-row swizzle atoms,
         so each is a ring the MMAs read as they read the whole one)."""
         if self.mma_slices == 1:
