@@ -10,7 +10,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from megamoe_runtime.experts import backend_status
+from megamoe_runtime.dispatch import LocalDispatcher
+from megamoe_runtime.experts import backend_status, make_backend
 from megamoe_runtime.geometries import Geometry
 from megamoe_runtime.measure import write_csv
 from megamoe_torch import bench
@@ -62,19 +63,59 @@ def test_layer_rows_time_the_forward_and_count_its_ops_on_a_cpu(tiny_layer, tmp_
     assert records[0]["graph_microseconds"] == ""
 
 
-def test_layer_point_reuses_the_kernels_rows_of_its_point(tiny_layer):
-    measured = bench.bench_point(tiny_layer, TINY, 5, backends=["reference"], repeats=2)
+def test_layer_point_reuses_the_kernels_rows_of_its_point():
+    routed_only = replace(TINY, name="test-tiny-routed", num_shared_experts=0)
+    layer = bench.build_layer(routed_only, device=CPU, dtype=torch.bfloat16, seed=3)
+    measured = bench.bench_point(layer, routed_only, 5, backends=["reference"], repeats=2)
     # a sentinel time shows the rows were used, not measured again
     kernels = [replace(measured[0], microseconds=123.0)]
     rows = bench.bench_layer_point(
-        tiny_layer, TINY, 5, backends=["reference"], repeats=2, kernel_rows=kernels
+        layer, routed_only, 5, backends=["reference"], repeats=2, kernel_rows=kernels
     )
     assert rows[0].gemm_microseconds == pytest.approx(123.0)
     # rows of another point are not this point's GEMMs
     other = bench.bench_layer_point(
-        tiny_layer, TINY, 6, backends=["reference"], repeats=2, kernel_rows=kernels
+        layer, routed_only, 6, backends=["reference"], repeats=2, kernel_rows=kernels
     )
     assert other[0].gemm_microseconds != pytest.approx(123.0)
+
+
+def test_a_layer_with_shared_experts_is_weighed_against_its_gemms_with_them(
+    tiny_layer, monkeypatch
+):
+    measured = bench.bench_point(tiny_layer, TINY, 5, backends=["reference"], repeats=2)
+    timed = []
+
+    def sentinel(layer, tokens, *, backend_name, repeats):
+        timed.append((tokens, backend_name))
+        return 456e-6
+
+    monkeypatch.setattr(bench, "shared_in_batch_seconds", sentinel)
+    (row,) = bench.bench_layer_point(
+        tiny_layer, TINY, 5, backends=["reference"], repeats=2, kernel_rows=measured
+    )
+    # the routed experts' kernels rows are not the layer's GEMMs: the batch with the shared
+    # expert in it is
+    assert timed == [(5, "reference")]
+    assert row.gemm_microseconds == pytest.approx(456.0)
+    assert math.isclose(row.layer_over_gemms, row.eager_microseconds / 456.0)
+
+
+def test_the_batch_with_the_shared_experts_computes_the_layers_forward(tiny_layer):
+    x_TH, batch, handle, pack = bench.shared_in_batch(tiny_layer, 6)
+    shared = TINY.num_shared_experts
+    offsets = batch.expert_offsets.tolist()
+    # every token has a row in the shared expert, after the routed experts
+    assert offsets[-1] - offsets[-1 - shared] == 6 * shared
+    assert offsets[-1] == 6 * (TINY.top_k + shared)
+    backend = make_backend("reference")
+    expert_rows = backend(batch, backend.prepare(pack))
+    combined = LocalDispatcher(TINY.num_experts + shared).combine(expert_rows, handle)
+    tiny_layer.use_backend("reference")
+    with torch.no_grad():
+        expected = tiny_layer(x_TH)
+    torch.testing.assert_close(combined.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    assert bench.shared_in_batch_seconds(tiny_layer, 6, backend_name="reference", repeats=2) > 0
 
 
 def test_the_baseline_backend_compares_with_itself(tiny_layer, monkeypatch):

@@ -29,6 +29,7 @@ from megamoe_runtime.measure import (
     tflops,
 )
 from megamoe_runtime.routing import route
+from megamoe_runtime.weights import with_dense_experts
 
 from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.layer import MegaMoE
@@ -62,7 +63,10 @@ class LayerBenchRow:
     `ops_counted` names: on a GPU "kernels", the CUDA kernels one eager forward launches, with its
     memcpy and memset apart in `gpu_memory_ops`; on a CPU "aten ops", the aten ops the forward
     calls from Python (not those inside other aten ops), and `gpu_memory_ops` is None.
-    `gemm_microseconds` is the expert compute alone on the same batch (the "kernels" mode).
+    `gemm_microseconds` is the expert compute alone on the same batch (the "kernels" mode); for
+    a bf16 layer with shared experts, on that batch with them in it (shared_in_batch_seconds),
+    so that `layer_over_gemms` weighs the routing, dispatch and combine and not the shared
+    experts' own compute.
     `layer_over_gemms` and `speedup` (grouped_mm's layer time over this backend's) compare graph
     replays on a GPU and eager forwards on a CPU; the baseline fields are None when grouped_mm
     was not among the backends of the run. An eager forward of the fused path of up to
@@ -246,6 +250,45 @@ def bench_point(
     return out
 
 
+def shared_in_batch(layer: MegaMoE, tokens: int):
+    """`tokens` routed tokens (routed_tokens) in a batch with the layer's shared experts in it,
+    as the fused path's batch holds them where they join it: every token's row also in each of
+    the S = shared_size / intermediate_size experts after the routed ones, with weight 1, and
+    the pack whose experts E..E+S-1 compute the shared MLP's columns (with_dense_experts).
+    Returns (x_TH, batch, handle, pack); bf16 experts only (an Unquantized pack)."""
+    device = layer.w13.device
+    config = layer.config
+    x_TH, ids, weights = routed_tokens(layer, tokens)
+    shared = config.shared_size // config.intermediate_size
+    shared_ids = torch.arange(config.num_experts, config.num_experts + shared, device=device)
+    ids = torch.cat((ids, shared_ids.to(ids.dtype).expand(tokens, shared)), dim=1)
+    weights = torch.cat((weights, weights.new_ones(tokens, shared)), dim=1)
+    batch, handle = LocalDispatcher(config.num_experts + shared).dispatch(x_TH, ids, weights)
+    mlp = layer.shared_experts
+    pack = with_dense_experts(
+        layer.expert_weight_pack(),
+        gate_FH=mlp.gate_proj.weight.detach(),
+        up_FH=mlp.up_proj.weight.detach(),
+        down_HF=mlp.down_proj.weight.detach(),
+    )
+    return x_TH, batch, handle, pack
+
+
+@torch.no_grad()
+def shared_in_batch_seconds(
+    layer: MegaMoE, tokens: int, *, backend_name: str, repeats: int = 30
+) -> float:
+    """The expert compute of shared_in_batch's batch on one backend: graph replays on a GPU,
+    eager calls on a CPU."""
+    _, batch, _, pack = shared_in_batch(layer, tokens)
+    backend = make_backend(backend_name)
+    prepared = backend.prepare(pack)
+    # the reference backend reads the offsets on the host: it cannot be captured
+    capturable = batch.rows_MH.device.type == "cuda" and backend_name != "reference"
+    timer = median_graph_replay_seconds if capturable else median_seconds
+    return timer(lambda: backend(batch, prepared), device=batch.rows_MH.device, repeats=repeats)
+
+
 def with_capacity(
     layer: MegaMoE, capacity: int, *, prepared_like: MegaMoE | None = None, **overrides
 ) -> MegaMoE:
@@ -345,7 +388,8 @@ def bench_layer_point(
     host time to issue it. The layer runs with a fixed capacity of tokens x top_k rows (the
     routed rows exactly, so nothing is padded) on its own parameters. The expert compute alone
     comes from this point's "kernels" rows in `kernel_rows`, measured here for the backends
-    they lack."""
+    they lack; for a bf16 layer with shared experts it is the batch with them in it
+    (shared_in_batch_seconds)."""
     device = layer.w13.device
     fixed = with_capacity(layer, tokens * geometry.top_k)
     # the baseline is the torch composition end to end: torch routing, dispatch and combine
@@ -355,11 +399,20 @@ def bench_layer_point(
         layer, tokens * geometry.top_k, prepared_like=fixed, eager_graph_tokens=0
     )
     x_TH, _, _ = routed_tokens(layer, tokens)  # the tokens bench_point dispatches
-    gemm_seconds = {
-        row.backend: row.microseconds / 1e6
-        for row in kernel_rows
-        if (row.geometry, row.tokens, row.mode) == (geometry.name, tokens, "kernels")
-    }
+    if layer.shared_experts is not None and layer.w13_scale_inv is None:
+        # the layer's GEMMs compute the shared experts too: time them with the routed ones
+        gemm_seconds = {
+            backend_label(layer, name): shared_in_batch_seconds(
+                layer, tokens, backend_name=name, repeats=repeats
+            )
+            for name in backends
+        }
+    else:
+        gemm_seconds = {
+            row.backend: row.microseconds / 1e6
+            for row in kernel_rows
+            if (row.geometry, row.tokens, row.mode) == (geometry.name, tokens, "kernels")
+        }
     missing = [name for name in backends if backend_label(layer, name) not in gemm_seconds]
     if missing:
         for row in bench_point(
@@ -587,6 +640,7 @@ def format_layer_table(rows: list[LayerBenchRow]) -> str:
             "eager/host: an eager forward (up to eager_graph_tokens tokens on the fused path it "
             "replays the layer's own graph), launch/l.host: the same forward launching its "
             "kernels; ops: CUDA kernels the launched forward runs, mem: its memcpy + memset; "
+            "gemm: the experts' GEMMs alone (a bf16 layer's shared experts in the batch); "
             "/gemm and x base: graph replays"
         )
     elif rows:
