@@ -313,6 +313,11 @@ class ExpertGroupedGemmSm90:
                     f"is a multiple of {WEIGHT_BLOCK} (its MMAs run a weight block at a time)"
                 )
             self.mma_slices = self.mma_n // WEIGHT_BLOCK
+        # FP8 prefill tiles load each K tile's scales a K step ahead (mma_tile_fp8): loaded
+        # just before the stage's wait, they were still in flight when a full ring let the
+        # MMAs start at once and the promotions wait on them (the down GEMM took 4-10% more
+        # time). The decode tiles promote a step later anyway (overlaps_promotion).
+        self.scales_ahead = self.block_scaled and not swap_ab
         # warpgroups that share one tile's MMAs, and the consumer warpgroups of the CTA
         self.tile_warpgroups = 1 if pingpong else self.mma_m // 64
         self.num_consumer_warpgroups = 2 if pingpong else self.tile_warpgroups
@@ -1227,9 +1232,10 @@ class ExpertGroupedGemmSm90:
 
     def promotion_registers(self, tCcC, tCcC_slice):
         """FP8: the registers of the promotions beside the running sum (plain Python, run while
-        tracing): (group_products, finished_products, pending_scales, overlapped). A scale
-        group's MMAs (of one column slice) accumulate in group_products before they are scaled
-        into the sum (overlapped: from finished_products, with the scales in pending_scales).
+        tracing): (group_products, finished_products, pending_scales, scales_ahead, overlapped).
+        A scale group's MMAs (of one column slice) accumulate in group_products before they are
+        scaled into the sum (overlapped: from finished_products, with the scales in
+        pending_scales); scales_ahead holds the next K tile's scales (step_scales).
         Column slice s's value i is the running sum's value s * (a slice's values) + i: each
         fragment is one MMA atom's ((2, 2, column blocks of 8), 1, 1), the blocks outermost."""
         if self.mma_slices > 1:
@@ -1246,7 +1252,12 @@ class ExpertGroupedGemmSm90:
         if overlapped:
             finished_products = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
         pending_scales = cute.make_rmem_tensor(self.x_scale_slots(tCcC.shape) + 2, cutlass.Float32)
-        return group_products, finished_products, pending_scales, overlapped
+        scales_ahead = None
+        if self.scales_ahead:
+            scales_ahead = cute.make_rmem_tensor(
+                self.step_scale_values(tCcC.shape), cutlass.Float32
+            )
+        return group_products, finished_products, pending_scales, scales_ahead, overlapped
 
     @cute.jit
     def mma_tile_fp8(
@@ -1277,7 +1288,7 @@ class ExpertGroupedGemmSm90:
         promotion adds zeros); otherwise each group's products of each column slice are
         promoted as soon as their MMAs are done (slice_mma: one slice's MMAs; tCrB_slices: the
         B operand of each). Returns the ring's (read, release) states."""
-        group_products, finished_products, pending_scales, overlapped = promotion
+        group_products, finished_products, pending_scales, scales_ahead, overlapped = promotion
         k_blocks_per_group = cute.size(tCrA, mode=[2]) // self.groups_per_tile
         slice_values = cute.size(group_products)
         if cutlass.const_expr(overlapped):
@@ -1287,14 +1298,28 @@ class ExpertGroupedGemmSm90:
             tidx, _, _ = cute.arch.thread_idx()
             for k_tile in range(tidx % self.tile_threads, slice_tiles, self.tile_threads):
                 self.prefetch_scales(mWScales, expert, col_tile, k_begin + k_tile, walk.n_cols)
+        scale_sources = (mXScales, mWScales, tCcC)
+        # the tile whose scales step_scales loads
+        where = dict(expert=expert, col_tile=col_tile, row0=row0, walk=walk)
+        if cutlass.const_expr(self.scales_ahead):
+            first = self.step_scales(*scale_sources, k_tile=k_begin, **where)
+            self.hold_step_scales(scales_ahead, *first)
         for k_tile in range(slice_tiles):
-            # issued before the wait: the loads' latency hides behind it
-            weight_scales = self.weight_scales(
-                mWScales, expert, col_tile, k_begin + k_tile, walk.n_cols
-            )
-            x_scales = self.row_scales(
-                mXScales, tCcC, row0=row0, capacity=walk.capacity, k_tile=k_begin + k_tile
-            )
+            if cutlass.const_expr(self.scales_ahead):
+                # this K tile's scales, loaded a step ago; the next one's loads are in flight
+                # through this step's MMAs
+                x_scales, weight_scales = self.held_step_scales(scales_ahead, tCcC)
+                next_k_tile = k_begin + cutlass.min(k_tile + 1, slice_tiles - 1)
+                ahead = self.step_scales(*scale_sources, k_tile=next_k_tile, **where)
+                self.hold_step_scales(scales_ahead, *ahead)
+            else:
+                # issued before the wait: the loads' latency hides behind it
+                weight_scales = self.weight_scales(
+                    mWScales, expert, col_tile, k_begin + k_tile, walk.n_cols
+                )
+                x_scales = self.row_scales(
+                    mXScales, tCcC, row0=row0, capacity=walk.capacity, k_tile=k_begin + k_tile
+                )
             ring.consumer_wait(read_state)
             stage = read_state.index
             for group in cutlass.range_constexpr(self.groups_per_tile):
@@ -1399,6 +1424,39 @@ class ExpertGroupedGemmSm90:
             team_tidx=team_tidx,
             barrier=barrier,
         )
+
+    def step_scale_values(self, fragment_shape):
+        """FP8: how many scales one K tile's promotions take (plain Python): each scale
+        group's x scale per x_scale_slot, then the two weight scales."""
+        return self.groups_per_tile * self.x_scale_slots(fragment_shape) + 2
+
+    @cute.jit
+    def step_scales(self, mXScales, mWScales, tCcC, *, expert, col_tile, row0, walk, k_tile):
+        """FP8: K tile `k_tile`'s (x_scales, weight_scales), loaded from global memory
+        (row_scales, weight_scales)."""
+        x_scales = self.row_scales(mXScales, tCcC, row0=row0, capacity=walk.capacity, k_tile=k_tile)
+        return x_scales, self.weight_scales(mWScales, expert, col_tile, k_tile, walk.n_cols)
+
+    @cute.jit
+    def hold_step_scales(self, scales, x_scales, weight_scales):
+        """FP8, scales_ahead: keeps a K tile's step_scales in the registers `scales`
+        (step_scale_values of them, the groups' x scales first)."""
+        slots = len(x_scales[0])
+        for group in cutlass.range_constexpr(self.groups_per_tile):
+            for slot in cutlass.range_constexpr(slots):
+                scales[group * slots + slot] = x_scales[group][slot]
+        for j in cutlass.range_constexpr(2):
+            scales[self.groups_per_tile * slots + j] = weight_scales[j]
+
+    def held_step_scales(self, scales, tCcC):
+        """FP8, scales_ahead: the (x_scales, weight_scales) hold_step_scales kept in `scales`."""
+        slots = self.x_scale_slots(tCcC.shape)
+        x_scales = [
+            [scales[group * slots + slot] for slot in range(slots)]
+            for group in range(self.groups_per_tile)
+        ]
+        first_weight = self.groups_per_tile * slots
+        return x_scales, (scales[first_weight], scales[first_weight + 1])
 
     @cute.jit
     def weight_scales(self, mWScales, expert, col_tile, k_tile, n_cols):
