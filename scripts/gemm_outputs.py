@@ -1,4 +1,4 @@
-"""Saves the BF16 expert GEMMs' outputs on fixed inputs, or compares them with a saved file, so a
+"""Saves the expert GEMMs' outputs on fixed inputs, or compares them with a saved file, so a
 kernel change can be checked bitwise against the build before it.
 
     python3 scripts/gemm_outputs.py save before.pt      # with the kernels before the change
@@ -7,7 +7,10 @@ kernel change can be checked bitwise against the build before it.
 The kernels are the `megamoe_kernels` on the import path (PYTHONPATH picks the build). Each case
 is a geometry's expert batch at a rows-per-expert count with the default knobs of its size (the
 swap-AB decode tiles, the prefill tiles), plus the knob variants no profile picks (pingpong,
-clusters, split-K), on inputs drawn from a fixed seed: the same bytes in both runs.
+clusters, split-K), on inputs drawn from a fixed seed: the same bytes in both runs. The FP8
+GEMMs run at FP8_POINTS with their default knobs, on the batch `megamoe tune` times (the
+geometry's layer and router on seeded random tokens, the rows quantized as the dispatch
+quantizes them): the gate-up's e4m3 rows and scales and the down's bf16 rows.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from dataclasses import replace
 import torch
 from megamoe_kernels import GemmKnobs, default_knobs, down, gate_up_swiglu, interleave_gate_up
 from megamoe_kernels.shim.knobs import max_stages
+from megamoe_runtime.geometries import GEOMETRIES
+from megamoe_torch.tune import gemm_runners, tuning_problem
 
 DEVICE = torch.device("cuda")
 # (experts, hidden, intermediate, rows per expert)
@@ -29,6 +34,14 @@ CASES = {
     "dsv3-local-prefill": (32, 7168, 2048, 260),
     "gpt-oss-masked": (16, 2880, 2880, 70),
 }
+# FP8 (geometry, tokens): a decode tile, the 64 x 256 and 128 x 256 prefill tiles
+FP8_POINTS = (
+    ("qwen3-30b-a3b", 16),
+    ("qwen3-30b-a3b", 512),
+    ("qwen3-30b-a3b", 2048),
+    ("dsv3-ep8-local", 8192),
+    ("mixtral-8x7b", 1024),
+)
 # the knob variants no default profile picks, each on the case whose size it suits
 VARIANTS = {
     "pingpong": ("qwen3-prefill", GemmKnobs(tile_rows=64, tile_cols=256, pingpong=True)),
@@ -76,6 +89,15 @@ def outputs() -> dict[str, torch.Tensor]:
         results[f"{variant}/gate_up"] = hidden.cpu()
         down_knobs = variant_knobs("down", knobs, rows_per_expert)
         results[f"{variant}/down"] = down(hidden, offsets, w2, knobs=down_knobs).cpu()
+    for geometry, tokens in FP8_POINTS:
+        tuning = tuning_problem(GEOMETRIES[geometry], tokens, device=DEVICE, weight_dtype="fp8")
+        rows_per_expert = tuning.batch.capacity / GEOMETRIES[geometry].num_experts
+        for op, run in gemm_runners(tuning).items():
+            out = run(default_knobs(op, rows_per_expert))
+            for index, tensor in enumerate(out if isinstance(out, tuple) else (out,)):
+                # e4m3 compared as its bytes
+                bits = tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
+                results[f"fp8-{geometry}-{tokens}/{op}/{index}"] = bits.cpu()
     return results
 
 
