@@ -101,6 +101,24 @@ def test_a_layer_with_shared_experts_is_weighed_against_its_gemms_with_them(
     assert math.isclose(row.layer_over_gemms, row.eager_microseconds / 456.0)
 
 
+def test_shared_experts_that_cannot_join_the_batch_leave_the_routed_gemms(monkeypatch):
+    # biased experts: the shared MLP (no biases) cannot be experts of their batch
+    biased = replace(TINY, name="test-tiny-biased", expert_bias=True)
+    layer = bench.build_layer(biased, device=CPU, dtype=torch.bfloat16, seed=3)
+    assert layer.config.shared_experts_in_batch_problems
+    measured = bench.bench_point(layer, biased, 5, backends=["reference"], repeats=2)
+    kernels = [replace(measured[0], microseconds=123.0)]
+
+    def not_timed(*args, **kwargs):
+        raise AssertionError("timed a batch the layer never runs")
+
+    monkeypatch.setattr(bench, "shared_in_batch_seconds", not_timed)
+    (row,) = bench.bench_layer_point(
+        layer, biased, 5, backends=["reference"], repeats=2, kernel_rows=kernels
+    )
+    assert row.gemm_microseconds == pytest.approx(123.0)
+
+
 def test_the_batch_with_the_shared_experts_computes_the_layers_forward(tiny_layer):
     x_TH, batch, handle, pack = bench.shared_in_batch(tiny_layer, 6)
     shared = TINY.num_shared_experts

@@ -64,9 +64,10 @@ class LayerBenchRow:
     memcpy and memset apart in `gpu_memory_ops`; on a CPU "aten ops", the aten ops the forward
     calls from Python (not those inside other aten ops), and `gpu_memory_ops` is None.
     `gemm_microseconds` is the expert compute alone on the same batch (the "kernels" mode); for
-    a bf16 layer with shared experts, on that batch with them in it (shared_in_batch_seconds),
-    so that `layer_over_gemms` weighs the routing, dispatch and combine and not the shared
-    experts' own compute.
+    a layer whose shared experts can join the batch (MegaMoEConfig.
+    shared_experts_in_batch_problems empty), on that batch with them in it
+    (shared_in_batch_seconds), so that `layer_over_gemms` weighs the routing, dispatch and
+    combine and not the shared experts' own compute.
     `layer_over_gemms` and `speedup` (grouped_mm's layer time over this backend's) compare graph
     replays on a GPU and eager forwards on a CPU; the baseline fields are None when grouped_mm
     was not among the backends of the run. An eager forward of the fused path of up to
@@ -255,7 +256,8 @@ def shared_in_batch(layer: MegaMoE, tokens: int):
     as the fused path's batch holds them where they join it: every token's row also in each of
     the S = shared_size / intermediate_size experts after the routed ones, with weight 1, and
     the pack whose experts E..E+S-1 compute the shared MLP's columns (with_dense_experts).
-    Returns (x_TH, batch, handle, pack); bf16 experts only (an Unquantized pack)."""
+    Returns (x_TH, batch, handle, pack); for shared experts that can join the batch
+    (MegaMoEConfig.shared_experts_in_batch_problems empty)."""
     device = layer.w13.device
     config = layer.config
     x_TH, ids, weights = routed_tokens(layer, tokens)
@@ -388,8 +390,8 @@ def bench_layer_point(
     host time to issue it. The layer runs with a fixed capacity of tokens x top_k rows (the
     routed rows exactly, so nothing is padded) on its own parameters. The expert compute alone
     comes from this point's "kernels" rows in `kernel_rows`, measured here for the backends
-    they lack; for a bf16 layer with shared experts it is the batch with them in it
-    (shared_in_batch_seconds)."""
+    they lack; for a layer whose shared experts can join the batch it is that batch with them
+    in it (shared_in_batch_seconds)."""
     device = layer.w13.device
     fixed = with_capacity(layer, tokens * geometry.top_k)
     # the baseline is the torch composition end to end: torch routing, dispatch and combine
@@ -399,7 +401,7 @@ def bench_layer_point(
         layer, tokens * geometry.top_k, prepared_like=fixed, eager_graph_tokens=0
     )
     x_TH, _, _ = routed_tokens(layer, tokens)  # the tokens bench_point dispatches
-    if layer.shared_experts is not None and layer.w13_scale_inv is None:
+    if layer.shared_experts is not None and not layer.config.shared_experts_in_batch_problems:
         # the layer's GEMMs compute the shared experts too: time them with the routed ones
         gemm_seconds = {
             backend_label(layer, name): shared_in_batch_seconds(
@@ -640,7 +642,8 @@ def format_layer_table(rows: list[LayerBenchRow]) -> str:
             "eager/host: an eager forward (up to eager_graph_tokens tokens on the fused path it "
             "replays the layer's own graph), launch/l.host: the same forward launching its "
             "kernels; ops: CUDA kernels the launched forward runs, mem: its memcpy + memset; "
-            "gemm: the experts' GEMMs alone (a bf16 layer's shared experts in the batch); "
+            "gemm: the experts' GEMMs alone (with the shared experts where they can join the "
+            "batch); "
             "/gemm and x base: graph replays"
         )
     elif rows:
