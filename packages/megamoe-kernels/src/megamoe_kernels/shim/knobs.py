@@ -197,7 +197,8 @@ DECODE_MAX_ROWS_PER_EXPERT = 32
 # threads hold (a prefill tile's threads hold 2 rows per MMA atom), so the prefill tiles win
 # from fewer rows (the whole FP8 MLP on the H200 with 64x256 tiles from above 1 row per expert
 # against decode tiles up to 8 / 16 (gate-up / down): 5-9% faster at 4-8 rows per expert,
-# equal at mixtral's 4; each GEMM alone, 64x256 matched or beat the decode tiles from 2)
+# equal at mixtral's 4; each GEMM alone, 64x256 matched or beat the decode tiles from 2, and
+# at 1.5 the two GEMMs together took the same time with either)
 FP8_DECODE_MAX_ROWS_PER_EXPERT = 1
 # rows per expert up to which the FP8 prefill tile is 64 rows (one consumer warpgroup), not 128
 FP8_NARROW_PREFILL_MAX_ROWS_PER_EXPERT = 32
