@@ -143,7 +143,7 @@ from .tile_epilogue import (
     up_partner_offset,
 )
 from .tile_schedule import UNIT_QUEUE_SLOTS, TileSchedule
-from .tiling import EPILOGUE_ROW_PAD, THREADS_PER_WARPGROUP, tile_k
+from .tiling import EPILOGUE_ROW_PAD, THREADS_PER_WARPGROUP, fp8_column_slices, tile_k
 
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
@@ -306,13 +306,8 @@ class ExpertGroupedGemmSm90:
         # FP8 prefill tiles wider than a weight block: the MMAs' column slices, each promoted as
         # its MMAs end (mma_tile_fp8)
         self.mma_slices = 1
-        if self.block_scaled and not swap_ab and self.mma_n > WEIGHT_BLOCK:
-            if self.mma_n % WEIGHT_BLOCK:
-                raise ValueError(
-                    f"tile_cols={tile_cols}: an FP8 prefill tile wider than {WEIGHT_BLOCK} columns "
-                    f"is a multiple of {WEIGHT_BLOCK} (its MMAs run a weight block at a time)"
-                )
-            self.mma_slices = self.mma_n // WEIGHT_BLOCK
+        if self.block_scaled:
+            self.mma_slices = fp8_column_slices(self.mma_n, swap_ab=swap_ab)
         # FP8 prefill tiles load each K tile's scales a K step ahead (mma_tile_fp8): loaded
         # just before the stage's wait, they were still in flight when a full ring let the
         # MMAs start at once and the promotions wait on them (the down GEMM took 4-10% more

@@ -19,6 +19,7 @@ from megamoe_kernels.drop.tiling import (
     SMEM_CAPACITY_BYTES,
     SMEM_RESERVED_BYTES,
     TILE_K_BYTES,
+    fp8_column_slices,
 )
 
 OPS = ("gate_up", "down", "gate_up_fp8", "down_fp8")
@@ -154,14 +155,12 @@ def _fp8_problems(knobs: GemmKnobs, op: str) -> list[str]:
     mma_m = knobs.tile_cols if knobs.swap_ab else knobs.tile_rows
     mma_n = knobs.tile_rows if knobs.swap_ab else knobs.tile_cols
     threads = 128 if knobs.pingpong else mma_m // 64 * 128
-    sliced = not knobs.swap_ab and mma_n > WEIGHT_BLOCK
-    if sliced and mma_n % WEIGHT_BLOCK:
-        problems.append(
-            f"tile_cols={knobs.tile_cols} for {op}: an FP8 prefill tile wider than "
-            f"{WEIGHT_BLOCK} columns is a multiple of {WEIGHT_BLOCK} (its MMAs and promotions "
-            "run a weight block's columns at a time)"
-        )
-    products = mma_m * (WEIGHT_BLOCK if sliced else mma_n) // threads
+    try:
+        slice_cols = mma_n // fp8_column_slices(mma_n, swap_ab=knobs.swap_ab)
+    except ValueError as error:
+        problems.append(f"tile_cols={knobs.tile_cols} for {op}: {error}")
+        slice_cols = WEIGHT_BLOCK  # the slices it would run
+    products = mma_m * slice_cols // threads
     if products > FP8_MAX_PRODUCTS_PER_THREAD:
         problems.append(
             f"a {knobs.tile_rows}x{knobs.tile_cols} FP8 tile{' with pingpong' if knobs.pingpong else ''}"
