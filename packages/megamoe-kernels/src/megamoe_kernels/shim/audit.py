@@ -164,6 +164,8 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
     DropSymbol("tiling", "SMEM_CAPACITY_BYTES", "constant"),
     DropSymbol("tiling", "SMEM_RESERVED_BYTES", "constant"),
     DropSymbol("tiling", "EPILOGUE_ROW_PAD", "constant"),
+    # shim/knobs.py: the FP8 tiles' column slices (the products per thread they keep)
+    DropSymbol("tiling", "fp8_column_slices", "function", parameters=("mma_n", "swap_ab")),
     # shim/ep.py: expert-parallel dispatch and combine; each launcher's entry comes from its
     # declaration there (per-call arguments, the EpParams, compile-time constants, the stream)
     DropSymbol("ep_sync", "EpParams", "class", parameters=ep.params_fields()),
