@@ -112,8 +112,10 @@ the tile's two weight scales (gate and up blocks with SwiGLU, the two halves of 
 tile). A prefill tile wider than a weight block (256 columns) runs its MMAs a 128-column slice
 at a time, each slice's products promoted as its MMAs end: the running sum of the whole tile
 and the products of one slice fit the consumers' registers where two sets of the whole tile
-would not. The scales take no shared memory, so FP8 and BF16 tiles of the same
-shape hold the same stages. quantize_out: the gate-up output is e4m3 with one scale per row and
+would not. In a tile of two warpgroups that promote a weight block's K at a time, the
+warpgroups issue each batch of MMAs in turns (mma_turns: two named barriers), so one's MMAs
+run while the other promotes. The scales take no shared memory, so FP8 and BF16 tiles of the
+same shape hold the same stages. quantize_out: the gate-up output is e4m3 with one scale per row and
 INTERMEDIATE_GROUP columns (out_scales [N_out / 64, rows]): the tile is staged in bf16 and
 each group quantized as it is copied out (8 lanes share a group's amax by shuffles).
 """
@@ -159,7 +161,8 @@ class BarrierId(enum.IntEnum):
 
     # the threads of team w meet around its staging buffer in the epilogue
     EPILOGUE = 1
-    # pingpong: where team w hands the tensor cores to the other team
+    # where consumer w hands the tensor cores to the other: with pingpong team w between
+    # tiles, in an FP8 tile of two warpgroups warpgroup w between MMA batches (mma_turns)
     MMA_TURN = 3
 
 
@@ -313,6 +316,19 @@ class ExpertGroupedGemmSm90:
         # MMAs start at once and the promotions wait on them (the down GEMM took 4-10% more
         # time). The decode tiles promote a step later anyway (overlaps_promotion).
         self.scales_ahead = self.block_scaled and not swap_ab
+        # FP8 tiles of two warpgroups that promote each batch of MMAs as it ends, a weight
+        # block's K at a time: the warpgroups issue their batches in turns, so that one's MMAs
+        # run while the other promotes (take_mma_turn). Left to themselves both issue each
+        # batch at once and both promote with the tensor cores idle: the gate-up took 7-8% more
+        # time at dsv3-ep8-local 2048 and 8192 tokens, 1% at mixtral-8x7b, the same at
+        # qwen3-30b-a3b (K = 2048). Not with 64-column scale groups (the down GEMM after a
+        # quantizing gate-up): its batches of half the MMAs took 3-5% more time in turns.
+        self.mma_turns = (
+            self.block_scaled
+            and scale_group == WEIGHT_BLOCK
+            and not pingpong
+            and self.mma_m == 2 * 64
+        )
         # warpgroups that share one tile's MMAs, and the consumer warpgroups of the CTA
         self.tile_warpgroups = 1 if pingpong else self.mma_m // 64
         self.num_consumer_warpgroups = 2 if pingpong else self.tile_warpgroups
@@ -1049,6 +1065,15 @@ class ExpertGroupedGemmSm90:
         other_turn = pipeline.NamedBarrier(
             barrier_id=BarrierId.MMA_TURN + 1 - team, num_threads=self.num_consumer_threads
         )
+        # mma_turns: warpgroup w of the tile waits on turns[w] before its batches of MMAs
+        turns = None
+        if cutlass.const_expr(self.mma_turns):
+            turns = [
+                pipeline.NamedBarrier(
+                    barrier_id=BarrierId.MMA_TURN + w, num_threads=self.num_consumer_threads
+                )
+                for w in range(2)
+            ]
         unit_state = pipeline.make_pipeline_state(
             pipeline.PipelineUserType.Consumer, UNIT_QUEUE_SLOTS
         )
@@ -1093,6 +1118,10 @@ class ExpertGroupedGemmSm90:
             read_after, release_after = read_state, release_state
             if row0 + slab_row0 < row_end:
                 if cutlass.const_expr(self.block_scaled):
+                    # both warpgroups run MMAs (the second's slab holds rows): they take turns
+                    paired = cutlass.Boolean(True)
+                    if cutlass.const_expr(not self.swap_ab):
+                        paired = row0 + 64 < row_end
                     read_after, release_after = self.mma_tile_fp8(
                         ring,
                         read_state,
@@ -1106,11 +1135,14 @@ class ExpertGroupedGemmSm90:
                         mXScales,
                         mWScales,
                         walk,
+                        turns,
                         expert=expert,
                         col_tile=col_tile,
                         row0=row0,
                         k_begin=k_begin,
                         slice_tiles=slice_tiles,
+                        paired=paired,
+                        warpgroup_in_tile=team_tidx // THREADS_PER_WARPGROUP,
                     )
                 else:
                     read_after, release_after = self.mma_tile(
@@ -1269,12 +1301,15 @@ class ExpertGroupedGemmSm90:
         mXScales,
         mWScales,
         walk,
+        turns,
         *,
         expert,
         col_tile,
         row0,
         k_begin,
         slice_tiles,
+        paired,
+        warpgroup_in_tile,
     ):
         """Consumer team, FP8: accumulators += the MMAs of `slice_tiles` K tiles from the ring,
         each scale group's products promoted with its scales. Overlapped, each group's
@@ -1282,8 +1317,11 @@ class ExpertGroupedGemmSm90:
         next group's MMAs run (no MMA is left in flight across a wait on the ring; the first
         promotion adds zeros); otherwise each group's products of each column slice are
         promoted as soon as their MMAs are done (slice_mma: one slice's MMAs; tCrB_slices: the
-        B operand of each). Returns the ring's (read, release) states."""
+        B operand of each), and with mma_turns, where both warpgroups have rows (`paired`),
+        they issue each batch in turns (take_mma_turn). Returns the ring's (read, release)
+        states."""
         group_products, finished_products, pending_scales, scales_ahead, overlapped = promotion
+        in_turns = self.mma_turns and not overlapped
         k_blocks_per_group = cute.size(tCrA, mode=[2]) // self.groups_per_tile
         slice_values = cute.size(group_products)
         if cutlass.const_expr(overlapped):
@@ -1320,6 +1358,8 @@ class ExpertGroupedGemmSm90:
             for group in cutlass.range_constexpr(self.groups_per_tile):
                 for column_slice in cutlass.range_constexpr(self.mma_slices):
                     tCrB = tCrB_slices[column_slice]
+                    if cutlass.const_expr(in_turns):
+                        self.take_mma_turn(turns, paired, warpgroup_in_tile)
                     warpgroup.fence()
                     slice_mma.set(warpgroup.Field.ACCUMULATE, False)
                     for k_block in cutlass.range_constexpr(k_blocks_per_group):
@@ -1335,6 +1375,8 @@ class ExpertGroupedGemmSm90:
                         finished_products.store(group_products.load())
                         self.keep_scales(pending_scales, x_scales[group], weight_scales)
                     else:
+                        if cutlass.const_expr(in_turns):
+                            self.pass_mma_turn(turns, paired, warpgroup_in_tile)
                         warpgroup.wait_group(0)
                         if cutlass.const_expr(column_slice == 0):
                             self.keep_scales(pending_scales, x_scales[group], weight_scales)
@@ -1344,12 +1386,42 @@ class ExpertGroupedGemmSm90:
                             pending_scales,
                             first=column_slice * slice_values,
                         )
+                        if cutlass.const_expr(in_turns):
+                            self.end_mma_turn(turns, paired, warpgroup_in_tile)
             ring.consumer_release(release_state)
             release_state.advance()
             read_state.advance()
         if cutlass.const_expr(overlapped):
             self.promote(accumulators, finished_products, pending_scales)
         return read_state, release_state
+
+    @cute.jit
+    def take_mma_turn(self, turns, paired, warpgroup_in_tile):
+        """FP8, mma_turns: before a batch of MMAs. The tile's warpgroups issue each batch in
+        turns, the first warpgroup first: the second waits until the first has issued it.
+        Each warpgroup's batch then runs on the tensor cores while the other promotes its
+        own (issued together, the two batches' MMAs interleave and end together, and both
+        warpgroups promote with the tensor cores idle)."""
+        if paired and warpgroup_in_tile == 1:
+            turns[1].arrive_and_wait()
+
+    @cute.jit
+    def pass_mma_turn(self, turns, paired, warpgroup_in_tile):
+        """FP8, mma_turns: once a batch of MMAs is issued, the turn passes to the other
+        warpgroup."""
+        if paired:
+            if warpgroup_in_tile == 0:
+                turns[1].arrive()
+            else:
+                turns[0].arrive()
+
+    @cute.jit
+    def end_mma_turn(self, turns, paired, warpgroup_in_tile):
+        """FP8, mma_turns: once a batch is promoted, the first warpgroup waits until the second
+        has issued the same batch (long done: it issued right behind it) before it issues
+        its next one; each turn barrier sees one wait and one arrival per batch."""
+        if paired and warpgroup_in_tile == 0:
+            turns[0].arrive_and_wait()
 
     @cute.jit
     def finish_tile(
@@ -1526,8 +1598,8 @@ class ExpertGroupedGemmSm90:
         """FP8: whether a scale group's products are promoted while the next group's MMAs run
         (plain Python). Decode (swap-AB) tiles only: measured on the H200 against promoting each
         group as its MMAs end, the whole FP8 expert MLP is 2-4% faster at 1 and 16 tokens and the
-        prefill tiles' gate-up 6-9% slower at 2048 and 8192 (their two warpgroups already
-        alternate at the tensor cores). Not where the second set of products and two groups'
+        prefill tiles' gate-up 6-9% slower at 2048 and 8192 (their two warpgroups take turns
+        at the tensor cores instead: mma_turns). Not where the second set of products and two groups'
         x scales would not fit in the consumers' registers beside the running sum (the 128-row
         swap-AB tile, 32 row scales a group per thread, spilled)."""
         values = cute.size(fragment_shape)
