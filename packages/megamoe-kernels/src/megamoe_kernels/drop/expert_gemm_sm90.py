@@ -46,7 +46,7 @@ the store warps drain the buffers in the CTA's tile order (the warpgroups' tiles
 
 swap_ab puts the weight's N on the MMA's M side (tile_cols = MMA M, tile_rows = MMA N): the
 decode shape, where a few rows per expert would waste a 64-row MMA and the weight stream is
-what costs.
+what costs. Each weight tile is read once there: its loads are evict-first in the L2.
 
 cluster_rows = 2 runs the CTAs in clusters of two that share each weight tile: the schedule's
 unit is a pair of row tiles of one (expert, column tile); CTA r of the cluster takes row tile
@@ -147,6 +147,9 @@ from .tile_epilogue import (
 from .tile_schedule import UNIT_QUEUE_SLOTS, TileSchedule
 from .tiling import EPILOGUE_ROW_PAD, THREADS_PER_WARPGROUP, fp8_column_slices, tile_k
 
+# the L2 cache policy of an evict-first TMA load (the 64-bit createpolicy encoding CUTLASS
+# names CacheHintSm90::EVICT_FIRST)
+EVICT_FIRST_POLICY = 0x12F0000000000000
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
 # FP8: the most registers a consumer thread's running sum, two sets of a scale group's products
@@ -329,6 +332,11 @@ class ExpertGroupedGemmSm90:
             and not pingpong
             and self.mma_m == 2 * 64
         )
+        # decode (swap-AB) tiles read each weight tile once: their weight loads are evict-first,
+        # so the L2 keeps what is read again (the scales, the rows, the gate-up's output for
+        # the down GEMM). With the weights cold, each FP8 GEMM alone took 0-9% less time at 1
+        # and 16 tokens (qwen3-30b-a3b 16 tokens: the down 40.0 -> 36.4 us).
+        self.evict_first_weights = swap_ab
         # warpgroups that share one tile's MMAs, and the consumer warpgroups of the CTA
         self.tile_warpgroups = 1 if pingpong else self.mma_m // 64
         self.num_consumer_warpgroups = 2 if pingpong else self.tile_warpgroups
@@ -901,9 +909,17 @@ class ExpertGroupedGemmSm90:
                 tWgW_tile[(None, k_tile)],
                 tWsW[(None, weight_state.index)],
                 tma_bar_ptr=ring.producer_get_barrier(weight_state),
+                cache_policy=self.weight_cache_policy(),
             )
             weight_state.advance()
         return weights_loading
+
+    def weight_cache_policy(self):
+        """The L2 cache policy of the weight loads (plain Python, run while tracing):
+        evict-first for decode tiles (evict_first_weights), else None (the default)."""
+        if self.evict_first_weights:
+            return cutlass.Int64(EVICT_FIRST_POLICY)
+        return None
 
     @cute.jit
     def load_tile(
@@ -979,6 +995,7 @@ class ExpertGroupedGemmSm90:
                     tWgW_tile[(None, k_tile)],
                     tWsW[(None, state.index)],
                     tma_bar_ptr=barrier,
+                    cache_policy=self.weight_cache_policy(),
                 )
             if cutlass.const_expr(self.gather_rows):
                 self.gather_stage(
