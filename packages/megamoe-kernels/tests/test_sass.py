@@ -1,5 +1,6 @@
 """Every default profile's SASS, and the pingpong and cluster variants', holds HGMMA (wgmma): without it a
-kernel is on a slow path."""
+kernel is on a slow path. The decode (swap-AB) kernels, and only they, load their weights
+evict-first."""
 
 import subprocess
 import sys

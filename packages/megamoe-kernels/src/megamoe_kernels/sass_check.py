@@ -1,6 +1,8 @@
 """Checks that every default kernel profile, and each kernel variant no profile picks (pingpong,
 2-CTA clusters, split-K, FP8 on packed weights), compiles to wgmma: its SASS must hold HGMMA, or for the FP8 ops QGMMA
-with e4m3 inputs (the SASS name of an FP8 wgmma).
+with e4m3 inputs (the SASS name of an FP8 wgmma). Also that the decode (swap-AB) kernels, and
+only they, load with an L2 cache policy (their evict-first weight loads: a TMA load whose
+`desc[...]` operand names a register, where a load without a policy names URZ).
 
     python -m megamoe_kernels.sass_check [--dump-dir DIR]
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -58,7 +61,8 @@ def disassembler_bin_dir() -> Path | None:
     return None
 
 
-def hgmma_shapes(cubin: Path, tools: Path) -> list[str]:
+def disassembly(cubin: Path, tools: Path) -> str:
+    """The SASS of a cubin (cuobjdump --dump-sass)."""
     env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ.get('PATH', '')}"}
     result = subprocess.run(
         [str(tools / "cuobjdump"), "--dump-sass", str(cubin)],
@@ -67,14 +71,24 @@ def hgmma_shapes(cubin: Path, tools: Path) -> list[str]:
         env=env,
         check=True,
     )
+    return result.stdout
+
+
+def hgmma_shapes(sass: str) -> list[str]:
+    """The wgmma instructions (HGMMA, QGMMA) of a disassembly, each shape once."""
     return sorted(
         {
             word
-            for line in result.stdout.splitlines()
+            for line in sass.splitlines()
             for word in line.split()
             if word.startswith(("HGMMA.", "QGMMA."))
         }
     )
+
+
+def loads_with_cache_policy(sass: str) -> int:
+    """How many TMA loads (UTMALDG) of a disassembly carry an L2 cache policy."""
+    return len(re.findall(r"UTMALDG\S* .*desc\[UR\d+\]", sass))
 
 
 def variants_to_check() -> list[tuple[str, str, object, int]]:
@@ -201,12 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     failures = 0
     for name, cubins in compile_profiles(dump_dir).items():
-        shapes = sorted({shape for cubin in cubins for shape in hgmma_shapes(cubin, tools)})
+        sass = [disassembly(cubin, tools) for cubin in cubins]
+        shapes = sorted({shape for text in sass for shape in hgmma_shapes(text)})
         ok = bool(cubins) and bool(shapes)
         if "_fp8-" in name:
             ok = ok and all(shape.startswith("QGMMA.") and "E4M3" in shape for shape in shapes)
+        evict_first = any(loads_with_cache_policy(text) for text in sass)
+        ok = ok and evict_first == ("-swap" in name)
         failures += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} {name:<32} {', '.join(shapes) or 'no wgmma'}")
+        loads = "evict-first weights" if evict_first else "default loads"
+        print(f"{'ok  ' if ok else 'FAIL'} {name:<32} {', '.join(shapes) or 'no wgmma'}; {loads}")
     return 1 if failures else 0
 
 
