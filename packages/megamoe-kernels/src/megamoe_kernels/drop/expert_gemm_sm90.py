@@ -1364,11 +1364,8 @@ class ExpertGroupedGemmSm90:
                 self.hold_step_scales(scales_ahead, *ahead)
             else:
                 # issued before the wait: the loads' latency hides behind it
-                weight_scales = self.weight_scales(
-                    mWScales, expert, col_tile, k_begin + k_tile, walk.n_cols
-                )
-                x_scales = self.row_scales(
-                    mXScales, tCcC, row0=row0, capacity=walk.capacity, k_tile=k_begin + k_tile
+                x_scales, weight_scales = self.step_scales(
+                    *scale_sources, k_tile=k_begin + k_tile, **where
                 )
             ring.consumer_wait(read_state)
             stage = read_state.index
@@ -1518,8 +1515,9 @@ class ExpertGroupedGemmSm90:
     def step_scales(self, mXScales, mWScales, tCcC, *, expert, col_tile, row0, walk, k_tile):
         """FP8: K tile `k_tile`'s (x_scales, weight_scales), loaded from global memory
         (row_scales, weight_scales)."""
+        weight_scales = self.weight_scales(mWScales, expert, col_tile, k_tile, walk.n_cols)
         x_scales = self.row_scales(mXScales, tCcC, row0=row0, capacity=walk.capacity, k_tile=k_tile)
-        return x_scales, self.weight_scales(mWScales, expert, col_tile, k_tile, walk.n_cols)
+        return x_scales, weight_scales
 
     @cute.jit
     def hold_step_scales(self, scales, x_scales, weight_scales):
