@@ -29,7 +29,6 @@ from megamoe_runtime.measure import (
     tflops,
 )
 from megamoe_runtime.routing import route
-from megamoe_runtime.weights import with_dense_experts
 
 from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.layer import MegaMoE
@@ -255,7 +254,8 @@ def shared_in_batch(layer: MegaMoE, tokens: int):
     """`tokens` routed tokens (routed_tokens) in a batch with the layer's shared experts in it,
     as the fused path's batch holds them where they join it: every token's row also in each of
     the S = shared_size / intermediate_size experts after the routed ones, with weight 1, and
-    the pack whose experts E..E+S-1 compute the shared MLP's columns (with_dense_experts).
+    the pack whose experts E..E+S-1 compute the shared MLP's columns
+    (MegaMoE.shared_in_batch_weight_pack).
     Returns (x_TH, batch, handle, pack); for shared experts that can join the batch
     (MegaMoEConfig.shared_experts_in_batch_problems empty)."""
     device = layer.w13.device
@@ -266,14 +266,7 @@ def shared_in_batch(layer: MegaMoE, tokens: int):
     ids = torch.cat((ids, shared_ids.to(ids.dtype).expand(tokens, shared)), dim=1)
     weights = torch.cat((weights, weights.new_ones(tokens, shared)), dim=1)
     batch, handle = LocalDispatcher(config.num_experts + shared).dispatch(x_TH, ids, weights)
-    mlp = layer.shared_experts
-    pack = with_dense_experts(
-        layer.expert_weight_pack(),
-        gate_FH=mlp.gate_proj.weight.detach(),
-        up_FH=mlp.up_proj.weight.detach(),
-        down_HF=mlp.down_proj.weight.detach(),
-    )
-    return x_TH, batch, handle, pack
+    return x_TH, batch, handle, layer.shared_in_batch_weight_pack()
 
 
 @torch.no_grad()

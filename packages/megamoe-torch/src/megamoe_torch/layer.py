@@ -435,15 +435,7 @@ class MegaMoE(nn.Module):
 
         def prepare():
             with torch.no_grad():
-                pack = self.expert_weight_pack()
-                if shared:
-                    mlp = self.shared_experts
-                    pack = with_dense_experts(
-                        pack,
-                        gate_FH=mlp.gate_proj.weight.detach(),
-                        up_FH=mlp.up_proj.weight.detach(),
-                        down_HF=mlp.down_proj.weight.detach(),
-                    )
+                pack = self.shared_in_batch_weight_pack() if shared else self.expert_weight_pack()
                 return self._expert_backend.prepare(pack)
 
         weights = [
@@ -537,6 +529,18 @@ class MegaMoE(nn.Module):
             w13_scales=self.w13_scale_inv,
             w2_EHI=self.w2.detach(),
             w2_scales=self.w2_scale_inv,
+        )
+
+    def shared_in_batch_weight_pack(self) -> WeightPack:
+        """The weights of a batch the shared experts join: expert_weight_pack with the shared
+        MLP appended as shared_size / intermediate_size dense experts after the routed ones
+        (with_dense_experts), detached."""
+        mlp = self.shared_experts
+        return with_dense_experts(
+            self.expert_weight_pack(),
+            gate_FH=mlp.gate_proj.weight.detach(),
+            up_FH=mlp.up_proj.weight.detach(),
+            down_HF=mlp.down_proj.weight.detach(),
         )
 
     @torch.no_grad()
