@@ -3,7 +3,8 @@
 For each geometry and token count: random top-k routing, the tight expert-major batch, and the
 two GEMMs of the expert MLP (gate-up with SwiGLU, then down), timed as CUDA-graph replays:
 - bf16: gate_up_swiglu + down (megamoe's BF16 kernels);
-- fp8: gate_up_swiglu_fp8 (its output quantized per 64 columns in the epilogue) + down_fp8, on
+- fp8: gate_up_swiglu_fp8 (its output quantized in the epilogue, per 128 columns with
+  256-column tiles, else per 64) + down_fp8 on those groups, on
   rows already quantized (the dispatch quantizes them);
 - scaled_mm: two torch._scaled_grouped_mm (rowwise scales) with an unfused SwiGLU and a rowwise
   requantization between them, where torch runs it.
@@ -114,7 +115,9 @@ def bench_point(geometry, weights, tokens: int) -> dict:
     hidden8, hidden8_scales = gate_up8(
         x_q, offsets, weights.w13_interleaved, x_scales=x_scales, w_scales=weights.w13_scales
     )
-    down8 = down_fp8_launcher(hidden8, offsets, weights.w2, valid_rows=rows)
+    down8 = down_fp8_launcher(
+        hidden8, offsets, weights.w2, valid_rows=rows, x_group=gate_up8.out_group
+    )
     out16 = torch.empty(rows, h, dtype=torch.bfloat16, device=DEVICE)
     out8 = torch.empty_like(out16)
 

@@ -6,7 +6,8 @@ with NaN (valid rows must be overwritten, the rest left untouched).
 - down_fp8: bf16 out against the fp32 product of its dequantized operands, rel-L2 <= 1e-2;
 - gate_up_swiglu_fp8: its e4m3 output dequantized against the fp32 SwiGLU of the dequantized
   operands (the output's own e4m3 rounding included), rel-L2 <= 5e-2, and each scale within
-  2% of the oracle row group's amax / 448.
+  2% of the oracle row group's amax / 448, in the groups its launcher writes (out_group: 128
+  columns with 256-column prefill tiles, else 64); down_fp8 on rows of either group.
 """
 
 from __future__ import annotations
@@ -85,23 +86,29 @@ class Problem:
         self.hidden_MI = torch.randn(
             capacity, intermediate, device=DEVICE, generator=generator
         ).bfloat16()
-        self.hidden, self.hidden_scales = quantize_rows(self.hidden_MI, 64)
+        # the down GEMM's rows in both of the gate-up's scale groups
+        self.hidden_by_group = {group: quantize_rows(self.hidden_MI, group) for group in (64, 128)}
+        self.hidden, self.hidden_scales = self.hidden_by_group[64]
 
     @property
     def gate_up_operands(self) -> tuple[torch.Tensor, ...]:
         """gate_up_swiglu_fp8's positional operands for this batch."""
         return (self.rows, self.rows_scales, self.offsets, self.w13_interleaved, self.w13_scales)
 
-    @property
-    def down_operands(self) -> tuple[torch.Tensor, ...]:
-        """down_fp8's positional operands for this batch."""
-        return (self.hidden, self.hidden_scales, self.offsets, self.w2, self.w2_scales)
+    def down_operands(self, group: int = 64) -> tuple[torch.Tensor, ...]:
+        """down_fp8's positional operands for this batch, its rows in `group`-column groups."""
+        hidden, hidden_scales = self.hidden_by_group[group]
+        return (hidden, hidden_scales, self.offsets, self.w2, self.w2_scales)
 
 
 def check_gate_up(problem, knobs=None):
+    """The gate-up output and its scales, in the groups the launcher writes (returned too)."""
     capacity, intermediate = problem.rows.shape[0], problem.w13.shape[1] // 2
+    group = gate_up_fp8_launcher(
+        problem.rows, problem.offsets, problem.w13_interleaved, knobs=knobs
+    ).out_group
     out = poisoned((capacity, intermediate), FP8_DTYPE)
-    out_scales = poisoned_scales(intermediate // 64, capacity)
+    out_scales = poisoned_scales(intermediate // group, capacity)
     gate_up_swiglu_fp8(*problem.gate_up_operands, out_MI=out, out_scales=out_scales, knobs=knobs)
     valid = problem.valid
     expected = gate_up_swiglu_reference(
@@ -109,29 +116,34 @@ def check_gate_up(problem, knobs=None):
         problem.offsets,
         dequantize_weight_blocks(problem.w13, problem.w13_scales),
     )
-    actual = dequantize_rows(out[:valid], out_scales[:, :valid], 64)
+    actual = dequantize_rows(out[:valid], out_scales[:, :valid], group)
     error = relative_l2_error(actual, expected[:valid])
     assert error <= GATE_UP_TOLERANCE, f"gate_up_fp8 rel-L2 {error} with {knobs}"
-    oracle_scales = expected[:valid].view(valid, intermediate // 64, 64).abs().amax(dim=2).t() / 448
-    torch.testing.assert_close(out_scales[:, :valid], oracle_scales, rtol=2e-2, atol=1e-9)
+    oracle_amax = expected[:valid].view(valid, intermediate // group, group).abs().amax(dim=2)
+    torch.testing.assert_close(out_scales[:, :valid], oracle_amax.t() / 448, rtol=2e-2, atol=1e-9)
     assert torch.isnan(out[valid:].float()).all(), "gate_up_fp8 wrote rows past the valid count"
     assert torch.isnan(out_scales[:, valid:]).all(), "gate_up_fp8 wrote scales past the valid count"
-    return out, out_scales
+    return out, out_scales, group
 
 
-def check_down(problem, knobs=None, row_scale_M=None):
+def check_down(problem, knobs=None, row_scale_M=None, group=64):
     capacity, hidden = problem.hidden.shape[0], problem.w2.shape[1]
     out = poisoned((capacity, hidden), torch.bfloat16)
-    down_fp8(*problem.down_operands, row_scale_M=row_scale_M, out_MH=out, knobs=knobs)
+    operands = problem.down_operands(group)
+    down_fp8(*operands, row_scale_M=row_scale_M, out_MH=out, knobs=knobs)
     valid = problem.valid
     expected = down_reference(
-        dequantize_rows(problem.hidden, problem.hidden_scales, 64),
+        dequantize_rows(operands[0], operands[1], group),
         problem.offsets,
         dequantize_weight_blocks(problem.w2, problem.w2_scales),
         row_scale_M,
     )
     assert_valid_rows_match(
-        out, expected, valid, what=f"down_fp8 with {knobs}", tolerance=DOWN_TOLERANCE
+        out,
+        expected,
+        valid,
+        what=f"down_fp8 with {knobs} on {group}-column groups",
+        tolerance=DOWN_TOLERANCE,
     )
     return out
 
@@ -144,7 +156,8 @@ def test_geometry_matches_oracle(geometry, rows_per_expert):
     counts = random_counts(experts, rows_per_expert * experts, seed=rows_per_expert)
     problem = Problem(counts, hidden, intermediate, capacity=sum(counts) + 5)
     check_gate_up(problem)
-    check_down(problem)
+    for group in (64, 128):
+        check_down(problem, group=group)
 
 
 @pytest.mark.parametrize(
@@ -160,7 +173,8 @@ def test_edge_cases(counts):
     problem = Problem(counts, 256, 256, capacity=sum(counts) + 3)
     check_gate_up(problem)
     row_scale = torch.rand(problem.hidden.shape[0], device=DEVICE)
-    check_down(problem, row_scale_M=row_scale)
+    for group in (64, 128):
+        check_down(problem, row_scale_M=row_scale, group=group)
 
 
 @pytest.mark.parametrize(
@@ -179,7 +193,9 @@ def test_every_fp8_candidate_matches_oracle(op, knobs):
     if op == "gate_up_fp8":
         check_gate_up(problem, knobs)
     else:
-        check_down(problem, knobs)
+        # tuned down knobs may follow a gate-up of either group
+        for group in (64, 128):
+            check_down(problem, knobs, group=group)
 
 
 @pytest.mark.parametrize("tile_rows", [64, 128])
@@ -193,22 +209,35 @@ def test_tiles_of_two_weight_blocks_are_bitwise_equal_to_tiles_of_one(geometry, 
     problem = Problem(counts, hidden, intermediate, capacity=sum(counts) + 7)
     narrow = GemmKnobs(tile_rows=tile_rows, tile_cols=128, stages=3)
     wide = GemmKnobs(tile_rows=tile_rows, tile_cols=256, stages=3)
-    out, out_scales = check_gate_up(problem, wide)
-    narrow_out, narrow_scales = check_gate_up(problem, narrow)
-    assert torch.equal(out.view(torch.uint8), narrow_out.view(torch.uint8))
-    assert torch.equal(out_scales.view(torch.int32), narrow_scales.view(torch.int32))
-    outs = [check_down(problem, knobs) for knobs in (wide, narrow)]
-    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    out, out_scales, group = check_gate_up(problem, wide)
+    narrow_out, narrow_scales, narrow_group = check_gate_up(problem, narrow)
+    assert (group, narrow_group) == (128, 64)
+    # the same SwiGLU values, quantized per 128 and per 64 columns: a 128-column group's scale
+    # is the larger of its two halves' (amax / 448 is monotonic), and the half that holds the
+    # amax quantizes to the same bytes
+    valid = problem.valid
+    halves = narrow_scales[:, :valid].view(-1, 2, valid)
+    assert torch.equal(out_scales[:, :valid], halves.amax(dim=1))
+    same_scale = (halves == out_scales[:, None, :valid]).permute(2, 0, 1).reshape(valid, -1)
+    same_scale = same_scale.repeat_interleave(64, dim=1)
+    wide_bytes, narrow_bytes = (o[:valid].view(torch.uint8) for o in (out, narrow_out))
+    assert torch.equal(wide_bytes[same_scale], narrow_bytes[same_scale])
+    for down_group in (64, 128):
+        outs = [check_down(problem, knobs, group=down_group) for knobs in (wide, narrow)]
+        assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
 
 
 def test_repeated_runs_are_bitwise_equal():
     counts = random_counts(16, 16 * 200, seed=4)
     problem = Problem(counts, 2048, 768)
+    weights = problem.down_operands()[2:]
     first, first_scales = gate_up_swiglu_fp8(*problem.gate_up_operands)
+    first_out = down_fp8(first, first_scales, *weights)
     for _ in range(3):
         again, again_scales = gate_up_swiglu_fp8(*problem.gate_up_operands)
         assert torch.equal(again.view(torch.uint8), first.view(torch.uint8))
         assert torch.equal(again_scales, first_scales)
+        assert torch.equal(down_fp8(again, again_scales, *weights), first_out)
 
 
 def test_the_fp8_mlp_in_a_cuda_graph_follows_changing_counts_and_meets_the_accuracy_target():
@@ -218,7 +247,13 @@ def test_the_fp8_mlp_in_a_cuda_graph_follows_changing_counts_and_meets_the_accur
     gate_up = gate_up_fp8_launcher(
         problem.rows, problem.offsets, problem.w13_interleaved, valid_rows=capacity
     )
-    down = down_fp8_launcher(problem.hidden, problem.offsets, problem.w2, valid_rows=capacity)
+    down = down_fp8_launcher(
+        problem.hidden,
+        problem.offsets,
+        problem.w2,
+        valid_rows=capacity,
+        x_group=gate_up.out_group,  # 128: the 64 rows per expert run 256-column tiles
+    )
     out = torch.empty(capacity, hidden, dtype=torch.bfloat16, device=DEVICE)
 
     def mlp():
@@ -266,14 +301,18 @@ def test_bf16_ops_refuse_scales_and_fp8_ops_refuse_bf16_rows():
             problem.w13_interleaved,
             problem.w13_scales,
         )
-    with pytest.raises(ValueError, match="x_scales must be float32"):
+    with pytest.raises(
+        ValueError, match=r"x_scales must be float32 \[2, 8\] \(a scale per row and 64"
+    ):
         down_fp8(
             problem.hidden, problem.rows_scales, problem.offsets, problem.w2, problem.w2_scales
         )
+    with pytest.raises(ValueError, match="x_group must be 64 or 128"):
+        down_fp8_launcher(problem.hidden, problem.offsets, problem.w2, x_group=32)
     with pytest.raises(ValueError, match="w_scales must be float32"):
         down_fp8(
             problem.hidden, problem.hidden_scales, problem.offsets, problem.w2, problem.w13_scales
         )
     knobs = GemmKnobs(tile_rows=128, tile_cols=128, pingpong=True)
     with pytest.raises(ValueError, match="products of a scale group per thread"):
-        down_fp8(*problem.down_operands, knobs=knobs)
+        down_fp8(*problem.down_operands(), knobs=knobs)

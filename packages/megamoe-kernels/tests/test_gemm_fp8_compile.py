@@ -74,10 +74,21 @@ def test_fp8_tiles_of_two_weight_blocks_compile(knobs):
 
 
 def test_the_default_fp8_launches_of_a_prefill_capacity_compile():
-    # knobs=None: the prefill tiles and the decode tiles for batches of few valid rows
+    # knobs=None: the prefill tiles and the tiles for batches of few valid rows; the down
+    # GEMM on the scale groups the gate-up writes (128 columns: 256-column tiles both)
     rows_MH, offsets, w13, hidden_MI, w2 = meta_operands(512 * EXPERTS)
-    gate_up_fp8_launcher(rows_MH, offsets, w13, compile_only=True)
-    down_fp8_launcher(hidden_MI, offsets, w2, compile_only=True)
+    gate_up = gate_up_fp8_launcher(rows_MH, offsets, w13, compile_only=True)
+    assert gate_up.out_group == 128
+    down_fp8_launcher(hidden_MI, offsets, w2, compile_only=True, x_group=gate_up.out_group)
+
+
+@pytest.mark.parametrize("rows_per_expert", PROFILE_ROWS_PER_EXPERT)
+def test_every_default_fp8_down_profile_compiles_on_128_column_groups(rows_per_expert):
+    # tuned gate-up knobs may leave 128-column groups to any down profile
+    rows = max(1, int(rows_per_expert * EXPERTS))
+    _, offsets, _, hidden_MI, w2 = meta_operands(rows)
+    knobs = default_knobs("down_fp8", rows_per_expert)
+    down_fp8_launcher(hidden_MI, offsets, w2, knobs=knobs, x_group=128, compile_only=True)
 
 
 @pytest.mark.parametrize(
@@ -95,6 +106,9 @@ def test_fp8_row_scales_in_another_layout_are_refused(make_scales, message):
     w2_scales = torch.empty(EXPERTS, HIDDEN // 128 + 1, INTERMEDIATE // 128, device="meta")
     good = row_scales_buffer(INTERMEDIATE // 64, rows, device="meta")
     down_fp8(hidden_MI, good, offsets, w2, w2_scales, compile_only=True)
+    # one scale per 128 columns: the group told from the shape
+    wide = row_scales_buffer(INTERMEDIATE // 128, rows, device="meta")
+    down_fp8(hidden_MI, wide, offsets, w2, w2_scales, compile_only=True)
     # a view of a wider buffer is taken as it is
     wider = row_scales_buffer(INTERMEDIATE // 64, rows + 8, device="meta")[:, :rows]
     down_fp8(hidden_MI, wider, offsets, w2, w2_scales, compile_only=True)

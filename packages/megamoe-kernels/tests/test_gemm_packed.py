@@ -27,6 +27,7 @@ from megamoe_kernels import (
     candidate_knobs,
     down,
     down_fp8,
+    gate_up_fp8_launcher,
     gate_up_swiglu,
     gate_up_swiglu_fp8,
     interleave_gate_up,
@@ -77,7 +78,9 @@ class Problem:
         w13 = self.w13_packed if packed else self.w13
         if self.fp8:
             out = poisoned((self.capacity, intermediate), FP8_DTYPE)
-            scales = poisoned((intermediate // 64, self.capacity), torch.float32)
+            # the output's scale groups are the launches' (64 or 128 columns)
+            group = gate_up_fp8_launcher(self.rows, self.offsets, w13, knobs=knobs).out_group
+            scales = poisoned((intermediate // group, self.capacity), torch.float32)
             gate_up_swiglu_fp8(
                 self.rows,
                 self.rows_scales,

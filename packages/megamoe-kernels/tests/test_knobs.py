@@ -23,6 +23,7 @@ from megamoe_kernels.shim.knobs import (
     PROFILE_ROWS_PER_EXPERT,
     SMALL_BATCH_ROWS_PER_EXPERT,
     epilogue_smem_bytes,
+    intermediate_group,
     max_stages,
     stage_smem_bytes,
 )
@@ -349,3 +350,25 @@ def test_shared_experts_join_the_batch_where_one_decode_row_tile_holds_every_tok
     # a capacity sized for prefill: a few valid rows run the 64-row decode tiles
     assert joins(64, capacity=8192 * 9) and not joins(65, capacity=8192 * 9)
     assert not joins(1000, capacity=8192 * 9)  # the prefill tiles run
+
+
+def test_the_fp8_gate_up_writes_128_column_groups_where_every_launch_runs_256_column_tiles():
+    def group(*knobs, intermediate=768):
+        return intermediate_group(tuple(Launch(k) for k in knobs), intermediate)
+
+    wide = GemmKnobs(tile_rows=128, tile_cols=256)
+    small = GemmKnobs(tile_rows=64, tile_cols=256)
+    narrow = GemmKnobs(tile_rows=128, tile_cols=128)
+    decode = default_knobs("gate_up_fp8", 1)
+    assert decode.swap_ab
+    assert group(wide) == group(small, wide) == 128
+    # a decode tile (its M side: 128 weight rows, 64 output columns) or a 128-column tile
+    # holds 64 output columns, and I must hold whole 128-column groups
+    assert group(decode) == group(narrow) == group(decode, wide) == 64
+    assert group(wide, intermediate=704) == 64
+    # the default profile: decode tiles at one row per expert, 128-column groups above, the
+    # launch pair of a prefill capacity included
+    one_row = default_launches("gate_up_fp8", 128, 128, weight_dims=(1536, 2048), sms=132)
+    prefill = default_launches("gate_up_fp8", 65536, 128, weight_dims=(1536, 2048), sms=132)
+    assert len(prefill) == 2
+    assert (intermediate_group(one_row, 768), intermediate_group(prefill, 768)) == (64, 128)

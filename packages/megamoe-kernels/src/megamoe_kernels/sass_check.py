@@ -161,7 +161,16 @@ def compile_profiles(dump_dir: Path) -> dict[str, list[Path]]:
         return gate_up_fp8_launcher(rows, offsets, weight, knobs=knobs, compile_only=compile_only)
 
     def down_fp8(rows, offsets, weight, *, knobs, compile_only):
-        return down_fp8_launcher(rows, offsets, weight, knobs=knobs, compile_only=compile_only)
+        # on the scale groups the default gate-up before it writes: 64 columns after decode
+        # tiles, 128 after the prefill ones (knobs.intermediate_group)
+        return down_fp8_launcher(
+            rows,
+            offsets,
+            weight,
+            knobs=knobs,
+            compile_only=compile_only,
+            x_group=64 if knobs.swap_ab else 128,
+        )
 
     gemms = {
         "gate_up": (gate_up_swiglu, HIDDEN, w13, meta),

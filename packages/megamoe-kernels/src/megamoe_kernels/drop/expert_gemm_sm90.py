@@ -115,9 +115,10 @@ and the products of one slice fit the consumers' registers where two sets of the
 would not. In a tile of two warpgroups that promote a weight block's K at a time, the
 warpgroups issue each batch of MMAs in turns (mma_turns: two named barriers), so one's MMAs
 run while the other promotes. The scales take no shared memory, so FP8 and BF16 tiles of the
-same shape hold the same stages. quantize_out: the gate-up output is e4m3 with one scale per row and
-INTERMEDIATE_GROUP columns (out_scales [N_out / 64, rows]): the tile is staged in bf16 and
-each group quantized as it is copied out (8 lanes share a group's amax by shuffles).
+same shape hold the same stages. out_scale_group: the gate-up output is e4m3 with one scale per
+row and out_scale_group columns (out_scales [N_out / out_scale_group, rows]; 64, or 128 where
+the tile holds 128 output columns): the tile is staged in bf16 and each group quantized as it
+is copied out (8 or 16 lanes share a group's amax by shuffles).
 """
 
 import enum
@@ -231,9 +232,11 @@ class ExpertGroupedGemmSm90:
                Ignored with cluster_rows > 1
     dynamic_schedule: CTAs take their tiles after the first from a global counter (takes
                unit_counter); not with cluster_rows > 1 or split_k > 1
-    scale_group: FP8: K columns per scale of x (128, or 64 for the down GEMM fed by a
-               quantizing gate-up); None: bf16, no scales
-    quantize_out: FP8 gate-up: the output is e4m3 with INTERMEDIATE_GROUP-column scales
+    scale_group: FP8: K columns per scale of x (128, or the gate-up's out_scale_group for
+               the down GEMM it feeds); None: bf16, no scales
+    out_scale_group: FP8 gate-up: the output is e4m3 with a scale per row and this many
+               columns (fp8_scaling: INTERMEDIATE_GROUP, or WIDE_INTERMEDIATE_GROUP with
+               256-column prefill tiles); None: bf16 out
     gather_rows: x holds the tokens and row_source the token of each batch row (bf16 only)
     prefetch_weight_scales: FP8: before a tile's mainloop its consumers prefetch into L2 the
                weight scales of each of its K tiles (a thread a K tile): for scales that lie
@@ -260,7 +263,7 @@ class ExpertGroupedGemmSm90:
         weights_before_wait=False,
         dynamic_schedule=False,
         scale_group=None,
-        quantize_out=False,
+        out_scale_group=None,
         gather_rows=False,
         bias=False,
         swiglu_limit=None,
@@ -296,7 +299,7 @@ class ExpertGroupedGemmSm90:
         self.dynamic_schedule = dynamic_schedule
         self.block_scaled = scale_group is not None
         self.scale_group = scale_group
-        self.quantize_out = quantize_out
+        self.quantize_out = out_scale_group is not None
         self.gather_rows = gather_rows
         self.prefetch_weight_scales = prefetch_weight_scales and self.block_scaled
         self.schedule = TileSchedule(
@@ -325,7 +328,8 @@ class ExpertGroupedGemmSm90:
         # batch at once and both promote with the tensor cores idle: the gate-up took 7-8% more
         # time at dsv3-ep8-local 2048 and 8192 tokens, 1% at mixtral-8x7b, the same at
         # qwen3-30b-a3b (K = 2048). Not with 64-column scale groups (the down GEMM after a
-        # quantizing gate-up): its batches of half the MMAs took 3-5% more time in turns.
+        # gate-up of decode or 128-column tiles): its batches of half the MMAs took 3-5% more
+        # time in turns. (The down GEMM on 128-column groups: within 1.5% either way.)
         self.mma_turns = (
             self.block_scaled
             and scale_group == WEIGHT_BLOCK
@@ -360,8 +364,12 @@ class ExpertGroupedGemmSm90:
             if swiglu
             else RowScaledOutput(swap_ab=swap_ab, row_scale=row_scale)
         )
-        copy_out = (QuantizedCopyOut if quantize_out else PlainCopyOut)(
-            tile_rows=tile_rows, out_tile_cols=self.out_tile_cols
+        copy_out = (
+            QuantizedCopyOut(
+                tile_rows=tile_rows, out_tile_cols=self.out_tile_cols, group=out_scale_group
+            )
+            if self.quantize_out
+            else PlainCopyOut(tile_rows=tile_rows, out_tile_cols=self.out_tile_cols)
         )
         self.tile_store = (
             StoreWarps(

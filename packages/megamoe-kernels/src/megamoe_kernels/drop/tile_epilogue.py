@@ -26,16 +26,14 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 
-from .fp8_scaling import AMAX_FLOOR, E4M3_MAX, INTERMEDIATE_GROUP
+from .fp8_scaling import AMAX_FLOOR, E4M3_MAX
 from .gate_up_layout import interleaved_output_column
 from .tiling import THREADS_PER_WARPGROUP
 
 # the producer warpgroup's warps after the TMA warp copy staged tiles out
 STORE_THREADS = THREADS_PER_WARPGROUP - 32
-# the copy-out's vectors of 8 values, and the shuffle steps that join a quantization group's
-# vectors (on neighbouring lanes)
+# the copy-out's vectors of 8 values
 OUT_VECTOR = 8
-GROUP_SHUFFLE_STEPS = (INTERMEDIATE_GROUP // OUT_VECTOR).bit_length() - 1
 
 
 def fragment_position(i, fragment_shape):
@@ -312,16 +310,27 @@ class PlainCopyOut:
 
 
 class QuantizedCopyOut(PlainCopyOut):
-    """FP8 gate-up: copies a tile staged in bf16 out as e4m3, each row's groups of
-    INTERMEDIATE_GROUP columns with the scale amax / E4M3_MAX (fp8_scaling), stored in
-    mOutScales (rows, groups). The 8-value vectors of a group sit on 8 neighbouring lanes,
-    which share its amax by shuffles; every lane runs the same trips (a lane past the tile's
-    vectors works on a clamped row whose group is wholly outside, and stores nothing)."""
+    """FP8 gate-up: copies a tile staged in bf16 out as e4m3, each row's groups of `group`
+    columns (64 or 128, whole groups of the tile's output columns) with the scale amax /
+    E4M3_MAX (fp8_scaling), stored in mOutScales (rows, groups). The 8-value vectors of a
+    group sit on neighbouring lanes (8 or 16), which share its amax by shuffles; every lane
+    runs the same trips (a lane past the tile's vectors works on a clamped row whose group is
+    wholly outside, and stores nothing)."""
+
+    def __init__(self, *, tile_rows, out_tile_cols, group):
+        super().__init__(tile_rows=tile_rows, out_tile_cols=out_tile_cols)
+        if out_tile_cols % group or group // OUT_VECTOR not in (8, 16):
+            raise ValueError(
+                f"group={group}: 64 or 128 columns, whole groups of the tile's "
+                f"{out_tile_cols} output columns"
+            )
+        self.group = group
 
     @cute.jit
     def copy(self, sOut, mOut, mOutScales, *, row0, rows, col_tile, tidx, threads):
         vector = OUT_VECTOR
-        vectors_per_group = INTERMEDIATE_GROUP // OUT_VECTOR
+        vectors_per_group = self.group // OUT_VECTOR
+        shuffle_steps = vectors_per_group.bit_length() - 1
         vectors_per_row = self.out_tile_cols // vector
         n_out = cute.size(mOut, mode=[1])
         col0 = col_tile * self.out_tile_cols
@@ -340,7 +349,7 @@ class QuantizedCopyOut(PlainCopyOut):
             amax = cutlass.Float32(0.0)
             for j in cutlass.range_constexpr(vector):
                 amax = cute.arch.fmax(amax, cute.arch.fmax(staged[j], -staged[j]))
-            for shift in cutlass.range_constexpr(GROUP_SHUFFLE_STEPS):
+            for shift in cutlass.range_constexpr(shuffle_steps):
                 amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << shift))
             if v < total and col0 + col < n_out:
                 scale = cutlass.max(amax, cutlass.Float32(AMAX_FLOOR)) / cutlass.Float32(E4M3_MAX)
@@ -352,7 +361,7 @@ class QuantizedCopyOut(PlainCopyOut):
                     mOut_vectors[(None, (row0 + row, (col0 + col) // vector))],
                 )
                 if (v % vectors_per_group) == 0:
-                    mOutScales[(row0 + row, (col0 + col) // INTERMEDIATE_GROUP)] = scale
+                    mOutScales[(row0 + row, (col0 + col) // self.group)] = scale
 
 
 class StoreWarps:

@@ -17,10 +17,13 @@ B = I / GATE_UP_BLOCK pair blocks. The batch is tight and expert-major: expert e
   (x W2^T + b2) x row scale, the bias float32 [E, H].
 - FP8 (shim/fp8.py has the layouts and the host quantizers): `gate_up_swiglu_fp8(rows_MH,
   rows_scales, expert_offsets, w13_EB2GH, w13_scales)` -> (e4m3 [M, I], its scales
-  [I / 64, M]), the SwiGLU output quantized in the epilogue; `down_fp8(hidden_MI,
-  hidden_scales, expert_offsets, w2_EHI, w2_scales, row_scale_M=None)` -> bf16 [M, H]. The
-  weight scales are per 128 x 128 block of the weight before the gate/up interleave. The
-  FP8 GEMMs are not built with biases or the clamped SwiGLU.
+  [I / g, M]), the SwiGLU output quantized in the epilogue per g columns: 128 where every
+  launch of the call runs 256-column prefill tiles, else 64 (knobs.intermediate_group; the
+  launcher's `out_group`); `down_fp8(hidden_MI, hidden_scales, expert_offsets, w2_EHI,
+  w2_scales, row_scale_M=None)` -> bf16 [M, H], the group told from the scales' shape (its
+  launcher is bound for one: `x_group`). The weight scales are per 128 x 128 block of the
+  weight before the gate/up interleave. The FP8 GEMMs are not built with biases or the
+  clamped SwiGLU.
 - Packed weights (`pack_weight_tiles`, shim/weight_packets.py) in place of w13_EB2GH or w2_EHI,
   with FP8 the scale words it returned in place of the weight scales: the same output bits;
   told from their 5-D shape and strides.
@@ -76,9 +79,11 @@ from megamoe_kernels.drop.gate_up_layout import GATE_UP_BLOCK, interleaved_sourc
 from megamoe_kernels.drop.tiling import FP8_TILE_K, TILE_K
 from megamoe_kernels.shim.epilogue import PLAIN_SWIGLU, SwiGLU
 from megamoe_kernels.shim.fp8 import (
+    ACTIVATION_GROUP,
     FP8_DTYPE,
     INTERMEDIATE_GROUP,
     WEIGHT_BLOCK,
+    WIDE_INTERMEDIATE_GROUP,
     row_scales_buffer,
     weight_scales_shape,
 )
@@ -86,11 +91,11 @@ from megamoe_kernels.shim.knobs import (
     GemmKnobs,
     Launch,
     default_launches,
+    intermediate_group,
     is_fp8,
     is_gate_up,
     max_row_tiles,
     resolve_knobs,
-    scale_group,
 )
 from megamoe_kernels.shim.weight_packets import (
     PACKED_TILE_COLS,
@@ -213,15 +218,21 @@ def _check_out(
     _check_common(name, out, dim=2, device=rows_MK.device)
 
 
-def _check_row_scales(name: str, scales: torch.Tensor, *, groups: int, rows: int, device) -> None:
-    """FP8 row scales: float32 [groups, rows], rows contiguous (shim/fp8.row_scales_buffer)."""
+def _check_row_scales(
+    name: str, scales: torch.Tensor, *, groups: int, rows: int, device, group: int
+) -> None:
+    """FP8 row scales: float32 [groups, rows] (one per row and `group` columns), rows
+    contiguous (shim/fp8.row_scales_buffer)."""
     if (
         not isinstance(scales, torch.Tensor)
         or scales.dtype != torch.float32
         or tuple(scales.shape) != (groups, rows)
     ):
         got = _described(scales)
-        raise ValueError(f"{name} must be float32 [{groups}, {rows}], got {got}")
+        raise ValueError(
+            f"{name} must be float32 [{groups}, {rows}] (a scale per row and {group} "
+            f"columns), got {got}"
+        )
     if scales.device != device:
         raise ValueError(f"{name} is on {scales.device}, the batch rows on {device}")
     if scales.stride(1) != 1 or (groups > 1 and scales.stride(0) < rows):
@@ -663,9 +674,11 @@ class GemmLauncher:
         "knobs",
         "masked",
         "op",
+        "out_group",
         "swiglu",
         "takes_unit_counter",
         "weight_rows",
+        "x_group",
     )
 
     def __init__(
@@ -680,8 +693,12 @@ class GemmLauncher:
         masked: bool = False,
         has_bias: bool = False,
         swiglu: SwiGLU = PLAIN_SWIGLU,
+        x_group: int | None = None,
+        out_group: int | None = None,
     ):
         self.op, self.knobs = op, knobs
+        # FP8: columns per scale of the rows and (gate-up) of the e4m3 output; None in bf16
+        self.x_group, self.out_group = x_group, out_group
         self.gathers = gathers  # the rows come from tokens by row_source_M
         self.masked = masked  # each expert's rows are counted by expert_counts
         self.has_bias = has_bias  # a bias is added before the epilogue (a call passes it)
@@ -726,6 +743,8 @@ class GemmLauncher:
                 expert_counts,
                 bias=bias,
                 swiglu=self.swiglu,
+                x_group=self.x_group,
+                out_group=self.out_group,
             )
 
         try:
@@ -754,7 +773,7 @@ class GemmLauncher:
                 )
             if quantized and out_scales is None:
                 out_scales = row_scales_buffer(
-                    -(-self.columns // INTERMEDIATE_GROUP), rows, device=x_MK.device
+                    -(-self.columns // self.out_group), rows, device=x_MK.device
                 )
             result = (out, out_scales) if quantized else out
             if self.compiled is None or rows == 0:
@@ -803,9 +822,11 @@ def _check_op(
     *,
     bias=None,
     swiglu: SwiGLU = PLAIN_SWIGLU,
+    x_group: int | None = None,
+    out_group: int | None = None,
 ) -> None:
     """Every rule of an op's arguments; scales = (x_scales, w_scales, out_scales), or None to
-    leave them out."""
+    leave them out; with them, an FP8 op's groups (GemmLauncher.x_group, out_group)."""
     fp8 = is_fp8(op)
     if expert_counts is not None:
         if row_source_M is not None:
@@ -833,7 +854,7 @@ def _check_op(
     n, k, n_out = _gemm_dims(op, w.shape)
     rows, device = x_MK.shape[0], x_MK.device
     _check_row_scales(
-        "x_scales", x_scales, groups=-(-k // scale_group(op)), rows=rows, device=device
+        "x_scales", x_scales, groups=-(-k // x_group), rows=rows, device=device, group=x_group
     )
     _check_weight_scales(
         "w_scales",
@@ -848,9 +869,10 @@ def _check_op(
         _check_row_scales(
             "out_scales",
             out_scales,
-            groups=-(-n_out // INTERMEDIATE_GROUP),
+            groups=-(-n_out // out_group),
             rows=rows,
             device=device,
+            group=out_group,
         )
 
 
@@ -890,12 +912,19 @@ def _launcher(
     expert_counts: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     swiglu: SwiGLU | None = None,
+    x_group: int | None = None,
 ) -> GemmLauncher:
     """The launcher for this kind of call: looked up, else the op's checks run, the launches
     are planned and compiled (compile_only: compiled, nothing will run) and it is kept. A
     masked batch launches one kernel, for `valid_rows` (or the capacity when unknown): its
-    valid rows are the counts' sum, which no kernel reads."""
+    valid rows are the counts' sum, which no kernel reads. `x_group`: down_fp8's columns per
+    scale of its rows (the gate-up launcher's out_group)."""
     swiglu = PLAIN_SWIGLU if swiglu is None else swiglu
+    if op == "down_fp8" and x_group not in (INTERMEDIATE_GROUP, WIDE_INTERMEDIATE_GROUP):
+        raise ValueError(
+            f"x_group must be {INTERMEDIATE_GROUP} or {WIDE_INTERMEDIATE_GROUP} (the columns per "
+            f"scale of the gate-up's e4m3 output: its launcher's out_group), got {x_group!r}"
+        )
 
     def check() -> None:
         # the scales are not part of the kind of call: a call's own are checked with it
@@ -933,6 +962,7 @@ def _launcher(
             row_scale_M is not None,
             bias is not None,
             swiglu,
+            x_group,
             device_index,
         )
         launcher = _LAUNCHERS.get(key)
@@ -948,6 +978,13 @@ def _launcher(
         launches = _launches(
             op, knobs, tuned_knobs, batch_shape, w.shape, planned_rows, device_index
         )
+        weight_rows, _, columns = _gemm_dims(op, w.shape)
+        # FP8 scale groups: the gate-up reads the hidden rows' and writes those its launches
+        # allow; the down GEMM reads x_group (None both in bf16)
+        out_group = None
+        if op == "gate_up_fp8":
+            x_group, out_group = ACTIVATION_GROUP, intermediate_group(launches, columns)
+        groups = (x_group, out_group)
         has_row_scale, has_bias = row_scale_M is not None, bias is not None
         entry = None
         if batch_shape[0] > 0:
@@ -963,10 +1000,10 @@ def _launcher(
                     masked,
                     has_bias,
                     swiglu,
+                    groups,
                     device_index,
                 ),
             )
-        weight_rows, _, columns = _gemm_dims(op, w.shape)
         launcher = GemmLauncher(
             op,
             launches[0].knobs,
@@ -977,6 +1014,8 @@ def _launcher(
             masked=masked,
             has_bias=has_bias,
             swiglu=swiglu,
+            x_group=x_group,
+            out_group=out_group,
         )
     except Exception as failure:
         _raise_explained(failure, check)
@@ -986,7 +1025,18 @@ def _launcher(
 
 
 def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callable, bool]:
-    _, _, weight_shape, has_row_scale, gathers, masked, has_bias, swiglu, device_index = key
+    (
+        _,
+        _,
+        weight_shape,
+        has_row_scale,
+        gathers,
+        masked,
+        has_bias,
+        swiglu,
+        (x_group, out_group),
+        device_index,
+    ) = key
     with _COMPILE_LOCK:
         entry = _COMPILED.get(key)
         if entry is not None:
@@ -1018,8 +1068,8 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callabl
                 # tiles (docs/benchmarks.md, "Down weights before the wait")
                 weights_before_wait=not is_gate_up(op) and launch.knobs.swap_ab,
                 dynamic_schedule=_dynamic_schedule(launch.knobs),
-                scale_group=scale_group(op),
-                quantize_out=op == "gate_up_fp8",
+                scale_group=x_group,
+                out_scale_group=out_group,
                 gather_rows=gathers,
                 bias=has_bias,
                 # a packed weight's scales lie a packet apart: one line per K tile
@@ -1040,8 +1090,8 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callabl
             has_row_scale=has_row_scale,
             split_k=max(launch.knobs.split_k for launch in launches),
             dynamic_schedule=takes_unit_counter,
-            scale_group=scale_group(op),
-            quantize_out=op == "gate_up_fp8",
+            scale_group=x_group,
+            out_scale_group=out_group,
             gather_rows=gathers,
             masked=masked,
             has_bias=has_bias,
@@ -1237,7 +1287,9 @@ def gate_up_swiglu_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up_swiglu on e4m3 rows (scales [H / 128, M]) and an e4m3 interleaved w13 (scales
     [E, 2I / 128, H / 128], per block of the w13 before the interleave): the SwiGLU output
-    quantized per 64 columns, (e4m3 [M, I], scales [I / 64, M]). Arguments as there."""
+    quantized per g columns, (e4m3 [M, I], scales [I / g, M]), g = 128 where every launch of
+    the call runs 256-column prefill tiles, else 64 (gate_up_fp8_launcher(...).out_group says
+    which; out_scales, if given, must have that shape). Arguments as there."""
     launcher = gate_up_fp8_launcher(
         rows_MH,
         expert_offsets,
@@ -1275,12 +1327,14 @@ def down_fp8(
     compile_only: bool = False,
     expert_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """down on e4m3 rows (scales [I / 64, M], as gate_up_swiglu_fp8 leaves them) and an e4m3
-    w2 (scales [E, H / 128, I / 128]): bf16 [M, H]. Arguments as for down."""
+    """down on e4m3 rows (scales [I / 64, M] or [I / 128, M], as gate_up_swiglu_fp8 leaves
+    them: the group is told from their shape) and an e4m3 w2 (scales [E, H / 128, I / 128]):
+    bf16 [M, H]. Arguments as for down."""
     launcher = down_fp8_launcher(
         hidden_MI,
         expert_offsets,
         w2_EHI,
+        x_group=_row_scales_group(hidden_scales, hidden_MI),
         row_scale_M=row_scale_M,
         knobs=knobs,
         tuned_knobs=tuned_knobs,
@@ -1338,9 +1392,11 @@ def down_fp8_launcher(
     valid_rows: int | None = None,
     compile_only: bool = False,
     expert_counts: torch.Tensor | None = None,
+    x_group: int = INTERMEDIATE_GROUP,
 ) -> GemmLauncher:
     """down_fp8's launcher: called as launcher(hidden_MI, expert_offsets, w2_EHI,
-    x_scales=..., w_scales=..., row_scale_M=None, out=None)."""
+    x_scales=..., w_scales=..., row_scale_M=None, out=None). `x_group`: columns per scale of
+    hidden_MI, 64 or 128 (the gate-up launcher's out_group)."""
     return _launcher(
         "down_fp8",
         hidden_MI,
@@ -1352,7 +1408,20 @@ def down_fp8_launcher(
         valid_rows=valid_rows,
         compile_only=compile_only,
         expert_counts=expert_counts,
+        x_group=x_group,
     )
+
+
+def _row_scales_group(scales, rows) -> int:
+    """The columns per scale of FP8 rows [M, K] that their scales' shape says: 128 for
+    [ceil(K / 128), M] where that differs from ceil(K / 64), else 64 (a wrong shape is then
+    refused by the launcher's checks)."""
+    k = rows.shape[-1] if isinstance(rows, torch.Tensor) else 0
+    groups = scales.shape[0] if isinstance(scales, torch.Tensor) and scales.dim() == 2 else None
+    wide = -(-k // WIDE_INTERMEDIATE_GROUP)
+    if groups == wide and wide != -(-k // INTERMEDIATE_GROUP):
+        return WIDE_INTERMEDIATE_GROUP
+    return INTERMEDIATE_GROUP
 
 
 def cached_kernel_count() -> int:

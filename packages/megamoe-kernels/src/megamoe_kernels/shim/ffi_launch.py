@@ -34,7 +34,7 @@ import cutlass.cute as cute
 import torch
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
-from megamoe_kernels.drop.fp8_scaling import INTERMEDIATE_GROUP, WEIGHT_BLOCK
+from megamoe_kernels.drop.fp8_scaling import WEIGHT_BLOCK
 from megamoe_kernels.shim.fp8 import FP8_DTYPE
 from megamoe_kernels.shim.weight_packets import SCALE_WORDS, is_packed_shape, packet_strides
 
@@ -176,7 +176,7 @@ def compile_stored_weight_launch(
     split_k: int,
     dynamic_schedule: bool,
     scale_group: int | None = None,
-    quantize_out: bool = False,
+    out_scale_group: int | None = None,
     gather_rows: bool = False,
     masked: bool = False,
     has_bias: bool = False,
@@ -187,13 +187,13 @@ def compile_stored_weight_launch(
     out_scales_or_None, row_source_or_None, expert_counts_or_None, bias_or_None) with torch
     tensors (the workspace when split_k > 1: at most one of the kernels splits K; the counter
     when one has a dynamic schedule; the scales for FP8 kernels, scale_group set: e4m3 x and w,
-    and an e4m3 out with quantize_out; row_source with gather_rows, x then being the tokens;
-    expert_counts for a masked batch; the bias with has_bias, float32 in the weight's shape
-    without K)."""
+    and an e4m3 out with out_scale_group (its scales' columns per group); row_source with
+    gather_rows, x then being the tokens; expert_counts for a masked batch; the bias with
+    has_bias, float32 in the weight's shape without K)."""
     experts = weight_shape[0]
     rows = cute.sym_int32(symbol="rows")
     ab_dtype = cutlass.BFloat16 if scale_group is None else cutlass.Float8E4M3FN
-    out_dtype = cutlass.Float8E4M3FN if quantize_out else cutlass.BFloat16
+    out_dtype = cutlass.Float8E4M3FN if out_scale_group is not None else cutlass.BFloat16
     x = row_major(ab_dtype, (cute.sym_int32(symbol="tokens") if gather_rows else rows, k))
     row_source = row_major(cutlass.Int32, (rows,)) if gather_rows else None
     expert_counts = row_major(cutlass.Int32, (experts,)) if masked else None
@@ -225,8 +225,8 @@ def compile_stored_weight_launch(
             w_scales = row_major(
                 cutlass.Float32, (experts, -(-n // WEIGHT_BLOCK), -(-k // WEIGHT_BLOCK))
             )
-    if quantize_out:
-        out_scales = rows_contiguous(cutlass.Float32, -(-n_out // INTERMEDIATE_GROUP), rows)
+    if out_scale_group is not None:
+        out_scales = rows_contiguous(cutlass.Float32, -(-n_out // out_scale_group), rows)
     offsets = row_major(cutlass.Int32, (experts + 1,))
     row_scale = row_major(cutlass.Float32, (rows,)) if has_row_scale else None
     partials = arrivals = None

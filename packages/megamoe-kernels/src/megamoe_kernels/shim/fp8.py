@@ -21,6 +21,7 @@ from megamoe_kernels.drop.fp8_scaling import (
     E4M3_MAX,
     INTERMEDIATE_GROUP,
     WEIGHT_BLOCK,
+    WIDE_INTERMEDIATE_GROUP,
 )
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -30,6 +31,7 @@ __all__ = [
     "FP8_DTYPE",
     "INTERMEDIATE_GROUP",
     "WEIGHT_BLOCK",
+    "WIDE_INTERMEDIATE_GROUP",
     "dequantize_rows",
     "dequantize_weight_blocks",
     "quantize_rows",
@@ -129,10 +131,11 @@ def quantize_rows(
             f"rows to quantize must be a floating [M, K] tensor, got {x_MK.dtype} "
             f"{tuple(x_MK.shape)}"
         )
-    if group not in (ACTIVATION_GROUP, INTERMEDIATE_GROUP):
+    if group not in (ACTIVATION_GROUP, INTERMEDIATE_GROUP, WIDE_INTERMEDIATE_GROUP):
         raise ValueError(
-            f"group must be {ACTIVATION_GROUP} (the hidden rows) or {INTERMEDIATE_GROUP} (the "
-            f"intermediate), got {group}"
+            f"group must be {ACTIVATION_GROUP} (the hidden rows, or the intermediate after "
+            f"256-column gate-up tiles) or {INTERMEDIATE_GROUP} (the intermediate after decode "
+            f"or 128-column tiles), got {group}"
         )
     rows, k = x_MK.shape
     groups = _blocks(k, group)

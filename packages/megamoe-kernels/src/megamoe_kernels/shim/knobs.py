@@ -13,7 +13,11 @@ import itertools
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from megamoe_kernels.drop.fp8_scaling import ACTIVATION_GROUP, INTERMEDIATE_GROUP, WEIGHT_BLOCK
+from megamoe_kernels.drop.fp8_scaling import (
+    INTERMEDIATE_GROUP,
+    WEIGHT_BLOCK,
+    WIDE_INTERMEDIATE_GROUP,
+)
 from megamoe_kernels.drop.tiling import (
     EPILOGUE_ROW_PAD,
     SMEM_CAPACITY_BYTES,
@@ -73,14 +77,6 @@ def is_gate_up(op: str) -> bool:
 
 def is_fp8(op: str) -> bool:
     return op in FP8_OPS
-
-
-def scale_group(op: str) -> int | None:
-    """K columns per scale of an FP8 op's rows (None for bf16): the hidden rows' groups for the
-    gate-up GEMM, the quantized intermediate's for the down GEMM."""
-    if not is_fp8(op):
-        return None
-    return ACTIVATION_GROUP if is_gate_up(op) else INTERMEDIATE_GROUP
 
 
 def epilogue_smem_bytes(knobs: GemmKnobs, op: str) -> int:
@@ -269,6 +265,23 @@ class Launch:
     knobs: GemmKnobs
     min_valid_rows: int = 0
     max_valid_rows: int | None = None
+
+
+def intermediate_group(launches: tuple[Launch, ...], intermediate: int) -> int:
+    """Columns per scale of the FP8 gate-up's output (the down GEMM's rows) for a gate-up call
+    of these launches over I = `intermediate`: WIDE_INTERMEDIATE_GROUP (128) where every launch
+    runs 256-column prefill tiles (128 output columns a tile, whole groups) and I is a multiple
+    of 128, else INTERMEDIATE_GROUP (64: a decode tile or a 128-column tile holds 64 output
+    columns). Whichever launch the device picks then writes the same groups. On 128-column
+    groups the down GEMM promotes once per K tile instead of twice: 8-12% less time at 2048
+    and 8192 tokens (docs/benchmarks.md, "The down GEMM on 128-column groups")."""
+    wide = all(
+        not launch.knobs.swap_ab and launch.knobs.tile_cols % (2 * WIDE_INTERMEDIATE_GROUP) == 0
+        for launch in launches
+    )
+    if wide and intermediate % WIDE_INTERMEDIATE_GROUP == 0:
+        return WIDE_INTERMEDIATE_GROUP
+    return INTERMEDIATE_GROUP
 
 
 def max_row_tiles(capacity: int, experts: int, tile_rows: int) -> int:

@@ -532,10 +532,13 @@ class CuteDSLExperts:
             **gate_up_knobs,
         )
         intermediate = prepared.intermediate_size
+        # the down GEMM reads the gate-up's output in the scale groups it writes (64 or 128
+        # columns: its tiles decide)
         down = down_fp8_launcher(
             rows_q.new_empty((rows_q.shape[0], intermediate)),
             batch.expert_offsets,
             prepared.w2_EHI,
+            x_group=gate_up.out_group,
             row_scale_M=row_scale_M,
             valid_rows=batch.valid_rows,
             expert_counts=batch.expert_counts,
