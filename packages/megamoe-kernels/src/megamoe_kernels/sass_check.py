@@ -136,12 +136,15 @@ def compile_profiles(dump_dir: Path) -> dict[str, list[Path]]:
 
     from megamoe_kernels import (
         FP8_DTYPE,
+        default_launches,
         down,
         down_fp8_launcher,
         gate_up_fp8_launcher,
         gate_up_swiglu,
         interleave_gate_up,
     )
+    from megamoe_kernels.shim.knobs import intermediate_group
+    from megamoe_kernels.shim.weight_packets import stored_shape_dims
 
     meta = {"device": "meta", "dtype": torch.bfloat16}
     fp8_meta = {"device": "meta", "dtype": FP8_DTYPE}
@@ -161,15 +164,18 @@ def compile_profiles(dump_dir: Path) -> dict[str, list[Path]]:
         return gate_up_fp8_launcher(rows, offsets, weight, knobs=knobs, compile_only=compile_only)
 
     def down_fp8(rows, offsets, weight, *, knobs, compile_only):
-        # on the scale groups the default gate-up before it writes: 64 columns after decode
-        # tiles, 128 after the prefill ones (knobs.intermediate_group)
+        # on the scale groups the default gate-up of the same batch writes
+        _, hidden, intermediate = stored_shape_dims(weight.shape)
+        gate_up = default_launches(
+            "gate_up_fp8", rows.shape[0], EXPERTS, weight_dims=(2 * intermediate, hidden), sms=132
+        )
         return down_fp8_launcher(
             rows,
             offsets,
             weight,
             knobs=knobs,
             compile_only=compile_only,
-            x_group=64 if knobs.swap_ab else 128,
+            x_group=intermediate_group(gate_up, intermediate),
         )
 
     gemms = {
