@@ -205,6 +205,46 @@ def test_row_widths_and_many_tokens_per_warp(hidden):
     _check_against_torch(router, 9000, hidden)
 
 
+@pytest.mark.parametrize(
+    ("top_k", "hidden", "addend"),
+    [(1, 7168, False), (2, 4096, False), (8, 1024, False), (9, 7168, True)],
+)
+def test_the_combine_strides_past_one_wave(top_k, hidden, addend):
+    """Enough (token, 16-byte) items for each thread of the one-wave grid to take several (8 or
+    6 CTAs per SM by top_k): the torch combine's bits, every token's row written."""
+    from megamoe_kernels.shim.local_layer import combine_launcher
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(top_k)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    tokens = 3 * sms * 8 * 256 * 8 // hidden + 5  # three strides of the widest grid, and a tail
+    rows = tokens * top_k + 7
+    expert_out_MH = torch.randn(
+        rows, hidden, device=device, dtype=torch.bfloat16, generator=generator
+    )
+    row_of_pair_TK = torch.randperm(rows, device=device, generator=generator)[: tokens * top_k]
+    row_of_pair_TK = row_of_pair_TK.int().view(tokens, top_k)
+    weights_TK = torch.rand(tokens, top_k, device=device, generator=generator)
+    addend_TH = (
+        torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, generator=generator)
+        if addend
+        else None
+    )
+    launcher = combine_launcher(
+        top_k=top_k, hidden_size=hidden, has_addend=addend, dtype=torch.bfloat16, device=device
+    )
+    _poison_allocator(device)
+    y_TH = launcher(expert_out_MH, row_of_pair_TK, weights_TK, addend_TH=addend_TH)
+    expected_TH = weighted_sum_over_topk(
+        expert_out_MH, row_of_pair_TK, weights_TK, output_dtype=torch.bfloat16
+    )
+    if addend:
+        expected_TH = expected_TH + addend_TH
+    assert torch.equal(y_TH, expected_TH)
+
+
 def test_bf16_logits_with_ties():
     router = ROUTERS["qwen3"]
     _needs_kernels(router, 512)

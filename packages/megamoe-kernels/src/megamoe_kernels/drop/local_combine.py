@@ -1,7 +1,10 @@
 """The combine on one GPU (sm_90a): each token's top-k expert rows, weighted, summed in a fixed
 order.
 
-combine_pairs: one thread per (token, 16-byte chunk of the hidden dimension), grid-stride:
+combine_pairs: one thread per (token, 16-byte chunk of the hidden dimension), grid-stride over
+a grid of one wave at most: `sms` x combine_ctas_per_sm(top_k) CTAs, as many as are resident at
+once (a grid past one wave ran its last CTAs' whole strides on a fraction of the SMs: 9-14%
+more time at qwen3-30b-a3b and gpt-oss-120b prefill):
 y[t] = 0 + weight[t, 0] x out[row[t, 0]] + ... + weight[t, K-1] x out[row[t, K-1]] in fp32, k in
 that order, each product rounded to fp32 on its own (mul.rn, never contracted into an fma),
 rounded to bf16; with an addend (the shared experts' output), that bf16 sum + addend[t] in
@@ -23,7 +26,13 @@ from .ep_sync import thread_position
 from .row_vectors import CHUNK, load_chunk, store_chunk
 
 COMBINE_THREADS = 256
-COMBINE_MAX_CTAS = 132 * 8  # about 8 CTAs per SM in flight; each thread then strides on
+
+
+def combine_ctas_per_sm(top_k: int) -> int:
+    """The combine's CTAs resident on an SM at once, which its launch bounds guarantee: a thread
+    holds top_k 16-byte loads in flight, in 32 registers up to top_k = 2 (8 CTAs fill the 64K
+    registers) and 40 above (6 CTAs; at 32 a top-8 thread spills)."""
+    return 8 if top_k <= 2 else 6
 
 
 @cute.kernel
@@ -83,14 +92,24 @@ def combine_pairs(
     mAddend,
     mY: cute.Tensor,
     top_k: cutlass.Constexpr,
+    sms: cutlass.Constexpr,
     stream,
 ):
     items = mY.shape[0] * (mY.shape[1] // CHUNK)
     grid = (items + COMBINE_THREADS - 1) // COMBINE_THREADS
-    if grid > COMBINE_MAX_CTAS:
-        grid = COMBINE_MAX_CTAS
+    ctas_per_sm = combine_ctas_per_sm(top_k)
+    if grid > sms * ctas_per_sm:
+        grid = sms * ctas_per_sm
     if grid < 1:
         grid = 1
     combine_pairs_kernel(mExpertOut, mRowOfPair, mWeights, mAddend, mY, top_k).launch(
-        grid=[grid, 1, 1], block=[COMBINE_THREADS, 1, 1], stream=stream, use_pdl=True
+        grid=[grid, 1, 1],
+        block=[COMBINE_THREADS, 1, 1],
+        stream=stream,
+        use_pdl=True,
+        # launch bounds: at most 65536 / (ctas_per_sm x COMBINE_THREADS) registers a thread
+        max_number_threads=[COMBINE_THREADS, 1, 1],
+        min_blocks_per_mp=ctas_per_sm,
+        # no shared memory: all of it L1 (given, the compile does not ask a GPU for a default)
+        preferred_smem_carveout=0,
     )

@@ -274,7 +274,16 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
         "local_combine",
         "combine_pairs",
         "function",
-        parameters=("mExpertOut", "mRowOfPair", "mWeights", "mAddend", "mY", "top_k", "stream"),
+        parameters=(
+            "mExpertOut",
+            "mRowOfPair",
+            "mWeights",
+            "mAddend",
+            "mY",
+            "top_k",
+            "sms",
+            "stream",
+        ),
         passed_as="positional",
     ),
     # shim/router_logits.py: the decode router's logits

@@ -45,6 +45,7 @@ import torch
 from megamoe_kernels.shim.ep import copy_unroll
 from megamoe_kernels.shim.expert_gemm import (
     _current_stream_handle,
+    _persistent_ctas,
     _stream_scratch,
     keeps_buffers,
 )
@@ -113,6 +114,14 @@ def _one_cta_tokens(top_k: int, hidden_size: int, *, copies: bool = True) -> int
     if not copies:
         return 16
     return max(1, min(16, _ONE_CTA_COPY_BYTES // (top_k * hidden_size * 2)))
+
+
+def _device_index(device: torch.device | None, compile_only: bool) -> int:
+    """The GPU a launcher compiles for: -1 for none (compile_only, or no device given: the
+    default SM count), else the device's index (the current device for a bare "cuda")."""
+    if compile_only or device is None:
+        return -1
+    return torch.cuda.current_device() if device.index is None else device.index
 
 
 def _cutlass_dtype(dtype: torch.dtype):
@@ -270,7 +279,7 @@ class RouteLauncher:
             self.weights_on_input,
             int(split_tokens),
         )
-        device_index = -1 if compile_only or self.device is None else self.device.index
+        device_index = _device_index(self.device, compile_only)
         self._constants = constants
         self._key = (
             "route",
@@ -539,8 +548,10 @@ class CombineLauncher:
         self.top_k, self.hidden_size, self.dtype = top_k, hidden_size, dtype
         self.weighted, self.has_addend = weighted, has_addend
         device = None if device is None else torch.device(device)
-        device_index = -1 if compile_only or device is None else device.index
+        device_index = _device_index(device, compile_only)
         key = ("combine", top_k, hidden_size, weighted, has_addend, dtype, device_index)
+        # the grid's one wave is sized by the GPU's SMs
+        self._sms = _persistent_ctas(device_index, 1)
         self.compiled = _compile(key, self._compile)
 
     def _compile(self) -> Callable:
@@ -565,6 +576,7 @@ class CombineLauncher:
             row_major(element, (tokens, hidden)) if self.has_addend else None,
             row_major(element, (tokens, hidden)),
             top_k,
+            self._sms,
             make_fake_stream(use_tvm_ffi_env_stream=True),
             options="--enable-tvm-ffi",
         )
