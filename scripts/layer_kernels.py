@@ -8,12 +8,12 @@ given. Run on the GPU machine from the project root:
 
 --route-ab times the routing kernel's knobs (graph replays, alternating rounds); --phases the
 routing kernel with and without its row copies and the combine alone, beside torch's kernels on
-the same bytes (graph replays, alternating rounds); --critical-path what each step of a
-decode forward costs it: the whole fused forward against the forward without its combine (the
-expert rows returned as they are) and without its router GEMM (the logits computed before),
-and the router and routing launches alone (graph replays, alternating rounds; layers without
-shared experts); --router-host
-the host time of the ways to compute fp32 router logits; --host-profile prints where the host
+the same bytes (graph replays, alternating rounds); --forward the whole forward (graph replays
+of 10 forwards, three readings) and a checksum of its output's bits; --critical-path what each
+step of a decode forward costs it: the whole fused forward against the forward without its
+combine (the expert rows returned as they are) and without its router GEMM (the logits
+computed before), and the router and routing launches alone (graph replays, alternating
+rounds; layers without shared experts); --router-host the host time of the ways to compute fp32 router logits; --host-profile prints where the host
 time of an eager forward goes: single forwards, each issued after the GPU drained (as the
 bench's "host us" times them), under cProfile (cumulative time per function, which cProfile
 inflates), then, uninstrumented, the steps of a forward that replays the layer's graph.
@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 2048, 8192])
     parser.add_argument("--route-ab", action="store_true")
     parser.add_argument("--phases", action="store_true")
+    parser.add_argument("--forward", action="store_true")
     parser.add_argument("--critical-path", action="store_true")
     parser.add_argument("--host-profile", action="store_true")
     parser.add_argument("--router-host", action="store_true")
@@ -78,6 +79,8 @@ def main() -> None:
                 route_ab(layer, x_TH)
             if args.phases:
                 phases(layer, x_TH)
+            if args.forward:
+                forward_graph(layer, x_TH)
             if args.critical_path:
                 critical_path(layer, x_TH)
             if args.host_profile:
@@ -161,6 +164,21 @@ def phases(layer, x_TH) -> None:
     print(
         f"  phases us ({copy_bytes / 1e6:.0f} MB each way, route/combine): "
         + readings_line(readings)
+    )
+
+
+def forward_graph(layer, x_TH) -> None:
+    """Graph-replay us of the whole forward (10 forwards a graph), three readings, and the sum of
+    its output's bits as int16 (builds that compute the same bits print the same sum)."""
+    checksum = int(layer(x_TH).view(torch.int16).long().sum())
+    readings = [
+        median_graph_replay_seconds(lambda: layer(x_TH), device=x_TH.device, repeats=10)
+        for _ in range(3)
+    ]
+    print(
+        "  forward us (graph): "
+        + " ".join(f"{t * 1e6:.1f}" for t in readings)
+        + f"; output checksum {checksum}"
     )
 
 

@@ -205,3 +205,85 @@ def test_what_the_kernels_cannot_serve_is_refused_with_the_reason():
 def test_a_shared_gate_needs_shared_experts():
     with pytest.raises(ValueError, match="shared_expert_gate=True gates shared experts"):
         RouteLauncher(**ROUTERS[0], shared_expert_gate=True, compile_only=True)
+
+
+# (kernel, constants): the combine at top_k 1, 2, 8 (with an addend) and 32; the routing kernel
+# of 128 and 8 experts (bf16, gathered and scaled rows: two CTAs per SM) and of more experts or
+# quantized rows (one)
+RESIDENT_VARIANTS = [
+    ("combine", dict(top_k=1, hidden_size=7168)),
+    ("combine", dict(top_k=2, hidden_size=4096, weighted=False)),
+    ("combine", dict(top_k=8, hidden_size=7168, has_addend=True)),
+    ("combine", dict(top_k=32, hidden_size=2048)),
+    ("route", ROUTERS[0]),
+    ("route", ROUTERS[1]),
+    ("route", dict(ROUTERS[0], gather_rows=True)),
+    ("route", dict(num_experts=16, top_k=1, hidden_size=5120, weights_on_input=True)),
+    ("route", dict(ROUTERS[0], shared_experts=4, shared_expert_gate=True)),
+    ("route", ROUTERS[3]),
+    ("route", ROUTERS[4]),
+    ("route", FP8_ROUTERS[0]),
+]
+
+# compiles each of RESIDENT_VARIANTS in turn (in a process of its own: CuTe DSL reads its dump
+# settings once per process) and prints its cubin's registers, stack and local memory
+_PRINT_RESOURCES = """
+import pathlib, re, subprocess, sys
+sys.path.insert(0, sys.argv[2])
+from megamoe_kernels.sass_check import disassembler_bin_dir
+from megamoe_kernels.shim.local_layer import CombineLauncher, RouteLauncher
+from test_local_layer_compile import RESIDENT_VARIANTS
+
+dump = pathlib.Path(sys.argv[1])
+for kind, constants in RESIDENT_VARIANTS:
+    for old in dump.rglob("*.cubin"):
+        old.unlink()
+    if kind == "route":
+        RouteLauncher(**constants, compile_only=True).compile()
+    else:
+        CombineLauncher(**constants, compile_only=True)
+    (cubin,) = dump.rglob("*.cubin")
+    usage = subprocess.run(
+        [str(disassembler_bin_dir() / "cuobjdump"), "--dump-resource-usage", str(cubin)],
+        capture_output=True,
+        text=True,
+    ).stdout
+    print(re.search(r"REG:\\d+ STACK:\\d+ SHARED:\\d+ LOCAL:\\d+", usage).group(0))
+"""
+
+
+def test_launch_bounds_keep_every_ctas_per_sm_resident_without_spills(tmp_path):
+    """The combine's grid is one wave, and the routing kernel's grid barriers need all of its
+    CTAs resident: each variant's registers must let the CTAs per SM its launch bounds name
+    (combine_residency, route_residency) share an SM's 64K (allocated per warp, 8 a thread at a time), with no spills."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megamoe_kernels.sass_check import disassembler_bin_dir
+    from megamoe_kernels.shim.local_layer import combine_residency, route_residency
+
+    if disassembler_bin_dir() is None:
+        pytest.skip("needs cuobjdump and nvdisasm")
+    env = dict(os.environ, CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    env.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    result = subprocess.run(
+        [sys.executable, "-c", _PRINT_RESOURCES, str(tmp_path), str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.strip().split("\n")
+    for (kind, constants), line in zip(RESIDENT_VARIANTS, lines, strict=True):
+        registers, stack, _, local = (int(field.split(":")[1]) for field in line.split())
+        if kind == "combine":
+            threads, ctas = combine_residency(constants["top_k"])
+        else:
+            experts = constants["num_experts"] + constants.get("shared_experts", 0)
+            quantizes = constants.get("rows_dtype") == torch.float8_e4m3fn
+            threads, ctas = route_residency(experts, quantizes)
+        allocated = -(-registers // 8) * 8 * threads * ctas
+        assert allocated <= 65536 and stack == local == 0, (kind, constants, line)

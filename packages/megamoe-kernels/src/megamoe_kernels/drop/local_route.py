@@ -1,7 +1,8 @@
 """Routing and dispatch on one GPU (sm_90a): router logits in, the expert-major batch out.
 
-route_and_place, one launch: a grid of up to ROUTE_MAX_CTAS CTAs of ROUTE_WARPS warps (small
-enough to be resident at once on any Hopper GPU, which its grid-wide barriers need):
+route_and_place, one launch: a grid of CTAs of ROUTE_WARPS warps, no more than are resident at
+once (its grid-wide barriers need every CTA resident): route_ctas_per_sm per SM, which the
+launch bounds guarantee, on the `sms` SMs of the GPU (at most ROUTE_MAX_CTAS):
 1. a warp per token, each warp walking a contiguous slice of the tokens in order: the scores
    (softmax over the experts; or sigmoid, plus the correction bias for choosing), the grouped
    top-k mask (groups scored by the sum of their two best choice scores, the best `top_groups`
@@ -82,12 +83,20 @@ from .warp import warp_inclusive_sum
 
 ROUTE_WARPS = 16
 ROUTE_THREADS = ROUTE_WARPS * 32
-ROUTE_MAX_CTAS = 128
+ROUTE_MAX_CTAS = 2 * 132  # two CTAs on each SM of the largest Hopper GPUs
 ROUTE_MAX_EXPERTS = 512  # shared memory: 16 warps x E counters fit in 48 KB
 ROUTE_MAX_TOP_K = 32
 ROUTE_BARRIER_WORDS = 4  # two barriers' arrivals and generations
 NO_EXPERT = 1 << 30  # an arg-max that has seen no expert yet
 TAKEN_KEY = -(1 << 63)  # below every top_k_key: an expert already chosen, or none
+
+
+def route_ctas_per_sm(experts: int, quantizes: bool) -> int:
+    """route_and_place's CTAs resident on an SM at once, which its launch bounds guarantee: 2
+    at 64 registers a thread (twice the warps routing and copying tokens, each taking half as
+    many one after another), up to 128 experts (4 per lane; 256 spill) and bf16 rows; else 1
+    (quantizing its rows takes 100 to 124 registers)."""
+    return 2 if experts <= 128 and not quantizes else 1
 
 
 def one_cta_token_limit(num_experts: int, one_cta_tokens: int) -> int:
@@ -690,9 +699,10 @@ def route_and_place(
     shared_experts: cutlass.Constexpr,
     weights_on_input: cutlass.Constexpr,
     split_tokens: cutlass.Constexpr,
+    sms: cutlass.Constexpr,
     stream,
 ):
-    # a warp per token, as many CTAs as that fills, at most ROUTE_MAX_CTAS (all resident); one
+    # a warp per token, as many CTAs as that fills, at most as many as are resident; one
     # CTA up to `one_cta_tokens` tokens (no grid barrier; its SM copies every row), else at
     # least a warp per expert, so the scan of step 3 takes one expert per warp, not several one
     # after another (one_cta_token_limit: up to how many tokens this makes one CTA)
@@ -701,8 +711,10 @@ def route_and_place(
     expert_ctas = (num_experts + shared_experts + ROUTE_WARPS - 1) // ROUTE_WARPS
     if tokens > one_cta_tokens and grid < expert_ctas:
         grid = expert_ctas
-    if grid > ROUTE_MAX_CTAS:
-        grid = ROUTE_MAX_CTAS
+    ctas_per_sm = route_ctas_per_sm(num_experts + shared_experts, mRowScales is not None)
+    resident = min(sms * ctas_per_sm, ROUTE_MAX_CTAS)
+    if grid > resident:
+        grid = resident
     if grid < 1:
         grid = 1
     route_and_place_kernel(
@@ -733,7 +745,18 @@ def route_and_place(
         shared_experts,
         weights_on_input,
         split_tokens,
-    ).launch(grid=[grid, 1, 1], block=[ROUTE_THREADS, 1, 1], stream=stream, use_pdl=True)
+    ).launch(
+        grid=[grid, 1, 1],
+        block=[ROUTE_THREADS, 1, 1],
+        stream=stream,
+        use_pdl=True,
+        # launch bounds: at most 65536 / (ctas_per_sm x ROUTE_THREADS) registers a thread
+        max_number_threads=[ROUTE_THREADS, 1, 1],
+        min_blocks_per_mp=ctas_per_sm,
+        # most of the SM's memory as shared memory, so that ctas_per_sm CTAs' counters fit
+        # (given, the compile does not ask a GPU for a default)
+        preferred_smem_carveout=100,
+    )
 
 
 @cute.kernel

@@ -242,6 +242,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "shared_experts",
             "weights_on_input",
             "split_tokens",
+            "sms",
             "stream",
         ),
         passed_as="positional",
@@ -270,6 +271,10 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
     DropSymbol("local_route", "scratch_words", "function", parameters=("num_experts",)),
     DropSymbol("local_route", "ROUTE_MAX_EXPERTS", "constant"),
     DropSymbol("local_route", "ROUTE_MAX_TOP_K", "constant"),
+    DropSymbol("local_route", "ROUTE_THREADS", "constant"),
+    DropSymbol("local_route", "route_ctas_per_sm", "function", parameters=("experts", "quantizes")),
+    DropSymbol("local_combine", "COMBINE_THREADS", "constant"),
+    DropSymbol("local_combine", "combine_ctas_per_sm", "function", parameters=("top_k",)),
     DropSymbol(
         "local_combine",
         "combine_pairs",

@@ -73,6 +73,23 @@ def _drop_route():
     return local_route
 
 
+def combine_residency(top_k: int) -> tuple[int, int]:
+    """(threads a CTA, CTAs resident per SM) that the combine kernel's launch bounds hold for
+    `top_k` pairs a token: its grid is one wave of them."""
+    _drop_route()  # sets the architecture without a GPU
+    from megamoe_kernels.drop.local_combine import COMBINE_THREADS, combine_ctas_per_sm
+
+    return COMBINE_THREADS, combine_ctas_per_sm(top_k)
+
+
+def route_residency(batch_experts: int, quantizes: bool) -> tuple[int, int]:
+    """(threads a CTA, CTAs resident per SM) that route_and_place's launch bounds hold for
+    `batch_experts` experts (routed and shared) and bf16 or quantized rows: its grid, all
+    resident for its barriers, is at most that many CTAs on each SM."""
+    route = _drop_route()
+    return route.ROUTE_THREADS, route.route_ctas_per_sm(batch_experts, quantizes)
+
+
 def routing_problems(
     *,
     num_experts: int,
@@ -117,11 +134,14 @@ def _one_cta_tokens(top_k: int, hidden_size: int, *, copies: bool = True) -> int
 
 
 def _device_index(device: torch.device | None, compile_only: bool) -> int:
-    """The GPU a launcher compiles for: -1 for none (compile_only, or no device given: the
-    default SM count), else the device's index (the current device for a bare "cuda")."""
-    if compile_only or device is None:
+    """The GPU a launcher compiles for, whose SMs size its grids: the device's index (the
+    current device for a bare "cuda" or no device), or -1 for none (compile_only, or no GPU:
+    the default SM count)."""
+    if compile_only or (device is None and not torch.cuda.is_available()):
         return -1
-    return torch.cuda.current_device() if device.index is None else device.index
+    if device is None or device.index is None:
+        return torch.cuda.current_device()
+    return device.index
 
 
 def _cutlass_dtype(dtype: torch.dtype):
@@ -280,6 +300,8 @@ class RouteLauncher:
             int(split_tokens),
         )
         device_index = _device_index(self.device, compile_only)
+        # the grid's CTAs, all resident at once, are sized by the GPU's SMs
+        constants = (*constants, _persistent_ctas(device_index, 1))
         self._constants = constants
         self._key = (
             "route",
