@@ -3,8 +3,8 @@ order.
 
 combine_pairs: one thread per (token, 16-byte chunk of the hidden dimension), grid-stride over
 a grid of one wave at most: `sms` x combine_ctas_per_sm(top_k) CTAs, as many as are resident at
-once (a grid past one wave ran its last CTAs' whole strides on a fraction of the SMs: 9-14%
-more time at qwen3-30b-a3b and gpt-oss-120b prefill):
+once (a grid past one wave ran its last CTAs' whole strides on a fraction of the SMs: one
+wave takes 9-14% less time at qwen3-30b-a3b and gpt-oss-120b prefill):
 y[t] = 0 + weight[t, 0] x out[row[t, 0]] + ... + weight[t, K-1] x out[row[t, K-1]] in fp32, k in
 that order, each product rounded to fp32 on its own (mul.rn, never contracted into an fma),
 rounded to bf16; with an addend (the shared experts' output), that bf16 sum + addend[t] in
