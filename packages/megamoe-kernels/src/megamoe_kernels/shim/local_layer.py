@@ -135,9 +135,10 @@ def _one_cta_tokens(top_k: int, hidden_size: int, *, copies: bool = True) -> int
 
 def _device_index(device: torch.device | None, compile_only: bool) -> int:
     """The GPU a launcher compiles for, whose SMs size its grids: the device's index (the
-    current device for a bare "cuda" or no device), or -1 for none (compile_only, or no GPU:
-    the default SM count)."""
-    if compile_only or (device is None and not torch.cuda.is_available()):
+    current device for a bare "cuda" or no device), or -1 for none (compile_only, no GPU or
+    a device that is not one: the default SM count)."""
+    not_a_gpu = device is not None and device.type != "cuda"
+    if compile_only or not_a_gpu or not torch.cuda.is_available():
         return -1
     if device is None or device.index is None:
         return torch.cuda.current_device()
