@@ -208,8 +208,8 @@ def test_a_shared_gate_needs_shared_experts():
 
 
 # (kernel, constants): the combine at top_k 1, 2, 8 (with an addend) and 32; the routing kernel
-# of 128 and 8 experts (bf16, gathered and scaled rows: two CTAs per SM) and of more experts or
-# quantized rows (one)
+# with up to 128 experts and bf16 rows, copied, gathered or scaled (two CTAs per SM), and with
+# more experts or quantized rows (one)
 RESIDENT_VARIANTS = [
     ("combine", dict(top_k=1, hidden_size=7168)),
     ("combine", dict(top_k=2, hidden_size=4096, weighted=False)),
@@ -255,7 +255,8 @@ for kind, constants in RESIDENT_VARIANTS:
 def test_launch_bounds_keep_every_ctas_per_sm_resident_without_spills(tmp_path):
     """The combine's grid is one wave, and the routing kernel's grid barriers need all of its
     CTAs resident: each variant's registers must let the CTAs per SM its launch bounds name
-    (combine_residency, route_residency) share an SM's 64K (allocated per warp, 8 a thread at a time), with no spills."""
+    (combine_residency, route_residency) share an SM's 64K registers (allocated per warp, 8 a
+    thread at a time), with no spills."""
     import os
     import subprocess
     import sys
