@@ -13,10 +13,11 @@ of 10 forwards, three readings) and a checksum of its output's bits; --critical-
 step of a decode forward costs it: the whole fused forward against the forward without its
 combine (the expert rows returned as they are) and without its router GEMM (the logits
 computed before), and the router and routing launches alone (graph replays, alternating
-rounds; layers without shared experts); --router-host the host time of the ways to compute fp32 router logits; --host-profile prints where the host
-time of an eager forward goes: single forwards, each issued after the GPU drained (as the
-bench's "host us" times them), under cProfile (cumulative time per function, which cProfile
-inflates), then, uninstrumented, the steps of a forward that replays the layer's graph.
+rounds; layers without shared experts); --router-host the host time of the ways to compute
+fp32 router logits; --host-profile prints where the host time of an eager forward goes: single
+forwards, each issued after the GPU drained (as the bench's "host us" times them), under
+cProfile (cumulative time per function, which cProfile inflates), then, uninstrumented, the
+steps of a forward that replays the layer's graph.
 """
 
 from __future__ import annotations
