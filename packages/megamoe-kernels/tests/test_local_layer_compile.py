@@ -234,7 +234,7 @@ from megamoe_kernels.sass_check import disassembler_bin_dir
 from megamoe_kernels.shim.local_layer import CombineLauncher, RouteLauncher
 from test_local_layer_compile import RESIDENT_VARIANTS
 
-dump = pathlib.Path(sys.argv[1])
+dump, cuobjdump = pathlib.Path(sys.argv[1]), disassembler_bin_dir() / "cuobjdump"
 for kind, constants in RESIDENT_VARIANTS:
     for old in dump.rglob("*.cubin"):
         old.unlink()
@@ -244,7 +244,7 @@ for kind, constants in RESIDENT_VARIANTS:
         CombineLauncher(**constants, compile_only=True)
     (cubin,) = dump.rglob("*.cubin")
     usage = subprocess.run(
-        [str(disassembler_bin_dir() / "cuobjdump"), "--dump-resource-usage", str(cubin)],
+        [str(cuobjdump), "--dump-resource-usage", str(cubin)],
         capture_output=True,
         text=True,
     ).stdout

@@ -212,14 +212,16 @@ def test_row_widths_and_many_tokens_per_warp(hidden):
 def test_the_combine_strides_past_one_wave(top_k, hidden, addend):
     """Enough (token, 16-byte) items for each thread of the one-wave grid to take several (8 or
     6 CTAs per SM by top_k): the torch combine's bits, every token's row written."""
-    from megamoe_kernels.shim.local_layer import combine_launcher
+    from megamoe_kernels.shim.local_layer import combine_launcher, combine_residency
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(top_k)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    tokens = 3 * sms * 8 * 256 * 8 // hidden + 5  # three strides of the widest grid, and a tail
+    threads, ctas_per_sm = combine_residency(top_k)
+    # three strides of the grid's threads over the tokens' 16-byte items, and a tail
+    tokens = 3 * sms * ctas_per_sm * threads // (hidden // 8) + 5
     rows = tokens * top_k + 7
     expert_out_MH = torch.randn(
         rows, hidden, device=device, dtype=torch.bfloat16, generator=generator
