@@ -6,14 +6,16 @@ launch bounds guarantee, on the `sms` SMs of the GPU (at most ROUTE_MAX_CTAS):
 1. a warp per token, each warp walking a contiguous slice of the tokens in order: the scores
    (softmax over the experts; or sigmoid, plus the correction bias for choosing), the grouped
    top-k mask (groups scored by the sum of their two best choice scores, the best `top_groups`
-   kept, the others' experts given `dropped_score`), then the top-k by repeated warp max of
-   int64 keys that order (choice score, expert) as torch.topk ranks them (ties to the lower
-   expert id, NaN above every number; a 64-bit max is a few instructions where a float arg-max
-   with those rules took about five times as many); the weights are the chosen experts'
-   unbiased scores, renormalised (k order, fp32; + 1e-20 for sigmoid) and
-   scaled. Lane k writes topk_ids[t, k] and topk_weights[t, k], and the pair's rank among the
-   warp's pairs of its expert so far (per-warp counters in shared memory): a token's experts are
-   distinct, and the warp takes its tokens in order, so the ranks follow the (token, k) order;
+   kept, the others' experts given `dropped_score`), then the top-k in rounds: each takes the
+   warp's largest int32 score key (the choice score's bits made order-preserving, NaN above
+   every number) in one `redux.sync` and, of the experts that hold it, the lowest id from a
+   ballot per register, the order torch.topk ranks them in (ties to the lower expert id; a
+   butterfly of int64 (key, id) maxima, 5 shuffle steps a round, took the routing launch 5-13%
+   longer at 1-16 qwen3-30b-a3b tokens); the weights are the chosen experts' unbiased scores,
+   renormalised (k order, fp32; + 1e-20 for sigmoid) and scaled. Lane k writes topk_ids[t, k]
+   and topk_weights[t, k], and the pair's rank among the warp's pairs of its expert so far
+   (per-warp counters in shared memory): a token's experts are distinct, and the warp takes its
+   tokens in order, so the ranks follow the (token, k) order;
 2. per expert, each warp's exclusive prefix inside the CTA; the CTA's count into the scratch;
 3. grid-wide barrier; a warp per expert scans the CTAs' counts (each CTA's exclusive prefix, in
    place) and stores the expert's total (a grid of one CTA, up to `one_cta_tokens` <=
@@ -88,7 +90,7 @@ ROUTE_MAX_EXPERTS = 512  # shared memory: 16 warps x E counters fit in 48 KB
 ROUTE_MAX_TOP_K = 32
 ROUTE_BARRIER_WORDS = 4  # two barriers' arrivals and generations
 NO_EXPERT = 1 << 30  # an arg-max that has seen no expert yet
-TAKEN_KEY = -(1 << 63)  # below every top_k_key: an expert already chosen, or none
+TAKEN_KEY = -(1 << 31)  # below every score_key: an expert already chosen, or none
 
 
 def route_ctas_per_sm(experts: int, quantizes: bool) -> int:
@@ -140,11 +142,10 @@ def ranks_above(value, index, other_value, other_index):
 
 
 @cute.jit
-def top_k_key(value, index):
-    """(value, index) as one int64 whose integer order is top-k order: the larger value first
-    (NaN above every number, NaNs equal, -0 equal to +0), ties to the lower index. The high
-    word is the value's bits made order-preserving as a signed integer (a negative float's
-    magnitude bits flipped), the low word 0x7FFFFFFF - index; top_k_index inverts it."""
+def score_key(value):
+    """`value` as an int32 whose integer order is top-k order: the larger value first, NaN above
+    every number (NaNs equal), -0 equal to +0. The value's bits made order-preserving as a
+    signed integer (a negative float's magnitude bits flipped); never TAKEN_KEY."""
     bits = cutlass.Int32(llvm.bitcast(cutlass.Int32.mlir_type, cutlass.Float32(value).ir_value()))
     magnitude = bits & cutlass.Int32(0x7FFFFFFF)
     if magnitude == 0:
@@ -153,23 +154,7 @@ def top_k_key(value, index):
         bits = cutlass.Int32(0x7FC00000)  # every NaN as the positive quiet NaN, above +inf
     if bits < 0:
         bits = bits ^ cutlass.Int32(0x7FFFFFFF)
-    return (cutlass.Int64(bits) << 32) + cutlass.Int64(cutlass.Int32(0x7FFFFFFF) - index)
-
-
-@cute.jit
-def top_k_index(key):
-    """The index a top_k_key holds."""
-    return cutlass.Int32(0x7FFFFFFF) - cutlass.Int32(key & cutlass.Int64(0xFFFFFFFF))
-
-
-@cute.jit
-def warp_max_key(key):
-    """The largest int64 key of the warp, on every lane."""
-    for step in cutlass.range_constexpr(5):
-        other = cute.arch.shuffle_sync_bfly(key, 1 << step)
-        if other > key:
-            key = other
-    return key
+    return bits
 
 
 @cute.jit
@@ -309,26 +294,39 @@ def score_token(
 
 @cute.jit
 def choose_top_k(scores, choices, lane, num_experts: cutlass.Constexpr, top_k: cutlass.Constexpr):
-    """Lane k < top_k's k-th expert (by choice score, top-k order) and its score: top_k rounds
-    of a warp max over the experts' top_k_keys, the chosen expert's key dropped by the lane
-    that holds it; then each lane reads its expert's score from that lane."""
+    """Lane k < top_k's k-th expert (by choice score, top-k order) and its score: top_k rounds,
+    each the warp's largest score_key by `redux.sync` (over each lane's largest), then, of the
+    experts holding it, the lowest id: lane l's register j holds expert l + 32 j, so it is the
+    lowest lane of the first register j whose ballot of `key == largest` is not empty (every
+    lane learns the winner from the ballots; its lane drops its key). Then each lane reads its
+    expert's score from the lane that holds it."""
     per_lane = (num_experts + 31) // 32
     keys = []
     for j in cutlass.range_constexpr(per_lane):
-        key = cutlass.Int64(TAKEN_KEY)
+        key = cutlass.Int32(TAKEN_KEY)
         if lane + 32 * j < num_experts:
-            key = top_k_key(choices[j], lane + 32 * j)
+            key = score_key(choices[j])
         keys.append(key)
     my_expert = cutlass.Int32(0)
     for k in cutlass.range_constexpr(top_k):
         best = keys[0]
         for j in cutlass.range_constexpr(1, per_lane):
-            if keys[j] > best:
-                best = keys[j]
-        expert = top_k_index(warp_max_key(best))
+            best = cutlass.max(best, keys[j])
+        largest = cute.arch.warp_redux_sync(best, "max")
+        ballots = []
+        for j in cutlass.range_constexpr(per_lane):
+            ballots.append(cute.arch.vote_ballot_sync(keys[j] == largest))
+        # the first register with a holder, from the last down
+        ballot = ballots[per_lane - 1]
+        first_register = cutlass.Int32(per_lane - 1)
+        for j in cutlass.range_constexpr(per_lane - 2, -1, -1):
+            if ballots[j] != 0:
+                ballot = ballots[j]
+                first_register = cutlass.Int32(j)
+        expert = cutlass.Int32(cute.arch.clz(cute.arch.brev(ballot))) + 32 * first_register
         for j in cutlass.range_constexpr(per_lane):
             if lane + 32 * j == expert:
-                keys[j] = cutlass.Int64(TAKEN_KEY)
+                keys[j] = cutlass.Int32(TAKEN_KEY)
         if lane == k:
             my_expert = expert
     my_score = cutlass.Float32(0.0)
