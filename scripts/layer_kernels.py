@@ -13,18 +13,25 @@ of 10 forwards, three readings) and a checksum of its output's bits; --critical-
 step of a decode forward costs it: the whole fused forward against the forward without its
 combine (the expert rows returned as they are) and without its router GEMM (the logits
 computed before), and the router and routing launches alone (graph replays, alternating
-rounds; layers without shared experts); --router-host the host time of the ways to compute
-fp32 router logits; --host-profile prints where the host time of an eager forward goes: single
-forwards, each issued after the GPU drained (as the bench's "host us" times them), under
-cProfile (cumulative time per function, which cProfile inflates), then, uninstrumented, the
-steps of a forward that replays the layer's graph.
+rounds; layers without shared experts); --timeline when each kernel of a forward starts and
+ends, in us from the forward's first kernel (the medians over 49 forwards replayed in a CUDA
+graph, from the torch profiler's CUDA activity), and of the expert GEMMs alone on its batch;
+--router-host the host time of the ways to compute fp32 router logits; --host-profile prints
+where the host time of an eager forward goes: single forwards, each issued after the GPU
+drained (as the bench's "host us" times them), under cProfile (cumulative time per function,
+which cProfile inflates), then, uninstrumented, the steps of a forward that replays the
+layer's graph.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import pstats
+import statistics
+import tempfile
+from pathlib import Path
 
 import torch
 from megamoe_kernels.shim.local_layer import CombineLauncher, RouteLauncher
@@ -61,6 +68,7 @@ def main() -> None:
     parser.add_argument("--phases", action="store_true")
     parser.add_argument("--forward", action="store_true")
     parser.add_argument("--critical-path", action="store_true")
+    parser.add_argument("--timeline", action="store_true")
     parser.add_argument("--host-profile", action="store_true")
     parser.add_argument("--router-host", action="store_true")
     parser.add_argument("--weight-dtype", choices=["bf16", "fp8"], default="bf16")
@@ -84,6 +92,8 @@ def main() -> None:
                 forward_graph(layer, x_TH)
             if args.critical_path:
                 critical_path(layer, x_TH)
+            if args.timeline:
+                timeline(layer, x_TH)
             if args.host_profile:
                 host_profile(layer, x_TH)
             if args.router_host:
@@ -228,6 +238,63 @@ def critical_path(layer, x_TH) -> None:
         rounds=3,
     )
     print(f"  critical path us: {readings_line(readings)}")
+
+
+def timeline(layer, x_TH) -> None:
+    """Each kernel's start and end in a forward replayed in a CUDA graph, and in the expert
+    GEMMs alone on the forward's batch: us from the forward's first kernel, the medians over
+    the forwards of 5 replays of a graph of 10 (the first left out)."""
+    dispatcher = layer._device_routed
+    batch, _, _ = dispatcher.route_and_dispatch(
+        x_TH,
+        layer.router_logits(x_TH),
+        correction_bias_E=layer.e_score_correction_bias,
+        rows_dtype=torch.float8_e4m3fn if layer._dispatches_fp8_rows() else None,
+        gather_rows=layer._gathers_rows(x_TH),
+    )
+    work = {
+        "forward": lambda: layer._fused_forward_from_tokens(x_TH)[0],
+        "GEMMs alone": lambda: layer._run_expert_backend(batch),
+    }
+    for name, fn in work.items():
+        print(f"  timeline, {name} (start, end us):")
+        for start, end, kernel in kernel_timeline(fn, device=x_TH.device):
+            print(f"    {start:7.2f} {end:7.2f}  {kernel[:70]}")
+
+
+def kernel_timeline(fn, *, device, forwards: int = 10, replays: int = 5):
+    """(start, end, name) of each kernel `fn` launches, us from its first kernel's start: the
+    medians over the calls of `replays` replays of a CUDA graph of `forwards` calls, the first
+    call left out (the GPU idle before it)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(forwards):
+            fn()
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize(device)
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    per_call = len(kernels) // (forwards * replays)
+    calls = [kernels[i * per_call : (i + 1) * per_call] for i in range(1, forwards * replays)]
+    rows = []
+    for k in range(per_call):
+        starts = [call[k]["ts"] - call[0]["ts"] for call in calls]
+        ends = [call[k]["ts"] + call[k]["dur"] - call[0]["ts"] for call in calls]
+        rows.append((statistics.median(starts), statistics.median(ends), calls[0][k]["name"]))
+    return rows
 
 
 def route_ab(layer, x_TH) -> None:
