@@ -96,6 +96,7 @@ def variants_to_check() -> list[tuple[str, str, object, int]]:
     that widen (beside the gate-up; FP8 past one wave), plus the pingpong and the 2-CTA
     cluster and split-K decode variants, which no profile picks but a tuner may."""
     from megamoe_kernels import GemmKnobs, default_knobs, default_launches
+    from megamoe_kernels.shim.expert_gemm import DEFAULT_SM_COUNT
     from megamoe_kernels.shim.knobs import PROFILE_ROWS_PER_EXPERT, max_stages
 
     variants = [
@@ -116,10 +117,12 @@ def variants_to_check() -> list[tuple[str, str, object, int]]:
         ("split4", op, replace(default_knobs(op, 1), split_k=4), 1) for op in ("gate_up", "down")
     ]
     # the wider decode down tile that fits beside its gate-up (dsv3, 8-way EP rank, 1 token)
-    (beside,) = default_launches("down", 1, 32, weight_dims=(7168, 2048), sms=132)
+    (beside,) = default_launches("down", 1, 32, weight_dims=(7168, 2048), sms=DEFAULT_SM_COUNT)
     variants.append(("beside-gate-up", "down", beside.knobs, 1))
     # the FP8 decode down tile that widens past one wave (qwen3-30b-a3b, 1 token)
-    (wide_fp8,) = default_launches("down_fp8", 8, 128, weight_dims=(2048, 768), sms=132)
+    (wide_fp8,) = default_launches(
+        "down_fp8", 8, 128, weight_dims=(2048, 768), sms=DEFAULT_SM_COUNT
+    )
     variants.append(("wide-fp8", "down_fp8", wide_fp8.knobs, 1))
     # packed weights (their FP8 kernels prefetch the scales): a decode and a prefill profile
     variants += [
@@ -143,6 +146,7 @@ def compile_profiles(dump_dir: Path) -> dict[str, list[Path]]:
         gate_up_swiglu,
         interleave_gate_up,
     )
+    from megamoe_kernels.shim.expert_gemm import DEFAULT_SM_COUNT
     from megamoe_kernels.shim.knobs import intermediate_group
     from megamoe_kernels.shim.weight_packets import stored_shape_dims
 
@@ -167,7 +171,11 @@ def compile_profiles(dump_dir: Path) -> dict[str, list[Path]]:
         # on the scale groups the default gate-up of the same batch writes
         _, hidden, intermediate = stored_shape_dims(weight.shape)
         gate_up = default_launches(
-            "gate_up_fp8", rows.shape[0], EXPERTS, weight_dims=(2 * intermediate, hidden), sms=132
+            "gate_up_fp8",
+            rows.shape[0],
+            EXPERTS,
+            weight_dims=(2 * intermediate, hidden),
+            sms=DEFAULT_SM_COUNT,
         )
         return down_fp8_launcher(
             rows,

@@ -111,7 +111,7 @@ from megamoe_kernels.shim.weight_packets import (
 _COMPILE_LOCK = threading.Lock()
 # key -> (the compiled launches, whether one of them takes the unit counter)
 _COMPILED: dict[tuple, tuple[Callable, bool]] = {}
-_DEFAULT_SM_COUNT = 132  # H200; only used when compiling without a GPU
+DEFAULT_SM_COUNT = 132  # H200; the SMs a kernel is compiled for without a GPU
 _ALIGN_BYTES = 16  # TMA and 16-byte vector stores: every tensor's base address
 # split-K is for decode batches: a workspace beyond this means the knobs do not fit the batch
 _SPLIT_K_MAX_WORKSPACE_BYTES = 256 << 20
@@ -465,7 +465,7 @@ def _persistent_ctas(device_index: int, cluster_size: int) -> int:
     """CTAs of a persistent grid: one per SM, or as many clusters as fit on the GPU at once (a
     cluster that waited for SMs would run its tiles after everyone else's)."""
     if device_index < 0:
-        return _DEFAULT_SM_COUNT // cluster_size * cluster_size
+        return DEFAULT_SM_COUNT // cluster_size * cluster_size
     if cluster_size == 1:
         return torch.cuda.get_device_properties(device_index).multi_processor_count
     from cutlass.utils import HardwareInfo
