@@ -39,6 +39,7 @@ from megamoe_runtime.dispatch.device_routed import route_launcher_constants
 from megamoe_runtime.geometries import GEOMETRIES
 from megamoe_runtime.measure import (
     alternating_readings,
+    captured_graph,
     host_seconds_per_call,
     median_graph_replay_seconds,
 )
@@ -266,15 +267,7 @@ def kernel_timeline(fn, *, device, forwards: int = 10, replays: int = 5):
     """(start, end, name) of each kernel `fn` launches, us from its first kernel's start: the
     medians over the calls of `replays` replays of a CUDA graph of `forwards` calls, the first
     call left out (the GPU idle before it)."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(forwards):
-            fn()
+    graph = captured_graph(fn, device=device, calls=forwards, warmup=1)
     for _ in range(10):
         graph.replay()
     torch.cuda.synchronize(device)
