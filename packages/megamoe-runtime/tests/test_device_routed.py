@@ -344,20 +344,26 @@ def test_nan_logits_stay_in_their_token():
 def test_ties_go_to_the_lower_expert_and_nans_rank_first(name):
     """Equal choice scores are taken in expert order (with groups, the first groups are kept);
     a NaN logit's expert comes before every number under sigmoid scoring (under softmax it
-    makes every score of its token NaN: a tie, taken in expert order)."""
+    makes every score of its token NaN: a tie, taken in expert order). Token 7's three largest
+    tie across a lane's registers (lane l holds experts l, l + 32, ...): 9 in the first, 33 and
+    38 in the second, on lanes below 9."""
     router = ROUTERS[name]
     _needs_kernels(router, 256)
     experts, top_k, tokens = router.num_experts, router.top_k, 40
     logits_TE = torch.zeros(tokens, experts, device="cuda")
     nan_experts = [3, experts - 1]
     logits_TE[2, nan_experts] = float("nan")
+    tied_experts = [9, 33, 38]
+    logits_TE[7, tied_experts] = 1.0
     bias_E = torch.zeros(experts, device="cuda") if router.use_correction_bias else None
     dispatcher = DeviceRoutedDispatcher(router, hidden_size=256)
     x_TH = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
     _, _, ids_TK = dispatcher.route_and_dispatch(x_TH, logits_TE, correction_bias_E=bias_E)
     ids = ids_TK.tolist()
     in_order = list(range(top_k))
-    assert all(row == in_order for t, row in enumerate(ids) if t != 2)
+    assert all(row == in_order for t, row in enumerate(ids) if t not in (2, 7))
+    others = [e for e in range(experts) if e not in tied_experts]
+    assert ids[7] == tied_experts + others[: top_k - len(tied_experts)]
     if router.scoring == "sigmoid":
         numbers = [e for e in range(experts) if e not in nan_experts]
         assert ids[2] == nan_experts + numbers[: top_k - 2]
