@@ -202,19 +202,10 @@ def critical_path(layer, x_TH) -> None:
         print("  critical path: layers without shared experts only")
         return
     dispatcher = layer._device_routed
-    rows_dtype = torch.float8_e4m3fn if layer._dispatches_fp8_rows() else None
-    bias = layer.e_score_correction_bias
     logits_TE = layer.router_logits(x_TH)
 
     def route(logits):
-        """The routing launch as the fused forward makes it (rows gathered where it gathers)."""
-        return dispatcher.route_and_dispatch(
-            x_TH,
-            logits,
-            correction_bias_E=bias,
-            rows_dtype=rows_dtype,
-            gather_rows=layer._gathers_rows(x_TH),
-        )
+        return forward_routing(layer, x_TH, logits)
 
     def experts(logits):
         batch, handle, _ = route(logits)
@@ -241,18 +232,23 @@ def critical_path(layer, x_TH) -> None:
     print(f"  critical path us: {readings_line(readings)}")
 
 
-def timeline(layer, x_TH) -> None:
-    """Each kernel's start and end in a forward replayed in a CUDA graph, and in the expert
-    GEMMs alone on the forward's batch: us from the forward's first kernel, the medians over
-    the forwards of 5 replays of a graph of 10 (the first left out)."""
-    dispatcher = layer._device_routed
-    batch, _, _ = dispatcher.route_and_dispatch(
+def forward_routing(layer, x_TH, logits_TE):
+    """The routing launch as the fused forward makes it (e4m3 rows for FP8 experts, rows
+    gathered where it gathers): (batch, handle, topk ids)."""
+    return layer._device_routed.route_and_dispatch(
         x_TH,
-        layer.router_logits(x_TH),
+        logits_TE,
         correction_bias_E=layer.e_score_correction_bias,
         rows_dtype=torch.float8_e4m3fn if layer._dispatches_fp8_rows() else None,
         gather_rows=layer._gathers_rows(x_TH),
     )
+
+
+def timeline(layer, x_TH) -> None:
+    """Each kernel's start and end in a forward replayed in a CUDA graph, and in the expert
+    GEMMs alone on the forward's batch: us from the forward's first kernel, the medians over
+    the forwards of 5 replays of a graph of 10 (the first left out)."""
+    batch, _, _ = forward_routing(layer, x_TH, layer.router_logits(x_TH))
     work = {
         "forward": lambda: layer._fused_forward_from_tokens(x_TH)[0],
         "GEMMs alone": lambda: layer._run_expert_backend(batch),
