@@ -22,6 +22,7 @@ from megamoe_kernels.shim.knobs import (
     OPS,
     PROFILE_ROWS_PER_EXPERT,
     SMALL_BATCH_ROWS_PER_EXPERT,
+    default_stages,
     epilogue_smem_bytes,
     intermediate_group,
     max_stages,
@@ -122,6 +123,22 @@ def test_fp8_decode_tiles_end_at_one_row_per_expert(rows_per_expert):
             assert (knobs.swap_ab, knobs.tile_rows, knobs.tile_cols) == (False, 64, 256)
 
 
+@pytest.mark.parametrize("rows_per_expert", [0.0625, 1, 16, 512])
+def test_only_fp8_decode_rings_stop_short_of_the_deepest(rows_per_expert):
+    # FP8 decode tiles: 64 KiB of weight tiles in the ring (4 stages of 128 columns, 8 of 64);
+    # every other tile the deepest ring that fits
+    for op in OPS:
+        knobs = default_knobs(op, rows_per_expert)
+        if knobs.swap_ab and op in FP8_OPS:
+            assert knobs.stages == 64 * 1024 // (knobs.tile_cols * 128) < max_stages(knobs, op)
+        else:
+            assert knobs.stages == max_stages(knobs, op)
+        assert knobs.stages == default_stages(knobs, op)
+        assert knob_problems(knobs, op) == []
+    wide = replace(default_knobs("down_fp8", 1), tile_cols=128)
+    assert default_stages(wide, "down_fp8") == 4
+
+
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("capacity, experts", [(2, 32), (8 * 128, 128), (60, 8), (32 * 8, 8)])
 def test_a_capacity_of_few_rows_launches_one_kernel_for_every_batch(op, capacity, experts):
@@ -130,8 +147,12 @@ def test_a_capacity_of_few_rows_launches_one_kernel_for_every_batch(op, capacity
     (launch,) = launches(op, capacity, experts, DSV3)
     assert (launch.min_valid_rows, launch.max_valid_rows) == (0, None)
     profile = default_knobs(op, capacity / experts)
-    # a decode down GEMM may take wider columns (the tests below); nothing else changes
-    assert replace(launch.knobs, tile_cols=profile.tile_cols, stages=profile.stages) == profile
+    # a decode down GEMM may take wider columns, an FP8 decode gate-up split K (the tests
+    # below); nothing else changes
+    unchanged = replace(
+        launch.knobs, tile_cols=profile.tile_cols, stages=profile.stages, split_k=profile.split_k
+    )
+    assert unchanged == profile
 
 
 def test_the_fp8_decode_down_takes_128_columns_past_one_wave():
@@ -139,13 +160,32 @@ def test_the_fp8_decode_down_takes_128_columns_past_one_wave():
     # bf16 keeps the profile (neither fits beside the gate-up)
     (fp8,) = launches("down_fp8", 8, 128, QWEN3)
     assert (fp8.knobs.tile_rows, fp8.knobs.tile_cols) == (16, 128)
-    assert fp8.knobs.stages == max_stages(fp8.knobs, "down_fp8")
+    assert fp8.knobs.stages == default_stages(fp8.knobs, "down_fp8")
     assert knob_problems(fp8.knobs, "down_fp8") == []
     (bf16,) = launches("down", 8, 128, QWEN3)
     assert bf16.knobs == default_knobs("down", 8 / 128)
     # mixtral-8x7b, one token: 2 experts with rows, 128 CTAs of 64 columns fit in one wave
     (fp8,) = launches("down_fp8", 2, 8, {"down": (4096, 14336)})
     assert fp8.knobs == default_knobs("down_fp8", 2 / 8)
+
+
+@pytest.mark.parametrize(
+    "tokens, experts, dims, split",
+    [(1, 32, DSV3, 4), (2, 32, DSV3, 2), (4, 32, DSV3, 1), (8, 128, QWEN3, 1), (256, 256, DSV3, 1)],
+)
+def test_the_fp8_decode_gate_up_splits_k_over_the_sms_its_tiles_leave_idle(
+    tokens, experts, dims, split
+):
+    # dsv3 on an 8-way expert-parallel rank, one token: one expert with rows, 32 tiles of 128
+    # columns: 4 slices each fill 128 of the 132 SMs. qwen3, one token: 96 tiles, none fits
+    (fp8,) = launches("gate_up_fp8", tokens, experts, dims)
+    assert fp8.knobs.split_k == split
+    assert knob_problems(fp8.knobs, "gate_up_fp8") == []
+    assert replace(fp8.knobs, split_k=1) == default_knobs("gate_up_fp8", tokens / experts)
+    # bf16 keeps K whole, and so does the FP8 down GEMM
+    (bf16,) = launches("gate_up", tokens, experts, dims)
+    (down,) = launches("down_fp8", tokens, experts, dims)
+    assert bf16.knobs.split_k == down.knobs.split_k == 1
 
 
 def test_the_decode_down_widens_its_tiles_to_fit_beside_its_gate_up():

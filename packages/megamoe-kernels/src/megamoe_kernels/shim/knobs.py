@@ -97,6 +97,33 @@ def max_stages(knobs: GemmKnobs, op: str) -> int:
     return min(MAX_STAGES, free // stage_smem_bytes(knobs))
 
 
+# The FP8 decode (swap-AB) tiles' ring holds this many bytes of weight tiles (4 stages of a
+# 128-column tile, 8 of a 64-column one) where more would fit. Measured on the H200 (FP8 layer,
+# graph replays, against the deepest ring, 12 stages, in alternating runs): qwen3-30b-a3b 1 / 4 /
+# 16 tokens 24.7 -> 22.0, 54.8 -> 51.4, 123.4 -> 119.5 us; dsv3-ep8-local 31.2 -> 30.2, 58.5 ->
+# 55.9, 180.4 -> 176.2; mixtral-8x7b 1 / 4 tokens 100.0 -> 98.9, 241.8 -> 236.4
+# (docs/benchmarks.md, "FP8 decode rings and split K").
+FP8_DECODE_RING_WEIGHT_BYTES = 64 * 1024
+
+
+def default_stages(knobs: GemmKnobs, op: str) -> int:
+    """The default profile's ring depth for `knobs`: the deepest that fits, but for the FP8
+    decode tiles, whose ring holds FP8_DECODE_RING_WEIGHT_BYTES of weights. Each FP8 decode
+    GEMM alone with cold weights, 3, 4, 6 and 12 stages, at 1, 4 and 16 tokens of
+    qwen3-30b-a3b, dsv3-ep8-local and mixtral-8x7b: the 128-column tiles ran fastest with 4 or
+    6 at every point, 0.4-15% faster than with 12 (the gate-up at one qwen3-30b-a3b token 10.5
+    us with 4, 12.4 with 12), but for the gate-up at one dsv3-ep8-local token (32 CTAs: 6 and
+    12 equal, 4 3.5% slower); the 64-column down tiles with 6 or 12. bf16 decode tiles of the
+    same bytes per stage ran fastest with 6-12. The deep FP8 ring loses through the consumers'
+    scale loads: each K step's promotion waits on loads from global memory queued behind the
+    ring's weight stream (served from L1 in a diagnostic build, 12 stages ran as fast as 4 or
+    faster)."""
+    deepest = max_stages(knobs, op)
+    if knobs.swap_ab and is_fp8(op):
+        return min(deepest, -(-FP8_DECODE_RING_WEIGHT_BYTES // (knobs.tile_cols * TILE_K_BYTES)))
+    return deepest
+
+
 def knob_problems(knobs: GemmKnobs, op: str) -> list[str]:
     """Why `knobs` cannot run `op` (empty when they can)."""
     if op not in OPS:
@@ -205,7 +232,7 @@ def default_knobs(op: str, rows_per_expert: float) -> GemmKnobs:
     bf16, up to DECODE_MAX_ROWS_PER_EXPERT rows per expert: swap-AB, with a row tile that
     holds nearly every expert's rows (1.5x the mean + 8), so each expert's weights stream from
     memory once; 64 weight rows per tile with the 16-row tile, 128 above. Above: 128x256
-    tiles. Both take the deepest ring that fits.
+    tiles. Both take the deepest ring that fits (FP8 decode tiles: default_stages).
 
     Why 64 columns with 16 rows (up to ~5 rows per expert): so thin an MMA leaves the tile bound
     by its weight stream, and halving the tile doubles the CTAs that stream (whole expert MLP on
@@ -226,7 +253,7 @@ def default_knobs(op: str, rows_per_expert: float) -> GemmKnobs:
         knobs = _decode_knobs(1.5 * rows_per_expert + 8)
     else:
         knobs = GemmKnobs(tile_rows=128, tile_cols=256, swap_ab=False)
-    return replace(knobs, stages=max_stages(knobs, op))
+    return replace(knobs, stages=default_stages(knobs, op))
 
 
 def _fp8_tile(op: str, rows_per_expert: float) -> GemmKnobs:
@@ -322,14 +349,32 @@ def _down_knobs_beside_gate_up(
         return row_tiles * -(-columns // cols_per_tile)
 
     if is_fp8(op) and ctas(hidden, knobs.tile_cols) > sms:
-        return replace(wide, stages=max_stages(wide, op))
+        return replace(wide, stages=default_stages(wide, op))
     gate_up = default_knobs("gate_up_fp8" if is_fp8(op) else "gate_up", capacity / max(1, experts))
     gate_up_ctas = ctas(2 * intermediate, gate_up.tile_cols)
     if gate_up_ctas + ctas(hidden, knobs.tile_cols) <= sms:
         return knobs
     if gate_up_ctas + ctas(hidden, wide.tile_cols) > sms:
         return knobs
-    return replace(wide, stages=max_stages(wide, op))
+    return replace(wide, stages=default_stages(wide, op))
+
+
+def _fp8_gate_up_split_k(
+    knobs: GemmKnobs, *, capacity: int, experts: int, weight_dims: tuple[int, int], sms: int
+) -> GemmKnobs:
+    """The FP8 decode gate-up GEMM's knobs with K split S ways, S the largest of SPLIT_K whose
+    S x tiles (a bound: max_row_tiles row tiles of each 128-column tile) fit on the SMs at
+    once, so a batch of few experts streams its weights from most of the SMs. Measured on the
+    H200 (FP8 layer, graph replays, two alternating rounds): one dsv3-ep8-local token (32
+    tiles) 30.5 us whole, 26.2 in 2 slices, 24.6 in 4; one qwen3-30b-a3b token (96 tiles:
+    none fits) 22.1 us whole, 27.5 in 2 (docs/benchmarks.md, "FP8 decode rings and split
+    K"). bf16 keeps K whole: its gate-up's 64-column tiles put twice the CTAs on an expert,
+    and split-K won nothing in its MLP ("Split-K at decode")."""
+    columns, depth = weight_dims
+    tiles = max_row_tiles(capacity, experts, knobs.tile_rows) * -(-columns // knobs.tile_cols)
+    k_tiles = -(-depth // WEIGHT_BLOCK)
+    split = max(s for s in SPLIT_K if s == 1 or (s * tiles <= sms and s <= k_tiles))
+    return replace(knobs, split_k=split)
 
 
 @lru_cache(maxsize=1024)
@@ -366,7 +411,11 @@ def default_launches(
         knobs = check_knobs(tuned, op)
     else:
         knobs = default_knobs(op, capacity / max(1, experts))
-        if knobs.swap_ab and not is_gate_up(op):
+        if knobs.swap_ab and is_fp8(op) and is_gate_up(op):
+            knobs = _fp8_gate_up_split_k(
+                knobs, capacity=capacity, experts=experts, weight_dims=weight_dims, sms=sms
+            )
+        elif knobs.swap_ab:
             knobs = _down_knobs_beside_gate_up(
                 op, knobs, capacity=capacity, experts=experts, weight_dims=weight_dims, sms=sms
             )
