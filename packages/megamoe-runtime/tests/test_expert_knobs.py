@@ -1,6 +1,7 @@
 import pytest
 import torch
 from megamoe_kernels import candidate_knobs, knob_problems
+from megamoe_kernels.shim.knobs import default_stages, max_stages
 from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.experts import cutedsl
 from megamoe_runtime.experts.cutedsl import CuteDSLExperts
@@ -8,6 +9,7 @@ from megamoe_runtime.tuning import KnobCache, KnobKey, expert_knobs
 from megamoe_runtime.tuning.cache import shipped_knob_cache
 from megamoe_runtime.tuning.expert_knobs import (
     cache_fields,
+    gemm_candidates,
     gemm_key,
     knobs_from_cache,
     tune_gemm,
@@ -60,6 +62,19 @@ def test_quick_candidates_are_the_deepest_ring_of_every_shape():
         for knobs in every:
             deepest[shape(knobs)] = max(deepest.get(shape(knobs), 0), knobs.stages)
         assert all(knobs.stages == deepest[shape(knobs)] for knobs in quick)
+
+
+def test_quick_candidates_take_the_profiles_ring_of_every_shape():
+    # the deepest ring but for the FP8 decode tiles, whose profile ring holds 64 KiB of weights
+    for op in ("gate_up", "down", "gate_up_fp8", "down_fp8"):
+        quick = gemm_candidates(op, quick=True)
+        assert set(quick) <= set(gemm_candidates(op))
+        assert all(knobs.stages == default_stages(knobs, op) for knobs in quick)
+        shallower = [knobs for knobs in quick if knobs.stages < max_stages(knobs, op)]
+        if op.endswith("_fp8"):
+            assert shallower and all(knobs.swap_ab for knobs in shallower)
+        else:
+            assert not shallower
 
 
 def test_tuner_stores_the_fastest_and_the_backend_reads_it(tmp_path):

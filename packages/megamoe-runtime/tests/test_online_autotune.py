@@ -1,6 +1,8 @@
 """The online autotuner on a CPU: a stand-in backend with knobs (it computes with the reference
 backend) and a stand-in timer that reads each candidate's time from a table."""
 
+from dataclasses import replace
+
 import torch
 from megamoe_runtime.dispatch import LocalDispatcher
 from megamoe_runtime.experts import ReferenceExperts
@@ -11,6 +13,7 @@ from megamoe_runtime.tuning.expert_knobs import (
     cache_fields,
     gemm_candidates,
     knobs_from_cache,
+    with_the_numbers_of,
 )
 from megamoe_runtime.tuning.online import KnobTrial, OnlineAutotuner
 from megamoe_runtime.weights import Unquantized
@@ -246,6 +249,26 @@ def test_online_candidates_keep_the_numbers():
         assert all(knobs.split_k == 1 for knobs in online)
         assert set(online) == {knobs for knobs in quick if knobs.split_k == 1}
         assert {shape(knobs) for knobs in online} == {shape(knobs) for knobs in quick}
+
+
+def test_online_candidates_keep_a_split_defaults_slices():
+    # one dsv3-ep8-local token: the default FP8 gate-up sums K in 4 slices; the candidates that
+    # keep its numbers sum in the same 4 (swap-AB), or are the default again (prefill tiles
+    # cannot split), in a list of the same length
+    from megamoe_kernels import default_launches
+
+    (split,) = default_launches("gate_up_fp8", 1, 32, weight_dims=(4096, 7168), sms=132)
+    untuned = split.knobs
+    assert untuned.split_k == 4
+    whole = gemm_candidates("gate_up_fp8", quick=True, same_numbers=True)
+    kept = with_the_numbers_of(untuned, whole)
+    assert len(kept) == len(whole)
+    for before, after in zip(whole, kept, strict=True):
+        assert after == (replace(before, split_k=4) if before.swap_ab else untuned)
+    # a default that sums K whole keeps the candidates as they are
+    (plain,) = default_launches("gate_up_fp8", 8, 128, weight_dims=(1536, 2048), sms=132)
+    assert plain.knobs.split_k == 1
+    assert with_the_numbers_of(plain.knobs, whole) == whole
 
 
 def test_a_fixed_capacity_is_one_class(tmp_path):

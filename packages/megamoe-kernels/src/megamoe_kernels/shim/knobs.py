@@ -489,12 +489,22 @@ def resolve_knobs(op: str, rows_per_expert: float, override: GemmKnobs | None) -
 PROFILE_ROWS_PER_EXPERT = (1, 16, 32, 64, 128, 512)
 
 
+def _ring_depth(choice: str, knobs: GemmKnobs, op: str) -> int:
+    """A ring depth of candidate_knobs' `stage_choices`: "max", "profile" or a number."""
+    if choice == "max":
+        return max_stages(knobs, op)
+    if choice == "profile":
+        return default_stages(knobs, op)
+    return int(choice)
+
+
 def candidate_knobs(
-    op: str, *, stage_choices: tuple[str, ...] = ("3", "4", "max")
+    op: str, *, stage_choices: tuple[str, ...] = ("3", "4", "max", "profile")
 ) -> list[GemmKnobs]:
     """Every valid tile shape in both orientations (the prefill ones also in 2-CTA clusters, the
-    swap-AB ones also with split-K), each with the ring depths in `stage_choices`
-    ("max" = the deepest that fits): what a tuner times."""
+    swap-AB ones also with split-K), each with the ring depths in `stage_choices` ("max": the
+    deepest that fits; "profile": the default profile's, default_stages, which is the deepest
+    but for the FP8 decode tiles): what a tuner times."""
     shapes = [
         (rows, cols, False, pingpong, cluster, 1)
         for rows, cols in itertools.product(ROW_TILES, COL_TILES)
@@ -516,9 +526,7 @@ def candidate_knobs(
             cluster=cluster,
             split_k=split_k,
         )
-        depths = {
-            max_stages(base, op) if choice == "max" else int(choice) for choice in stage_choices
-        }
+        depths = {_ring_depth(choice, base, op) for choice in stage_choices}
         for stages in sorted(depths):
             knobs = replace(base, stages=stages)
             if not knob_problems(knobs, op):

@@ -180,13 +180,14 @@ class CuteDSLExperts:
     ) -> list[GemmKnobs]:
         """What the online autotuner times for `op` on this batch: first the knobs that run it
         without a tuned entry (the default profile's for the batch's capacity: stored as a tuned
-        entry they launch the same kernels), then every candidate that keeps the numbers (no
-        split-K; `gemm_candidates`), the deepest ring of each tile shape, on packed weights
-        those whose tiles packets serve. The list's length does not depend on the batch (ranks
-        time it in lockstep), so the first may appear twice."""
+        entry they launch the same kernels), then every candidate that keeps their numbers (K
+        summed whole, or in the same slices where they split it: `gemm_candidates`,
+        `with_the_numbers_of`), the profile's ring of each tile shape, on packed weights those
+        whose tiles packets serve. The list's length does not depend on the batch (ranks time
+        it in lockstep), so the first may appear more than once."""
         from megamoe_kernels import default_launches
 
-        from megamoe_runtime.tuning.expert_knobs import gemm_candidates
+        from megamoe_runtime.tuning.expert_knobs import gemm_candidates, with_the_numbers_of
 
         device = batch.rows_MH.device
         untuned = default_launches(
@@ -196,7 +197,9 @@ class CuteDSLExperts:
             weight_dims=self._weight_dims(prepared)[op],
             sms=torch.cuda.get_device_properties(device).multi_processor_count,
         )[-1].knobs
-        candidates = gemm_candidates(op, quick=True, same_numbers=True)
+        candidates = with_the_numbers_of(
+            untuned, gemm_candidates(op, quick=True, same_numbers=True)
+        )
         # packed weights (every rank's layer lays its weights out alike): the tiles packets serve
         return [untuned, *(k for k in candidates if self._reads_the_weights(prepared, k))]
 

@@ -11,7 +11,7 @@ and `OnlineAutotuner` (in the layer, `knobs="auto"`) fill it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 from megamoe_kernels import FP8_DTYPE, GemmKnobs, candidate_knobs, knob_problems
@@ -29,14 +29,29 @@ from megamoe_runtime.tuning.cache import (
 
 def gemm_candidates(op: str, *, quick: bool = False, same_numbers: bool = False) -> list[GemmKnobs]:
     """The knobs a tuner times for `op`: every valid tile shape in both orientations, with the
-    pingpong, 2-CTA cluster and split-K variants (`candidate_knobs`); `quick`: only the deepest
-    ring of each shape. `same_numbers`: only knobs that sum each output over K whole, in
-    ascending K tiles, as the default profile does: no split-K (its slices are added in a fixed
-    order, deterministic but not bitwise equal to the unsplit sum; docs/tuning.md)."""
-    candidates = candidate_knobs(op, stage_choices=("max",)) if quick else candidate_knobs(op)
+    pingpong, 2-CTA cluster and split-K variants (`candidate_knobs`); `quick`: only the
+    default profile's ring of each shape (the deepest that fits, but 64 KiB of weights for the
+    FP8 decode tiles: default_stages). `same_numbers`: only knobs that sum each output over K
+    whole, in ascending K tiles, as the default profile does: no split-K (its slices are added
+    in a fixed order, deterministic but not bitwise equal to the unsplit sum; docs/tuning.md)."""
+    candidates = candidate_knobs(op, stage_choices=("profile",)) if quick else candidate_knobs(op)
     if same_numbers:
         candidates = [knobs for knobs in candidates if knobs.split_k == 1]
     return candidates
+
+
+def with_the_numbers_of(untuned: GemmKnobs, candidates: list[GemmKnobs]) -> list[GemmKnobs]:
+    """`candidates` (summing K whole: gemm_candidates(same_numbers=True)) made to keep the
+    numbers of `untuned`, the knobs a batch runs without a tuned entry: where those sum K in S
+    slices (the FP8 decode gate-up's split over idle SMs), each swap-AB candidate takes the same
+    S slices, and each prefill one, which cannot split K, becomes `untuned` again (the list
+    keeps its length: ranks time it in lockstep)."""
+    if untuned.split_k == 1:
+        return list(candidates)
+    return [
+        replace(knobs, split_k=untuned.split_k) if knobs.swap_ab else untuned
+        for knobs in candidates
+    ]
 
 
 def gemm_key(
