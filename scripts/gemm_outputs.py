@@ -3,6 +3,7 @@ kernel change can be checked bitwise against the build before it.
 
     python3 scripts/gemm_outputs.py save before.pt      # with the kernels before the change
     python3 scripts/gemm_outputs.py compare before.pt   # with the kernels after it
+    (--fp8-only: the FP8 points alone)
 
 The kernels are the `megamoe_kernels` on the import path (PYTHONPATH picks the build). Each case
 is a geometry's expert batch at a rows-per-expert count with the default knobs of its size (the
@@ -10,7 +11,8 @@ swap-AB decode tiles, the prefill tiles), plus the knob variants no profile pick
 clusters, split-K), on inputs drawn from a fixed seed: the same bytes in both runs. The FP8
 GEMMs run at FP8_POINTS with their default knobs, on the batch `megamoe tune` times (the
 geometry's layer and router on seeded random tokens, the rows quantized as the dispatch
-quantizes them): the gate-up's e4m3 rows and scales and the down's bf16 rows.
+quantizes them): the gate-up's e4m3 rows and scales and the down's bf16 rows; and the FP8
+decode gate-up in K slices (FP8_SPLIT_POINT).
 """
 
 from __future__ import annotations
@@ -34,8 +36,13 @@ CASES = {
     "dsv3-local-prefill": (32, 7168, 2048, 260),
     "gpt-oss-masked": (16, 2880, 2880, 70),
 }
-# FP8 (geometry, tokens): a decode tile, the 64 x 256 and 128 x 256 prefill tiles
+# FP8 (geometry, tokens): decode tiles (one token: 16 x 128 down tiles at qwen3-30b-a3b, 64
+# columns at mixtral-8x7b; a K of 7168 at dsv3-ep8-local), the 64 x 256 and 128 x 256 prefill
+# tiles
 FP8_POINTS = (
+    ("qwen3-30b-a3b", 1),
+    ("dsv3-ep8-local", 1),
+    ("mixtral-8x7b", 1),
     ("qwen3-30b-a3b", 16),
     ("qwen3-30b-a3b", 512),
     ("qwen3-30b-a3b", 2048),
@@ -48,6 +55,8 @@ VARIANTS = {
     "cluster2": ("qwen3-prefill", GemmKnobs(tile_rows=128, tile_cols=256, cluster=(2, 1))),
     "split_k4": ("qwen3-decode", None),  # the decode profile with split_k=4
 }
+# the FP8 decode gate-up in K slices, as the default launches split it on few experts
+FP8_SPLIT_POINT = ("dsv3-ep8-local", 1, 4)
 
 
 def problem(experts: int, hidden: int, intermediate: int, rows_per_expert: int, seed: int):
@@ -74,14 +83,19 @@ def variant_knobs(op: str, knobs: GemmKnobs | None, rows_per_expert: int) -> Gem
     return replace(knobs, stages=max_stages(knobs, op))
 
 
-def outputs() -> dict[str, torch.Tensor]:
+def outputs(*, fp8_only: bool = False) -> dict[str, torch.Tensor]:
     results = {}
-    problems = {name: problem(*dims, seed=seed) for seed, (name, dims) in enumerate(CASES.items())}
+    problems, variants = {}, {}
+    if not fp8_only:
+        problems = {
+            name: problem(*dims, seed=seed) for seed, (name, dims) in enumerate(CASES.items())
+        }
+        variants = VARIANTS
     for name, (x, offsets, w13, w2, row_scale) in problems.items():
         hidden = gate_up_swiglu(x, offsets, w13)
         results[f"{name}/gate_up"] = hidden.cpu()
         results[f"{name}/down"] = down(hidden, offsets, w2, row_scale_M=row_scale).cpu()
-    for variant, (name, knobs) in VARIANTS.items():
+    for variant, (name, knobs) in variants.items():
         x, offsets, w13, w2, _ = problems[name]
         rows_per_expert = CASES[name][3]
         gate_up_knobs = variant_knobs("gate_up", knobs, rows_per_expert)
@@ -98,6 +112,13 @@ def outputs() -> dict[str, torch.Tensor]:
                 # e4m3 compared as its bytes
                 bits = tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
                 results[f"fp8-{geometry}-{tokens}/{op}/{index}"] = bits.cpu()
+    geometry, tokens, split = FP8_SPLIT_POINT
+    tuning = tuning_problem(GEOMETRIES[geometry], tokens, device=DEVICE, weight_dtype="fp8")
+    run = gemm_runners(tuning)["gate_up_fp8"]
+    knobs = default_knobs("gate_up_fp8", tuning.batch.capacity / GEOMETRIES[geometry].num_experts)
+    for index, tensor in enumerate(run(replace(knobs, split_k=split))):
+        bits = tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
+        results[f"fp8-{geometry}-{tokens}-split{split}/gate_up_fp8/{index}"] = bits.cpu()
     return results
 
 
@@ -105,8 +126,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("mode", choices=("save", "compare"))
     parser.add_argument("path")
+    parser.add_argument(
+        "--fp8-only", action="store_true", help="only the FP8 points (a change to FP8 alone)"
+    )
     args = parser.parse_args()
-    current = outputs()
+    current = outputs(fp8_only=args.fp8_only)
     if args.mode == "save":
         torch.save(current, args.path)
         print(f"saved {len(current)} outputs to {args.path}")

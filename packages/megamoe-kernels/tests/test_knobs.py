@@ -27,6 +27,7 @@ from megamoe_kernels.shim.knobs import (
     intermediate_group,
     max_stages,
     stage_smem_bytes,
+    staged_scale_k_tiles,
 )
 
 
@@ -137,6 +138,43 @@ def test_only_fp8_decode_rings_stop_short_of_the_deepest(rows_per_expert):
         assert knob_problems(knobs, op) == []
     wide = replace(default_knobs("down_fp8", 1), tile_cols=128)
     assert default_stages(wide, "down_fp8") == 4
+
+
+@pytest.mark.parametrize(
+    "op, k, x_group",
+    [
+        # gate-up: K = H, the dispatch's 128-column groups (qwen3, mixtral, dsv3)
+        ("gate_up_fp8", 2048, 128),
+        ("gate_up_fp8", 4096, 128),
+        ("gate_up_fp8", 7168, 128),
+        # down: K = I, the decode gate-up's 64-column groups (qwen3, dsv3, mixtral)
+        ("down_fp8", 768, 64),
+        ("down_fp8", 2048, 64),
+        ("down_fp8", 14336, 64),
+    ],
+)
+def test_fp8_decode_tiles_stage_every_k_tiles_scales_where_they_fit(op, k, x_group):
+    # the profile's FP8 decode tile, at the profile's ring and at the deepest: all of
+    # ceil(K / 128) K tiles (qwen3's down: 6; mixtral's: 112)
+    knobs = default_knobs(op, 1)
+    assert knobs.swap_ab
+    for stages in (knobs.stages, max_stages(knobs, op)):
+        staged = replace(knobs, stages=stages)
+        assert staged_scale_k_tiles(staged, op, k=k, x_group=x_group) == -(-k // 128)
+    # bf16 and the FP8 prefill tiles load their scales otherwise (bf16 has none)
+    bf16 = op.removesuffix("_fp8")
+    assert staged_scale_k_tiles(default_knobs(bf16, 1), bf16, k=k, x_group=x_group) == 0
+    assert staged_scale_k_tiles(default_knobs(op, 512), op, k=k, x_group=x_group) == 0
+
+
+def test_fp8_decode_scales_that_do_not_fit_beside_the_ring_are_not_staged():
+    # a 128 x 128 decode tile at its deepest ring leaves about 6 KB: 112 K tiles of 128 rows'
+    # scales in 64-column groups (115 KB) do not fit, 6 K tiles of 16-row tiles do
+    tile = GemmKnobs(tile_rows=128, tile_cols=128, swap_ab=True)
+    deepest = replace(tile, stages=max_stages(tile, "down_fp8"))
+    assert staged_scale_k_tiles(deepest, "down_fp8", k=14336, x_group=64) == 0
+    shallow = replace(tile, stages=2)
+    assert staged_scale_k_tiles(shallow, "down_fp8", k=768, x_group=64) == 6
 
 
 @pytest.mark.parametrize("op", OPS)

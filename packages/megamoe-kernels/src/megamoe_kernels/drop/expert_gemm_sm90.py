@@ -109,16 +109,19 @@ and promoted while the next group's MMAs run (the same sums in the same K order)
 consumers load the scales they need from global memory before each stage's wait (their
 latency hides behind it): the x scales of the few batch rows each thread accumulates and
 the tile's two weight scales (gate and up blocks with SwiGLU, the two halves of a 256-column
-tile). A prefill tile wider than a weight block (256 columns) runs its MMAs a 128-column slice
-at a time, each slice's products promoted as its MMAs end: the running sum of the whole tile
-and the products of one slice fit the consumers' registers where two sets of the whole tile
-would not. In a tile of two warpgroups that promote a weight block's K at a time, the
-warpgroups issue each batch of MMAs in turns (mma_turns: two named barriers), so one's MMAs
-run while the other promotes. The scales take no shared memory, so FP8 and BF16 tiles of the
-same shape hold the same stages. out_scale_group: the gate-up output is e4m3 with one scale per
-row and out_scale_group columns (out_scales [N_out / out_scale_group, rows]; 64, or 128 where
-the tile holds 128 output columns): the tile is staged in bf16 and each group quantized as it
-is copied out (8 or 16 lanes share a group's amax by shuffles).
+tile). With staged_scale_k_tiles (decode tiles) they instead load every K step's scales of
+the tile into shared memory together at the tile's start, and each step reads its own there:
+a step's loads from global memory otherwise wait behind the ring's weight stream. A prefill
+tile wider than a weight block (256 columns) runs its MMAs a 128-column slice at a time, each
+slice's products promoted as its MMAs end: the running sum of the whole tile and the products
+of one slice fit the consumers' registers where two sets of the whole tile would not. In a
+tile of two warpgroups that promote a weight block's K at a time, the warpgroups issue each
+batch of MMAs in turns (mma_turns: two named barriers), so one's MMAs run while the other
+promotes. Only staged decode scales take shared memory (after the epilogue's buffer), so FP8
+and BF16 tiles of the same shape hold the same stages. out_scale_group: the gate-up output is
+e4m3 with one scale per row and out_scale_group columns (out_scales [N_out / out_scale_group,
+rows]; 64, or 128 where the tile holds 128 output columns): the tile is staged in bf16 and
+each group quantized as it is copied out (8 or 16 lanes share a group's amax by shuffles).
 """
 
 import enum
@@ -242,6 +245,11 @@ class ExpertGroupedGemmSm90:
                weight scales of each of its K tiles (a thread a K tile): for scales that lie
                a cache line or more apart (a packed weight's, after each of its tiles), whose
                loads would otherwise each wait on HBM inside the mainloop
+    staged_scale_k_tiles: FP8 with swap_ab: 0, or at least the weight's K tiles (ceil(K /
+               128)): the consumers of a tile load the x and weight scales of all its K tiles
+               into shared memory at the tile's start (stage_scales; staged_scale_k_tiles x
+               (K tile's scale groups x tile_rows + 2) floats), and each K step reads its own
+               there rather than from global memory
     """
 
     def __init__(
@@ -270,6 +278,7 @@ class ExpertGroupedGemmSm90:
         swiglu_alpha=1.0,
         swiglu_up_offset=0.0,
         prefetch_weight_scales=False,
+        staged_scale_k_tiles=0,
     ):
         if not swiglu and (swiglu_limit, swiglu_alpha, swiglu_up_offset) != (None, 1.0, 0.0):
             raise ValueError(
@@ -279,6 +288,11 @@ class ExpertGroupedGemmSm90:
         if gather_rows and scale_group is not None:
             raise ValueError(
                 "gather_rows: bf16 only (FP8 rows carry scales the consumers would have to gather)"
+            )
+        if staged_scale_k_tiles and (scale_group is None or not swap_ab):
+            raise ValueError(
+                "staged_scale_k_tiles: FP8 decode tiles only (scale_group set and swap_ab); the "
+                "prefill tiles load each K tile's scales a step ahead"
             )
         if dynamic_schedule and (cluster_rows > 1 or split_k > 1):
             raise ValueError(
@@ -302,6 +316,7 @@ class ExpertGroupedGemmSm90:
         self.quantize_out = out_scale_group is not None
         self.gather_rows = gather_rows
         self.prefetch_weight_scales = prefetch_weight_scales and self.block_scaled
+        self.staged_scale_k_tiles = staged_scale_k_tiles
         self.schedule = TileSchedule(
             tile_rows=tile_rows,
             cluster_rows=cluster_rows,
@@ -450,6 +465,10 @@ class ExpertGroupedGemmSm90:
         self.groups_per_tile = 1
         if cutlass.const_expr(self.block_scaled):
             self.groups_per_tile = self.tile_k // self.scale_group
+        # staged decode scales: a K tile's x scales (group-major, then the tile's rows), for
+        # every K tile, then the two weight scales of every K tile
+        self.staged_x_words = self.groups_per_tile * self.tile_rows
+        self.staged_scale_words = self.staged_scale_k_tiles * (self.staged_x_words + 2)
         if cutlass.const_expr(self.quantize_out):
             mOutScales = cute.make_tensor(
                 mOutScales.iterator,
@@ -596,6 +615,10 @@ class ExpertGroupedGemmSm90:
         fields["sOut"] = cute.struct.Align[
             cute.struct.MemRange[staged_dtype, cute.cosize(out_layout)], 128
         ]
+        if self.staged_scale_words:
+            fields["step_scales"] = cute.struct.Align[
+                cute.struct.MemRange[cutlass.Float32, self.staged_scale_words], 128
+            ]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     @cute.kernel
@@ -655,6 +678,9 @@ class ExpertGroupedGemmSm90:
         sX = storage.sX.get_tensor(x_layout.outer, swizzle=x_layout.inner)
         sW = storage.sW.get_tensor(w_layout.outer, swizzle=w_layout.inner)
         sOut = storage.sOut.get_tensor(out_layout)
+        sStepScales = None
+        if cutlass.const_expr(self.staged_scale_words > 0):
+            sStepScales = storage.step_scales.get_tensor(cute.make_layout(self.staged_scale_words))
         # nothing above touched global memory: from here on, the previous kernel's writes are
         # visible (and it no longer reads what this one writes); a kernel launched after this one
         # may already set up on SMs this grid leaves. With weights_before_wait the producer warp
@@ -718,6 +744,7 @@ class ExpertGroupedGemmSm90:
                 walk,
                 mXScales,
                 mWScales,
+                sStepScales,
                 EpilogueTensors(
                     mOut=mOut,
                     mOutScales=mOutScales,
@@ -1035,6 +1062,7 @@ class ExpertGroupedGemmSm90:
         walk,
         mXScales,
         mWScales,
+        sStepScales,
         tensors,
         *,
         tidx,
@@ -1159,8 +1187,10 @@ class ExpertGroupedGemmSm90:
                         promotion,
                         mXScales,
                         mWScales,
+                        sStepScales,
                         walk,
                         turns,
+                        epilogue_barrier,
                         expert=expert,
                         col_tile=col_tile,
                         row0=row0,
@@ -1168,6 +1198,7 @@ class ExpertGroupedGemmSm90:
                         slice_tiles=slice_tiles,
                         paired=paired,
                         warpgroup_in_tile=team_tidx // THREADS_PER_WARPGROUP,
+                        team_tidx=team_tidx,
                     )
                 else:
                     read_after, release_after = self.mma_tile(
@@ -1325,8 +1356,10 @@ class ExpertGroupedGemmSm90:
         promotion,
         mXScales,
         mWScales,
+        sStepScales,
         walk,
         turns,
+        team_barrier,
         *,
         expert,
         col_tile,
@@ -1335,6 +1368,7 @@ class ExpertGroupedGemmSm90:
         slice_tiles,
         paired,
         warpgroup_in_tile,
+        team_tidx,
     ):
         """Consumer team, FP8: accumulators += the MMAs of `slice_tiles` K tiles from the ring,
         each scale group's products promoted with its scales. Overlapped, each group's
@@ -1343,8 +1377,9 @@ class ExpertGroupedGemmSm90:
         promotion adds zeros); otherwise each group's products of each column slice are
         promoted as soon as their MMAs are done (slice_mma: one slice's MMAs; tCrB_slices: the
         B operand of each), and with mma_turns, where both warpgroups have rows (`paired`),
-        they issue each batch in turns (take_mma_turn). Returns the ring's (read, release)
-        states."""
+        they issue each batch in turns (take_mma_turn). With staged_scale_k_tiles the tile's
+        scales are staged in sStepScales first (stage_scales, the team meeting on
+        `team_barrier`). Returns the ring's (read, release) states."""
         group_products, finished_products, pending_scales, scales_ahead, overlapped = promotion
         in_turns = self.mma_turns and not overlapped
         k_blocks_per_group = cute.size(tCrA, mode=[2]) // self.groups_per_tile
@@ -1362,6 +1397,17 @@ class ExpertGroupedGemmSm90:
         if cutlass.const_expr(self.scales_ahead):
             first = self.step_scales(*scale_sources, k_tile=k_begin, **where)
             self.hold_step_scales(scales_ahead, *first)
+        if cutlass.const_expr(self.staged_scale_words > 0):
+            self.stage_scales(
+                sStepScales,
+                mXScales,
+                mWScales,
+                team_barrier,
+                team_tidx=team_tidx,
+                k_begin=k_begin,
+                slice_tiles=slice_tiles,
+                **where,
+            )
         for k_tile in range(slice_tiles):
             if cutlass.const_expr(self.scales_ahead):
                 # this K tile's scales, loaded a step ago; the next one's loads are in flight
@@ -1370,6 +1416,8 @@ class ExpertGroupedGemmSm90:
                 next_k_tile = k_begin + cutlass.min(k_tile + 1, slice_tiles - 1)
                 ahead = self.step_scales(*scale_sources, k_tile=next_k_tile, **where)
                 self.hold_step_scales(scales_ahead, *ahead)
+            elif cutlass.const_expr(self.staged_scale_words > 0):
+                x_scales, weight_scales = self.staged_step_scales(sStepScales, tCcC, k_tile=k_tile)
             else:
                 # issued before the wait: the loads' latency hides behind it
                 x_scales, weight_scales = self.step_scales(
@@ -1549,6 +1597,71 @@ class ExpertGroupedGemmSm90:
         return x_scales, (scales[first_weight], scales[first_weight + 1])
 
     @cute.jit
+    def stage_scales(
+        self,
+        sStepScales,
+        mXScales,
+        mWScales,
+        team_barrier,
+        *,
+        team_tidx,
+        expert,
+        col_tile,
+        row0,
+        walk,
+        k_begin,
+        slice_tiles,
+    ):
+        """FP8, staged_scale_k_tiles: the x and weight scales of the tile's K tiles [k_begin,
+        k_begin + slice_tiles) from global memory into sStepScales, the team's threads taking
+        every tile_threads-th word, all their loads in flight before their stores (a word
+        past the slice reloads the last one and stores nothing; a row past the capacity reads
+        the last row's scale, as row_scales does). The team meets before (the previous tile's
+        steps have read theirs) and after."""
+        groups, rows, x_words = self.groups_per_tile, self.tile_rows, self.staged_x_words
+        x_bound = self.staged_scale_k_tiles * x_words
+        team_barrier.arrive_and_wait()
+        x_count = slice_tiles * x_words
+        x_loads = (x_bound + self.tile_threads - 1) // self.tile_threads
+        x_values = cute.make_rmem_tensor(x_loads, cutlass.Float32)
+        for i in cutlass.range_constexpr(x_loads):
+            word = cutlass.min(team_tidx + i * self.tile_threads, x_count - 1)
+            k_tile = word // x_words
+            group = (word // rows) % groups
+            row = cutlass.min(row0 + word % rows, walk.capacity - 1)
+            x_values[i] = mXScales[((k_begin + k_tile) * groups + group, row)]
+        first, second = self.weight_scale_blocks(mWScales, col_tile, walk.n_cols)
+        w_count = slice_tiles * 2
+        w_loads = (2 * self.staged_scale_k_tiles + self.tile_threads - 1) // self.tile_threads
+        w_values = cute.make_rmem_tensor(w_loads, cutlass.Float32)
+        for i in cutlass.range_constexpr(w_loads):
+            word = cutlass.min(team_tidx + i * self.tile_threads, w_count - 1)
+            block = first + (second - first) * (word % 2)
+            w_values[i] = mWScales[(expert, block, k_begin + word // 2)]
+        for i in cutlass.range_constexpr(x_loads):
+            word = team_tidx + i * self.tile_threads
+            if word < x_count:
+                sStepScales[word] = x_values[i]
+        for i in cutlass.range_constexpr(w_loads):
+            word = team_tidx + i * self.tile_threads
+            if word < w_count:
+                sStepScales[x_bound + word] = w_values[i]
+        team_barrier.arrive_and_wait()
+
+    @cute.jit
+    def staged_step_scales(self, sStepScales, tCcC, *, k_tile):
+        """FP8, staged_scale_k_tiles: K tile `k_tile`'s (x_scales, weight_scales) of the slice
+        (counted from its first), as step_scales gives them, from sStepScales (stage_scales)."""
+        x_words, rows = self.staged_x_words, self.tile_rows
+        first_word = k_tile * x_words
+        x_scales = [
+            [sStepScales[first_word + group * rows + row] for row in self.slot_rows(tCcC)]
+            for group in range(self.groups_per_tile)
+        ]
+        weight_word = self.staged_scale_k_tiles * x_words + 2 * k_tile
+        return x_scales, (sStepScales[weight_word], sStepScales[weight_word + 1])
+
+    @cute.jit
     def weight_scales(self, mWScales, expert, col_tile, k_tile, n_cols):
         """FP8: the scales of K tile `k_tile` (one weight block along K) for the two weight
         blocks a tile's columns fall in: with SwiGLU its gate rows and its up rows (each in one
@@ -1605,17 +1718,21 @@ class ExpertGroupedGemmSm90:
         `k_tile`, [group][x_scale_slot], loaded from global memory (each thread holds the
         accumulators of a few rows: 2, or 2 per 8 columns of the N side with swap_ab). A row
         past the batch's capacity reads the last row's scale: its outputs are never stored."""
+        rows = [cutlass.min(row0 + row, capacity - 1) for row in self.slot_rows(tCcC)]
+        return [
+            [mXScales[(k_tile * self.groups_per_tile + group, row)] for row in rows]
+            for group in range(self.groups_per_tile)
+        ]
+
+    def slot_rows(self, tCcC):
+        """The tile row of each of this thread's x_scale_slots (run while tracing; the rows
+        are the thread's coordinates in tCcC)."""
         values, shape = cute.size(tCcC), tCcC.shape
         slots = sorted({self.x_scale_slot(i, shape) for i in range(values)})
         firsts = [
             min(i for i in range(values) if self.x_scale_slot(i, shape) == slot) for slot in slots
         ]
-        tile_rows = [tCcC[first][1] if self.swap_ab else tCcC[first][0] for first in firsts]
-        rows = [cutlass.min(row0 + row, capacity - 1) for row in tile_rows]
-        return [
-            [mXScales[(k_tile * self.groups_per_tile + group, row)] for row in rows]
-            for group in range(self.groups_per_tile)
-        ]
+        return [tCcC[first][1] if self.swap_ab else tCcC[first][0] for first in firsts]
 
     def overlaps_promotion(self, fragment_shape):
         """FP8: whether a scale group's products are promoted while the next group's MMAs run

@@ -96,6 +96,7 @@ from megamoe_kernels.shim.knobs import (
     is_gate_up,
     max_row_tiles,
     resolve_knobs,
+    staged_scale_k_tiles,
 )
 from megamoe_kernels.shim.weight_packets import (
     PACKED_TILE_COLS,
@@ -1074,6 +1075,9 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callabl
                 bias=has_bias,
                 # a packed weight's scales lie a packet apart: one line per K tile
                 prefetch_weight_scales=is_packed_shape(weight_shape),
+                staged_scale_k_tiles=staged_scale_k_tiles(
+                    launch.knobs, op, k=k, x_group=x_group or WEIGHT_BLOCK
+                ),
                 **(swiglu.kernel_constants() if is_gate_up(op) else {}),
                 # persistent CTAs: those beyond the routed tiles find no work and exit
                 num_ctas=_persistent_ctas(device_index, launch.knobs.cluster[0]),

@@ -114,14 +114,37 @@ def default_stages(knobs: GemmKnobs, op: str) -> int:
     6 at every point, 0.4-15% faster than with 12 (the gate-up at one qwen3-30b-a3b token 10.5
     us with 4, 12.4 with 12), but for the gate-up at one dsv3-ep8-local token (32 CTAs: 6 and
     12 equal, 4 3.5% slower); the 64-column down tiles with 6 or 12. bf16 decode tiles of the
-    same bytes per stage ran fastest with 6-12. The deep FP8 ring loses through the consumers'
-    scale loads: each K step's promotion waits on loads from global memory queued behind the
-    ring's weight stream (served from L1 in a diagnostic build, 12 stages ran as fast as 4 or
-    faster)."""
+    same bytes per stage ran fastest with 6-12. The deep FP8 ring lost through the consumers'
+    scale loads, each K step's from global memory behind the ring's weight stream: measured
+    so, before the decode tiles staged their scales in shared memory (staged_scale_k_tiles),
+    with which the GEMMs alone ran faster with 12 stages at five of eight points (the layer
+    not measured again; docs/benchmarks.md, "FP8 decode scales in shared memory")."""
     deepest = max_stages(knobs, op)
     if knobs.swap_ab and is_fp8(op):
         return min(deepest, -(-FP8_DECODE_RING_WEIGHT_BYTES // (knobs.tile_cols * TILE_K_BYTES)))
     return deepest
+
+
+def staged_scale_k_tiles(knobs: GemmKnobs, op: str, *, k: int, x_group: int) -> int:
+    """The K tiles whose scales an FP8 decode (swap-AB) tile stages in shared memory at its
+    start (the kernel's staged_scale_k_tiles): all of a weight's K tiles (ceil(k / 128)) where
+    they fit beside the ring and the epilogue, else 0 (each K step loads its own scales from
+    global memory). A step's loads from global memory wait behind the ring's weight stream:
+    staged, the FP8 decode GEMMs alone took 0.4-4% less time at the profile's 4 stages (7 of 8
+    points) and 2-29% less at 12, with the same bits (docs/benchmarks.md, "FP8 decode scales
+    in shared memory")."""
+    if not (is_fp8(op) and knobs.swap_ab):
+        return 0
+    k_tiles = -(-k // WEIGHT_BLOCK)
+    words = k_tiles * ((WEIGHT_BLOCK // x_group) * knobs.tile_rows + 2)
+    free = (
+        SMEM_CAPACITY_BYTES
+        - SMEM_RESERVED_BYTES
+        - epilogue_smem_bytes(knobs, op)
+        - knobs.stages * stage_smem_bytes(knobs)
+    )
+    # the buffer is aligned to 128 bytes after the epilogue's
+    return k_tiles if 4 * words + 128 <= free else 0
 
 
 def knob_problems(knobs: GemmKnobs, op: str) -> list[str]:
