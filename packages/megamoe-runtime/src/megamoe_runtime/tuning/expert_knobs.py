@@ -32,8 +32,9 @@ def gemm_candidates(op: str, *, quick: bool = False, same_numbers: bool = False)
     pingpong, 2-CTA cluster and split-K variants (`candidate_knobs`); `quick`: only the
     default profile's ring of each shape (the deepest that fits, but 64 KiB of weights for the
     FP8 decode tiles: default_stages). `same_numbers`: only knobs that sum each output over K
-    whole, in ascending K tiles, as the default profile does: no split-K (its slices are added
-    in a fixed order, deterministic but not bitwise equal to the unsplit sum; docs/tuning.md)."""
+    whole, in ascending K tiles, as the default profile does but for the FP8 decode gate-up on
+    few experts (with_the_numbers_of): no split-K (its slices are added in a fixed order,
+    deterministic but not bitwise equal to the unsplit sum; docs/tuning.md)."""
     candidates = candidate_knobs(op, stage_choices=("profile",)) if quick else candidate_knobs(op)
     if same_numbers:
         candidates = [knobs for knobs in candidates if knobs.split_k == 1]
