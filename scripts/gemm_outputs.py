@@ -83,6 +83,26 @@ def variant_knobs(op: str, knobs: GemmKnobs | None, rows_per_expert: int) -> Gem
     return replace(knobs, stages=max_stages(knobs, op))
 
 
+def fp8_outputs(
+    geometry: str, tokens: int, *, ops=("gate_up_fp8", "down_fp8"), split_k: int = 1
+) -> dict[str, torch.Tensor]:
+    """The FP8 GEMMs `ops` at one point, with the default knobs of its size (K in split_k
+    slices where split_k > 1), e4m3 outputs as their bytes."""
+    tuning = tuning_problem(GEOMETRIES[geometry], tokens, device=DEVICE, weight_dtype="fp8")
+    rows_per_expert = tuning.batch.capacity / GEOMETRIES[geometry].num_experts
+    runners = gemm_runners(tuning)
+    point = f"fp8-{geometry}-{tokens}" + (f"-split{split_k}" if split_k > 1 else "")
+    results = {}
+    for op in ops:
+        knobs = replace(default_knobs(op, rows_per_expert), split_k=split_k)
+        out = runners[op](knobs)
+        for index, tensor in enumerate(out if isinstance(out, tuple) else (out,)):
+            # e4m3 compared as its bytes
+            bits = tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
+            results[f"{point}/{op}/{index}"] = bits.cpu()
+    return results
+
+
 def outputs(*, fp8_only: bool = False) -> dict[str, torch.Tensor]:
     results = {}
     problems, variants = {}, {}
@@ -104,21 +124,9 @@ def outputs(*, fp8_only: bool = False) -> dict[str, torch.Tensor]:
         down_knobs = variant_knobs("down", knobs, rows_per_expert)
         results[f"{variant}/down"] = down(hidden, offsets, w2, knobs=down_knobs).cpu()
     for geometry, tokens in FP8_POINTS:
-        tuning = tuning_problem(GEOMETRIES[geometry], tokens, device=DEVICE, weight_dtype="fp8")
-        rows_per_expert = tuning.batch.capacity / GEOMETRIES[geometry].num_experts
-        for op, run in gemm_runners(tuning).items():
-            out = run(default_knobs(op, rows_per_expert))
-            for index, tensor in enumerate(out if isinstance(out, tuple) else (out,)):
-                # e4m3 compared as its bytes
-                bits = tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
-                results[f"fp8-{geometry}-{tokens}/{op}/{index}"] = bits.cpu()
+        results.update(fp8_outputs(geometry, tokens))
     geometry, tokens, split = FP8_SPLIT_POINT
-    tuning = tuning_problem(GEOMETRIES[geometry], tokens, device=DEVICE, weight_dtype="fp8")
-    run = gemm_runners(tuning)["gate_up_fp8"]
-    knobs = default_knobs("gate_up_fp8", tuning.batch.capacity / GEOMETRIES[geometry].num_experts)
-    for index, tensor in enumerate(run(replace(knobs, split_k=split))):
-        bits = tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
-        results[f"fp8-{geometry}-{tokens}-split{split}/gate_up_fp8/{index}"] = bits.cpu()
+    results.update(fp8_outputs(geometry, tokens, ops=("gate_up_fp8",), split_k=split))
     return results
 
 

@@ -92,9 +92,14 @@ def stage_smem_bytes(knobs: GemmKnobs) -> int:
     return (knobs.tile_rows + knobs.tile_cols) * TILE_K_BYTES
 
 
+def ring_smem_bytes(knobs: GemmKnobs, op: str) -> int:
+    """The shared memory a tile's ring may take: the capacity less the reserved bytes (barriers,
+    queues) and the epilogue's staging."""
+    return SMEM_CAPACITY_BYTES - SMEM_RESERVED_BYTES - epilogue_smem_bytes(knobs, op)
+
+
 def max_stages(knobs: GemmKnobs, op: str) -> int:
-    free = SMEM_CAPACITY_BYTES - SMEM_RESERVED_BYTES - epilogue_smem_bytes(knobs, op)
-    return min(MAX_STAGES, free // stage_smem_bytes(knobs))
+    return min(MAX_STAGES, ring_smem_bytes(knobs, op) // stage_smem_bytes(knobs))
 
 
 # The FP8 decode (swap-AB) tiles' ring holds this many bytes of weight tiles (4 stages of a
@@ -137,12 +142,7 @@ def staged_scale_k_tiles(knobs: GemmKnobs, op: str, *, k: int, x_group: int) -> 
         return 0
     k_tiles = -(-k // WEIGHT_BLOCK)
     words = k_tiles * ((WEIGHT_BLOCK // x_group) * knobs.tile_rows + 2)
-    free = (
-        SMEM_CAPACITY_BYTES
-        - SMEM_RESERVED_BYTES
-        - epilogue_smem_bytes(knobs, op)
-        - knobs.stages * stage_smem_bytes(knobs)
-    )
+    free = ring_smem_bytes(knobs, op) - knobs.stages * stage_smem_bytes(knobs)
     # the buffer is aligned to 128 bytes after the epilogue's
     return k_tiles if 4 * words + 128 <= free else 0
 
