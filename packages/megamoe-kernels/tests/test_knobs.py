@@ -109,16 +109,18 @@ def test_decode_tiles_narrow_with_the_row_tile(rows_per_expert, tile_rows, tile_
         assert (knobs.tile_rows, knobs.tile_cols) == (tile_rows, tile_cols)
 
 
-@pytest.mark.parametrize("rows_per_expert", [0, 0.25, 1, 1.5, 2, 8, 16])
-def test_fp8_decode_tiles_end_at_one_row_per_expert(rows_per_expert):
-    # up to one row per expert the 16-row decode tile (1.5x the mean, no margin: each batch row
-    # of an FP8 decode tile costs a row-scale load per K step; gate-up's 128 columns are whole
-    # quantization groups); above, the narrow prefill tile
+@pytest.mark.parametrize("rows_per_expert", [0, 0.25, 1, 1.5, 2, 8, 10, 11, 16, 17, 32])
+def test_fp8_decode_tiles_end_at_sixteen_rows_per_expert(rows_per_expert):
+    # up to 16 rows per expert the decode tile of 1.5x the mean rows (no margin), 64 columns
+    # with 16 rows but for gate-up (128 columns: whole quantization groups); above, the narrow
+    # prefill tile
     down = default_knobs("down_fp8", rows_per_expert)
     gate_up = default_knobs("gate_up_fp8", rows_per_expert)
     if rows_per_expert <= FP8_DECODE_MAX_ROWS_PER_EXPERT:
-        assert (down.swap_ab, down.tile_rows, down.tile_cols) == (True, 16, 64)
-        assert (gate_up.swap_ab, gate_up.tile_rows, gate_up.tile_cols) == (True, 16, 128)
+        tile_rows = 16 if 1.5 * rows_per_expert <= 16 else 32
+        assert (down.swap_ab, down.tile_rows) == (True, tile_rows)
+        assert down.tile_cols == (64 if tile_rows == 16 else 128)
+        assert (gate_up.swap_ab, gate_up.tile_rows, gate_up.tile_cols) == (True, tile_rows, 128)
     else:
         for knobs in (down, gate_up):
             assert (knobs.swap_ab, knobs.tile_rows, knobs.tile_cols) == (False, 64, 256)
@@ -138,6 +140,34 @@ def test_only_fp8_decode_rings_stop_short_of_the_deepest(rows_per_expert):
         assert knob_problems(knobs, op) == []
     wide = replace(default_knobs("down_fp8", 1), tile_cols=128)
     assert default_stages(wide, "down_fp8") == 4
+
+
+@pytest.mark.parametrize("rows_per_expert", [1, 16])
+@pytest.mark.parametrize("op", FP8_OPS)
+def test_fp8_decode_rings_deepen_where_k_is_short(op, rows_per_expert):
+    # up to 16 K tiles: the deepest ring beside which the tile's scales still stage (at the
+    # finest x group); longer (or K unknown): 64 KiB of weight tiles
+    knobs = default_knobs(op, rows_per_expert)
+    short = 16 * 128
+    deep = default_stages(knobs, op, streamed_k=short)
+    assert (
+        default_stages(knobs, op, streamed_k=short + 1) == default_stages(knobs, op) == knobs.stages
+    )
+    assert knobs.stages < deep <= max_stages(knobs, op)
+    for x_group in (64, 128):
+        assert staged_scale_k_tiles(replace(knobs, stages=deep), op, k=short, x_group=x_group)
+    if deep < max_stages(knobs, op):
+        one_more = replace(knobs, stages=deep + 1)
+        assert not staged_scale_k_tiles(one_more, op, k=short, x_group=64)
+    # the default launches deepen it where K is short and the tiles outnumber the SMs (qwen3:
+    # 128 experts, K of 16 and 6 K tiles)
+    (launch,) = launches(op, int(rows_per_expert * 128), 128, QWEN3)
+    assert launch.knobs.stages == default_stages(launch.knobs, op, streamed_k=2048) > knobs.stages
+    # one qwen3 token: 8 rows, 96 gate-up and 128 down tiles of 128 columns, one wave
+    (one_wave,) = launches(op, 8, 128, QWEN3)
+    assert one_wave.knobs.stages == default_stages(one_wave.knobs, op)
+    (long_k,) = default_launches(op, 8 * 8, 8, weight_dims=(4096, 14336), sms=H200_SMS)
+    assert long_k.knobs.stages == default_stages(long_k.knobs, op)
 
 
 @pytest.mark.parametrize(
@@ -219,7 +249,9 @@ def test_the_fp8_decode_gate_up_splits_k_over_the_sms_its_tiles_leave_idle(
     (fp8,) = launches("gate_up_fp8", tokens, experts, dims)
     assert fp8.knobs.split_k == split
     assert knob_problems(fp8.knobs, "gate_up_fp8") == []
-    assert replace(fp8.knobs, split_k=1) == default_knobs("gate_up_fp8", tokens / experts)
+    profile = default_knobs("gate_up_fp8", tokens / experts)
+    # the ring depends on K and the tiles (test_fp8_decode_rings_deepen_where_k_is_short)
+    assert replace(fp8.knobs, split_k=1, stages=profile.stages) == profile
     # bf16 keeps K whole, and so does the FP8 down GEMM
     (bf16,) = launches("gate_up", tokens, experts, dims)
     (down,) = launches("down_fp8", tokens, experts, dims)

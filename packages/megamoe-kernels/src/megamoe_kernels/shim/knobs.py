@@ -103,31 +103,51 @@ def max_stages(knobs: GemmKnobs, op: str) -> int:
 
 
 # The FP8 decode (swap-AB) tiles' ring holds this many bytes of weight tiles (4 stages of a
-# 128-column tile, 8 of a 64-column one) where more would fit. Measured on the H200 (FP8 layer,
-# graph replays, against the deepest ring, 12 stages, in alternating runs): qwen3-30b-a3b 1 / 4 /
-# 16 tokens 24.7 -> 22.0, 54.8 -> 51.4, 123.4 -> 119.5 us; dsv3-ep8-local 31.2 -> 30.2, 58.5 ->
-# 55.9, 180.4 -> 176.2; mixtral-8x7b 1 / 4 tokens 100.0 -> 98.9, 241.8 -> 236.4
-# (docs/benchmarks.md, "FP8 decode rings and split K").
+# 128-column tile, 8 of a 64-column one) where more would fit, unless the weight's K is short
+# (FP8_DECODE_DEEP_RING_MAX_K_TILES).
 FP8_DECODE_RING_WEIGHT_BYTES = 64 * 1024
+# K tiles (of 128) up to which an FP8 decode GEMM whose tiles outnumber the SMs takes the
+# deepest ring. Measured on the H200 (FP8 layer, graph replays, alternating runs, decode tiles
+# staging their scales): the deepest ring against the 64 KiB one, qwen3-30b-a3b (K of 16 and
+# 6 K tiles) at 2 / 4 / 16 / 64 tokens 33.3 -> 31.8, 51.0 -> 49.8, 116.6 -> 112.6, 175.8 ->
+# 168.5 us; the dsv3-ep8-local down GEMM (16) 0-1% faster; mixtral-8x7b's GEMMs (32 and 112)
+# 1.5-2.5% slower, and the dsv3-ep8-local gate-up (56) from 0.6% faster to 2.1% slower. Where
+# the tiles fit on the SMs at once (one qwen3-30b-a3b token: 96 and 128 tiles) a CTA has no
+# next tile to fetch ahead: the layer took the same time, the expert MLP alone 8% more (13.9
+# -> 15.0 us). docs/benchmarks.md, "FP8 decode tiles up to 16 rows per expert, and rings by
+# K".
+FP8_DECODE_DEEP_RING_MAX_K_TILES = 16
 
 
-def default_stages(knobs: GemmKnobs, op: str) -> int:
+def default_stages(knobs: GemmKnobs, op: str, *, streamed_k: int | None = None) -> int:
     """The default profile's ring depth for `knobs`: the deepest that fits, but for the FP8
-    decode tiles, whose ring holds FP8_DECODE_RING_WEIGHT_BYTES of weights. Each FP8 decode
-    GEMM alone with cold weights, 3, 4, 6 and 12 stages, at 1, 4 and 16 tokens of
-    qwen3-30b-a3b, dsv3-ep8-local and mixtral-8x7b: the 128-column tiles ran fastest with 4 or
-    6 at every point, 0.4-15% faster than with 12 (the gate-up at one qwen3-30b-a3b token 10.5
-    us with 4, 12.4 with 12), but for the gate-up at one dsv3-ep8-local token (32 CTAs: 6 and
-    12 equal, 4 3.5% slower); the 64-column down tiles with 6 or 12. bf16 decode tiles of the
-    same bytes per stage ran fastest with 6-12. The deep FP8 ring lost through the consumers'
-    scale loads, each K step's from global memory behind the ring's weight stream: measured
-    so, before the decode tiles staged their scales in shared memory (staged_scale_k_tiles),
-    with which the GEMMs alone ran faster with 12 stages at five of eight points (the layer
-    not measured again; docs/benchmarks.md, "FP8 decode scales in shared memory")."""
+    decode tiles, whose ring holds FP8_DECODE_RING_WEIGHT_BYTES of weights, unless
+    `streamed_k` (the weight's K, given where the GEMM's tiles outnumber the SMs:
+    default_launches) is at most FP8_DECODE_DEEP_RING_MAX_K_TILES K tiles: then the deepest
+    that leaves the tile's scales room to stage in shared memory.
+
+    Each FP8 decode GEMM alone with cold weights, its scales loaded from global memory at
+    each K step, 3, 4, 6 and 12 stages, at 1, 4 and 16 tokens of qwen3-30b-a3b,
+    dsv3-ep8-local and mixtral-8x7b: the 128-column tiles ran fastest with 4 or 6 at every
+    point, 0.4-15% faster than with 12; the 64-column down tiles with 6 or 12. Since the decode
+    tiles stage their scales in shared memory (staged_scale_k_tiles) the deep ring wins where K
+    is short and a CTA streams several tiles, and still loses where K is long
+    (FP8_DECODE_DEEP_RING_MAX_K_TILES). bf16 decode tiles of the same bytes per stage ran
+    fastest with 6-12."""
     deepest = max_stages(knobs, op)
-    if knobs.swap_ab and is_fp8(op):
-        return min(deepest, -(-FP8_DECODE_RING_WEIGHT_BYTES // (knobs.tile_cols * TILE_K_BYTES)))
-    return deepest
+    if not (knobs.swap_ab and is_fp8(op)):
+        return deepest
+    k = streamed_k
+    if k is not None and -(-k // WEIGHT_BLOCK) <= FP8_DECODE_DEEP_RING_MAX_K_TILES:
+        # the deepest that leaves the tile's scales room to stage (at the finest x group)
+        return max(
+            stages
+            for stages in range(1, deepest + 1)
+            if staged_scale_k_tiles(
+                replace(knobs, stages=stages), op, k=k, x_group=INTERMEDIATE_GROUP
+            )
+        )
+    return min(deepest, -(-FP8_DECODE_RING_WEIGHT_BYTES // (knobs.tile_cols * TILE_K_BYTES)))
 
 
 def staged_scale_k_tiles(knobs: GemmKnobs, op: str, *, k: int, x_group: int) -> int:
@@ -238,13 +258,15 @@ def check_knobs(knobs: GemmKnobs, op: str) -> GemmKnobs:
 # GEMMs on the H200 at 64 rows per expert: 128x256 prefill tiles 1.10-1.13x faster than the
 # 128-row decode tile at dsv3-ep8-local, qwen3, gpt-oss-120b and mixtral; equal at 32)
 DECODE_MAX_ROWS_PER_EXPERT = 32
-# the FP8 ops': each K step of an FP8 decode tile also loads a row scale per batch row its
-# threads hold (a prefill tile's threads hold 2 rows per MMA atom), so the prefill tiles win
-# from fewer rows (the whole FP8 MLP on the H200 with 64x256 tiles from above 1 row per expert
-# against decode tiles up to 8 / 16 (gate-up / down): 5-9% faster at 4-8 rows per expert,
-# equal at mixtral's 4; each GEMM alone, 64x256 matched or beat the decode tiles from 2, and
-# at 1.5 the two GEMMs together took the same time with either)
-FP8_DECODE_MAX_ROWS_PER_EXPERT = 1
+# the FP8 ops': up to 16 rows per expert (a 32-row decode tile), decode tiles staging their
+# scales in shared memory beat the 64x256 prefill tiles in the FP8 layer on the H200 (graph
+# replays, alternating runs): at 2 rows per expert 4-9% less time (qwen3-30b-a3b 32 tokens
+# 163.6 -> 156.9 us, dsv3-ep8-local 64 tokens 332.9 -> 303.7, mixtral-8x7b 8 tokens 242.7 ->
+# 231.9), at 4 rows 2-7%, at 8 rows 5-11%, at 16 rows 3-6% (docs/benchmarks.md, "FP8 decode
+# tiles up to 16 rows per expert, and rings by K"). With the scales loaded from global memory
+# at each K step, one per batch row a thread holds, the prefill tiles had won from 2 rows per
+# expert.
+FP8_DECODE_MAX_ROWS_PER_EXPERT = 16
 # rows per expert up to which the FP8 prefill tile is 64 rows (one consumer warpgroup), not 128
 FP8_NARROW_PREFILL_MAX_ROWS_PER_EXPERT = 32
 
@@ -255,16 +277,17 @@ def default_knobs(op: str, rows_per_expert: float) -> GemmKnobs:
     bf16, up to DECODE_MAX_ROWS_PER_EXPERT rows per expert: swap-AB, with a row tile that
     holds nearly every expert's rows (1.5x the mean + 8), so each expert's weights stream from
     memory once; 64 weight rows per tile with the 16-row tile, 128 above. Above: 128x256
-    tiles. Both take the deepest ring that fits (FP8 decode tiles: default_stages).
+    tiles. Both take the deepest ring that fits (FP8 decode tiles: default_stages; as K is
+    not known here, their short ring, which default_launches deepens for a short K).
 
     Why 64 columns with 16 rows (up to ~5 rows per expert): so thin an MMA leaves the tile bound
     by its weight stream, and halving the tile doubles the CTAs that stream (whole expert MLP on
     the H200: 1-16% faster at 1-4 rows per expert; from 8 rows per expert, where the row tile is
     32, equal or 1-5% slower: docs/benchmarks.md, "Decode column tiles").
 
-    FP8: swap-AB up to FP8_DECODE_MAX_ROWS_PER_EXPERT (1 row per expert) with a row tile of
-    1.5x the mean (no margin: each of a decode tile's batch rows costs a row-scale load per K
-    step, so the 16-row tile beat the 32-row one at 8 rows per expert by 5-10%), 128 columns
+    FP8: swap-AB up to FP8_DECODE_MAX_ROWS_PER_EXPERT (16 rows per expert) with a row tile of
+    1.5x the mean (no margin: with the row scales loaded at each K step, one per batch row, the
+    16-row tile beat the 32-row one at 8 rows per expert by 5-10%), 128 columns
     for gate-up (whole quantization groups); above, prefill tiles of 64x256 up to
     FP8_NARROW_PREFILL_MAX_ROWS_PER_EXPERT, 128x256 beyond (their MMAs and promotions run a
     weight block's columns at a time; against the same row tiles with 128 columns, 4-20% less
@@ -400,6 +423,22 @@ def _fp8_gate_up_split_k(
     return replace(knobs, split_k=split)
 
 
+def _launch_stages(
+    knobs: GemmKnobs,
+    op: str,
+    capacity: int,
+    experts: int,
+    weight_dims: tuple[int, int],
+    sms: int,
+) -> int:
+    """The ring depth of a default launch (default_stages), told the weight's K where its
+    tiles (bounded: max_row_tiles, times the K slices) outnumber the SMs."""
+    columns, depth = weight_dims
+    tiles = max_row_tiles(capacity, experts, knobs.tile_rows) * -(-columns // knobs.tile_cols)
+    streams = tiles * knobs.split_k > sms
+    return default_stages(knobs, op, streamed_k=depth if streams else None)
+
+
 @lru_cache(maxsize=1024)
 def default_launches(
     op: str,
@@ -442,6 +481,9 @@ def default_launches(
             knobs = _down_knobs_beside_gate_up(
                 op, knobs, capacity=capacity, experts=experts, weight_dims=weight_dims, sms=sms
             )
+        knobs = replace(
+            knobs, stages=_launch_stages(knobs, op, capacity, experts, weight_dims, sms)
+        )
     boundary = SMALL_BATCH_ROWS_PER_EXPERT * experts + 1
     if knobs.swap_ab or capacity < boundary:
         return (Launch(knobs),)
