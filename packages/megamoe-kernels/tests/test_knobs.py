@@ -288,7 +288,7 @@ def test_a_prefill_capacity_adds_decode_tiles_for_batches_of_few_rows(op):
     assert small == Launch(default_knobs(op, SMALL_BATCH_ROWS_PER_EXPERT), 0, boundary)
     assert large == Launch(default_knobs(op, 512), boundary, None)
     assert not large.knobs.swap_ab
-    # FP8's small batches take its narrow prefill tile (decode tiles stop at 1 row per expert),
+    # FP8's small batches take its narrow prefill tile (decode tiles stop at 16 rows per expert),
     # bf16's the decode tiles
     if op in FP8_OPS:
         assert (small.knobs.swap_ab, small.knobs.tile_rows) == (False, 64)
