@@ -94,7 +94,7 @@ from megamoe_kernels.shim.knobs import (
     intermediate_group,
     is_fp8,
     is_gate_up,
-    max_row_tiles,
+    max_tiles,
     resolve_knobs,
     staged_scale_k_tiles,
 )
@@ -484,9 +484,8 @@ def _persistent_ctas(device_index: int, cluster_size: int) -> int:
 
 
 def _split_k_slots(knobs: GemmKnobs, *, capacity: int, experts: int, n: int) -> int:
-    """Tiles a schedule can hold (a bound: max_row_tiles row tiles of every column tile)."""
-    col_tiles = -(-n // knobs.tile_cols)
-    return max_row_tiles(capacity, experts, knobs.tile_rows) * col_tiles
+    """Tiles a schedule can hold (a bound: max_tiles)."""
+    return max_tiles(knobs, capacity=capacity, experts=experts, columns=n)
 
 
 def _split_k_workspace(

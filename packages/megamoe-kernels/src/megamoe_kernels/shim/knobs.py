@@ -363,6 +363,12 @@ def max_row_tiles(capacity: int, experts: int, tile_rows: int) -> int:
     return capacity // tile_rows + min(experts, capacity)
 
 
+def max_tiles(knobs: GemmKnobs, *, capacity: int, experts: int, columns: int) -> int:
+    """A bound on the output tiles of `knobs` on a batch of `capacity` rows over `experts` and
+    a weight of `columns` output columns: max_row_tiles row tiles of each column tile."""
+    return max_row_tiles(capacity, experts, knobs.tile_rows) * -(-columns // knobs.tile_cols)
+
+
 def _down_knobs_beside_gate_up(
     op: str,
     knobs: GemmKnobs,
@@ -417,7 +423,7 @@ def _fp8_gate_up_split_k(
     K"). bf16 keeps K whole: its gate-up's 64-column tiles put twice the CTAs on an expert,
     and split-K won nothing in its MLP ("Split-K at decode")."""
     columns, depth = weight_dims
-    tiles = max_row_tiles(capacity, experts, knobs.tile_rows) * -(-columns // knobs.tile_cols)
+    tiles = max_tiles(knobs, capacity=capacity, experts=experts, columns=columns)
     k_tiles = -(-depth // WEIGHT_BLOCK)
     split = max(s for s in SPLIT_K if s == 1 or (s * tiles <= sms and s <= k_tiles))
     return replace(knobs, split_k=split)
@@ -432,9 +438,9 @@ def _launch_stages(
     sms: int,
 ) -> int:
     """The ring depth of a default launch (default_stages), told the weight's K where its
-    tiles (bounded: max_row_tiles, times the K slices) outnumber the SMs."""
+    tiles (a bound: max_tiles, times the K slices) outnumber the SMs."""
     columns, depth = weight_dims
-    tiles = max_row_tiles(capacity, experts, knobs.tile_rows) * -(-columns // knobs.tile_cols)
+    tiles = max_tiles(knobs, capacity=capacity, experts=experts, columns=columns)
     streams = tiles * knobs.split_k > sms
     return default_stages(knobs, op, streamed_k=depth if streams else None)
 
