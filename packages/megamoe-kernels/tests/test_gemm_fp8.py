@@ -149,7 +149,8 @@ def check_down(problem, knobs=None, row_scale_M=None, group=64):
 
 
 @pytest.mark.parametrize("geometry", sorted(GEOMETRY_DIMS))
-# the default profile's tiles at each: decode tiles (1), 64x256 (3, 12, 24), 128x256 (40, 300)
+# the default profile's tiles at each: decode tiles of 16 rows (1, 3) and 32 (12), with the
+# deep ring on a short K; 64x256 (24), 128x256 (40, 300)
 @pytest.mark.parametrize("rows_per_expert", [1, 3, 12, 24, 40, 300])
 def test_geometry_matches_oracle(geometry, rows_per_expert):
     experts, hidden, intermediate = GEOMETRY_DIMS[geometry]
