@@ -262,10 +262,11 @@ DECODE_MAX_ROWS_PER_EXPERT = 32
 # scales in shared memory beat the 64x256 prefill tiles in the FP8 layer on the H200 (graph
 # replays, alternating runs): at 2 rows per expert 4-9% less time (qwen3-30b-a3b 32 tokens
 # 163.6 -> 156.9 us, dsv3-ep8-local 64 tokens 332.9 -> 303.7, mixtral-8x7b 8 tokens 242.7 ->
-# 231.9), at 4 rows 2-7%, at 8 rows 5-11%, at 16 rows 3-6% (docs/benchmarks.md, "FP8 decode
-# tiles up to 16 rows per expert, and rings by K"). With the scales loaded from global memory
-# at each K step, one per batch row a thread holds, the prefill tiles had won from 2 rows per
-# expert.
+# 231.9), at 4 rows 2-7%, at 8 rows 2-11%, at 16 rows 1.4-6%; in alternating runs mixtral-8x7b
+# (its ring the same either way) 0.88-0.93x at 4-16 rows per expert (docs/benchmarks.md, "FP8
+# decode tiles up to 16 rows per expert, and rings by K"). With the scales loaded from global
+# memory at each K step, one per batch row a thread holds, the prefill tiles had won from 2
+# rows per expert.
 FP8_DECODE_MAX_ROWS_PER_EXPERT = 16
 # rows per expert up to which the FP8 prefill tile is 64 rows (one consumer warpgroup), not 128
 FP8_NARROW_PREFILL_MAX_ROWS_PER_EXPERT = 32
