@@ -379,13 +379,14 @@ def _down_knobs_beside_gate_up(
     weight_dims: tuple[int, int],
     sms: int,
 ) -> GemmKnobs:
-    """The decode down GEMM's knobs when it follows the default gate-up GEMM of its batch.
+    """The decode down GEMM's tile when it follows the default gate-up GEMM of its batch (its
+    ring is default_launches' to set).
 
     With programmatic dependent launch the down grid's CTAs wait on the SMs the gate-up grid
     leaves free and start the moment it ends; CTAs that find no free SM start later. So where
     128-column down tiles let both grids fit on the GPU at once and `knobs`' narrower ones do
     not, the wider tiles win (dsv3 on an 8-way expert-parallel rank, one token: the whole MLP
-    35.5 -> 28.2 us). Counts are bounds (max_row_tiles).
+    35.5 -> 28.2 us). Counts are bounds (max_tiles).
 
     The FP8 down GEMM takes the wider tiles wherever its narrow grid needs more than one wave:
     each K step of an FP8 tile also promotes its accumulators with their block scales, which a
@@ -396,20 +397,19 @@ def _down_knobs_beside_gate_up(
     wide = replace(knobs, tile_cols=SWAP_COL_TILES[-1])
     if knobs == wide:
         return knobs
-    row_tiles = max_row_tiles(capacity, experts, knobs.tile_rows)
 
-    def ctas(columns: int, cols_per_tile: int) -> int:
-        return row_tiles * -(-columns // cols_per_tile)
+    def ctas(tile: GemmKnobs, columns: int) -> int:
+        return max_tiles(tile, capacity=capacity, experts=experts, columns=columns)
 
-    if is_fp8(op) and ctas(hidden, knobs.tile_cols) > sms:
-        return replace(wide, stages=default_stages(wide, op))
+    if is_fp8(op) and ctas(knobs, hidden) > sms:
+        return wide
     gate_up = default_knobs("gate_up_fp8" if is_fp8(op) else "gate_up", capacity / max(1, experts))
-    gate_up_ctas = ctas(2 * intermediate, gate_up.tile_cols)
-    if gate_up_ctas + ctas(hidden, knobs.tile_cols) <= sms:
+    gate_up_ctas = ctas(gate_up, 2 * intermediate)
+    if gate_up_ctas + ctas(knobs, hidden) <= sms:
         return knobs
-    if gate_up_ctas + ctas(hidden, wide.tile_cols) > sms:
+    if gate_up_ctas + ctas(wide, hidden) > sms:
         return knobs
-    return replace(wide, stages=default_stages(wide, op))
+    return wide
 
 
 def _fp8_gate_up_split_k(
@@ -433,6 +433,7 @@ def _fp8_gate_up_split_k(
 def _launch_stages(
     knobs: GemmKnobs,
     op: str,
+    *,
     capacity: int,
     experts: int,
     weight_dims: tuple[int, int],
@@ -488,9 +489,10 @@ def default_launches(
             knobs = _down_knobs_beside_gate_up(
                 op, knobs, capacity=capacity, experts=experts, weight_dims=weight_dims, sms=sms
             )
-        knobs = replace(
-            knobs, stages=_launch_stages(knobs, op, capacity, experts, weight_dims, sms)
+        stages = _launch_stages(
+            knobs, op, capacity=capacity, experts=experts, weight_dims=weight_dims, sms=sms
         )
+        knobs = replace(knobs, stages=stages)
     boundary = SMALL_BATCH_ROWS_PER_EXPERT * experts + 1
     if knobs.swap_ab or capacity < boundary:
         return (Launch(knobs),)
