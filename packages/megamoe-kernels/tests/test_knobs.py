@@ -145,14 +145,13 @@ def test_only_fp8_decode_rings_stop_short_of_the_deepest(rows_per_expert):
 @pytest.mark.parametrize("rows_per_expert", [1, 16])
 @pytest.mark.parametrize("op", FP8_OPS)
 def test_fp8_decode_rings_deepen_where_k_is_short(op, rows_per_expert):
-    # up to 16 K tiles: the deepest ring beside which the tile's scales still stage (at the
-    # finest x group); longer (or K unknown): 64 KiB of weight tiles
+    # up to 16 K tiles with more tiles than SMs: the deepest ring beside which the tile's
+    # scales still stage (at the finest x group); one wave of more than half the SMs' tiles
+    # (or K unknown): 64 KiB of weight tiles
     knobs = default_knobs(op, rows_per_expert)
     short = 16 * 128
-    deep = default_stages(knobs, op, streamed_k=short)
-    assert (
-        default_stages(knobs, op, streamed_k=short + 1) == default_stages(knobs, op) == knobs.stages
-    )
+    deep = default_stages(knobs, op, k=short, tiles_per_sm=1.5)
+    assert default_stages(knobs, op, k=short) == default_stages(knobs, op) == knobs.stages
     assert knobs.stages < deep <= max_stages(knobs, op)
     for x_group in (64, 128):
         assert staged_scale_k_tiles(replace(knobs, stages=deep), op, k=short, x_group=x_group)
@@ -162,12 +161,45 @@ def test_fp8_decode_rings_deepen_where_k_is_short(op, rows_per_expert):
     # the default launches deepen it where K is short and the tiles outnumber the SMs (qwen3:
     # 128 experts, K of 16 and 6 K tiles)
     (launch,) = launches(op, int(rows_per_expert * 128), 128, QWEN3)
-    assert launch.knobs.stages == default_stages(launch.knobs, op, streamed_k=2048) > knobs.stages
+    assert launch.knobs.stages == deep
     # one qwen3 token: 8 rows, 96 gate-up and 128 down tiles of 128 columns, one wave
     (one_wave,) = launches(op, 8, 128, QWEN3)
-    assert one_wave.knobs.stages == default_stages(one_wave.knobs, op)
-    (long_k,) = default_launches(op, 8 * 8, 8, weight_dims=(4096, 14336), sms=H200_SMS)
-    assert long_k.knobs.stages == default_stages(long_k.knobs, op)
+    ring = 64 * 1024 // (one_wave.knobs.tile_cols * 128)
+    assert one_wave.knobs.stages == default_stages(one_wave.knobs, op) == ring
+
+
+@pytest.mark.parametrize("op", FP8_OPS)
+def test_fp8_decode_rings_hold_96_kib_on_long_k_or_few_tiles(op):
+    # K past 16 K tiles, or short K with at most half a tile per SM: 96 KiB of weight tiles
+    # (6 stages of 128 columns, 12 of 64), scales staged beside them
+    knobs = default_knobs(op, 1)
+    long_ring = 96 * 1024 // (knobs.tile_cols * 128)
+    for k, tiles_per_sm in ((16 * 128 + 1, 0.9), (14336, 2.0), (16 * 128, 0.5)):
+        stages = default_stages(knobs, op, k=k, tiles_per_sm=tiles_per_sm)
+        assert stages == long_ring > knobs.stages
+        assert staged_scale_k_tiles(replace(knobs, stages=stages), op, k=k, x_group=64)
+    assert default_stages(knobs, op, k=16 * 128, tiles_per_sm=0.51) == knobs.stages
+    # mixtral-8x7b at 8 tokens (K of 32 and 112 K tiles)
+    mixtral = {"gate_up": (28672, 4096), "down": (4096, 14336)}
+    (long_k,) = launches(op, 8 * 2, 8, mixtral)
+    assert long_k.knobs.stages == 96 * 1024 // (long_k.knobs.tile_cols * 128)
+    # one dsv3-ep8-local token: one expert; the gate-up's K of 56 K tiles in 4 slices, the
+    # down's 56 tiles of K = 16 K tiles on 132 SMs
+    (one_token,) = launches(op, 1, 32, DSV3)
+    assert one_token.knobs.stages == 96 * 1024 // (one_token.knobs.tile_cols * 128)
+
+
+def test_fp8_decode_rings_stay_shallower_where_the_scales_would_not_stage():
+    # a 32 x 128 down tile on a K so long that 96 KiB of weight tiles leave its scales no room:
+    # the deepest ring that still stages them
+    knobs = default_knobs("down_fp8", 16)
+    assert (knobs.tile_rows, knobs.tile_cols) == (32, 128)
+    k = 420 * 128
+    stages = default_stages(knobs, "down_fp8", k=k, tiles_per_sm=0.5)
+    assert 2 <= stages < 96 * 1024 // (knobs.tile_cols * 128)
+    assert staged_scale_k_tiles(replace(knobs, stages=stages), "down_fp8", k=k, x_group=64)
+    one_more = replace(knobs, stages=stages + 1)
+    assert not staged_scale_k_tiles(one_more, "down_fp8", k=k, x_group=64)
 
 
 @pytest.mark.parametrize(
@@ -233,8 +265,9 @@ def test_the_fp8_decode_down_takes_128_columns_past_one_wave():
     (bf16,) = launches("down", 8, 128, QWEN3)
     assert bf16.knobs == default_knobs("down", 8 / 128)
     # mixtral-8x7b, one token: 2 experts with rows, 128 CTAs of 64 columns fit in one wave
+    # (their ring: 96 KiB on a K of 112 K tiles)
     (fp8,) = launches("down_fp8", 2, 8, {"down": (4096, 14336)})
-    assert fp8.knobs == default_knobs("down_fp8", 2 / 8)
+    assert fp8.knobs == replace(default_knobs("down_fp8", 2 / 8), stages=12)
 
 
 @pytest.mark.parametrize(

@@ -103,8 +103,9 @@ def max_stages(knobs: GemmKnobs, op: str) -> int:
 
 
 # The FP8 decode (swap-AB) tiles' ring holds this many bytes of weight tiles (4 stages of a
-# 128-column tile, 8 of a 64-column one) where more would fit, unless the weight's K is short
-# (FP8_DECODE_DEEP_RING_MAX_K_TILES).
+# 128-column tile, 8 of a 64-column one) where more would fit, where the weight's K is not
+# known (default_knobs) or where K is short (FP8_DECODE_DEEP_RING_MAX_K_TILES) and the launch
+# has between FP8_DECODE_FEW_TILES_PER_SM and one tile per SM.
 FP8_DECODE_RING_WEIGHT_BYTES = 64 * 1024
 # K tiles (of 128) up to which an FP8 decode GEMM whose tiles outnumber the SMs takes the
 # deepest ring. Measured on the H200 (FP8 layer, graph replays, alternating runs, decode tiles
@@ -117,37 +118,68 @@ FP8_DECODE_RING_WEIGHT_BYTES = 64 * 1024
 # -> 15.0 us). docs/benchmarks.md, "FP8 decode tiles up to 16 rows per expert, and rings by
 # K".
 FP8_DECODE_DEEP_RING_MAX_K_TILES = 16
+# The ring's bytes of weight tiles where K is longer (6 stages of a 128-column tile, 12 of a
+# 64-column one), and where K is short but the launch has at most FP8_DECODE_FEW_TILES_PER_SM
+# tiles per SM (each of its few CTAs streams a larger share of the bandwidth). Measured on the
+# H200, FP8 layer, graph replays, two alternating rounds against 64 KiB: mixtral-8x7b (K of 32
+# and 112 K tiles) at 1 / 2 / 4 / 16 / 64 tokens 95.9 -> 94.2, 142.8 -> 138.1, 232.4 ->
+# 223.3, 343.2 -> 338.2, 362.2 -> 356.4 us; dsv3-ep8-local (its gate-up's K of 56) 0.9-1.7%
+# less time at 4 to 128 tokens, and at one token (the down's 56 tiles of K = 16 on 132 SMs)
+# 24.4 -> 24.1. One qwen3-30b-a3b token (K of 16 and 6 K tiles, 96 and 128 tiles) took 21.8
+# -> 22.0 us in the layer and 13.9 -> 14.9 in the expert MLP alone with 96 KiB rings, so it
+# keeps 64 KiB. 128 KiB: no faster than 96 anywhere. docs/benchmarks.md, "FP8 decode rings on
+# long K".
+FP8_DECODE_LONG_K_RING_WEIGHT_BYTES = 96 * 1024
+# tiles per SM (a launch's tiles times its K slices, over the SMs) up to which a short-K FP8
+# decode launch takes the ring of FP8_DECODE_LONG_K_RING_WEIGHT_BYTES
+FP8_DECODE_FEW_TILES_PER_SM = 0.5
 
 
-def default_stages(knobs: GemmKnobs, op: str, *, streamed_k: int | None = None) -> int:
-    """The default profile's ring depth for `knobs`: the deepest that fits, but for the FP8
-    decode tiles, whose ring holds FP8_DECODE_RING_WEIGHT_BYTES of weights, unless
-    `streamed_k` (the weight's K, given where the GEMM's tiles outnumber the SMs:
-    default_launches) is at most FP8_DECODE_DEEP_RING_MAX_K_TILES K tiles: then the deepest
-    that leaves the tile's scales room to stage in shared memory.
+def default_stages(
+    knobs: GemmKnobs, op: str, *, k: int | None = None, tiles_per_sm: float = 1.0
+) -> int:
+    """The default profile's ring depth for `knobs` on a weight of K = `k` (None: not known,
+    as in default_knobs), in a launch of `tiles_per_sm` tiles (times K slices) per SM
+    (default_launches): the deepest that fits, but for the FP8 decode tiles:
+    - K not known: FP8_DECODE_RING_WEIGHT_BYTES of weights;
+    - K of at most FP8_DECODE_DEEP_RING_MAX_K_TILES K tiles: the deepest ring where the tiles
+      outnumber the SMs, FP8_DECODE_LONG_K_RING_WEIGHT_BYTES where they are few
+      (FP8_DECODE_FEW_TILES_PER_SM), else FP8_DECODE_RING_WEIGHT_BYTES;
+    - longer K: FP8_DECODE_LONG_K_RING_WEIGHT_BYTES;
+    where K is known, no deeper than leaves the tile's scales room to stage in shared memory
+    (staged_scale_k_tiles, at the finest x group).
 
     Each FP8 decode GEMM alone with cold weights, its scales loaded from global memory at
     each K step, 3, 4, 6 and 12 stages, at 1, 4 and 16 tokens of qwen3-30b-a3b,
     dsv3-ep8-local and mixtral-8x7b: the 128-column tiles ran fastest with 4 or 6 at every
     point, 0.4-15% faster than with 12; the 64-column down tiles with 6 or 12. Since the decode
-    tiles stage their scales in shared memory (staged_scale_k_tiles) the deep ring wins where K
-    is short and a CTA streams several tiles, and still loses where K is long
-    (FP8_DECODE_DEEP_RING_MAX_K_TILES). bf16 decode tiles of the same bytes per stage ran
-    fastest with 6-12."""
+    tiles stage their scales in shared memory the deep ring wins where K is short and a CTA
+    streams several tiles, and 96 KiB beats 64 where K is long. bf16 decode tiles of the same
+    bytes per stage ran fastest with 6-12."""
     deepest = max_stages(knobs, op)
     if not (knobs.swap_ab and is_fp8(op)):
         return deepest
-    k = streamed_k
-    if k is not None and -(-k // WEIGHT_BLOCK) <= FP8_DECODE_DEEP_RING_MAX_K_TILES:
-        # the deepest that leaves the tile's scales room to stage (at the finest x group)
-        return max(
-            stages
-            for stages in range(1, deepest + 1)
-            if staged_scale_k_tiles(
-                replace(knobs, stages=stages), op, k=k, x_group=INTERMEDIATE_GROUP
-            )
-        )
-    return min(deepest, -(-FP8_DECODE_RING_WEIGHT_BYTES // (knobs.tile_cols * TILE_K_BYTES)))
+    ring = min(deepest, _stages_holding(knobs, FP8_DECODE_RING_WEIGHT_BYTES))
+    if k is None:
+        return ring
+    long_ring = min(deepest, _stages_holding(knobs, FP8_DECODE_LONG_K_RING_WEIGHT_BYTES))
+    if -(-k // WEIGHT_BLOCK) > FP8_DECODE_DEEP_RING_MAX_K_TILES:
+        ring = long_ring
+    elif tiles_per_sm > 1:
+        ring = deepest
+    elif tiles_per_sm <= FP8_DECODE_FEW_TILES_PER_SM:
+        ring = long_ring
+    staging = (
+        stages
+        for stages in range(2, ring + 1)
+        if staged_scale_k_tiles(replace(knobs, stages=stages), op, k=k, x_group=INTERMEDIATE_GROUP)
+    )
+    return max(staging, default=ring)
+
+
+def _stages_holding(knobs: GemmKnobs, weight_bytes: int) -> int:
+    """Ring stages that hold `weight_bytes` of `knobs`' weight tiles."""
+    return -(-weight_bytes // (knobs.tile_cols * TILE_K_BYTES))
 
 
 def staged_scale_k_tiles(knobs: GemmKnobs, op: str, *, k: int, x_group: int) -> int:
@@ -279,7 +311,7 @@ def default_knobs(op: str, rows_per_expert: float) -> GemmKnobs:
     holds nearly every expert's rows (1.5x the mean + 8), so each expert's weights stream from
     memory once; 64 weight rows per tile with the 16-row tile, 128 above. Above: 128x256
     tiles. Both take the deepest ring that fits (FP8 decode tiles: default_stages; as K is
-    not known here, their short ring, which default_launches deepens for a short K).
+    not known here, their 64 KiB ring, which default_launches deepens by K).
 
     Why 64 columns with 16 rows (up to ~5 rows per expert): so thin an MMA leaves the tile bound
     by its weight stream, and halving the tile doubles the CTAs that stream (whole expert MLP on
@@ -439,12 +471,11 @@ def _launch_stages(
     weight_dims: tuple[int, int],
     sms: int,
 ) -> int:
-    """The ring depth of a default launch (default_stages), told the weight's K where its
-    tiles (a bound: max_tiles, times the K slices) outnumber the SMs."""
+    """The ring depth of a default launch (default_stages), told the weight's K and its tiles
+    (a bound: max_tiles, times the K slices) per SM."""
     columns, depth = weight_dims
     tiles = max_tiles(knobs, capacity=capacity, experts=experts, columns=columns)
-    streams = tiles * knobs.split_k > sms
-    return default_stages(knobs, op, streamed_k=depth if streams else None)
+    return default_stages(knobs, op, k=depth, tiles_per_sm=tiles * knobs.split_k / sms)
 
 
 @lru_cache(maxsize=1024)
