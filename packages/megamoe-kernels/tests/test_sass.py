@@ -1,12 +1,12 @@
 """Every default profile's SASS, and the pingpong and cluster variants', holds HGMMA (wgmma): without it a
 kernel is on a slow path. The decode (swap-AB) kernels, and only they, load their weights
-evict-first."""
+evict-first, and no kernel spills registers to local memory beyond the few it is known to."""
 
 import subprocess
 import sys
 
 import pytest
-from megamoe_kernels.sass_check import disassembler_bin_dir
+from megamoe_kernels.sass_check import disassembler_bin_dir, local_memory_stores
 
 pytestmark = pytest.mark.compile
 
@@ -23,3 +23,15 @@ def test_every_default_profile_emits_hgmma(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "FAIL" not in result.stdout and result.stdout.count("ok  ") >= 2, result.stdout
+
+
+def test_spill_stores_are_counted_by_instruction():
+    sass = """
+        /*0a10*/                   STL.64 [R1+0x8], R4 ;
+        /*0a20*/                   STL [R1], R2 ;
+        /*0a30*/                   LDL R3, [R1] ;
+        /*0a40*/                   STG.E desc[UR4][R2.64], R5 ;
+        /*0a50*/                   UTMASTG.2D [UR8], [UR4] ;
+    """
+    assert local_memory_stores(sass) == 2
+    assert local_memory_stores("STS [R2], R3 ;") == 0
