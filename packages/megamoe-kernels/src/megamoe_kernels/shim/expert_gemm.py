@@ -483,17 +483,13 @@ def _persistent_ctas(device_index: int, cluster_size: int) -> int:
     return clusters * cluster_size
 
 
-def _split_k_slots(knobs: GemmKnobs, *, capacity: int, experts: int, n: int) -> int:
-    """Tiles a schedule can hold (a bound: max_tiles)."""
-    return max_tiles(knobs, capacity=capacity, experts=experts, columns=n)
-
-
 def _split_k_workspace(
     knobs: GemmKnobs, x_MK: torch.Tensor, *, rows: int, experts: int, n: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(partials, arrivals) for a split-K launch on the current stream over a batch of `rows`
     rows (x_MK's, or the row source's when the rows are gathered)."""
-    slots = _split_k_slots(knobs, capacity=rows, experts=experts, n=n)
+    # a slot per tile the schedule can hold (a bound)
+    slots = max_tiles(knobs, capacity=rows, experts=experts, columns=n)
     words = slots * knobs.split_k * knobs.tile_rows * knobs.tile_cols
     if words * 4 > _SPLIT_K_MAX_WORKSPACE_BYTES:
         raise ValueError(
