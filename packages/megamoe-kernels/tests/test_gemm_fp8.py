@@ -163,8 +163,8 @@ def test_geometry_matches_oracle(geometry, rows_per_expert):
 
 def test_one_row_on_one_of_many_experts_matches_oracle():
     # one dsv3-ep8-local token: one row on one of 32 experts. On an H200 the gate-up splits
-    # its K of 56 K tiles in 4 slices, and the down GEMM's 56 tiles on 132 SMs, on a K of 16
-    # K tiles, take the 96 KiB ring (default_stages)
+    # its K of 56 K tiles in 4 slices (96 KiB rings), and the down GEMM runs 112 tiles of 64
+    # columns on a K of 16 K tiles (64 KiB rings)
     counts = [0] * 32
     counts[5] = 1
     problem = Problem(counts, 7168, 2048, capacity=1)

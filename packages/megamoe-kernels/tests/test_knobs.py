@@ -183,10 +183,12 @@ def test_fp8_decode_rings_hold_96_kib_on_long_k_or_few_tiles(op):
     mixtral = {"gate_up": (28672, 4096), "down": (4096, 14336)}
     (long_k,) = launches(op, 8 * 2, 8, mixtral)
     assert long_k.knobs.stages == 96 * 1024 // (long_k.knobs.tile_cols * 128)
-    # one dsv3-ep8-local token: one expert; the gate-up's K of 56 K tiles in 4 slices, the
-    # down's 56 tiles of K = 16 K tiles on 132 SMs
+    # one dsv3-ep8-local token: one expert; the gate-up's K of 56 K tiles in 4 slices (96 KiB);
+    # the down's 112 tiles of 64 columns on a K of 16 K tiles, more than half a tile per SM
+    # (64 KiB)
     (one_token,) = launches(op, 1, 32, DSV3)
-    assert one_token.knobs.stages == 96 * 1024 // (one_token.knobs.tile_cols * 128)
+    ring = 96 if op == "gate_up_fp8" else 64
+    assert one_token.knobs.stages == ring * 1024 // (one_token.knobs.tile_cols * 128)
 
 
 def test_fp8_decode_rings_stay_shallower_where_the_scales_would_not_stage():
@@ -309,6 +311,18 @@ def test_the_decode_down_widens_its_tiles_to_fit_beside_its_gate_up():
     # small weights, where both grids fit with the profile's tiles: nothing to widen
     (down,) = launches("down", 1, 32, {"down": (1024, 256)})
     assert down.knobs == default_knobs("down", 1 / 32)
+
+
+def test_the_fp8_decode_down_counts_the_gate_ups_k_slices():
+    # the same token with FP8 experts: the gate-up's 32 tiles split K in 4 slices, 128 CTAs, so
+    # neither down grid fits beside it and the down keeps the profile's 112 tiles of 64 columns
+    # (counting the gate-up's tiles alone, 32 + 56 fit)
+    (gate_up,) = launches("gate_up_fp8", 1, 32, DSV3)
+    assert (gate_up.knobs.tile_cols, gate_up.knobs.split_k) == (128, 4)
+    (down,) = launches("down_fp8", 1, 32, DSV3)
+    assert replace(down.knobs, stages=0) == replace(default_knobs("down_fp8", 1 / 32), stages=0)
+    assert down.knobs.tile_cols == 64
+    # (the bf16 gate-up keeps K whole on 64 CTAs, and its down widens: the test above)
 
 
 @pytest.mark.parametrize("op", OPS)

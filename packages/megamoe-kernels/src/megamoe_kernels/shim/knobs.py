@@ -125,7 +125,8 @@ FP8_DECODE_DEEP_RING_MAX_K_TILES = 16
 # and 112 K tiles) at 1 / 2 / 4 / 16 / 64 tokens 95.9 -> 94.2, 142.8 -> 138.1, 232.4 ->
 # 223.3, 343.2 -> 338.2, 362.2 -> 356.4 us; dsv3-ep8-local (its gate-up's K of 56) 0.9-1.7%
 # less time at 4 to 128 tokens, and at one token (the down's 56 tiles of K = 16 on 132 SMs)
-# 24.4 -> 24.1. One qwen3-30b-a3b token (K of 16 and 6 K tiles, 96 and 128 tiles) took 21.8
+# 24.4 -> 24.1 (that GEMM now runs 112 tiles of 64 columns, _down_knobs_beside_gate_up, which
+# 96 KiB made slower: 23.3 -> 23.7 us). One qwen3-30b-a3b token (K of 16 and 6 K tiles, 96 and 128 tiles) took 21.8
 # -> 22.0 us in the layer and 13.9 -> 14.9 in the expert MLP alone with 96 KiB rings, so it
 # keeps 64 KiB. 128 KiB: no faster than 96 anywhere. docs/benchmarks.md, "FP8 decode rings on
 # long K".
@@ -418,7 +419,13 @@ def _down_knobs_beside_gate_up(
     leaves free and start the moment it ends; CTAs that find no free SM start later. So where
     128-column down tiles let both grids fit on the GPU at once and `knobs`' narrower ones do
     not, the wider tiles win (dsv3 on an 8-way expert-parallel rank, one token: the whole MLP
-    35.5 -> 28.2 us). Counts are bounds (max_tiles).
+    35.5 -> 28.2 us). Counts are bounds (max_tiles), the gate-up's times its K slices: an FP8
+    decode gate-up splits K over the SMs its tiles leave idle (_fp8_gate_up_split_k), and its
+    slices take those SMs too. So at one dsv3-ep8-local token (one expert: 32 tiles in 4
+    slices, 128 CTAs) nothing fits beside it and the FP8 down keeps its 112 tiles of 64
+    columns, where counting the tiles alone gave it 56 of 128: the FP8 layer 24.0-24.1 -> 23.3
+    us, the MLP alone 18.1 -> 17.3 (graph replays, two alternating rounds; docs/benchmarks.md,
+    "The FP8 decode down beside a split gate-up").
 
     The FP8 down GEMM takes the wider tiles wherever its narrow grid needs more than one wave:
     each K step of an FP8 tile also promotes its accumulators with their block scales, which a
@@ -436,7 +443,15 @@ def _down_knobs_beside_gate_up(
     if is_fp8(op) and ctas(knobs, hidden) > sms:
         return wide
     gate_up = default_knobs("gate_up_fp8" if is_fp8(op) else "gate_up", capacity / max(1, experts))
-    gate_up_ctas = ctas(gate_up, 2 * intermediate)
+    if gate_up.swap_ab and is_fp8(op):
+        gate_up = _fp8_gate_up_split_k(
+            gate_up,
+            capacity=capacity,
+            experts=experts,
+            weight_dims=(2 * intermediate, hidden),
+            sms=sms,
+        )
+    gate_up_ctas = ctas(gate_up, 2 * intermediate) * gate_up.split_k
     if gate_up_ctas + ctas(knobs, hidden) <= sms:
         return knobs
     if gate_up_ctas + ctas(wide, hidden) > sms:
