@@ -16,7 +16,10 @@ computed before), and the router and routing launches alone (graph replays, alte
 rounds; layers without shared experts); --timeline when each kernel of a forward starts and
 ends, in us from the forward's first kernel (the medians over 49 forwards replayed in a CUDA
 graph, from the torch profiler's CUDA activity), and of the expert GEMMs alone on its batch;
---router-host the host time of the ways to compute fp32 router logits; --host-profile prints
+--output-ab eager forwards replayed from the layer's graph with the graph's own output handed
+out (the layer's way) against a copy of it (what a forward that must return a fresh tensor
+costs): the wall time of back-to-back forwards and the host time of single ones, alternating
+rounds; --router-host the host time of the ways to compute fp32 router logits; --host-profile prints
 where the host time of an eager forward goes: single forwards, each issued after the GPU
 drained (as the bench's "host us" times them), under cProfile (cumulative time per function,
 which cProfile inflates), then, uninstrumented, the steps of a forward that replays the
@@ -42,6 +45,7 @@ from megamoe_runtime.measure import (
     captured_graph,
     host_seconds_per_call,
     median_graph_replay_seconds,
+    median_seconds,
 )
 from megamoe_torch.bench import build_layer, routed_tokens, with_capacity
 from torch.profiler import ProfilerActivity, profile
@@ -71,6 +75,7 @@ def main() -> None:
     parser.add_argument("--critical-path", action="store_true")
     parser.add_argument("--timeline", action="store_true")
     parser.add_argument("--host-profile", action="store_true")
+    parser.add_argument("--output-ab", action="store_true")
     parser.add_argument("--router-host", action="store_true")
     parser.add_argument("--weight-dtype", choices=["bf16", "fp8"], default="bf16")
     args = parser.parse_args()
@@ -97,6 +102,8 @@ def main() -> None:
                 timeline(layer, x_TH)
             if args.host_profile:
                 host_profile(layer, x_TH)
+            if args.output_ab:
+                output_ab(layer, x_TH)
             if args.router_host:
                 router_host(layer, x_TH)
 
@@ -337,17 +344,13 @@ def host_profile(layer, x_TH, rounds: int = 40) -> None:
     graphs = layer._forward_graphs._graphs
     if not graphs:
         return
-    entry = next(reversed(graphs.values()))
+    entry = next(reversed(graphs.values()))[0]
     steps = {
         "forward": lambda: layer(x_TH),
         "copy in": lambda: entry.x.copy_(x_TH),
         "graph replay": entry.graph.replay,
-        "clone out": entry.y.clone,
-        "copy, replay, clone": lambda: (
-            entry.x.copy_(x_TH),
-            entry.graph.replay(),
-            entry.y.clone(),
-        ),
+        "output free?": entry.output_free,
+        "copy, replay": lambda: entry.run(x_TH, False),
         "weights signature": lambda: layer._forward_graphs._weights_signature(layer),
         "stream capturing?": torch.cuda.is_current_stream_capturing,
         "empty 4 KB": lambda: torch.empty(1024, device="cuda"),
@@ -360,6 +363,47 @@ def host_profile(layer, x_TH, rounds: int = 40) -> None:
     print(
         "  replay host us (single calls): " + ", ".join(f"{k} {v:.1f}" for k, v in single.items())
     )
+
+
+def output_ab(layer, x_TH, rounds: int = 3) -> None:
+    """Eager forwards replayed from the layer's graph: the graph's own output handed out
+    (forward_graphs._Graph.run) against a copy of it. Wall time of 50 back-to-back forwards
+    (median) and host time of single forwards, each after the GPU drained (median of 21)."""
+    from megamoe_torch import forward_graphs
+
+    handed_out = forward_graphs._Graph.run
+
+    def copied(graph, x, router_logits):
+        y, logits_TE = handed_out(graph, x, router_logits)
+        return y.clone(), logits_TE
+
+    device = torch.device("cuda")
+
+    def forward():
+        return layer(x_TH)
+
+    def timed_with(run, read):
+        def reading():
+            forward_graphs._Graph.run = run
+            try:
+                return read()
+            finally:
+                forward_graphs._Graph.run = handed_out
+
+        return reading
+
+    for _ in range(3):  # launched, captured, replayed
+        forward()
+    readers = {}
+    for name, run in (("copied", copied), ("handed-out", handed_out)):
+        readers[f"eager-{name}"] = timed_with(
+            run, lambda: median_seconds(forward, device=device, repeats=50)
+        )
+        readers[f"host-{name}"] = timed_with(
+            run, lambda: host_seconds_per_call(forward, device=device, rounds=21)
+        )
+    readings = alternating_readings(readers, rounds=rounds)
+    print(f"  replayed forwards, output copied or handed out, us: {readings_line(readings)}")
 
 
 def report(layer, x_TH, title: str) -> None:

@@ -143,6 +143,24 @@ def test_combine_compiles(constants):
 
 
 @pytest.mark.parametrize(
+    "out",
+    [
+        torch.empty(3, 1024, dtype=torch.bfloat16),  # rows for another token count
+        torch.empty(4, 512, dtype=torch.bfloat16),  # another hidden size
+        torch.empty(4, 1024, dtype=torch.float32),  # another dtype
+        torch.empty(1024, 4, dtype=torch.bfloat16).t(),  # not row-major
+    ],
+)
+def test_the_combine_refuses_an_output_it_cannot_write(out):
+    launcher = CombineLauncher(top_k=2, hidden_size=1024, compile_only=True)
+    expert_out_MH = torch.empty(8, 1024, dtype=torch.bfloat16)
+    row_of_pair_TK = torch.zeros(4, 2, dtype=torch.int32)
+    weights_TK = torch.ones(4, 2)
+    with pytest.raises(ValueError, match=r"out: a contiguous \[4, 1024\] torch.bfloat16"):
+        launcher(expert_out_MH, row_of_pair_TK, weights_TK, out_TH=out)
+
+
+@pytest.mark.parametrize(
     ("hidden_size", "rows_dtype", "unroll", "split_tokens"),
     [
         (2048, torch.bfloat16, 8, 0),  # qwen3: a row is one slice, nothing to share

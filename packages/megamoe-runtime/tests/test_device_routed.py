@@ -245,6 +245,13 @@ def test_the_combine_strides_past_one_wave(top_k, hidden, addend):
     if addend:
         expected_TH = expected_TH + addend_TH
     assert torch.equal(y_TH, expected_TH)
+    # into a given output (a captured forward's static one), poisoned first: the same bits
+    out_TH = torch.full_like(expected_TH, float("nan"))
+    written = launcher(
+        expert_out_MH, row_of_pair_TK, weights_TK, addend_TH=addend_TH, out_TH=out_TH
+    )
+    assert written is out_TH
+    assert torch.equal(out_TH, expected_TH)
 
 
 def test_bf16_logits_with_ties():

@@ -1,7 +1,7 @@
 """Small eager forwards replayed from the layer's own CUDA graphs (forward_graphs.py): the same
-bits as launching the forward, fresh outputs per call in the caller's shape, a new graph whenever
-a weight or the config changes, per stream, bounded in number, never inside an outer capture,
-and a replay that runs none of the layer's other work."""
+bits as launching the forward, in the caller's shape, an output a caller holds never
+overwritten, a new graph whenever a weight or the config changes, per stream, bounded in number,
+never inside an outer capture, and a replay that runs none of the layer's other work."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 from megamoe_torch.config import MegaMoEConfig
-from megamoe_torch.forward_graphs import MAX_GRAPHS
+from megamoe_torch.forward_graphs import GRAPHS_PER_KEY, MAX_GRAPHS
 from megamoe_torch.layer import MegaMoE
 
 pytestmark = pytest.mark.gpu
@@ -63,18 +63,55 @@ def _tokens(tokens: int, seed: int) -> torch.Tensor:
 @torch.no_grad()
 def test_replayed_forwards_give_the_launched_forwards_bits(family, tokens):
     replaying, launching = _pair(family)
-    outputs = []
-    for call in range(4):  # launched, captured, replayed twice
+    for call in range(4):  # launched, captured, replayed twice (each output dropped)
         x = _tokens(tokens, seed=call)
         y, logits = replaying(x, return_router_logits=True)
         expected, expected_logits = launching(x, return_router_logits=True)
         assert torch.equal(y, expected), f"call {call}"
         assert torch.equal(logits, expected_logits), f"call {call}"
-        outputs.append((x, y))
+        del y, logits
     assert len(replaying._forward_graphs) == 1
-    # each call's output is its own: later replays left the earlier ones as they were
-    for x, y in outputs:
+
+
+def _graph_outputs(layer: MegaMoE) -> set[int]:
+    """The addresses of the static outputs of the layer's graphs."""
+    return {
+        graph.y.data_ptr() for graphs in layer._forward_graphs._graphs.values() for graph in graphs
+    }
+
+
+@torch.no_grad()
+def test_a_dropped_output_is_replayed_and_a_held_one_never_overwritten():
+    replaying, launching = _pair("qwen3")
+    for call in range(4):  # launched, captured, replayed twice: the graph's own output each time
+        x = _tokens(4, seed=call)
+        y = replaying(x)
         assert torch.equal(y, launching(x))
+        assert (y.data_ptr() in _graph_outputs(replaying)) == (call > 0)
+        del y
+    assert len(_graph_outputs(replaying)) == 1
+    # outputs kept: the second forward captures a second graph of the key, the later ones launch
+    held = []
+    for call in range(4):
+        x = _tokens(4, seed=10 + call)
+        held.append((x, replaying(x)))
+    outputs = _graph_outputs(replaying)
+    assert len(outputs) == GRAPHS_PER_KEY
+    assert [y.data_ptr() in outputs for _, y in held] == [True, True, False, False]
+    # every output as its forward left it, and still after more forwards
+    for call in range(3):
+        replaying(_tokens(4, seed=20 + call))
+    for x, y in held:
+        assert torch.equal(y, launching(x))
+    # a view kept is an output kept: the next forward replays the other graph
+    first_x, first_output = held[0][0], held[0][1].data_ptr()
+    view = held[0][1][1:]
+    held.clear()
+    x = _tokens(4, seed=30)
+    y = replaying(x)
+    assert y.data_ptr() in outputs and y.data_ptr() != first_output
+    assert torch.equal(y, launching(x))
+    assert torch.equal(view, launching(first_x)[1:])
 
 
 @torch.no_grad()
@@ -167,6 +204,7 @@ def test_a_replay_does_no_other_work_and_keeps_the_callers_shape(monkeypatch):
         assert y.shape == (2, 3, 512)
         assert torch.equal(y, expected)
         assert torch.equal(logits, expected_logits)
+        del y  # a held output would send the next forward to a second graph
 
 
 @torch.no_grad()

@@ -3,41 +3,56 @@
 An eager forward of the fused path issues five or more launches, each a few microseconds of
 Python and TVM-FFI on the host, plus the router GEMM's dispatch through torch: 100-540 us of
 host time per forward measured on the H200 host, several times the GPU time of a decode step.
-A replay costs the host a copy of the tokens in, one `cudaGraphLaunch` and a copy of the
-output out (43-177 us measured; docs/benchmarks.md).
+A replay costs the host a copy of the tokens in and one `cudaGraphLaunch` (docs/benchmarks.md).
 
-`ForwardGraphs.forward(layer, x, router_logits=...)` returns (y, router_logits_TE or None),
-fresh tensors (y in x's shape), or None where the forward should run eagerly. Graphs are kept
-per (x's shape, dtype and device, the caller's stream, the identity and version of every
-parameter and buffer of the layer) under one layer config: the first forward of a key runs
-eagerly (it compiles the kernels and warms the caches the capture records), the second
-captures, the later ones replay. Any change to a weight (in place, replaced, moved) changes the
-key, so a replay never reads stale prepared weights; a new config (`use_backend`) drops every
-graph. At most `MAX_GRAPHS` graphs per layer, the least recently used dropped first.
+`ForwardGraphs.forward(layer, x, router_logits=...)` returns (y, router_logits_TE or None), y
+in x's shape, or None where the forward should run eagerly. Graphs are kept per (x's shape,
+dtype and device, the caller's stream, the identity and version of every parameter and buffer
+of the layer) under one layer config: the first forward of a key runs eagerly (it compiles the
+kernels and warms the caches the capture records), the second captures, the later ones replay.
+Any change to a weight (in place, replaced, moved) changes the key, so a replay never reads
+stale prepared weights; a new config (`use_backend`) drops every graph. At most `MAX_GRAPHS`
+keys per layer, the least recently used dropped first.
+
+The output a replay returns is the graph's own static output (a view of it), not a copy: its
+storage is allocated outside the graphs' pool, so no other graph's replay writes it, and a
+graph replays only while no tensor of a caller shares that storage (its use count; torch's
+own CUDA graph trees decide when an output is dead the same way). So a caller who drops each
+output before the next forward of its key (a model's residual add) gets every forward replayed
+with no copy out (a one-token qwen3-30b-a3b forward about 10 us less host time and wall
+time than with a copy of the output: docs/benchmarks.md, "Replayed forwards hand out the
+graph's output"); one who keeps the previous output gets
+a second graph of the key (`GRAPHS_PER_KEY`), captured when first needed; one who keeps more
+gets the forward launched, never an output overwritten. An output used on another stream
+needs `record_stream` there, as any tensor the caching allocator may hand out again does. The
+router logits (`router_logits=True`) come as a copy.
 
 `ForwardGraphs.replay(layer, x, router_logits=...)` is the layer's lean path, taken before any
 other work of a forward that autograd does not record: the replay of a graph already captured
-for this key (which the layer's checks admitted when it captured), or None. Its host time is
-the key (an address and a version per parameter), the copy in, the graph launch and the copy
-out.
+for this key (which the layer's checks admitted when it captured) whose output is free, or
+None. Its host time is the key (an address and a version per parameter), the copy in and the
+graph launch.
 
 The graphs of one (device, stream), every layer's, share one memory pool while one of them
-lives: replays on one stream never overlap, and each graph's static input and outputs stay
-allocated while it lives, so a capture only reuses the pool's memory that no live graph's
-inputs or outputs hold.
+lives: replays on one stream never overlap, and each graph's static input (outside the pool)
+and router logits stay allocated while it lives, so a capture only reuses the pool's memory
+that no live graph's logits hold. A graph's router logits may lie in the scratch of a graph
+captured before it: they are copied out right after its replay.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from megamoe_torch.tensor_cache import tensor_versions
 
 MAX_GRAPHS = 16
+# graphs of one key: the second takes the forwards whose caller still holds the first's output
+GRAPHS_PER_KEY = 2
 # token counts seen once and not captured (yet), remembered for their second forward
 MAX_SEEN = 64
 
@@ -56,15 +71,26 @@ def _shared_pool(device_index: int, stream: int) -> tuple:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     x: torch.Tensor  # the static input, in the caller's shape
-    y: torch.Tensor  # the static output, a view in the caller's shape
+    y: torch.Tensor  # the static output (outside the pool), in the caller's shape
     router_logits_TE: torch.Tensor
+    # y's storage, held: with y, the two references to it while no caller holds an output
+    y_storage: torch.UntypedStorage = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.y_storage = self.y.untyped_storage()
+
+    def output_free(self) -> bool:
+        """Whether no tensor but this graph's own shares its output's storage."""
+        return torch._C._storage_Use_Count(self.y_storage._cdata) == 2
 
     def run(self, x: torch.Tensor, router_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replays (the output must be free) and returns (a view of the output, a copy of the
+        router logits or None)."""
         self.x.copy_(x)
         self.graph.replay()
-        # the next replay overwrites the graph's outputs: the caller gets its own
+        # the logits may lie in another graph's scratch: the caller gets its own
         logits_TE = self.router_logits_TE.clone() if router_logits else None
-        return self.y.clone(), logits_TE
+        return self.y.view(self.y.shape), logits_TE
 
 
 class ForwardGraphs:
@@ -85,7 +111,7 @@ class ForwardGraphs:
 
     def _forget(self) -> None:
         self._config = None  # the layer config the graphs were captured under
-        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self._graphs: OrderedDict[tuple, list[_Graph]] = OrderedDict()
         self._seen: OrderedDict[tuple, None] = OrderedDict()
         self._modules: tuple = ()
         self._tensor_slots: list[tuple[dict, str]] = []
@@ -128,14 +154,15 @@ class ForwardGraphs:
     def replay(
         self, layer: torch.nn.Module, x: torch.Tensor, *, router_logits: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The replay of the graph captured for this forward's key, or None (no graph yet, another
-        config, a CPU tensor, or the caller's stream capturing a graph of its own)."""
+        """The replay of a graph captured for this forward's key whose output is free, or None
+        (no such graph, another config, a CPU tensor, or the caller's stream capturing a graph
+        of its own)."""
         if not self._graphs or layer.config is not self._config:
             return None
         device_index = x.get_device()
         if device_index < 0:
             return None
-        entry = self._graphs.get(self._key(layer, x, device_index))
+        entry = _free_graph(self._graphs.get(self._key(layer, x, device_index), ()))
         if entry is None or torch.cuda.is_current_stream_capturing():
             return None
         return entry.run(x, router_logits)
@@ -144,7 +171,8 @@ class ForwardGraphs:
         self, layer: torch.nn.Module, x: torch.Tensor, *, router_logits: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """A forward the layer admitted for graphs: replayed, captured (the second forward of its
-        key) or None (the first: run it eagerly)."""
+        key, or one whose caller holds the output of the key's only graph) or None (the first:
+        run it eagerly; or every graph's output held)."""
         if not 0 < x.numel() // layer.config.hidden_size <= self.max_tokens:
             return None
         if layer.config is not self._config:
@@ -153,34 +181,50 @@ class ForwardGraphs:
         device_index = x.get_device()
         stream = torch._C._cuda_getCurrentRawStream(device_index)
         key = self._key(layer, x, device_index)
-        entry = self._graphs.get(key)
-        if entry is None:
+        graphs = self._graphs.get(key)
+        if graphs is None:
             if key not in self._seen:
                 self._seen[key] = None
                 if len(self._seen) > MAX_SEEN:
                     self._seen.popitem(last=False)
                 return None
             del self._seen[key]
-            entry = self._capture(layer, x, device_index, stream)
-            self._graphs[key] = entry
+            graphs = self._graphs[key] = []
             if len(self._graphs) > MAX_GRAPHS:
                 self._graphs.popitem(last=False)
         else:
             self._graphs.move_to_end(key)
+        entry = _free_graph(graphs)
+        if entry is None:
+            if len(graphs) == GRAPHS_PER_KEY:
+                return None
+            entry = self._capture(layer, x, device_index, stream)
+            graphs.append(entry)
         return entry.run(x, router_logits)
 
     def _capture(
         self, layer: torch.nn.Module, x: torch.Tensor, device_index: int, stream: int
     ) -> _Graph:
+        # the static input and output, allocated before the capture: outside the shared pool
         static_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         static_x.copy_(x)
+        static_y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        hidden = layer.config.hidden_size
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA calls during the capture are not an error
         with torch.cuda.graph(
             graph, pool=_shared_pool(device_index, stream), capture_error_mode="thread_local"
         ):
-            y_TH, router_logits_TE = layer._fused_forward_from_tokens(
-                static_x.view(-1, layer.config.hidden_size)
+            _, router_logits_TE = layer._fused_forward_from_tokens(
+                static_x.view(-1, hidden), out_TH=static_y.view(-1, hidden)
             )
         _LIVE_GRAPHS.setdefault((device_index, stream), weakref.WeakSet()).add(graph)
-        return _Graph(graph, static_x, y_TH.view(x.shape), router_logits_TE)
+        return _Graph(graph, static_x, static_y, router_logits_TE)
+
+
+def _free_graph(graphs) -> _Graph | None:
+    """The first of `graphs` whose output no caller holds, or None."""
+    for graph in graphs:
+        if graph.output_free():
+            return graph
+    return None

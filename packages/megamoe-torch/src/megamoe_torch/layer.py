@@ -740,9 +740,16 @@ class MegaMoE(nn.Module):
             return fused_path_runs(self._layer_id, x_TH.device)
         return self.fused_path_status(x_TH.device)[0]
 
-    def _fused_forward(self, x_TH: torch.Tensor, router_logits_TE: torch.Tensor) -> torch.Tensor:
+    def _fused_forward(
+        self,
+        x_TH: torch.Tensor,
+        router_logits_TE: torch.Tensor,
+        *,
+        out_TH: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Routing + dispatch (one launch), expert compute, combine (one launch); the shared
-        experts as experts of the batch, or their own MLP's output added in the combine."""
+        experts as experts of the batch, or their own MLP's output added in the combine. The
+        combine writes into `out_TH` where given (a captured forward's static output)."""
         if self.config.check_inputs:
             check_finite_logits(router_logits_TE)
         x_TH = x_TH.contiguous()  # the kernels take row-major rows (a no-op for most inputs)
@@ -785,7 +792,11 @@ class MegaMoE(nn.Module):
         elif self.shared_experts is not None and not shared_in_batch:
             shared_TH = self.shared_experts(x_TH)
         return self._device_routed.combine(
-            expert_out_MH, handle, addend_TH=shared_TH, weights_applied=weights_on_input
+            expert_out_MH,
+            handle,
+            addend_TH=shared_TH,
+            weights_applied=weights_on_input,
+            out_TH=out_TH,
         )
 
     def _shared_gate_logits(self, x_TH: torch.Tensor) -> torch.Tensor:
@@ -820,10 +831,13 @@ class MegaMoE(nn.Module):
             tensors += [*self.shared_experts.parameters(), *self.shared_experts.buffers()]
         return [tensor for tensor in tensors if tensor is not None]
 
-    def _fused_forward_from_tokens(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(y_TH, router_logits_TE) of the fused path: what a captured forward records."""
+    def _fused_forward_from_tokens(
+        self, x_TH: torch.Tensor, *, out_TH: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y_TH, router_logits_TE) of the fused path, y written into `out_TH` where given: what
+        a captured forward records."""
         router_logits_TE = self.router_logits(x_TH)
-        return self._fused_forward(x_TH, router_logits_TE), router_logits_TE
+        return self._fused_forward(x_TH, router_logits_TE, out_TH=out_TH), router_logits_TE
 
     @property
     def _routes_on_this_gpu(self) -> bool:

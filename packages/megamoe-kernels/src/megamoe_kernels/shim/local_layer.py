@@ -611,8 +611,26 @@ class CombineLauncher:
         topk_weights_TK: torch.Tensor | None,
         *,
         addend_TH: torch.Tensor | None = None,
+        out_TH: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        y_TH = expert_out_MH.new_empty((row_of_pair_TK.shape[0], self.hidden_size))
+        """y [T, hidden] of the T = row_of_pair_TK.shape[0] tokens, written into `out_TH` (a
+        row-major [T, hidden] tensor of the rows' dtype) where given, else a new tensor."""
+        shape = (row_of_pair_TK.shape[0], self.hidden_size)
+        if out_TH is None:
+            y_TH = expert_out_MH.new_empty(shape)
+        elif (
+            tuple(out_TH.shape) != shape
+            or out_TH.dtype != self.dtype
+            or not out_TH.is_contiguous()
+            or out_TH.device != expert_out_MH.device
+        ):
+            raise ValueError(
+                f"out: a contiguous {list(shape)} {self.dtype} tensor on {expert_out_MH.device}"
+                f" expected, got {list(out_TH.shape)} {out_TH.dtype} on {out_TH.device}"
+                f" (contiguous: {out_TH.is_contiguous()})"
+            )
+        else:
+            y_TH = out_TH
         try:
             self.compiled(expert_out_MH, row_of_pair_TK, topk_weights_TK, addend_TH, y_TH)
         except Exception as failure:

@@ -307,9 +307,11 @@ class DeviceRoutedDispatcher:
         *,
         addend_TH: torch.Tensor | None = None,
         weights_applied: bool = False,
+        out_TH: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """y[t] = sum over k of weight[t, k] x expert_out[row[t, k]] (+ addend[t]), bf16; k
-        over the handle's pairs (top_k, and the shared experts in the batch)."""
+        over the handle's pairs (top_k, and the shared experts in the batch). Written into
+        `out_TH` ([T, hidden], contiguous, the rows' dtype) where given."""
         pairs = handle.row_of_pair_TK.shape[1]
         key = (not weights_applied, addend_TH is not None, expert_out_MH.device, pairs)
         launcher = self._combine_launchers.get(key)
@@ -329,4 +331,5 @@ class DeviceRoutedDispatcher:
             handle.row_of_pair_TK,
             None if weights_applied else handle.topk_weights_TK,
             addend_TH=addend_TH,
+            out_TH=out_TH,
         )
