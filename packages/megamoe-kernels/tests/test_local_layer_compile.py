@@ -131,6 +131,34 @@ def test_scaled_rows_are_refused_where_no_bf16_row_is_copied(constants, message)
 
 
 @pytest.mark.parametrize(
+    ("experts", "top_k", "hidden", "cta_tokens", "one_cta"),
+    [
+        # one CTA up to two passes of its warps, and at most the bf16 bytes' rule
+        (128, 8, 2048, 4, 8),  # qwen3: 4 slices a row (unroll 2)
+        (32, 1, 7168, 2, 4),  # dsv3 on an 8-way EP rank: 7 slices (unroll 4)
+        (8, 2, 4096, 4, 8),  # mixtral: 4 slices; 8 experts would fit one CTA up to 16 tokens
+        (40, 6, 2880, 1, 2),  # 12 slices of 32 vectors (unroll 1), the last partial
+    ],
+)
+def test_quantizing_copies_take_a_pass_of_slices_per_cta(
+    experts, top_k, hidden, cta_tokens, one_cta
+):
+    quantizing = RouteLauncher(
+        num_experts=experts,
+        top_k=top_k,
+        hidden_size=hidden,
+        rows_dtype=torch.float8_e4m3fn,
+        compile_only=True,
+    )
+    assert quantizing.cta_tokens == cta_tokens
+    assert quantizing._one_cta_token_limit == one_cta
+    copying = RouteLauncher(num_experts=experts, top_k=top_k, hidden_size=hidden, compile_only=True)
+    assert copying.cta_tokens == 16  # a warp per token
+    with pytest.raises(ValueError, match="cta_tokens=0 must lie in"):
+        RouteLauncher(num_experts=experts, top_k=top_k, hidden_size=hidden, cta_tokens=0)
+
+
+@pytest.mark.parametrize(
     "constants",
     [
         dict(top_k=8, hidden_size=2048),

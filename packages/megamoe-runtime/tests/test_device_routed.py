@@ -56,6 +56,8 @@ ROUTERS = {
         num_experts=64, top_k=4, scoring="sigmoid", num_groups=8, top_groups=3, renormalize=False
     ),
     "sigmoid_plain": RouterConfig(num_experts=32, top_k=4, scoring="sigmoid"),
+    # dsv3's routed experts on one rank of 8-way expert parallelism
+    "dsv3_ep8_local": RouterConfig(num_experts=32, top_k=1, scoring="sigmoid"),
 }
 
 
@@ -433,8 +435,13 @@ def test_bitwise_repeat_and_graph_replay_with_new_routing():
     [
         ("qwen3", 2048, 0),
         ("qwen3", 2048, 1),
+        ("qwen3", 2048, 9),  # 8 CTAs for 128 experts, at most 2 tokens each
         ("qwen3", 2048, 37),
         ("qwen3", 2048, 2048),
+        ("dsv3_ep8_local", 7168, 4),  # one CTA, its 16 warps on the 28 slices of 4 rows
+        ("dsv3_ep8_local", 7168, 16),  # 8 CTAs of 2 tokens
+        ("dsv3_ep8_local", 7168, 129),  # 65 CTAs, the last of 1 token
+        ("mixtral", 4096, 9),  # 3 CTAs of at most 4 tokens, though 8 experts fit one CTA
         ("dsv3", 7168, 300),
         ("odd_experts", 2880, 129),  # 22.5 groups of 128: a partial last group
         ("top_k_equals_experts", 4096, 16),

@@ -2,7 +2,9 @@
 
 route_and_place, one launch: a grid of CTAs of ROUTE_WARPS warps, no more than are resident at
 once (its grid-wide barriers need every CTA resident): route_ctas_per_sm per SM, which the
-launch bounds guarantee, on the `sms` SMs of the GPU (at most ROUTE_MAX_CTAS):
+launch bounds guarantee, on the `sms` SMs of the GPU (at most ROUTE_MAX_CTAS). Each CTA takes a
+contiguous share of the tokens, at most `cta_tokens` where the grid has room (a quantizing copy
+split between a CTA's warps: the tokens whose slices its warps take in one pass):
 1. a warp per token, each warp walking a contiguous slice of the tokens in order: the scores
    (softmax over the experts; or sigmoid, plus the correction bias for choosing), the grouped
    top-k mask (groups scored by the sum of their two best choice scores, the best `top_groups`
@@ -101,11 +103,13 @@ def route_ctas_per_sm(experts: int, quantizes: bool) -> int:
     return 2 if experts <= 128 and not quantizes else 1
 
 
-def one_cta_token_limit(num_experts: int, one_cta_tokens: int) -> int:
+def one_cta_token_limit(num_experts: int, one_cta_tokens: int, cta_tokens: int) -> int:
     """Up to how many tokens route_and_place launches one CTA (its grid rule, on the host):
     such a launch never touches its scratch nor its status block."""
-    expert_ctas = (num_experts + ROUTE_WARPS - 1) // ROUTE_WARPS
-    return ROUTE_WARPS if expert_ctas <= 1 else min(ROUTE_WARPS, one_cta_tokens)
+    limit = min(ROUTE_WARPS, one_cta_tokens)
+    if num_experts <= ROUTE_WARPS:  # the grid's floor of a warp per expert is one CTA
+        limit = max(limit, min(ROUTE_WARPS, cta_tokens))
+    return limit
 
 
 def scratch_words(num_experts: int) -> int:
@@ -697,18 +701,24 @@ def route_and_place(
     shared_experts: cutlass.Constexpr,
     weights_on_input: cutlass.Constexpr,
     split_tokens: cutlass.Constexpr,
+    cta_tokens: cutlass.Constexpr,
     sms: cutlass.Constexpr,
     stream,
 ):
     # a warp per token, as many CTAs as that fills, at most as many as are resident; one
     # CTA up to `one_cta_tokens` tokens (no grid barrier; its SM copies every row), else at
     # least a warp per expert, so the scan of step 3 takes one expert per warp, not several one
-    # after another (one_cta_token_limit: up to how many tokens this makes one CTA)
+    # after another, and at most `cta_tokens` tokens a CTA (one_cta_token_limit: up to how many
+    # tokens this makes one CTA)
     tokens = mLogits.shape[0]
     grid = (tokens + ROUTE_WARPS - 1) // ROUTE_WARPS
     expert_ctas = (num_experts + shared_experts + ROUTE_WARPS - 1) // ROUTE_WARPS
     if tokens > one_cta_tokens and grid < expert_ctas:
         grid = expert_ctas
+    if cutlass.const_expr(cta_tokens < ROUTE_WARPS):
+        by_share = (tokens + cta_tokens - 1) // cta_tokens
+        if tokens > one_cta_tokens and grid < by_share:
+            grid = by_share
     ctas_per_sm = route_ctas_per_sm(num_experts + shared_experts, mRowScales is not None)
     resident = min(sms * ctas_per_sm, ROUTE_MAX_CTAS)
     if grid > resident:

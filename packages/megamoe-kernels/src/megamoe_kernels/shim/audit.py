@@ -242,6 +242,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "shared_experts",
             "weights_on_input",
             "split_tokens",
+            "cta_tokens",
             "sms",
             "stream",
         ),

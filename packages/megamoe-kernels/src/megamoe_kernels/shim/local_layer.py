@@ -133,6 +133,18 @@ def _one_cta_tokens(top_k: int, hidden_size: int, *, copies: bool = True) -> int
     return max(1, min(16, _ONE_CTA_COPY_BYTES // (top_k * hidden_size * 2)))
 
 
+def _quantizing_cta_tokens(row_vectors: int, unroll: int, warps: int) -> int:
+    """The tokens a CTA takes where its warps split their e4m3 rows' quantizing copies (slices
+    of 32 x unroll 16-byte vectors, whole quantization groups): as many as give each warp one
+    slice, at least one. Where a warp per token left one or two SMs quantizing every row, the
+    FP8 layer on the H200 took 6% less time at 16 dsv3-ep8-local tokens (170.5-170.8 -> 160.2
+    us), 3-4% less at 128 tokens of dsv3-ep8-local and qwen3-30b-a3b, 0.6-2% at 16 and 128 of
+    mixtral-8x7b; at 4 dsv3-ep8-local tokens a grid of 2 CTAs lost 2.4% to one CTA taking two
+    passes (docs/benchmarks.md, "Quantizing copies a pass per CTA")."""
+    slices = -(-row_vectors // (32 * unroll))
+    return max(1, warps // slices)
+
+
 def _device_index(device: torch.device | None, compile_only: bool) -> int:
     """The GPU a launcher compiles for, whose SMs size its grids: the device's index (the
     current device for a bare "cuda" or no device), or -1 for none (compile_only, no GPU or
@@ -160,13 +172,17 @@ def _cutlass_dtype(dtype: torch.dtype):
 class RouteLauncher:
     """Routing + dispatch of one layer's routing constants, compiled on first use; a call
     allocates (or reuses) the outputs and launches one kernel. See the module docstring for the
-    tensors; `copy_by_token`, `one_cta_tokens`, `unroll` and `split_tokens` are the kernel's
-    knobs (docs/kernels-design.md). `unroll`: the 16-byte loads a lane keeps in flight as it
-    copies or quantizes a row, 1, 2, 4 or 8 with 32 x unroll vectors dividing the row (None:
-    the largest, copy_unroll; for e4m3 rows the largest that leaves a row at least
+    tensors; `copy_by_token`, `one_cta_tokens`, `unroll`, `split_tokens` and `cta_tokens` are
+    the kernel's knobs (docs/kernels-design.md). `unroll`: the 16-byte loads a lane keeps in
+    flight as it copies or quantizes a row, 1, 2, 4 or 8 with 32 x unroll vectors dividing the
+    row (None: the largest, copy_unroll; for e4m3 rows the largest that leaves a row at least
     QUANTIZED_ROW_SLICES slices). `split_tokens`: a CTA of fewer tokens than this has all its
     warps share its rows' copies in slices of 32 x unroll vectors (0: never; None: ROUTE_WARPS
-    where a row holds more than one slice, else 0)."""
+    where a row holds more than one slice, else 0). `cta_tokens`: the most tokens a CTA of a
+    grid takes where the grid has room, 1 to ROUTE_WARPS (None: for e4m3 rows split between
+    the warps, as many as fill the warps with slices once, _quantizing_cta_tokens; else
+    ROUTE_WARPS, a warp per token); `one_cta_tokens` (None: _one_cta_tokens) is at most twice
+    it."""
 
     def __init__(
         self,
@@ -191,6 +207,7 @@ class RouteLauncher:
         one_cta_tokens: int | None = None,
         unroll: int | None = None,
         split_tokens: int | None = None,
+        cta_tokens: int | None = None,
         device: torch.device | str | None = None,
         compile_only: bool = False,
     ):
@@ -264,24 +281,36 @@ class RouteLauncher:
         # reuse_outputs: the last outputs per (device, stream), with the (tokens, capacity) they
         # were made for
         self._kept_outputs: dict[tuple, tuple[tuple[int, int], tuple]] = {}
-        if one_cta_tokens is None:
-            one_cta_tokens = _one_cta_tokens(self.pairs, hidden_size, copies=not gather_rows)
-        one_cta_tokens = int(one_cta_tokens)
+        warps = _drop_route().ROUTE_WARPS
         if split_tokens is None:
             # measured (docs/benchmarks.md, "Routing kernel knobs"): splitting pays where a row
             # holds more than one slice of 32 x unroll vectors (dsv3's 7168: 7, gpt-oss's 2880:
             # 11 and a part); a row of one slice (qwen3's 2048 at unroll 8) only pays the CTA
             # barrier
             splits = row_vectors > 32 * unroll
-            split_tokens = _drop_route().ROUTE_WARPS if splits else 0
-        elif not 0 <= split_tokens <= _drop_route().ROUTE_WARPS:
+            split_tokens = warps if splits else 0
+        elif not 0 <= split_tokens <= warps:
             raise ValueError(
-                f"split_tokens={split_tokens} must lie in [0, {_drop_route().ROUTE_WARPS}] (a "
-                "CTA's warps)"
+                f"split_tokens={split_tokens} must lie in [0, {warps}] (a CTA's warps)"
             )
+        if cta_tokens is None:
+            cta_tokens = warps
+            if rows_dtype == torch.float8_e4m3fn and split_tokens:
+                cta_tokens = _quantizing_cta_tokens(row_vectors, int(unroll), warps)
+        elif not 1 <= cta_tokens <= warps:
+            raise ValueError(f"cta_tokens={cta_tokens} must lie in [1, {warps}] (a CTA's warps)")
+        cta_tokens = int(cta_tokens)
+        if one_cta_tokens is None:
+            # one CTA while its warps pass over the rows at most twice (the grid's barriers
+            # cost about one pass)
+            one_cta_tokens = min(
+                2 * cta_tokens, _one_cta_tokens(self.pairs, hidden_size, copies=not gather_rows)
+            )
+        one_cta_tokens = int(one_cta_tokens)
         self.unroll, self.split_tokens = int(unroll), int(split_tokens)
+        self.cta_tokens = cta_tokens
         self._one_cta_token_limit = _drop_route().one_cta_token_limit(
-            self.batch_experts, one_cta_tokens
+            self.batch_experts, one_cta_tokens, cta_tokens
         )
         constants = (
             num_experts,
@@ -299,6 +328,7 @@ class RouteLauncher:
             shared_experts,
             self.weights_on_input,
             int(split_tokens),
+            cta_tokens,
         )
         device_index = _device_index(self.device, compile_only)
         # the grid's CTAs, all resident at once, are sized by the GPU's SMs
