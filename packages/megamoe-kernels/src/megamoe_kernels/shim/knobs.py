@@ -126,10 +126,10 @@ FP8_DECODE_DEEP_RING_MAX_K_TILES = 16
 # 223.3, 343.2 -> 338.2, 362.2 -> 356.4 us; dsv3-ep8-local (its gate-up's K of 56) 0.9-1.7%
 # less time at 4 to 128 tokens, and at one token (the down's 56 tiles of K = 16 on 132 SMs)
 # 24.4 -> 24.1 (that GEMM now runs 112 tiles of 64 columns, _down_knobs_beside_gate_up, which
-# 96 KiB made slower: 23.3 -> 23.7 us). One qwen3-30b-a3b token (K of 16 and 6 K tiles, 96 and 128 tiles) took 21.8
-# -> 22.0 us in the layer and 13.9 -> 14.9 in the expert MLP alone with 96 KiB rings, so it
-# keeps 64 KiB. 128 KiB: no faster than 96 anywhere. docs/benchmarks.md, "FP8 decode rings on
-# long K".
+# 96 KiB made slower: 23.3 -> 23.7 us). One qwen3-30b-a3b token (K of 16 and 6 K tiles, 96 and
+# 128 tiles) took 21.8 -> 22.0 us in the layer and 13.9 -> 14.9 in the expert MLP alone with 96
+# KiB rings, so it keeps 64 KiB. 128 KiB: no faster than 96 anywhere. docs/benchmarks.md, "FP8
+# decode rings on long K".
 FP8_DECODE_LONG_K_RING_WEIGHT_BYTES = 96 * 1024
 # tiles per SM (a launch's tiles times its K slices, over the SMs) up to which a short-K FP8
 # decode launch takes the ring of FP8_DECODE_LONG_K_RING_WEIGHT_BYTES
