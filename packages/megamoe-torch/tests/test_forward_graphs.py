@@ -114,6 +114,25 @@ def test_a_dropped_output_is_replayed_and_a_held_one_never_overwritten():
     assert torch.equal(view, launching(first_x)[1:])
 
 
+def test_graphs_captured_under_inference_mode_replay_outside_it():
+    # the static input and output are normal tensors: a replay under no_grad writes the input in
+    # place, and the caller may write the output in place, wherever the graph was captured
+    replaying, launching = _pair("qwen3")
+    x = _tokens(4, seed=40)
+    with torch.inference_mode():
+        for _ in range(2):  # launched, captured
+            replaying(x)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            y = replaying(x)
+            assert y.data_ptr() in _graph_outputs(replaying)
+            assert not y.is_inference()
+            expected = launching(x)
+            assert torch.equal(y, expected)
+            y.add_(1)
+            del y
+
+
 @torch.no_grad()
 def test_a_changed_weight_is_never_replayed_stale():
     replaying, launching = _pair("qwen3")

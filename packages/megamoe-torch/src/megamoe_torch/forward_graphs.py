@@ -25,7 +25,9 @@ graph's output"); one who keeps the previous output gets
 a second graph of the key (`GRAPHS_PER_KEY`), captured when first needed; one who keeps more
 gets the forward launched, never an output overwritten. An output used on another stream
 needs `record_stream` there, as any tensor the caching allocator may hand out again does. The
-router logits (`router_logits=True`) come as a copy.
+router logits (`router_logits=True`) come as a copy. The static input and output are normal
+tensors even when the capture ran under `torch.inference_mode`, so a graph replays inside and
+outside it alike, and its output takes in-place updates in both.
 
 `ForwardGraphs.replay(layer, x, router_logits=...)` is the layer's lean path, taken before any
 other work of a forward that autograd does not record: the replay of a graph already captured
@@ -205,10 +207,13 @@ class ForwardGraphs:
     def _capture(
         self, layer: torch.nn.Module, x: torch.Tensor, device_index: int, stream: int
     ) -> _Graph:
-        # the static input and output, allocated before the capture: outside the shared pool
-        static_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        # the static input and output, allocated before the capture: outside the shared pool.
+        # Normal tensors even under inference mode: a replay outside it writes the input in
+        # place, and a caller may write the output in place
+        with torch.inference_mode(False):
+            static_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            static_y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         static_x.copy_(x)
-        static_y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         hidden = layer.config.hidden_size
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA calls during the capture are not an error
