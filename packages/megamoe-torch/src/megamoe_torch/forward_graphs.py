@@ -21,13 +21,13 @@ own CUDA graph trees decide when an output is dead the same way). So a caller wh
 output before the next forward of its key (a model's residual add) gets every forward replayed
 with no copy out (a one-token qwen3-30b-a3b forward about 10 us less host time and wall
 time than with a copy of the output: docs/benchmarks.md, "Replayed forwards hand out the
-graph's output"); one who keeps the previous output gets
-a second graph of the key (`GRAPHS_PER_KEY`), captured when first needed; one who keeps more
-gets the forward launched, never an output overwritten. An output used on another stream
-needs `record_stream` there, as any tensor the caching allocator may hand out again does. The
-router logits (`router_logits=True`) come as a copy. The static input and output are normal
-tensors even when the capture ran under `torch.inference_mode`, so a graph replays inside and
-outside it alike, and its output takes in-place updates in both.
+graph's output"); one who keeps the previous output gets a second graph of the key
+(`GRAPHS_PER_KEY`), captured when first needed; one who keeps more gets the forward launched,
+never an output overwritten. An output used on another stream needs `record_stream` there, as
+any tensor the caching allocator may hand out again does. The router logits
+(`router_logits=True`) come as a copy. The static input and output are normal tensors even
+when the capture ran under `torch.inference_mode`, so a graph replays inside and outside it
+alike, and its output takes in-place updates in both.
 
 `ForwardGraphs.replay(layer, x, router_logits=...)` is the layer's lean path, taken before any
 other work of a forward that autograd does not record: the replay of a graph already captured
