@@ -1,11 +1,14 @@
 """When a replayed forward's static output is free to be written again (forward_graphs.py): only
-while no tensor of a caller, a view included, shares its storage. CPU: the rule is the storage's
-use count, which needs no GPU."""
+while no tensor of a caller, a view included, shares its storage; and the graphs a key takes
+while outputs are held. CPU: the rule is the storage's use count, and the captures are stood in
+for, so neither needs a GPU."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
-from megamoe_torch.forward_graphs import _free_graph, _Graph
+from megamoe_torch.forward_graphs import GRAPHS_PER_KEY, ForwardGraphs, _free_graph, _Graph
 
 
 def _graph() -> _Graph:
@@ -44,3 +47,53 @@ def test_the_first_free_graph_is_taken():
     assert _free_graph([first, second]) is first
     del held_too
     assert _free_graph([]) is None
+
+
+class _Replays:
+    """A stand-in for a captured CUDA graph: counts its replays."""
+
+    def __init__(self):
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.config = SimpleNamespace(hidden_size=hidden)
+        self.weight = torch.nn.Parameter(torch.zeros(hidden))
+
+
+def test_a_key_takes_a_second_graph_while_the_first_output_is_held(monkeypatch):
+    # ForwardGraphs' policy with its captures stood in for (CPU tensors, stream 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    captured = []
+
+    def capture(self, layer, x, device_index, stream):
+        graph = _Graph(
+            graph=_Replays(),
+            x=torch.empty_like(x),
+            y=torch.empty_like(x),
+            router_logits_TE=torch.empty(x.shape[0], 4),
+        )
+        captured.append(graph)
+        return graph
+
+    monkeypatch.setattr(ForwardGraphs, "_capture", capture)
+    graphs, layer = ForwardGraphs(max_tokens=8), _Layer(16)
+    x = torch.randn(2, 16)
+    assert graphs.forward(layer, x) is None  # the first forward of a key runs eagerly
+    first, _ = graphs.forward(layer, x)  # the second captures and runs the graph
+    assert len(captured) == 1 and first.data_ptr() == captured[0].y.data_ptr()
+    assert torch.equal(captured[0].x, x)
+    second, _ = graphs.forward(layer, x)  # the first output held: a second graph
+    assert len(captured) == GRAPHS_PER_KEY and second.data_ptr() == captured[1].y.data_ptr()
+    assert graphs.forward(layer, x) is None  # both held: launch
+    del first
+    again, logits = graphs.forward(layer, x, router_logits=True)  # the first graph again
+    assert again.data_ptr() == captured[0].y.data_ptr()
+    assert logits.data_ptr() != captured[0].router_logits_TE.data_ptr()  # a copy
+    assert [graph.graph.replays for graph in captured] == [2, 1]
+    assert len(graphs) == 1  # one key
