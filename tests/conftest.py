@@ -48,6 +48,11 @@ def _spawned_rank(rank: int, world_size: int, port: int, body: Callable, args: t
     )
     try:
         body(rank, world_size, torch.device("cpu"), *args)
+        # every rank done with its collectives before any tears the group down (rank 0 also
+        # hosts the store): a 4-rank run once saw rank 0 abort in its teardown (SIGABRT,
+        # "terminate called without an active exception"). A rank that failed skips this:
+        # spawn terminates the others
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
