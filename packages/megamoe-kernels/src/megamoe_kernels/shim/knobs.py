@@ -442,21 +442,33 @@ def _down_knobs_beside_gate_up(
 
     if is_fp8(op) and ctas(knobs, hidden) > sms:
         return wide
-    gate_up = default_knobs("gate_up_fp8" if is_fp8(op) else "gate_up", capacity / max(1, experts))
-    if gate_up.swap_ab and is_fp8(op):
-        gate_up = _fp8_gate_up_split_k(
-            gate_up,
-            capacity=capacity,
-            experts=experts,
-            weight_dims=(2 * intermediate, hidden),
-            sms=sms,
-        )
+    gate_up = _gate_up_tile(
+        "gate_up_fp8" if is_fp8(op) else "gate_up",
+        capacity=capacity,
+        experts=experts,
+        weight_dims=(2 * intermediate, hidden),
+        sms=sms,
+    )
     gate_up_ctas = ctas(gate_up, 2 * intermediate) * gate_up.split_k
     if gate_up_ctas + ctas(knobs, hidden) <= sms:
         return knobs
     if gate_up_ctas + ctas(wide, hidden) > sms:
         return knobs
     return wide
+
+
+def _gate_up_tile(
+    op: str, *, capacity: int, experts: int, weight_dims: tuple[int, int], sms: int
+) -> GemmKnobs:
+    """The default profile's gate-up tile (`op` one of the gate-up ops) for `capacity` rows over
+    `experts`, an FP8 decode one with its K split (_fp8_gate_up_split_k); stages left to
+    set. default_launches launches it, and the decode down GEMM counts its CTAs."""
+    knobs = default_knobs(op, capacity / max(1, experts))
+    if knobs.swap_ab and is_fp8(op):
+        knobs = _fp8_gate_up_split_k(
+            knobs, capacity=capacity, experts=experts, weight_dims=weight_dims, sms=sms
+        )
+    return knobs
 
 
 def _fp8_gate_up_split_k(
@@ -526,15 +538,16 @@ def default_launches(
     if tuned is not None:
         knobs = check_knobs(tuned, op)
     else:
-        knobs = default_knobs(op, capacity / max(1, experts))
-        if knobs.swap_ab and is_fp8(op) and is_gate_up(op):
-            knobs = _fp8_gate_up_split_k(
-                knobs, capacity=capacity, experts=experts, weight_dims=weight_dims, sms=sms
+        if is_fp8(op) and is_gate_up(op):
+            knobs = _gate_up_tile(
+                op, capacity=capacity, experts=experts, weight_dims=weight_dims, sms=sms
             )
-        elif knobs.swap_ab:
-            knobs = _down_knobs_beside_gate_up(
-                op, knobs, capacity=capacity, experts=experts, weight_dims=weight_dims, sms=sms
-            )
+        else:
+            knobs = default_knobs(op, capacity / max(1, experts))
+            if knobs.swap_ab:
+                knobs = _down_knobs_beside_gate_up(
+                    op, knobs, capacity=capacity, experts=experts, weight_dims=weight_dims, sms=sms
+                )
         stages = _launch_stages(
             knobs, op, capacity=capacity, experts=experts, weight_dims=weight_dims, sms=sms
         )
