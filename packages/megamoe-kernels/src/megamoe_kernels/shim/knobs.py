@@ -538,7 +538,7 @@ def default_launches(
     if tuned is not None:
         knobs = check_knobs(tuned, op)
     else:
-        if is_fp8(op) and is_gate_up(op):
+        if is_gate_up(op):
             knobs = _gate_up_tile(
                 op, capacity=capacity, experts=experts, weight_dims=weight_dims, sms=sms
             )
