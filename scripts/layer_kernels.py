@@ -19,7 +19,9 @@ graph, from the torch profiler's CUDA activity), and of the expert GEMMs alone o
 --output-ab eager forwards replayed from the layer's graph with the graph's own output handed
 out (the layer's way) against a copy of it (what a forward that must return a fresh tensor
 costs): the wall time of back-to-back forwards and the host time of single ones, alternating
-rounds; --router-host the host time of the ways to compute fp32 router logits; --host-profile prints
+rounds; --copy-in-ab a replayed forward's tokens brought in by the graph's own copy node
+against a torch copy before the replay (wall and host time, alternating rounds); --router-host
+the host time of the ways to compute fp32 router logits; --host-profile prints
 where the host time of an eager forward goes: single forwards, each issued after the GPU
 drained (as the bench's "host us" times them), under cProfile (cumulative time per function,
 which cProfile inflates), then, uninstrumented, the steps of a forward that replays the
@@ -76,6 +78,7 @@ def main() -> None:
     parser.add_argument("--timeline", action="store_true")
     parser.add_argument("--host-profile", action="store_true")
     parser.add_argument("--output-ab", action="store_true")
+    parser.add_argument("--copy-in-ab", action="store_true")
     parser.add_argument("--router-host", action="store_true")
     parser.add_argument("--weight-dtype", choices=["bf16", "fp8"], default="bf16")
     args = parser.parse_args()
@@ -104,6 +107,8 @@ def main() -> None:
                 host_profile(layer, x_TH)
             if args.output_ab:
                 output_ab(layer, x_TH)
+            if args.copy_in_ab:
+                copy_in_ab(layer, x_TH)
             if args.router_host:
                 router_host(layer, x_TH)
 
@@ -345,12 +350,20 @@ def host_profile(layer, x_TH, rounds: int = 40) -> None:
     if not graphs:
         return
     entry = next(reversed(graphs.values()))[0]
+    buffers = [x_TH, x_TH.clone()]
+    turn = [0]
+
+    def point_copy_node():  # at the other buffer each call
+        turn[0] ^= 1
+        entry.copy_source.point_at(buffers[turn[0]].data_ptr())
+
     steps = {
         "forward": lambda: layer(x_TH),
-        "copy in": lambda: entry.x.copy_(x_TH),
+        "torch copy": lambda: entry.x.copy_(x_TH),
+        **({"point copy node": point_copy_node} if entry.copy_source is not None else {}),
         "graph replay": entry.graph.replay,
         "output free?": entry.output_free,
-        "copy, replay": lambda: entry.run(x_TH, False),
+        "run": lambda: entry.run(x_TH, False),
         "weights signature": lambda: layer._forward_graphs._weights_signature(layer),
         "stream capturing?": torch.cuda.is_current_stream_capturing,
         "empty 4 KB": lambda: torch.empty(1024, device="cuda"),
@@ -404,6 +417,64 @@ def output_ab(layer, x_TH, rounds: int = 3) -> None:
         )
     readings = alternating_readings(readers, rounds=rounds)
     print(f"  replayed forwards, output copied or handed out, us: {readings_line(readings)}")
+
+
+def copy_in_ab(layer, x_TH, rounds: int = 3) -> None:
+    """How a replayed forward brings its tokens in: the graph's first node pointed at tokens
+    that move between two buffers ("node, moved") or stay in one ("node, same"; the layer's way,
+    graph_input.py), against a torch copy into a buffer the node reads before the replay and
+    the output aliased by `view` ("torch copy", the host work of replays before the node). The
+    wall time of back-to-back forwards (median of 50) and the host time of single ones, each
+    after the GPU drained (median of 21), alternating rounds."""
+    from megamoe_torch import forward_graphs
+
+    layer_run = forward_graphs._Graph.run
+    staging = torch.empty_like(x_TH)
+
+    def torch_copy(graph, x, router_logits):
+        staging.copy_(x)
+        graph.copy_source.point_at(staging.data_ptr())
+        graph.graph.replay()
+        return graph.y.view(graph.y.shape), None
+
+    device = torch.device("cuda")
+    buffers = [x_TH, x_TH.clone()]
+    turn = [0]
+
+    def moved():
+        turn[0] ^= 1
+        return layer(buffers[turn[0]])
+
+    def same():
+        return layer(x_TH)
+
+    for _ in range(3):  # launched, captured, replayed
+        same()
+    readers = {}
+    for name, run, forward in (
+        ("torch copy", torch_copy, same),
+        ("node, moved", layer_run, moved),
+        ("node, same", layer_run, same),
+    ):
+
+        def with_run(read, run=run):
+            def reading():
+                forward_graphs._Graph.run = run
+                try:
+                    return read()
+                finally:
+                    forward_graphs._Graph.run = layer_run
+
+            return reading
+
+        readers[f"eager-{name}"] = with_run(
+            lambda forward=forward: median_seconds(forward, device=device, repeats=50)
+        )
+        readers[f"host-{name}"] = with_run(
+            lambda forward=forward: host_seconds_per_call(forward, device=device, rounds=21)
+        )
+    readings = alternating_readings(readers, rounds=rounds)
+    print(f"  replayed forwards' copy in, us: {readings_line(readings)}")
 
 
 def report(layer, x_TH, title: str) -> None:

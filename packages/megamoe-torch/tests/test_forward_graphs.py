@@ -133,6 +133,57 @@ def test_graphs_captured_under_inference_mode_replay_outside_it():
             del y
 
 
+def _entries(layer: MegaMoE) -> list:
+    return [graph for graphs in layer._forward_graphs._graphs.values() for graph in graphs]
+
+
+@torch.no_grad()
+def test_a_replay_reads_the_callers_tokens_wherever_they_lie():
+    # the graph's first node copies the tokens in from the address of each forward's tokens
+    # (graph_input.py): the same buffer rewritten, another buffer, a strided view, and a replay
+    # pointed elsewhere while the one before is still queued
+    replaying, launching = _pair("qwen3")
+    x = _tokens(4, seed=50)
+    for _ in range(2):  # launched, captured
+        replaying(x)
+    (entry,) = _entries(replaying)
+    assert entry.copy_source is not None
+    x.copy_(_tokens(4, seed=51))  # the same address, new tokens
+    assert torch.equal(replaying(x), launching(x))
+    other = _tokens(4, seed=52)
+    assert torch.equal(replaying(other), launching(other))
+    strided = _tokens(8, seed=53)[::2]  # a view, not contiguous
+    assert not strided.is_contiguous()
+    assert torch.equal(replaying(strided), launching(strided.contiguous()))
+    big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    first, second = _tokens(4, seed=54), _tokens(4, seed=55)
+    big @ big  # queues the replays behind it
+    first_output = replaying(first).clone()  # the graph's output dropped: replayed again next
+    second_output = replaying(second)
+    assert torch.equal(first_output, launching(first))
+    assert torch.equal(second_output, launching(second))
+    assert len(_entries(replaying)) == 1
+
+
+@pytest.mark.parametrize("copy_node", ["unavailable", "not found"])
+@torch.no_grad()
+def test_tokens_copied_by_torch_where_the_graph_cannot_copy_them(monkeypatch, copy_node):
+    from megamoe_torch import forward_graphs
+
+    # restored after the test, which turns it off either way
+    monkeypatch.setattr(forward_graphs, "_copies_in_graph", copy_node != "unavailable")
+    if copy_node == "not found":
+        monkeypatch.setattr(forward_graphs.CopySource, "find", classmethod(lambda *a, **k: None))
+    replaying, launching = _pair("qwen3")
+    for call in range(4):
+        x = _tokens(4, seed=60 + call)
+        assert torch.equal(replaying(x), launching(x)), f"call {call}"
+    # "not found": the capture (second call) launched instead, and turned the graph's copy off
+    assert forward_graphs._copies_in_graph is False
+    (entry,) = _entries(replaying)
+    assert entry.copy_source is None
+
+
 @torch.no_grad()
 def test_a_changed_weight_is_never_replayed_stale():
     replaying, launching = _pair("qwen3")

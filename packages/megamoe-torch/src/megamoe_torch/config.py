@@ -141,9 +141,10 @@ class MegaMoEConfig:
     # eager forwards of 1 to this many tokens on the fused path (one GPU, no autograd, not
     # under an outer CUDA-graph capture or torch.compile, check_inputs off) replay a CUDA graph
     # the layer captures at the second forward of each token count (and weights, stream), so
-    # a decode step costs the host a copy in and a replay in place of the launches, and returns
-    # the graph's own output, replayed into again only once the caller has dropped it
-    # (forward_graphs.py); the graphs share one memory pool per stream. 0: always launch.
+    # a decode step costs the host a replay (its first node copies the tokens in) in place of
+    # the launches, and returns the graph's own output, replayed into again only once the
+    # caller has dropped it (forward_graphs.py); the graphs share one memory pool per stream.
+    # 0: always launch.
     eager_graph_tokens: int = 128
     # the fused path with bf16 experts on the cutedsl backend (hidden size a multiple of 64):
     # True, the dispatch writes only the token of each batch row and the gate-up GEMM reads

@@ -3,7 +3,9 @@
 An eager forward of the fused path issues five or more launches, each a few microseconds of
 Python and TVM-FFI on the host, plus the router GEMM's dispatch through torch: 100-540 us of
 host time per forward measured on the H200 host, several times the GPU time of a decode step.
-A replay costs the host a copy of the tokens in and one `cudaGraphLaunch` (docs/benchmarks.md).
+A replay costs the host one `cudaGraphLaunch`, after pointing the graph's first node, which
+copies the tokens in, at the caller's tokens where they moved (graph_input.py; without the CUDA
+runtime bindings a torch copy precedes the launch). docs/benchmarks.md has the numbers.
 
 `ForwardGraphs.forward(layer, x, router_logits=...)` returns (y, router_logits_TE or None), y
 in x's shape, or None where the forward should run eagerly. Graphs are kept per (x's shape,
@@ -14,7 +16,7 @@ Any change to a weight (in place, replaced, moved) changes the key, so a replay 
 stale prepared weights; a new config (`use_backend`) drops every graph. At most `MAX_GRAPHS`
 keys per layer, the least recently used dropped first.
 
-The output a replay returns is the graph's own static output (a view of it), not a copy: its
+The output a replay returns is the graph's own static output (an alias of it), not a copy: its
 storage is allocated outside the graphs' pool, so no other graph's replay writes it, and a
 graph replays only while no tensor of a caller shares that storage (its use count; torch's
 own CUDA graph trees decide when an output is dead the same way). So a caller who drops each
@@ -32,8 +34,8 @@ alike, and its output takes in-place updates in both.
 `ForwardGraphs.replay(layer, x, router_logits=...)` is the layer's lean path, taken before any
 other work of a forward that autograd does not record: the replay of a graph already captured
 for this key (which the layer's checks admitted when it captured) whose output is free, or
-None. Its host time is the key (an address and a version per parameter), the copy in and the
-graph launch.
+None. Its host time is the key (an address and a version per parameter), the copy node's
+update where the tokens moved, and the graph launch.
 
 The graphs of one (device, stream), every layer's, share one memory pool while one of them
 lives: replays on one stream never overlap, and each graph's static input (outside the pool)
@@ -44,12 +46,14 @@ captured before it: they are copied out right after its replay.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
+from megamoe_torch.graph_input import CopySource, copy_node_updates_available
 from megamoe_torch.tensor_cache import tensor_versions
 
 MAX_GRAPHS = 16
@@ -57,6 +61,10 @@ MAX_GRAPHS = 16
 GRAPHS_PER_KEY = 2
 # token counts seen once and not captured (yet), remembered for their second forward
 MAX_SEEN = 64
+
+# whether captures copy the tokens in by a node of the graph (graph_input.py): off for the
+# process once a capture's copy did not come out as one memcpy node
+_copies_in_graph = copy_node_updates_available()
 
 # the live graphs captured for each (device, stream): a capture shares the memory pool of one
 # of them (a pool none of whose graphs lives is never handed out again)
@@ -75,6 +83,8 @@ class _Graph:
     x: torch.Tensor  # the static input, in the caller's shape
     y: torch.Tensor  # the static output (outside the pool), in the caller's shape
     router_logits_TE: torch.Tensor
+    # the graph's first node, copying the tokens into x (None: copied by torch before a replay)
+    copy_source: CopySource | None = None
     # y's storage, held: with y, the two references to it while no caller holds an output
     y_storage: torch.UntypedStorage = field(init=False)
 
@@ -85,14 +95,25 @@ class _Graph:
         """Whether no tensor but this graph's own shares its output's storage."""
         return torch._C._storage_Use_Count(self.y_storage._cdata) == 2
 
-    def run(self, x: torch.Tensor, router_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Replays (the output must be free) and returns (a view of the output, a copy of the
-        router logits or None)."""
-        self.x.copy_(x)
+    def run(
+        self, x: torch.Tensor, router_logits: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Replays (the output must be free) and returns (an alias of the output, a copy of the
+        router logits or None); None where the tokens could not be brought in (nothing ran)."""
+        if self.copy_source is None:
+            self.x.copy_(x)
+        else:
+            # the graph's copy reads x at its launch, in stream order (a contiguous copy made
+            # here is freed to this stream's pool, behind that launch)
+            if not x.is_contiguous():
+                x = x.contiguous()
+            if not self.copy_source.point_at(x.data_ptr()):
+                return None
         self.graph.replay()
         # the logits may lie in another graph's scratch: the caller gets its own
         logits_TE = self.router_logits_TE.clone() if router_logits else None
-        return self.y.view(self.y.shape), logits_TE
+        # a new tensor of y's storage (what output_free counts); detach is the cheapest
+        return self.y.detach(), logits_TE
 
 
 class ForwardGraphs:
@@ -137,9 +158,7 @@ class ForwardGraphs:
         to one gives another signature (the slots are listed once, while the layer's
         submodules stay the same objects)."""
         modules = tuple(layer._modules.values())
-        if len(modules) != len(self._modules) or any(
-            a is not b for a, b in zip(modules, self._modules, strict=True)
-        ):
+        if len(modules) != len(self._modules) or not all(map(operator.is_, modules, self._modules)):
             self._modules = modules
             self._tensor_slots = [
                 (container, name)
@@ -147,7 +166,7 @@ class ForwardGraphs:
                 for container in (module._parameters, module._buffers)
                 for name in container
             ]
-        return tensor_versions(container[name] for container, name in self._tensor_slots)
+        return tensor_versions([container[name] for container, name in self._tensor_slots])
 
     def _key(self, layer: torch.nn.Module, x: torch.Tensor, device_index: int) -> tuple:
         stream = torch._C._cuda_getCurrentRawStream(device_index)
@@ -201,30 +220,52 @@ class ForwardGraphs:
             if len(graphs) == GRAPHS_PER_KEY:
                 return None
             entry = self._capture(layer, x, device_index, stream)
+            if entry is None:
+                return None
             graphs.append(entry)
         return entry.run(x, router_logits)
 
     def _capture(
         self, layer: torch.nn.Module, x: torch.Tensor, device_index: int, stream: int
-    ) -> _Graph:
+    ) -> _Graph | None:
+        """A graph of this forward, its tokens copied in by its first node (graph_input.py)
+        where that node can be pointed at each replay's tokens; else by torch before each
+        replay. None where the copy did not come out as such a node: the forward launches,
+        and later captures copy with torch."""
+        global _copies_in_graph
         # the static input and output, allocated before the capture: outside the shared pool.
         # Normal tensors even under inference mode: a replay outside it writes the input in
         # place, and a caller may write the output in place
         with torch.inference_mode(False):
             static_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
             static_y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        static_x.copy_(x)
+        source = x.contiguous()
+        copies_in_graph = _copies_in_graph
+        graph = torch.cuda.CUDAGraph(keep_graph=True) if copies_in_graph else torch.cuda.CUDAGraph()
         hidden = layer.config.hidden_size
-        graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA calls during the capture are not an error
         with torch.cuda.graph(
             graph, pool=_shared_pool(device_index, stream), capture_error_mode="thread_local"
         ):
+            if copies_in_graph:
+                static_x.copy_(source)
             _, router_logits_TE = layer._fused_forward_from_tokens(
                 static_x.view(-1, hidden), out_TH=static_y.view(-1, hidden)
             )
+        copy_source = None
+        if copies_in_graph:
+            graph.instantiate()
+            copy_source = CopySource.find(
+                graph,
+                dst=static_x.data_ptr(),
+                src=source.data_ptr(),
+                nbytes=static_x.numel() * static_x.element_size(),
+            )
+            if copy_source is None:
+                _copies_in_graph = False
+                return None
         _LIVE_GRAPHS.setdefault((device_index, stream), weakref.WeakSet()).add(graph)
-        return _Graph(graph, static_x, static_y, router_logits_TE)
+        return _Graph(graph, static_x, static_y, router_logits_TE, copy_source)
 
 
 def _free_graph(graphs) -> _Graph | None:

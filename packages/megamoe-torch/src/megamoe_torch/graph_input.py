@@ -1,0 +1,88 @@
+"""The input copy of a captured CUDA graph, pointed at each replay's tokens.
+
+A replayed forward must bring the caller's tokens into the graph's static input. A torch
+`copy_` before the replay costs the host 9-11 us (one H200 host); this module instead captures
+the copy into the graph as its first node (a 1-D device-to-device memcpy) and, before a replay
+whose tokens lie at another address than the last, points that node's source at them with
+`cudaGraphExecMemcpyNodeSetParams1D` (about 3 us; nothing when the address is the last one's, as
+in a loop that reuses its buffers). The update affects later launches only, never one already
+enqueued (the runtime's contract), so no replay waits for the one before it.
+
+`CopySource.find(graph, dst, src, nbytes)` finds the node in a graph captured with
+`keep_graph=True` and instantiated; None where the runtime bindings or the node are missing (the
+caller then copies with torch, outside the graph).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from cuda.bindings import runtime as _cudart
+except ImportError:  # pragma: no cover - a declared dependency; without it torch copies
+    _cudart = None
+
+
+def copy_node_updates_available() -> bool:
+    """Whether the CUDA runtime bindings that update a graph's memcpy node are importable."""
+    return _cudart is not None
+
+
+class CopySource:
+    """The memcpy node of an instantiated graph that copies `nbytes` into `dst`: `point_at(src)`
+    makes the graph's next launches copy from `src`."""
+
+    def __init__(self, graph_exec, node, dst: int, src: int, nbytes: int):
+        self._graph_exec = graph_exec
+        self._node = node
+        self._dst = dst
+        self._nbytes = nbytes
+        self._kind = _cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+        self._set_params = _cudart.cudaGraphExecMemcpyNodeSetParams1D
+        self.source = src  # the address the node copies from now
+
+    @classmethod
+    def find(
+        cls, graph: torch.cuda.CUDAGraph, *, dst: int, src: int, nbytes: int
+    ) -> CopySource | None:
+        """The node of `graph` (captured with keep_graph=True, instantiated) that copies
+        `nbytes` from `src` to `dst`, or None."""
+        if _cudart is None:
+            return None
+        success = _cudart.cudaError_t.cudaSuccess
+        raw_graph = _cudart.cudaGraph_t(init_value=graph.raw_cuda_graph())
+        error, _, count = _cudart.cudaGraphGetNodes(raw_graph, 0)
+        if error != success:
+            return None
+        error, nodes, count = _cudart.cudaGraphGetNodes(raw_graph, count)
+        if error != success:
+            return None
+        memcpy = _cudart.cudaGraphNodeType.cudaGraphNodeTypeMemcpy
+        for node in nodes[:count]:
+            error, node_type = _cudart.cudaGraphNodeGetType(node)
+            if error != success or node_type != memcpy:
+                continue
+            error, params = _cudart.cudaGraphMemcpyNodeGetParams(node)
+            if (
+                error == success
+                and int(params.dstPtr.ptr) == dst
+                and int(params.srcPtr.ptr) == src
+                and params.extent.width == nbytes
+                and params.extent.height == params.extent.depth == 1
+            ):
+                graph_exec = _cudart.cudaGraphExec_t(init_value=graph.raw_cuda_graph_exec())
+                return cls(graph_exec, node, dst, src, nbytes)
+        return None
+
+    def point_at(self, src: int) -> bool:
+        """Makes the graph's next launches copy from `src` (`nbytes` of device memory of the same
+        device); False where the runtime refuses it (the node then still copies from the last
+        source)."""
+        if src != self.source:
+            (error,) = self._set_params(
+                self._graph_exec, self._node, self._dst, src, self._nbytes, self._kind
+            )
+            if error != _cudart.cudaError_t.cudaSuccess:
+                return False
+            self.source = src
+        return True
