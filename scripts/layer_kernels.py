@@ -299,16 +299,17 @@ def kernel_timeline(fn, *, device, forwards: int = 10, replays: int = 5):
 
 
 def route_ab(layer, x_TH) -> None:
-    """The routing kernel's knobs against its defaults (rows copied by token, one CTA up to 16
-    tokens, a CTA's rows split between its warps below 16 tokens where the row holds several
-    slices, the most loads in flight): rows not split, and rows split at every unroll that
-    divides the row (slices of 32 x unroll vectors; with FP8 experts e4m3 rows quantized by
-    token). Graph replays, three alternating rounds."""
+    """The routing kernel's knobs against its defaults (rows copied by token, one CTA up to the
+    profile's bound, a CTA's rows split between its warps below 16 tokens where the row holds
+    several slices, the most loads in flight): one CTA up to 16 tokens, rows not split, and
+    rows split at every unroll that divides the row (slices of 32 x unroll vectors; with FP8
+    experts e4m3 rows quantized by token). Graph replays, three alternating rounds."""
     config = layer.config
     logits = layer.router_logits(x_TH)
     row_vectors = config.hidden_size // 8
     variants = {
         "default": dict(),
+        "one CTA": dict(one_cta_tokens=16),
         "rows not split": dict(split_tokens=0),
         "split": dict(split_tokens=16),
     }
