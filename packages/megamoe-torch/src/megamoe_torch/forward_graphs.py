@@ -260,6 +260,7 @@ class ForwardGraphs:
                 dst=static_x.data_ptr(),
                 src=source.data_ptr(),
                 nbytes=static_x.numel() * static_x.element_size(),
+                device_index=device_index,
             )
             if copy_source is None:
                 _copies_in_graph = False

@@ -8,9 +8,11 @@ whose tokens lie at another address than the last, points that node's source at 
 in a loop that reuses its buffers). The update affects later launches only, never one already
 enqueued (the runtime's contract), so no replay waits for the one before it.
 
-`CopySource.find(graph, dst, src, nbytes)` finds the node in a graph captured with
-`keep_graph=True` and instantiated; None where the runtime bindings or the node are missing (the
-caller then copies with torch, outside the graph).
+`CopySource.find(graph, dst, src, nbytes, device_index)` finds the node in a graph captured
+with `keep_graph=True` and instantiated; None where the runtime bindings or the node are missing
+(the caller then copies with torch, outside the graph). The runtime updates the node on the
+current device's context, so an update is made with the graph's device current (as torch's
+replay is).
 """
 
 from __future__ import annotations
@@ -32,21 +34,22 @@ class CopySource:
     """The memcpy node of an instantiated graph that copies `nbytes` into `dst`: `point_at(src)`
     makes the graph's next launches copy from `src`."""
 
-    def __init__(self, graph_exec, node, dst: int, src: int, nbytes: int):
+    def __init__(self, graph_exec, node, *, dst: int, src: int, nbytes: int, device_index: int):
         self._graph_exec = graph_exec
         self._node = node
         self._dst = dst
         self._nbytes = nbytes
+        self._device_index = device_index
         self._kind = _cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice
         self._set_params = _cudart.cudaGraphExecMemcpyNodeSetParams1D
         self.source = src  # the address the node copies from now
 
     @classmethod
     def find(
-        cls, graph: torch.cuda.CUDAGraph, *, dst: int, src: int, nbytes: int
+        cls, graph: torch.cuda.CUDAGraph, *, dst: int, src: int, nbytes: int, device_index: int
     ) -> CopySource | None:
-        """The node of `graph` (captured with keep_graph=True, instantiated) that copies
-        `nbytes` from `src` to `dst`, or None."""
+        """The node of `graph` (captured with keep_graph=True on device `device_index`,
+        instantiated) that copies `nbytes` from `src` to `dst`, or None."""
         if _cudart is None:
             return None
         success = _cudart.cudaError_t.cudaSuccess
@@ -71,18 +74,28 @@ class CopySource:
                 and params.extent.height == params.extent.depth == 1
             ):
                 graph_exec = _cudart.cudaGraphExec_t(init_value=graph.raw_cuda_graph_exec())
-                return cls(graph_exec, node, dst, src, nbytes)
+                return cls(
+                    graph_exec, node, dst=dst, src=src, nbytes=nbytes, device_index=device_index
+                )
         return None
 
     def point_at(self, src: int) -> bool:
         """Makes the graph's next launches copy from `src` (`nbytes` of device memory of the same
         device); False where the runtime refuses it (the node then still copies from the last
         source)."""
-        if src != self.source:
-            (error,) = self._set_params(
-                self._graph_exec, self._node, self._dst, src, self._nbytes, self._kind
-            )
-            if error != _cudart.cudaError_t.cudaSuccess:
-                return False
-            self.source = src
+        if src == self.source:
+            return True
+        if torch._C._cuda_getDevice() == self._device_index:
+            (error,) = self._set_source(src)
+        else:
+            with torch.cuda.device(self._device_index):
+                (error,) = self._set_source(src)
+        if error != _cudart.cudaError_t.cudaSuccess:
+            return False
+        self.source = src
         return True
+
+    def _set_source(self, src: int) -> tuple:
+        return self._set_params(
+            self._graph_exec, self._node, self._dst, src, self._nbytes, self._kind
+        )
