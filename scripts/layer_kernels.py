@@ -379,10 +379,40 @@ def host_profile(layer, x_TH, rounds: int = 40) -> None:
     )
 
 
+def replayed_forward_readings(variants: dict, *, rounds: int) -> dict:
+    """Alternating readings of eager forwards replayed from the layer's graphs, each variant a
+    (stand-in for forward_graphs._Graph.run, forward): the wall time of 50 back-to-back
+    forwards (median) and the host time of single forwards, each after the GPU drained (median
+    of 21)."""
+    from megamoe_torch import forward_graphs
+
+    layer_run = forward_graphs._Graph.run
+    device = torch.device("cuda")
+
+    def with_run(run, read):
+        def reading():
+            forward_graphs._Graph.run = run
+            try:
+                return read()
+            finally:
+                forward_graphs._Graph.run = layer_run
+
+        return reading
+
+    readers = {}
+    for name, (run, forward) in variants.items():
+        readers[f"eager-{name}"] = with_run(
+            run, lambda forward=forward: median_seconds(forward, device=device, repeats=50)
+        )
+        readers[f"host-{name}"] = with_run(
+            run, lambda forward=forward: host_seconds_per_call(forward, device=device, rounds=21)
+        )
+    return alternating_readings(readers, rounds=rounds)
+
+
 def output_ab(layer, x_TH, rounds: int = 3) -> None:
     """Eager forwards replayed from the layer's graph: the graph's own output handed out
-    (forward_graphs._Graph.run) against a copy of it. Wall time of 50 back-to-back forwards
-    (median) and host time of single forwards, each after the GPU drained (median of 21)."""
+    (forward_graphs._Graph.run) against a copy of it (replayed_forward_readings)."""
     from megamoe_torch import forward_graphs
 
     handed_out = forward_graphs._Graph.run
@@ -391,32 +421,14 @@ def output_ab(layer, x_TH, rounds: int = 3) -> None:
         y, logits_TE = handed_out(graph, x, router_logits)
         return y.clone(), logits_TE
 
-    device = torch.device("cuda")
-
     def forward():
         return layer(x_TH)
 
-    def timed_with(run, read):
-        def reading():
-            forward_graphs._Graph.run = run
-            try:
-                return read()
-            finally:
-                forward_graphs._Graph.run = handed_out
-
-        return reading
-
     for _ in range(3):  # launched, captured, replayed
         forward()
-    readers = {}
-    for name, run in (("copied", copied), ("handed-out", handed_out)):
-        readers[f"eager-{name}"] = timed_with(
-            run, lambda: median_seconds(forward, device=device, repeats=50)
-        )
-        readers[f"host-{name}"] = timed_with(
-            run, lambda: host_seconds_per_call(forward, device=device, rounds=21)
-        )
-    readings = alternating_readings(readers, rounds=rounds)
+    readings = replayed_forward_readings(
+        {"copied": (copied, forward), "handed-out": (handed_out, forward)}, rounds=rounds
+    )
     print(f"  replayed forwards, output copied or handed out, us: {readings_line(readings)}")
 
 
@@ -424,12 +436,10 @@ def copy_in_ab(layer, x_TH, rounds: int = 3) -> None:
     """How a replayed forward brings its tokens in: the graph's first node pointed at tokens
     that move between two buffers ("node, moved") or stay in one ("node, same"; the layer's way,
     graph_input.py), against a torch copy into a buffer the node reads before the replay and
-    the output aliased by `view` ("torch copy", the host work of replays before the node). The
-    wall time of back-to-back forwards (median of 50) and the host time of single ones, each
-    after the GPU drained (median of 21), alternating rounds."""
+    the output aliased by `view` ("torch copy", the host work of replays before the node)
+    (replayed_forward_readings)."""
     from megamoe_torch import forward_graphs
 
-    layer_run = forward_graphs._Graph.run
     staging = torch.empty_like(x_TH)
 
     def torch_copy(graph, x, router_logits):
@@ -438,7 +448,6 @@ def copy_in_ab(layer, x_TH, rounds: int = 3) -> None:
         graph.graph.replay()
         return graph.y.view(graph.y.shape), None
 
-    device = torch.device("cuda")
     buffers = [x_TH, x_TH.clone()]
     turn = [0]
 
@@ -451,30 +460,15 @@ def copy_in_ab(layer, x_TH, rounds: int = 3) -> None:
 
     for _ in range(3):  # launched, captured, replayed
         same()
-    readers = {}
-    for name, run, forward in (
-        ("torch copy", torch_copy, same),
-        ("node, moved", layer_run, moved),
-        ("node, same", layer_run, same),
-    ):
-
-        def with_run(read, run=run):
-            def reading():
-                forward_graphs._Graph.run = run
-                try:
-                    return read()
-                finally:
-                    forward_graphs._Graph.run = layer_run
-
-            return reading
-
-        readers[f"eager-{name}"] = with_run(
-            lambda forward=forward: median_seconds(forward, device=device, repeats=50)
-        )
-        readers[f"host-{name}"] = with_run(
-            lambda forward=forward: host_seconds_per_call(forward, device=device, rounds=21)
-        )
-    readings = alternating_readings(readers, rounds=rounds)
+    layer_run = forward_graphs._Graph.run
+    readings = replayed_forward_readings(
+        {
+            "torch copy": (torch_copy, same),
+            "node, moved": (layer_run, moved),
+            "node, same": (layer_run, same),
+        },
+        rounds=rounds,
+    )
     print(f"  replayed forwards' copy in, us: {readings_line(readings)}")
 
 
