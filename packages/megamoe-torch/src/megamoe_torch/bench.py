@@ -9,6 +9,7 @@ GEMMs alone and against the grouped_mm layer.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -300,6 +301,12 @@ def with_capacity(
     return fixed
 
 
+def _forward_in_turn(layer: MegaMoE, inputs: tuple) -> Callable[[], object]:
+    """A call of `layer` on each of `inputs` in turn, one per call."""
+    turns = itertools.cycle(inputs)
+    return lambda: layer(next(turns))
+
+
 def alternating_forward_times(
     forwards: Mapping[object, Callable[[], object]],
     *,
@@ -381,7 +388,8 @@ def bench_layer_point(
     median per-forward time of a CUDA-graph replay (graphs of several forwards, as the "kernels"
     mode times the expert compute), the ops one eager forward launches (ops_per_call) and the
     host time to issue it. The layer runs with a fixed capacity of tokens x top_k rows (the
-    routed rows exactly, so nothing is padded) on its own parameters. The expert compute alone
+    routed rows exactly, so nothing is padded) on its own parameters, its forwards on two
+    copies of the tokens in turn, as a model's moving activations. The expert compute alone
     comes from this point's "kernels" rows in `kernel_rows`, measured here for the backends
     they lack; for a layer whose shared experts can join the batch it is that batch with them
     in it (shared_in_batch_seconds)."""
@@ -394,6 +402,10 @@ def bench_layer_point(
         layer, tokens * geometry.top_k, prepared_like=fixed, eager_graph_tokens=0
     )
     x_TH, _, _ = routed_tokens(layer, tokens)  # the tokens bench_point dispatches
+    # forwards alternate between two copies of the tokens: a model hands each forward fresh
+    # activations at another address (a replayed forward points its graph's input copy at
+    # them, graph_input.py)
+    token_copies = (x_TH, x_TH.clone())
     if layer.shared_experts is not None and not layer.config.shared_experts_in_batch_problems:
         # the layer's GEMMs compute the shared experts too: time them with the routed ones
         gemm_seconds = {
@@ -419,9 +431,7 @@ def bench_layer_point(
         measured_layer = all_torch if name == BASELINE else fixed
         measured_layer.use_backend(name)
 
-        def forward(measured_layer=measured_layer):
-            return measured_layer(x_TH)
-
+        forward = _forward_in_turn(measured_layer, token_copies)
         eager = median_seconds(forward, device=device, repeats=repeats)
         # the reference backend reads the offsets on the host: it cannot be captured
         graph = (
@@ -440,9 +450,7 @@ def bench_layer_point(
         if replays:
             launching.use_backend(name)
 
-            def counted_forward():
-                return launching(x_TH)
-
+            counted_forward = _forward_in_turn(launching, token_copies)
             launched = (
                 median_seconds(counted_forward, device=device, repeats=repeats),
                 host_seconds_per_call(counted_forward, device=device),
