@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import itertools
 import platform
 
 import torch
@@ -36,7 +35,7 @@ import transformers
 from megamoe_kernels.reference import relative_l2_error
 from megamoe_runtime.measure import format_columns, median_graph_replay_seconds, median_seconds
 from megamoe_torch import from_hf
-from megamoe_torch.bench import with_capacity
+from megamoe_torch.bench import calls_in_turn, with_capacity
 from megamoe_torch.layer import MegaMoE
 from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
@@ -177,9 +176,8 @@ def bench_point(
     expected = None if reference is None else hidden_states_of(reference(x.float()))
     # two copies of the tokens in turn: a model's activations move between forwards, and a
     # replayed forward then points its graph's input copy at them (graph_input.py)
-    token_copies = itertools.cycle((x, x.clone()))
     megamoe_eager = median_seconds(
-        lambda: layer(next(token_copies)), device=device, repeats=repeats
+        calls_in_turn(layer, (x, x.clone())), device=device, repeats=repeats
     )
     megamoe_graph = None
     if device.type == "cuda":

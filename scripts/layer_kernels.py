@@ -49,7 +49,7 @@ from megamoe_runtime.measure import (
     median_graph_replay_seconds,
     median_seconds,
 )
-from megamoe_torch.bench import build_layer, routed_tokens, with_capacity
+from megamoe_torch.bench import build_layer, calls_in_turn, routed_tokens, with_capacity
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -351,12 +351,10 @@ def host_profile(layer, x_TH, rounds: int = 40) -> None:
     if not graphs:
         return
     entry = next(reversed(graphs.values()))[0]
-    buffers = [x_TH, x_TH.clone()]
-    turn = [0]
-
-    def point_copy_node():  # at the other buffer each call
-        turn[0] ^= 1
-        entry.copy_source.point_at(buffers[turn[0]].data_ptr())
+    # at the other of two buffers each call
+    point_copy_node = calls_in_turn(
+        lambda tokens: entry.copy_source.point_at(tokens.data_ptr()), (x_TH.clone(), x_TH)
+    )
 
     steps = {
         "forward": lambda: layer(x_TH),
@@ -448,12 +446,7 @@ def copy_in_ab(layer, x_TH, rounds: int = 3) -> None:
         graph.graph.replay()
         return graph.y.view(graph.y.shape), None
 
-    buffers = [x_TH, x_TH.clone()]
-    turn = [0]
-
-    def moved():
-        turn[0] ^= 1
-        return layer(buffers[turn[0]])
+    moved = calls_in_turn(layer, (x_TH.clone(), x_TH))
 
     def same():
         return layer(x_TH)

@@ -301,10 +301,11 @@ def with_capacity(
     return fixed
 
 
-def _forward_in_turn(layer: MegaMoE, inputs: tuple) -> Callable[[], object]:
-    """A call of `layer` on each of `inputs` in turn, one per call."""
+def calls_in_turn(fn: Callable[[object], object], inputs: Iterable) -> Callable[[], object]:
+    """A call of `fn` on each of `inputs` in turn, one per call (a layer's forwards on copies of
+    the tokens, as a model's activations move between forwards)."""
     turns = itertools.cycle(inputs)
-    return lambda: layer(next(turns))
+    return lambda: fn(next(turns))
 
 
 def alternating_forward_times(
@@ -431,7 +432,7 @@ def bench_layer_point(
         measured_layer = all_torch if name == BASELINE else fixed
         measured_layer.use_backend(name)
 
-        forward = _forward_in_turn(measured_layer, token_copies)
+        forward = calls_in_turn(measured_layer, token_copies)
         eager = median_seconds(forward, device=device, repeats=repeats)
         # the reference backend reads the offsets on the host: it cannot be captured
         graph = (
@@ -450,7 +451,7 @@ def bench_layer_point(
         if replays:
             launching.use_backend(name)
 
-            counted_forward = _forward_in_turn(launching, token_copies)
+            counted_forward = calls_in_turn(launching, token_copies)
             launched = (
                 median_seconds(counted_forward, device=device, repeats=repeats),
                 host_seconds_per_call(counted_forward, device=device),
