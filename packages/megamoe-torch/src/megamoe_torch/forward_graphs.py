@@ -239,8 +239,9 @@ class ForwardGraphs:
         with torch.inference_mode(False):
             static_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
             static_y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        source = x.contiguous()
         copies_in_graph = _copies_in_graph
+        # the tokens the graph's copy reads at the capture (later replays point it elsewhere)
+        source = x.contiguous() if copies_in_graph else None
         graph = torch.cuda.CUDAGraph(keep_graph=True) if copies_in_graph else torch.cuda.CUDAGraph()
         hidden = layer.config.hidden_size
         # thread_local: another thread's CUDA calls during the capture are not an error
