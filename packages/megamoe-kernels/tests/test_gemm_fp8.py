@@ -28,6 +28,7 @@ from megamoe_kernels import (
     FP8_DTYPE,
     GemmKnobs,
     candidate_knobs,
+    default_launches,
     dequantize_rows,
     dequantize_weight_blocks,
     down_fp8,
@@ -168,6 +169,23 @@ def test_one_row_on_one_of_many_experts_matches_oracle():
     counts = [0] * 32
     counts[5] = 1
     problem = Problem(counts, 7168, 2048, capacity=1)
+    check_gate_up(problem)
+    check_down(problem)
+
+
+def test_one_token_of_many_experts_matches_oracle_with_the_down_weights_prefetched(
+    down_l2_prefetch,
+):
+    # one qwen3-30b-a3b token: 8 rows on 8 of 128 experts. The gate-up's 96 tiles leave SMs
+    # idle, so the down GEMM's CTAs there prefetch the other CTAs' weights into L2 before the
+    # wait (Launch.l2_prefetch_ctas), reading the schedule ahead of their own tile
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    (launch,) = default_launches("down_fp8", 8, 128, weight_dims=(2048, 768), sms=sms)
+    assert launch.l2_prefetch_ctas > 0, launch
+    counts = [0] * 128
+    for expert in torch.randperm(128, generator=torch.Generator().manual_seed(3))[:8].tolist():
+        counts[expert] = 1
+    problem = Problem(counts, 2048, 768, capacity=8)
     check_gate_up(problem)
     check_down(problem)
 

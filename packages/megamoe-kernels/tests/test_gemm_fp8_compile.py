@@ -20,11 +20,13 @@ from megamoe_kernels import (
     FP8_DTYPE,
     GemmKnobs,
     default_knobs,
+    default_launches,
     down_fp8,
     down_fp8_launcher,
     gate_up_fp8_launcher,
     row_scales_buffer,
 )
+from megamoe_kernels.shim.expert_gemm import DEFAULT_SM_COUNT
 from megamoe_kernels.shim.knobs import PROFILE_ROWS_PER_EXPERT
 
 pytestmark = pytest.mark.compile
@@ -42,6 +44,23 @@ def meta_operands(rows: int):
         torch.empty(EXPERTS, 2 * INTERMEDIATE // 16, 16, HIDDEN, **META),
         torch.empty(rows, INTERMEDIATE, **META),
         torch.empty(EXPERTS, HIDDEN, INTERMEDIATE, **META),
+    )
+
+
+def test_the_decode_down_that_prefetches_into_l2_compiles(down_l2_prefetch):
+    # one qwen3-30b-a3b token: 8 rows over 128 experts, whose down GEMM's CTAs beside the
+    # gate-up prefetch the others' weights (Launch.l2_prefetch_ctas)
+    experts, hidden, intermediate = 128, 2048, 768
+    (launch,) = default_launches(
+        "down_fp8", 8, experts, weight_dims=(hidden, intermediate), sms=DEFAULT_SM_COUNT
+    )
+    assert launch.l2_prefetch_ctas > 0, launch
+    down_fp8_launcher(
+        torch.empty(8, intermediate, **META),
+        torch.empty(experts + 1, dtype=torch.int32, device="meta"),
+        torch.empty(experts, hidden, intermediate, **META),
+        x_group=64,
+        compile_only=True,
     )
 
 

@@ -313,6 +313,37 @@ def test_the_decode_down_widens_its_tiles_to_fit_beside_its_gate_up():
     assert down.knobs == default_knobs("down", 1 / 32)
 
 
+def test_no_decode_down_prefetches_into_l2_by_default():
+    for op, capacity, experts, dims in (
+        ("down_fp8", 8, 128, QWEN3),
+        ("down_fp8", 1, 32, DSV3),
+        ("down", 2, 32, DSV3),
+    ):
+        (down,) = launches(op, capacity, experts, dims)
+        assert down.l2_prefetch_ctas == 0, (op, capacity, experts)
+
+
+def test_the_decode_down_ctas_beside_the_gate_up_prefetch_the_others_weights(down_l2_prefetch):
+    # one qwen3 token with FP8 experts: the gate-up's 96 tiles (8 experts x 12 of 128 columns)
+    # leave 36 SMs idle, fewer than the down's 128 tiles (8 x 16): its CTAs there prefetch
+    (down,) = launches("down_fp8", 8, 128, QWEN3)
+    assert down.knobs.swap_ab and down.l2_prefetch_ctas == H200_SMS - 96
+    # one dsv3-ep8-local token: the FP8 gate-up's 32 tiles in 4 K slices leave 4 SMs idle
+    (down,) = launches("down_fp8", 1, 32, DSV3)
+    assert down.l2_prefetch_ctas == H200_SMS - 128
+    # the bf16 down of that token (56 tiles of 128 columns) fits beside its gate-up's 64 CTAs:
+    # every CTA starts at once, none prefetches
+    (down,) = launches("down", 1, 32, DSV3)
+    assert down.l2_prefetch_ctas == 0
+    # one qwen3 token in bf16: the gate-up's 192 tiles of 64 columns fill the GPU
+    (down,) = launches("down", 8, 128, QWEN3)
+    assert down.l2_prefetch_ctas == 0
+    # gate-ups and prefill tiles never
+    (gate_up,) = launches("gate_up_fp8", 8, 128, QWEN3)
+    assert gate_up.l2_prefetch_ctas == 0
+    assert all(launch.l2_prefetch_ctas == 0 for launch in launches("down_fp8", 65536, 128, QWEN3))
+
+
 def test_the_fp8_decode_down_counts_the_gate_ups_k_slices():
     # the same token with FP8 experts: the gate-up's 32 tiles split K in 4 slices, 128 CTAs, so
     # neither down grid fits beside it and the down keeps the profile's 112 tiles of 64 columns

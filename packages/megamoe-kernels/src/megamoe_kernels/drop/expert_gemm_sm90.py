@@ -233,6 +233,11 @@ class ExpertGroupedGemmSm90:
                stream: only when neither the offsets nor the weights are written by that
                kernel (the down GEMM after its gate-up); the rows load after the wait.
                Ignored with cluster_rows > 1
+    l2_prefetch_ctas: with weights_before_wait, P > 0: the CTAs [0, P) (the first the GPU
+               places, on the SMs the kernel before leaves idle) also issue, before the wait,
+               L2 prefetches of the weights of the first-wave tiles whose CTAs start only as
+               that kernel frees their SMs: CTA b those of units b + P, b + 2P, ... below
+               the grid's CTAs. 0: none
     dynamic_schedule: CTAs take their tiles after the first from a global counter (takes
                unit_counter); not with cluster_rows > 1 or split_k > 1
     scale_group: FP8: K columns per scale of x (128, or the gate-up's out_scale_group for
@@ -269,6 +274,7 @@ class ExpertGroupedGemmSm90:
         min_valid_rows=0,
         max_valid_rows=None,
         weights_before_wait=False,
+        l2_prefetch_ctas=0,
         dynamic_schedule=False,
         scale_group=None,
         out_scale_group=None,
@@ -310,6 +316,7 @@ class ExpertGroupedGemmSm90:
         self.split_k = split_k
         # multicast loads write into the peer CTA's ring too: not before the wait
         self.weights_before_wait = weights_before_wait and cluster_rows == 1
+        self.l2_prefetch_ctas = l2_prefetch_ctas if self.weights_before_wait else 0
         self.dynamic_schedule = dynamic_schedule
         self.block_scaled = scale_group is not None
         self.scale_group = scale_group
@@ -880,6 +887,9 @@ class ExpertGroupedGemmSm90:
                     k_begin=k_begin,
                     k_end=k_end,
                 )
+                if cutlass.const_expr(self.l2_prefetch_ctas > 0):
+                    if walk.cluster_idx < self.l2_prefetch_ctas:
+                        self.prefetch_later_weights(tma_w, tWgW, walk, expert, first)
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
         unit_state = pipeline.make_pipeline_state(
@@ -948,6 +958,32 @@ class ExpertGroupedGemmSm90:
             )
             weight_state.advance()
         return weights_loading
+
+    @cute.jit
+    def prefetch_later_weights(self, tma_w, tWgW, walk, expert, first):
+        """l2_prefetch_ctas, producer warp of CTA b < P: prefetches into L2 every K tile of the
+        weights of units b + P, b + 2P, ... below the grid's CTAs (the first tiles of CTAs
+        the GPU places only once the kernel before frees their SMs), walking the schedule on
+        from this CTA's own (expert, first)."""
+        unit = walk.cluster_idx + self.l2_prefetch_ctas
+        row_units = cutlass.Int32(0)
+        expert_row0 = cutlass.Int32(0)
+        found = cutlass.Boolean(False)
+        if unit < walk.num_clusters:
+            expert, first, row_units, expert_row0, _, found = self.find_tile(
+                walk, unit, expert, first
+            )
+        while found:
+            _, col_tile, _, k_begin, k_end = self.tile_at(walk, unit, first, row_units, expert_row0)
+            tWgW_tile = tWgW[(None, col_tile, None, expert)]
+            for k_tile in range(k_begin, k_end):
+                cute.prefetch(tma_w, tWgW_tile[(None, k_tile)])
+            unit = unit + self.l2_prefetch_ctas
+            found = cutlass.Boolean(False)
+            if unit < walk.num_clusters:
+                expert, first, row_units, expert_row0, _, found = self.find_tile(
+                    walk, unit, expert, first
+                )
 
     def weight_cache_policy(self):
         """The L2 cache policy of the weight loads (plain Python, run while tracing):

@@ -108,6 +108,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "min_valid_rows",
             "max_valid_rows",
             "weights_before_wait",
+            "l2_prefetch_ctas",
             "dynamic_schedule",
             "scale_group",
             "out_scale_group",

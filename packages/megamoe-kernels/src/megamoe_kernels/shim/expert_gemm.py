@@ -1063,6 +1063,7 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callabl
                 # kernel runs: measured 1-4% faster at decode, 0.2-1.2% slower with prefill
                 # tiles (docs/benchmarks.md, "Down weights before the wait")
                 weights_before_wait=not is_gate_up(op) and launch.knobs.swap_ab,
+                l2_prefetch_ctas=launch.l2_prefetch_ctas,
                 dynamic_schedule=_dynamic_schedule(launch.knobs),
                 scale_group=x_group,
                 out_scale_group=out_group,

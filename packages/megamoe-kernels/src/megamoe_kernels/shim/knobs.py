@@ -362,16 +362,24 @@ def _decode_knobs(wanted_rows: float) -> GemmKnobs:
 SMALL_BATCH_ROWS_PER_EXPERT = 32
 # the widest decode row tile whose gate-up GEMM gathers its rows by default
 GATHER_MAX_TILE_ROWS = 64
+# whether a decode down GEMM's CTAs beside its gate-up prefetch the others' weights into L2
+# (_down_l2_prefetch_ctas): built and compiled, off until measured on the H200
+# (docs/kernels-design.md, "Open directions")
+DOWN_L2_PREFETCH = False
 
 
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch of the default profile: its knobs and the range of valid rows
-    [min_valid_rows, max_valid_rows) it works on (None: unbounded); outside, it does nothing."""
+    [min_valid_rows, max_valid_rows) it works on (None: unbounded); outside, it does nothing.
+    l2_prefetch_ctas: a decode down GEMM's CTAs that start on the SMs its gate-up leaves idle
+    and prefetch into L2 the weights of the CTAs that start after it (0: none;
+    _down_l2_prefetch_ctas)."""
 
     knobs: GemmKnobs
     min_valid_rows: int = 0
     max_valid_rows: int | None = None
+    l2_prefetch_ctas: int = 0
 
 
 def intermediate_group(launches: tuple[Launch, ...], intermediate: int) -> int:
@@ -432,7 +440,7 @@ def _down_knobs_beside_gate_up(
     128-column tile does once for twice the columns (whole FP8 MLP, scripts/fp8_down_tiles_ab.py:
     1.003-1.128x at 1-16 tokens of qwen3-30b-a3b, dsv3-ep8-local, dsv3 and mixtral-8x7b; the
     one loss, 0.95x, is mixtral at one token, whose 128 narrow CTAs fit in one wave)."""
-    hidden, intermediate = weight_dims
+    hidden, _ = weight_dims
     wide = replace(knobs, tile_cols=SWAP_COL_TILES[-1])
     if knobs == wide:
         return knobs
@@ -442,6 +450,22 @@ def _down_knobs_beside_gate_up(
 
     if is_fp8(op) and ctas(knobs, hidden) > sms:
         return wide
+    gate_up_ctas = _gate_up_ctas(
+        op, capacity=capacity, experts=experts, weight_dims=weight_dims, sms=sms
+    )
+    if gate_up_ctas + ctas(knobs, hidden) <= sms:
+        return knobs
+    if gate_up_ctas + ctas(wide, hidden) > sms:
+        return knobs
+    return wide
+
+
+def _gate_up_ctas(
+    op: str, *, capacity: int, experts: int, weight_dims: tuple[int, int], sms: int
+) -> int:
+    """A bound on the CTAs with work of the default gate-up GEMM before the down GEMM `op` of
+    (N, K) = weight_dims = (hidden, intermediate): its tiles (max_tiles) times its K slices."""
+    hidden, intermediate = weight_dims
     gate_up = _gate_up_tile(
         "gate_up_fp8" if is_fp8(op) else "gate_up",
         capacity=capacity,
@@ -449,12 +473,35 @@ def _down_knobs_beside_gate_up(
         weight_dims=(2 * intermediate, hidden),
         sms=sms,
     )
-    gate_up_ctas = ctas(gate_up, 2 * intermediate) * gate_up.split_k
-    if gate_up_ctas + ctas(knobs, hidden) <= sms:
-        return knobs
-    if gate_up_ctas + ctas(wide, hidden) > sms:
-        return knobs
-    return wide
+    tiles = max_tiles(gate_up, capacity=capacity, experts=experts, columns=2 * intermediate)
+    return tiles * gate_up.split_k
+
+
+def _down_l2_prefetch_ctas(
+    op: str,
+    knobs: GemmKnobs,
+    *,
+    capacity: int,
+    experts: int,
+    weight_dims: tuple[int, int],
+    sms: int,
+) -> int:
+    """How many of the decode down GEMM's CTAs prefetch into L2 the weights of the others
+    (Launch.l2_prefetch_ctas): the SMs its gate-up leaves idle, where its tiles outnumber them.
+
+    With programmatic dependent launch the GPU places the down grid's first CTAs on the SMs
+    the gate-up grid leaves idle while that grid still runs; they load their first weights
+    before waiting for it (weights_before_wait), and the others start only as the gate-up's
+    CTAs end. The first ones also prefetch the others' weights into L2, so that those stream
+    from HBM beside the gate-up's weights rather than after them. 0 unless DOWN_L2_PREFETCH."""
+    if not DOWN_L2_PREFETCH:
+        return 0
+    hidden, _ = weight_dims
+    idle = sms - _gate_up_ctas(
+        op, capacity=capacity, experts=experts, weight_dims=weight_dims, sms=sms
+    )
+    tiles = max_tiles(knobs, capacity=capacity, experts=experts, columns=hidden)
+    return idle if 0 < idle < tiles else 0
 
 
 def _gate_up_tile(
@@ -526,7 +573,8 @@ def default_launches(
     case (an expert-parallel receiver, a fixed serving capacity) costs the tiles of what the
     batch holds. The launch with nothing to do reads offsets[E] and exits. A decode down GEMM
     may take wider tiles than the profile's, to fit beside its gate-up
-    (_down_knobs_beside_gate_up).
+    (_down_knobs_beside_gate_up), and (with DOWN_L2_PREFETCH, off by default) its CTAs that
+    start beside the gate-up prefetch the others' weights into L2 (_down_l2_prefetch_ctas).
 
     `tuned`: knobs tuned for the batch's class (a knob-cache entry; checked: invalid ones
     raise) in place of the profile's. Prefill ones still leave batches of few valid rows to the
@@ -535,6 +583,7 @@ def default_launches(
     `valid_rows`: the batch's valid rows when the host knows them (a local batch holds tokens x
     top-k): only the launch for that many runs, with no range, so a wrong count costs speed,
     never rows (each launch costs several us of host time)."""
+    prefetchers = 0
     if tuned is not None:
         knobs = check_knobs(tuned, op)
     else:
@@ -548,13 +597,16 @@ def default_launches(
                 knobs = _down_knobs_beside_gate_up(
                     op, knobs, capacity=capacity, experts=experts, weight_dims=weight_dims, sms=sms
                 )
+                prefetchers = _down_l2_prefetch_ctas(
+                    op, knobs, capacity=capacity, experts=experts, weight_dims=weight_dims, sms=sms
+                )
         stages = _launch_stages(
             knobs, op, capacity=capacity, experts=experts, weight_dims=weight_dims, sms=sms
         )
         knobs = replace(knobs, stages=stages)
     boundary = SMALL_BATCH_ROWS_PER_EXPERT * experts + 1
     if knobs.swap_ab or capacity < boundary:
-        return (Launch(knobs),)
+        return (Launch(knobs, l2_prefetch_ctas=prefetchers),)
     small = default_knobs(op, SMALL_BATCH_ROWS_PER_EXPERT)
     if valid_rows is not None:
         return (Launch(small if valid_rows < boundary else knobs),)
