@@ -42,19 +42,29 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _spawned_rank(rank: int, world_size: int, port: int, body: Callable, args: tuple) -> None:
+# how long a spawned rank that passed waits for the others to tear their groups down
+_TEARDOWN_TIMEOUT_S = 120
+
+
+def _spawned_rank(
+    rank: int, world_size: int, port: int, torn_down, body: Callable, args: tuple
+) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
     try:
         body(rank, world_size, torch.device("cpu"), *args)
-        # every rank done with its collectives before any tears the group down (rank 0 also
-        # hosts the store): a 4-rank run once saw rank 0 abort in its teardown (SIGABRT,
-        # "terminate called without an active exception"). A rank that failed skips this:
-        # spawn terminates the others
+        # every rank done with its collectives before any tears the group down
         dist.barrier()
-    finally:
+    except BaseException:
+        # spawn terminates the other ranks once this one exits with the failure
         dist.destroy_process_group()
+        raise
+    dist.destroy_process_group()
+    # and none exits before all have torn their group down: rank 0 hosts the group's store,
+    # whose going away under another rank's teardown aborted that rank (SIGABRT, "terminate
+    # called without an active exception") in 4-rank runs, even after the barrier above
+    torn_down.wait(timeout=_TEARDOWN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="session")
@@ -91,7 +101,12 @@ def multirank(_launched_group):
             dist.barrier()
             return
         world_size = world_size or 2
-        mp.spawn(_spawned_rank, args=(world_size, _free_port(), body, args), nprocs=world_size)
+        torn_down = mp.get_context("spawn").Barrier(world_size)
+        mp.spawn(
+            _spawned_rank,
+            args=(world_size, _free_port(), torn_down, body, args),
+            nprocs=world_size,
+        )
 
     run.device = _launched_group if _launched_group is not None else torch.device("cpu")
     return run
