@@ -56,14 +56,12 @@ def _spawned_rank(
         body(rank, world_size, torch.device("cpu"), *args)
         # every rank done with its collectives before any tears the group down
         dist.barrier()
-    except BaseException:
-        # spawn terminates the other ranks once this one exits with the failure
+    finally:
         dist.destroy_process_group()
-        raise
-    dist.destroy_process_group()
     # and none exits before all have torn their group down: rank 0 hosts the group's store,
     # whose going away under another rank's teardown aborted that rank (SIGABRT, "terminate
-    # called without an active exception") in 4-rank runs, even after the barrier above
+    # called without an active exception") in 4-rank runs, even after the barrier above. A
+    # rank that failed never gets here: spawn terminates the others once it exits
     torn_down.wait(timeout=_TEARDOWN_TIMEOUT_S)
 
 
