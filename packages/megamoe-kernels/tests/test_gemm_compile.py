@@ -204,3 +204,38 @@ def test_the_masked_and_the_gathered_variants_compile():
         source_M = torch.empty(capacity, dtype=torch.int32, device="meta")
         tokens_TH = torch.empty(max(1, capacity // 4), hidden, **meta)
         gate_up_swiglu(tokens_TH, offsets, w13, row_source_M=source_M, compile_only=True)
+
+
+def published_offsets(experts: int) -> torch.Tensor:
+    """Offsets as the routing kernel with publish_offsets leaves them: E + 1 words followed in
+    their storage by the word it publishes them in."""
+    return torch.empty(experts + 2, dtype=torch.int32, device="meta")[: experts + 1]
+
+
+def test_the_decode_gate_up_that_polls_for_published_offsets_compiles():
+    # one qwen3-30b-a3b token (8 rows over 128 experts), copied and gathered rows, and a
+    # prefill capacity, whose decode launch polls beside a prefill one that waits
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    experts, hidden, intermediate = 128, 2048, 768
+    offsets = published_offsets(experts)
+    w13 = interleave_gate_up(torch.empty(experts, 2 * intermediate, hidden, **meta))
+    for capacity, valid_rows in ((8, 8), (16384, None)):
+        rows_MH = torch.empty(capacity, hidden, **meta)
+        launcher = gate_up_launcher(
+            rows_MH, offsets, w13, valid_rows=valid_rows, offsets_published=True, compile_only=True
+        )
+        assert launcher.knobs.swap_ab
+    source_M = torch.empty(16, dtype=torch.int32, device="meta")
+    tokens_TH = torch.empty(2, hidden, **meta)
+    gate_up_swiglu(
+        tokens_TH, offsets, w13, row_source_M=source_M, offsets_published=True, compile_only=True
+    )
+
+
+def test_published_offsets_need_the_word_after_them():
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    w13 = interleave_gate_up(torch.empty(EXPERTS, 2 * INTERMEDIATE, HIDDEN, **meta))
+    rows_MH = torch.empty(16, HIDDEN, **meta)
+    offsets = torch.empty(EXPERTS + 1, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match="followed in its storage by the int32 word"):
+        gate_up_swiglu(rows_MH, offsets, w13, offsets_published=True, compile_only=True)

@@ -64,6 +64,22 @@ def test_the_decode_down_that_prefetches_into_l2_compiles(down_l2_prefetch):
     )
 
 
+def test_the_decode_fp8_gate_up_that_polls_for_published_offsets_compiles():
+    # one qwen3-30b-a3b token, polling for the offsets the routing kernel publishes
+    # (Launch.polls_offsets)
+    experts, hidden, intermediate = 128, 2048, 768
+    offsets = torch.empty(experts + 2, dtype=torch.int32, device="meta")[: experts + 1]
+    launcher = gate_up_fp8_launcher(
+        torch.empty(8, hidden, **META),
+        offsets,
+        torch.empty(experts, 2 * intermediate // 16, 16, hidden, **META),
+        valid_rows=8,
+        offsets_published=True,
+        compile_only=True,
+    )
+    assert launcher.knobs.swap_ab, launcher.knobs
+
+
 @pytest.mark.parametrize("rows_per_expert", PROFILE_ROWS_PER_EXPERT)
 def test_every_default_fp8_profile_compiles(rows_per_expert):
     rows = max(1, int(rows_per_expert * EXPERTS))

@@ -26,6 +26,7 @@ from megamoe_kernels.shim.knobs import (
     epilogue_smem_bytes,
     intermediate_group,
     max_stages,
+    polling_launches,
     stage_smem_bytes,
     staged_scale_k_tiles,
 )
@@ -342,6 +343,24 @@ def test_the_decode_down_ctas_beside_the_gate_up_prefetch_the_others_weights(dow
     (gate_up,) = launches("gate_up_fp8", 8, 128, QWEN3)
     assert gate_up.l2_prefetch_ctas == 0
     assert all(launch.l2_prefetch_ctas == 0 for launch in launches("down_fp8", 65536, 128, QWEN3))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_only_decode_gate_ups_poll_for_published_offsets(op):
+    # a decode capacity (one launch) and a prefill one (decode tiles for small batches beside
+    # the prefill tiles): the gate-up's decode launches poll, its prefill ones and the down's
+    # launches wait for the routing kernel to end
+    for capacity in (8, 65536):
+        planned = launches(op, capacity, 128, QWEN3)
+        polling = polling_launches(op, planned)
+        assert [launch.polls_offsets for launch in planned] == [False] * len(planned)
+        assert [launch.polls_offsets for launch in polling] == [
+            op.startswith("gate_up") and launch.knobs.swap_ab for launch in planned
+        ]
+        assert [replace(launch, polls_offsets=False) for launch in polling] == list(planned)
+    # one qwen3 token: the gate-up's one launch, decode tiles, polls
+    (one_token,) = polling_launches(op, launches(op, 8, 128, QWEN3))
+    assert one_token.polls_offsets == op.startswith("gate_up")
 
 
 def test_the_fp8_decode_down_counts_the_gate_ups_k_slices():

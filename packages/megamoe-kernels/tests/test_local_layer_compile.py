@@ -160,6 +160,38 @@ def test_quantizing_copies_take_a_pass_of_slices_per_cta(
 
 @pytest.mark.parametrize(
     "constants",
+    [ROUTERS[0], ROUTERS[3], dict(ROUTERS[0], gather_rows=True), FP8_ROUTERS[0]],
+    ids=["qwen3", "dsv3", "qwen3-gathered", "qwen3-fp8"],
+)
+def test_route_and_place_publishing_its_offsets_compiles(constants):
+    launcher = RouteLauncher(**constants, publish_offsets=True, compile_only=True)
+    assert launcher.publishes_offsets
+    assert launcher.compile() is not None
+    # the offsets it hands out are followed in their storage by the word it publishes them in
+    x_TH = torch.empty(3, constants["hidden_size"], dtype=torch.bfloat16)
+    offsets = launcher._new_outputs(3, 3 * constants["top_k"], x_TH)[3]
+    experts = constants["num_experts"]
+    assert offsets.shape == (experts + 1,)
+    assert offsets.untyped_storage().nbytes() == (experts + 2) * 4
+
+
+def test_offsets_are_published_where_the_knob_says(monkeypatch):
+    from megamoe_kernels.shim import knobs
+    from megamoe_kernels.shim.local_layer import route_launcher
+
+    assert not RouteLauncher(**ROUTERS[0], compile_only=True).publishes_offsets
+    assert not route_launcher(**ROUTERS[0], compile_only=True).publishes_offsets
+    monkeypatch.setattr(knobs, "GATE_UP_POLLS_OFFSETS", True)
+    assert RouteLauncher(**ROUTERS[0], compile_only=True).publishes_offsets
+    # the launchers kept per constants follow the knob as it is now
+    assert route_launcher(**ROUTERS[0], compile_only=True).publishes_offsets
+    x_TH = torch.empty(1, ROUTERS[0]["hidden_size"], dtype=torch.bfloat16)
+    plain = RouteLauncher(**ROUTERS[0], publish_offsets=False, compile_only=True)
+    assert plain._new_outputs(1, 8, x_TH)[3].untyped_storage().nbytes() == 129 * 4
+
+
+@pytest.mark.parametrize(
+    "constants",
     [
         dict(top_k=8, hidden_size=2048),
         dict(top_k=2, hidden_size=4096, weighted=False),

@@ -36,7 +36,11 @@ the copy-out while the consumers go on to the next tile's MMAs, so it runs besid
 cores; with swap_ab (a tile or two per CTA: nothing to overlap) the consumers copy out
 themselves.
 Launched with programmatic dependent launch: a kernel that follows (the down GEMM after the
-gate-up one) sets up while this one drains.
+gate-up one) sets up while this one drains. With polls_offsets (a decode gate-up GEMM after
+local_route's route_and_place with publish_offsets) the producer warp does not wait for the
+routing kernel to end before reading the offsets: it spins on the word after them until the
+routing kernel publishes them, then starts loading its first tile's weights (weights_before_wait)
+while that kernel still copies the rows.
 
 pingpong gives each of two consumer warpgroups whole tiles of its own (the CTA's tiles alternate
 between them): while one runs its epilogue, the other's MMAs keep the tensor cores busy. The
@@ -154,6 +158,11 @@ from .tiling import EPILOGUE_ROW_PAD, THREADS_PER_WARPGROUP, fp8_column_slices, 
 # the L2 cache policy of an evict-first TMA load (the 64-bit createpolicy encoding CUTLASS
 # names CacheHintSm90::EVICT_FIRST)
 EVICT_FIRST_POLICY = 0x12F0000000000000
+# polls_offsets: how long the producer warp spins on the offsets' ready word before it waits
+# for the routing kernel to end instead (a routing launch publishes its offsets within about
+# 20 us at 8192 tokens; past this the offsets are read after that kernel's end, as without
+# polls_offsets)
+OFFSETS_POLL_TIMEOUT_NS = 200_000
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
 # FP8: the most registers a consumer thread's running sum, two sets of a scale group's products
@@ -233,6 +242,12 @@ class ExpertGroupedGemmSm90:
                stream: only when neither the offsets nor the weights are written by that
                kernel (the down GEMM after its gate-up); the rows load after the wait.
                Ignored with cluster_rows > 1
+    polls_offsets: the offsets come from the routing kernel just before (local_route's
+               route_and_place with publish_offsets), and the int32 word after them turns 1
+               once they are final: the producer warp spins on it (at most
+               OFFSETS_POLL_TIMEOUT_NS, then it waits for that kernel to end) and then starts
+               loading its first tile's weights, as with weights_before_wait, which it implies;
+               the rows and everything else load after the wait. Not with cluster_rows > 1
     l2_prefetch_ctas: with weights_before_wait, P > 0: the CTAs [0, P) (the first the GPU
                places, on the SMs the kernel before leaves idle) also issue, before the wait,
                L2 prefetches of the weights of the first-wave tiles whose CTAs start only as
@@ -274,6 +289,7 @@ class ExpertGroupedGemmSm90:
         min_valid_rows=0,
         max_valid_rows=None,
         weights_before_wait=False,
+        polls_offsets=False,
         l2_prefetch_ctas=0,
         dynamic_schedule=False,
         scale_group=None,
@@ -300,6 +316,11 @@ class ExpertGroupedGemmSm90:
                 "staged_scale_k_tiles: FP8 decode tiles only (scale_group set and swap_ab); the "
                 "prefill tiles load each K tile's scales a step ahead"
             )
+        if polls_offsets and cluster_rows > 1:
+            raise ValueError(
+                "polls_offsets: not with cluster_rows > 1 (its early weight loads would multicast "
+                "into the partner CTA's ring)"
+            )
         if dynamic_schedule and (cluster_rows > 1 or split_k > 1):
             raise ValueError(
                 "dynamic_schedule: not with cluster_rows > 1 (both CTAs of a cluster work one "
@@ -315,7 +336,8 @@ class ExpertGroupedGemmSm90:
         self.cluster_rows = cluster_rows
         self.split_k = split_k
         # multicast loads write into the peer CTA's ring too: not before the wait
-        self.weights_before_wait = weights_before_wait and cluster_rows == 1
+        self.polls_offsets = polls_offsets
+        self.weights_before_wait = (weights_before_wait or polls_offsets) and cluster_rows == 1
         self.l2_prefetch_ctas = l2_prefetch_ctas if self.weights_before_wait else 0
         self.dynamic_schedule = dynamic_schedule
         self.block_scaled = scale_group is not None
@@ -696,6 +718,8 @@ class ExpertGroupedGemmSm90:
             if warp_idx != 0:
                 cute.arch.griddepcontrol_wait()
                 cute.arch.griddepcontrol_launch_dependents()
+            elif cutlass.const_expr(self.polls_offsets):
+                self.await_offsets(mOffsets)
         else:
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
@@ -938,6 +962,22 @@ class ExpertGroupedGemmSm90:
                 self.schedule.send_unit(unit_queue, sUnits, unit_state, unit)
             self.schedule.retire(mUnitCounter, walk.num_clusters)
         ring.producer_tail(state)
+
+    @cute.jit
+    def await_offsets(self, mOffsets):
+        """polls_offsets, producer warp, before it reads the offsets: each lane spins with
+        acquire loads until the word after the offsets is 1 (the routing kernel before this one
+        stored them: the lane's later loads see them), or past OFFSETS_POLL_TIMEOUT_NS waits for
+        that kernel to end."""
+        offsets_ready = mOffsets.iterator + cute.size(mOffsets)
+        start = cute.arch.globaltimer()
+        waiting = cutlass.Int32(1)
+        while waiting == 1:
+            if cute.arch.load(offsets_ready, cutlass.Int32, sem="acquire", scope="gpu") == 1:
+                waiting = cutlass.Int32(0)
+            elif cute.arch.globaltimer() - start > OFFSETS_POLL_TIMEOUT_NS:
+                cute.arch.griddepcontrol_wait()
+                waiting = cutlass.Int32(0)
 
     @cute.jit
     def load_weights_early(self, ring, tma_w, tWsW, tWgW, *, expert, col_tile, k_begin, k_end):

@@ -61,13 +61,21 @@ Both are launched with programmatic dependent launch and wait (griddepcontrol.wa
 first read: the kernel that computes the logits (local_router.router_logits) lets them be
 scheduled as it starts, and after a kernel that does not signal early the wait returns at once.
 
+Published offsets (`publish_offsets`): the int32 word after expert_offsets (its allocation holds
+E + S + 2 words) tells the gate-up GEMM launched after this kernel when the offsets are final,
+so that it can start loading the weights of its first tiles before this kernel ends
+(expert_gemm_sm90's `polls_offsets`). Thread 0 of CTA 0 sets the word to 0 before its CTA lets
+the GEMM launch (the GEMM launches once every CTA has passed launch_dependents; the GEMM of the
+launch before this one finished reading the word before the kernels between the two launched),
+and to 1, with release semantics, once CTA 0 has stored the offsets.
+
 Layouts: logits [T, E] float32 or bfloat16; correction_bias [E] float32 (optional);
 shared_gate [T] float32 (optional, with S > 0); x [T, H]
 bfloat16 and rows [M, H] bfloat16 (or e4m3 with row_scales float32 [ceil(H / 128), M],
 group-major) row-major, H a multiple of 8, rows 16-byte aligned (or row_source int32 [M] in
 their place); topk_ids and
 row_of_pair int32 [T, top_k + S]; topk_weights float32 [T, top_k + S]; expert_offsets int32
-[E + S + 1]; scratch int32 [scratch_words(E + S)], zeroed once when allocated (its barrier words return to their
+[E + S + 1] (E + S + 2 with publish_offsets); scratch int32 [scratch_words(E + S)], zeroed once when allocated (its barrier words return to their
 start state, so launches, graph replays included, need no host work); status int64 [4]: a
 barrier wait that times out records (phase + 1, 0, 0, observed) there and carries on.
 Constraints: E + S <= ROUTE_MAX_EXPERTS, top_k + S <= ROUTE_MAX_TOP_K, T x (top_k + S) <= M
@@ -442,14 +450,25 @@ def route_and_place_kernel(
     shared_experts: cutlass.Constexpr,
     weights_on_input: cutlass.Constexpr,
     split_tokens: cutlass.Constexpr,
+    publish_offsets: cutlass.Constexpr,
 ):
     tidx, bidx, grid, warp, lane = thread_position()
     # the routed experts, then the shared ones; each token's routed pairs, then its shared ones
     experts = num_experts + shared_experts
     pairs = top_k + shared_experts
+    # the word after expert_offsets: 1 once they are final (publish_offsets)
+    offsets_ready = mExpertOffsets.iterator + (experts + 1)
+    if cutlass.const_expr(publish_offsets):
+        if bidx == 0:
+            if tidx == 0:
+                cute.arch.store(offsets_ready, cutlass.Int32(0))
+                cute.arch.fence_acq_rel_gpu()
+        # no thread of CTA 0 lets the GEMM launch before the word is 0
+        cute.arch.sync_threads()
     # the kernel after this one (the gate-up GEMM, launched with programmatic dependent launch)
     # may set up on the SMs this grid leaves; it waits for this grid to finish before it reads
-    # anything. Every CTA of this grid is resident once all have passed here
+    # anything (but the offsets, once published). Every CTA of this grid is resident once all
+    # have passed here
     cute.arch.griddepcontrol_launch_dependents()
     # launched with programmatic dependent launch too: the kernel before this one (the router
     # logits kernel) lets this grid be scheduled early; wait for it (and, through it, every
@@ -566,6 +585,12 @@ def route_and_place_kernel(
     if bidx == 0:
         for expert in range(tidx, experts + 1, ROUTE_THREADS):
             mExpertOffsets[expert] = first_row[expert]
+        if cutlass.const_expr(publish_offsets):
+            # every thread's offsets, then the word (a release: cumulative over the CTA's
+            # stores the barrier ordered before it, so the GEMM's acquire reads them)
+            cute.arch.sync_threads()
+            if tidx == 0:
+                cute.arch.store(offsets_ready, cutlass.Int32(1), sem="release", scope="gpu")
     row_bytes = cutlass.Int64(hidden) * 2
     row_vectors = hidden // 8
     x_address = mX.iterator.toint()
@@ -702,6 +727,7 @@ def route_and_place(
     weights_on_input: cutlass.Constexpr,
     split_tokens: cutlass.Constexpr,
     cta_tokens: cutlass.Constexpr,
+    publish_offsets: cutlass.Constexpr,
     sms: cutlass.Constexpr,
     stream,
 ):
@@ -753,6 +779,7 @@ def route_and_place(
         shared_experts,
         weights_on_input,
         split_tokens,
+        publish_offsets,
     ).launch(
         grid=[grid, 1, 1],
         block=[ROUTE_THREADS, 1, 1],

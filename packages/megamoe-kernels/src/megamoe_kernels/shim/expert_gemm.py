@@ -28,6 +28,10 @@ B = I / GATE_UP_BLOCK pair blocks. The batch is tight and expert-major: expert e
   with FP8 the scale words it returned in place of the weight scales: the same output bits;
   told from their 5-D shape and strides.
 Rows past expert_offsets[E] of an output are left as they were (unspecified).
+`offsets_published=True` (the gate-up ops): expert_offsets comes from the routing kernel
+launched just before, which publishes them in the int32 word after them (RouteLauncher's
+publish_offsets): the decode launches start loading their weights once it does, before that
+kernel ends (knobs.polling_launches).
 Masked batches (`expert_counts`, int32 [E] on the GPU, every op): expert e owns rows
 [expert_offsets[e], expert_offsets[e] + expert_counts[e]) of a receive buffer with a stride per
 expert; the other rows of each stride are neither read as data nor written.
@@ -95,6 +99,7 @@ from megamoe_kernels.shim.knobs import (
     is_fp8,
     is_gate_up,
     max_tiles,
+    polling_launches,
     resolve_knobs,
     staged_scale_k_tiles,
 )
@@ -451,6 +456,22 @@ def _check_down(
         )
 
 
+def _check_published_offsets(op: str, expert_offsets) -> None:
+    """offsets_published: a gate-up op's, with the word the routing kernel publishes them in
+    (after the offsets) inside their storage."""
+    if not is_gate_up(op):
+        raise ValueError(f"offsets_published: the gate-up GEMMs poll for them; {op} does not")
+    if not isinstance(expert_offsets, torch.Tensor) or expert_offsets.dtype != torch.int32:
+        return  # the op's checks name it
+    end = (expert_offsets.storage_offset() + expert_offsets.numel() + 1) * 4
+    if not expert_offsets.is_contiguous() or expert_offsets.untyped_storage().nbytes() < end:
+        raise ValueError(
+            "offsets_published=True: expert_offsets must be contiguous and followed in its "
+            "storage by the int32 word the routing kernel publishes them in (RouteLauncher "
+            "with publish_offsets allocates E + 2 words)"
+        )
+
+
 def _raise_explained(failure: Exception, check: Callable[[], None]) -> NoReturn:
     """Re-raises a failed call's error as the check's error naming the argument at fault, or
     as it is when every argument passes (a CUDA error, invalid knobs)."""
@@ -608,12 +629,14 @@ def _launches(
     weight_shape: torch.Size,
     valid_rows: int | None,
     device_index: int,
+    offsets_published: bool = False,
 ) -> tuple[Launch, ...]:
     """The kernels a call launches: one with `knobs` (checked; invalid ones raise), or the
     default profile's, with `tuned_knobs` in place of its own if given (default_launches: one
     per range of valid rows, for a capacity that asks for prefill tiles, or the one for
-    `valid_rows` when the caller knows them), each with K long enough for its split-K.
-    Worked out once per kind of call, when its launcher is bound."""
+    `valid_rows` when the caller knows them), each with K long enough for its split-K; the
+    gate-up's decode ones polling for published offsets (polling_launches). Worked out once per
+    kind of call, when its launcher is bound."""
     capacity, k = x_shape
     experts = weight_shape[0]
     if valid_rows is not None and not (isinstance(valid_rows, int) and 0 <= valid_rows <= capacity):
@@ -640,6 +663,8 @@ def _launches(
         )
     else:
         launches = (Launch(resolve_knobs(op, capacity / max(1, experts), knobs)),)
+    if offsets_published:
+        launches = polling_launches(op, launches)
     for launch in launches:
         _check_split_k(op, launch.knobs, k)
         if is_packed_shape(weight_shape) and launch.knobs.tile_cols not in PACKED_TILE_COLS:
@@ -909,12 +934,15 @@ def _launcher(
     bias: torch.Tensor | None = None,
     swiglu: SwiGLU | None = None,
     x_group: int | None = None,
+    offsets_published: bool = False,
 ) -> GemmLauncher:
     """The launcher for this kind of call: looked up, else the op's checks run, the launches
     are planned and compiled (compile_only: compiled, nothing will run) and it is kept. A
     masked batch launches one kernel, for `valid_rows` (or the capacity when unknown): its
     valid rows are the counts' sum, which no kernel reads. `x_group`: down_fp8's columns per
-    scale of its rows (the gate-up launcher's out_group)."""
+    scale of its rows (the gate-up launcher's out_group). `offsets_published`: the module
+    docstring (the gate-up ops; the word after expert_offsets is checked to lie in its
+    storage)."""
     swiglu = PLAIN_SWIGLU if swiglu is None else swiglu
     if op == "down_fp8" and x_group not in (INTERMEDIATE_GROUP, WIDE_INTERMEDIATE_GROUP):
         raise ValueError(
@@ -937,6 +965,8 @@ def _launcher(
             bias=bias,
             swiglu=swiglu,
         )
+        if offsets_published:
+            _check_published_offsets(op, expert_offsets)
 
     try:
         device_index = -1 if compile_only else x_MK.get_device()
@@ -959,6 +989,7 @@ def _launcher(
             bias is not None,
             swiglu,
             x_group,
+            offsets_published,
             device_index,
         )
         launcher = _LAUNCHERS.get(key)
@@ -972,7 +1003,14 @@ def _launcher(
             )
         planned_rows = batch_shape[0] if masked and valid_rows is None else valid_rows
         launches = _launches(
-            op, knobs, tuned_knobs, batch_shape, w.shape, planned_rows, device_index
+            op,
+            knobs,
+            tuned_knobs,
+            batch_shape,
+            w.shape,
+            planned_rows,
+            device_index,
+            offsets_published=offsets_published,
         )
         weight_rows, _, columns = _gemm_dims(op, w.shape)
         # FP8 scale groups: the gate-up reads the hidden rows' and writes those its launches
@@ -1063,6 +1101,7 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callabl
                 # kernel runs: measured 1-4% faster at decode, 0.2-1.2% slower with prefill
                 # tiles (docs/benchmarks.md, "Down weights before the wait")
                 weights_before_wait=not is_gate_up(op) and launch.knobs.swap_ab,
+                polls_offsets=launch.polls_offsets,
                 l2_prefetch_ctas=launch.l2_prefetch_ctas,
                 dynamic_schedule=_dynamic_schedule(launch.knobs),
                 scale_group=x_group,
@@ -1114,6 +1153,7 @@ def gate_up_swiglu(
     row_source_M: torch.Tensor | None = None,
     w13_bias_EB2G: torch.Tensor | None = None,
     swiglu: SwiGLU | None = None,
+    offsets_published: bool = False,
 ) -> torch.Tensor:
     """silu(x Wg^T) * (x Wu^T) per expert, bf16 out, fp32 accumulation.
 
@@ -1132,7 +1172,8 @@ def gate_up_swiglu(
     valid_rows: expert_offsets[E] when the caller knows it on the host: the default profile
     then launches only the kernel for that many rows (a wrong count costs speed, not rows).
     expert_counts: int32 [E], a masked batch (module docstring), for every op: one kernel is
-    launched, the one for valid_rows when given."""
+    launched, the one for valid_rows when given. offsets_published: expert_offsets comes from
+    the routing kernel just before, published in the word after them (module docstring)."""
 
     launcher = gate_up_launcher(
         rows_MH,
@@ -1146,6 +1187,7 @@ def gate_up_swiglu(
         row_source_M=row_source_M,
         w13_bias_EB2G=w13_bias_EB2G,
         swiglu=swiglu,
+        offsets_published=offsets_published,
     )
     return launcher(
         rows_MH,
@@ -1217,6 +1259,7 @@ def gate_up_launcher(
     row_source_M: torch.Tensor | None = None,
     w13_bias_EB2G: torch.Tensor | None = None,
     swiglu: SwiGLU | None = None,
+    offsets_published: bool = False,
 ) -> GemmLauncher:
     """gate_up_swiglu's launcher for calls like this one (arguments as there): keep it to
     launch the same kind of call again with no lookup, as launcher(rows_MH, expert_offsets,
@@ -1236,6 +1279,7 @@ def gate_up_launcher(
         row_source_M=row_source_M,
         bias=w13_bias_EB2G,
         swiglu=swiglu,
+        offsets_published=offsets_published,
     )
 
 
@@ -1284,6 +1328,7 @@ def gate_up_swiglu_fp8(
     valid_rows: int | None = None,
     compile_only: bool = False,
     expert_counts: torch.Tensor | None = None,
+    offsets_published: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up_swiglu on e4m3 rows (scales [H / 128, M]) and an e4m3 interleaved w13 (scales
     [E, 2I / 128, H / 128], per block of the w13 before the interleave): the SwiGLU output
@@ -1299,6 +1344,7 @@ def gate_up_swiglu_fp8(
         valid_rows=valid_rows,
         compile_only=compile_only,
         expert_counts=expert_counts,
+        offsets_published=offsets_published,
     )
     return launcher(
         rows_MH,
@@ -1364,6 +1410,7 @@ def gate_up_fp8_launcher(
     valid_rows: int | None = None,
     compile_only: bool = False,
     expert_counts: torch.Tensor | None = None,
+    offsets_published: bool = False,
 ) -> GemmLauncher:
     """gate_up_swiglu_fp8's launcher: called as launcher(rows_MH, expert_offsets, w13_EB2GH,
     x_scales=..., w_scales=..., out=None, out_scales=None) -> (out, out_scales)."""
@@ -1378,6 +1425,7 @@ def gate_up_fp8_launcher(
         valid_rows=valid_rows,
         compile_only=compile_only,
         expert_counts=expert_counts,
+        offsets_published=offsets_published,
     )
 
 

@@ -366,6 +366,10 @@ GATHER_MAX_TILE_ROWS = 64
 # (_down_l2_prefetch_ctas): built and compiled, off until measured on the H200
 # (docs/kernels-design.md, "Open directions")
 DOWN_L2_PREFETCH = False
+# whether the routing kernel publishes the batch's offsets before it ends, and a decode gate-up
+# GEMM after it starts loading its weights then (Launch.polls_offsets): built and compiled, off
+# until measured on the H200 (docs/kernels-design.md, "Open directions")
+GATE_UP_POLLS_OFFSETS = False
 
 
 @dataclass(frozen=True)
@@ -374,12 +378,14 @@ class Launch:
     [min_valid_rows, max_valid_rows) it works on (None: unbounded); outside, it does nothing.
     l2_prefetch_ctas: a decode down GEMM's CTAs that start on the SMs its gate-up leaves idle
     and prefetch into L2 the weights of the CTAs that start after it (0: none;
-    _down_l2_prefetch_ctas)."""
+    _down_l2_prefetch_ctas). polls_offsets: a decode gate-up GEMM whose batch offsets the
+    routing kernel publishes before it ends starts loading its weights then (polling_launches)."""
 
     knobs: GemmKnobs
     min_valid_rows: int = 0
     max_valid_rows: int | None = None
     l2_prefetch_ctas: int = 0
+    polls_offsets: bool = False
 
 
 def intermediate_group(launches: tuple[Launch, ...], intermediate: int) -> int:
@@ -611,6 +617,23 @@ def default_launches(
     if valid_rows is not None:
         return (Launch(small if valid_rows < boundary else knobs),)
     return (Launch(small, 0, boundary), Launch(knobs, boundary, None))
+
+
+def polling_launches(op: str, launches: tuple[Launch, ...]) -> tuple[Launch, ...]:
+    """`launches` of a batch whose offsets the routing kernel publishes before it ends (its
+    publish_offsets): the gate-up's decode ones poll for them (Launch.polls_offsets) and start
+    loading their first tile's weights while that kernel still copies the rows. Prefill tiles
+    (and every down launch) wait for the kernel before them to end: a down GEMM's weights
+    loaded before its wait cost prefill tiles 0.2-1.2% (docs/benchmarks.md, "Down weights before
+    the wait")."""
+    if not is_gate_up(op):
+        return launches
+    return tuple(
+        replace(launch, polls_offsets=True)
+        if launch.knobs.swap_ab and launch.knobs.cluster == (1, 1)
+        else launch
+        for launch in launches
+    )
 
 
 def gate_up_decode_knobs(*, valid_rows: int, capacity: int, num_experts: int) -> GemmKnobs | None:

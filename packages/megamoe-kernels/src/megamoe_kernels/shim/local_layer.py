@@ -23,7 +23,10 @@ Shape legend: T tokens, E experts, K experts per token (top-k), H hidden size, M
   family of megamoe: softmax or sigmoid scoring, grouped top-k with a correction bias,
   renormalisation, routed scaling.
   `RouteLauncher.route(logits)`: the routing alone (ids and weights, one launch), for the
-  expert-parallel dispatchers.
+  expert-parallel dispatchers. With `publish_offsets` (default knobs.GATE_UP_POLLS_OFFSETS)
+  expert_offsets is a view of E + S + 2 words whose last the kernel sets to 1 once the offsets
+  are final, before it ends, for a gate-up GEMM that polls for them (gate_up_swiglu's
+  offsets_published).
 - `CombineLauncher` (`combine_launcher(...)`): y[t] = sum over k in order of weight[t, k] x
   out[row_of_pair[t, k]] in fp32 (+ an optional addend row), bf16 out; no atomics.
 
@@ -42,6 +45,7 @@ from collections.abc import Callable
 
 import torch
 
+from megamoe_kernels.shim import knobs as _knobs
 from megamoe_kernels.shim.ep import copy_unroll
 from megamoe_kernels.shim.expert_gemm import (
     _current_stream_handle,
@@ -182,7 +186,9 @@ class RouteLauncher:
     grid takes where the grid has room, 1 to ROUTE_WARPS (None: for e4m3 rows split between
     the warps, as many as fill the warps with slices once, _quantizing_cta_tokens; else
     ROUTE_WARPS, a warp per token); `one_cta_tokens` (None: _one_cta_tokens) is at most twice
-    it."""
+    it. `publish_offsets` (None: knobs.GATE_UP_POLLS_OFFSETS): the offsets are published in the
+    word after them before the kernel ends (the module docstring); `publishes_offsets` says
+    whether they are."""
 
     def __init__(
         self,
@@ -208,6 +214,7 @@ class RouteLauncher:
         unroll: int | None = None,
         split_tokens: int | None = None,
         cta_tokens: int | None = None,
+        publish_offsets: bool | None = None,
         device: torch.device | str | None = None,
         compile_only: bool = False,
     ):
@@ -309,6 +316,9 @@ class RouteLauncher:
         one_cta_tokens = int(one_cta_tokens)
         self.unroll, self.split_tokens = int(unroll), int(split_tokens)
         self.cta_tokens = cta_tokens
+        if publish_offsets is None:
+            publish_offsets = _knobs.GATE_UP_POLLS_OFFSETS
+        self.publishes_offsets = bool(publish_offsets)
         self._one_cta_token_limit = _drop_route().one_cta_token_limit(
             self.batch_experts, one_cta_tokens, cta_tokens
         )
@@ -329,6 +339,7 @@ class RouteLauncher:
             self.weights_on_input,
             int(split_tokens),
             cta_tokens,
+            self.publishes_offsets,
         )
         device_index = _device_index(self.device, compile_only)
         # the grid's CTAs, all resident at once, are sized by the GPU's SMs
@@ -476,8 +487,9 @@ class RouteLauncher:
         shared_gate_T: torch.Tensor | None = None,
         reuse_outputs: bool = False,
     ) -> tuple[torch.Tensor, ...]:
-        """(topk_ids_TK, topk_weights_TK, row_of_pair_TK, expert_offsets, rows_MH or None when
-        gathering, row_scales_GM or None for bf16 rows, row_source_M or None unless gathering);
+        """(topk_ids_TK, topk_weights_TK, row_of_pair_TK, expert_offsets (with publishes_offsets
+        the first E + S + 1 of E + S + 2 words), rows_MH or None when gathering, row_scales_GM or
+        None for bf16 rows, row_source_M or None unless gathering);
         capacity >= T x pairs rows (checked here: the kernel writes rows up to T x pairs - 1;
         pairs = K + shared_experts, the columns of the [T, pairs] outputs). shared_gate_T: the
         shared experts' gate logits, float32 [T], given exactly when built with
@@ -544,7 +556,12 @@ class RouteLauncher:
             torch.empty((tokens, self.pairs), dtype=torch.int32, device=device),
             torch.empty((tokens, self.pairs), dtype=torch.float32, device=device),
             torch.empty((tokens, self.pairs), dtype=torch.int32, device=device),
-            torch.empty(self.batch_experts + 1, dtype=torch.int32, device=device),
+            # with publishes_offsets, the word the kernel publishes them in follows them
+            torch.empty(
+                self.batch_experts + 1 + int(self.publishes_offsets),
+                dtype=torch.int32,
+                device=device,
+            )[: self.batch_experts + 1],
             None
             if self.gather_rows
             else torch.empty((capacity, self.hidden_size), dtype=self.rows_dtype, device=device),
@@ -709,7 +726,10 @@ def _compile(key: tuple, compile_fn: Callable[[], Callable]) -> Callable:
 
 
 def route_launcher(**constants) -> RouteLauncher:
-    """A RouteLauncher, kept per set of constants (its compiled kernel is shared anyway)."""
+    """A RouteLauncher, kept per set of constants (its compiled kernel is shared anyway); an
+    unset publish_offsets is knobs.GATE_UP_POLLS_OFFSETS as it is now."""
+    if constants.get("publish_offsets") is None:
+        constants["publish_offsets"] = _knobs.GATE_UP_POLLS_OFFSETS
     key = tuple(sorted(constants.items(), key=lambda item: item[0]))
     launcher = _ROUTE_LAUNCHERS.get(key)
     if launcher is None:
