@@ -401,6 +401,48 @@ def test_a_captured_one_cta_routing_records_no_fill():
     assert torch.equal(ids_TK, eager_ids_TK)
 
 
+@pytest.mark.parametrize("name", ["qwen3", "dsv3", "mixtral"])
+@pytest.mark.parametrize("gather_rows", [False, True])
+@pytest.mark.parametrize("tokens", [0, 1, 5, 300, 4099])
+def test_published_offsets_are_the_same_and_followed_by_their_word(
+    monkeypatch, name, gather_rows, tokens
+):
+    # knobs.GATE_UP_POLLS_OFFSETS: the launch sets the word after the offsets to 1 once they
+    # are final; the outputs are the bits of the launch that does not publish them
+    from megamoe_kernels.shim import knobs
+
+    router = ROUTERS[name]
+    hidden = 2048
+    _needs_kernels(router, hidden)
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(tokens)
+    x_TH = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, generator=generator)
+    logits_TE = torch.randn(tokens, router.num_experts, device=device, generator=generator)
+    bias_E = torch.randn(router.num_experts, device=device) if router.use_correction_bias else None
+    outputs = []
+    for publish in (False, True):
+        monkeypatch.setattr(knobs, "GATE_UP_POLLS_OFFSETS", publish)
+        dispatcher = DeviceRoutedDispatcher(router, hidden_size=hidden, capacity=4099 * 8)
+        _poison_allocator(device)
+        batch, handle, ids_TK = dispatcher.route_and_dispatch(
+            x_TH, logits_TE, correction_bias_E=bias_E, gather_rows=gather_rows
+        )
+        assert batch.offsets_published == publish
+        outputs.append((batch, handle, ids_TK))
+    (waited, waited_handle, waited_ids), (published, handle, ids_TK) = outputs
+    offsets = published.expert_offsets
+    experts = router.num_experts
+    word = offsets.as_strided((experts + 2,), (1,))[experts + 1]
+    assert int(word) == 1
+    assert torch.equal(offsets, waited.expert_offsets)
+    assert torch.equal(ids_TK, waited_ids)
+    assert torch.equal(handle.row_of_pair_TK, waited_handle.row_of_pair_TK)
+    assert torch.equal(handle.topk_weights_TK, waited_handle.topk_weights_TK)
+    valid = tokens * router.top_k
+    rows, waited_rows = published.materialized().rows_MH, waited.materialized().rows_MH
+    assert torch.equal(rows[:valid], waited_rows[:valid])
+
+
 def test_bitwise_repeat_and_graph_replay_with_new_routing():
     router = ROUTERS["qwen3"]
     _needs_kernels(router, 512)

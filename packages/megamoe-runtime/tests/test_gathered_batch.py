@@ -56,3 +56,15 @@ def test_a_gathered_batch_refuses_what_it_cannot_hold():
         ExpertBatch.gathered(
             gathered.rows_MH, gathered.row_source_M, gathered.expert_offsets, valid_rows=99
         )
+
+
+def test_published_offsets_stay_published_when_the_rows_are_copied_out():
+    gathered, _ = gathered_and_tight([2, 1, 0, 3])
+    published = ExpertBatch.gathered(
+        gathered.rows_MH,
+        gathered.row_source_M,
+        gathered.expert_offsets,
+        offsets_published=True,
+    )
+    assert published.materialized().offsets_published
+    assert not gathered.materialized().offsets_published

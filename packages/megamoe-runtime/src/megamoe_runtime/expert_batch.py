@@ -22,6 +22,11 @@ token of each batch row, so batch row r is rows_MH[row_source_M[r]] (row_source_
 valid rows unspecified). The cutedsl backend's gate-up GEMM reads the rows from the tokens; the
 other backends take `materialized()`, the same batch with its rows copied out.
 
+Published offsets (`offsets_published`): `expert_offsets` comes from the routing kernel launched
+just before on the stream, which sets the int32 word after them (in their storage) to 1 once they
+are final, before it ends; the cutedsl backend's decode gate-up GEMM then starts loading its
+weights before that kernel ends (megamoe_kernels' gate_up_swiglu, `offsets_published`).
+
 FP8 rows: `rows_MH` e4m3 with `row_scales_GM`, float32 [ceil(H / 128), capacity], one scale
 per row and 128 columns (value = e4m3 x scale), as a dispatch of pre-quantized tokens leaves
 them for FP8 experts. Backends with bf16 weights take `dequantized()`: the same batch with bf16
@@ -62,6 +67,9 @@ class ExpertBatch:
     # gathered rows: the token of each batch row, int32 [capacity] on the device, rows_MH being
     # the tokens (see the module docstring); None: rows_MH holds the batch rows
     row_source_M: torch.Tensor | None = None
+    # the routing kernel before publishes the offsets in the word after them (see the module
+    # docstring)
+    offsets_published: bool = False
 
     @classmethod
     def gathered(
@@ -72,6 +80,7 @@ class ExpertBatch:
         *,
         valid_rows: int | None = None,
         typical_rows: int | None = None,
+        offsets_published: bool = False,
     ) -> ExpertBatch:
         """A tight batch whose row r is tokens_TH[row_source_M[r]], not copied out."""
         return cls(
@@ -80,6 +89,7 @@ class ExpertBatch:
             typical_rows=typical_rows,
             valid_rows=valid_rows,
             row_source_M=row_source_M,
+            offsets_published=offsets_published,
         )
 
     def materialized(self) -> ExpertBatch:
@@ -100,6 +110,7 @@ class ExpertBatch:
             expert_offsets=self.expert_offsets,
             typical_rows=self.typical_rows,
             valid_rows=self.valid_rows,
+            offsets_published=self.offsets_published,
         )
 
     def dequantized(self) -> ExpertBatch:

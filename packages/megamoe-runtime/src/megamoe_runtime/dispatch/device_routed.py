@@ -261,14 +261,18 @@ class DeviceRoutedDispatcher:
                 reuse_outputs=self.reuse_outputs,
             )
         )
+        published = launcher.publishes_offsets
         if gather_rows:
-            batch = ExpertBatch.gathered(x_TH, row_source_M, offsets, valid_rows=num_pairs)
+            batch = ExpertBatch.gathered(
+                x_TH, row_source_M, offsets, valid_rows=num_pairs, offsets_published=published
+            )
         else:
             batch = ExpertBatch(
                 rows_MH=rows_MH,
                 expert_offsets=offsets,
                 valid_rows=num_pairs,
                 row_scales_GM=row_scales_GM,
+                offsets_published=published,
             )
         handle = LocalHandle(
             row_of_pair_TK=row_of_pair_TK, topk_weights_TK=weights_TK, output_dtype=x_TH.dtype

@@ -16,7 +16,9 @@ their own ops ("gate_up_fp8", "down_fp8"): explicit ones, else the knob cache's 
 A masked batch (per-expert counts at a fixed stride: DeepEP's low-latency receive layout) is
 read in place: the kernels' expert walk reads the counts beside the offsets, so they compute
 the counted rows only. A gathered batch (the tokens and the token of each batch row) goes to
-the gathering gate-up GEMM; the FP8 path copies its rows out first.
+the gathering gate-up GEMM; the FP8 path copies its rows out first. A batch whose offsets the
+routing kernel publishes before it ends (`offsets_published`) lets the decode gate-up GEMM
+start loading its weights then.
 """
 
 from __future__ import annotations
@@ -307,6 +309,7 @@ class CuteDSLExperts:
             expert_counts=batch.expert_counts,
             w13_bias_EB2G=prepared.w13_bias_EB2G,
             swiglu=prepared.swiglu,
+            offsets_published=batch.offsets_published,
             **gate_up_knobs,
         )
         intermediate = prepared.intermediate_size
@@ -435,6 +438,7 @@ class CuteDSLExperts:
                 batch.is_masked,
                 batch.typical_rows,
                 batch.valid_rows,
+                batch.offsets_published,
                 rows_MH.get_device(),
                 rows_MH.dtype,
                 prepared.w2_EHI.shape,
@@ -491,6 +495,7 @@ class CuteDSLExperts:
             batch.is_masked,
             batch.typical_rows,
             batch.valid_rows,
+            batch.offsets_published,
             rows_MH.get_device(),
             prepared.w2_EHI.shape,
             row_scale_M is None,
@@ -532,6 +537,7 @@ class CuteDSLExperts:
             prepared.w13_EB2GH,
             valid_rows=batch.valid_rows,
             expert_counts=batch.expert_counts,
+            offsets_published=batch.offsets_published,
             **gate_up_knobs,
         )
         intermediate = prepared.intermediate_size
