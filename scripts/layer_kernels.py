@@ -20,7 +20,11 @@ graph, from the torch profiler's CUDA activity), and of the expert GEMMs alone o
 out (the layer's way) against a copy of it (what a forward that must return a fresh tensor
 costs): the wall time of back-to-back forwards and the host time of single ones, alternating
 rounds; --copy-in-ab a replayed forward's tokens brought in by the graph's own copy node
-against a torch copy before the replay (wall and host time, alternating rounds); --router-host
+against a torch copy before the replay (wall and host time, alternating rounds); --polls-ab the
+fused forward with the routing launch publishing the offsets and the decode gate-up polling for
+them (megamoe_kernels' knobs.GATE_UP_POLLS_OFFSETS) against the gate-up waiting for the
+routing launch to end: their outputs' bits compared, graph replays of 20 forwards in three
+alternating rounds, and each one's kernel timeline (as --timeline); --router-host
 the host time of the ways to compute fp32 router logits; --host-profile prints
 where the host time of an eager forward goes: single forwards, each issued after the GPU
 drained (as the bench's "host us" times them), under cProfile (cumulative time per function,
@@ -79,6 +83,7 @@ def main() -> None:
     parser.add_argument("--host-profile", action="store_true")
     parser.add_argument("--output-ab", action="store_true")
     parser.add_argument("--copy-in-ab", action="store_true")
+    parser.add_argument("--polls-ab", action="store_true")
     parser.add_argument("--router-host", action="store_true")
     parser.add_argument("--weight-dtype", choices=["bf16", "fp8"], default="bf16")
     args = parser.parse_args()
@@ -109,6 +114,8 @@ def main() -> None:
                 output_ab(layer, x_TH)
             if args.copy_in_ab:
                 copy_in_ab(layer, x_TH)
+            if args.polls_ab:
+                polls_ab(layer, x_TH)
             if args.router_host:
                 router_host(layer, x_TH)
 
@@ -269,6 +276,50 @@ def timeline(layer, x_TH) -> None:
         print(f"  timeline, {name} (start, end us):")
         for start, end, kernel in kernel_timeline(fn, device=x_TH.device):
             print(f"    {start:7.2f} {end:7.2f}  {kernel[:70]}")
+
+
+def polls_ab(layer, x_TH, rounds: int = 3) -> None:
+    """The fused forward whose routing launch publishes the offsets, its decode gate-up polling
+    for them, against the one whose gate-up waits for the routing launch to end: the same bits,
+    graph-replay us (20 forwards a graph) in alternating rounds, and both kernel timelines. The
+    layer's dispatcher keeps a routing launcher of each kind (made with the knob set, then
+    restored); a forward captures with the kind it is given."""
+    from megamoe_kernels.shim import knobs
+
+    dispatcher = layer._device_routed
+    default = knobs.GATE_UP_POLLS_OFFSETS
+    launchers = {}
+    for polls in (False, True):
+        knobs.GATE_UP_POLLS_OFFSETS = polls
+        try:
+            dispatcher._route_launchers = {}
+            forward_routing(layer, x_TH, layer.router_logits(x_TH))  # binds this kind's launcher
+            launchers[polls] = dispatcher._route_launchers
+        finally:
+            knobs.GATE_UP_POLLS_OFFSETS = default
+
+    def forward(polls: bool):
+        def run():
+            dispatcher._route_launchers = launchers[polls]
+            return layer._fused_forward_from_tokens(x_TH)[0]
+
+        return run
+
+    waits, polls = forward(False), forward(True)
+    same = torch.equal(waits(), polls())
+    readings = alternating_readings(
+        {
+            name: lambda fn=fn: median_graph_replay_seconds(fn, device=x_TH.device, repeats=20)
+            for name, fn in (("waits", waits), ("polls", polls))
+        },
+        rounds=rounds,
+    )
+    print(f"  polls-ab us (graph): {readings_line(readings)}; same bits: {same}")
+    for name, fn in (("waits", waits), ("polls", polls)):
+        print(f"  timeline, gate-up {name} (start, end us):")
+        for start, end, kernel in kernel_timeline(fn, device=x_TH.device):
+            print(f"    {start:7.2f} {end:7.2f}  {kernel[:70]}")
+    dispatcher._route_launchers = launchers[default]
 
 
 def kernel_timeline(fn, *, device, forwards: int = 10, replays: int = 5):
