@@ -24,7 +24,11 @@ against a torch copy before the replay (wall and host time, alternating rounds);
 fused forward with the routing launch publishing the offsets and the decode gate-up polling for
 them (megamoe_kernels' knobs.GATE_UP_POLLS_OFFSETS) against the gate-up waiting for the
 routing launch to end: their outputs' bits compared, graph replays of 20 forwards in three
-alternating rounds, and each one's kernel timeline (as --timeline); --router-host
+alternating rounds, and each one's kernel timeline (as --timeline); --graph-copy what an eager
+forward replayed from the layer's graph costs the GPU beyond its kernels: back-to-back replays
+of the layer's graph (its first node copies the tokens in), of a graph of the same forward
+without that node (its input read in place) and the forward in a graph of 10 (per forward),
+alternating rounds; --router-host
 the host time of the ways to compute fp32 router logits; --host-profile prints
 where the host time of an eager forward goes: single forwards, each issued after the GPU
 drained (as the bench's "host us" times them), under cProfile (cumulative time per function,
@@ -84,6 +88,7 @@ def main() -> None:
     parser.add_argument("--output-ab", action="store_true")
     parser.add_argument("--copy-in-ab", action="store_true")
     parser.add_argument("--polls-ab", action="store_true")
+    parser.add_argument("--graph-copy", action="store_true")
     parser.add_argument("--router-host", action="store_true")
     parser.add_argument("--weight-dtype", choices=["bf16", "fp8"], default="bf16")
     args = parser.parse_args()
@@ -116,6 +121,8 @@ def main() -> None:
                 copy_in_ab(layer, x_TH)
             if args.polls_ab:
                 polls_ab(layer, x_TH)
+            if args.graph_copy:
+                graph_copy(layer, x_TH)
             if args.router_host:
                 router_host(layer, x_TH)
 
@@ -426,6 +433,38 @@ def host_profile(layer, x_TH, rounds: int = 40) -> None:
     print(
         "  replay host us (single calls): " + ", ".join(f"{k} {v:.1f}" for k, v in single.items())
     )
+
+
+def graph_copy(layer, x_TH, rounds: int = 3) -> None:
+    """GPU us per eager forward replayed from the layer's graph (the tokens in one buffer, so
+    its copy node is not re-pointed) against a graph of the same forward without the copy node
+    and against the forward in a graph of 10, alternating rounds: the copy node's cost and the
+    graph launch's."""
+    with torch.no_grad():
+        for _ in range(3):  # the third replays the graph the second captured
+            layer(x_TH)
+    graphs = layer._forward_graphs._graphs
+    if not graphs:
+        print("  graph copy: the layer replays no graph of this forward")
+        return
+    entry = next(reversed(graphs.values()))[0]
+    static_TH = entry.x.view(-1, layer.config.hidden_size)
+    entry.x.copy_(x_TH.view(entry.x.shape))
+
+    def forward():
+        return layer._fused_forward_from_tokens(static_TH)[0]
+
+    uncopied = captured_graph(forward, device=x_TH.device, calls=1)
+    device = x_TH.device
+    readings = alternating_readings(
+        {
+            "with copy node": lambda: median_seconds(entry.graph.replay, device=device, repeats=50),
+            "without": lambda: median_seconds(uncopied.replay, device=device, repeats=50),
+            "graph of 10": lambda: median_graph_replay_seconds(forward, device=device, repeats=20),
+        },
+        rounds=rounds,
+    )
+    print(f"  graph copy us (a replay back to back): {readings_line(readings)}")
 
 
 def replayed_forward_readings(variants: dict, *, rounds: int) -> dict:
