@@ -79,17 +79,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--geometry", nargs="+", default=["qwen3-30b-a3b"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 2048, 8192])
-    parser.add_argument("--route-ab", action="store_true")
-    parser.add_argument("--phases", action="store_true")
-    parser.add_argument("--forward", action="store_true")
-    parser.add_argument("--critical-path", action="store_true")
-    parser.add_argument("--timeline", action="store_true")
-    parser.add_argument("--host-profile", action="store_true")
-    parser.add_argument("--output-ab", action="store_true")
-    parser.add_argument("--copy-in-ab", action="store_true")
-    parser.add_argument("--polls-ab", action="store_true")
-    parser.add_argument("--graph-copy", action="store_true")
-    parser.add_argument("--router-host", action="store_true")
+    # each option runs its study of every point, in this order (the module docstring)
+    studies = {
+        "route_ab": route_ab,
+        "phases": phases,
+        "forward": forward_graph,
+        "critical_path": critical_path,
+        "timeline": timeline,
+        "host_profile": host_profile,
+        "output_ab": output_ab,
+        "copy_in_ab": copy_in_ab,
+        "polls_ab": polls_ab,
+        "graph_copy": graph_copy,
+        "router_host": router_host,
+    }
+    for option in studies:
+        parser.add_argument("--" + option.replace("_", "-"), action="store_true")
     parser.add_argument("--weight-dtype", choices=["bf16", "fp8"], default="bf16")
     args = parser.parse_args()
     weight_dtype = None if args.weight_dtype == "bf16" else args.weight_dtype
@@ -103,28 +108,9 @@ def main() -> None:
             layer.use_backend("cutedsl")
             x_TH, _, _ = routed_tokens(base, tokens)
             report(layer, x_TH, f"{name} {args.weight_dtype} {tokens} tokens")
-            if args.route_ab:
-                route_ab(layer, x_TH)
-            if args.phases:
-                phases(layer, x_TH)
-            if args.forward:
-                forward_graph(layer, x_TH)
-            if args.critical_path:
-                critical_path(layer, x_TH)
-            if args.timeline:
-                timeline(layer, x_TH)
-            if args.host_profile:
-                host_profile(layer, x_TH)
-            if args.output_ab:
-                output_ab(layer, x_TH)
-            if args.copy_in_ab:
-                copy_in_ab(layer, x_TH)
-            if args.polls_ab:
-                polls_ab(layer, x_TH)
-            if args.graph_copy:
-                graph_copy(layer, x_TH)
-            if args.router_host:
-                router_host(layer, x_TH)
+            for option, study in studies.items():
+                if getattr(args, option):
+                    study(layer, x_TH)
 
 
 def router_host(layer, x_TH) -> None:
