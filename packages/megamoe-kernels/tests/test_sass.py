@@ -6,7 +6,11 @@ import subprocess
 import sys
 
 import pytest
-from megamoe_kernels.sass_check import disassembler_bin_dir, local_memory_stores
+from megamoe_kernels.sass_check import (
+    disassembler_bin_dir,
+    local_memory_stores,
+    strong_gpu_loads,
+)
 
 pytestmark = pytest.mark.compile
 
@@ -35,3 +39,15 @@ def test_spill_stores_are_counted_by_instruction():
     """
     assert local_memory_stores(sass) == 2
     assert local_memory_stores("STS [R2], R3 ;") == 0
+
+
+def test_acquire_polls_are_counted_by_instruction():
+    sass = """
+        /*0430*/                   LDG.E.STRONG.GPU R4, desc[UR4][R8.64+0x204] ;
+        /*0440*/                   CCTL.IVALL ;
+        /*0450*/                   LDG.E.64.STRONG.GPU R6, desc[UR4][R2.64] ;
+        /*0460*/                   LDG.E R5, desc[UR4][R2.64] ;
+        /*0470*/                   STG.E.STRONG.GPU desc[UR4][R2.64], R3 ;
+    """
+    assert strong_gpu_loads(sass) == 2
+    assert strong_gpu_loads("LDG.E.CONSTANT R3, desc[UR4][R2.64] ;") == 0

@@ -1,6 +1,8 @@
 """Checks that every default kernel profile, and each kernel variant no profile picks (pingpong,
-2-CTA clusters, split-K, FP8 on packed weights), compiles to wgmma: its SASS must hold HGMMA, or for the FP8 ops QGMMA
-with e4m3 inputs (the SASS name of an FP8 wgmma). Also that the decode (swap-AB) kernels, and
+2-CTA clusters, split-K, FP8 on packed weights, decode gate-ups that poll for published
+offsets), compiles to wgmma: its SASS must hold HGMMA, or for the FP8 ops QGMMA
+with e4m3 inputs (the SASS name of an FP8 wgmma), and a polling gate-up an acquire load
+(LDG.E.STRONG.GPU: its poll of the offsets' word). Also that the decode (swap-AB) kernels, and
 only they, load with an L2 cache policy (their evict-first weight loads: a TMA load whose
 `desc[...]` operand names a register, where a load without a policy names URZ), and that no
 kernel spills more registers to local memory (STL in its SASS) than KNOWN_SPILL_STORES records
@@ -102,6 +104,12 @@ def loads_with_cache_policy(sass: str) -> int:
 KNOWN_SPILL_STORES = {"gate_up_fp8-rows32-64x256": 2}
 
 
+def strong_gpu_loads(sass: str) -> int:
+    """How many loads at GPU scope that no cache serves stale (LDG.E.STRONG.GPU: an acquire
+    poll's) a disassembly holds."""
+    return len(re.findall(r"\bLDG\.E(?:\.\S+)?\.STRONG\.GPU\b", sass))
+
+
 def local_memory_stores(sass: str) -> int:
     """How many stores to local memory (STL: register spills) a disassembly holds."""
     return len(re.findall(r"\bSTL(?:\.\S+)? ", sass))
@@ -146,6 +154,9 @@ def variants_to_check() -> list[tuple[str, str, object, int]]:
         for rows in (1, 512)
         for op in ("gate_up_fp8", "down_fp8")
     ]
+    # decode gate-ups polling for the offsets the routing kernel publishes (off in the profile:
+    # knobs.GATE_UP_POLLS_OFFSETS)
+    variants += [("polls", op, default_knobs(op, 1), 1) for op in ("gate_up", "gate_up_fp8")]
     return variants
 
 
@@ -169,6 +180,8 @@ def compile_profiles(dump_dir: Path) -> dict[str, list[Path]]:
     meta = {"device": "meta", "dtype": torch.bfloat16}
     fp8_meta = {"device": "meta", "dtype": FP8_DTYPE}
     offsets = torch.empty(EXPERTS + 1, dtype=torch.int32, device="meta")
+    # as the routing kernel that publishes them leaves them: the word it publishes them in after
+    published_offsets = torch.empty(EXPERTS + 2, dtype=torch.int32, device="meta")[: EXPERTS + 1]
     w13 = interleave_gate_up(torch.empty(EXPERTS, 2 * INTERMEDIATE, HIDDEN, **meta))
     w2 = torch.empty(EXPERTS, HIDDEN, INTERMEDIATE, **meta)
     w13_fp8 = torch.empty(EXPERTS, 2 * FP8_INTERMEDIATE // 16, 16, FP8_HIDDEN, **fp8_meta)
@@ -180,8 +193,15 @@ def compile_profiles(dump_dir: Path) -> dict[str, list[Path]]:
     }
     packed_rows = {"gate_up_fp8": PACKED_HIDDEN, "down_fp8": PACKED_INTERMEDIATE}
 
-    def gate_up_fp8(rows, offsets, weight, *, knobs, compile_only):
-        return gate_up_fp8_launcher(rows, offsets, weight, knobs=knobs, compile_only=compile_only)
+    def gate_up_fp8(rows, offsets, weight, *, knobs, compile_only, offsets_published=False):
+        return gate_up_fp8_launcher(
+            rows,
+            offsets,
+            weight,
+            knobs=knobs,
+            compile_only=compile_only,
+            offsets_published=offsets_published,
+        )
 
     def down_fp8(rows, offsets, weight, *, knobs, compile_only):
         # on the scale groups the default gate-up of the same batch writes
@@ -212,18 +232,23 @@ def compile_profiles(dump_dir: Path) -> dict[str, list[Path]]:
     seen = set()
     for label, op, knobs, rows_per_expert in variants_to_check():
         capacity = rows_per_expert * EXPERTS
-        if (op, knobs, label == "packed") in seen:  # compiled already (capacity is dynamic)
+        # compiled already (capacity is dynamic)? Packed and polling variants are kernels of
+        # their own
+        kind = (op, knobs, label if label in ("packed", "polls") else None)
+        if kind in seen:
             continue
-        seen.add((op, knobs, label == "packed"))
+        seen.add(kind)
         gemm, width, weight, rows_meta = gemms[op]
         if label == "packed":
             width, weight = packed_rows[op], packed_fp8[op]
+        polls = {"offsets_published": True} if label == "polls" else {}
         gemm(
             torch.empty(capacity, width, **rows_meta),
-            offsets,
+            published_offsets if polls else offsets,
             weight,
             knobs=knobs,
             compile_only=True,
+            **polls,
         )
         # cubin names do not carry the knobs: move each away before the next compile
         variant = "-swap" if knobs.swap_ab else "-pingpong" if knobs.pingpong else ""
@@ -263,12 +288,15 @@ def main(argv: list[str] | None = None) -> int:
         spills = sum(local_memory_stores(text) for text in sass)
         known_spills = KNOWN_SPILL_STORES.get(name, 0)
         ok = ok and evict_first == ("-swap" in name) and spills <= known_spills
+        polls = "-polls-" in name
+        ok = ok and (not polls or any(strong_gpu_loads(text) for text in sass))
         failures += not ok
         loads = "evict-first weights" if evict_first else "default loads"
         spilled = f"{spills} spill stores (known: {known_spills})" if spills else "no spills"
+        polled = "; polls the offsets (an acquire load)" if polls else ""
         print(
             f"{'ok  ' if ok else 'FAIL'} {name:<32} {', '.join(shapes) or 'no wgmma'}; {loads}; "
-            f"{spilled}"
+            f"{spilled}{polled}"
         )
     return 1 if failures else 0
 
