@@ -286,7 +286,7 @@ def polls_ab(layer, x_TH, rounds: int = 3) -> None:
         knobs.GATE_UP_POLLS_OFFSETS = polls
         try:
             dispatcher._route_launchers = {}
-            forward_routing(layer, x_TH, layer.router_logits(x_TH))  # binds this kind's launcher
+            layer._fused_forward_from_tokens(x_TH)  # binds this kind's launchers
             launchers[polls] = dispatcher._route_launchers
         finally:
             knobs.GATE_UP_POLLS_OFFSETS = default
