@@ -24,6 +24,7 @@ from megamoe_kernels import (
     gate_up_swiglu,
     interleave_gate_up,
 )
+from megamoe_kernels.shim.expert_gemm import published_offsets_buffer
 from megamoe_kernels.shim.knobs import PROFILE_ROWS_PER_EXPERT
 
 pytestmark = pytest.mark.compile
@@ -206,18 +207,12 @@ def test_the_masked_and_the_gathered_variants_compile():
         gate_up_swiglu(tokens_TH, offsets, w13, row_source_M=source_M, compile_only=True)
 
 
-def published_offsets(experts: int) -> torch.Tensor:
-    """Offsets as the routing kernel with publish_offsets leaves them: E + 1 words followed in
-    their storage by the word it publishes them in."""
-    return torch.empty(experts + 2, dtype=torch.int32, device="meta")[: experts + 1]
-
-
 def test_the_decode_gate_up_that_polls_for_published_offsets_compiles():
     # one qwen3-30b-a3b token (8 rows over 128 experts), copied and gathered rows, and a
     # prefill capacity, whose decode launch polls beside a prefill one that waits
     meta = {"device": "meta", "dtype": torch.bfloat16}
     experts, hidden, intermediate = 128, 2048, 768
-    offsets = published_offsets(experts)
+    offsets = published_offsets_buffer(experts + 1, device="meta")
     w13 = interleave_gate_up(torch.empty(experts, 2 * intermediate, hidden, **meta))
     for capacity, valid_rows in ((8, 8), (16384, None)):
         rows_MH = torch.empty(capacity, hidden, **meta)

@@ -26,7 +26,7 @@ from megamoe_kernels import (
     gate_up_fp8_launcher,
     row_scales_buffer,
 )
-from megamoe_kernels.shim.expert_gemm import DEFAULT_SM_COUNT
+from megamoe_kernels.shim.expert_gemm import DEFAULT_SM_COUNT, published_offsets_buffer
 from megamoe_kernels.shim.knobs import PROFILE_ROWS_PER_EXPERT
 
 pytestmark = pytest.mark.compile
@@ -68,7 +68,7 @@ def test_the_decode_fp8_gate_up_that_polls_for_published_offsets_compiles():
     # one qwen3-30b-a3b token, polling for the offsets the routing kernel publishes
     # (Launch.polls_offsets)
     experts, hidden, intermediate = 128, 2048, 768
-    offsets = torch.empty(experts + 2, dtype=torch.int32, device="meta")[: experts + 1]
+    offsets = published_offsets_buffer(experts + 1, device="meta")
     launcher = gate_up_fp8_launcher(
         torch.empty(8, hidden, **META),
         offsets,

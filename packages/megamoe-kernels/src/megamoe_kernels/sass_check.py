@@ -173,7 +173,7 @@ def compile_profiles(dump_dir: Path) -> dict[str, list[Path]]:
         gate_up_swiglu,
         interleave_gate_up,
     )
-    from megamoe_kernels.shim.expert_gemm import DEFAULT_SM_COUNT
+    from megamoe_kernels.shim.expert_gemm import DEFAULT_SM_COUNT, published_offsets_buffer
     from megamoe_kernels.shim.knobs import intermediate_group
     from megamoe_kernels.shim.weight_packets import stored_shape_dims
 
@@ -181,7 +181,7 @@ def compile_profiles(dump_dir: Path) -> dict[str, list[Path]]:
     fp8_meta = {"device": "meta", "dtype": FP8_DTYPE}
     offsets = torch.empty(EXPERTS + 1, dtype=torch.int32, device="meta")
     # as the routing kernel that publishes them leaves them: the word it publishes them in after
-    published_offsets = torch.empty(EXPERTS + 2, dtype=torch.int32, device="meta")[: EXPERTS + 1]
+    published_offsets = published_offsets_buffer(EXPERTS + 1, device="meta")
     w13 = interleave_gate_up(torch.empty(EXPERTS, 2 * INTERMEDIATE, HIDDEN, **meta))
     w2 = torch.empty(EXPERTS, HIDDEN, INTERMEDIATE, **meta)
     w13_fp8 = torch.empty(EXPERTS, 2 * FP8_INTERMEDIATE // 16, 16, FP8_HIDDEN, **fp8_meta)

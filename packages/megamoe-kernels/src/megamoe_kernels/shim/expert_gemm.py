@@ -456,6 +456,13 @@ def _check_down(
         )
 
 
+def published_offsets_buffer(entries: int, *, device: torch.device | str) -> torch.Tensor:
+    """Uninitialised int32 offsets of `entries` words, followed in their allocation by the word
+    a routing kernel with publish_offsets publishes them in: the view of the offsets (what
+    offsets_published=True takes)."""
+    return torch.empty(entries + 1, dtype=torch.int32, device=device)[:entries]
+
+
 def _check_published_offsets(op: str, expert_offsets) -> None:
     """offsets_published: a gate-up op's, with the word the routing kernel publishes them in
     (after the offsets) inside their storage."""
@@ -468,7 +475,7 @@ def _check_published_offsets(op: str, expert_offsets) -> None:
         raise ValueError(
             "offsets_published=True: expert_offsets must be contiguous and followed in its "
             "storage by the int32 word the routing kernel publishes them in (RouteLauncher "
-            "with publish_offsets allocates E + 2 words)"
+            "with publish_offsets allocates them so: published_offsets_buffer)"
         )
 
 

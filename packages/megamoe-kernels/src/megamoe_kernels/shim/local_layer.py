@@ -52,6 +52,7 @@ from megamoe_kernels.shim.expert_gemm import (
     _persistent_ctas,
     _stream_scratch,
     keeps_buffers,
+    published_offsets_buffer,
 )
 
 _COMPILE_LOCK = threading.Lock()
@@ -557,11 +558,9 @@ class RouteLauncher:
             torch.empty((tokens, self.pairs), dtype=torch.float32, device=device),
             torch.empty((tokens, self.pairs), dtype=torch.int32, device=device),
             # with publishes_offsets, the word the kernel publishes them in follows them
-            torch.empty(
-                self.batch_experts + 1 + int(self.publishes_offsets),
-                dtype=torch.int32,
-                device=device,
-            )[: self.batch_experts + 1],
+            published_offsets_buffer(self.batch_experts + 1, device=device)
+            if self.publishes_offsets
+            else torch.empty(self.batch_experts + 1, dtype=torch.int32, device=device),
             None
             if self.gather_rows
             else torch.empty((capacity, self.hidden_size), dtype=self.rows_dtype, device=device),
