@@ -12,8 +12,10 @@ A body is a module-level function `body(rank, world_size, device, *args)` (spawn
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -49,6 +51,7 @@ _TEARDOWN_TIMEOUT_S = 120
 def _spawned_rank(
     rank: int, world_size: int, port: int, torn_down, body: Callable, args: tuple
 ) -> None:
+    faulthandler.enable(all_threads=True)  # a rank killed by a signal prints where it was
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
@@ -58,11 +61,16 @@ def _spawned_rank(
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    # and none exits before all have torn their group down: rank 0 hosts the group's store,
-    # whose going away under another rank's teardown aborted that rank (SIGABRT, "terminate
-    # called without an active exception") in 4-rank runs, even after the barrier above. A
+    # A rank that passed waits until every rank has torn its group down (rank 0 hosts the
+    # group's store), then leaves without the interpreter's finalization: 4-rank runs on a
+    # loaded 2-core host aborted a passed rank now and then at its exit (SIGABRT, "terminate
+    # called without an active exception": a C++ thread of gloo's that takes the GIL while
+    # Python finalizes is ended by pthread_exit, whose unwinding meets a noexcept frame). A
     # rank that failed never gets here: spawn terminates the others once it exits
     torn_down.wait(timeout=_TEARDOWN_TIMEOUT_S)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.fixture(scope="session")
