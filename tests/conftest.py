@@ -62,11 +62,13 @@ def _spawned_rank(
     finally:
         dist.destroy_process_group()
     # A rank that passed waits until every rank has torn its group down (rank 0 hosts the
-    # group's store), then leaves without the interpreter's finalization: 4-rank runs on a
-    # loaded 2-core host aborted a passed rank now and then at its exit (SIGABRT, "terminate
-    # called without an active exception": a C++ thread of gloo's that takes the GIL while
-    # Python finalizes is ended by pthread_exit, whose unwinding meets a noexcept frame). A
-    # rank that failed never gets here: spawn terminates the others once it exits
+    # group's store), then leaves without the interpreter's finalization. 4-rank CI runs on a
+    # loaded 2-core host aborted a rank now and then (SIGABRT, "terminate called without an
+    # active exception"), also after this barrier was added; the likely cause is the exit: on
+    # Python 3.11 a C++ thread that takes the GIL while Python finalizes (gloo's, releasing
+    # tensors) is ended by pthread_exit, whose unwinding meets a noexcept frame. Not reproduced
+    # on demand: faulthandler (above) prints where a rank killed by a signal was. A rank that
+    # failed never gets here: spawn terminates the others once it exits
     torn_down.wait(timeout=_TEARDOWN_TIMEOUT_S)
     sys.stdout.flush()
     sys.stderr.flush()
