@@ -22,9 +22,10 @@ costs): the wall time of back-to-back forwards and the host time of single ones,
 rounds; --copy-in-ab a replayed forward's tokens brought in by the graph's own copy node
 against a torch copy before the replay (wall and host time, alternating rounds); --polls-ab the
 fused forward with the routing launch publishing the offsets and the decode gate-up polling for
-them (megamoe_kernels' knobs.GATE_UP_POLLS_OFFSETS) against the gate-up waiting for the
-routing launch to end: their outputs' bits compared, graph replays of 20 forwards in three
-alternating rounds, and each one's kernel timeline (as --timeline); --graph-copy what an eager
+them (megamoe_kernels' knobs.GATE_UP_POLLS_OFFSETS_MAX_TOKENS set to the call's tokens) against
+the gate-up waiting for the routing launch to end: their outputs' bits compared, graph replays
+of 20 forwards in three alternating rounds, and each one's kernel timeline (as --timeline);
+--graph-copy what an eager
 forward replayed from the layer's graph costs the GPU beyond its kernels: back-to-back replays
 of the layer's graph (its first node copies the tokens in), of a graph of the same forward
 without that node (its input read in place) and the forward in a graph of 10 (per forward),
@@ -274,27 +275,20 @@ def timeline(layer, x_TH) -> None:
 def polls_ab(layer, x_TH, rounds: int = 3) -> None:
     """The fused forward whose routing launch publishes the offsets, its decode gate-up polling
     for them, against the one whose gate-up waits for the routing launch to end: the same bits,
-    graph-replay us (20 forwards a graph) in alternating rounds, and both kernel timelines. The
-    layer's dispatcher keeps a routing launcher of each kind (made with the knob set, then
-    restored); a forward captures with the kind it is given."""
+    graph-replay us (20 forwards a graph) in alternating rounds, and both kernel timelines. Each
+    call sets the knob for its own forward (a graph captures the routing launcher its call
+    picks; the dispatcher keeps one of each kind), then puts it back."""
     from megamoe_kernels.shim import knobs
 
-    dispatcher = layer._device_routed
-    default = knobs.GATE_UP_POLLS_OFFSETS
-    launchers = {}
-    for polls in (False, True):
-        knobs.GATE_UP_POLLS_OFFSETS = polls
-        try:
-            dispatcher._route_launchers = {}
-            layer._fused_forward_from_tokens(x_TH)  # binds this kind's launchers
-            launchers[polls] = dispatcher._route_launchers
-        finally:
-            knobs.GATE_UP_POLLS_OFFSETS = default
+    default = knobs.GATE_UP_POLLS_OFFSETS_MAX_TOKENS
 
     def forward(polls: bool):
         def run():
-            dispatcher._route_launchers = launchers[polls]
-            return layer._fused_forward_from_tokens(x_TH)[0]
+            knobs.GATE_UP_POLLS_OFFSETS_MAX_TOKENS = x_TH.shape[0] if polls else -1
+            try:
+                return layer._fused_forward_from_tokens(x_TH)[0]
+            finally:
+                knobs.GATE_UP_POLLS_OFFSETS_MAX_TOKENS = default
 
         return run
 
@@ -312,7 +306,6 @@ def polls_ab(layer, x_TH, rounds: int = 3) -> None:
         print(f"  timeline, gate-up {name} (start, end us):")
         for start, end, kernel in kernel_timeline(fn, device=x_TH.device):
             print(f"    {start:7.2f} {end:7.2f}  {kernel[:70]}")
-    dispatcher._route_launchers = launchers[default]
 
 
 def kernel_timeline(fn, *, device, forwards: int = 10, replays: int = 5):

@@ -175,18 +175,21 @@ def test_route_and_place_publishing_its_offsets_compiles(constants):
     assert offsets.untyped_storage().nbytes() == (experts + 2) * 4
 
 
-def test_offsets_are_published_where_the_knob_says(monkeypatch):
+def test_offsets_are_published_for_the_calls_the_knob_names(monkeypatch):
     from megamoe_kernels.shim import knobs
     from megamoe_kernels.shim.local_layer import route_launcher
 
+    # one token by default: where polling measured faster (knobs.GATE_UP_POLLS_OFFSETS_MAX_TOKENS)
+    assert knobs.routing_publishes_offsets(0) and knobs.routing_publishes_offsets(1)
+    assert not knobs.routing_publishes_offsets(2)
+    monkeypatch.setattr(knobs, "GATE_UP_POLLS_OFFSETS_MAX_TOKENS", 0)
+    assert not knobs.routing_publishes_offsets(1)
+    # a launcher publishes where it is built to, the kept ones keyed on it
     assert not RouteLauncher(**ROUTERS[0], compile_only=True).publishes_offsets
     assert not route_launcher(**ROUTERS[0], compile_only=True).publishes_offsets
-    monkeypatch.setattr(knobs, "GATE_UP_POLLS_OFFSETS", True)
-    assert RouteLauncher(**ROUTERS[0], compile_only=True).publishes_offsets
-    # the launchers kept per constants follow the knob as it is now
-    assert route_launcher(**ROUTERS[0], compile_only=True).publishes_offsets
+    assert route_launcher(**ROUTERS[0], publish_offsets=True, compile_only=True).publishes_offsets
     x_TH = torch.empty(1, ROUTERS[0]["hidden_size"], dtype=torch.bfloat16)
-    plain = RouteLauncher(**ROUTERS[0], publish_offsets=False, compile_only=True)
+    plain = RouteLauncher(**ROUTERS[0], compile_only=True)
     assert plain._new_outputs(1, 8, x_TH)[3].untyped_storage().nbytes() == 129 * 4
 
 

@@ -407,8 +407,8 @@ def test_a_captured_one_cta_routing_records_no_fill():
 def test_published_offsets_are_the_same_and_followed_by_their_word(
     monkeypatch, name, gather_rows, tokens
 ):
-    # knobs.GATE_UP_POLLS_OFFSETS: the launch sets the word after the offsets to 1 once they
-    # are final; the outputs are the bits of the launch that does not publish them
+    # knobs.GATE_UP_POLLS_OFFSETS_MAX_TOKENS: the launch sets the word after the offsets to 1
+    # once they are final; the outputs are the bits of the launch that does not publish them
     from megamoe_kernels.shim import knobs
 
     router = ROUTERS[name]
@@ -421,7 +421,7 @@ def test_published_offsets_are_the_same_and_followed_by_their_word(
     bias_E = torch.randn(router.num_experts, device=device) if router.use_correction_bias else None
     outputs = []
     for publish in (False, True):
-        monkeypatch.setattr(knobs, "GATE_UP_POLLS_OFFSETS", publish)
+        monkeypatch.setattr(knobs, "GATE_UP_POLLS_OFFSETS_MAX_TOKENS", tokens if publish else -1)
         dispatcher = DeviceRoutedDispatcher(router, hidden_size=hidden, capacity=4099 * 8)
         _poison_allocator(device)
         batch, handle, ids_TK = dispatcher.route_and_dispatch(

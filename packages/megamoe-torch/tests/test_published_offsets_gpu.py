@@ -1,7 +1,8 @@
 """The layer with the routing kernel publishing the batch offsets before it ends and the decode
-gate-up GEMM polling for them (megamoe_kernels' knobs.GATE_UP_POLLS_OFFSETS): the bits of the
-layer without, on the launched and the replayed forwards, with bf16 experts (copied and
-gathered rows) and FP8 ones, at the dims of the geometries whose decode forwards it is for."""
+gate-up GEMM polling for them (megamoe_kernels' knobs.GATE_UP_POLLS_OFFSETS_MAX_TOKENS, one
+token by default; here every call size): the bits of the layer without, on the launched and the
+replayed forwards, with bf16 experts (copied and gathered rows) and FP8 ones, at the dims of
+the geometries whose decode forwards it is for."""
 
 from __future__ import annotations
 
@@ -50,17 +51,19 @@ def test_polling_the_published_offsets_gives_the_same_bits(monkeypatch, geometry
     generator = torch.Generator(device="cuda").manual_seed(1)
     # one token (copied rows), 2 and 16 (gathered in bf16), 300 (decode tiles), 2048
     # (prefill tiles, which wait for the routing kernel to end)
+    tokens_counts = (1, 2, 16, 300, 2048)
     tokens_list = [
         torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
-        for tokens in (1, 2, 16, 300, 2048)
+        for tokens in tokens_counts
     ]
     bound = set(expert_gemm._LAUNCHERS)  # keys end (..., offsets_published, device)
+    monkeypatch.setattr(knobs, "GATE_UP_POLLS_OFFSETS_MAX_TOKENS", -1)
     waiting = _layer(config, None)
     expected = _forwards(waiting, tokens_list)
     assert not any(key[-2] for key in set(expert_gemm._LAUNCHERS) - bound)
     bound = set(expert_gemm._LAUNCHERS)
 
-    monkeypatch.setattr(knobs, "GATE_UP_POLLS_OFFSETS", True)
+    monkeypatch.setattr(knobs, "GATE_UP_POLLS_OFFSETS_MAX_TOKENS", max(tokens_counts))
     polling = _layer(config, waiting.state_dict())
     del waiting
     got = _forwards(polling, tokens_list)

@@ -154,8 +154,8 @@ def variants_to_check() -> list[tuple[str, str, object, int]]:
         for rows in (1, 512)
         for op in ("gate_up_fp8", "down_fp8")
     ]
-    # decode gate-ups polling for the offsets the routing kernel publishes (off in the profile:
-    # knobs.GATE_UP_POLLS_OFFSETS)
+    # decode gate-ups polling for the offsets the routing kernel publishes (the profile's at one
+    # token: knobs.GATE_UP_POLLS_OFFSETS_MAX_TOKENS)
     variants += [("polls", op, default_knobs(op, 1), 1) for op in ("gate_up", "gate_up_fp8")]
     return variants
 

@@ -366,11 +366,13 @@ GATHER_MAX_TILE_ROWS = 64
 # (_down_l2_prefetch_ctas): built and compiled, off until measured on the H200
 # (docs/kernels-design.md, "Open directions")
 DOWN_L2_PREFETCH = False
-# whether the routing kernel publishes the batch's offsets before it ends, and a decode gate-up
-# GEMM after it starts loading its weights then (Launch.polls_offsets): off; measured on the
-# H200, 0.1-0.8 us faster at one token, up to 1.1 us slower at 4 and 16 bf16 tokens
-# (docs/kernels-design.md, "Open directions")
-GATE_UP_POLLS_OFFSETS = False
+# the most tokens of a call whose routing launch publishes the batch's offsets before it ends,
+# so that a decode gate-up GEMM after it starts loading its weights then (Launch.polls_offsets;
+# 0: none). Measured on the H200, the same bits: 0.1-0.8 us faster at one token, bf16 and FP8;
+# up to 1.1 us slower at 4 and 16 bf16 tokens, where the launch's row copy shares HBM with the
+# gate-up's weight stream (docs/benchmarks.md, "The decode gate-up polling for published
+# offsets")
+GATE_UP_POLLS_OFFSETS_MAX_TOKENS = 1
 
 
 @dataclass(frozen=True)
@@ -618,6 +620,12 @@ def default_launches(
     if valid_rows is not None:
         return (Launch(small if valid_rows < boundary else knobs),)
     return (Launch(small, 0, boundary), Launch(knobs, boundary, None))
+
+
+def routing_publishes_offsets(tokens: int) -> bool:
+    """Whether the routing launch of a call of `tokens` tokens publishes the batch's offsets for
+    the gate-up GEMM after it to poll for (GATE_UP_POLLS_OFFSETS_MAX_TOKENS)."""
+    return tokens <= GATE_UP_POLLS_OFFSETS_MAX_TOKENS
 
 
 def polling_launches(op: str, launches: tuple[Launch, ...]) -> tuple[Launch, ...]:

@@ -23,10 +23,10 @@ Shape legend: T tokens, E experts, K experts per token (top-k), H hidden size, M
   family of megamoe: softmax or sigmoid scoring, grouped top-k with a correction bias,
   renormalisation, routed scaling.
   `RouteLauncher.route(logits)`: the routing alone (ids and weights, one launch), for the
-  expert-parallel dispatchers. With `publish_offsets` (default knobs.GATE_UP_POLLS_OFFSETS)
-  expert_offsets is a view of E + S + 2 words whose last the kernel sets to 1 once the offsets
-  are final, before it ends, for a gate-up GEMM that polls for them (gate_up_swiglu's
-  offsets_published).
+  expert-parallel dispatchers. With `publish_offsets` (the caller's choice for the call's size:
+  knobs.routing_publishes_offsets) expert_offsets is a view of E + S + 2 words whose last the
+  kernel sets to 1 once the offsets are final, before it ends, for a gate-up GEMM that polls
+  for them (gate_up_swiglu's offsets_published).
 - `CombineLauncher` (`combine_launcher(...)`): y[t] = sum over k in order of weight[t, k] x
   out[row_of_pair[t, k]] in fp32 (+ an optional addend row), bf16 out; no atomics.
 
@@ -45,7 +45,6 @@ from collections.abc import Callable
 
 import torch
 
-from megamoe_kernels.shim import knobs as _knobs
 from megamoe_kernels.shim.ep import copy_unroll
 from megamoe_kernels.shim.expert_gemm import (
     _current_stream_handle,
@@ -187,9 +186,8 @@ class RouteLauncher:
     grid takes where the grid has room, 1 to ROUTE_WARPS (None: for e4m3 rows split between
     the warps, as many as fill the warps with slices once, _quantizing_cta_tokens; else
     ROUTE_WARPS, a warp per token); `one_cta_tokens` (None: _one_cta_tokens) is at most twice
-    it. `publish_offsets` (None: knobs.GATE_UP_POLLS_OFFSETS): the offsets are published in the
-    word after them before the kernel ends (the module docstring); `publishes_offsets` says
-    whether they are."""
+    it. `publish_offsets`: the offsets are published in the word after them before the kernel
+    ends (the module docstring); `publishes_offsets` says whether they are."""
 
     def __init__(
         self,
@@ -215,7 +213,7 @@ class RouteLauncher:
         unroll: int | None = None,
         split_tokens: int | None = None,
         cta_tokens: int | None = None,
-        publish_offsets: bool | None = None,
+        publish_offsets: bool = False,
         device: torch.device | str | None = None,
         compile_only: bool = False,
     ):
@@ -317,8 +315,6 @@ class RouteLauncher:
         one_cta_tokens = int(one_cta_tokens)
         self.unroll, self.split_tokens = int(unroll), int(split_tokens)
         self.cta_tokens = cta_tokens
-        if publish_offsets is None:
-            publish_offsets = _knobs.GATE_UP_POLLS_OFFSETS
         self.publishes_offsets = bool(publish_offsets)
         self._one_cta_token_limit = _drop_route().one_cta_token_limit(
             self.batch_experts, one_cta_tokens, cta_tokens
@@ -725,10 +721,7 @@ def _compile(key: tuple, compile_fn: Callable[[], Callable]) -> Callable:
 
 
 def route_launcher(**constants) -> RouteLauncher:
-    """A RouteLauncher, kept per set of constants (its compiled kernel is shared anyway); an
-    unset publish_offsets is knobs.GATE_UP_POLLS_OFFSETS as it is now."""
-    if constants.get("publish_offsets") is None:
-        constants["publish_offsets"] = _knobs.GATE_UP_POLLS_OFFSETS
+    """A RouteLauncher, kept per set of constants (its compiled kernel is shared anyway)."""
     key = tuple(sorted(constants.items(), key=lambda item: item[0]))
     launcher = _ROUTE_LAUNCHERS.get(key)
     if launcher is None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+from megamoe_kernels.shim import knobs
 
 from megamoe_runtime.dispatch.local import LocalHandle, row_weights_of
 from megamoe_runtime.expert_batch import ExpertBatch
@@ -152,6 +153,7 @@ class DeviceRoutedDispatcher:
         shared_experts: int = 0,
         weights_on_input: bool = False,
         shared_expert_gate: bool = False,
+        publish_offsets: bool = False,
     ):
         key = (
             logits_dtype,
@@ -161,6 +163,7 @@ class DeviceRoutedDispatcher:
             shared_experts,
             weights_on_input,
             shared_expert_gate,
+            publish_offsets,
         )
         launcher = self._route_launchers.get(key)
         if launcher is None:
@@ -175,6 +178,7 @@ class DeviceRoutedDispatcher:
                 shared_experts=shared_experts,
                 shared_expert_gate=shared_expert_gate,
                 weights_on_input=weights_on_input,
+                publish_offsets=publish_offsets,
                 device=device,
             )
         return launcher
@@ -224,6 +228,10 @@ class DeviceRoutedDispatcher:
         (ExpertBatch.gathered: the tokens and the token of each batch row), for a backend whose
         gate-up GEMM reads the rows from the tokens (cutedsl; the others copy them out).
 
+        A call of at most megamoe_kernels' knobs.GATE_UP_POLLS_OFFSETS_MAX_TOKENS tokens (one)
+        publishes the batch's offsets before its launch ends (`offsets_published`), for the
+        decode gate-up GEMM to start its weights then.
+
         `weights_on_input=True` (bf16 rows, copied): each pair's row is its token times the
         pair's weight, x * w.to(torch.bfloat16) bit for bit, for experts that compute on w x
         (Llama 4); combine the outputs with weights_applied=True. Refused with e4m3 rows and
@@ -250,6 +258,7 @@ class DeviceRoutedDispatcher:
             shared_experts,
             weights_on_input,
             shared_gate_logits_T is not None,
+            knobs.routing_publishes_offsets(tokens),
         )
         ids_TK, weights_TK, row_of_pair_TK, offsets, rows_MH, row_scales_GM, row_source_M = (
             launcher(
