@@ -363,8 +363,9 @@ SMALL_BATCH_ROWS_PER_EXPERT = 32
 # the widest decode row tile whose gate-up GEMM gathers its rows by default
 GATHER_MAX_TILE_ROWS = 64
 # whether a decode down GEMM's CTAs beside its gate-up prefetch the others' weights into L2
-# (_down_l2_prefetch_ctas): built and compiled, off until measured on the H200
-# (docs/kernels-design.md, "Open directions")
+# (_down_l2_prefetch_ctas): off; measured on the H200, the FP8 MLP unchanged at 1-4 qwen3-30b-a3b
+# tokens and 1.5-1.7x slower at 1-4 dsv3-ep8-local tokens (docs/kernels-design.md, "Measured and
+# not adopted")
 DOWN_L2_PREFETCH = False
 # the most tokens of a call whose routing launch publishes the batch's offsets before it ends,
 # so that a decode gate-up GEMM after it starts loading its weights then (Launch.polls_offsets;
