@@ -25,11 +25,10 @@ fused forward with the routing launch publishing the offsets and the decode gate
 them (megamoe_kernels' knobs.GATE_UP_POLLS_OFFSETS_MAX_TOKENS set to the call's tokens) against
 the gate-up waiting for the routing launch to end: their outputs' bits compared, graph replays
 of 20 forwards in three alternating rounds, and each one's kernel timeline (as --timeline);
---graph-copy what an eager
-forward replayed from the layer's graph costs the GPU beyond its kernels: back-to-back replays
-of the layer's graph (its first node copies the tokens in), of a graph of the same forward
-without that node (its input read in place) and the forward in a graph of 10 (per forward),
-alternating rounds; --router-host
+--graph-copy what an eager forward replayed from the layer's graph costs the GPU beyond its
+kernels: back-to-back replays of the layer's graph (its first node copies the tokens in), of a
+graph of the same forward without that node (its input read in place) and the forward in a
+graph of 10 (per forward), alternating rounds; --router-host
 the host time of the ways to compute fp32 router logits; --host-profile prints
 where the host time of an eager forward goes: single forwards, each issued after the GPU
 drained (as the bench's "host us" times them), under cProfile (cumulative time per function,
