@@ -20,19 +20,12 @@ import argparse
 import torch
 from gemm_knob_sweep import parse_shape  # this script's folder: one syntax for tile shapes
 from megamoe_kernels import GemmKnobs, down, gate_up_swiglu, interleave_gate_up
+from megamoe_runtime.dispatch.local import expert_offsets_from_ids
 from megamoe_runtime.geometries import GEOMETRIES
 from megamoe_runtime.measure import median_graph_replay_seconds
 
 # the weight bytes the expert sets of one graph cycle through: four times the H200's L2
 COLD_BYTES = 200_000_000
-
-
-def one_row_offsets(experts: list[int], num_experts: int, device) -> torch.Tensor:
-    """expert_offsets [E + 1] of a batch holding one row for each of `experts`."""
-    counts = torch.zeros(num_experts, dtype=torch.int32)
-    counts[experts] = 1
-    zero = torch.zeros(1, dtype=torch.int32)
-    return torch.cat([zero, counts.cumsum(0).to(torch.int32)]).to(device)
 
 
 def cycling_call(gemm, rows, offsets: list[torch.Tensor], weight, knobs: GemmKnobs):
@@ -67,8 +60,10 @@ def study(geometry_name: str, op: str, knobs: GemmKnobs, expert_counts: list[int
         if n > experts:
             continue
         sets = min(experts // n, max(4, -(-COLD_BYTES // (n * expert_bytes))))
+        # set s: one row for each of experts s n .. (s + 1) n - 1
         offsets = [
-            one_row_offsets(list(range(s * n, (s + 1) * n)), experts, device) for s in range(sets)
+            expert_offsets_from_ids(torch.arange(s * n, (s + 1) * n, device=device), experts)
+            for s in range(sets)
         ]
         rows = torch.randn(n, depth, device=device, generator=generator).bfloat16()
         call = cycling_call(gemm, rows, offsets, weight, knobs)
