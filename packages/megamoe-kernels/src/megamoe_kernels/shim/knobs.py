@@ -370,9 +370,9 @@ DOWN_L2_PREFETCH = False
 # the most tokens of a call whose routing launch publishes the batch's offsets before it ends,
 # so that a decode gate-up GEMM after it starts loading its weights then (Launch.polls_offsets;
 # -1: none). Measured on the H200, the same bits: 0.1-0.9 us faster at one token, bf16 and FP8;
-# up to 1.1 us slower at 4 and 16 bf16 tokens, where the launch's row copy shares HBM with the
-# gate-up's weight stream (docs/benchmarks.md, "The decode gate-up polling for published
-# offsets")
+# up to 1.2 us slower at 4 and 16 bf16 tokens and at 16 FP8 qwen3-30b-a3b tokens, where the
+# launch's row copy shares HBM with the gate-up's weight stream (docs/benchmarks.md, "The
+# decode gate-up polling for published offsets")
 GATE_UP_POLLS_OFFSETS_MAX_TOKENS = 1
 
 
