@@ -262,6 +262,11 @@ def test_what_the_kernels_cannot_serve_is_refused_with_the_reason():
         RouteLauncher(
             num_experts=8, top_k=2, hidden_size=64, has_correction_bias=True, compile_only=True
         )
+    # the kernel's grouped top-k masks sigmoid choice scores only: softmax's would be ignored
+    with pytest.raises(ValueError, match=r"grouped top-k \(num_groups=4\) applies to scoring="):
+        RouteLauncher(
+            num_experts=8, top_k=2, hidden_size=64, num_groups=4, top_groups=2, compile_only=True
+        )
     for unroll in (3, 16):
         with pytest.raises(ValueError, match=f"unroll={unroll} must be 1, 2, 4 or 8"):
             RouteLauncher(num_experts=8, top_k=2, hidden_size=2048, unroll=unroll)

@@ -156,3 +156,41 @@ def test_bad_logits_shape_and_missing_bias_are_refused():
     biased = RouterConfig(num_experts=4, top_k=1, scoring="sigmoid", use_correction_bias=True)
     with pytest.raises(ValueError, match="correction_bias"):
         route(torch.randn(2, 4), biased)
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        (dict(use_correction_bias=True), "a correction bias with scoring='softmax'"),
+        (dict(num_groups=4, top_groups=2), "grouped top-k with scoring='softmax'"),
+        (dict(scoring="sigmoid", num_groups=4, top_groups=2, group_score="max"), "group_score"),
+        (
+            dict(scoring="sigmoid", use_correction_bias=True, choice_on_logits=True),
+            "choice_on_logits=True",
+        ),
+    ],
+)
+def test_what_the_device_routing_kernels_lack_is_named(fields, named):
+    # a layer with such a router routes with torch ops (the reason in its fused_path_status)
+    from megamoe_runtime.dispatch.device_routed import router_features_without_kernels
+
+    router = RouterConfig(num_experts=8, top_k=2, **fields)
+    assert any(named in feature for feature in router_features_without_kernels(router))
+
+
+def test_the_device_routing_kernels_lack_nothing_of_the_families_they_serve():
+    from megamoe_runtime.dispatch.device_routed import router_features_without_kernels
+
+    for router in (
+        RouterConfig(num_experts=128, top_k=8),
+        RouterConfig(
+            num_experts=256,
+            top_k=8,
+            scoring="sigmoid",
+            num_groups=8,
+            top_groups=4,
+            routed_scaling_factor=2.5,
+            use_correction_bias=True,
+        ),
+    ):
+        assert router_features_without_kernels(router) == []

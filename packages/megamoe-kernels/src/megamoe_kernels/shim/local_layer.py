@@ -232,6 +232,10 @@ class RouteLauncher:
             )
         if has_correction_bias and scoring != "sigmoid":
             problems.append("a correction bias applies to scoring='sigmoid' only")
+        if num_groups > 1 and scoring != "sigmoid":
+            problems.append(
+                f"grouped top-k (num_groups={num_groups}) applies to scoring='sigmoid' only"
+            )
         if num_groups < 1 or num_experts % num_groups or not 1 <= top_groups <= num_groups:
             problems.append(
                 f"num_groups={num_groups} must divide num_experts={num_experts} and "
@@ -324,8 +328,8 @@ class RouteLauncher:
             top_k,
             scoring == "sigmoid",
             bool(renormalize),
-            num_groups if scoring == "sigmoid" else 1,
-            top_groups if scoring == "sigmoid" else 1,
+            num_groups,
+            top_groups,
             float(dropped_group_score),
             float(routed_scaling_factor),
             int(unroll),

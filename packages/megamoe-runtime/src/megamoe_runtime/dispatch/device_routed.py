@@ -107,6 +107,8 @@ def router_features_without_kernels(router: RouterConfig) -> list[str]:
     features = []
     if router.use_correction_bias and router.scoring != "sigmoid":
         features.append(f"a correction bias with scoring={router.scoring!r} (sigmoid only)")
+    if router.num_groups > 1 and router.scoring != "sigmoid":
+        features.append(f"grouped top-k with scoring={router.scoring!r} (sigmoid only)")
     if router.num_groups > 1 and router.group_score != "top2_sum":
         features.append(f"group_score={router.group_score!r} (top2_sum only)")
     if router.choice_on_logits:
