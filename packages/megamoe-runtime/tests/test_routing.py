@@ -107,6 +107,39 @@ def test_choice_on_logits_adds_the_bias_to_the_logits_and_weights_with_the_score
     assert not torch.equal(on_scores, ids)  # the bias moves other experts in on the scores
 
 
+def test_sparsemixer_hand_computed():
+    # logits 4, 3.99, 1, -2; eps 0.01: round 1 takes expert 0 and keeps the logits within a
+    # relative gap of 0.02 below 4 (expert 1: 0.01 / 4); round 2 takes expert 1 alone (expert 0
+    # taken, expert 2: 2.99 / 3.99 past 0.02), weight 1
+    config = RouterConfig(num_experts=4, top_k=2, scoring="sparsemixer", renormalize=False)
+    logits = torch.tensor([[4.0, 3.99, 1.0, -2.0]])
+    ids, weights = route(logits, config)
+    assert ids.tolist() == [[0, 1]]
+    first = torch.softmax(torch.tensor([4.0, 3.99]), 0)[0]
+    torch.testing.assert_close(weights, torch.stack([first, torch.tensor(1.0)]).view(1, 2))
+
+
+@pytest.mark.parametrize("experts", [4, 16, 60])
+@pytest.mark.parametrize("eps", [0.01, 0.3, 0.0])
+def test_sparsemixer_matches_phimoe_at_inference(experts, eps):
+    phimoe = pytest.importorskip("transformers.models.phimoe.modeling_phimoe")
+    generator = torch.Generator().manual_seed(experts)
+    # spread logits and crowded ones (every logit within the gap of the largest)
+    for scale in (3.0, 0.001):
+        logits = scale * torch.randn(257, experts, generator=generator) + 1.0
+        weights_hf, ids_hf = phimoe.sparsemixer(logits, jitter_eps=eps, training=False, top_k=2)
+        config = RouterConfig(
+            num_experts=experts,
+            top_k=2,
+            scoring="sparsemixer",
+            renormalize=False,
+            sparsemixer_eps=eps,
+        )
+        ids, weights = route(logits, config)
+        assert torch.equal(ids.long(), ids_hf)
+        assert torch.equal(weights, weights_hf)
+
+
 def test_top_k_equal_to_num_experts_takes_every_expert():
     ids, weights = route(torch.randn(3, 4), RouterConfig(num_experts=4, top_k=4))
     assert sorted(ids[0].tolist()) == [0, 1, 2, 3]
@@ -140,6 +173,13 @@ def test_nan_logits_poison_only_their_token_and_check_finite_raises():
         (dict(num_experts=4, top_k=1, scoring="relu"), "scoring"),
         (dict(num_experts=4, top_k=1, num_groups=2, group_score="min"), "group_score"),
         (dict(num_experts=4, top_k=1, num_groups=4), "two best"),
+        (dict(num_experts=8, top_k=3, scoring="sparsemixer"), "top_k != 2"),
+        (dict(num_experts=8, top_k=2, scoring="sparsemixer", num_groups=2), "grouped top-k"),
+        (
+            dict(num_experts=8, top_k=2, scoring="sparsemixer", use_correction_bias=True),
+            "a correction bias",
+        ),
+        (dict(num_experts=8, top_k=2, scoring="sparsemixer", sparsemixer_eps=-0.1), "eps"),
     ],
 )
 def test_bad_router_config_is_refused(fields, message):
@@ -168,6 +208,7 @@ def test_bad_logits_shape_and_missing_bias_are_refused():
             dict(scoring="sigmoid", use_correction_bias=True, choice_on_logits=True),
             "choice_on_logits=True",
         ),
+        (dict(scoring="sparsemixer"), "scoring='sparsemixer'"),
     ],
 )
 def test_what_the_device_routing_kernels_lack_is_named(fields, named):

@@ -29,7 +29,7 @@ SWAP_EXACTLY = {
     "jamba", "kimi_linear", "kolibri1", "kolibri1_1", "laguna", "lara_mini", "lfm2_moe", "llama4",
     "mellum", "mimo_v2_flash", "minicpm5_moe", "minimax", "minimax_m2", "mistral4",
     "mistral_large4", "mixtral", "olmoe",
-    "openai_privacy_filter", "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_next",
+    "openai_privacy_filter", "phimoe", "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_next",
     "qwen3_omni_moe", "qwen3_vl_moe", "qwen4_exp", "solar_open", "step3p7", "unlimited_ocr",
 }  # fmt: skip
 # families of SWAP_EXACTLY that transformers releases before the one given built in a layout

@@ -177,6 +177,9 @@ def test_router_logits_still_recorded_when_capture_hooks_predate_the_swap():
 def test_from_hf_block_matches_the_block_on_any_leading_shape(family):
     _, block = moe_blocks(tiny_model(family))[0]
     layer = from_hf(block, backend="reference")
+    assert layer.training == block.training
+    assert from_hf(block.train(), backend="reference").training
+    block.eval()
     x = torch.randn(3, 5, 64)
     with torch.no_grad():
         assert relative_l2_error(layer(x), block(x)) < 1e-5
@@ -212,6 +215,7 @@ def test_checkpoint_state_dict_loads_without_the_model_and_round_trips(family, t
     config_json = json.loads((tmp_path / "config.json").read_text())
 
     layer = from_hf_state_dict(checkpoint, config_json, layer=layer_index, backend="reference")
+    assert not layer.training  # as a model that from_pretrained loads
 
     x = torch.randn(1, 9, 64)
     with torch.no_grad():

@@ -1,7 +1,7 @@
 """The expert math of the families the Hugging Face reader adds, against per-token float64 loops:
 router and expert biases, the clamped SwiGLU of gpt-oss, routing weights on the expert input
 (Llama 4), softmax with a correction bias (ERNIE 4.5), the choice on logits + bias (Kolibri),
-group-limited greedy top-k (DeepSeek-V2); the gpt-oss and Llama 4 layers on grouped_mm against
+group-limited greedy top-k (DeepSeek-V2), the sparsemixer (PhiMoE); the gpt-oss and Llama 4 layers on grouped_mm against
 the reference backend, forward and backward; and what cannot compute them refused with the
 reason."""
 
@@ -53,6 +53,36 @@ DEEPSEEK_V2 = dict(
     group_score="max",
     routed_scaling_factor=1.5,
 )
+# a wide gap (0.3) so that the rounds' softmaxes take several logits
+PHIMOE = dict(
+    hidden_size=32,
+    intermediate_size=16,
+    num_experts=8,
+    top_k=2,
+    scoring="sparsemixer",
+    renormalize=False,
+    sparsemixer_eps=0.3,
+)
+
+
+def sparsemixer_float64(logits: torch.Tensor, eps: float) -> tuple[list[int], torch.Tensor]:
+    """PhiMoE's inference routing of one token, element by element: two rounds, each the
+    largest logit not yet taken, weighted by its softmax over the logits not yet taken within a
+    relative gap of 2 eps below it."""
+    chosen, weights = [], []
+    for _ in range(2):
+        free = [e for e in range(len(logits)) if e not in chosen]
+        best = max(free, key=lambda e: float(logits[e]))
+        largest = float(logits[best])
+        kept = [
+            e
+            for e in free
+            if (largest - float(logits[e])) / max(abs(float(logits[e])), largest) <= 2 * eps
+        ]
+        total = sum(math.exp(float(logits[e]) - largest) for e in kept)
+        chosen.append(best)
+        weights.append(1.0 / total)
+    return chosen, torch.tensor(weights, dtype=torch.float64)
 
 
 def make_layer(fields):
@@ -76,7 +106,12 @@ def per_token_float64(layer: MegaMoE, x_TH: torch.Tensor) -> torch.Tensor:
         logits = gate_weight @ x
         if layer.gate.bias is not None:
             logits = logits + layer.gate.bias.double()
-        scores = torch.softmax(logits, 0) if c.scoring == "softmax" else torch.sigmoid(logits)
+        if c.scoring == "sparsemixer":
+            # its scores: the two experts' weights, 0 elsewhere (the top-2 below takes them)
+            chosen, weights = sparsemixer_float64(logits, c.sparsemixer_eps)
+            scores = torch.zeros_like(logits).index_put_((torch.tensor(chosen),), weights)
+        else:
+            scores = torch.softmax(logits, 0) if c.scoring == "softmax" else torch.sigmoid(logits)
         choice = (logits if c.choice_on_logits else scores).clone()
         if c.use_correction_bias:
             choice = choice + layer.e_score_correction_bias.double()
@@ -123,15 +158,30 @@ def per_token_float64(layer: MegaMoE, x_TH: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "fields",
-    [GPT_OSS, LLAMA4, ERNIE, KOLIBRI, DEEPSEEK_V2],
-    ids=["gpt-oss", "llama4", "ernie4_5", "kolibri", "deepseek-v2"],
+    [GPT_OSS, LLAMA4, ERNIE, KOLIBRI, DEEPSEEK_V2, PHIMOE],
+    ids=["gpt-oss", "llama4", "ernie4_5", "kolibri", "deepseek-v2", "phimoe"],
 )
 def test_layer_matches_per_token_float64_loop(fields):
-    layer = make_layer(fields)
+    layer = make_layer(fields).eval()  # a sparsemixer layer computes in eval mode only
     x = torch.randn(37, 32)
     expected = per_token_float64(layer, x)
     actual = layer(x)
     assert ((actual.double() - expected).norm() / expected.norm()) < 1e-6
+
+
+def test_the_sparsemixer_rounds_take_several_logits_in_the_test_inputs():
+    layer = make_layer(PHIMOE)
+    with torch.no_grad():
+        logits = layer.gate(torch.randn(37, 32)).double()
+    routed = [sparsemixer_float64(row, PHIMOE["sparsemixer_eps"])[1] for row in logits]
+    assert sum(bool((w < 1).all()) for w in routed) > 5  # softmaxes over more than one logit
+
+
+def test_a_sparsemixer_layer_refuses_training_mode():
+    layer = make_layer(PHIMOE).train()
+    with pytest.raises(RuntimeError, match=r"samples its experts in training mode.*\.eval\(\)"):
+        layer(torch.randn(3, 32))
+    assert layer.eval()(torch.randn(3, 32)).shape == (3, 32)
 
 
 def test_the_swiglu_limit_is_reached_by_the_test_inputs():

@@ -20,6 +20,11 @@ Semantics follow the model families megamoe serves:
 - `choice_on_logits` (Kolibri): the experts are chosen on the logits plus the correction bias
   rather than on the scores plus it; the weights are the scores, as above. Without a bias the
   two choices are the same (both scorings keep the logits' order).
+- sparsemixer (PhiMoE, inference): two rounds, each taking the largest logit not yet taken;
+  its weight is its probability in a softmax over the logits not yet taken that lie within a
+  relative gap of 2 x `sparsemixer_eps` below it (a logit l is left out where (m - l) /
+  max(|l|, m) > 2 eps, m the round's largest). top_k = 2, no bias and no groups; PhiMoE does not
+  renormalise. (Training samples the experts instead: megamoe computes inference's choice.)
 
 Non-finite logits are not checked on the hot path (that would need a host sync): a token whose
 logits hold NaN gets NaN weights, so its output row is NaN and no other token is affected. Pass
@@ -33,7 +38,8 @@ from typing import Literal
 
 import torch
 
-Scoring = Literal["softmax", "sigmoid"]
+Scoring = Literal["softmax", "sigmoid", "sparsemixer"]
+SCORINGS = ("softmax", "sigmoid", "sparsemixer")
 GroupScore = Literal["top2_sum", "max"]
 GROUP_SCORES = ("top2_sum", "max")
 
@@ -55,6 +61,9 @@ class RouterConfig:
     group_score: GroupScore = "top2_sum"
     # choose on logits + correction bias instead of scores + correction bias (the module docstring)
     choice_on_logits: bool = False
+    # scoring="sparsemixer": the relative gap below a round's largest logit, in units of 2 x this,
+    # past which a logit is left out of the round's softmax (PhiMoE's router_jitter_noise)
+    sparsemixer_eps: float = 0.01
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -63,8 +72,26 @@ class RouterConfig:
             raise ValueError(
                 f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}"
             )
-        if self.scoring not in ("softmax", "sigmoid"):
-            raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"scoring must be one of {SCORINGS}, got {self.scoring!r}")
+        if self.scoring == "sparsemixer":
+            other = [
+                name
+                for name, used in (
+                    ("top_k != 2", self.top_k != 2),
+                    ("a correction bias", self.use_correction_bias),
+                    ("grouped top-k", self.num_groups > 1),
+                    ("choice_on_logits", self.choice_on_logits),
+                )
+                if used
+            ]
+            if other:
+                raise ValueError(
+                    f"scoring='sparsemixer' chooses two experts on the logits alone, got "
+                    f"{', '.join(other)}"
+                )
+            if not self.sparsemixer_eps >= 0:
+                raise ValueError(f"sparsemixer_eps must be >= 0, got {self.sparsemixer_eps}")
         if self.num_groups < 1 or self.num_experts % self.num_groups:
             raise ValueError(
                 f"num_groups must be >= 1 and divide num_experts={self.num_experts}, "
@@ -116,6 +143,25 @@ def route(
     if check_finite:
         check_finite_logits(router_logits_TE)
     logits_TE = router_logits_TE.float()
+    if config.scoring == "sparsemixer":
+        topk_ids_TK, topk_weights_TK = _sparsemixer(logits_TE, config.sparsemixer_eps)
+    else:
+        topk_ids_TK, topk_weights_TK = _top_k_scores(logits_TE, config, correction_bias_E)
+    if config.renormalize:
+        denominator = topk_weights_TK.sum(dim=-1, keepdim=True)
+        if config.scoring == "sigmoid":
+            denominator = denominator + 1e-20
+        topk_weights_TK = topk_weights_TK / denominator
+    if config.routed_scaling_factor != 1.0:
+        topk_weights_TK = topk_weights_TK * config.routed_scaling_factor
+    return topk_ids_TK.to(torch.int32), topk_weights_TK
+
+
+def _top_k_scores(
+    logits_TE: torch.Tensor, config: RouterConfig, correction_bias_E: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, unnormalised weights) of softmax or sigmoid scoring: the top-k of the choice
+    scores (the scores, or the logits, plus the bias; grouped), weighted by their scores."""
     if config.scoring == "softmax":
         scores_TE = torch.softmax(logits_TE, dim=-1)
     else:
@@ -127,17 +173,25 @@ def route(
         if config.num_groups > 1:
             choice_TE = _mask_to_top_groups(choice_TE, config)
         _, topk_ids_TK = torch.topk(choice_TE, config.top_k, dim=-1)
-        topk_weights_TK = scores_TE.gather(1, topk_ids_TK)
-    else:
-        topk_weights_TK, topk_ids_TK = torch.topk(scores_TE, config.top_k, dim=-1)
-    if config.renormalize:
-        denominator = topk_weights_TK.sum(dim=-1, keepdim=True)
-        if config.scoring == "sigmoid":
-            denominator = denominator + 1e-20
-        topk_weights_TK = topk_weights_TK / denominator
-    if config.routed_scaling_factor != 1.0:
-        topk_weights_TK = topk_weights_TK * config.routed_scaling_factor
-    return topk_ids_TK.to(torch.int32), topk_weights_TK
+        return topk_ids_TK, scores_TE.gather(1, topk_ids_TK)
+    topk_weights_TK, topk_ids_TK = torch.topk(scores_TE, config.top_k, dim=-1)
+    return topk_ids_TK, topk_weights_TK
+
+
+def _sparsemixer(logits_TE: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, weights) of PhiMoE's sparsemixer at inference (the module docstring): two rounds,
+    each the largest logit not yet taken, weighted by its softmax over the logits not yet
+    taken within a relative gap of 2 eps below it."""
+    ids, weights = [], []
+    remaining_TE = logits_TE
+    for _ in range(2):
+        largest_T1, best_T1 = remaining_TE.max(dim=-1, keepdim=True)
+        gap_TE = (largest_T1 - logits_TE) / logits_TE.abs().clamp(min=largest_T1)
+        kept_TE = remaining_TE.masked_fill(gap_TE > 2 * eps, float("-inf"))
+        weights.append(torch.softmax(kept_TE, dim=-1).gather(1, best_T1))
+        ids.append(best_T1)
+        remaining_TE = remaining_TE.scatter(1, best_T1, float("-inf"))
+    return torch.cat(ids, dim=1), torch.cat(weights, dim=1)
 
 
 def check_finite_logits(router_logits_TE: torch.Tensor) -> None:

@@ -41,6 +41,9 @@ class MegaMoEConfig:
     group_score: GroupScore = "top2_sum"
     # the experts are chosen on logits + correction bias, not scores + correction bias (Kolibri)
     choice_on_logits: bool = False
+    # scoring="sparsemixer" (PhiMoE): the relative gap below a round's largest logit, in units
+    # of 2 x this, past which a logit is left out of the round's softmax (RouterConfig)
+    sparsemixer_eps: float = 0.01
     # the router's matmul: "float32" (accurate) or "input" (in the hidden states' dtype, as
     # Mixtral and Qwen blocks in transformers do)
     router_dtype: Literal["float32", "input"] = "float32"
@@ -259,6 +262,7 @@ class MegaMoEConfig:
             dropped_group_score=self.dropped_group_score,
             group_score=self.group_score,
             choice_on_logits=self.choice_on_logits,
+            sparsemixer_eps=self.sparsemixer_eps,
         )
 
     @property

@@ -70,6 +70,10 @@ from megamoe_torch.ops import router_logits as router_logits_op
 from megamoe_torch.tensor_cache import DerivedTensorCache
 
 # what torch.compile(fullgraph=True) of a layer with check_inputs=True says
+SPARSEMIXER_IN_TRAINING = (
+    "scoring='sparsemixer' (PhiMoE) samples its experts in training mode, which MegaMoE does not "
+    "reproduce: it computes the inference routing; call .eval() on the module (or the model)"
+)
 CHECK_INPUTS_UNDER_COMPILE = (
     "MegaMoE(check_inputs=True) reads the input and the router logits on the host (a sync "
     "each), which a compiled graph cannot hold: compile with fullgraph=False (the checks then "
@@ -898,6 +902,8 @@ class MegaMoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, *, return_router_logits: bool = False):
+        if self.training and self.config.scoring == "sparsemixer":
+            raise RuntimeError(SPARSEMIXER_IN_TRAINING)
         if (
             not torch.is_grad_enabled()
             and isinstance(x, torch.Tensor)

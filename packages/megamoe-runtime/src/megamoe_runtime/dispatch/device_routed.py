@@ -105,6 +105,8 @@ def router_features_without_kernels(router: RouterConfig) -> list[str]:
     """The parts of `router` the device routing kernels do not compute ([] when they compute
     it all); `route` computes every RouterConfig."""
     features = []
+    if router.scoring not in ("softmax", "sigmoid"):
+        features.append(f"scoring={router.scoring!r} (softmax or sigmoid only)")
     if router.use_correction_bias and router.scoring != "sigmoid":
         features.append(f"a correction bias with scoring={router.scoring!r} (sigmoid only)")
     if router.num_groups > 1 and router.scoring != "sigmoid":

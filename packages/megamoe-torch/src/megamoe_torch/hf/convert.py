@@ -83,9 +83,10 @@ def from_hf(block: nn.Module, *, weight_dtype: str | None = "auto", **options: A
     parallelism; `dispatcher` is a name (MegaMoEConfig.dispatcher) or a dispatcher the caller
     built (`DeepEPDispatcher`), whose group the layer then spans (it keeps its rank's experts).
     Raises UnsupportedBlockError (a ValueError) saying why a block cannot be reproduced exactly.
+    The layer is in the block's training mode.
     """
     layer, _ = convert_block(block, layer_class=MegaMoE, options=options, weight_dtype=weight_dtype)
-    return layer
+    return layer.train(block.training)
 
 
 def from_hf_state_dict(
@@ -118,6 +119,7 @@ def from_hf_state_dict(
     recipe megamoe does not compute (another block size, static activation scales, ue8m0
     scales) raises UnsupportedBlockError naming it, and stacking gate and up scales needs an
     intermediate size that is a multiple of 128 (ValueError otherwise; None still converts).
+    The layer is in eval mode, as a model that from_pretrained loads is (`.train()` to train).
     """
     if _model_type(hf_config) in FAMILY_OF_MODEL_TYPE:
         family, fields = read_hf_config(hf_config)
@@ -161,7 +163,7 @@ def from_hf_state_dict(
         next(iter(block_tensors.values())),
     )
     router_weight = block_tensors.get(naming.router_weight, expert_weight)
-    return layer_from_hf_tensors(
+    layer = layer_from_hf_tensors(
         block_tensors,
         fields=fields,
         naming=naming,
@@ -175,6 +177,7 @@ def from_hf_state_dict(
             router_dtype=router_weight.dtype,
         ),
     )
+    return layer.eval()
 
 
 def _model_type(hf_config: Any) -> str | None:

@@ -182,6 +182,8 @@ class BlockReading:
         """What the block computes, in a few words (for reports and the family table)."""
         fields, naming = self.config_fields, self.naming
         routing = [fields["scoring"]]
+        if fields["scoring"] == "sparsemixer":
+            routing[0] = f"sparsemixer (eps {fields['sparsemixer_eps']:g})"
         if fields.get("num_groups", 1) > 1:
             best = "best" if fields.get("group_score") == "max" else "two best"
             routing.append(

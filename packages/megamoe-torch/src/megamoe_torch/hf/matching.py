@@ -40,6 +40,8 @@ KEPT_GROUP_ATTRIBUTES = ("topk_group", "num_topk_group", "top_groups", "topk_gro
 # attribute names of the SwiGLU variants' constants
 LIMIT_ATTRIBUTES = ("limit", "swiglu_limit", "clamp_limit")
 ALPHA_ATTRIBUTES = ("alpha", "swiglu_alpha")
+# the attribute under which a sparsemixer router (PhiMoE) keeps its epsilon
+SPARSEMIXER_EPS_ATTRIBUTES = ("router_jitter_noise",)
 
 
 def _routing_candidates(
@@ -84,7 +86,29 @@ def _routing_candidates(
                 refusals.append(str(error))
             continue
         candidates.append(fields)
+    eps = _float_attribute((parts.router, parts.block), SPARSEMIXER_EPS_ATTRIBUTES)
+    if eps is not None and top_k == 2 and not has_bias:
+        for renormalize in (False, True):
+            candidates.append(
+                dict(
+                    num_experts=parts.num_experts,
+                    top_k=top_k,
+                    scoring="sparsemixer",
+                    renormalize=renormalize,
+                    use_correction_bias=False,
+                    sparsemixer_eps=eps,
+                )
+            )
     return candidates, refusals
+
+
+def _float_attribute(holders: tuple, names: tuple[str, ...]) -> float | None:
+    for holder in holders:
+        for name in names:
+            value = getattr(holder, name, None)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                return float(value)
+    return None
 
 
 def _int_attribute(holders: tuple, names: tuple[str, ...]) -> int | None:
@@ -152,7 +176,8 @@ def match_routing(
         )
     raise UnsupportedBlockError(
         "the router's choice or weights match none of megamoe's routings (softmax or sigmoid "
-        f"scores, renormalised or not, correction bias, grouped top-k, scaling){closest}"
+        "scores, renormalised or not, correction bias, grouped top-k, scaling; PhiMoE's "
+        f"sparsemixer){closest}"
     )
 
 
@@ -163,6 +188,8 @@ def _describe_routing(fields: dict[str, Any]) -> str:
         words.append(f"with the correction bias on the {on}")
     if fields.get("num_groups", 1) > 1:
         words.append(f"{fields['num_groups']} groups")
+    if fields["scoring"] == "sparsemixer":
+        words.append(f"eps {fields['sparsemixer_eps']:g}")
     return " ".join(words)
 
 
