@@ -24,15 +24,32 @@ WEIGHT_DTYPES = (None, "fp8")
 
 @dataclass(frozen=True)
 class MegaMoEConfig:
+    """Everything that defines a MegaMoE layer: its routing, its experts and shared experts,
+    their precision, and how it runs. Frozen; a field out of range raises ValueError (TypeError
+    for a wrong type) naming it. `from_geometry` builds one from a benchmark geometry
+    (megamoe_runtime.geometries); the Hugging Face readers build one from a block."""
+
+    # the hidden states' size H
     hidden_size: int
+    # each routed expert's intermediate size I (its gate and up projections are I x H)
     intermediate_size: int
+    # routed experts E
     num_experts: int
+    # experts each token is routed to K
     top_k: int
+    # the router's scores of the logits: "softmax" over the experts, "sigmoid" of each logit,
+    # or "sparsemixer" (PhiMoE's; top_k = 2)
     scoring: Scoring = "softmax"
+    # the K weights divided by their sum (+ 1e-20 with sigmoid scores)
     renormalize: bool = True
+    # grouped top-k: the experts split into this many groups of consecutive experts
     num_groups: int = 1
+    # grouped top-k: the groups kept (by group_score), whose experts the top-k chooses from
     top_groups: int = 1
+    # the weights' scale, after the renormalisation (DeepSeek-V3: 2.5)
     routed_scaling_factor: float = 1.0
+    # a per-expert correction bias (the buffer `e_score_correction_bias` [E], fp32) added to
+    # the choice scores for choosing, not to the weights (DeepSeek-V3, ERNIE 4.5)
     use_correction_bias: bool = False
     # grouped top-k: choice score of experts in groups not kept, -inf or 0.0 (RouterConfig)
     dropped_group_score: float = float("-inf")
@@ -51,13 +68,16 @@ class MegaMoEConfig:
     router_bias: bool = False
     # The expert math below is computed by every backend, with bf16 weights (FP8 experts do
     # not combine with it); `expert_math_features` names what a config uses of it.
+
     # each expert projection adds a per-expert bias (gpt-oss): `w13_bias` [E, 2I], `w2_bias` [E, H]
     expert_bias: bool = False
     # the experts' SwiGLU, gate * sigmoid(swiglu_alpha * gate) * (up + swiglu_up_offset), with
     # gate clamped to at most swiglu_limit and up to [-swiglu_limit, swiglu_limit] when it is set;
     # the defaults are silu(gate) * up. gpt-oss: 7.0, 1.702, 1.0
     swiglu_limit: float | None = None
+    # the SwiGLU's alpha (swiglu_limit)
     swiglu_alpha: float = 1.0
+    # the SwiGLU's offset added to up (swiglu_limit)
     swiglu_up_offset: float = 0.0
     # each chosen expert computes on its routing weight times the token, f_e(w_e x), and the
     # top-k outputs are summed unweighted (Llama 4); otherwise the sum of w_e f_e(x). w_e x is
@@ -65,6 +85,7 @@ class MegaMoEConfig:
     # run on it: every backend with bf16 weights, the fused path too (its routing kernel scales
     # each row as it copies it); not under expert parallelism
     routing_weights_on_input: bool = False
+    # shared experts every token visits, summed as one MLP of shared_intermediate_size
     num_shared_experts: int = 0
     # defaults to intermediate_size * num_shared_experts
     shared_intermediate_size: int | None = None
@@ -83,6 +104,9 @@ class MegaMoEConfig:
     # "auto": the measured choice (shared_experts_in_batch_by_default), else "side_stream".
     # The torch layer path (and expert parallelism) runs them as their own MLP.
     shared_experts_path: SharedExpertsPath = "auto"
+    # the routed experts' compute: "cutedsl" (megamoe's kernels, sm_90a), "grouped_mm"
+    # (torch._grouped_mm), "reference" (pure torch, fp32 accumulation), or "auto": the first of
+    # these that runs here (`MegaMoE.backend_reason` says why)
     backend: str = "auto"
     # the routed experts' weights: None, in the layer's dtype; "fp8", e4m3 with one float32
     # scale per 128 x 128 block (the format of DeepSeek-V3's and Qwen3's FP8 checkpoints): the
@@ -132,6 +156,7 @@ class MegaMoEConfig:
     # as e4m3 and is summed in fp32. Opt-in: both change the numbers (docs/expert-parallel.md).
     # Both need a hidden size that is a multiple of 16; the torch dispatcher always moves bf16.
     dispatch_dtype: Literal["bf16", "fp8"] = "bf16"
+    # what crosses NVLink back from the experts in the nvshmem dispatcher (dispatch_dtype)
     combine_dtype: Literal["bf16", "fp8"] = "bf16"
     # where the cutedsl GEMMs' knobs come from. "lookup": the knob cache (`megamoe tune`), else
     # the entries megamoe ships, else the default profile; nothing is measured at run time.

@@ -181,6 +181,9 @@ class MegaMoE(nn.Module):
     group is then the dispatcher's (`process_group`, if given, must hold the same ranks), and
     config's capacity, max_tokens_per_rank, combine_order, dispatch_dtype and combine_dtype,
     which configure megamoe's own dispatchers, do not apply to it.
+
+    `device` and `dtype`: where the parameters are made, and their dtype, which is also the
+    hidden states' (`activation_dtype`); FP8 experts and an fp32 router weight keep theirs.
     """
 
     def __init__(
@@ -412,6 +415,7 @@ class MegaMoE(nn.Module):
 
     @property
     def backend_reason(self) -> str:
+        """Why `backend` was chosen ("auto": which backends were skipped, and why)."""
         self._resolve_backend()
         return self._backend_reason
 
@@ -902,6 +906,12 @@ class MegaMoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, *, return_router_logits: bool = False):
+        """The MoE output of hidden states x [..., H] (the layer's activation dtype, its
+        device), in x's shape; with return_router_logits, (output, router logits [T, E]), T
+        the tokens of x. Takes the fused path where fused_path_status says it runs, else the
+        torch path (and always where autograd records); eager forwards of up to
+        config.eager_graph_tokens tokens on the fused path replay the layer's own CUDA graphs.
+        A sparsemixer layer refuses training mode (SPARSEMIXER_IN_TRAINING)."""
         if self.training and self.config.scoring == "sparsemixer":
             raise RuntimeError(SPARSEMIXER_IN_TRAINING)
         if (
