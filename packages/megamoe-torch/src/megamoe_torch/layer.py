@@ -71,8 +71,9 @@ from megamoe_torch.tensor_cache import DerivedTensorCache
 
 # what torch.compile(fullgraph=True) of a layer with check_inputs=True says
 SPARSEMIXER_IN_TRAINING = (
-    "scoring='sparsemixer' (PhiMoE) samples its experts in training mode, which MegaMoE does not "
-    "reproduce: it computes the inference routing; call .eval() on the module (or the model)"
+    "scoring='sparsemixer' (PhiMoE) samples its experts in training, with a gradient estimator "
+    "of its own, which MegaMoE does not reproduce: it computes the inference routing, in eval "
+    "mode or without gradients (torch.no_grad()); call .eval() on the module (or the model)"
 )
 CHECK_INPUTS_UNDER_COMPILE = (
     "MegaMoE(check_inputs=True) reads the input and the router logits on the host (a sync "
@@ -911,8 +912,9 @@ class MegaMoE(nn.Module):
         the tokens of x. Takes the fused path where fused_path_status says it runs, else the
         torch path (and always where autograd records); eager forwards of up to
         config.eager_graph_tokens tokens on the fused path replay the layer's own CUDA graphs.
-        A sparsemixer layer refuses training mode (SPARSEMIXER_IN_TRAINING)."""
-        if self.training and self.config.scoring == "sparsemixer":
+        A sparsemixer layer refuses to train: training mode with gradients enabled
+        (SPARSEMIXER_IN_TRAINING)."""
+        if self.config.scoring == "sparsemixer" and self.training and torch.is_grad_enabled():
             raise RuntimeError(SPARSEMIXER_IN_TRAINING)
         if (
             not torch.is_grad_enabled()
