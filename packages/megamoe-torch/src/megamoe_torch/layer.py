@@ -69,12 +69,13 @@ from megamoe_torch.ops import (
 from megamoe_torch.ops import router_logits as router_logits_op
 from megamoe_torch.tensor_cache import DerivedTensorCache
 
-# what torch.compile(fullgraph=True) of a layer with check_inputs=True says
+# what a forward that trains a sparsemixer layer says
 SPARSEMIXER_IN_TRAINING = (
     "scoring='sparsemixer' (PhiMoE) samples its experts in training, with a gradient estimator "
     "of its own, which MegaMoE does not reproduce: it computes the inference routing, in eval "
     "mode or without gradients (torch.no_grad()); call .eval() on the module (or the model)"
 )
+# what torch.compile(fullgraph=True) of a layer with check_inputs=True says
 CHECK_INPUTS_UNDER_COMPILE = (
     "MegaMoE(check_inputs=True) reads the input and the router logits on the host (a sync "
     "each), which a compiled graph cannot hold: compile with fullgraph=False (the checks then "

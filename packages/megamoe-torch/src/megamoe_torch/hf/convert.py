@@ -73,11 +73,11 @@ def from_hf(block: nn.Module, *, weight_dtype: str | None = "auto", **options: A
 
     Any transformers >= 5 block of a structure megamoe reads (reader.py: a router with softmax
     or sigmoid scores, renormalised or not, grouped top-k, correction bias, router bias,
-    scaling, or PhiMoE's sparsemixer; experts in any fused layout, with biases and clamped SwiGLU; shared experts with or
-    without a gate; routing weights on the expert input), and the per-expert blocks of the
-    transformers 4.x Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3. transformers' FP8 blocks
-    (FP8Experts, FP8Linear shared experts: a model loaded from an FP8 checkpoint on a GPU) are
-    taken as they are. The layer shares the block's tensors where the layouts agree (no copy).
+    scaling, or PhiMoE's sparsemixer; experts in any fused layout, with biases and clamped
+    SwiGLU; shared experts with or without a gate; routing weights on the expert input), and
+    the per-expert blocks of the transformers 4.x Mixtral, Qwen2-MoE, Qwen3-MoE and
+    DeepSeek-V3. transformers' FP8 blocks (FP8Experts, FP8Linear shared experts: a model loaded
+    from an FP8 checkpoint on a GPU) are taken as they are. The layer shares the block's tensors where the layouts agree (no copy).
     `weight_dtype`: "auto", "fp8" or None, see the module doc (None from an FP8 block gives the
     dequantized weights). `options`: any of RUN_OPTIONS, and `process_group` for expert
     parallelism; `dispatcher` is a name (MegaMoEConfig.dispatcher) or a dispatcher the caller

@@ -49,8 +49,8 @@ def _routing_candidates(
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """(the RouterConfig fields worth matching, why the block's own group sizes cannot be
     expressed, if they cannot)."""
-    group_count = _int_attribute((parts.router, parts.block), GROUP_COUNT_ATTRIBUTES)
-    kept_groups = _int_attribute((parts.router, parts.block), KEPT_GROUP_ATTRIBUTES)
+    group_count = _number_attribute((parts.router, parts.block), GROUP_COUNT_ATTRIBUTES)
+    kept_groups = _number_attribute((parts.router, parts.block), KEPT_GROUP_ATTRIBUTES)
     groupings: list[dict[str, Any]] = [dict(num_groups=1, top_groups=1)]
     if group_count and kept_groups and group_count > 1 and parts.num_experts % group_count == 0:
         for group_score, dropped in itertools.product(("top2_sum", "max"), (-math.inf, 0.0)):
@@ -86,7 +86,7 @@ def _routing_candidates(
                 refusals.append(str(error))
             continue
         candidates.append(fields)
-    eps = _float_attribute((parts.router, parts.block), SPARSEMIXER_EPS_ATTRIBUTES)
+    eps = _number_attribute((parts.router, parts.block), SPARSEMIXER_EPS_ATTRIBUTES, int | float)
     if eps is not None and top_k == 2 and not has_bias:
         for renormalize in (False, True):
             candidates.append(
@@ -96,26 +96,19 @@ def _routing_candidates(
                     scoring="sparsemixer",
                     renormalize=renormalize,
                     use_correction_bias=False,
-                    sparsemixer_eps=eps,
+                    sparsemixer_eps=float(eps),
                 )
             )
     return candidates, refusals
 
 
-def _float_attribute(holders: tuple, names: tuple[str, ...]) -> float | None:
+def _number_attribute(holders: tuple, names: tuple[str, ...], kind=int) -> int | float | None:
+    """The first attribute of `names` on the first of `holders` holding one that is of `kind`
+    (a bool is not a number here), or None."""
     for holder in holders:
         for name in names:
             value = getattr(holder, name, None)
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                return float(value)
-    return None
-
-
-def _int_attribute(holders: tuple, names: tuple[str, ...]) -> int | None:
-    for holder in holders:
-        for name in names:
-            value = getattr(holder, name, None)
-            if isinstance(value, int) and not isinstance(value, bool):
+            if isinstance(value, kind) and not isinstance(value, bool):
                 return value
     return None
 
