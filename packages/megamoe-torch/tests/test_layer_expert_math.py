@@ -1,11 +1,12 @@
 """The expert math of the families the Hugging Face reader adds, against per-token float64 loops:
 router and expert biases, the clamped SwiGLU of gpt-oss, routing weights on the expert input
 (Llama 4), softmax with a correction bias (ERNIE 4.5), the choice on logits + bias (Kolibri),
-group-limited greedy top-k (DeepSeek-V2), the sparsemixer (PhiMoE); the gpt-oss and Llama 4
-layers on grouped_mm against the reference backend, forward and backward; and what cannot
-compute them refused with the reason."""
+group-limited greedy top-k (DeepSeek-V2), the sparsemixer (PhiMoE), and random layers of all of
+them; the gpt-oss and Llama 4 layers on grouped_mm against the reference backend, forward and
+backward; and what cannot compute them refused with the reason."""
 
 import math
+import random
 
 import pytest
 import torch
@@ -117,11 +118,16 @@ def per_token_float64(layer: MegaMoE, x_TH: torch.Tensor) -> torch.Tensor:
             choice = choice + layer.e_score_correction_bias.double()
         if c.num_groups > 1:
             per_group = c.num_experts // c.num_groups
-            best = [max(choice[g * per_group : (g + 1) * per_group]) for g in range(c.num_groups)]
-            kept = sorted(range(c.num_groups), key=lambda g: -best[g])[: c.top_groups]
+            group_scores = []
+            for g in range(c.num_groups):
+                ranked = sorted(float(v) for v in choice[g * per_group : (g + 1) * per_group])
+                group_scores.append(
+                    ranked[-1] if c.group_score == "max" else ranked[-1] + ranked[-2]
+                )
+            kept = sorted(range(c.num_groups), key=lambda g: -group_scores[g])[: c.top_groups]
             choice = torch.tensor(
                 [
-                    float(choice[e]) if e // per_group in kept else -math.inf
+                    float(choice[e]) if e // per_group in kept else c.dropped_group_score
                     for e in range(len(choice))
                 ],
                 dtype=torch.float64,
@@ -185,6 +191,60 @@ def test_a_sparsemixer_layer_refuses_to_train():
         expected = layer(torch.randn(3, 32, generator=torch.Generator().manual_seed(1)))
     actual = layer.eval()(torch.randn(3, 32, generator=torch.Generator().manual_seed(1)))
     assert torch.equal(actual, expected)
+
+
+def random_layer_fields(rng: random.Random) -> dict:
+    """A random valid MegaMoEConfig of every routing and expert-math field this file covers.
+    Dropped groups score -inf where choice scores can be negative (a bias, the logits): with
+    0.0 there, the dropped experts tie, and which of them torch.topk takes is unspecified."""
+    while True:
+        experts = rng.choice([2, 3, 4, 6, 8, 12, 16, 40])
+        scoring = rng.choice(["softmax", "sigmoid", "sparsemixer"])
+        fields = dict(
+            hidden_size=rng.choice([8, 16, 24]),
+            intermediate_size=rng.choice([4, 8, 12]),
+            num_experts=experts,
+            scoring=scoring,
+            renormalize=rng.random() < 0.5,
+            routed_scaling_factor=rng.choice([1.0, 2.5]),
+            router_bias=rng.random() < 0.3,
+            expert_bias=rng.random() < 0.3,
+            num_shared_experts=int(rng.random() < 0.3),
+        )
+        if rng.random() < 0.3:
+            fields.update(swiglu_limit=7.0, swiglu_alpha=1.702, swiglu_up_offset=1.0)
+        if scoring == "sparsemixer":
+            fields.update(top_k=2, sparsemixer_eps=rng.choice([0.0, 0.01, 0.3, 1.0]))
+            return fields
+        groups = rng.choice([g for g in (1, 2, 4) if experts % g == 0])
+        top_groups = rng.randint(1, groups)
+        biased = rng.random() < 0.5
+        fields.update(
+            top_k=rng.randint(1, top_groups * (experts // groups)),
+            num_groups=groups,
+            top_groups=top_groups,
+            use_correction_bias=biased,
+            choice_on_logits=biased and rng.random() < 0.3,
+            group_score="max" if experts // groups < 2 else rng.choice(["top2_sum", "max"]),
+            dropped_group_score=float("-inf") if biased else rng.choice([float("-inf"), 0.0]),
+        )
+        return fields
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_layers_match_the_float64_loop(seed):
+    rng = random.Random(seed)
+    fields = random_layer_fields(rng)
+    layer = make_layer(fields).eval()
+    with torch.no_grad():
+        if layer.w13_bias is not None:
+            layer.w13_bias.normal_()
+            layer.w2_bias.normal_()
+    x = torch.randn(rng.choice([1, 5, 37]), fields["hidden_size"])
+    with torch.no_grad():
+        actual = layer(x)
+    expected = per_token_float64(layer, x)
+    assert ((actual.double() - expected).norm() / expected.norm()) < 1e-6, fields
 
 
 def test_the_swiglu_limit_is_reached_by_the_test_inputs():
