@@ -62,6 +62,20 @@ def _signature(name: str, function) -> str:
     return f"{name}{signature}"
 
 
+def _function_section(heading: str, name: str, function) -> list[str]:
+    """A function's or method's section: its heading, signature and docstring."""
+    return [
+        f"### `{heading}`",
+        "",
+        "```python",
+        _signature(name, function),
+        "```",
+        "",
+        _doc(function) or "-",
+        "",
+    ]
+
+
 def _members(cls) -> list[tuple[str, object]]:
     """The public methods and properties cls defines itself, in source order."""
     members = []
@@ -74,10 +88,12 @@ def _members(cls) -> list[tuple[str, object]]:
 
 
 def render_config() -> list[str]:
+    from megamoe_torch import MegaMoEConfig
+
     out = [
         "## `MegaMoEConfig`",
         "",
-        _doc(__import__("megamoe_torch").MegaMoEConfig),
+        _doc(MegaMoEConfig),
         "",
         "Its fields, in order (the first four are required):",
         "",
@@ -97,16 +113,7 @@ def render_class(cls, heading: str) -> list[str]:
         if isinstance(member, property):
             out += [f"### `{cls.__name__}.{name}` (property)", "", _doc(member.fget) or "-", ""]
         else:
-            out += [
-                f"### `{cls.__name__}.{name}`",
-                "",
-                "```python",
-                _signature(name, member),
-                "```",
-                "",
-                _doc(member) or "-",
-                "",
-            ]
+            out += _function_section(f"{cls.__name__}.{name}", name, member)
     return out
 
 
@@ -115,17 +122,7 @@ def render_functions(names: list[str]) -> list[str]:
 
     out = ["## Hugging Face functions", ""]
     for name in names:
-        function = getattr(megamoe_torch, name)
-        out += [
-            f"### `{name}`",
-            "",
-            "```python",
-            _signature(name, function),
-            "```",
-            "",
-            _doc(function),
-            "",
-        ]
+        out += _function_section(name, name, getattr(megamoe_torch, name))
     return out
 
 
