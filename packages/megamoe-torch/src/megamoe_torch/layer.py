@@ -301,6 +301,8 @@ class MegaMoE(nn.Module):
         self._autotuner = OnlineAutotuner(process_group=process_group)
         # under torch.compile the custom ops (ops.py) find this layer by its id
         self._layer_id = register_layer(self)
+        # PhiMoE's sparsemixer samples its experts in training: such a layer refuses to train
+        self._refuses_training = config.scoring == "sparsemixer"
         self.reset_parameters()
 
     @torch.no_grad()
@@ -915,7 +917,7 @@ class MegaMoE(nn.Module):
         config.eager_graph_tokens tokens on the fused path replay the layer's own CUDA graphs.
         A sparsemixer layer refuses to train: training mode with gradients enabled
         (SPARSEMIXER_IN_TRAINING)."""
-        if self.config.scoring == "sparsemixer" and self.training and torch.is_grad_enabled():
+        if self._refuses_training and self.training and torch.is_grad_enabled():
             raise RuntimeError(SPARSEMIXER_IN_TRAINING)
         if (
             not torch.is_grad_enabled()
