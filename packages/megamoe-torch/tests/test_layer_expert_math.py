@@ -1,8 +1,8 @@
 """The expert math of the families the Hugging Face reader adds, against per-token float64 loops:
 router and expert biases, the clamped SwiGLU of gpt-oss, routing weights on the expert input
 (Llama 4), softmax with a correction bias (ERNIE 4.5), the choice on logits + bias (Kolibri),
-group-limited greedy top-k (DeepSeek-V2), the sparsemixer (PhiMoE), and random layers of all of
-them; the gpt-oss and Llama 4 layers on grouped_mm against the reference backend, forward and
+group-limited greedy top-k (DeepSeek-V2), the sparsemixer (PhiMoE), shared experts with the
+routed experts' clamped SwiGLU (MiniMax-M3), and random layers of all of them; the gpt-oss and Llama 4 layers on grouped_mm against the reference backend, forward and
 backward; and what cannot compute them refused with the reason."""
 
 import math
@@ -66,6 +66,22 @@ PHIMOE = dict(
     sparsemixer_eps=0.3,
 )
 
+MINIMAX_M3 = dict(
+    hidden_size=32,
+    intermediate_size=16,
+    num_experts=8,
+    top_k=2,
+    scoring="sigmoid",
+    use_correction_bias=True,
+    routed_scaling_factor=2.0,
+    swiglu_limit=7.0,
+    swiglu_alpha=1.702,
+    swiglu_up_offset=1.0,
+    num_shared_experts=1,
+    shared_intermediate_size=24,
+    shared_swiglu="routed",
+)
+
 
 def sparsemixer_float64(logits: torch.Tensor, eps: float) -> tuple[list[int], torch.Tensor]:
     """PhiMoE's inference routing of one token, element by element: two rounds, each the
@@ -91,7 +107,11 @@ def make_layer(fields):
     torch.manual_seed(0)
     layer = MegaMoE(MegaMoEConfig(**fields))
     with torch.no_grad():
-        layer.w13.mul_(4.0)  # gate and up values past the SwiGLU limit, so the clamp matters
+        # gate and up values past the SwiGLU limit, so the clamp matters
+        layer.w13.mul_(4.0)
+        if layer.shared_experts is not None:
+            layer.shared_experts.gate_proj.weight.mul_(4.0)
+            layer.shared_experts.up_proj.weight.mul_(4.0)
         if layer.gate.bias is not None:
             layer.gate.bias.normal_(0, 0.5)
         if layer.e_score_correction_bias is not None:
@@ -144,10 +164,9 @@ def per_token_float64(layer: MegaMoE, x_TH: torch.Tensor) -> torch.Tensor:
             gate_up = w13[expert] @ expert_input
             if layer.w13_bias is not None:
                 gate_up = gate_up + layer.w13_bias[expert].double()
-            gate, up = gate_up[: c.intermediate_size], gate_up[c.intermediate_size :]
-            if c.swiglu_limit is not None:
-                gate, up = gate.clamp(max=c.swiglu_limit), up.clamp(-c.swiglu_limit, c.swiglu_limit)
-            hidden = gate * torch.sigmoid(c.swiglu_alpha * gate) * (up + c.swiglu_up_offset)
+            hidden = swiglu_float64(
+                c, gate_up[: c.intermediate_size], gate_up[c.intermediate_size :]
+            )
             expert_out = w2[expert] @ hidden
             if layer.w2_bias is not None:
                 expert_out = expert_out + layer.w2_bias[expert].double()
@@ -158,15 +177,25 @@ def per_token_float64(layer: MegaMoE, x_TH: torch.Tensor) -> torch.Tensor:
                 projection.weight.double()
                 for projection in (shared.gate_proj, shared.up_proj, shared.down_proj)
             )
-            y += down @ (torch.nn.functional.silu(gate @ x) * (up @ x))
+            if c.shared_swiglu == "routed":
+                y += down @ swiglu_float64(c, gate @ x, up @ x)
+            else:
+                y += down @ (torch.nn.functional.silu(gate @ x) * (up @ x))
         out.append(y)
     return torch.stack(out)
 
 
+def swiglu_float64(c: MegaMoEConfig, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The routed experts' SwiGLU of `c` on one token's gate and up values."""
+    if c.swiglu_limit is not None:
+        gate, up = gate.clamp(max=c.swiglu_limit), up.clamp(-c.swiglu_limit, c.swiglu_limit)
+    return gate * torch.sigmoid(c.swiglu_alpha * gate) * (up + c.swiglu_up_offset)
+
+
 @pytest.mark.parametrize(
     "fields",
-    [GPT_OSS, LLAMA4, ERNIE, KOLIBRI, DEEPSEEK_V2, PHIMOE],
-    ids=["gpt-oss", "llama4", "ernie4_5", "kolibri", "deepseek-v2", "phimoe"],
+    [GPT_OSS, LLAMA4, ERNIE, KOLIBRI, DEEPSEEK_V2, PHIMOE, MINIMAX_M3],
+    ids=["gpt-oss", "llama4", "ernie4_5", "kolibri", "deepseek-v2", "phimoe", "minimax-m3"],
 )
 def test_layer_matches_per_token_float64_loop(fields):
     layer = make_layer(fields).eval()  # a sparsemixer layer does not train
@@ -214,6 +243,8 @@ def random_layer_fields(rng: random.Random) -> dict:
         )
         if rng.random() < 0.3:
             fields.update(swiglu_limit=7.0, swiglu_alpha=1.702, swiglu_up_offset=1.0)
+        if fields["num_shared_experts"]:
+            fields.update(shared_swiglu=rng.choice(["silu", "routed"]))
         if scoring == "sparsemixer":
             fields.update(top_k=2, sparsemixer_eps=rng.choice([0.0, 0.01, 0.3, 1.0]))
             return fields
@@ -290,6 +321,27 @@ def test_the_swiglu_limit_is_reached_by_the_test_inputs():
     with torch.no_grad():
         gate_up = torch.einsum("th,eih->tei", x, layer.w13) + layer.w13_bias
     assert (gate_up.abs() > GPT_OSS["swiglu_limit"]).any()
+    shared = make_layer(MINIMAX_M3).shared_experts
+    with torch.no_grad():
+        for projection in (shared.gate_proj, shared.up_proj):
+            assert (projection(x).abs() > MINIMAX_M3["swiglu_limit"]).any()
+
+
+def test_shared_experts_with_the_routed_swiglu_differ_from_silu_ones():
+    """The MiniMax-M3 layer's shared experts are not computed as silu(gate) * up."""
+    layer = make_layer(MINIMAX_M3).eval()
+    x = torch.randn(37, 32)
+    with torch.no_grad():
+        routed = layer(x)
+        silu = make_layer(dict(MINIMAX_M3, shared_swiglu="silu")).eval()(x)
+    assert relative_l2_error(routed, silu) > 1e-2
+
+
+def test_shared_swiglu_is_checked():
+    with pytest.raises(ValueError, match="shared_swiglu must be one of"):
+        MegaMoEConfig(**dict(MINIMAX_M3, shared_swiglu="gelu"))
+    with pytest.raises(ValueError, match=r"shared_swiglu='routed' needs num_shared_experts >= 1"):
+        MegaMoEConfig(**dict(MINIMAX_M3, num_shared_experts=0, shared_intermediate_size=None))
 
 
 def test_expert_math_trains_through_the_reference_backend():

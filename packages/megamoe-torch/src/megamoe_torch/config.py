@@ -19,6 +19,7 @@ KNOB_MODES = ("lookup", "auto")
 LAYER_PATHS = ("auto", "fused", "torch")
 SHARED_EXPERTS_PATHS = ("auto", "batch", "side_stream", "caller_stream")
 SharedExpertsPath = Literal["auto", "batch", "side_stream", "caller_stream"]
+SHARED_SWIGLUS = ("silu", "routed")
 WEIGHT_DTYPES = (None, "fp8")
 
 
@@ -91,6 +92,10 @@ class MegaMoEConfig:
     shared_intermediate_size: int | None = None
     # Qwen2-MoE: the shared experts' output is scaled by sigmoid(x . w_gate)
     shared_expert_gate: bool = False
+    # the shared experts' activation: "silu", silu(gate) * up; "routed", the routed experts'
+    # SwiGLU (swiglu_limit, swiglu_alpha, swiglu_up_offset), as MiniMax-M3's shared MLP clamps
+    # it with the routed experts' constants
+    shared_swiglu: Literal["silu", "routed"] = "silu"
     # where the fused path (one GPU) computes the shared experts:
     # "batch": in the routed experts' batch, as S = shared_size / intermediate_size more experts
     #   every token visits with weight 1 (the shared MLP cut into S experts of the routed size),
@@ -192,6 +197,12 @@ class MegaMoEConfig:
             raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
         if self.shared_expert_gate and self.num_shared_experts == 0:
             raise ValueError("shared_expert_gate needs num_shared_experts >= 1")
+        if self.shared_swiglu not in SHARED_SWIGLUS:
+            raise ValueError(
+                f"shared_swiglu must be one of {SHARED_SWIGLUS}, got {self.shared_swiglu!r}"
+            )
+        if self.shared_swiglu == "routed" and self.num_shared_experts == 0:
+            raise ValueError("shared_swiglu='routed' needs num_shared_experts >= 1")
         if not isinstance(self.tile_pack, bool):
             raise TypeError(f"tile_pack must be a bool, got {self.tile_pack!r}")
         if self.router_dtype not in ("float32", "input"):
@@ -310,6 +321,11 @@ class MegaMoEConfig:
         return SwiGLU(
             limit=self.swiglu_limit, alpha=self.swiglu_alpha, up_offset=self.swiglu_up_offset
         )
+
+    @property
+    def shared_experts_swiglu(self) -> SwiGLU:
+        """The shared experts' activation (shared_swiglu)."""
+        return self.swiglu if self.shared_swiglu == "routed" else SwiGLU()
 
     @property
     def shared_size(self) -> int:

@@ -25,11 +25,13 @@ from dataclasses import replace
 import torch
 from megamoe_kernels import (
     ROUTER_LOGITS_MAX_TOKENS,
+    SwiGLU,
     can_gather_rows,
     gathers_rows_by_default,
     shared_experts_in_batch_by_default,
     weight_scales_shape,
 )
+from megamoe_kernels.reference import swiglu
 from megamoe_runtime.dispatch import LocalDispatcher, RowWeightsDispatcher
 from megamoe_runtime.dispatch.device_routed import (
     DeviceRoutedDispatcher,
@@ -116,13 +118,22 @@ class SharedExperts(nn.Module):
 
     `fp8`: the three projections hold e4m3 weights with 128 x 128 block scales
     (BlockFP8Linear: `weight` and `weight_scale_inv`, as FP8 checkpoints store them); the gate
-    stays in the activations' dtype.
+    stays in the activations' dtype. `swiglu`: the activation, silu(gate) * up when None; a
+    clamped or scaled one is computed in fp32 and rounded once to the activations' dtype.
     """
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, *, gated: bool, fp8: bool = False, **factory
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        gated: bool,
+        fp8: bool = False,
+        swiglu: SwiGLU | None = None,
+        **factory,
     ):
         super().__init__()
+        self.swiglu = SwiGLU() if swiglu is None else swiglu
 
         def projection(in_features: int, out_features: int) -> nn.Module:
             if fp8:
@@ -135,7 +146,19 @@ class SharedExperts(nn.Module):
         self.gate = nn.Linear(hidden_size, 1, bias=False, **factory) if gated else None
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        y_TH = self.down_proj(nn.functional.silu(self.gate_proj(x_TH)) * self.up_proj(x_TH))
+        gate_TI, up_TI = self.gate_proj(x_TH), self.up_proj(x_TH)
+        if self.swiglu.is_plain:
+            hidden_TI = nn.functional.silu(gate_TI) * up_TI
+        else:
+            constants = self.swiglu
+            hidden_TI = swiglu(
+                gate_TI,
+                up_TI,
+                limit=constants.limit,
+                alpha=constants.alpha,
+                up_offset=constants.up_offset,
+            ).to(gate_TI.dtype)
+        y_TH = self.down_proj(hidden_TI)
         if self.gate is not None:
             y_TH = torch.sigmoid(self.gate(x_TH)) * y_TH
         return y_TH
@@ -264,6 +287,7 @@ class MegaMoE(nn.Module):
                 config.shared_size,
                 gated=config.shared_expert_gate,
                 fp8=config.shared_weight_dtype == "fp8",
+                swiglu=config.shared_experts_swiglu,
                 **factory,
             )
             if config.num_shared_experts
