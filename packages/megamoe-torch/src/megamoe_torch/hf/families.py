@@ -223,8 +223,10 @@ class BlockReading:
             experts.append("routing weights on the expert input")
         parts = [", ".join(routing), ", ".join(experts)]
         if fields.get("num_shared_experts"):
-            gate = "with a sigmoid gate" if fields.get("shared_expert_gate") else "ungated"
-            parts.append(f"shared expert {gate}")
+            shared = "with a sigmoid gate" if fields.get("shared_expert_gate") else "ungated"
+            if fields.get("shared_swiglu") == "routed":
+                shared += ", with the routed experts' SwiGLU"
+            parts.append(f"shared expert {shared}")
         return "; ".join(parts)
 
 

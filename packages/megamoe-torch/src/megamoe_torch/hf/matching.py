@@ -13,13 +13,15 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from megamoe_kernels.reference import expert_mlp_reference
+from megamoe_kernels import SwiGLU
+from megamoe_kernels.reference import expert_mlp_reference, swiglu
 from megamoe_runtime.routing import RouterConfig, route
 from torch import nn
 
 from megamoe_torch.hf.families import UnsupportedBlockError
 from megamoe_torch.hf.fp8 import activation_dtype_of, is_fp8, model_config_of
 from megamoe_torch.hf.naming import (
+    SHARED_PROJECTIONS,
     megamoe_experts_from_hf,
     megamoe_gate_up_bias_from_hf,
 )
@@ -398,39 +400,57 @@ def _float_attributes(module: nn.Module, names: tuple[str, ...]) -> list[float]:
     return values
 
 
-def read_shared_experts(parts: BlockParts, random: ProbeRandom) -> dict[str, Any]:
+def read_shared_experts(
+    parts: BlockParts, random: ProbeRandom, *, routed_swiglu: SwiGLU
+) -> dict[str, Any]:
+    """The shared experts' MegaMoEConfig fields: a bias-free MLP of gate_proj, up_proj and
+    down_proj Linears (or one gate_up_proj of gate rows then up rows, and down_proj), computing
+    silu(gate) * up or the routed experts' SwiGLU (`routed_swiglu`), as a probe shows."""
     shared = parts.shared
     if shared is None:
         return {}
-    projections = [getattr(shared, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    names = ("gate_up_proj", "down_proj") if parts.naming.shared_gate_up else SHARED_PROJECTIONS
+    projections = [getattr(shared, name, None) for name in names]
     if not all(isinstance(p, nn.Linear) and p.bias is None for p in projections) or any(
-        True
-        for key in shared.state_dict()
-        if key.split(".")[0] not in ("gate_proj", "up_proj", "down_proj")
+        True for key in shared.state_dict() if key.split(".")[0] not in names
     ):
         holds = sorted(shared.state_dict())
         raise UnsupportedBlockError(
             f"the shared experts ({type(shared).__name__}, holding {holds}) are not a "
-            "bias-free gate_proj/up_proj/down_proj Linear MLP, the shared experts megamoe computes"
+            "bias-free MLP of Linears gate_proj, up_proj and down_proj (or gate_up_proj and "
+            "down_proj), the shared experts megamoe computes"
         )
-    if projections[0].out_features == 0:  # DeepSeek-V3 with n_shared_experts=0
+    intermediate = projections[-1].in_features
+    if intermediate == 0:  # DeepSeek-V3 with n_shared_experts=0
         return {}
     twin = random_copy(shared, random)
     x_TH = random.normal(8, parts.hidden_size)
     with torch.no_grad():
         seen = twin(x_TH)
-        gate, up, down = twin.gate_proj, twin.up_proj, twin.down_proj
-        expected = down(nn.functional.silu(gate(x_TH)) * up(x_TH))
-    if relative_error(seen, expected) > MATCH_TOLERANCE:
-        activation = type(getattr(shared, "act_fn", None)).__name__
-        raise UnsupportedBlockError(
-            f"the shared experts compute something other than a SiLU-gated MLP (act_fn "
-            f"{activation})"
-        )
-    return dict(
-        num_shared_experts=1,
-        shared_intermediate_size=projections[0].out_features,
-        shared_expert_gate=parts.shared_gate is not None,
+        if parts.naming.shared_gate_up:
+            gate, up = twin.gate_up_proj(x_TH).chunk(2, dim=-1)
+        else:
+            gate, up = twin.gate_proj(x_TH), twin.up_proj(x_TH)
+        candidates = {"silu": SwiGLU(), "routed": routed_swiglu}
+        for name, activation in candidates.items():
+            hidden = swiglu(
+                gate,
+                up,
+                limit=activation.limit,
+                alpha=activation.alpha,
+                up_offset=activation.up_offset,
+            )
+            if relative_error(seen, twin.down_proj(hidden)) <= MATCH_TOLERANCE:
+                return dict(
+                    num_shared_experts=1,
+                    shared_intermediate_size=intermediate,
+                    shared_expert_gate=parts.shared_gate is not None,
+                    shared_swiglu=name,
+                )
+    activation = type(getattr(shared, "act_fn", None)).__name__
+    raise UnsupportedBlockError(
+        f"the shared experts compute something other than silu(gate) * up or the routed "
+        f"experts' SwiGLU (act_fn {activation})"
     )
 
 

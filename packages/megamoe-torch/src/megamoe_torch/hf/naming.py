@@ -12,7 +12,8 @@ Keys are block-relative. The routed experts come in two layouts:
 
 MegaMoE: gate.weight [E, H] (gate.bias [E]); w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
 w13_bias [E, 2I]; w2_bias [E, H]; e_score_correction_bias [E] fp32;
-shared_experts.{gate_proj, up_proj, down_proj, gate}.weight.
+shared_experts.{gate_proj, up_proj, down_proj, gate}.weight. A block's shared MLP may hold
+`gate_up_proj` [2I, H] in place of gate_proj and up_proj (`shared_gate_up`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class BlockNaming:
     # block-relative prefix of the shared expert MLP, and its sigmoid gate's weight
     shared_prefix: str | None = None
     shared_gate: str | None = None
+    # the shared MLP holds its gate and up projections as one `gate_up_proj` Linear, gate rows
+    # then up rows (MiniMax-M3 in memory; its checkpoints on disk hold them apart)
+    shared_gate_up: bool = False
     # keys of tensors the block holds but its forward does not use (a correction bias switched
     # off): a swapped block keeps them as they are, for its checkpoint
     ignored: tuple[str, ...] = ()

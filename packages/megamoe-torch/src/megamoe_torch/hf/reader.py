@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from megamoe_kernels import SwiGLU
 from torch import nn
 
 from megamoe_torch.config import MegaMoEConfig
@@ -138,7 +139,12 @@ def _read_by_probes(block: nn.Module, parts: BlockParts) -> BlockReading:
         **routing_fields,
         **expert_math,
     )
-    fields.update(read_shared_experts(parts, random))
+    routed_swiglu = SwiGLU(
+        limit=fields["swiglu_limit"],
+        alpha=fields["swiglu_alpha"],
+        up_offset=fields["swiglu_up_offset"],
+    )
+    fields.update(read_shared_experts(parts, random, routed_swiglu=routed_swiglu))
     try:
         MegaMoEConfig(**fields)
     except ValueError as error:

@@ -8,7 +8,8 @@ transformers >= 5 modules and the per-expert layout of checkpoints on disk and t
 FP8 blocks (fp8.py) map with their block scales: the e4m3 experts and their `_scale_inv` grids
 stack into `w13`/`w13_scale_inv` and `w2`/`w2_scale_inv` (gate blocks then up blocks, exact when
 the intermediate size is a multiple of 128), the shared experts' into
-`shared_experts.*.weight_scale_inv`; the bytes are not touched either way.
+`shared_experts.*.weight_scale_inv` (a shared `gate_up_proj` and its scales cut into the gate's
+and the up's, likewise exact on the 128 grid); the bytes are not touched either way.
 """
 
 from __future__ import annotations
@@ -77,13 +78,7 @@ def megamoe_state_dict_from_hf(
     else:
         out.update(_stack_per_expert(remaining, naming))
     if naming.shared_prefix is not None:
-        for name in SHARED_PROJECTIONS:
-            key = f"{naming.shared_prefix}.{name}.weight"
-            if key in remaining:
-                weight = out[f"shared_experts.{name}.weight"] = remaining.pop(key)
-                scales = take_scales(remaining, key, weight)
-                if scales is not None:
-                    out[f"shared_experts.{name}.weight_scale_inv"] = scales
+        out.update(_take_shared_projections(remaining, naming))
     if naming.shared_gate is not None and naming.shared_gate in remaining:
         out["shared_experts.gate.weight"] = remaining.pop(naming.shared_gate)
         if is_fp8(out["shared_experts.gate.weight"]):
@@ -169,16 +164,70 @@ def hf_state_dict_from_megamoe(
     shared_keys = [key for key in state_dict if key.startswith("shared_experts.")]
     if shared_keys and naming.shared_prefix is None:
         raise ValueError(f"family {naming.family!r} has no shared experts, got {shared_keys}")
-    for name in SHARED_PROJECTIONS:
-        key = f"shared_experts.{name}.weight"
-        if key in state_dict:
-            out[f"{naming.shared_prefix}.{name}.weight"] = state_dict[key]
-        if scales_key(key) in state_dict:
-            out[f"{naming.shared_prefix}.{name}.weight_scale_inv"] = state_dict[scales_key(key)]
+    shared = {
+        name: state_dict[f"shared_experts.{name}.weight"]
+        for name in SHARED_PROJECTIONS
+        if f"shared_experts.{name}.weight" in state_dict
+    }
+    shared_scales = {
+        name: state_dict[scales_key(f"shared_experts.{name}.weight")]
+        for name in shared
+        if scales_key(f"shared_experts.{name}.weight") in state_dict
+    }
+    if naming.shared_gate_up and layout == "fused" and {"gate_proj", "up_proj"} <= set(shared):
+        gate, up = shared.pop("gate_proj"), shared.pop("up_proj")
+        shared["gate_up_proj"] = torch.cat([gate, up])
+        if "gate_proj" in shared_scales:
+            shared_scales["gate_up_proj"] = stacked_gate_up_scales(
+                shared_scales.pop("gate_proj"),
+                shared_scales.pop("up_proj"),
+                intermediate_size=gate.shape[0],
+                where=f"{naming.family} shared experts",
+            )
+    for name, weight in shared.items():
+        out[f"{naming.shared_prefix}.{name}.weight"] = weight
+    for name, scales in shared_scales.items():
+        out[f"{naming.shared_prefix}.{name}.weight_scale_inv"] = scales
     if "shared_experts.gate.weight" in state_dict:
         if naming.shared_gate is None:
             raise ValueError(f"family {naming.family!r} has no shared expert gate")
         out[naming.shared_gate] = state_dict["shared_experts.gate.weight"]
+    return out
+
+
+def _take_shared_projections(
+    remaining: dict[str, torch.Tensor], naming: BlockNaming
+) -> dict[str, torch.Tensor]:
+    """The shared experts' projections (and block scales) under megamoe's names, taken from
+    `remaining`: gate_proj, up_proj and down_proj apart, or with naming.shared_gate_up one
+    gate_up_proj of gate rows then up rows (in memory) cut into its two halves."""
+    out: dict[str, torch.Tensor] = {}
+    for name in SHARED_PROJECTIONS:
+        key = f"{naming.shared_prefix}.{name}.weight"
+        if key in remaining:
+            weight = out[f"shared_experts.{name}.weight"] = remaining.pop(key)
+            scales = take_scales(remaining, key, weight)
+            if scales is not None:
+                out[f"shared_experts.{name}.weight_scale_inv"] = scales
+    key = f"{naming.shared_prefix}.gate_up_proj.weight"
+    if not naming.shared_gate_up or key not in remaining:
+        return out
+    weight = remaining.pop(key)
+    scales = take_scales(remaining, key, weight)
+    if weight.shape[0] % 2:
+        raise ValueError(
+            f"{key} has {weight.shape[0]} rows: a gate_up_proj holds the gate rows then as many "
+            "up rows"
+        )
+    intermediate = weight.shape[0] // 2
+    out["shared_experts.gate_proj.weight"] = weight[:intermediate]
+    out["shared_experts.up_proj.weight"] = weight[intermediate:]
+    if scales is not None:
+        gate_scales, up_scales = split_gate_up_scales(
+            scales, intermediate_size=intermediate, where=f"{naming.family} shared experts"
+        )
+        out["shared_experts.gate_proj.weight_scale_inv"] = gate_scales
+        out["shared_experts.up_proj.weight_scale_inv"] = up_scales
     return out
 
 

@@ -200,6 +200,7 @@ def _named_tensors(
         per_expert_projections=_per_expert_projections(family_of(block)),
         shared_prefix=shared_name,
         shared_gate=None if shared_gate is None else f"{SHARED_GATE_NAME}.weight",
+        shared_gate_up=f"{shared_name}.gate_up_proj.weight" in tensors,
     )
     return BlockParts(
         block=block,

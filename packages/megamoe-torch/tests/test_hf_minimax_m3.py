@@ -1,0 +1,142 @@
+"""MiniMax-M3's shared MLP through the Hugging Face path: one `gate_up_proj` Linear (gate rows then
+up rows) computing the routed experts' clamped SwiGLU, read, converted and mapped back, in full
+precision and in e4m3 with its block scales."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megamoe_kernels import quantize_weight_blocks
+from megamoe_kernels.reference import relative_l2_error
+
+modeling = pytest.importorskip("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl")
+
+from megamoe_torch import (  # noqa: E402
+    UnsupportedBlockError,
+    from_hf,
+    hf_state_dict_from_megamoe,
+    megamoe_state_dict_from_hf,
+)
+from megamoe_torch.hf.naming import BlockNaming  # noqa: E402
+from megamoe_torch.hf.reader import read_block  # noqa: E402
+
+E4M3 = torch.float8_e4m3fn
+HIDDEN = 64
+LIMIT = 7.0
+
+
+def minimax_block() -> torch.nn.Module:
+    """A tiny MiniMax-M3 sparse block whose gate and up values pass the SwiGLU limit."""
+    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import (
+        MiniMaxM3VLTextConfig,
+    )
+
+    config = MiniMaxM3VLTextConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=32,
+        shared_intermediate_size=48,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        swiglu_limit=LIMIT,
+    )
+    torch.manual_seed(0)
+    block = modeling.MiniMaxM3VLSparseMoeBlock(config).eval()
+    with torch.no_grad():
+        for parameter in block.parameters():
+            parameter.normal_(0.0, 0.3)
+        block.gate.e_score_correction_bias.normal_(0.0, 0.2)
+    return block
+
+
+def test_the_shared_mlp_computes_the_routed_swiglu_and_converts_exactly():
+    block = minimax_block()
+    x = torch.randn(2, 13, HIDDEN)
+    with torch.no_grad():
+        shared_gate_up = block.shared_experts.gate_up_proj(x)
+        expected = block(x)
+        layer = from_hf(block, backend="reference")
+        actual = layer(x)
+    assert (shared_gate_up.abs() > LIMIT).any()  # the clamp matters
+    config = layer.config
+    assert config.shared_swiglu == "routed" and config.shared_intermediate_size == 48
+    assert (config.swiglu_limit, config.swiglu_alpha, config.swiglu_up_offset) == (
+        LIMIT,
+        1.702,
+        1.0,
+    )
+    assert relative_l2_error(actual, expected) < 1e-5
+
+
+def test_the_layer_maps_back_to_the_blocks_tensors():
+    block = minimax_block()
+    naming = read_block(block).naming
+    assert naming.shared_gate_up
+    layer = from_hf(block, backend="reference")
+    mapped = hf_state_dict_from_megamoe(layer.state_dict(), family=naming, layout="fused")
+    expected = block.state_dict()
+    assert sorted(mapped) == sorted(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(mapped[key], tensor), key
+    on_disk = hf_state_dict_from_megamoe(layer.state_dict(), family=naming, layout="per_expert")
+    assert "shared_experts.gate_up_proj.weight" not in on_disk
+    gate_up = expected["shared_experts.gate_up_proj.weight"]
+    assert torch.equal(on_disk["shared_experts.gate_proj.weight"], gate_up[:48])
+    assert torch.equal(on_disk["shared_experts.up_proj.weight"], gate_up[48:])
+
+
+def fp8_block_tensors(shared_size: int) -> dict[str, torch.Tensor]:
+    """A block's tensors with full-precision routed experts and an e4m3 shared MLP whose
+    gate_up_proj holds the gate then the up projection, with their block scales."""
+    experts, hidden, intermediate = 4, 256, 128
+    tensors = {
+        "gate.weight": torch.randn(experts, hidden),
+        "experts.gate_up_proj": torch.randn(experts, 2 * intermediate, hidden),
+        "experts.down_proj": torch.randn(experts, hidden, intermediate),
+    }
+    shapes = {"gate_up_proj": (2 * shared_size, hidden), "down_proj": (hidden, shared_size)}
+    for name, shape in shapes.items():
+        # rows of growing magnitude: each 128-row block has a scale of its own
+        weight = torch.randn(shape) * torch.linspace(0.5, 4.0, shape[0])[:, None]
+        quantized, scales = quantize_weight_blocks(weight[None])
+        tensors[f"shared_experts.{name}.weight"] = quantized[0]
+        tensors[f"shared_experts.{name}.weight_scale_inv"] = scales[0]
+    return tensors
+
+
+def raw(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of an e4m3 tensor (torch.equal on e4m3 compares values: -0 == 0)."""
+    return tensor.view(torch.uint8) if tensor.dtype == E4M3 else tensor
+
+
+NAMING = BlockNaming(family="minimax_m3_vl", shared_prefix="shared_experts", shared_gate_up=True)
+
+
+def test_an_e4m3_shared_gate_up_splits_with_its_scales_and_maps_back_bit_for_bit():
+    hf = fp8_block_tensors(shared_size=256)
+    ours = megamoe_state_dict_from_hf(hf, family=NAMING)
+    gate_up = raw(hf["shared_experts.gate_up_proj.weight"])
+    scales = hf["shared_experts.gate_up_proj.weight_scale_inv"]
+    assert torch.equal(raw(ours["shared_experts.gate_proj.weight"]), gate_up[:256])
+    assert torch.equal(raw(ours["shared_experts.up_proj.weight"]), gate_up[256:])
+    assert torch.equal(ours["shared_experts.gate_proj.weight_scale_inv"], scales[:2])
+    assert torch.equal(ours["shared_experts.up_proj.weight_scale_inv"], scales[2:])
+    back = hf_state_dict_from_megamoe(ours, family=NAMING, layout="fused")
+    assert sorted(back) == sorted(hf)
+    for key, tensor in hf.items():
+        assert back[key].dtype == tensor.dtype, key
+        assert torch.equal(raw(back[key]), raw(tensor)), key
+    # the names on disk hold the two projections apart, and read back the same
+    on_disk = hf_state_dict_from_megamoe(ours, family=NAMING, layout="per_expert")
+    assert "shared_experts.gate_proj.weight_scale_inv" in on_disk
+    assert "shared_experts.gate_up_proj.weight" not in on_disk
+    again = megamoe_state_dict_from_hf(on_disk, family=NAMING)
+    for key in ("gate_proj", "up_proj", "down_proj"):
+        weight = f"shared_experts.{key}.weight"
+        assert torch.equal(raw(again[weight]), raw(ours[weight]))
+        assert torch.equal(again[f"{weight}_scale_inv"], ours[f"{weight}_scale_inv"])
+
+
+def test_an_e4m3_shared_gate_up_off_the_128_grid_is_refused_naming_it():
+    hf = fp8_block_tensors(shared_size=192)
+    with pytest.raises(UnsupportedBlockError, match=r"minimax_m3_vl shared experts.*192"):
+        megamoe_state_dict_from_hf(hf, family=NAMING)
