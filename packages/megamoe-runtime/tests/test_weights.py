@@ -115,3 +115,44 @@ def test_dense_experts_refuse_what_they_cannot_join():
     biased = Unquantized(w13_E2IH=pack.w13_E2IH, w2_EHI=pack.w2_EHI, w2_bias_EH=torch.zeros(E, H))
     with pytest.raises(ValueError, match="bias-free"):
         with_dense_experts(biased, gate_FH=gate, up_FH=gate, down_HF=torch.randn(H, 2 * INTER))
+
+
+def ungated_pack(seed: int = 5) -> Unquantized:
+    generator = torch.Generator().manual_seed(seed)
+    return Unquantized(
+        w13_E2IH=torch.randn(E, INTER, H, generator=generator) / H**0.5,
+        w2_EHI=torch.randn(E, H, INTER, generator=generator) / INTER**0.5,
+        w13_bias_E2I=torch.randn(E, INTER, generator=generator),
+        activation="relu2",
+    )
+
+
+def test_the_reference_backend_computes_ungated_relu2_experts():
+    pack = ungated_pack()
+    assert pack.intermediate_size == INTER and "ungated relu^2 experts" in pack.expert_math
+    counts = torch.tensor([3, 0, 5, 2])
+    offsets = torch.zeros(E + 1, dtype=torch.int32)
+    offsets[1:] = counts.cumsum(0)
+    rows = torch.randn(int(counts.sum()), H)
+    backend = make_backend("reference")
+    out = backend(ExpertBatch(rows_MH=rows, expert_offsets=offsets), backend.prepare(pack))
+    expert_of_row = torch.repeat_interleave(torch.arange(E), counts)
+    expected = torch.stack(
+        [
+            pack.w2_EHI[e] @ torch.relu(pack.w13_E2IH[e] @ row + pack.w13_bias_E2I[e]).square()
+            for e, row in zip(expert_of_row.tolist(), rows, strict=True)
+        ]
+    )
+    assert relative_l2_error(out, expected) < 1e-6
+
+
+def test_an_ungated_pack_checks_its_shapes_and_is_not_quantized():
+    pack = ungated_pack()
+    with pytest.raises(ValueError, match=r"w2 must have shape \(4, 256, 768\)"):
+        Unquantized(w13_E2IH=pack.w13_E2IH.repeat(1, 2, 1), w2_EHI=pack.w2_EHI, activation="relu2")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        Unquantized(w13_E2IH=pack.w13_E2IH, w2_EHI=pack.w2_EHI, activation="gelu")
+    with pytest.raises(
+        ValueError, match=r"ungated relu\^2 experts, which the FP8 kernels are not built for"
+    ):
+        quantize(pack)

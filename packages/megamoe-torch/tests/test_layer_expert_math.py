@@ -2,7 +2,8 @@
 router and expert biases, the clamped SwiGLU of gpt-oss, routing weights on the expert input
 (Llama 4), softmax with a correction bias (ERNIE 4.5), the choice on logits + bias (Kolibri),
 group-limited greedy top-k (DeepSeek-V2), the sparsemixer (PhiMoE), shared experts with the
-routed experts' clamped SwiGLU (MiniMax-M3), and random layers of all of them; the gpt-oss and Llama 4 layers on grouped_mm against the reference backend, forward and
+routed experts' clamped SwiGLU (MiniMax-M3), ungated relu^2 experts (Nemotron-H), and random
+layers of all of them; the gpt-oss and Llama 4 layers on grouped_mm against the reference backend, forward and
 backward; and what cannot compute them refused with the reason."""
 
 import math
@@ -82,6 +83,21 @@ MINIMAX_M3 = dict(
     shared_swiglu="routed",
 )
 
+NEMOTRON_H = dict(
+    hidden_size=32,
+    intermediate_size=16,
+    num_experts=8,
+    top_k=2,
+    scoring="sigmoid",
+    use_correction_bias=True,
+    num_groups=2,
+    top_groups=1,
+    routed_scaling_factor=2.5,
+    activation="relu2",
+    num_shared_experts=1,
+    shared_intermediate_size=24,
+)
+
 
 def sparsemixer_float64(logits: torch.Tensor, eps: float) -> tuple[list[int], torch.Tensor]:
     """PhiMoE's inference routing of one token, element by element: two rounds, each the
@@ -109,7 +125,7 @@ def make_layer(fields):
     with torch.no_grad():
         # gate and up values past the SwiGLU limit, so the clamp matters
         layer.w13.mul_(4.0)
-        if layer.shared_experts is not None:
+        if layer.shared_experts is not None and layer.shared_experts.gate_proj is not None:
             layer.shared_experts.gate_proj.weight.mul_(4.0)
             layer.shared_experts.up_proj.weight.mul_(4.0)
         if layer.gate.bias is not None:
@@ -164,19 +180,24 @@ def per_token_float64(layer: MegaMoE, x_TH: torch.Tensor) -> torch.Tensor:
             gate_up = w13[expert] @ expert_input
             if layer.w13_bias is not None:
                 gate_up = gate_up + layer.w13_bias[expert].double()
-            hidden = swiglu_float64(
-                c, gate_up[: c.intermediate_size], gate_up[c.intermediate_size :]
-            )
+            if c.activation == "relu2":
+                hidden = torch.relu(gate_up).square()
+            else:
+                hidden = swiglu_float64(
+                    c, gate_up[: c.intermediate_size], gate_up[c.intermediate_size :]
+                )
             expert_out = w2[expert] @ hidden
             if layer.w2_bias is not None:
                 expert_out = expert_out + layer.w2_bias[expert].double()
             y += expert_out if c.routing_weights_on_input else weight * expert_out
         if layer.shared_experts is not None:
             shared = layer.shared_experts
-            gate, up, down = (
-                projection.weight.double()
-                for projection in (shared.gate_proj, shared.up_proj, shared.down_proj)
-            )
+            up, down = shared.up_proj.weight.double(), shared.down_proj.weight.double()
+            if c.activation == "relu2":
+                y += down @ torch.relu(up @ x).square()
+                out.append(y)
+                continue
+            gate = shared.gate_proj.weight.double()
             if c.shared_swiglu == "routed":
                 y += down @ swiglu_float64(c, gate @ x, up @ x)
             else:
@@ -194,8 +215,17 @@ def swiglu_float64(c: MegaMoEConfig, gate: torch.Tensor, up: torch.Tensor) -> to
 
 @pytest.mark.parametrize(
     "fields",
-    [GPT_OSS, LLAMA4, ERNIE, KOLIBRI, DEEPSEEK_V2, PHIMOE, MINIMAX_M3],
-    ids=["gpt-oss", "llama4", "ernie4_5", "kolibri", "deepseek-v2", "phimoe", "minimax-m3"],
+    [GPT_OSS, LLAMA4, ERNIE, KOLIBRI, DEEPSEEK_V2, PHIMOE, MINIMAX_M3, NEMOTRON_H],
+    ids=[
+        "gpt-oss",
+        "llama4",
+        "ernie4_5",
+        "kolibri",
+        "deepseek-v2",
+        "phimoe",
+        "minimax-m3",
+        "nemotron-h",
+    ],
 )
 def test_layer_matches_per_token_float64_loop(fields):
     layer = make_layer(fields).eval()  # a sparsemixer layer does not train
@@ -241,9 +271,12 @@ def random_layer_fields(rng: random.Random) -> dict:
             expert_bias=rng.random() < 0.3,
             num_shared_experts=int(rng.random() < 0.3),
         )
-        if rng.random() < 0.3:
+        expert_activation = rng.choice(["swiglu", "clamped", "relu2"])
+        if expert_activation == "clamped":
             fields.update(swiglu_limit=7.0, swiglu_alpha=1.702, swiglu_up_offset=1.0)
-        if fields["num_shared_experts"]:
+        if expert_activation == "relu2":
+            fields.update(activation="relu2")
+        elif fields["num_shared_experts"]:
             fields.update(shared_swiglu=rng.choice(["silu", "routed"]))
         if scoring == "sparsemixer":
             fields.update(top_k=2, sparsemixer_eps=rng.choice([0.0, 0.01, 0.3, 1.0]))
@@ -283,16 +316,19 @@ def test_random_layers_match_the_float64_loop(seed):
 @pytest.mark.parametrize("seed", range(24))
 @torch.no_grad()
 def test_random_layers_route_on_the_device_as_on_the_torch_path(seed):
-    """The fused path (routing, dispatch and combine kernels; cutedsl experts) of a random layer
-    at sizes the kernels take, against the same layer's torch path on the same backend: the
-    same router logits, outputs within the routing weights' ulps, and bitwise repeatable."""
+    """The fused path (routing, dispatch and combine kernels; cutedsl experts, grouped_mm for
+    ungated ones) of a random layer at sizes the kernels take, against the same layer's torch
+    path on the same backend: the same router logits, outputs within the routing weights'
+    ulps, and bitwise repeatable."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     rng = random.Random(seed)
     fields = dict(random_layer_fields(rng), hidden_size=512, intermediate_size=256)
+    # ungated experts: the fused path around grouped_mm (the cutedsl kernels compute gated ones)
+    backend = "grouped_mm" if fields.get("activation") == "relu2" else "cutedsl"
     torch.manual_seed(seed)
     fused = MegaMoE(
-        MegaMoEConfig(**fields, backend="cutedsl"),
+        MegaMoEConfig(**fields, backend=backend),
         device="cuda",
         dtype=torch.bfloat16,
     )
@@ -302,7 +338,7 @@ def test_random_layers_route_on_the_device_as_on_the_torch_path(seed):
     if fused.e_score_correction_bias is not None:
         fused.e_score_correction_bias.normal_(0, 0.05)
     plain = MegaMoE(
-        MegaMoEConfig(**fields, layer_path="torch", backend="cutedsl"),
+        MegaMoEConfig(**fields, layer_path="torch", backend=backend),
         device="cuda",
         dtype=torch.bfloat16,
     )
@@ -367,7 +403,11 @@ def grouped_mm_runs_on_cpu() -> bool:
 
 
 @pytest.mark.skipif(not grouped_mm_runs_on_cpu(), reason="this torch has no CPU torch._grouped_mm")
-@pytest.mark.parametrize("fields", [GPT_OSS, LLAMA4], ids=["gpt-oss", "llama4"])
+@pytest.mark.parametrize(
+    "fields",
+    [GPT_OSS, LLAMA4, dict(NEMOTRON_H, expert_bias=True)],
+    ids=["gpt-oss", "llama4", "nemotron-h"],
+)
 def test_grouped_mm_computes_and_trains_the_layer_as_the_reference_does(monkeypatch, fields):
     from megamoe_runtime import experts
 
@@ -417,6 +457,34 @@ def test_the_cutedsl_backend_is_not_refused_for_biases_and_the_clamped_swiglu():
     layer = MegaMoE(MegaMoEConfig(**GPT_OSS, backend="cutedsl"))
     layer.use_backend("reference")
     layer.use_backend("cutedsl")
+
+
+def test_ungated_experts_are_refused_by_the_cutedsl_backend_alone(monkeypatch):
+    from megamoe_runtime import experts
+
+    for status in ("grouped_mm_status", "cutedsl_status"):
+        monkeypatch.setattr(experts, status, lambda device, *_, **__: (True, "an sm_90 GPU"))
+    layer = make_layer(NEMOTRON_H)
+    assert layer.backend == "grouped_mm"
+    assert "cutedsl: the cutedsl kernels compute gated (SwiGLU) experts" in layer.backend_reason
+    with pytest.raises(ValueError, match=r"backend 'cutedsl' cannot run.*ungated relu\^2"):
+        layer.use_backend("cutedsl")
+        _ = layer.backend
+    assert layer.w13.shape == (8, 16, 32) and layer.shared_experts.gate_proj is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(swiglu_limit=7.0), "takes no SwiGLU"),
+        (dict(shared_swiglu="routed"), "takes no SwiGLU"),
+        (dict(weight_dtype="fp8"), r"weight_dtype='fp8' does not combine with ungated relu\^2"),
+        (dict(activation="gelu"), "activation must be one of"),
+    ],
+)
+def test_bad_ungated_configs_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        MegaMoEConfig(**dict(NEMOTRON_H, **fields))
 
 
 @pytest.mark.parametrize("backend", ["grouped_mm", "cutedsl"])

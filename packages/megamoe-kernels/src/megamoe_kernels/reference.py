@@ -99,6 +99,27 @@ def gate_up_swiglu_reference(
     return out_MI
 
 
+def up_relu2_reference(
+    rows_MH: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w1_EIH: torch.Tensor,
+    *,
+    w1_bias_EI: torch.Tensor | None = None,
+    expert_counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """relu(x Wu^T + bu)^2 per expert: ungated experts (Nemotron-H), `w1_EIH` their up
+    projections; `expert_counts`: the masked layout (module docstring)."""
+    out_MI = torch.zeros(
+        rows_MH.shape[0], w1_EIH.shape[1], dtype=torch.float32, device=rows_MH.device
+    )
+    for expert, start, end in _expert_row_ranges(expert_offsets, expert_counts):
+        up = rows_MH[start:end].float() @ w1_EIH[expert].float().t()
+        if w1_bias_EI is not None:
+            up = up + w1_bias_EI[expert].float()
+        out_MI[start:end] = torch.relu(up).square()
+    return out_MI
+
+
 def down_reference(
     hidden_MI: torch.Tensor,
     expert_offsets: torch.Tensor,
@@ -136,6 +157,7 @@ def expert_mlp_reference(
     alpha: float = 1.0,
     up_offset: float = 0.0,
     expert_counts: torch.Tensor | None = None,
+    activation: str = "swiglu",
 ) -> torch.Tensor:
     """The whole expert MLP, fp32 throughout.
 
@@ -143,18 +165,30 @@ def expert_mlp_reference(
     that stores the intermediate in bf16 does; None keeps it in fp32 (the exact oracle).
     `w13_bias_E2I` / `w2_bias_EH`: per-expert biases of the two projections; `limit`, `alpha`,
     `up_offset`: the SwiGLU variant (see `swiglu`); `expert_counts`: the masked layout (module
-    docstring).
+    docstring); `activation="relu2"`: ungated experts (`up_relu2_reference`), `w13_E2IH` and
+    its bias their up projections alone, [E, I, H] and [E, I].
     """
-    hidden_MI = gate_up_swiglu_reference(
-        rows_MH,
-        expert_offsets,
-        w13_E2IH,
-        w13_bias_E2I=w13_bias_E2I,
-        limit=limit,
-        alpha=alpha,
-        up_offset=up_offset,
-        expert_counts=expert_counts,
-    )
+    if activation == "relu2":
+        hidden_MI = up_relu2_reference(
+            rows_MH,
+            expert_offsets,
+            w13_E2IH,
+            w1_bias_EI=w13_bias_E2I,
+            expert_counts=expert_counts,
+        )
+    elif activation == "swiglu":
+        hidden_MI = gate_up_swiglu_reference(
+            rows_MH,
+            expert_offsets,
+            w13_E2IH,
+            w13_bias_E2I=w13_bias_E2I,
+            limit=limit,
+            alpha=alpha,
+            up_offset=up_offset,
+            expert_counts=expert_counts,
+        )
+    else:
+        raise ValueError(f"activation must be 'swiglu' or 'relu2', got {activation!r}")
     if round_intermediate_to is not None:
         hidden_MI = hidden_MI.to(round_intermediate_to)
     return down_reference(

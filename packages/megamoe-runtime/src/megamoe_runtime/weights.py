@@ -2,11 +2,14 @@
 
 Shape legend: E experts, I intermediate size, H hidden size.
 `w13_E2IH` holds each expert's gate rows [0, I) then up rows [I, 2I); `w2_EHI` the down projection.
+Ungated experts (`activation="relu2"`, Nemotron-H: down(relu(up x)^2)) hold their up rows alone
+in `w13_E2IH`, [E, I, H].
 Backends transform a pack into their own layout once (ExpertBackend.prepare) and cache it.
 
 - `Unquantized`: bf16/fp16/fp32 weights, optionally with per-expert biases (`w13_bias_E2I`
   [E, 2I] in w13's row order, `w2_bias_EH` [E, H]) and a SwiGLU other than silu(gate) * up
-  (`swiglu`, megamoe_kernels.SwiGLU: gpt-oss's clamped one): the expert math a backend
+  (`swiglu`, megamoe_kernels.SwiGLU: gpt-oss's clamped one), or ungated relu^2 experts
+  (`activation`): the expert math a backend
   computes from the pack (`expert_math` names what a pack holds of it; the backends that lack
   it refuse such a pack in `prepare`).
 - `Prequantized`: e4m3 weights with one float32 scale per 128 x 128 block (value = e4m3 x
@@ -25,29 +28,40 @@ import torch
 from megamoe_kernels import FP8_DTYPE, SwiGLU, weight_scales_shape
 
 FP8_WEIGHT_DTYPE = FP8_DTYPE
+# the experts' activations: "swiglu", gated, swiglu(gate x, up x); "relu2", ungated, relu(up x)^2
+ACTIVATIONS = ("swiglu", "relu2")
+# how `Unquantized.expert_math` names ungated relu^2 experts (backends refuse them by this name)
+UNGATED_RELU2 = "ungated relu^2 experts"
 
 
 @dataclass(frozen=True)
 class Unquantized:
     """BF16/FP16/FP32 expert weights in the model's own layout, their optional biases (in the
-    weights' dtype or float32) and the experts' SwiGLU."""
+    weights' dtype or float32) and the experts' activation: the SwiGLU of gated experts, or
+    ungated relu^2 (`activation="relu2"`: w13 holds the up rows alone, [E, I, H])."""
 
     w13_E2IH: torch.Tensor
     w2_EHI: torch.Tensor
     w13_bias_E2I: torch.Tensor | None = None
     w2_bias_EH: torch.Tensor | None = None
     swiglu: SwiGLU = field(default_factory=SwiGLU)
+    activation: str = "swiglu"
 
     def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.activation == "relu2" and not self.swiglu.is_plain:
+            raise ValueError(f"ungated relu^2 experts take no SwiGLU, got {self.swiglu}")
+        first = "[E, 2I, H]" if self.gated else "[E, I, H]"
         if self.w13_E2IH.dim() != 3 or self.w2_EHI.dim() != 3:
             raise ValueError(
-                f"w13 must be [E, 2I, H] and w2 [E, H, I]; got {tuple(self.w13_E2IH.shape)} "
+                f"w13 must be {first} and w2 [E, H, I]; got {tuple(self.w13_E2IH.shape)} "
                 f"and {tuple(self.w2_EHI.shape)}"
             )
         experts, two_intermediate, hidden = self.w13_E2IH.shape
-        if two_intermediate % 2:
+        if self.gated and two_intermediate % 2:
             raise ValueError(f"w13's second dim must be 2 * intermediate, got {two_intermediate}")
-        expected_w2 = (experts, hidden, two_intermediate // 2)
+        expected_w2 = (experts, hidden, self.intermediate_size)
         if tuple(self.w2_EHI.shape) != expected_w2:
             raise ValueError(
                 f"w2 must have shape {expected_w2} to match w13, got {tuple(self.w2_EHI.shape)}"
@@ -82,7 +96,14 @@ class Unquantized:
             features.append("per-expert biases")
         if not self.swiglu.is_plain:
             features.append(f"a clamped/scaled SwiGLU ({self.swiglu})")
+        if not self.gated:
+            features.append(UNGATED_RELU2)
         return tuple(features)
+
+    @property
+    def gated(self) -> bool:
+        """Whether the experts are gated (w13 holds gate and up rows)."""
+        return self.activation == "swiglu"
 
     @property
     def num_experts(self) -> int:
@@ -94,7 +115,7 @@ class Unquantized:
 
     @property
     def intermediate_size(self) -> int:
-        return self.w13_E2IH.shape[1] // 2
+        return self.w13_E2IH.shape[1] // 2 if self.gated else self.w13_E2IH.shape[1]
 
 
 @dataclass(frozen=True)

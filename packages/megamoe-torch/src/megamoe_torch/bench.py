@@ -195,6 +195,7 @@ def bench_point(
         limit=exact.swiglu.limit,
         alpha=exact.swiglu.alpha,
         up_offset=exact.swiglu.up_offset,
+        activation=exact.activation,
     )[:rows]
     fp8_batch = None
     if layer.config.weight_dtype == "fp8":

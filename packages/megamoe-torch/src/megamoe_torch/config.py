@@ -13,6 +13,7 @@ from megamoe_runtime.distributed import COMBINE_ORDERS
 from megamoe_runtime.experts import BACKEND_NAMES
 from megamoe_runtime.geometries import Geometry
 from megamoe_runtime.routing import GROUP_SCORES, GroupScore, RouterConfig, Scoring
+from megamoe_runtime.weights import ACTIVATIONS, UNGATED_RELU2
 
 DISPATCHER_NAMES = ("auto", "torch", "nvshmem")
 KNOB_MODES = ("lookup", "auto")
@@ -80,6 +81,12 @@ class MegaMoEConfig:
     swiglu_alpha: float = 1.0
     # the SwiGLU's offset added to up (swiglu_limit)
     swiglu_up_offset: float = 0.0
+    # the experts' activation: "swiglu", gated experts down(swiglu(gate x, up x)), `w13`
+    # [E, 2I, H]; "relu2", ungated experts down(relu(up x)^2) (Nemotron-H), `w13` the up
+    # projection alone [E, I, H] (and `w13_bias` [E, I]), the shared experts likewise (up_proj
+    # and down_proj). relu2 runs on the grouped_mm and reference backends (the cutedsl kernels
+    # compute gated experts), in bf16 or fp32 weights
+    activation: Literal["swiglu", "relu2"] = "swiglu"
     # each chosen expert computes on its routing weight times the token, f_e(w_e x), and the
     # top-k outputs are summed unweighted (Llama 4); otherwise the sum of w_e f_e(x). w_e x is
     # rounded to x's dtype (x * w.to(x.dtype), as transformers computes it), then the experts
@@ -197,6 +204,16 @@ class MegaMoEConfig:
             raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
         if self.shared_expert_gate and self.num_shared_experts == 0:
             raise ValueError("shared_expert_gate needs num_shared_experts >= 1")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.activation == "relu2" and (
+            (self.swiglu_limit, self.swiglu_alpha, self.swiglu_up_offset) != (None, 1.0, 0.0)
+            or self.shared_swiglu != "silu"
+        ):
+            raise ValueError(
+                "activation='relu2' (ungated experts) takes no SwiGLU: leave swiglu_limit, "
+                "swiglu_alpha, swiglu_up_offset and shared_swiglu at their defaults"
+            )
         if self.shared_swiglu not in SHARED_SWIGLUS:
             raise ValueError(
                 f"shared_swiglu must be one of {SHARED_SWIGLUS}, got {self.shared_swiglu!r}"
@@ -313,7 +330,14 @@ class MegaMoEConfig:
                 f"a clamped/scaled SwiGLU (swiglu_limit={self.swiglu_limit}, "
                 f"swiglu_alpha={self.swiglu_alpha}, swiglu_up_offset={self.swiglu_up_offset})"
             )
+        if self.activation == "relu2":
+            features.append(UNGATED_RELU2)
         return tuple(features)
+
+    @property
+    def gated(self) -> bool:
+        """Whether the experts (and shared experts) are gated: w13 holds gate and up rows."""
+        return self.activation == "swiglu"
 
     @property
     def swiglu(self) -> SwiGLU:

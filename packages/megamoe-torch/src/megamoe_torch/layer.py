@@ -116,10 +116,11 @@ def _side_stream(main: torch.cuda.Stream) -> torch.cuda.Stream:
 class SharedExperts(nn.Module):
     """A dense SwiGLU MLP every token goes through, optionally scaled by a sigmoid gate.
 
-    `fp8`: the three projections hold e4m3 weights with 128 x 128 block scales
-    (BlockFP8Linear: `weight` and `weight_scale_inv`, as FP8 checkpoints store them); the gate
-    stays in the activations' dtype. `swiglu`: the activation, silu(gate) * up when None; a
-    clamped or scaled one is computed in fp32 and rounded once to the activations' dtype.
+    `fp8`: the projections hold e4m3 weights with 128 x 128 block scales (BlockFP8Linear:
+    `weight` and `weight_scale_inv`, as FP8 checkpoints store them); the gate stays in the
+    activations' dtype. `swiglu`: the activation, silu(gate) * up when None; a clamped or
+    scaled one is computed in fp32 and rounded once to the activations' dtype.
+    `activation="relu2"`: an ungated MLP down(relu(up x)^2) (Nemotron-H), no gate_proj.
     """
 
     def __init__(
@@ -130,6 +131,7 @@ class SharedExperts(nn.Module):
         gated: bool,
         fp8: bool = False,
         swiglu: SwiGLU | None = None,
+        activation: str = "swiglu",
         **factory,
     ):
         super().__init__()
@@ -140,28 +142,34 @@ class SharedExperts(nn.Module):
                 return BlockFP8Linear(in_features, out_features, device=factory.get("device"))
             return nn.Linear(in_features, out_features, bias=False, **factory)
 
-        self.gate_proj = projection(hidden_size, intermediate_size)
+        ungated = activation == "relu2"
+        self.gate_proj = None if ungated else projection(hidden_size, intermediate_size)
         self.up_proj = projection(hidden_size, intermediate_size)
         self.down_proj = projection(intermediate_size, hidden_size)
         self.gate = nn.Linear(hidden_size, 1, bias=False, **factory) if gated else None
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        gate_TI, up_TI = self.gate_proj(x_TH), self.up_proj(x_TH)
-        if self.swiglu.is_plain:
-            hidden_TI = nn.functional.silu(gate_TI) * up_TI
-        else:
-            constants = self.swiglu
-            hidden_TI = swiglu(
-                gate_TI,
-                up_TI,
-                limit=constants.limit,
-                alpha=constants.alpha,
-                up_offset=constants.up_offset,
-            ).to(gate_TI.dtype)
-        y_TH = self.down_proj(hidden_TI)
+        y_TH = self.down_proj(self._activated(x_TH))
         if self.gate is not None:
             y_TH = torch.sigmoid(self.gate(x_TH)) * y_TH
         return y_TH
+
+    def _activated(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """The activation's output [T, I], the down projection's input."""
+        up_TI = self.up_proj(x_TH)
+        if self.gate_proj is None:
+            return torch.relu(up_TI).square()
+        gate_TI = self.gate_proj(x_TH)
+        if self.swiglu.is_plain:
+            return nn.functional.silu(gate_TI) * up_TI
+        constants = self.swiglu
+        return swiglu(
+            gate_TI,
+            up_TI,
+            limit=constants.limit,
+            alpha=constants.alpha,
+            up_offset=constants.up_offset,
+        ).to(gate_TI.dtype)
 
 
 def _check_routing_weights_on_input(
@@ -190,8 +198,8 @@ class MegaMoE(nn.Module):
     """A Mixture-of-Experts block.
 
     Parameters: `gate.weight` [E, H] (and `gate.bias` [E] with router_bias); `w13` [E, 2I, H]
-    (each expert's gate rows, then up rows); `w2` [E, H, I]; `w13_bias` [E, 2I] and `w2_bias`
-    [E, H] with expert_bias; `e_score_correction_bias` [E] (fp32 buffer) when the config asks
+    (each expert's gate rows, then up rows; activation="relu2": [E, I, H], the up rows alone);
+    `w2` [E, H, I]; `w13_bias` [E, 2I] ([E, I]) and `w2_bias` [E, H] with expert_bias; `e_score_correction_bias` [E] (fp32 buffer) when the config asks
     for it; `shared_experts` when num_shared_experts > 0.
 
     weight_dtype="fp8": `w13`/`w2` are e4m3 with float32 block scales `w13_scale_inv`
@@ -250,11 +258,13 @@ class MegaMoE(nn.Module):
         self.local_experts = local_expert_range(experts, process_group)
         local = len(self.local_experts)
         self.gate = nn.Linear(hidden, experts, bias=config.router_bias, **factory)
+        # gated experts' w13 holds gate and up rows; ungated ones' the up rows alone
+        first_rows = 2 * intermediate if config.gated else intermediate
         if config.weight_dtype == "fp8":
             # e4m3 weights are not trained: only the routing and the activations take gradients
             fp8 = {"device": device, "dtype": FP8_WEIGHT_DTYPE}
             self.w13 = nn.Parameter(
-                torch.empty(local, 2 * intermediate, hidden, **fp8), requires_grad=False
+                torch.empty(local, first_rows, hidden, **fp8), requires_grad=False
             )
             self.w2 = nn.Parameter(
                 torch.empty(local, hidden, intermediate, **fp8), requires_grad=False
@@ -265,12 +275,12 @@ class MegaMoE(nn.Module):
                 self.register_buffer(f"{name}_scale_inv", torch.empty(shape, **scales))
             self.register_load_state_dict_pre_hook(_quantize_loaded_expert_weights)
         else:
-            self.w13 = nn.Parameter(torch.empty(local, 2 * intermediate, hidden, **factory))
+            self.w13 = nn.Parameter(torch.empty(local, first_rows, hidden, **factory))
             self.w2 = nn.Parameter(torch.empty(local, hidden, intermediate, **factory))
             self.register_buffer("w13_scale_inv", None)
             self.register_buffer("w2_scale_inv", None)
         if config.expert_bias:
-            self.w13_bias = nn.Parameter(torch.empty(local, 2 * intermediate, **factory))
+            self.w13_bias = nn.Parameter(torch.empty(local, first_rows, **factory))
             self.w2_bias = nn.Parameter(torch.empty(local, hidden, **factory))
         else:
             self.register_parameter("w13_bias", None)
@@ -288,6 +298,7 @@ class MegaMoE(nn.Module):
                 gated=config.shared_expert_gate,
                 fp8=config.shared_weight_dtype == "fp8",
                 swiglu=config.shared_experts_swiglu,
+                activation=config.activation,
                 **factory,
             )
             if config.num_shared_experts
@@ -559,6 +570,7 @@ class MegaMoE(nn.Module):
                 w13_bias_E2I=tensor(self.w13_bias),
                 w2_bias_EH=tensor(self.w2_bias),
                 swiglu=self.config.swiglu,
+                activation=self.config.activation,
             )
         return Prequantized(
             w13_E2IH=self.w13.detach(),
@@ -583,8 +595,8 @@ class MegaMoE(nn.Module):
     def load_expert_weights(
         self, *, w13: torch.Tensor | None = None, w2: torch.Tensor | None = None
     ) -> None:
-        """Copies full-precision expert weights ([local experts, 2I, H] and [local experts, H,
-        I], any float dtype) into the layer: as they are, or with weight_dtype='fp8' quantized
+        """Copies full-precision expert weights ([local experts, 2I, H] (ungated: [.., I, H])
+        and [local experts, H, I], any float dtype) into the layer: as they are, or with weight_dtype='fp8' quantized
         per 128 x 128 block (each block's amax / 448: deterministic)."""
         from megamoe_kernels import quantize_weight_blocks
 

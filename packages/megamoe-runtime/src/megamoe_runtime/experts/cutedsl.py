@@ -365,6 +365,11 @@ class CuteDSLExperts:
             )
         if weights.w13_E2IH.dtype != torch.bfloat16:
             raise TypeError(f"the cutedsl backend runs bf16 weights, got {weights.w13_E2IH.dtype}")
+        if not weights.gated:
+            raise ValueError(
+                "the cutedsl kernels compute gated (SwiGLU) experts, not "
+                f"{weights.activation} ones: use backend='grouped_mm' or 'reference'"
+            )
         w13_bias, w2_bias = weights.w13_bias_E2I, weights.w2_bias_EH
         w13, _ = self._packed(interleave_gate_up(weights.w13_E2IH), None, gate_up=True)
         w2, _ = self._packed(weights.w2_EHI.contiguous(), None, gate_up=False)

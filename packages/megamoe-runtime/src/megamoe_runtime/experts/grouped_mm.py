@@ -4,10 +4,11 @@ FP8 weights are dequantized once to bf16 (the baseline has no FP8 path of its ow
 
 Bias-free silu(gate) * up experts: silu(gate) * up in the rows' dtype on the gate-up GEMM's
 output. Experts with expert math (`Unquantized.expert_math`: per-expert biases, gpt-oss's
-clamped SwiGLU) compute it in the oracle's order, in fp32 after each GEMM: the gate-up output
-plus each row's expert's bias, then megamoe_kernels.reference.swiglu (gate clamped to at most
-`limit`, up to [-limit, limit], gate * sigmoid(alpha * gate) * (up + up_offset)), rounded to
-the rows' dtype for the down GEMM; the down output plus its bias, then the row scale.
+clamped SwiGLU, ungated relu^2 experts) compute it in the oracle's order, in fp32 after each
+GEMM: the gate-up (or up) output plus each row's expert's bias, then
+megamoe_kernels.reference.swiglu (gate clamped to at most `limit`, up to [-limit, limit],
+gate * sigmoid(alpha * gate) * (up + up_offset)) or relu(up)^2, rounded to the rows' dtype for
+the down GEMM; the down output plus its bias, then the row scale.
 torch._grouped_mm writes its output in its inputs' dtype and takes no bias, so its
 accumulators are rounded to bf16 before a bias is added (the cutedsl kernels add it to the fp32
 accumulators). Each row's expert comes from a search in the offsets on the device: no host
@@ -93,14 +94,18 @@ class GroupedMMExperts:
             gate_up = gate_up.float()  # a copy of the bf16 output: the bias adds in place
             if w13_bias is not None:
                 gate_up += row_biases(w13_bias)
-            activation = prepared.swiglu
-            hidden = swiglu(
-                gate_up[..., :intermediate],
-                gate_up[..., intermediate:],
-                limit=activation.limit,
-                alpha=activation.alpha,
-                up_offset=activation.up_offset,
-            ).to(rows.dtype)
+            if prepared.gated:
+                activation = prepared.swiglu
+                hidden = swiglu(
+                    gate_up[..., :intermediate],
+                    gate_up[..., intermediate:],
+                    limit=activation.limit,
+                    alpha=activation.alpha,
+                    up_offset=activation.up_offset,
+                )
+            else:
+                hidden = torch.relu(gate_up).square()
+            hidden = hidden.to(rows.dtype)
         else:
             hidden = F.silu(gate_up[..., :intermediate]) * gate_up[..., intermediate:]
         out = torch._grouped_mm(hidden, prepared.w2_EHI.transpose(1, 2), offs=offs)
