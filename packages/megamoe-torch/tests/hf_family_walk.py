@@ -152,6 +152,8 @@ FAMILY_FIELDS: dict[str, dict] = {
     # its indexer heads read the query heads of one key head (4 / 2 in the tiny model)
     "kolibri1_1": {"index_num_heads": 2},
     "lfm2_moe": {"layer_types": ["full_attention", "conv"], "num_dense_layers": 0},
+    # an infinite time_step_limit does not survive config.json (as for granitemoehybrid)
+    "nemotron_h": {"time_step_limit": [0.0, 1e4]},
     "muse_spark": {
         "audio_config": {
             "hidden_sizes": [8, 8, 8, 16],

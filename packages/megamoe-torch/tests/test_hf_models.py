@@ -258,28 +258,34 @@ def test_other_activation_is_refused():
     assert report.swapped == [] and all("SiLU" in e.reason for e in report.skipped)
 
 
-class _UngatedExperts(torch.nn.Module):
-    """relu(x W_up^T)^2 W_down^T experts (Nemotron-H's kind): no gate, so no SwiGLU."""
+class _ReLUSquared(torch.nn.Module):
+    def forward(self, x):
+        return torch.relu(x) ** 2
 
-    def __init__(self, experts: int, hidden: int, intermediate: int):
+
+class _UngatedExperts(torch.nn.Module):
+    """act(x W_up^T) W_down^T experts: no gate projection. relu^2 is Nemotron-H's kind."""
+
+    def __init__(self, experts: int, hidden: int, intermediate: int, activation: torch.nn.Module):
         super().__init__()
         self.up_proj = torch.nn.Parameter(torch.randn(experts, intermediate, hidden) * 0.1)
         self.down_proj = torch.nn.Parameter(torch.randn(experts, hidden, intermediate) * 0.1)
+        self.activation = activation  # a module, as transformers' act_fn: part of the structure
 
     def forward(self, x_TH, top_k_index, top_k_weights):
         y_TH = torch.zeros_like(x_TH)
         for k in range(top_k_index.shape[1]):
             up_proj, down_proj = self.up_proj[top_k_index[:, k]], self.down_proj[top_k_index[:, k]]
-            hidden = torch.relu(torch.einsum("th,tih->ti", x_TH, up_proj)) ** 2
+            hidden = self.activation(torch.einsum("th,tih->ti", x_TH, up_proj))
             y_TH += torch.einsum("ti,thi->th", hidden, down_proj) * top_k_weights[:, k, None]
         return y_TH
 
 
 class _UngatedMoE(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, activation: torch.nn.Module):
         super().__init__()
         self.gate = torch.nn.Linear(64, 4, bias=False)
-        self.experts = _UngatedExperts(4, 64, 32)
+        self.experts = _UngatedExperts(4, 64, 32, activation)
 
     def forward(self, x):
         x_TH = x.reshape(-1, 64)
@@ -287,15 +293,26 @@ class _UngatedMoE(torch.nn.Module):
         return self.experts(x_TH, ids_TK, weights_TK).reshape(x.shape)
 
 
+def test_an_unknown_block_of_ungated_relu2_experts_swaps_exactly():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), _UngatedMoE(_ReLUSquared()))
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        expected = model(x)
+    report = swap_moe_blocks(model, backend="reference")
+    assert [entry.name for entry in report.swapped] == ["1"]
+    with torch.no_grad():
+        assert relative_l2_error(model(x), expected) < 1e-5
+
+
 def test_block_megamoe_cannot_reproduce_is_reported_with_its_reason_and_left_in_place():
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), _UngatedMoE())
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), _UngatedMoE(torch.nn.GELU()))
     block = model[1]
     report = swap_moe_blocks(model, backend="reference")
     assert report.swapped == [] and model[1] is block
     assert [(entry.name, entry.class_name) for entry in report.skipped] == [("1", "_UngatedMoE")]
-    assert "experts.up_proj" in report.skipped[0].reason
+    assert "other than relu(up x)^2" in report.skipped[0].reason
     assert "skipped 1 (_UngatedMoE)" in str(report)
-    with pytest.raises(UnsupportedBlockError, match="experts.up_proj"):
+    with pytest.raises(UnsupportedBlockError, match=r"other than relu\(up x\)\^2"):
         from_hf(block)
 
 

@@ -200,7 +200,10 @@ class BlockReading:
             routing.append("router bias")
         if fields.get("router_dtype") == "float32":
             routing.append("fp32 router")
-        experts = ["[E, H, 2I] experts" if naming.experts_transposed else "[E, 2I, H] experts"]
+        rows = "I" if fields.get("activation") == "relu2" else "2I"
+        experts = [
+            f"[E, H, {rows}] experts" if naming.experts_transposed else f"[E, {rows}, H] experts"
+        ]
         if naming.flattened_gate_and_up is not None:
             experts = ["flattened [E * I, H] gate, up and down"]
         if self.layout == "per_expert":
@@ -219,6 +222,8 @@ class BlockReading:
                 f"SwiGLU alpha {fields.get('swiglu_alpha', 1.0):g}, up + "
                 f"{fields.get('swiglu_up_offset', 0.0):g}"
             )
+        if fields.get("activation") == "relu2":
+            experts.append("up projection alone, relu(up)^2")
         if fields.get("routing_weights_on_input"):
             experts.append("routing weights on the expert input")
         parts = [", ".join(routing), ", ".join(experts)]
@@ -226,6 +231,8 @@ class BlockReading:
             shared = "with a sigmoid gate" if fields.get("shared_expert_gate") else "ungated"
             if fields.get("shared_swiglu") == "routed":
                 shared += ", with the routed experts' SwiGLU"
+            if fields.get("activation") == "relu2":
+                shared += ", relu(up)^2"
             parts.append(f"shared expert {shared}")
         return "; ".join(parts)
 

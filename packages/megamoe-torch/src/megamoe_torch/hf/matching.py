@@ -294,11 +294,19 @@ def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_inpu
     }
     limits = {None} | set(_float_attributes(experts, LIMIT_ATTRIBUTES))
     alphas = {1.0} | set(_float_attributes(experts, ALPHA_ATTRIBUTES))
-    for layout, limit, alpha, up_offset in itertools.product(
-        _expert_layouts(parts, twin_tensors),
-        sorted(limits, key=lambda v: -1 if v is None else v),
-        sorted(alphas),
-        (0.0, 1.0),
+    # (activation, swiglu limit, alpha, up offset): ungated experts compute relu^2 alone
+    activations = (
+        [("relu2", None, 1.0, 0.0)]
+        if naming.experts_ungated
+        else itertools.product(
+            ("swiglu",),
+            sorted(limits, key=lambda v: -1 if v is None else v),
+            sorted(alphas),
+            (0.0, 1.0),
+        )
+    )
+    for layout, (activation, limit, alpha, up_offset) in itertools.product(
+        _expert_layouts(parts, twin_tensors), list(activations)
     ):
         candidate = replace(naming, **layout)
         w13, w2 = megamoe_experts_from_hf(candidate, twin_tensors, num_experts=probe_experts)
@@ -318,6 +326,7 @@ def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_inpu
             limit=limit,
             alpha=alpha,
             up_offset=up_offset,
+            activation=activation,
         )
         if not weights_on_input:
             expected_TH = expected_TH * weights_T1
@@ -329,9 +338,15 @@ def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_inpu
                 swiglu_limit=limit,
                 swiglu_alpha=alpha,
                 swiglu_up_offset=up_offset,
+                activation=activation,
             )
-    activation = getattr(experts, "act_fn", None)
-    named = "" if activation is None else f" (act_fn {type(activation).__name__})"
+    act_fn = getattr(experts, "act_fn", None)
+    named = "" if act_fn is None else f" (act_fn {type(act_fn).__name__})"
+    if naming.experts_ungated:
+        raise UnsupportedBlockError(
+            f"the ungated experts compute something other than relu(up x)^2{named}, the "
+            "ungated experts megamoe computes"
+        )
     raise UnsupportedBlockError(
         f"the experts compute something other than a SiLU-gated MLP{named}: megamoe computes "
         "silu(gate) * up (SwiGLU), optionally clamped with alpha and (up + 1), with or without "
@@ -353,6 +368,8 @@ def _expert_layouts(parts: BlockParts, tensors: dict[str, torch.Tensor]) -> list
     if parts.naming.flattened_gate_and_up is not None:
         return [{}]
     hidden, intermediate = parts.hidden_size, parts.intermediate_size
+    ungated = parts.naming.experts_ungated
+    first_rows = intermediate if ungated else 2 * intermediate
     shapes = (
         tuple(tensors[parts.naming.gate_up].shape[1:]),
         tuple(tensors[parts.naming.down].shape[1:]),
@@ -360,18 +377,18 @@ def _expert_layouts(parts: BlockParts, tensors: dict[str, torch.Tensor]) -> list
     return [
         dict(experts_transposed=transposed, gate_up_interleaved=interleaved)
         for transposed in (False, True)
-        for interleaved in (False, True)
+        for interleaved in ((False,) if ungated else (False, True))
         if shapes
         == (
-            ((hidden, 2 * intermediate), (intermediate, hidden))
+            ((hidden, first_rows), (intermediate, hidden))
             if transposed
-            else ((2 * intermediate, hidden), (hidden, intermediate))
+            else ((first_rows, hidden), (hidden, intermediate))
         )
     ]
 
 
 def _expert_math(
-    x_TH, expert_of_token, w13, w2, gate_up_bias, down_bias, *, limit, alpha, up_offset
+    x_TH, expert_of_token, w13, w2, gate_up_bias, down_bias, *, limit, alpha, up_offset, activation
 ) -> torch.Tensor:
     """The reference expert MLP of each token's one expert, in the tokens' order."""
     order = torch.argsort(expert_of_token, stable=True)
@@ -387,6 +404,7 @@ def _expert_math(
         limit=limit,
         alpha=alpha,
         up_offset=up_offset,
+        activation=activation,
     )
     return out_TH[torch.argsort(order)]
 
@@ -401,56 +419,75 @@ def _float_attributes(module: nn.Module, names: tuple[str, ...]) -> list[float]:
 
 
 def read_shared_experts(
-    parts: BlockParts, random: ProbeRandom, *, routed_swiglu: SwiGLU
+    parts: BlockParts, random: ProbeRandom, *, routed_swiglu: SwiGLU, activation: str
 ) -> dict[str, Any]:
     """The shared experts' MegaMoEConfig fields: a bias-free MLP of gate_proj, up_proj and
     down_proj Linears (or one gate_up_proj of gate rows then up rows, and down_proj), computing
-    silu(gate) * up or the routed experts' SwiGLU (`routed_swiglu`), as a probe shows."""
+    silu(gate) * up or the routed experts' SwiGLU (`routed_swiglu`), as a probe shows; next to
+    ungated experts (`activation` "relu2"), an ungated up_proj and down_proj computing
+    relu(up x)^2."""
     shared = parts.shared
     if shared is None:
         return {}
-    names = ("gate_up_proj", "down_proj") if parts.naming.shared_gate_up else SHARED_PROJECTIONS
+    if activation == "relu2":
+        names: tuple[str, ...] = ("up_proj", "down_proj")
+    elif parts.naming.shared_gate_up:
+        names = ("gate_up_proj", "down_proj")
+    else:
+        names = SHARED_PROJECTIONS
     projections = [getattr(shared, name, None) for name in names]
     if not all(isinstance(p, nn.Linear) and p.bias is None for p in projections) or any(
         True for key in shared.state_dict() if key.split(".")[0] not in names
     ):
         holds = sorted(shared.state_dict())
+        expected = (
+            "an ungated MLP of Linears up_proj and down_proj, as the routed experts are"
+            if activation == "relu2"
+            else "a MLP of Linears gate_proj, up_proj and down_proj (or gate_up_proj and down_proj)"
+        )
         raise UnsupportedBlockError(
-            f"the shared experts ({type(shared).__name__}, holding {holds}) are not a "
-            "bias-free MLP of Linears gate_proj, up_proj and down_proj (or gate_up_proj and "
-            "down_proj), the shared experts megamoe computes"
+            f"the shared experts ({type(shared).__name__}, holding {holds}) are not {expected}, "
+            "bias-free: the shared experts megamoe computes"
         )
     intermediate = projections[-1].in_features
     if intermediate == 0:  # DeepSeek-V3 with n_shared_experts=0
         return {}
+    fields = dict(
+        num_shared_experts=1,
+        shared_intermediate_size=intermediate,
+        shared_expert_gate=parts.shared_gate is not None,
+    )
     twin = random_copy(shared, random)
     x_TH = random.normal(8, parts.hidden_size)
     with torch.no_grad():
         seen = twin(x_TH)
+        if activation == "relu2":
+            expected = twin.down_proj(torch.relu(twin.up_proj(x_TH)).square())
+            if relative_error(seen, expected) <= MATCH_TOLERANCE:
+                return fields
+            raise UnsupportedBlockError(
+                "the ungated shared experts compute something other than relu(up x)^2 (act_fn "
+                f"{type(getattr(shared, 'act_fn', None)).__name__})"
+            )
         if parts.naming.shared_gate_up:
             gate, up = twin.gate_up_proj(x_TH).chunk(2, dim=-1)
         else:
             gate, up = twin.gate_proj(x_TH), twin.up_proj(x_TH)
         candidates = {"silu": SwiGLU(), "routed": routed_swiglu}
-        for name, activation in candidates.items():
+        for name, constants in candidates.items():
             hidden = swiglu(
                 gate,
                 up,
-                limit=activation.limit,
-                alpha=activation.alpha,
-                up_offset=activation.up_offset,
+                limit=constants.limit,
+                alpha=constants.alpha,
+                up_offset=constants.up_offset,
             )
             if relative_error(seen, twin.down_proj(hidden)) <= MATCH_TOLERANCE:
-                return dict(
-                    num_shared_experts=1,
-                    shared_intermediate_size=intermediate,
-                    shared_expert_gate=parts.shared_gate is not None,
-                    shared_swiglu=name,
-                )
-    activation = type(getattr(shared, "act_fn", None)).__name__
+                return dict(fields, shared_swiglu=name)
+    act_fn = type(getattr(shared, "act_fn", None)).__name__
     raise UnsupportedBlockError(
         f"the shared experts compute something other than silu(gate) * up or the routed "
-        f"experts' SwiGLU (act_fn {activation})"
+        f"experts' SwiGLU (act_fn {act_fn})"
     )
 
 

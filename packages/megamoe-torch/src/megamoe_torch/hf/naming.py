@@ -7,10 +7,11 @@ Keys are block-relative. The routed experts come in two layouts:
 
 | layout     | where                                  | routed expert tensors                          |
 |------------|----------------------------------------|------------------------------------------------|
-| fused      | transformers >= 5 modules in memory    | `gate_up` [E, 2I, H] and `down` [E, H, I], or transposed [E, H, 2I] and [E, I, H] (`experts_transposed`); gate and up halves, or alternating columns (`gate_up_interleaved`); optional biases [E, 2I] and [E, H]; or (`flattened_gate_and_up`, DBRX) gate and up apart, each [E * I, H], and `down` [E * I, H] (each expert's [I, H] rows, transposed) |
+| fused      | transformers >= 5 modules in memory    | `gate_up` [E, 2I, H] and `down` [E, H, I], or transposed [E, H, 2I] and [E, I, H] (`experts_transposed`); gate and up halves, or alternating columns (`gate_up_interleaved`); optional biases [E, 2I] and [E, H]; or (`flattened_gate_and_up`, DBRX) gate and up apart, each [E * I, H], and `down` [E * I, H] (each expert's [I, H] rows, transposed); ungated experts (`experts_ungated`, Nemotron-H): `gate_up` the up projection alone [E, I, H] |
 | per_expert | checkpoints on disk, transformers 4.x  | experts.{e}.{gate, up, down}.weight, names per family |
 
-MegaMoE: gate.weight [E, H] (gate.bias [E]); w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
+MegaMoE: gate.weight [E, H] (gate.bias [E]); w13 [E, 2I, H] (gate rows, then up rows; ungated
+experts: [E, I, H], the up rows); w2 [E, H, I];
 w13_bias [E, 2I]; w2_bias [E, H]; e_score_correction_bias [E] fp32;
 shared_experts.{gate_proj, up_proj, down_proj, gate}.weight. A block's shared MLP may hold
 `gate_up_proj` [2I, H] in place of gate_proj and up_proj (`shared_gate_up`).
@@ -45,6 +46,9 @@ class BlockNaming:
     down_bias: str | None = None
     experts_transposed: bool = False
     gate_up_interleaved: bool = False
+    # ungated experts (Nemotron-H): `gate_up` holds the up projection alone, [E, I, H] (or
+    # transposed), and the per-expert checkpoint names are the up and down projections'
+    experts_ungated: bool = False
     # DBRX: the keys of the gate and up tensors, each [E * I, H]; `down` then holds [E * I, H]
     # too, and `gate_up` is unused
     flattened_gate_and_up: tuple[str, str] | None = None

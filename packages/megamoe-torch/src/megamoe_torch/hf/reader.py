@@ -144,7 +144,11 @@ def _read_by_probes(block: nn.Module, parts: BlockParts) -> BlockReading:
         alpha=fields["swiglu_alpha"],
         up_offset=fields["swiglu_up_offset"],
     )
-    fields.update(read_shared_experts(parts, random, routed_swiglu=routed_swiglu))
+    fields.update(
+        read_shared_experts(
+            parts, random, routed_swiglu=routed_swiglu, activation=fields["activation"]
+        )
+    )
     try:
         MegaMoEConfig(**fields)
     except ValueError as error:

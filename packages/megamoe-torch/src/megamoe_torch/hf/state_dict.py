@@ -146,21 +146,49 @@ def hf_state_dict_from_megamoe(
             raise ValueError(
                 "expert biases have no per-expert checkpoint names: use layout='fused'"
             )
-        gate_name, up_name, down_name = naming.per_expert_projections
-        intermediate = w13_E2IH.shape[1] // 2
+        out.update(_per_expert_from_megamoe(naming, w13_E2IH, w2_EHI, w13_scales, w2_scales))
+    out.update(_shared_from_megamoe(state_dict, naming, layout=layout))
+    return out
+
+
+def _per_expert_from_megamoe(
+    naming: BlockNaming,
+    w13_E2IH: torch.Tensor,
+    w2_EHI: torch.Tensor,
+    w13_scales: torch.Tensor | None,
+    w2_scales: torch.Tensor | None,
+) -> dict[str, torch.Tensor]:
+    """The routed experts' per-expert checkpoint tensors (and FP8 block scales), as views."""
+    out: dict[str, torch.Tensor] = {}
+    gate_name, up_name, down_name = naming.per_expert_projections
+    if naming.experts_ungated:  # w13 holds the up projection alone
         for expert in range(w13_E2IH.shape[0]):
-            out[f"experts.{expert}.{gate_name}.weight"] = w13_E2IH[expert, :intermediate]
-            out[f"experts.{expert}.{up_name}.weight"] = w13_E2IH[expert, intermediate:]
+            out[f"experts.{expert}.{up_name}.weight"] = w13_E2IH[expert]
             out[f"experts.{expert}.{down_name}.weight"] = w2_EHI[expert]
-        if w13_scales is not None:
-            gate_scales, up_scales = split_gate_up_scales(
-                w13_scales, intermediate_size=intermediate, where=f"{naming.family} experts"
-            )
-            for expert in range(w13_E2IH.shape[0]):
-                prefix = f"experts.{expert}."
-                out[f"{prefix}{gate_name}.weight_scale_inv"] = gate_scales[expert]
-                out[f"{prefix}{up_name}.weight_scale_inv"] = up_scales[expert]
-                out[f"{prefix}{down_name}.weight_scale_inv"] = w2_scales[expert]
+        return out
+    intermediate = w13_E2IH.shape[1] // 2
+    for expert in range(w13_E2IH.shape[0]):
+        out[f"experts.{expert}.{gate_name}.weight"] = w13_E2IH[expert, :intermediate]
+        out[f"experts.{expert}.{up_name}.weight"] = w13_E2IH[expert, intermediate:]
+        out[f"experts.{expert}.{down_name}.weight"] = w2_EHI[expert]
+    if w13_scales is not None:
+        gate_scales, up_scales = split_gate_up_scales(
+            w13_scales, intermediate_size=intermediate, where=f"{naming.family} experts"
+        )
+        for expert in range(w13_E2IH.shape[0]):
+            prefix = f"experts.{expert}."
+            out[f"{prefix}{gate_name}.weight_scale_inv"] = gate_scales[expert]
+            out[f"{prefix}{up_name}.weight_scale_inv"] = up_scales[expert]
+            out[f"{prefix}{down_name}.weight_scale_inv"] = w2_scales[expert]
+    return out
+
+
+def _shared_from_megamoe(
+    state_dict: dict[str, torch.Tensor], naming: BlockNaming, *, layout: Layout
+) -> dict[str, torch.Tensor]:
+    """The shared experts' tensors of MegaMoE's `state_dict` (and their gate's) under the
+    block's names: gate_up_proj joined where the block holds it so in memory."""
+    out: dict[str, torch.Tensor] = {}
     shared_keys = [key for key in state_dict if key.startswith("shared_experts.")]
     if shared_keys and naming.shared_prefix is None:
         raise ValueError(f"family {naming.family!r} has no shared experts, got {shared_keys}")
@@ -316,6 +344,8 @@ def _stack_per_expert(
         )
     if sorted(found) != list(range(len(found))):
         raise UnsupportedBlockError(f"expert indices are not 0..{len(found) - 1}: {sorted(found)}")
+    if naming.experts_ungated:
+        return _stack_ungated(found, scales, naming)
     # the family's names, else the other names checkpoints use for the same projections
     candidates = (naming.per_expert_projections, *PER_EXPERT_PROJECTION_NAMES)
     names = next((n for n in candidates if set(found[0]) == set(n)), naming.per_expert_projections)
@@ -380,6 +410,48 @@ def _stack_per_expert(
         )
         out["w2_scale_inv"] = torch.stack([scales_of(e, down_name) for e in experts])
     return out
+
+
+def _stack_ungated(
+    found: dict[int, dict[str, torch.Tensor]],
+    scales: dict[str, torch.Tensor],
+    naming: BlockNaming,
+) -> dict[str, torch.Tensor]:
+    """w13 (the up projections) and w2 of ungated experts from their per-expert tensors."""
+    _, up_name, down_name = naming.per_expert_projections
+    for expert, projections in found.items():
+        if set(projections) != {up_name, down_name}:
+            raise UnsupportedBlockError(
+                f"expert {expert} has projections {sorted(projections)}, expected the ungated "
+                f"{up_name} and {down_name}"
+            )
+    if scales or is_fp8(found[0][up_name]):
+        raise UnsupportedBlockError(
+            f"e4m3 ungated {naming.family} experts: megamoe computes ungated experts in full "
+            "precision; convert with weight_dtype=None for the dequantized weights"
+        )
+    intermediate, hidden = found[0][up_name].shape
+    check_shapes(
+        {
+            f"experts.{expert}.{name}.weight": found[expert][name]
+            for expert in found
+            for name in (up_name, down_name)
+        },
+        {
+            f"experts.{expert}.{name}.weight": shape
+            for expert in found
+            for name, shape in (
+                (up_name, (intermediate, hidden)),
+                (down_name, (hidden, intermediate)),
+            )
+        },
+        reference=f"experts.0.{up_name}.weight {(intermediate, hidden)}",
+    )
+    experts = range(len(found))
+    return {
+        "w13": torch.stack([found[expert][up_name] for expert in experts]),
+        "w2": torch.stack([found[expert][down_name] for expert in experts]),
+    }
 
 
 def check_shapes(

@@ -24,8 +24,10 @@ INPUT_JITTER_ATTRIBUTES = ("jitter_noise", "input_jitter_noise", "moe_jitter_eps
 # DBRX: each expert's gate, up and (transposed) down rows stacked, [E * I, H] each
 FLATTENED_EXPERT_TENSORS = ("mlp.w1", "mlp.v1", "mlp.w2")
 EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+# ungated experts (Nemotron-H): the up projection [E, I, H] alone beside down_proj
+UNGATED_EXPERT_TENSORS = ("up_proj", "down_proj")
 # the block scales of e4m3 experts (transformers' FP8Experts)
-FP8_SCALES = ("gate_up_proj_scale_inv", "down_proj_scale_inv")
+FP8_SCALES = ("gate_up_proj_scale_inv", "up_proj_scale_inv", "down_proj_scale_inv")
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,8 @@ def _named_tensors(
     if len(correction_bias) > 1:
         raise UnsupportedBlockError(f"more than one per-expert bias: {correction_bias}")
     _check_expert_tensors(experts_found)
+    ungated = "gate_up_proj" not in experts_found and "up_proj" in experts_found
+    gate_up_key = "experts.up_proj" if ungated else "experts.gate_up_proj"
     if set(experts_found) == set(FLATTENED_EXPERT_TENSORS):
         flattened = tuple(f"experts.{name}" for name in FLATTENED_EXPERT_TENSORS[:2])
         intermediate_size = _flattened_intermediate_size(
@@ -181,8 +185,10 @@ def _named_tensors(
         down_key = f"experts.{FLATTENED_EXPERT_TENSORS[2]}"
     else:
         flattened, down_key = None, "experts.down_proj"
-        gate_up, down = tensors["experts.gate_up_proj"], tensors["experts.down_proj"]
-        intermediate_size = _intermediate_size(gate_up, down, num_experts, hidden_size)
+        gate_up, down = tensors[gate_up_key], tensors["experts.down_proj"]
+        intermediate_size = _intermediate_size(
+            gate_up, down, num_experts, hidden_size, gated=not ungated
+        )
     bias_key = correction_bias[0] if correction_bias else None
     if shared_gate is not None and (shared_name is None or not isinstance(shared_gate, nn.Linear)):
         raise UnsupportedBlockError("the shared expert gate is not a Linear next to shared experts")
@@ -195,7 +201,9 @@ def _named_tensors(
         correction_bias_dtype=None if bias_key is None else tensors[bias_key].dtype,
         gate_up_bias=experts_found.get("gate_up_proj_bias"),
         down_bias=experts_found.get("down_proj_bias"),
+        gate_up=gate_up_key,
         down=down_key,
+        experts_ungated=ungated,
         flattened_gate_and_up=flattened,
         per_expert_projections=_per_expert_projections(family_of(block)),
         shared_prefix=shared_name,
@@ -230,16 +238,23 @@ def _check_expert_tensors(found: dict[str, str]) -> None:
             f"({', '.join(FP8_SCALES)}); dequantize others first"
         )
     names -= set(FP8_SCALES)
-    if {"up_proj", "down_proj"} <= names and not names & {"gate_proj", "gate_up_proj"}:
+    if names == set(UNGATED_EXPERT_TENSORS):
+        return
+    extra = sorted(names - set(EXPERT_TENSORS) - set(UNGATED_EXPERT_TENSORS))
+    projections = names - set(extra)
+    if extra and (
+        projections == set(UNGATED_EXPERT_TENSORS) or {"gate_up_proj", "down_proj"} <= projections
+    ):
         raise UnsupportedBlockError(
-            "the experts are ungated (experts.up_proj and experts.down_proj, no gate "
-            "projection): megamoe computes gated (SwiGLU) experts"
+            f"the experts hold {[found[name] for name in extra]} beside their projections, a "
+            "part megamoe does not compute"
         )
     unknown = sorted(names - set(EXPERT_TENSORS))
     if unknown or not {"gate_up_proj", "down_proj"} <= names:
         raise UnsupportedBlockError(
             f"the experts hold {sorted(found.values())}: megamoe takes experts.gate_up_proj and "
-            "experts.down_proj (with their biases, optionally), or DBRX's flattened "
+            "experts.down_proj (with their biases, optionally), ungated experts.up_proj and "
+            "experts.down_proj, or DBRX's flattened "
             f"experts.{{{', '.join(FLATTENED_EXPERT_TENSORS)}}}"
         )
     if ("gate_up_proj_bias" in names) != ("down_proj_bias" in names):
@@ -260,20 +275,24 @@ def _flattened_intermediate_size(
 
 
 def _intermediate_size(
-    gate_up: torch.Tensor, down: torch.Tensor, num_experts: int, hidden_size: int
+    gate_up: torch.Tensor, down: torch.Tensor, num_experts: int, hidden_size: int, *, gated: bool
 ) -> int:
+    """I from the experts' [E, 2I, H] (ungated: [E, I, H]) and [E, H, I] tensors, either of
+    them transposed."""
+    rows_per_i = 2 if gated else 1
     if gate_up.dim() == 3 and down.dim() == 3 and gate_up.shape[0] == down.shape[0] == num_experts:
-        for two_i, h in (gate_up.shape[1:], gate_up.shape[1:][::-1]):
+        for first_rows, h in (gate_up.shape[1:], gate_up.shape[1:][::-1]):
+            intermediate = first_rows // rows_per_i
             if (
                 h == hidden_size
-                and two_i % 2 == 0
+                and first_rows % rows_per_i == 0
                 and {tuple(down.shape[1:])}
                 & {
-                    (hidden_size, two_i // 2),
-                    (two_i // 2, hidden_size),
+                    (hidden_size, intermediate),
+                    (intermediate, hidden_size),
                 }
             ):
-                return two_i // 2
+                return intermediate
     held = min(gate_up.shape[0], down.shape[0]) if gate_up.dim() == down.dim() == 3 else 0
     if 0 < held < num_experts:
         raise UnsupportedBlockError(
@@ -281,9 +300,12 @@ def _intermediate_size(
             f"the other {num_experts - held} compute no MLP (zero or identity experts), which "
             "megamoe does not have"
         )
+    first = "gate_up_proj" if gated else "up_proj"
+    rows = "2I" if gated else "I"
     raise UnsupportedBlockError(
-        f"experts.gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not "
-        f"[{num_experts}, 2I, {hidden_size}] and [{num_experts}, {hidden_size}, I] (or transposed)"
+        f"experts.{first} {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not "
+        f"[{num_experts}, {rows}, {hidden_size}] and [{num_experts}, {hidden_size}, I] (or "
+        "transposed)"
     )
 
 

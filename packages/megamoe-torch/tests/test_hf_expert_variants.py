@@ -1,6 +1,7 @@
-"""MiniMax-M3's shared MLP through the Hugging Face path: one `gate_up_proj` Linear (gate rows then
-up rows) computing the routed experts' clamped SwiGLU, read, converted and mapped back, in full
-precision and in e4m3 with its block scales."""
+"""Expert MLPs other than the gated SwiGLU through the Hugging Face path, read, converted and
+mapped back: MiniMax-M3's shared MLP, one `gate_up_proj` Linear (gate rows then up rows)
+computing the routed experts' clamped SwiGLU, in full precision and in e4m3 with its block
+scales; Nemotron-H's ungated relu^2 experts and shared MLP."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from megamoe_kernels import quantize_weight_blocks
 from megamoe_kernels.reference import relative_l2_error
 
-modeling = pytest.importorskip("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl")
+transformers = pytest.importorskip("transformers")
 
 from megamoe_torch import (  # noqa: E402
     UnsupportedBlockError,
@@ -27,6 +28,7 @@ LIMIT = 7.0
 
 def minimax_block() -> torch.nn.Module:
     """A tiny MiniMax-M3 sparse block whose gate and up values pass the SwiGLU limit."""
+    modeling = pytest.importorskip("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl")
     from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import (
         MiniMaxM3VLTextConfig,
     )
@@ -140,3 +142,59 @@ def test_an_e4m3_shared_gate_up_off_the_128_grid_is_refused_naming_it():
     hf = fp8_block_tensors(shared_size=192)
     with pytest.raises(UnsupportedBlockError, match=r"minimax_m3_vl shared experts.*192"):
         megamoe_state_dict_from_hf(hf, family=NAMING)
+
+
+def nemotron_block() -> torch.nn.Module:
+    """A tiny Nemotron-H MoE block: ungated relu^2 experts and shared MLP, grouped routing."""
+    modeling = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
+    config = transformers.NemotronHConfig(
+        hidden_size=HIDDEN,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=48,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+    )
+    torch.manual_seed(0)
+    block = modeling.NemotronHMoE(config).eval()
+    with torch.no_grad():
+        for parameter in block.parameters():
+            parameter.normal_(0.0, 0.3)
+        block.gate.e_score_correction_bias.normal_(0.0, 0.2)
+    return block
+
+
+def test_ungated_relu2_experts_convert_exactly():
+    block = nemotron_block()
+    x = torch.randn(2, 13, HIDDEN)
+    with torch.no_grad():
+        expected = block(x)
+        layer = from_hf(block, backend="reference")
+        actual = layer(x)
+    config = layer.config
+    assert config.activation == "relu2" and (config.num_groups, config.top_groups) == (2, 1)
+    assert layer.w13.shape == (8, 32, HIDDEN) and layer.shared_experts.gate_proj is None
+    assert relative_l2_error(actual, expected) < 1e-5
+
+
+def test_ungated_experts_map_back_to_the_blocks_and_the_per_expert_tensors():
+    block = nemotron_block()
+    naming = read_block(block).naming
+    assert naming.experts_ungated and naming.gate_up == "experts.up_proj"
+    layer = from_hf(block, backend="reference")
+    mapped = hf_state_dict_from_megamoe(layer.state_dict(), family=naming, layout="fused")
+    expected = block.state_dict()
+    assert sorted(mapped) == sorted(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(mapped[key], tensor), key
+    on_disk = hf_state_dict_from_megamoe(layer.state_dict(), family=naming, layout="per_expert")
+    assert torch.equal(on_disk["experts.3.up_proj.weight"], expected["experts.up_proj"][3])
+    assert not any("gate_proj" in key for key in on_disk)
+    again = megamoe_state_dict_from_hf(on_disk, family=naming)
+    for key, tensor in layer.state_dict().items():
+        assert torch.equal(again[key], tensor), key
+    del on_disk["experts.3.down_proj.weight"]
+    with pytest.raises(UnsupportedBlockError, match=r"expert 3 has projections \['up_proj'\]"):
+        megamoe_state_dict_from_hf(on_disk, family=naming)
