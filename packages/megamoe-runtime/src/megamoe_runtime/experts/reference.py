@@ -1,7 +1,7 @@
 """The oracle as a backend: fp32 accumulation per expert, on any device (it syncs: not for speed).
 
-The whole expert math of the pack: its biases and its activation (SwiGLU, or ungated relu^2). FP8 weights are dequantized once,
-to float32 (exactly the values they stand for). Both batch
+The whole expert math of the pack: its biases and its activation (SwiGLU, or ungated relu^2).
+FP8 weights are dequantized once, to float32 (exactly the values they stand for). Both batch
 layouts: a masked batch's rows past each expert's count are never read, and their outputs are
 zero (as the rows past a tight batch's valid count are)."""
 
