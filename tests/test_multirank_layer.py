@@ -17,7 +17,11 @@ pytestmark = pytest.mark.multirank
 
 
 def layer_config(
-    dispatcher: str, device: torch.device, combine_order: str = "exact", wire: str = "bf16"
+    dispatcher: str,
+    device: torch.device,
+    combine_order: str = "exact",
+    wire: str = "bf16",
+    **fields,
 ) -> MegaMoEConfig:
     return MegaMoEConfig(
         hidden_size=128,
@@ -36,16 +40,24 @@ def layer_config(
         combine_order=combine_order,
         dispatch_dtype=wire,
         combine_dtype=wire,
+        **fields,
     )
 
 
 def check_layer_matches_single_gpu(
-    rank, world_size, device, dispatcher, token_pattern, combine_order="exact", wire="bf16"
+    rank,
+    world_size,
+    device,
+    dispatcher,
+    token_pattern,
+    combine_order="exact",
+    wire="bf16",
+    fields=None,
 ):
     # rank r sends token_pattern[r % len(token_pattern)] tokens: any world size
     tokens_per_rank = [token_pattern[r % len(token_pattern)] for r in range(world_size)]
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    config = layer_config(dispatcher, device, combine_order, wire)
+    config = layer_config(dispatcher, device, combine_order, wire, **(fields or {}))
     torch.manual_seed(7)  # the same full weights on every rank
     single = MegaMoE(config, device=device, dtype=dtype)
     with torch.no_grad():
@@ -83,6 +95,13 @@ def test_expert_parallel_layer_equals_single_gpu(multirank, dispatcher):
     if dispatcher == "nvshmem" and not nvshmem_status(multirank.device)[0]:
         pytest.skip(nvshmem_status(multirank.device)[1])
     multirank(check_layer_matches_single_gpu, dispatcher, [40, 0 if dispatcher == "torch" else 9])
+
+
+def test_expert_parallel_latent_layer_equals_single_gpu(multirank):
+    # Nemotron-H's latent MoE: the dispatch sends 48-wide projections of the 128-wide tokens to
+    # ungated relu^2 experts
+    fields = dict(latent_size=48, activation="relu2")
+    multirank(check_layer_matches_single_gpu, "torch", [40, 0], "exact", "bf16", fields)
 
 
 def test_expert_parallel_layer_with_owner_partials(multirank):

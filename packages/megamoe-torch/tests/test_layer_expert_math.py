@@ -97,6 +97,8 @@ NEMOTRON_H = dict(
     num_shared_experts=1,
     shared_intermediate_size=24,
 )
+# Nemotron-H's latent MoE: the routed experts on 24-wide projections of the 32-wide tokens
+NEMOTRON_H_LATENT = dict(NEMOTRON_H, latent_size=24)
 
 
 def sparsemixer_float64(logits: torch.Tensor, eps: float) -> tuple[list[int], torch.Tensor]:
@@ -174,9 +176,11 @@ def per_token_float64(layer: MegaMoE, x_TH: torch.Tensor) -> torch.Tensor:
         if c.renormalize:
             weights = weights / weights.sum()
         weights = weights * c.routed_scaling_factor
-        y = torch.zeros_like(x)
+        # the routed experts' row: the token, or its latent projection
+        row = x if layer.latent_in is None else layer.latent_in.weight.double() @ x
+        y = torch.zeros_like(row)
         for expert, weight in zip(chosen, weights, strict=True):
-            expert_input = weight * x if c.routing_weights_on_input else x
+            expert_input = weight * row if c.routing_weights_on_input else row
             gate_up = w13[expert] @ expert_input
             if layer.w13_bias is not None:
                 gate_up = gate_up + layer.w13_bias[expert].double()
@@ -190,6 +194,8 @@ def per_token_float64(layer: MegaMoE, x_TH: torch.Tensor) -> torch.Tensor:
             if layer.w2_bias is not None:
                 expert_out = expert_out + layer.w2_bias[expert].double()
             y += expert_out if c.routing_weights_on_input else weight * expert_out
+        if layer.latent_out is not None:
+            y = layer.latent_out.weight.double() @ y
         if layer.shared_experts is not None:
             shared = layer.shared_experts
             up, down = shared.up_proj.weight.double(), shared.down_proj.weight.double()
@@ -215,7 +221,17 @@ def swiglu_float64(c: MegaMoEConfig, gate: torch.Tensor, up: torch.Tensor) -> to
 
 @pytest.mark.parametrize(
     "fields",
-    [GPT_OSS, LLAMA4, ERNIE, KOLIBRI, DEEPSEEK_V2, PHIMOE, MINIMAX_M3, NEMOTRON_H],
+    [
+        GPT_OSS,
+        LLAMA4,
+        ERNIE,
+        KOLIBRI,
+        DEEPSEEK_V2,
+        PHIMOE,
+        MINIMAX_M3,
+        NEMOTRON_H,
+        NEMOTRON_H_LATENT,
+    ],
     ids=[
         "gpt-oss",
         "llama4",
@@ -225,6 +241,7 @@ def swiglu_float64(c: MegaMoEConfig, gate: torch.Tensor, up: torch.Tensor) -> to
         "phimoe",
         "minimax-m3",
         "nemotron-h",
+        "nemotron-h-latent",
     ],
 )
 def test_layer_matches_per_token_float64_loop(fields):
@@ -271,6 +288,8 @@ def random_layer_fields(rng: random.Random) -> dict:
             expert_bias=rng.random() < 0.3,
             num_shared_experts=int(rng.random() < 0.3),
         )
+        if rng.random() < 0.2:
+            fields.update(latent_size=rng.choice([4, 12, 32]))
         expert_activation = rng.choice(["swiglu", "clamped", "relu2"])
         if expert_activation == "clamped":
             fields.update(swiglu_limit=7.0, swiglu_alpha=1.702, swiglu_up_offset=1.0)
@@ -405,8 +424,8 @@ def grouped_mm_runs_on_cpu() -> bool:
 @pytest.mark.skipif(not grouped_mm_runs_on_cpu(), reason="this torch has no CPU torch._grouped_mm")
 @pytest.mark.parametrize(
     "fields",
-    [GPT_OSS, LLAMA4, dict(NEMOTRON_H, expert_bias=True)],
-    ids=["gpt-oss", "llama4", "nemotron-h"],
+    [GPT_OSS, LLAMA4, dict(NEMOTRON_H_LATENT, expert_bias=True)],
+    ids=["gpt-oss", "llama4", "nemotron-h-latent"],
 )
 def test_grouped_mm_computes_and_trains_the_layer_as_the_reference_does(monkeypatch, fields):
     from megamoe_runtime import experts
@@ -471,6 +490,19 @@ def test_ungated_experts_are_refused_by_the_cutedsl_backend_alone(monkeypatch):
         layer.use_backend("cutedsl")
         _ = layer.backend
     assert layer.w13.shape == (8, 16, 32) and layer.shared_experts.gate_proj is None
+
+
+def test_a_latent_layer_takes_the_torch_path_and_says_why():
+    layer = make_layer(NEMOTRON_H_LATENT)
+    assert layer.w13.shape == (8, 16, 24) and layer.w2.shape == (8, 24, 16)
+    assert layer.latent_in.weight.shape == (24, 32) and layer.latent_out.weight.shape == (32, 24)
+    assert layer.shared_experts.up_proj.weight.shape == (24, 32)  # on the tokens themselves
+    ok, why = layer.fused_path_status("cuda")
+    assert not ok and "latent_size" in why
+    with pytest.raises(ValueError, match="latent_size must be an int >= 1"):
+        MegaMoEConfig(**dict(NEMOTRON_H, latent_size=0))
+    with pytest.raises(ValueError, match=r"latent_size \(the batch holds the latent rows\)"):
+        MegaMoEConfig(**dict(NEMOTRON_H_LATENT, activation="swiglu", shared_experts_path="batch"))
 
 
 @pytest.mark.parametrize(

@@ -93,6 +93,12 @@ class MegaMoEConfig:
     # run on it: every backend with bf16 weights, the fused path too (its routing kernel scales
     # each row as it copies it); not under expert parallelism
     routing_weights_on_input: bool = False
+    # the routed experts compute in a latent space of this size (Nemotron-H's latent MoE): the
+    # layer projects the tokens into it before the dispatch (`latent_in.weight` [L, H]) and the
+    # combined output back (`latent_out.weight` [H, L]), bias-free; the router and the shared
+    # experts see the tokens as they are, and `w13` is [E, 2I, L], `w2` [E, L, I]. The torch
+    # layer path computes it (fused_path_status says why not the fused one)
+    latent_size: int | None = None
     # shared experts every token visits, summed as one MLP of shared_intermediate_size
     num_shared_experts: int = 0
     # defaults to intermediate_size * num_shared_experts
@@ -200,6 +206,12 @@ class MegaMoEConfig:
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.latent_size is not None and (
+            isinstance(self.latent_size, bool)
+            or not isinstance(self.latent_size, int)
+            or self.latent_size < 1
+        ):
+            raise ValueError(f"latent_size must be an int >= 1 or None, got {self.latent_size!r}")
         if self.num_shared_experts < 0:
             raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
         if self.shared_expert_gate and self.num_shared_experts == 0:
@@ -335,6 +347,11 @@ class MegaMoEConfig:
         return tuple(features)
 
     @property
+    def expert_hidden_size(self) -> int:
+        """The width of the rows the routed experts compute on: latent_size, else hidden_size."""
+        return self.hidden_size if self.latent_size is None else self.latent_size
+
+    @property
     def gated(self) -> bool:
         """Whether the experts (and shared experts) are gated: w13 holds gate and up rows."""
         return self.activation == "swiglu"
@@ -372,6 +389,8 @@ class MegaMoEConfig:
             )
         if self.weight_dtype is not None or self.shared_weight_dtype is not None:
             problems.append("FP8 weights (the batch takes bf16 experts)")
+        if self.latent_size is not None:
+            problems.append("latent_size (the batch holds the latent rows)")
         problems.extend(self.expert_math_features)
         return tuple(problems)
 

@@ -199,8 +199,10 @@ class MegaMoE(nn.Module):
 
     Parameters: `gate.weight` [E, H] (and `gate.bias` [E] with router_bias); `w13` [E, 2I, H]
     (each expert's gate rows, then up rows; activation="relu2": [E, I, H], the up rows alone);
-    `w2` [E, H, I]; `w13_bias` [E, 2I] ([E, I]) and `w2_bias` [E, H] with expert_bias; `e_score_correction_bias` [E] (fp32 buffer) when the config asks
-    for it; `shared_experts` when num_shared_experts > 0.
+    `w2` [E, H, I]; `w13_bias` [E, 2I] ([E, I]) and `w2_bias` [E, H] with expert_bias;
+    `e_score_correction_bias` [E] (fp32 buffer) when the config asks for it; `shared_experts`
+    when num_shared_experts > 0; with latent_size L `latent_in.weight` [L, H] and
+    `latent_out.weight` [H, L], the routed experts' H then L (`w13` [E, 2I, L], `w2` [E, L, I]).
 
     weight_dtype="fp8": `w13`/`w2` are e4m3 with float32 block scales `w13_scale_inv`
     [E, ceil(2I/128), ceil(H/128)] and `w2_scale_inv` [E, ceil(H/128), ceil(I/128)] (buffers);
@@ -251,13 +253,19 @@ class MegaMoE(nn.Module):
                 process_group,
                 num_experts=experts,
                 top_k=config.top_k,
-                hidden_size=hidden,
+                hidden_size=config.expert_hidden_size,
             )
         _check_routing_weights_on_input(config, process_group=process_group)
         self.process_group = process_group
         self.local_experts = local_expert_range(experts, process_group)
         local = len(self.local_experts)
         self.gate = nn.Linear(hidden, experts, bias=config.router_bias, **factory)
+        # the latent MoE's projections around the routed experts, whose rows are then latent
+        self.latent_in = self.latent_out = None
+        if config.latent_size is not None:
+            self.latent_in = nn.Linear(hidden, config.latent_size, bias=False, **factory)
+            self.latent_out = nn.Linear(config.latent_size, hidden, bias=False, **factory)
+        hidden = config.expert_hidden_size  # the routed experts' rows from here on
         # gated experts' w13 holds gate and up rows; ungated ones' the up rows alone
         first_rows = 2 * intermediate if config.gated else intermediate
         if config.weight_dtype == "fp8":
@@ -293,7 +301,7 @@ class MegaMoE(nn.Module):
             self.e_score_correction_bias = None
         self.shared_experts = (
             SharedExperts(
-                hidden,
+                config.hidden_size,
                 config.shared_size,
                 gated=config.shared_expert_gate,
                 fp8=config.shared_weight_dtype == "fp8",
@@ -343,7 +351,7 @@ class MegaMoE(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """nn.Linear's default initialisation, per expert."""
-        hidden, intermediate = self.config.hidden_size, self.config.intermediate_size
+        hidden, intermediate = self.config.expert_hidden_size, self.config.intermediate_size
         for name, fan_in in (("w13", hidden), ("w2", intermediate)):
             weight = getattr(self, name)
             if weight.dtype == FP8_WEIGHT_DTYPE:
@@ -356,6 +364,9 @@ class MegaMoE(nn.Module):
             self.w13_bias.uniform_(-1 / math.sqrt(hidden), 1 / math.sqrt(hidden))
             self.w2_bias.uniform_(-1 / math.sqrt(intermediate), 1 / math.sqrt(intermediate))
         self.gate.reset_parameters()
+        for projection in (self.latent_in, self.latent_out):
+            if projection is not None:
+                projection.reset_parameters()
 
     def use_backend(self, backend: str) -> None:
         """Switches the expert-compute backend ('auto' or a name); weights are re-prepared lazily."""
@@ -377,7 +388,7 @@ class MegaMoE(nn.Module):
             self.process_group,
             num_experts=self.config.num_experts,
             top_k=self.config.top_k,
-            hidden_size=self.config.hidden_size,
+            hidden_size=self.config.expert_hidden_size,
         )
         self._inject(dispatcher)
         self._backend_name = None
@@ -434,7 +445,7 @@ class MegaMoE(nn.Module):
             name,
             num_experts=self.config.num_experts,
             top_k=self.config.top_k,
-            hidden_size=self.config.hidden_size,
+            hidden_size=self.config.expert_hidden_size,
             dtype=x_TH.dtype,
             device=x_TH.device,
             process_group=self.process_group,
@@ -759,6 +770,8 @@ class MegaMoE(nn.Module):
         if status is None:
             if self.config.layer_path == "torch":
                 status = (False, "layer_path='torch'")
+            elif self.config.latent_size is not None:
+                status = (False, "latent_size: the fused path is not built for latent projections")
             else:
                 status = device_routing_status(
                     self.config.router,
@@ -1010,6 +1023,8 @@ class MegaMoE(nn.Module):
                 correction_bias_E=self.e_score_correction_bias,
                 check_finite=self.config.check_inputs,
             )
+        # the routed experts' rows: the tokens, or their latent projection
+        rows_TH = x_TH if self.latent_in is None else self.latent_in(x_TH)
         if (
             torch.compiler.is_compiling()
             and not self._routes_on_this_gpu
@@ -1017,10 +1032,12 @@ class MegaMoE(nn.Module):
         ):
             # the dispatcher exchanges data-dependent sizes with the other ranks: one opaque op
             y_TH = expert_parallel_mlp(
-                x_TH, topk_ids_TK, topk_weights_TK, self.w13, self.w2, self._layer_id
+                rows_TH, topk_ids_TK, topk_weights_TK, self.w13, self.w2, self._layer_id
             )
         else:
-            y_TH = self._dispatch_experts_combine(x_TH, topk_ids_TK, topk_weights_TK)
+            y_TH = self._dispatch_experts_combine(rows_TH, topk_ids_TK, topk_weights_TK)
+        if self.latent_out is not None:
+            y_TH = self.latent_out(y_TH)
         if self.shared_experts is not None:
             y_TH = y_TH + self.shared_experts(x_TH)
         y = y_TH.reshape(x.shape).to(x.dtype)
