@@ -144,10 +144,12 @@ def test_an_e4m3_shared_gate_up_off_the_128_grid_is_refused_naming_it():
         megamoe_state_dict_from_hf(hf, family=NAMING)
 
 
-def nemotron_block() -> torch.nn.Module:
-    """A tiny Nemotron-H MoE block: ungated relu^2 experts and shared MLP, grouped routing."""
+def nemotron_block(latent_size: int | None = None) -> torch.nn.Module:
+    """A tiny Nemotron-H MoE block: ungated relu^2 experts and shared MLP, grouped routing, and
+    with `latent_size` the latent MoE's projections around the routed experts."""
     modeling = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
     config = transformers.NemotronHConfig(
+        moe_latent_size=latent_size,
         hidden_size=HIDDEN,
         moe_intermediate_size=32,
         moe_shared_expert_intermediate_size=48,
@@ -166,8 +168,9 @@ def nemotron_block() -> torch.nn.Module:
     return block
 
 
-def test_ungated_relu2_experts_convert_exactly():
-    block = nemotron_block()
+@pytest.mark.parametrize("latent_size", [None, 24], ids=["nemotron-h", "latent"])
+def test_ungated_relu2_experts_convert_exactly(latent_size):
+    block = nemotron_block(latent_size)
     x = torch.randn(2, 13, HIDDEN)
     with torch.no_grad():
         expected = block(x)
@@ -175,12 +178,15 @@ def test_ungated_relu2_experts_convert_exactly():
         actual = layer(x)
     config = layer.config
     assert config.activation == "relu2" and (config.num_groups, config.top_groups) == (2, 1)
-    assert layer.w13.shape == (8, 32, HIDDEN) and layer.shared_experts.gate_proj is None
+    assert config.latent_size == latent_size
+    assert layer.w13.shape == (8, 32, latent_size or HIDDEN)
+    assert layer.shared_experts.gate_proj is None
     assert relative_l2_error(actual, expected) < 1e-5
 
 
-def test_ungated_experts_map_back_to_the_blocks_and_the_per_expert_tensors():
-    block = nemotron_block()
+@pytest.mark.parametrize("latent_size", [None, 24], ids=["nemotron-h", "latent"])
+def test_ungated_experts_map_back_to_the_blocks_and_the_per_expert_tensors(latent_size):
+    block = nemotron_block(latent_size)
     naming = read_block(block).naming
     assert naming.experts_ungated and naming.gate_up == "experts.up_proj"
     layer = from_hf(block, backend="reference")

@@ -224,6 +224,8 @@ class BlockReading:
             )
         if fields.get("activation") == "relu2":
             experts.append("up projection alone, relu(up)^2")
+        if fields.get("latent_size") is not None:
+            experts.append(f"on {fields['latent_size']}-wide latent projections of the tokens")
         if fields.get("routing_weights_on_input"):
             experts.append("routing weights on the expert input")
         parts = [", ".join(routing), ", ".join(experts)]

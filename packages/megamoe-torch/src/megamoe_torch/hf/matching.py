@@ -252,7 +252,7 @@ def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_inpu
     """The expert layout and SwiGLU variant (as naming and config fields) the experts compute,
     from a copy of the experts module holding two random experts."""
     experts, naming = parts.experts, parts.naming
-    num_experts, hidden = parts.num_experts, parts.hidden_size
+    num_experts, hidden = parts.num_experts, parts.expert_hidden_size
     probe_experts = 2
     tensors = experts.state_dict(keep_vars=True)
     stand_ins = {}
@@ -367,7 +367,7 @@ def _expert_layouts(parts: BlockParts, tensors: dict[str, torch.Tensor]) -> list
     """The BlockNaming layout fields the experts' tensor shapes allow (both, where 2I = H)."""
     if parts.naming.flattened_gate_and_up is not None:
         return [{}]
-    hidden, intermediate = parts.hidden_size, parts.intermediate_size
+    hidden, intermediate = parts.expert_hidden_size, parts.intermediate_size
     ungated = parts.naming.experts_ungated
     first_rows = intermediate if ungated else 2 * intermediate
     shapes = (

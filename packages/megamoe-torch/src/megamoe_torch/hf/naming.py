@@ -14,7 +14,8 @@ MegaMoE: gate.weight [E, H] (gate.bias [E]); w13 [E, 2I, H] (gate rows, then up 
 experts: [E, I, H], the up rows); w2 [E, H, I];
 w13_bias [E, 2I]; w2_bias [E, H]; e_score_correction_bias [E] fp32;
 shared_experts.{gate_proj, up_proj, down_proj, gate}.weight. A block's shared MLP may hold
-`gate_up_proj` [2I, H] in place of gate_proj and up_proj (`shared_gate_up`).
+`gate_up_proj` [2I, H] in place of gate_proj and up_proj (`shared_gate_up`). A latent MoE:
+latent_in.weight [L, H], latent_out.weight [H, L], and the experts' H is L.
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ class BlockNaming:
     # the shared MLP holds its gate and up projections as one `gate_up_proj` Linear, gate rows
     # then up rows (MiniMax-M3 in memory; its checkpoints on disk hold them apart)
     shared_gate_up: bool = False
+    # a latent MoE's projections into and out of the routed experts' space (Nemotron-H's
+    # fc1_latent_proj / fc2_latent_proj): MegaMoE's latent_in / latent_out
+    latent_in: str | None = None
+    latent_out: str | None = None
     # keys of tensors the block holds but its forward does not use (a correction bias switched
     # off): a swapped block keeps them as they are, for its checkpoint
     ignored: tuple[str, ...] = ()

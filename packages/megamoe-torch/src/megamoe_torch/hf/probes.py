@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from megamoe_torch.hf.families import UnsupportedBlockError
-from megamoe_torch.hf.structure import SHARED_GATE_NAME, BlockParts
+from megamoe_torch.hf.structure import LATENT_NAMES, SHARED_GATE_NAME, BlockParts
 
 _PROBE_BATCH, _PROBE_SEQUENCE = 2, 12
 MATCH_TOLERANCE = 1e-5  # relative L2, fp32 against fp32
@@ -162,6 +162,12 @@ def run_block(
         return answer.clone()
 
     modules = {parts.router_name: router_twin, "experts": experts_recorder}
+    if parts.latent:
+        # the routing and how the parts combine, read as a block without latent projections:
+        # the experts' recorder sees the tokens and answers in their width (the projections
+        # themselves are bias-free Linears the layer applies as they are)
+        for name in LATENT_NAMES:
+            modules[name] = nn.Identity()
     shared_stub = None
     if parts.shared is not None:
         shared_stub = _shallow_stand_in(parts.shared, answer_shared)

@@ -129,6 +129,7 @@ def _read_by_probes(block: nn.Module, parts: BlockParts) -> BlockReading:
     routing_fields = {k: v for k, v in routing_fields.items() if k != "num_experts"}
     fields = dict(
         hidden_size=parts.hidden_size,
+        latent_size=parts.expert_hidden_size if parts.latent else None,
         intermediate_size=parts.intermediate_size,
         num_experts=parts.num_experts,
         router_dtype=router_dtype,

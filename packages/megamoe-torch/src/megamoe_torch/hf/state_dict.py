@@ -63,6 +63,8 @@ def megamoe_state_dict_from_hf(
         out["e_score_correction_bias"] = remaining.pop(naming.correction_bias).float().reshape(-1)
     for key in naming.ignored:  # held by the block, unused by its computation
         remaining.pop(key, None)
+    for ours, theirs in _latent_keys(naming):
+        out[ours] = _take(remaining, theirs)
     if naming.expert_keys[0] in remaining:
         expert_tensors = {key: _take(remaining, key) for key in naming.expert_keys}
         scales = _fused_expert_scales(remaining, expert_tensors, naming)
@@ -128,6 +130,11 @@ def hf_state_dict_from_megamoe(
         if naming.correction_bias is None:
             raise ValueError(f"family {naming.family!r} has no correction bias")
         out[naming.correction_bias] = bias_E
+    latent = _latent_keys(naming)
+    if "latent_in.weight" in state_dict and not latent:
+        raise ValueError(f"family {naming.family!r} has no latent projections")
+    for ours, theirs in latent:
+        out[theirs] = state_dict[ours]
     w13_E2IH, w2_EHI = state_dict["w13"], state_dict["w2"]
     w13_scales, w2_scales = state_dict.get("w13_scale_inv"), state_dict.get("w2_scale_inv")
     has_biases = "w13_bias" in state_dict
@@ -221,6 +228,13 @@ def _shared_from_megamoe(
             raise ValueError(f"family {naming.family!r} has no shared expert gate")
         out[naming.shared_gate] = state_dict["shared_experts.gate.weight"]
     return out
+
+
+def _latent_keys(naming: BlockNaming) -> tuple[tuple[str, str], ...]:
+    """(MegaMoE's key, the block's) of a latent MoE's two projections; () for other blocks."""
+    if naming.latent_in is None:
+        return ()
+    return (("latent_in.weight", naming.latent_in), ("latent_out.weight", naming.latent_out))
 
 
 def _take_shared_projections(

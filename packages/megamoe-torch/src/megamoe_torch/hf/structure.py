@@ -19,6 +19,9 @@ from megamoe_torch.hf.naming import BlockNaming
 ROUTER_NAMES = ("gate", "router")
 SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")
 SHARED_GATE_NAME = "shared_expert_gate"
+# the latent MoE's projections into and out of the routed experts' space (Nemotron-H): Linears,
+# or nn.Identity where a block has none
+LATENT_NAMES = ("fc1_latent_proj", "fc2_latent_proj")
 # attributes of blocks that multiply their training inputs by random noise (Mixtral, PhiMoE)
 INPUT_JITTER_ATTRIBUTES = ("jitter_noise", "input_jitter_noise", "moe_jitter_eps")
 # DBRX: each expert's gate, up and (transposed) down rows stacked, [E * I, H] each
@@ -43,6 +46,12 @@ class BlockParts:
     num_experts: int
     hidden_size: int
     intermediate_size: int
+    # the width of the routed experts' rows: a latent MoE's latent size, else hidden_size
+    expert_hidden_size: int
+
+    @property
+    def latent(self) -> bool:
+        return self.naming.latent_in is not None
 
     @property
     def expert_weight(self) -> torch.Tensor:
@@ -75,7 +84,7 @@ def block_parts(block: nn.Module, *, allow_meta: bool = False) -> BlockParts:
         )
     shared_name = next((name for name in SHARED_NAMES if name in children), None)
     shared_gate = children.get(SHARED_GATE_NAME)
-    known = {router_name, "experts", shared_name, SHARED_GATE_NAME}
+    known = {router_name, "experts", shared_name, SHARED_GATE_NAME, *LATENT_NAMES}
     for name, child in children.items():
         if name not in known and any(True for _ in child.state_dict()):
             raise UnsupportedBlockError(
@@ -140,6 +149,7 @@ def _named_tensors(
         )
     router_weight = router_2d[0]
     num_experts, hidden_size = tensors[router_weight].shape
+    latent_size = _latent_size(block, hidden_size)
     router_bias = router_weight[: -len("weight")] + "bias"
     router_bias = (
         router_bias if router_weight.endswith(".weight") and router_bias in tensors else None
@@ -167,6 +177,8 @@ def _named_tensors(
             continue
         if shared_name is not None and key.startswith(f"{shared_name}."):
             continue
+        if latent_size is not None and key in (f"{name}.weight" for name in LATENT_NAMES):
+            continue
         if key == f"{SHARED_GATE_NAME}.weight" and tensor.shape == (1, hidden_size):
             continue
         raise UnsupportedBlockError(f"the block's tensor {key} is not one megamoe reproduces")
@@ -175,19 +187,20 @@ def _named_tensors(
     _check_expert_tensors(experts_found)
     ungated = "gate_up_proj" not in experts_found and "up_proj" in experts_found
     gate_up_key = "experts.up_proj" if ungated else "experts.gate_up_proj"
+    expert_hidden_size = hidden_size if latent_size is None else latent_size
     if set(experts_found) == set(FLATTENED_EXPERT_TENSORS):
         flattened = tuple(f"experts.{name}" for name in FLATTENED_EXPERT_TENSORS[:2])
         intermediate_size = _flattened_intermediate_size(
             [tensors[f"experts.{name}"] for name in FLATTENED_EXPERT_TENSORS],
             num_experts,
-            hidden_size,
+            expert_hidden_size,
         )
         down_key = f"experts.{FLATTENED_EXPERT_TENSORS[2]}"
     else:
         flattened, down_key = None, "experts.down_proj"
         gate_up, down = tensors[gate_up_key], tensors["experts.down_proj"]
         intermediate_size = _intermediate_size(
-            gate_up, down, num_experts, hidden_size, gated=not ungated
+            gate_up, down, num_experts, expert_hidden_size, gated=not ungated
         )
     bias_key = correction_bias[0] if correction_bias else None
     if shared_gate is not None and (shared_name is None or not isinstance(shared_gate, nn.Linear)):
@@ -209,6 +222,8 @@ def _named_tensors(
         shared_prefix=shared_name,
         shared_gate=None if shared_gate is None else f"{SHARED_GATE_NAME}.weight",
         shared_gate_up=f"{shared_name}.gate_up_proj.weight" in tensors,
+        latent_in=None if latent_size is None else f"{LATENT_NAMES[0]}.weight",
+        latent_out=None if latent_size is None else f"{LATENT_NAMES[1]}.weight",
     )
     return BlockParts(
         block=block,
@@ -222,7 +237,32 @@ def _named_tensors(
         num_experts=num_experts,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
+        expert_hidden_size=expert_hidden_size,
     )
+
+
+def _latent_size(block: nn.Module, hidden_size: int) -> int | None:
+    """L of a latent MoE's bias-free projections, [L, H] into the experts' space and [H, L] out
+    of it; None for a block without them (or with nn.Identity in their place)."""
+    into, out_of = (getattr(block, name, None) for name in LATENT_NAMES)
+    if all(part is None or isinstance(part, nn.Identity) for part in (into, out_of)):
+        return None
+    if not (
+        isinstance(into, nn.Linear)
+        and isinstance(out_of, nn.Linear)
+        and into.bias is None
+        and out_of.bias is None
+        and into.in_features == out_of.out_features == hidden_size
+        and into.out_features == out_of.in_features
+    ):
+        described = ", ".join(
+            f"{name} ({type(getattr(block, name, None)).__name__})" for name in LATENT_NAMES
+        )
+        raise UnsupportedBlockError(
+            f"the latent projections {described} are not bias-free Linears [L, {hidden_size}] "
+            f"and [{hidden_size}, L], the latent MoE megamoe computes"
+        )
+    return into.out_features
 
 
 def _check_expert_tensors(found: dict[str, str]) -> None:
