@@ -26,6 +26,17 @@ HIDDEN = 64
 LIMIT = 7.0
 
 
+def with_random_weights(block: torch.nn.Module) -> torch.nn.Module:
+    """`block` in eval mode with seeded weights large enough that the clamps and the routing's
+    choices matter, and a correction bias with negative entries."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for parameter in block.parameters():
+            parameter.normal_(0.0, 0.3)
+        block.gate.e_score_correction_bias.normal_(0.0, 0.2)
+    return block.eval()
+
+
 def minimax_block() -> torch.nn.Module:
     """A tiny MiniMax-M3 sparse block whose gate and up values pass the SwiGLU limit."""
     modeling = pytest.importorskip("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl")
@@ -41,13 +52,7 @@ def minimax_block() -> torch.nn.Module:
         num_experts_per_tok=2,
         swiglu_limit=LIMIT,
     )
-    torch.manual_seed(0)
-    block = modeling.MiniMaxM3VLSparseMoeBlock(config).eval()
-    with torch.no_grad():
-        for parameter in block.parameters():
-            parameter.normal_(0.0, 0.3)
-        block.gate.e_score_correction_bias.normal_(0.0, 0.2)
-    return block
+    return with_random_weights(modeling.MiniMaxM3VLSparseMoeBlock(config))
 
 
 def test_the_shared_mlp_computes_the_routed_swiglu_and_converts_exactly():
@@ -159,13 +164,7 @@ def nemotron_block(latent_size: int | None = None) -> torch.nn.Module:
         topk_group=1,
         routed_scaling_factor=2.5,
     )
-    torch.manual_seed(0)
-    block = modeling.NemotronHMoE(config).eval()
-    with torch.no_grad():
-        for parameter in block.parameters():
-            parameter.normal_(0.0, 0.3)
-        block.gate.e_score_correction_bias.normal_(0.0, 0.2)
-    return block
+    return with_random_weights(modeling.NemotronHMoE(config))
 
 
 @pytest.mark.parametrize("latent_size", [None, 24], ids=["nemotron-h", "latent"])
