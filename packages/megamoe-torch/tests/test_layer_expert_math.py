@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 from megamoe_kernels.reference import relative_l2_error
+from megamoe_runtime.routing import route
 from megamoe_torch import MegaMoE, MegaMoEConfig
 
 GPT_OSS = dict(
@@ -99,6 +100,17 @@ NEMOTRON_H = dict(
 )
 # Nemotron-H's latent MoE: the routed experts on 24-wide projections of the 32-wide tokens
 NEMOTRON_H_LATENT = dict(NEMOTRON_H, latent_size=24)
+# LongCat-Flash: 4 identity experts scored beside the 8 routed ones
+LONGCAT = dict(
+    hidden_size=32,
+    intermediate_size=16,
+    num_experts=8,
+    num_identity_experts=4,
+    top_k=3,
+    renormalize=False,
+    use_correction_bias=True,
+    routed_scaling_factor=2.0,
+)
 
 
 def sparsemixer_float64(logits: torch.Tensor, eps: float) -> tuple[list[int], torch.Tensor]:
@@ -156,7 +168,7 @@ def per_token_float64(layer: MegaMoE, x_TH: torch.Tensor) -> torch.Tensor:
         if c.use_correction_bias:
             choice = choice + layer.e_score_correction_bias.double()
         if c.num_groups > 1:
-            per_group = c.num_experts // c.num_groups
+            per_group = (c.num_experts + c.num_identity_experts) // c.num_groups
             group_scores = []
             for g in range(c.num_groups):
                 ranked = sorted(float(v) for v in choice[g * per_group : (g + 1) * per_group])
@@ -171,7 +183,8 @@ def per_token_float64(layer: MegaMoE, x_TH: torch.Tensor) -> torch.Tensor:
                 ],
                 dtype=torch.float64,
             )
-        chosen = sorted(range(c.num_experts), key=lambda e: -float(choice[e]))[: c.top_k]
+        scored = c.num_experts + c.num_identity_experts
+        chosen = sorted(range(scored), key=lambda e: -float(choice[e]))[: c.top_k]
         weights = scores[chosen]
         if c.renormalize:
             weights = weights / weights.sum()
@@ -180,6 +193,9 @@ def per_token_float64(layer: MegaMoE, x_TH: torch.Tensor) -> torch.Tensor:
         row = x if layer.latent_in is None else layer.latent_in.weight.double() @ x
         y = torch.zeros_like(row)
         for expert, weight in zip(chosen, weights, strict=True):
+            if expert >= c.num_experts:  # an identity expert
+                y += weight * row
+                continue
             expert_input = weight * row if c.routing_weights_on_input else row
             gate_up = w13[expert] @ expert_input
             if layer.w13_bias is not None:
@@ -231,6 +247,7 @@ def swiglu_float64(c: MegaMoEConfig, gate: torch.Tensor, up: torch.Tensor) -> to
         MINIMAX_M3,
         NEMOTRON_H,
         NEMOTRON_H_LATENT,
+        LONGCAT,
     ],
     ids=[
         "gpt-oss",
@@ -242,6 +259,7 @@ def swiglu_float64(c: MegaMoEConfig, gate: torch.Tensor, up: torch.Tensor) -> to
         "minimax-m3",
         "nemotron-h",
         "nemotron-h-latent",
+        "longcat",
     ],
 )
 def test_layer_matches_per_token_float64_loop(fields):
@@ -290,6 +308,8 @@ def random_layer_fields(rng: random.Random) -> dict:
         )
         if rng.random() < 0.2:
             fields.update(latent_size=rng.choice([4, 12, 32]))
+        elif rng.random() < 0.2:
+            fields.update(num_identity_experts=rng.choice([1, 2, experts]))
         expert_activation = rng.choice(["swiglu", "clamped", "relu2"])
         if expert_activation == "clamped":
             fields.update(swiglu_limit=7.0, swiglu_alpha=1.702, swiglu_up_offset=1.0)
@@ -300,16 +320,17 @@ def random_layer_fields(rng: random.Random) -> dict:
         if scoring == "sparsemixer":
             fields.update(top_k=2, sparsemixer_eps=rng.choice([0.0, 0.01, 0.3, 1.0]))
             return fields
-        groups = rng.choice([g for g in (1, 2, 4) if experts % g == 0])
+        scored = experts + fields.get("num_identity_experts", 0)
+        groups = rng.choice([g for g in (1, 2, 4) if scored % g == 0])
         top_groups = rng.randint(1, groups)
         biased = rng.random() < 0.5
         fields.update(
-            top_k=rng.randint(1, top_groups * (experts // groups)),
+            top_k=rng.randint(1, top_groups * (scored // groups)),
             num_groups=groups,
             top_groups=top_groups,
             use_correction_bias=biased,
             choice_on_logits=biased and rng.random() < 0.3,
-            group_score="max" if experts // groups < 2 else rng.choice(["top2_sum", "max"]),
+            group_score="max" if scored // groups < 2 else rng.choice(["top2_sum", "max"]),
             dropped_group_score=float("-inf") if biased else rng.choice([float("-inf"), 0.0]),
         )
         return fields
@@ -424,8 +445,8 @@ def grouped_mm_runs_on_cpu() -> bool:
 @pytest.mark.skipif(not grouped_mm_runs_on_cpu(), reason="this torch has no CPU torch._grouped_mm")
 @pytest.mark.parametrize(
     "fields",
-    [GPT_OSS, LLAMA4, dict(NEMOTRON_H_LATENT, expert_bias=True)],
-    ids=["gpt-oss", "llama4", "nemotron-h-latent"],
+    [GPT_OSS, LLAMA4, dict(NEMOTRON_H_LATENT, expert_bias=True), LONGCAT],
+    ids=["gpt-oss", "llama4", "nemotron-h-latent", "longcat"],
 )
 def test_grouped_mm_computes_and_trains_the_layer_as_the_reference_does(monkeypatch, fields):
     from megamoe_runtime import experts
@@ -492,6 +513,32 @@ def test_ungated_experts_are_refused_by_the_cutedsl_backend_alone(monkeypatch):
     assert layer.w13.shape == (8, 16, 32) and layer.shared_experts.gate_proj is None
 
 
+def test_identity_experts_are_chosen_and_their_pairs_skip_the_expert_mlp(monkeypatch):
+    layer = make_layer(LONGCAT).eval()
+    assert layer.gate.weight.shape == (12, 32) and layer.e_score_correction_bias.shape == (12,)
+    assert layer.w13.shape[0] == 8
+    x = torch.randn(37, 32)
+    with torch.no_grad():
+        ids, _ = route(
+            layer.router_logits(x),
+            layer.config.router,
+            correction_bias_E=layer.e_score_correction_bias,
+        )
+    assert (ids >= 8).any() and (ids < 8).any()
+    rows_seen = []
+    compute = layer._expert_compute
+    monkeypatch.setattr(
+        layer,
+        "_expert_compute",
+        lambda batch: rows_seen.append(int(batch.expert_offsets[-1])) or compute(batch),
+    )
+    with torch.no_grad():
+        layer(x)
+    assert rows_seen == [int((ids < 8).sum())]  # the routed pairs' rows alone
+    ok, why = layer.fused_path_status("cuda")
+    assert not ok and "num_identity_experts" in why
+
+
 def test_a_latent_layer_takes_the_torch_path_and_says_why():
     layer = make_layer(NEMOTRON_H_LATENT)
     assert layer.w13.shape == (8, 16, 24) and layer.w2.shape == (8, 24, 16)
@@ -512,11 +559,21 @@ def test_a_latent_layer_takes_the_torch_path_and_says_why():
         (dict(shared_swiglu="routed"), "takes no SwiGLU"),
         (dict(weight_dtype="fp8"), r"weight_dtype='fp8' does not combine with ungated relu\^2"),
         (dict(activation="gelu"), "activation must be one of"),
+        (dict(num_identity_experts=-1), "num_identity_experts must be an int >= 0"),
+        (dict(num_identity_experts=2, latent_size=8), "does not combine with latent_size"),
     ],
 )
 def test_bad_ungated_configs_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         MegaMoEConfig(**dict(NEMOTRON_H, **fields))
+
+
+def test_identity_experts_refuse_routing_weights_on_input_and_expert_parallelism():
+    with pytest.raises(ValueError, match="does not combine with routing_weights_on_input"):
+        MegaMoEConfig(**dict(LONGCAT, routing_weights_on_input=True))
+    group = object()  # refused before the group is used
+    with pytest.raises(ValueError, match="num_identity_experts: the expert-parallel"):
+        MegaMoE(MegaMoEConfig(**LONGCAT), process_group=group)
 
 
 @pytest.mark.parametrize("backend", ["grouped_mm", "cutedsl"])

@@ -99,6 +99,13 @@ class MegaMoEConfig:
     # experts see the tokens as they are, and `w13` is [E, 2I, L], `w2` [E, L, I]. The torch
     # layer path computes it (fused_path_status says why not the fused one)
     latent_size: int | None = None
+    # experts that compute nothing and return their token (LongCat-Flash's zero-computation
+    # experts): the router scores num_experts + num_identity_experts (`gate.weight` and the
+    # correction bias have that many rows), and a token's pairs with one of the last
+    # num_identity_experts add routing weight x token to its output and take no row of the
+    # expert MLP. The torch layer path on one device computes them (fused_path_status says why
+    # not the fused one; expert parallelism refuses them)
+    num_identity_experts: int = 0
     # shared experts every token visits, summed as one MLP of shared_intermediate_size
     num_shared_experts: int = 0
     # defaults to intermediate_size * num_shared_experts
@@ -212,6 +219,24 @@ class MegaMoEConfig:
             or self.latent_size < 1
         ):
             raise ValueError(f"latent_size must be an int >= 1 or None, got {self.latent_size!r}")
+        if (
+            isinstance(self.num_identity_experts, bool)
+            or not isinstance(self.num_identity_experts, int)
+            or self.num_identity_experts < 0
+        ):
+            raise ValueError(
+                f"num_identity_experts must be an int >= 0, got {self.num_identity_experts!r}"
+            )
+        if self.num_identity_experts and self.latent_size is not None:
+            raise ValueError(
+                "num_identity_experts does not combine with latent_size (an identity expert "
+                "returns the token, not a latent projection of it)"
+            )
+        if self.num_identity_experts and self.routing_weights_on_input:
+            raise ValueError(
+                "num_identity_experts does not combine with routing_weights_on_input=True (an "
+                "identity expert's output is its routing weight times the token, not its input)"
+            )
         if self.num_shared_experts < 0:
             raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
         if self.shared_expert_gate and self.num_shared_experts == 0:
@@ -316,7 +341,7 @@ class MegaMoEConfig:
     @cached_property  # built once: forward reads it on every call
     def router(self) -> RouterConfig:
         return RouterConfig(
-            num_experts=self.num_experts,
+            num_experts=self.num_experts + self.num_identity_experts,
             top_k=self.top_k,
             scoring=self.scoring,
             renormalize=self.renormalize,

@@ -197,7 +197,8 @@ def _quantize_loaded_expert_weights(
 class MegaMoE(nn.Module):
     """A Mixture-of-Experts block.
 
-    Parameters: `gate.weight` [E, H] (and `gate.bias` [E] with router_bias); `w13` [E, 2I, H]
+    Parameters: `gate.weight` [E, H] (and `gate.bias` [E] with router_bias; [E + Z, H] and
+    [E + Z] with Z num_identity_experts, as the correction bias); `w13` [E, 2I, H]
     (each expert's gate rows, then up rows; activation="relu2": [E, I, H], the up rows alone);
     `w2` [E, H, I]; `w13_bias` [E, 2I] ([E, I]) and `w2_bias` [E, H] with expert_bias;
     `e_score_correction_bias` [E] (fp32 buffer) when the config asks for it; `shared_experts`
@@ -256,10 +257,18 @@ class MegaMoE(nn.Module):
                 hidden_size=config.expert_hidden_size,
             )
         _check_routing_weights_on_input(config, process_group=process_group)
+        if config.num_identity_experts and process_group is not None:
+            raise ValueError(
+                "num_identity_experts: the expert-parallel dispatchers send every pair to an "
+                "expert's rank, and identity experts have none; build the layer without "
+                "process_group"
+            )
         self.process_group = process_group
         self.local_experts = local_expert_range(experts, process_group)
         local = len(self.local_experts)
-        self.gate = nn.Linear(hidden, experts, bias=config.router_bias, **factory)
+        # the router scores the identity experts too, after the routed ones
+        scored = experts + config.num_identity_experts
+        self.gate = nn.Linear(hidden, scored, bias=config.router_bias, **factory)
         # the latent MoE's projections around the routed experts, whose rows are then latent
         self.latent_in = self.latent_out = None
         if config.latent_size is not None:
@@ -295,7 +304,7 @@ class MegaMoE(nn.Module):
             self.register_parameter("w2_bias", None)
         if config.use_correction_bias:
             self.register_buffer(
-                "e_score_correction_bias", torch.zeros(experts, device=device, dtype=torch.float32)
+                "e_score_correction_bias", torch.zeros(scored, device=device, dtype=torch.float32)
             )
         else:
             self.e_score_correction_bias = None
@@ -320,7 +329,9 @@ class MegaMoE(nn.Module):
         elif self.expert_parallel:
             self.dispatcher, self.dispatcher_reason = None, ""
         else:
-            self.dispatcher = LocalDispatcher(experts, capacity=config.capacity, check_ids=False)
+            # identity experts' pairs: one bucket after the routed experts (_identity_combine)
+            buckets = experts + (1 if config.num_identity_experts else 0)
+            self.dispatcher = LocalDispatcher(buckets, capacity=config.capacity, check_ids=False)
             self.dispatcher_reason = "single GPU: local"
         self._dispatcher_key: tuple | None = None
         self._backend_name: str | None = None
@@ -772,6 +783,8 @@ class MegaMoE(nn.Module):
                 status = (False, "layer_path='torch'")
             elif self.config.latent_size is not None:
                 status = (False, "latent_size: the fused path is not built for latent projections")
+            elif self.config.num_identity_experts:
+                status = (False, "num_identity_experts: the fused path is not built for them")
             else:
                 status = device_routing_status(
                     self.config.router,
@@ -1048,6 +1061,8 @@ class MegaMoE(nn.Module):
     ) -> torch.Tensor:
         """The routed experts' y_TH on the torch path: the dispatcher's batch, the expert MLP on
         it, the dispatcher's combine."""
+        if self.config.num_identity_experts:
+            return self._identity_combine(x_TH, topk_ids_TK, topk_weights_TK)
         batch, handle = self.dispatcher.dispatch(x_TH, topk_ids_TK, topk_weights_TK)
         if self.config.routing_weights_on_input:
             # each row is its routing weight times the token (in x's dtype, as Llama 4 does)
@@ -1056,6 +1071,33 @@ class MegaMoE(nn.Module):
             expert_out_MH = self._expert_compute(batch)
             return self.dispatcher.combine(expert_out_MH, handle, weights_applied=True)
         expert_out_MH = self._expert_compute(batch)
+        return self.dispatcher.combine(expert_out_MH, handle)
+
+    def _identity_combine(
+        self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor
+    ) -> torch.Tensor:
+        """_dispatch_experts_combine with identity experts: their pairs are dispatched as one
+        more expert after the E routed ones, the expert MLP computes the routed experts' rows
+        alone, and those pairs' rows keep their tokens, which the combine weighs as it weighs
+        the experts' outputs (in the same fp32 order)."""
+        experts = self.config.num_experts
+        bucket_TK = topk_ids_TK.clamp(max=experts)  # every identity expert: bucket E
+        batch, handle = self.dispatcher.dispatch(x_TH, bucket_TK, topk_weights_TK)
+        offsets = batch.expert_offsets
+        rows_M = torch.arange(batch.capacity, device=offsets.device, dtype=offsets.dtype)
+        identity_M1 = (rows_M >= offsets[experts]).unsqueeze(-1)
+        rows_MH = batch.rows_MH
+        if rows_MH.requires_grad:
+            # the expert MLP's gradient of rows past its valid ones is unspecified: the identity
+            # rows take theirs from the combine alone
+            rows_MH = torch.where(identity_M1, rows_MH.detach(), rows_MH)
+        routed = replace(
+            batch, rows_MH=rows_MH, expert_offsets=offsets[: experts + 1], valid_rows=None
+        )
+        expert_out_MH = self._expert_compute(routed)
+        expert_out_MH = torch.where(
+            identity_M1, batch.rows_MH.to(expert_out_MH.dtype), expert_out_MH
+        )
         return self.dispatcher.combine(expert_out_MH, handle)
 
     def _check_input(self, x: torch.Tensor) -> None:
