@@ -152,6 +152,9 @@ FAMILY_FIELDS: dict[str, dict] = {
     # its indexer heads read the query heads of one key head (4 / 2 in the tiny model)
     "kolibri1_1": {"index_num_heads": 2},
     "lfm2_moe": {"layer_types": ["full_attention", "conv"], "num_dense_layers": 0},
+    # 4 zero-computation experts beside the 8 routed ones (the default's 256 leave the tiny
+    # model's probe tokens no routed expert)
+    "longcat_flash": {"zero_expert_num": 4},
     # an infinite time_step_limit does not survive config.json (as for granitemoehybrid)
     "nemotron_h": {"time_step_limit": [0.0, 1e4]},
     "muse_spark": {

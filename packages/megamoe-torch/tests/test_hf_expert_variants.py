@@ -1,7 +1,8 @@
 """Expert MLPs other than the gated SwiGLU through the Hugging Face path, read, converted and
 mapped back: MiniMax-M3's shared MLP, one `gate_up_proj` Linear (gate rows then up rows)
 computing the routed experts' clamped SwiGLU, in full precision and in e4m3 with its block
-scales; Nemotron-H's ungated relu^2 experts and shared MLP."""
+scales; Nemotron-H's ungated relu^2 experts and shared MLP, and its latent MoE; LongCat-Flash's
+zero-computation (identity) experts."""
 
 from __future__ import annotations
 
@@ -26,14 +27,16 @@ HIDDEN = 64
 LIMIT = 7.0
 
 
-def with_random_weights(block: torch.nn.Module) -> torch.nn.Module:
+def with_random_weights(block: torch.nn.Module, *, bias_std: float = 0.2) -> torch.nn.Module:
     """`block` in eval mode with seeded weights large enough that the clamps and the routing's
     choices matter, and a correction bias with negative entries."""
     torch.manual_seed(0)
     with torch.no_grad():
         for parameter in block.parameters():
             parameter.normal_(0.0, 0.3)
-        block.gate.e_score_correction_bias.normal_(0.0, 0.2)
+        for name, buffer in block.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, bias_std)
     return block.eval()
 
 
@@ -203,3 +206,37 @@ def test_ungated_experts_map_back_to_the_blocks_and_the_per_expert_tensors(laten
     del on_disk["experts.3.down_proj.weight"]
     with pytest.raises(UnsupportedBlockError, match=r"expert 3 has projections \['up_proj'\]"):
         megamoe_state_dict_from_hf(on_disk, family=naming)
+
+
+def longcat_block() -> torch.nn.Module:
+    """A tiny LongCat-Flash MoE block: 8 routed experts and 4 identity experts, top-3."""
+    modeling = pytest.importorskip("transformers.models.longcat_flash.modeling_longcat_flash")
+    config = transformers.LongcatFlashConfig(
+        hidden_size=HIDDEN,
+        expert_ffn_hidden_size=32,
+        n_routed_experts=8,
+        zero_expert_num=4,
+        num_experts_per_tok=3,
+        routed_scaling_factor=6.0,
+    )
+    # a bias of the softmax scores' size (1 / 12): the logits still choose
+    return with_random_weights(modeling.LongcatFlashMoE(config), bias_std=0.02)
+
+
+def test_identity_experts_convert_exactly_and_map_back():
+    block = longcat_block()
+    x = torch.randn(2, 13, HIDDEN)
+    with torch.no_grad():
+        expected = block(x)
+        layer = from_hf(block, backend="reference")
+        actual = layer(x)
+        ids_TK = layer.router_logits(x.reshape(-1, HIDDEN)).topk(3, dim=-1).indices
+    config = layer.config
+    assert (config.num_experts, config.num_identity_experts, config.top_k) == (8, 4, 3)
+    assert (ids_TK >= 8).any()  # identity experts chosen
+    assert relative_l2_error(actual, expected) < 1e-5
+    naming = read_block(block).naming
+    mapped = hf_state_dict_from_megamoe(layer.state_dict(), family=naming, layout="fused")
+    assert sorted(mapped) == sorted(block.state_dict())
+    for key, tensor in block.state_dict().items():
+        assert torch.equal(mapped[key], tensor), key

@@ -189,7 +189,11 @@ class BlockReading:
             routing.append(
                 f"top {fields['top_groups']} of {fields['num_groups']} groups (by their {best})"
             )
-        routing.append(f"top-{fields['top_k']} of {fields['num_experts']}")
+        identity = fields.get("num_identity_experts", 0)
+        routing.append(
+            f"top-{fields['top_k']} of {fields['num_experts']}"
+            + (f" + {identity} identity experts" if identity else "")
+        )
         routing.append("renormalised" if fields["renormalize"] else "not renormalised")
         if fields.get("use_correction_bias"):
             on = "logits" if fields.get("choice_on_logits") else "scores"

@@ -116,25 +116,33 @@ def _number_attribute(holders: tuple, names: tuple[str, ...], kind=int) -> int |
 
 
 def match_routing(
-    parts: BlockParts, runs: list[BlockRun], routed: list[Routed]
+    parts: BlockParts, runs: list[BlockRun], seen_routings: list[Routed]
 ) -> tuple[dict[str, Any], float]:
-    """The RouterConfig fields (and the weights' scale) that give the recorded routing."""
-    top_k = routed[0].ids_TK.shape[1]
+    """The RouterConfig fields (and the weights' scale) that give the recorded routing: the same
+    experts for every token, weighted in one ratio (identity experts, whose pairs a block
+    hands its experts with weight 0, compare by their tokens' other experts; their weights show
+    in the block's output, `identity_weights`)."""
+    top_k = seen_routings[0].ids_TK.shape[1]
     has_bias = runs[0].correction_bias_E is not None
     nearest = (-1, None)
+    routed_experts = parts.routed_experts
     candidates, refusals = _routing_candidates(parts, top_k, has_bias=has_bias)
     for fields in candidates:
         config = RouterConfig(**fields)
         scales, matching_tokens = [], 0
-        for run, seen in zip(runs, routed, strict=True):
+        for run, seen in zip(runs, seen_routings, strict=True):
             ids_TK, weights_TK = route(
                 run.logits_TE,
                 config,
                 correction_bias_E=run.correction_bias_E if config.use_correction_bias else None,
             )
-            expected_ids, order = ids_TK.long().sort(dim=-1)
+            expected_ids, order = _routed_first(
+                ids_TK.long(), parts, routed=ids_TK < routed_experts
+            )
             expected_weights = weights_TK.gather(1, order)
-            seen_ids, seen_order = seen.ids_TK.sort(dim=-1)
+            # a block hands its experts an identity expert's pair with weight 0 (LongCat-Flash)
+            seen_routed = seen.weights_TK != 0 if parts.num_identity_experts else None
+            seen_ids, seen_order = _routed_first(seen.ids_TK, parts, routed=seen_routed)
             same_TK = (seen_ids == expected_ids).all(dim=-1)
             matching_tokens += int(same_TK.sum())
             if not bool(same_TK.all()):
@@ -142,7 +150,7 @@ def match_routing(
                 continue
             if scales is not None:
                 ratio = seen.weights_TK.gather(1, seen_order) / expected_weights
-                scales.append(ratio)
+                scales.append(ratio[expected_ids < routed_experts])
         if matching_tokens > nearest[0]:
             nearest = (matching_tokens, fields)
         if not scales:
@@ -155,7 +163,7 @@ def match_routing(
         raise UnsupportedBlockError(
             f"the block routes by grouped top-k with sizes megamoe cannot express: {refusals[0]}"
         )
-    total = sum(r.ids_TK.shape[0] for r in routed)
+    total = sum(r.ids_TK.shape[0] for r in seen_routings)
     count, fields = nearest
     if fields is None:
         closest = ""
@@ -174,6 +182,33 @@ def match_routing(
         "scores, renormalised or not, correction bias, grouped top-k, scaling; PhiMoE's "
         f"sparsemixer){closest}"
     )
+
+
+def _routed_first(
+    ids_TK: torch.Tensor, parts: BlockParts, *, routed: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each token's ids sorted, the order): with `routed` (a mask of its pairs to the routed
+    experts), the routed ones first and every other pair as id E + Z, so two routings compare
+    by their routed experts."""
+    if routed is not None:
+        ids_TK = torch.where(routed, ids_TK.long(), parts.num_experts)
+    return ids_TK.long().sort(dim=-1)
+
+
+def identity_weights(
+    fields: dict[str, Any], parts: BlockParts, run: BlockRun
+) -> torch.Tensor | None:
+    """float32 [T, 1]: each probe token's weights of identity experts under the matched
+    routing `fields` (None without identity experts)."""
+    if not parts.num_identity_experts:
+        return None
+    config = RouterConfig(**fields)
+    ids_TK, weights_TK = route(
+        run.logits_TE,
+        config,
+        correction_bias_E=run.correction_bias_E if config.use_correction_bias else None,
+    )
+    return torch.where(ids_TK >= parts.routed_experts, weights_TK, 0.0).sum(-1, keepdim=True)
 
 
 def _describe_routing(fields: dict[str, Any]) -> str:
@@ -252,7 +287,7 @@ def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_inpu
     """The expert layout and SwiGLU variant (as naming and config fields) the experts compute,
     from a copy of the experts module holding two random experts."""
     experts, naming = parts.experts, parts.naming
-    num_experts, hidden = parts.num_experts, parts.expert_hidden_size
+    num_experts, hidden = parts.routed_experts, parts.expert_hidden_size
     probe_experts = 2
     tensors = experts.state_dict(keep_vars=True)
     stand_ins = {}

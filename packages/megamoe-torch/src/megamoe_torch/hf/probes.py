@@ -268,9 +268,10 @@ def routed_of(run: BlockRun, parts: BlockParts) -> Routed:
                     routed_TH=run.expert_outputs[0].reshape(tokens, hidden),
                     weights_on_input=False,
                 )
-    if len(tensors) == 1 and tuple(tensors[0].shape) == (parts.num_experts * tokens, hidden):
+    experts = parts.routed_experts
+    if len(tensors) == 1 and tuple(tensors[0].shape) == (experts * tokens, hidden):
         # every expert computes on each token times its routing weight (0 where not chosen)
-        rows_ETH = tensors[0].float().view(parts.num_experts, tokens, hidden)
+        rows_ETH = tensors[0].float().view(experts, tokens, hidden)
         scale_ET = (rows_ETH * run.x_TH).sum(-1) / (run.x_TH * run.x_TH).sum(-1)
         if not torch.allclose(rows_ETH, scale_ET.unsqueeze(-1) * run.x_TH, rtol=1e-5, atol=1e-6):
             raise UnsupportedBlockError(
@@ -282,7 +283,7 @@ def routed_of(run: BlockRun, parts: BlockParts) -> Routed:
             raise UnsupportedBlockError("the block does not route each token to k experts")
         top_k = int(per_token[0])
         ids_TK = chosen_TE.float().topk(top_k, dim=-1).indices.sort(dim=-1).values
-        routed_TH = run.expert_outputs[0].view(parts.num_experts, tokens, hidden).sum(0)
+        routed_TH = run.expert_outputs[0].view(experts, tokens, hidden).sum(0)
         return Routed(
             ids_TK=ids_TK,
             weights_TK=scale_ET.t().gather(1, ids_TK),
@@ -352,13 +353,21 @@ def answer_of(run: BlockRun, seen: Routed) -> tuple[str, torch.Tensor, bool]:
     return answer, output.reshape(tokens, hidden).float(), shapes[output.dim()]
 
 
-def combination(run: BlockRun, seen: Routed, y_TH: torch.Tensor) -> float:
-    """The routed part's scale in y = scale * routed + gate * shared; raises if y is not that."""
+def combination(
+    run: BlockRun, seen: Routed, y_TH: torch.Tensor, *, identity_T1: torch.Tensor | None = None
+) -> tuple[float, float | None]:
+    """(scale, identity scale) in y = scale * routed + identity scale * identity_T1 * x +
+    gate * shared, `identity_T1` each token's identity experts' weights (None: the block has
+    none, nor an identity scale); raises if y is not that."""
     columns = [seen.routed_TH.reshape(-1)]
+    if identity_T1 is not None:
+        columns.append((identity_T1 * run.x_TH).reshape(-1))
+    shared_column = None
     if run.shared_output_TH is not None:
         shared_TH = run.shared_output_TH
         if run.shared_gate_TH is not None:
             shared_TH = run.shared_gate_TH * shared_TH
+        shared_column = len(columns)
         columns.append(shared_TH.reshape(-1))
     if len(run.shared_calls) > 1 or any(
         len(args) + len(kwargs) != 1 for args, kwargs in run.shared_calls
@@ -370,15 +379,17 @@ def combination(run: BlockRun, seen: Routed, y_TH: torch.Tensor) -> float:
     solution = torch.linalg.lstsq(basis, y_TH.reshape(-1, 1).double()).solution.reshape(-1)
     fitted = (basis @ solution).float()
     if relative_error(fitted, y_TH.reshape(-1)) > MATCH_TOLERANCE:
+        parts = "its routed experts' weighted sum"
+        if identity_T1 is not None:
+            parts += ", its identity experts' weighted tokens"
         raise UnsupportedBlockError(
-            "the block's output is not its routed experts' weighted sum plus its shared experts: "
-            "it combines them otherwise"
+            f"the block's output is not {parts} plus its shared experts: it combines them otherwise"
         )
-    if len(columns) == 2 and abs(float(solution[1]) - 1.0) > 1e-4:
+    if shared_column is not None and abs(float(solution[shared_column]) - 1.0) > 1e-4:
         raise UnsupportedBlockError(
-            f"the block scales its shared experts' output by {float(solution[1]):.4g}"
+            f"the block scales its shared experts' output by {float(solution[shared_column]):.4g}"
         )
-    return float(solution[0])
+    return float(solution[0]), None if identity_T1 is None else float(solution[1])
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

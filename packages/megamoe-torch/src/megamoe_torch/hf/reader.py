@@ -38,6 +38,7 @@ from torch import nn
 from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.hf.families import BlockReading, UnsupportedBlockError, read_legacy_block
 from megamoe_torch.hf.matching import (
+    identity_weights,
     match_routing,
     read_experts_math,
     read_router_dtype,
@@ -111,7 +112,10 @@ def _read_by_probes(block: nn.Module, parts: BlockParts) -> BlockReading:
     routing_fields, weight_scale = match_routing(parts, runs, routed)
     logits_index, router_outputs = router_logits_position(runs[0])
     answer, y_TH, output_shape = answer_of(runs[0], routed[0])
-    output_scale = combination(runs[0], routed[0], y_TH)
+    identity_T1 = identity_weights(routing_fields, parts, runs[0])
+    output_scale, identity_scale = combination(runs[0], routed[0], y_TH, identity_T1=identity_T1)
+    if identity_scale is not None:
+        _check_identity_scale(identity_scale, weight_scale * output_scale)
     if weights_on_input and abs(output_scale - 1.0) > 1e-4:
         raise UnsupportedBlockError(
             f"the block scales its experts' output by {output_scale:.4g} after weighting their "
@@ -131,7 +135,8 @@ def _read_by_probes(block: nn.Module, parts: BlockParts) -> BlockReading:
         hidden_size=parts.hidden_size,
         latent_size=parts.expert_hidden_size if parts.latent else None,
         intermediate_size=parts.intermediate_size,
-        num_experts=parts.num_experts,
+        num_experts=parts.routed_experts,
+        num_identity_experts=parts.num_identity_experts,
         router_dtype=router_dtype,
         router_bias=parts.naming.router_bias is not None,
         expert_bias=parts.naming.gate_up_bias is not None,
@@ -168,3 +173,14 @@ def _read_by_probes(block: nn.Module, parts: BlockParts) -> BlockReading:
         router_outputs=router_outputs,
         router_logits_float32=logits_float32,
     )
+
+
+def _check_identity_scale(identity_scale: float, routed_scale: float) -> None:
+    """The identity experts' tokens are weighted as the routed experts' outputs are (the
+    layer scales every pair's weight alike); raises otherwise."""
+    if abs(identity_scale - routed_scale) > 1e-4 * abs(routed_scale):
+        raise UnsupportedBlockError(
+            f"the block weighs its identity experts' tokens by {identity_scale:.4g} times their "
+            f"routing weights where its routed experts' outputs take {routed_scale:.4g}: "
+            "megamoe scales both alike"
+        )

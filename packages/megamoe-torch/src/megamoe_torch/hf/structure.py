@@ -43,11 +43,20 @@ class BlockParts:
     shared: nn.Module | None
     shared_gate: nn.Linear | None
     naming: BlockNaming
+    # the experts the router scores: the routed ones, then any identity experts
     num_experts: int
     hidden_size: int
     intermediate_size: int
     # the width of the routed experts' rows: a latent MoE's latent size, else hidden_size
     expert_hidden_size: int
+    # scored experts past the experts module's, which compute no MLP (LongCat-Flash's
+    # zero-computation experts): whether they return their token the probes tell
+    num_identity_experts: int
+
+    @property
+    def routed_experts(self) -> int:
+        """The experts the experts module computes."""
+        return self.num_experts - self.num_identity_experts
 
     @property
     def latent(self) -> bool:
@@ -188,6 +197,7 @@ def _named_tensors(
     ungated = "gate_up_proj" not in experts_found and "up_proj" in experts_found
     gate_up_key = "experts.up_proj" if ungated else "experts.gate_up_proj"
     expert_hidden_size = hidden_size if latent_size is None else latent_size
+    routed = num_experts
     if set(experts_found) == set(FLATTENED_EXPERT_TENSORS):
         flattened = tuple(f"experts.{name}" for name in FLATTENED_EXPERT_TENSORS[:2])
         intermediate_size = _flattened_intermediate_size(
@@ -199,8 +209,9 @@ def _named_tensors(
     else:
         flattened, down_key = None, "experts.down_proj"
         gate_up, down = tensors[gate_up_key], tensors["experts.down_proj"]
+        routed = _routed_experts(gate_up, down, num_experts)
         intermediate_size = _intermediate_size(
-            gate_up, down, num_experts, expert_hidden_size, gated=not ungated
+            gate_up, down, routed, expert_hidden_size, gated=not ungated
         )
     bias_key = correction_bias[0] if correction_bias else None
     if shared_gate is not None and (shared_name is None or not isinstance(shared_gate, nn.Linear)):
@@ -238,7 +249,17 @@ def _named_tensors(
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         expert_hidden_size=expert_hidden_size,
+        num_identity_experts=num_experts - routed,
     )
+
+
+def _routed_experts(gate_up: torch.Tensor, down: torch.Tensor, scored: int) -> int:
+    """The experts the stacked tensors hold: all `scored` ones, or fewer, the others then being
+    experts that compute no MLP (zero-computation experts, whose probe follows)."""
+    held = gate_up.shape[0] if gate_up.dim() == down.dim() == 3 else 0
+    if 0 < held < scored and down.shape[0] == held:
+        return held
+    return scored
 
 
 def _latent_size(block: nn.Module, hidden_size: int) -> int | None:
@@ -333,13 +354,6 @@ def _intermediate_size(
                 }
             ):
                 return intermediate
-    held = min(gate_up.shape[0], down.shape[0]) if gate_up.dim() == down.dim() == 3 else 0
-    if 0 < held < num_experts:
-        raise UnsupportedBlockError(
-            f"the router scores {num_experts} experts and the experts module computes {held}: "
-            f"the other {num_experts - held} compute no MLP (zero or identity experts), which "
-            "megamoe does not have"
-        )
     first = "gate_up_proj" if gated else "up_proj"
     rows = "2I" if gated else "I"
     raise UnsupportedBlockError(
