@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -250,6 +251,29 @@ def test_mixtral_with_router_jitter_is_refused_and_left_in_place():
     assert [block for _, block in moe_blocks(model)] == blocks_before
     with pytest.raises(UnsupportedBlockError, match="jitter_noise=0.1"):
         from_hf(blocks_before[0])
+
+
+def test_reading_a_full_size_block_makes_no_copy_of_its_experts(monkeypatch):
+    """The probes copy two experts of a block (and its router), never the whole experts module:
+    DeepSeek-V3's own sizes, read from its config on the meta device."""
+    from megamoe_torch.hf import probes
+    from megamoe_torch.hf.reader import read_block
+
+    largest = [0]
+    normal = probes.ProbeRandom.normal
+
+    def recording_normal(self, *shape, **kwargs):
+        largest[0] = max(largest[0], math.prod(shape))
+        return normal(self, *shape, **kwargs)
+
+    monkeypatch.setattr(probes.ProbeRandom, "normal", recording_normal)
+    modeling = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+    with torch.device("meta"):
+        block = modeling.DeepseekV3MoE(transformers.DeepseekV3Config())
+    reading = read_block(block, structure_only=True)
+    assert reading.config_fields["num_experts"] == 256
+    # two experts' gate-up weights, 2 x 4096 x 7168: the 256 experts' are 128 times that
+    assert largest[0] <= 2 * 4096 * 7168
 
 
 def test_other_activation_is_refused():

@@ -178,7 +178,9 @@ def run_block(
         modules[SHARED_GATE_NAME] = gate_twin
     twin = copy.copy(block)
     twin._modules = {
-        name: modules.get(name, child if child is None else random_copy(child, random))
+        # the stand-ins, and random copies of the other children (only those: a copy of the
+        # experts module would be as large as the model's experts, in fp32)
+        name: modules[name] if name in modules else child and random_copy(child, random)
         for name, child in block._modules.items()
     }
     twin._parameters = {
