@@ -1138,12 +1138,20 @@ class MegaMoE(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
-        return (
-            f"experts={c.num_experts}, top_k={c.top_k}, hidden={c.hidden_size}, "
-            f"intermediate={c.intermediate_size}, scoring={c.scoring}, backend={c.backend}"
-            + (
-                f", local_experts=[{self.local_experts.start}, {self.local_experts.stop})"
-                if self.expert_parallel
-                else ""
-            )
-        )
+        shape = [
+            f"experts={c.num_experts}",
+            f"top_k={c.top_k}",
+            f"hidden={c.hidden_size}",
+            f"intermediate={c.intermediate_size}",
+            f"scoring={c.scoring}",
+            f"backend={c.backend}",
+        ]
+        if c.num_identity_experts:
+            shape.append(f"identity_experts={c.num_identity_experts}")
+        if c.activation != "swiglu":
+            shape.append(f"activation={c.activation}")
+        if c.latent_size is not None:
+            shape.append(f"latent={c.latent_size}")
+        if self.expert_parallel:
+            shape.append(f"local_experts=[{self.local_experts.start}, {self.local_experts.stop})")
+        return ", ".join(shape)
