@@ -618,8 +618,9 @@ class MegaMoE(nn.Module):
         self, *, w13: torch.Tensor | None = None, w2: torch.Tensor | None = None
     ) -> None:
         """Copies full-precision expert weights ([local experts, 2I, H] (ungated: [.., I, H])
-        and [local experts, H, I], any float dtype) into the layer: as they are, or with weight_dtype='fp8' quantized
-        per 128 x 128 block (each block's amax / 448: deterministic)."""
+        and [local experts, H, I], any float dtype) into the layer: as they are, or with
+        weight_dtype='fp8' quantized per 128 x 128 block (each block's amax / 448:
+        deterministic)."""
         from megamoe_kernels import quantize_weight_blocks
 
         for name, values in (("w13", w13), ("w2", w2)):
