@@ -388,7 +388,11 @@ def test_random_layers_route_on_the_device_as_on_the_torch_path(seed):
     expected, expected_logits = plain(x, return_router_logits=True)
     assert torch.equal(logits, expected_logits)
     assert torch.equal(fused(x), y)
-    assert relative_l2_error(y.float(), expected.float()) < 2e-3, fields
+    # shared experts may join the fused path's batch, their intermediate rounded once where the
+    # torch path's MLP rounds each projection's output: about a bf16 ulp of their share (0.4%
+    # at one token on an H100)
+    tolerance = 8e-3 if fields["num_shared_experts"] else 2e-3
+    assert relative_l2_error(y.float(), expected.float()) < tolerance, fields
 
 
 def test_the_swiglu_limit_is_reached_by_the_test_inputs():
