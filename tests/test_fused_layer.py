@@ -35,6 +35,27 @@ FAMILIES = {
         use_correction_bias=True,
         num_shared_experts=1,
     ),
+    # softmax chosen with a correction bias (ERNIE 4.5)
+    "ernie_softmax_bias": dict(num_experts=16, top_k=4, use_correction_bias=True),
+    # group-limited greedy, groups scored by their best expert (DeepSeek-V2)
+    "deepseek_v2": dict(
+        num_experts=32,
+        top_k=6,
+        num_groups=8,
+        top_groups=3,
+        group_score="max",
+        routed_scaling_factor=16.0,
+        renormalize=False,
+        num_shared_experts=2,
+    ),
+    # the choice on the logits + bias (Kolibri)
+    "kolibri_choice_on_logits": dict(
+        num_experts=16,
+        top_k=4,
+        scoring="sigmoid",
+        use_correction_bias=True,
+        choice_on_logits=True,
+    ),
 }
 
 

@@ -24,6 +24,32 @@ ROUTERS = [
         has_correction_bias=True,
     ),
     dict(num_experts=512, top_k=32, hidden_size=8, scoring="sigmoid", dropped_group_score=0.0),
+    # softmax with a correction bias (ERNIE 4.5); group-limited greedy, groups by their best
+    # expert (DeepSeek-V2); softmax in groups by their two best; the choice on logits + bias
+    dict(num_experts=64, top_k=6, hidden_size=2560, has_correction_bias=True),
+    dict(
+        num_experts=160,
+        top_k=6,
+        hidden_size=5120,
+        num_groups=8,
+        top_groups=3,
+        group_score="max",
+        routed_scaling_factor=16.0,
+        renormalize=False,
+    ),
+    dict(num_experts=64, top_k=4, hidden_size=2048, num_groups=8, top_groups=2),
+    dict(
+        num_experts=40,
+        top_k=4,
+        hidden_size=2048,
+        scoring="sigmoid",
+        has_correction_bias=True,
+        choice_on_logits=True,
+        num_groups=4,
+        top_groups=2,
+        group_score="max",
+        dropped_group_score=0.0,
+    ),
 ]
 # FP8 rows: quantized as the tokens are copied (qwen3; dsv3's 7168 = 56 groups of 128; a
 # partial last group)
@@ -258,14 +284,14 @@ def test_what_the_kernels_cannot_serve_is_refused_with_the_reason():
         "with 1 shared experts"
         in routing_problems(num_experts=512, top_k=8, hidden_size=2048, shared_experts=1)[0]
     )
-    with pytest.raises(ValueError, match="correction bias applies to scoring='sigmoid'"):
+    with pytest.raises(ValueError, match=r"group_score='min' is not one of \('top2_sum', 'max'\)"):
         RouteLauncher(
-            num_experts=8, top_k=2, hidden_size=64, has_correction_bias=True, compile_only=True
-        )
-    # the kernel's grouped top-k masks sigmoid choice scores only: softmax's would be ignored
-    with pytest.raises(ValueError, match=r"grouped top-k \(num_groups=4\) applies to scoring="):
-        RouteLauncher(
-            num_experts=8, top_k=2, hidden_size=64, num_groups=4, top_groups=2, compile_only=True
+            num_experts=8,
+            top_k=2,
+            hidden_size=64,
+            num_groups=4,
+            group_score="min",
+            compile_only=True,
         )
     for unroll in (3, 16):
         with pytest.raises(ValueError, match=f"unroll={unroll} must be 1, 2, 4 or 8"):

@@ -58,16 +58,42 @@ ROUTERS = {
     "sigmoid_plain": RouterConfig(num_experts=32, top_k=4, scoring="sigmoid"),
     # dsv3's routed experts on one rank of 8-way expert parallelism
     "dsv3_ep8_local": RouterConfig(num_experts=32, top_k=1, scoring="sigmoid"),
+    # softmax chosen with a correction bias (ERNIE 4.5)
+    "softmax_bias": RouterConfig(num_experts=64, top_k=6, use_correction_bias=True),
+    # group-limited greedy: softmax, groups scored by their best expert (DeepSeek-V2)
+    "deepseek_v2": RouterConfig(
+        num_experts=160,
+        top_k=6,
+        num_groups=8,
+        top_groups=3,
+        group_score="max",
+        routed_scaling_factor=16.0,
+        renormalize=False,
+    ),
+    "softmax_groups": RouterConfig(num_experts=64, top_k=4, num_groups=8, top_groups=2),
+    # the choice on the logits + bias (Kolibri)
+    "choice_on_logits": RouterConfig(
+        num_experts=40, top_k=4, scoring="sigmoid", use_correction_bias=True, choice_on_logits=True
+    ),
+    "sigmoid_groups_by_max": RouterConfig(
+        num_experts=64,
+        top_k=4,
+        scoring="sigmoid",
+        num_groups=4,
+        top_groups=2,
+        group_score="max",
+        use_correction_bias=True,
+        dropped_group_score=0.0,
+    ),
 }
 
 
 def _choice_scores(logits_TE: torch.Tensor, router: RouterConfig, bias_E) -> torch.Tensor:
     """What the experts are ranked by (before the group mask)."""
     logits = logits_TE.float()
-    if router.scoring == "softmax":
-        return torch.softmax(logits, dim=-1)
-    scores = torch.sigmoid(logits)
-    return scores + bias_E if router.use_correction_bias else scores
+    scores = torch.softmax(logits, dim=-1) if router.scoring == "softmax" else torch.sigmoid(logits)
+    choice = logits if router.choice_on_logits else scores
+    return choice + bias_E if router.use_correction_bias else choice
 
 
 def _poison_allocator(device) -> None:
@@ -349,9 +375,21 @@ def test_nan_logits_stay_in_their_token():
     assert torch.isfinite(handle.topk_weights_TK[torch.arange(64, device="cuda") != 5]).all()
 
 
-@pytest.mark.parametrize("name", ["qwen3", "odd_experts", "dsv3"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen3",
+        "odd_experts",
+        "dsv3",
+        "deepseek_v2",
+        "softmax_groups",
+        "choice_on_logits",
+        "sigmoid_groups_by_max",
+    ],
+)
 def test_ties_go_to_the_lower_expert_and_nans_rank_first(name):
-    """Equal choice scores are taken in expert order (with groups, the first groups are kept);
+    """Equal choice scores are taken in expert order (with groups, the first groups are kept,
+    whether a group is scored by its two best experts or its best);
     a NaN logit's expert comes before every number under sigmoid scoring (under softmax it
     makes every score of its token NaN: a tie, taken in expert order). Token 7's three largest
     tie across a lane's registers (lane l holds experts l, l + 32, ...): 9 in the first, 33 and

@@ -6,9 +6,10 @@ launch bounds guarantee, on the `sms` SMs of the GPU (at most ROUTE_MAX_CTAS). E
 contiguous share of the tokens, at most `cta_tokens` where the grid has room (a quantizing copy
 split between a CTA's warps: the tokens whose slices its warps take in one pass):
 1. a warp per token, each warp walking a contiguous slice of the tokens in order: the scores
-   (softmax over the experts; or sigmoid, plus the correction bias for choosing), the grouped
-   top-k mask (groups scored by the sum of their two best choice scores, the best `top_groups`
-   kept, the others' experts given `dropped_score`), then the top-k in rounds: each takes the
+   and choice scores (RouteRule: softmax over the experts or sigmoid; each expert chosen on its
+   score or its logit, plus its correction bias), the grouped top-k mask (groups scored by the
+   sum of their two best choice scores or by their best one, the best `top_groups` kept, the
+   others' experts given `dropped_score`), then the top-k in rounds: each takes the
    warp's largest int32 score key (the choice score's bits made order-preserving, NaN above
    every number) in one `redux.sync` and, of the experts that hold it, the lowest id from a
    ballot per register, the order torch.topk ranks them in (ties to the lower expert id; a
@@ -82,6 +83,8 @@ Constraints: E + S <= ROUTE_MAX_EXPERTS, top_k + S <= ROUTE_MAX_TOP_K, T x (top_
 (the caller checks).
 """
 
+from dataclasses import dataclass
+
 import cutlass
 import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
@@ -101,6 +104,31 @@ ROUTE_MAX_TOP_K = 32
 ROUTE_BARRIER_WORDS = 4  # two barriers' arrivals and generations
 NO_EXPERT = 1 << 30  # an arg-max that has seen no expert yet
 TAKEN_KEY = -(1 << 31)  # below every score_key: an expert already chosen, or none
+
+
+@dataclass(frozen=True)
+class RouteRule:
+    """How a token's experts and weights follow from its logits: one compile-time constant of
+    the routing kernels (the correction bias is the mBias tensor, or None).
+
+    The scores: softmax over the experts (sigmoid False) or each logit's sigmoid. The choice
+    score of an expert: its score, or its logit where choice_on_logits, plus its correction
+    bias. Grouped top-k (num_groups > 1): each group scored by the sum of its two best choice
+    scores, or by its best one where group_by_max; the best top_groups groups kept, the other
+    groups' experts given dropped_score. The top_k largest choice scores are chosen; their
+    weights are their scores, renormalised (+ 1e-20 with sigmoid scores) where renormalize,
+    times scaling."""
+
+    num_experts: int
+    top_k: int
+    sigmoid: bool
+    renormalize: bool
+    num_groups: int
+    top_groups: int
+    group_by_max: bool
+    choice_on_logits: bool
+    dropped_score: float
+    scaling: float
 
 
 def route_ctas_per_sm(experts: int, quantizes: bool) -> int:
@@ -222,18 +250,35 @@ def sigmoid_of(logit):
 
 
 @cute.jit
-def score_token(
-    mLogits,
-    mBias,
-    token,
-    lane,
-    num_experts: cutlass.Constexpr,
-    sigmoid: cutlass.Constexpr,
-    num_groups: cutlass.Constexpr,
-    top_groups: cutlass.Constexpr,
-    dropped_score: cutlass.Constexpr,
-):
+def warp_top(value):
+    """The largest of the warp's values in top-k order (NaN above every number), on every
+    lane."""
+    for step in cutlass.range_constexpr(5):
+        value = top_of_two(value, cute.arch.shuffle_sync_bfly(value, 1 << step))
+    return value
+
+
+@cute.jit
+def choice_score(score, logit, mBias, expert, rule: cutlass.Constexpr):
+    """What `expert` is chosen on: its score, or its logit where rule.choice_on_logits, plus its
+    correction bias (mBias, or None). Past the experts (never chosen: their keys are TAKEN_KEY,
+    and in no group) -inf, or a softmax score's 0."""
+    choice = score
+    if cutlass.const_expr(rule.choice_on_logits):
+        choice = logit
+    if cutlass.const_expr(mBias is not None):
+        if expert < rule.num_experts:
+            choice = choice + mBias[expert]
+    if cutlass.const_expr(rule.sigmoid or rule.choice_on_logits or mBias is not None):
+        if expert >= rule.num_experts:
+            choice = cutlass.Float32(-float("inf"))
+    return choice
+
+
+@cute.jit
+def score_token(mLogits, mBias, token, lane, rule: cutlass.Constexpr):
     """Lane l's scores and choice scores of experts l, l + 32, ... (lists, -inf past E)."""
+    num_experts = rule.num_experts
     per_lane = (num_experts + 31) // 32
     minus_inf = cutlass.Float32(-float("inf"))
     logits = []
@@ -244,7 +289,7 @@ def score_token(
         logits.append(logit)
     scores = []
     choices = []
-    if cutlass.const_expr(not sigmoid):
+    if cutlass.const_expr(not rule.sigmoid):
         largest = logits[0]
         for j in cutlass.range_constexpr(1, per_lane):
             largest = cute.arch.fmax(largest, logits[j])
@@ -259,48 +304,49 @@ def score_token(
             local_sum = local_sum + value
         total = warp_sum(local_sum)
         for j in cutlass.range_constexpr(per_lane):
-            scores.append(exps[j] / total)
-            choices.append(exps[j] / total)
+            score = exps[j] / total
+            scores.append(score)
+            choices.append(choice_score(score, logits[j], mBias, lane + 32 * j, rule))
     else:
         for j in cutlass.range_constexpr(per_lane):
             score = sigmoid_of(logits[j])
-            choice = score
-            if cutlass.const_expr(mBias is not None):
-                if lane + 32 * j < num_experts:
-                    choice = score + mBias[lane + 32 * j]
-            if lane + 32 * j >= num_experts:
-                choice = minus_inf
             scores.append(score)
-            choices.append(choice)
-        if cutlass.const_expr(num_groups > 1):
-            group_size = num_experts // num_groups
-            group_scores = []
-            for g in cutlass.range_constexpr(num_groups):
-                first = minus_inf
-                second = minus_inf
-                for j in cutlass.range_constexpr(per_lane):
-                    if (lane + 32 * j) // group_size == g:
-                        first, second = push_top_two(first, second, choices[j])
-                group_scores.append(warp_top_two_sum(first, second))
-            kept = cutlass.Int32(0)
-            for _ in cutlass.range_constexpr(top_groups):
-                best = minus_inf
-                best_group = cutlass.Int32(NO_EXPERT)
-                for g in cutlass.range_constexpr(num_groups):
-                    if ((kept >> g) & 1) == 0:
-                        if ranks_above(best, best_group, group_scores[g], cutlass.Int32(g)) == 1:
-                            best = group_scores[g]
-                            best_group = cutlass.Int32(g)
-                kept = kept | (cutlass.Int32(1) << best_group)
-            masked = []
+            choices.append(choice_score(score, logits[j], mBias, lane + 32 * j, rule))
+    if cutlass.const_expr(rule.num_groups > 1):
+        group_size = num_experts // rule.num_groups
+        group_scores = []
+        for g in cutlass.range_constexpr(rule.num_groups):
+            first = minus_inf
+            second = minus_inf
             for j in cutlass.range_constexpr(per_lane):
-                choice = choices[j]
-                group = (lane + 32 * j) // group_size
-                if lane + 32 * j < num_experts:
-                    if ((kept >> group) & 1) == 0:
-                        choice = cutlass.Float32(dropped_score)
-                masked.append(choice)
-            choices = masked
+                if (lane + 32 * j) // group_size == g:
+                    if cutlass.const_expr(rule.group_by_max):
+                        first = top_of_two(first, choices[j])
+                    else:
+                        first, second = push_top_two(first, second, choices[j])
+            if cutlass.const_expr(rule.group_by_max):
+                group_scores.append(warp_top(first))
+            else:
+                group_scores.append(warp_top_two_sum(first, second))
+        kept = cutlass.Int32(0)
+        for _ in cutlass.range_constexpr(rule.top_groups):
+            best = minus_inf
+            best_group = cutlass.Int32(NO_EXPERT)
+            for g in cutlass.range_constexpr(rule.num_groups):
+                if ((kept >> g) & 1) == 0:
+                    if ranks_above(best, best_group, group_scores[g], cutlass.Int32(g)) == 1:
+                        best = group_scores[g]
+                        best_group = cutlass.Int32(g)
+            kept = kept | (cutlass.Int32(1) << best_group)
+        masked = []
+        for j in cutlass.range_constexpr(per_lane):
+            choice = choices[j]
+            group = (lane + 32 * j) // group_size
+            if lane + 32 * j < num_experts:
+                if ((kept >> group) & 1) == 0:
+                    choice = cutlass.Float32(rule.dropped_score)
+            masked.append(choice)
+        choices = masked
     return scores, choices
 
 
@@ -350,34 +396,19 @@ def choose_top_k(scores, choices, lane, num_experts: cutlass.Constexpr, top_k: c
 
 
 @cute.jit
-def route_token(
-    mLogits,
-    mBias,
-    token,
-    lane,
-    num_experts: cutlass.Constexpr,
-    top_k: cutlass.Constexpr,
-    sigmoid: cutlass.Constexpr,
-    renormalize: cutlass.Constexpr,
-    num_groups: cutlass.Constexpr,
-    top_groups: cutlass.Constexpr,
-    dropped_score: cutlass.Constexpr,
-    scaling: cutlass.Constexpr,
-):
+def route_token(mLogits, mBias, token, lane, rule: cutlass.Constexpr):
     """Lane k < top_k's k-th expert of `token` and its final weight (renormalised, scaled)."""
-    scores, choices = score_token(
-        mLogits, mBias, token, lane, num_experts, sigmoid, num_groups, top_groups, dropped_score
-    )
-    expert, weight = choose_top_k(scores, choices, lane, num_experts, top_k)
-    if cutlass.const_expr(renormalize):
+    scores, choices = score_token(mLogits, mBias, token, lane, rule)
+    expert, weight = choose_top_k(scores, choices, lane, rule.num_experts, rule.top_k)
+    if cutlass.const_expr(rule.renormalize):
         denominator = cutlass.Float32(0.0)
-        for k in cutlass.range_constexpr(top_k):
+        for k in cutlass.range_constexpr(rule.top_k):
             denominator = denominator + cute.arch.shuffle_sync(weight, k)
-        if cutlass.const_expr(sigmoid):
+        if cutlass.const_expr(rule.sigmoid):
             denominator = denominator + cutlass.Float32(1e-20)
         weight = weight / denominator
-    if cutlass.const_expr(scaling != 1.0):
-        weight = weight * cutlass.Float32(scaling)
+    if cutlass.const_expr(rule.scaling != 1.0):
+        weight = weight * cutlass.Float32(rule.scaling)
     return expert, weight
 
 
@@ -436,14 +467,7 @@ def route_and_place_kernel(
     mRowSource,
     mScratch: cute.Tensor,
     mStatus: cute.Tensor,
-    num_experts: cutlass.Constexpr,
-    top_k: cutlass.Constexpr,
-    sigmoid: cutlass.Constexpr,
-    renormalize: cutlass.Constexpr,
-    num_groups: cutlass.Constexpr,
-    top_groups: cutlass.Constexpr,
-    dropped_score: cutlass.Constexpr,
-    scaling: cutlass.Constexpr,
+    rule: cutlass.Constexpr,
     unroll: cutlass.Constexpr,
     copy_by_token: cutlass.Constexpr,
     timeout_ns: cutlass.Constexpr,
@@ -454,8 +478,8 @@ def route_and_place_kernel(
 ):
     tidx, bidx, grid, warp, lane = thread_position()
     # the routed experts, then the shared ones; each token's routed pairs, then its shared ones
-    experts = num_experts + shared_experts
-    pairs = top_k + shared_experts
+    experts = rule.num_experts + shared_experts
+    pairs = rule.top_k + shared_experts
     # the word after expert_offsets: 1 once they are final (publish_offsets)
     offsets_ready = mExpertOffsets.iterator + (experts + 1)
     if cutlass.const_expr(publish_offsets):
@@ -514,18 +538,11 @@ def route_and_place_kernel(
             mBias,
             token,
             lane,
-            num_experts,
-            top_k,
-            sigmoid,
-            renormalize,
-            num_groups,
-            top_groups,
-            dropped_score,
-            scaling,
+            rule,
         )
         if cutlass.const_expr(shared_experts > 0):
-            if lane >= top_k:
-                expert = num_experts + lane - top_k
+            if lane >= rule.top_k:
+                expert = rule.num_experts + lane - rule.top_k
                 weight = cutlass.Float32(1.0)
                 if cutlass.const_expr(mSharedGate is not None):
                     weight = sigmoid_of(cutlass.Float32(mSharedGate[token]))
@@ -711,14 +728,7 @@ def route_and_place(
     mRowSource,
     mScratch: cute.Tensor,
     mStatus: cute.Tensor,
-    num_experts: cutlass.Constexpr,
-    top_k: cutlass.Constexpr,
-    sigmoid: cutlass.Constexpr,
-    renormalize: cutlass.Constexpr,
-    num_groups: cutlass.Constexpr,
-    top_groups: cutlass.Constexpr,
-    dropped_score: cutlass.Constexpr,
-    scaling: cutlass.Constexpr,
+    rule: cutlass.Constexpr,
     unroll: cutlass.Constexpr,
     copy_by_token: cutlass.Constexpr,
     timeout_ns: cutlass.Constexpr,
@@ -738,14 +748,14 @@ def route_and_place(
     # tokens this makes one CTA)
     tokens = mLogits.shape[0]
     grid = (tokens + ROUTE_WARPS - 1) // ROUTE_WARPS
-    expert_ctas = (num_experts + shared_experts + ROUTE_WARPS - 1) // ROUTE_WARPS
+    expert_ctas = (rule.num_experts + shared_experts + ROUTE_WARPS - 1) // ROUTE_WARPS
     if tokens > one_cta_tokens and grid < expert_ctas:
         grid = expert_ctas
     if cutlass.const_expr(cta_tokens < ROUTE_WARPS):
         by_share = (tokens + cta_tokens - 1) // cta_tokens
         if tokens > one_cta_tokens and grid < by_share:
             grid = by_share
-    ctas_per_sm = route_ctas_per_sm(num_experts + shared_experts, mRowScales is not None)
+    ctas_per_sm = route_ctas_per_sm(rule.num_experts + shared_experts, mRowScales is not None)
     resident = min(sms * ctas_per_sm, ROUTE_MAX_CTAS)
     if grid > resident:
         grid = resident
@@ -765,14 +775,7 @@ def route_and_place(
         mRowSource,
         mScratch,
         mStatus,
-        num_experts,
-        top_k,
-        sigmoid,
-        renormalize,
-        num_groups,
-        top_groups,
-        dropped_score,
-        scaling,
+        rule,
         unroll,
         copy_by_token,
         timeout_ns,
@@ -800,14 +803,7 @@ def route_tokens_kernel(
     mBias,
     mTopkIds: cute.Tensor,
     mTopkWeights: cute.Tensor,
-    num_experts: cutlass.Constexpr,
-    top_k: cutlass.Constexpr,
-    sigmoid: cutlass.Constexpr,
-    renormalize: cutlass.Constexpr,
-    num_groups: cutlass.Constexpr,
-    top_groups: cutlass.Constexpr,
-    dropped_score: cutlass.Constexpr,
-    scaling: cutlass.Constexpr,
+    rule: cutlass.Constexpr,
 ):
     _, bidx, _, warp, lane = thread_position()
     # launched with programmatic dependent launch, as route_and_place is
@@ -819,16 +815,9 @@ def route_tokens_kernel(
             mBias,
             token,
             lane,
-            num_experts,
-            top_k,
-            sigmoid,
-            renormalize,
-            num_groups,
-            top_groups,
-            dropped_score,
-            scaling,
+            rule,
         )
-        if lane < top_k:
+        if lane < rule.top_k:
             mTopkIds[token, lane] = expert
             mTopkWeights[token, lane] = weight
 
@@ -839,14 +828,7 @@ def route_tokens(
     mBias,
     mTopkIds: cute.Tensor,
     mTopkWeights: cute.Tensor,
-    num_experts: cutlass.Constexpr,
-    top_k: cutlass.Constexpr,
-    sigmoid: cutlass.Constexpr,
-    renormalize: cutlass.Constexpr,
-    num_groups: cutlass.Constexpr,
-    top_groups: cutlass.Constexpr,
-    dropped_score: cutlass.Constexpr,
-    scaling: cutlass.Constexpr,
+    rule: cutlass.Constexpr,
     stream,
 ):
     """Step 1 of route_and_place alone: topk_ids and topk_weights, a warp per token (for the
@@ -859,12 +841,5 @@ def route_tokens(
         mBias,
         mTopkIds,
         mTopkWeights,
-        num_experts,
-        top_k,
-        sigmoid,
-        renormalize,
-        num_groups,
-        top_groups,
-        dropped_score,
-        scaling,
+        rule,
     ).launch(grid=[grid, 1, 1], block=[ROUTE_THREADS, 1, 1], stream=stream, use_pdl=True)

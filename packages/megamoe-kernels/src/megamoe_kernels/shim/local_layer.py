@@ -20,7 +20,8 @@ Shape legend: T tokens, E experts, K experts per token (top-k), H hidden size, M
   weights_on_input=True (bf16, copied) each pair's row scaled by its routing weight, the bits of
   `x * w.to(torch.bfloat16)`, for experts that compute on w x (Llama 4), combined unweighted.
   Every routing
-  family of megamoe: softmax or sigmoid scoring, grouped top-k with a correction bias,
+  of megamoe's RouterConfig: softmax or sigmoid scoring, a correction bias on the scores or the
+  logits for the choice, grouped top-k (groups scored by their two best experts or their best),
   renormalisation, routed scaling.
   `RouteLauncher.route(logits)`: the routing alone (ids and weights, one launch), for the
   expert-parallel dispatchers. With `publish_offsets` (the caller's choice for the call's size:
@@ -57,6 +58,7 @@ from megamoe_kernels.shim.expert_gemm import (
 _COMPILE_LOCK = threading.Lock()
 _COMPILED: dict[tuple, Callable] = {}
 SCORINGS = ("softmax", "sigmoid")
+GROUP_SCORES = ("top2_sum", "max")
 LOGITS_DTYPES = (torch.float32, torch.bfloat16)
 # the batch rows the routing kernel writes: the tokens' bf16, or e4m3 quantized as they copy
 ROW_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
@@ -176,7 +178,9 @@ def _cutlass_dtype(dtype: torch.dtype):
 class RouteLauncher:
     """Routing + dispatch of one layer's routing constants, compiled on first use; a call
     allocates (or reuses) the outputs and launches one kernel. See the module docstring for the
-    tensors; `copy_by_token`, `one_cta_tokens`, `unroll`, `split_tokens` and `cta_tokens` are
+    tensors. The routing constants are RouterConfig's (megamoe_runtime.routing), with
+    `has_correction_bias` for its use_correction_bias (the bias is the call's tensor);
+    `copy_by_token`, `one_cta_tokens`, `unroll`, `split_tokens` and `cta_tokens` are
     the kernel's knobs (docs/kernels-design.md). `unroll`: the 16-byte loads a lane keeps in
     flight as it copies or quantizes a row, 1, 2, 4 or 8 with 32 x unroll vectors dividing the
     row (None: the largest, copy_unroll; for e4m3 rows the largest that leaves a row at least
@@ -199,6 +203,8 @@ class RouteLauncher:
         renormalize: bool = True,
         num_groups: int = 1,
         top_groups: int = 1,
+        group_score: str = "top2_sum",
+        choice_on_logits: bool = False,
         routed_scaling_factor: float = 1.0,
         dropped_group_score: float = float("-inf"),
         has_correction_bias: bool = False,
@@ -230,12 +236,8 @@ class RouteLauncher:
             problems.append(
                 "shared_expert_gate=True gates shared experts: it needs shared_experts >= 1"
             )
-        if has_correction_bias and scoring != "sigmoid":
-            problems.append("a correction bias applies to scoring='sigmoid' only")
-        if num_groups > 1 and scoring != "sigmoid":
-            problems.append(
-                f"grouped top-k (num_groups={num_groups}) applies to scoring='sigmoid' only"
-            )
+        if group_score not in GROUP_SCORES:
+            problems.append(f"group_score={group_score!r} is not one of {GROUP_SCORES}")
         if num_groups < 1 or num_experts % num_groups or not 1 <= top_groups <= num_groups:
             problems.append(
                 f"num_groups={num_groups} must divide num_experts={num_experts} and "
@@ -323,15 +325,20 @@ class RouteLauncher:
         self._one_cta_token_limit = _drop_route().one_cta_token_limit(
             self.batch_experts, one_cta_tokens, cta_tokens
         )
+        rule = _drop_route().RouteRule(
+            num_experts=num_experts,
+            top_k=top_k,
+            sigmoid=scoring == "sigmoid",
+            renormalize=bool(renormalize),
+            num_groups=num_groups,
+            top_groups=top_groups,
+            group_by_max=group_score == "max",
+            choice_on_logits=bool(choice_on_logits),
+            dropped_score=float(dropped_group_score),
+            scaling=float(routed_scaling_factor),
+        )
         constants = (
-            num_experts,
-            top_k,
-            scoring == "sigmoid",
-            bool(renormalize),
-            num_groups,
-            top_groups,
-            float(dropped_group_score),
-            float(routed_scaling_factor),
+            rule,
             int(unroll),
             bool(copy_by_token),
             _BARRIER_TIMEOUT_NS,
@@ -357,10 +364,10 @@ class RouteLauncher:
             self.shared_expert_gate,
             device_index,
         )
-        # route_tokens takes the routing constants alone (the first eight)
+        # route_tokens takes the routing rule alone
         self._route_only_key = (
             "route_tokens",
-            constants[:8],
+            rule,
             logits_dtype,
             has_correction_bias,
             device_index,
@@ -428,7 +435,7 @@ class RouteLauncher:
             row_major(cutlass.Float32, (experts,)) if self.has_correction_bias else None,
             row_major(cutlass.Int32, (tokens, top_k)),
             row_major(cutlass.Float32, (tokens, top_k)),
-            *self._constants[:8],
+            self._constants[0],
             make_fake_stream(use_tvm_ffi_env_stream=True),
             options="--enable-tvm-ffi",
         )

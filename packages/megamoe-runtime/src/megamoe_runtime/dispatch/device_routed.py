@@ -44,6 +44,8 @@ def route_launcher_constants(router: RouterConfig) -> dict:
         renormalize=router.renormalize,
         num_groups=router.num_groups,
         top_groups=router.top_groups,
+        group_score=router.group_score,
+        choice_on_logits=router.choice_on_logits,
         routed_scaling_factor=router.routed_scaling_factor,
         dropped_group_score=router.dropped_group_score,
         has_correction_bias=router.use_correction_bias,
@@ -104,18 +106,9 @@ def shared_experts_batch_problems(
 def router_features_without_kernels(router: RouterConfig) -> list[str]:
     """The parts of `router` the device routing kernels do not compute ([] when they compute
     it all); `route` computes every RouterConfig."""
-    features = []
     if router.scoring not in ("softmax", "sigmoid"):
-        features.append(f"scoring={router.scoring!r} (softmax or sigmoid only)")
-    if router.use_correction_bias and router.scoring != "sigmoid":
-        features.append(f"a correction bias with scoring={router.scoring!r} (sigmoid only)")
-    if router.num_groups > 1 and router.scoring != "sigmoid":
-        features.append(f"grouped top-k with scoring={router.scoring!r} (sigmoid only)")
-    if router.num_groups > 1 and router.group_score != "top2_sum":
-        features.append(f"group_score={router.group_score!r} (top2_sum only)")
-    if router.choice_on_logits:
-        features.append("choice_on_logits=True (the choice on the scores only)")
-    return features
+        return [f"scoring={router.scoring!r} (softmax or sigmoid only)"]
+    return []
 
 
 class DeviceRoutedDispatcher:
