@@ -48,6 +48,10 @@ FAMILIES = {
         renormalize=False,
         num_shared_experts=2,
     ),
+    # PhiMoE's sparsemixer
+    "phimoe_sparsemixer": dict(
+        num_experts=16, top_k=2, scoring="sparsemixer", renormalize=False, sparsemixer_eps=0.3
+    ),
     # the choice on the logits + bias (Kolibri)
     "kolibri_choice_on_logits": dict(
         num_experts=16,

@@ -38,6 +38,8 @@ ROUTERS = [
         renormalize=False,
     ),
     dict(num_experts=64, top_k=4, hidden_size=2048, num_groups=8, top_groups=2),
+    # PhiMoE's sparsemixer
+    dict(num_experts=16, top_k=2, hidden_size=4096, scoring="sparsemixer", renormalize=False),
     dict(
         num_experts=40,
         top_k=4,
@@ -284,6 +286,10 @@ def test_what_the_kernels_cannot_serve_is_refused_with_the_reason():
         "with 1 shared experts"
         in routing_problems(num_experts=512, top_k=8, hidden_size=2048, shared_experts=1)[0]
     )
+    with pytest.raises(ValueError, match="scoring='sparsemixer' chooses two experts"):
+        RouteLauncher(
+            num_experts=8, top_k=3, hidden_size=64, scoring="sparsemixer", compile_only=True
+        )
     with pytest.raises(ValueError, match=r"group_score='min' is not one of \('top2_sum', 'max'\)"):
         RouteLauncher(
             num_experts=8,

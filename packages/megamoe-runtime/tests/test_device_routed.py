@@ -75,6 +75,11 @@ ROUTERS = {
     "choice_on_logits": RouterConfig(
         num_experts=40, top_k=4, scoring="sigmoid", use_correction_bias=True, choice_on_logits=True
     ),
+    # PhiMoE's sparsemixer (a wide gap, so that its softmaxes take several logits)
+    "sparsemixer": RouterConfig(
+        num_experts=16, top_k=2, scoring="sparsemixer", renormalize=False, sparsemixer_eps=0.3
+    ),
+    "sparsemixer_renormalized": RouterConfig(num_experts=40, top_k=2, scoring="sparsemixer"),
     "sigmoid_groups_by_max": RouterConfig(
         num_experts=64,
         top_k=4,
@@ -91,6 +96,8 @@ ROUTERS = {
 def _choice_scores(logits_TE: torch.Tensor, router: RouterConfig, bias_E) -> torch.Tensor:
     """What the experts are ranked by (before the group mask)."""
     logits = logits_TE.float()
+    if router.scoring == "sparsemixer":  # its rounds take the largest logits left
+        return logits
     scores = torch.softmax(logits, dim=-1) if router.scoring == "softmax" else torch.sigmoid(logits)
     choice = logits if router.choice_on_logits else scores
     return choice + bias_E if router.use_correction_bias else choice

@@ -111,17 +111,19 @@ class RouteRule:
     """How a token's experts and weights follow from its logits: one compile-time constant of
     the routing kernels (the correction bias is the mBias tensor, or None).
 
-    The scores: softmax over the experts (sigmoid False) or each logit's sigmoid. The choice
-    score of an expert: its score, or its logit where choice_on_logits, plus its correction
-    bias. Grouped top-k (num_groups > 1): each group scored by the sum of its two best choice
+    scoring "softmax" (over the experts) or "sigmoid" (of each logit): the choice score of an
+    expert is its score, or its logit where choice_on_logits, plus its correction bias.
+    Grouped top-k (num_groups > 1): each group scored by the sum of its two best choice
     scores, or by its best one where group_by_max; the best top_groups groups kept, the other
-    groups' experts given dropped_score. The top_k largest choice scores are chosen; their
-    weights are their scores, renormalised (+ 1e-20 with sigmoid scores) where renormalize,
-    times scaling."""
+    groups' experts given dropped_score. The top_k largest choice scores are chosen, weighted
+    by their scores. scoring "sparsemixer" (PhiMoE's, top_k 2, no bias, no groups): two rounds,
+    each the largest logit left, weighted by its softmax over the logits left within a relative
+    gap of 2 x sparsemixer_eps below it. The weights are then renormalised (+ 1e-20 with
+    sigmoid scores) where renormalize, times scaling."""
 
     num_experts: int
     top_k: int
-    sigmoid: bool
+    scoring: str
     renormalize: bool
     num_groups: int
     top_groups: int
@@ -129,6 +131,7 @@ class RouteRule:
     choice_on_logits: bool
     dropped_score: float
     scaling: float
+    sparsemixer_eps: float
 
 
 def route_ctas_per_sm(experts: int, quantizes: bool) -> int:
@@ -269,7 +272,7 @@ def choice_score(score, logit, mBias, expert, rule: cutlass.Constexpr):
     if cutlass.const_expr(mBias is not None):
         if expert < rule.num_experts:
             choice = choice + mBias[expert]
-    if cutlass.const_expr(rule.sigmoid or rule.choice_on_logits or mBias is not None):
+    if cutlass.const_expr(rule.scoring == "sigmoid" or rule.choice_on_logits or mBias is not None):
         if expert >= rule.num_experts:
             choice = cutlass.Float32(-float("inf"))
     return choice
@@ -289,7 +292,7 @@ def score_token(mLogits, mBias, token, lane, rule: cutlass.Constexpr):
         logits.append(logit)
     scores = []
     choices = []
-    if cutlass.const_expr(not rule.sigmoid):
+    if cutlass.const_expr(rule.scoring == "softmax"):
         largest = logits[0]
         for j in cutlass.range_constexpr(1, per_lane):
             largest = cute.arch.fmax(largest, logits[j])
@@ -351,13 +354,34 @@ def score_token(mLogits, mBias, token, lane, rule: cutlass.Constexpr):
 
 
 @cute.jit
+def largest_key_owner(keys, per_lane: cutlass.Constexpr):
+    """The expert holding the warp's largest key (lane l's keys[j] is expert l + 32 j's), the
+    lowest id among equal ones, on every lane: the largest by `redux.sync` over each lane's
+    largest, then the lowest lane of the first register j whose ballot of `key == largest` is
+    not empty."""
+    best = keys[0]
+    for j in cutlass.range_constexpr(1, per_lane):
+        best = cutlass.max(best, keys[j])
+    largest = cute.arch.warp_redux_sync(best, "max")
+    ballots = []
+    for j in cutlass.range_constexpr(per_lane):
+        ballots.append(cute.arch.vote_ballot_sync(keys[j] == largest))
+    # the first register with a holder, from the last down
+    ballot = ballots[per_lane - 1]
+    first_register = cutlass.Int32(per_lane - 1)
+    for j in cutlass.range_constexpr(per_lane - 2, -1, -1):
+        if ballots[j] != 0:
+            ballot = ballots[j]
+            first_register = cutlass.Int32(j)
+    return cutlass.Int32(cute.arch.clz(cute.arch.brev(ballot))) + 32 * first_register
+
+
+@cute.jit
 def choose_top_k(scores, choices, lane, num_experts: cutlass.Constexpr, top_k: cutlass.Constexpr):
     """Lane k < top_k's k-th expert (by choice score, top-k order) and its score: top_k rounds,
-    each the warp's largest score_key by `redux.sync` (over each lane's largest), then, of the
-    experts holding it, the lowest id: lane l's register j holds expert l + 32 j, so it is the
-    lowest lane of the first register j whose ballot of `key == largest` is not empty (every
-    lane learns the winner from the ballots; its lane drops its key). Then each lane reads its
-    expert's score from the lane that holds it."""
+    each the expert holding the warp's largest score_key (largest_key_owner: every lane learns
+    it; NaN above every number, ties to the lower id), whose lane then drops its key. Then each
+    lane reads its expert's score from the lane that holds it."""
     per_lane = (num_experts + 31) // 32
     keys = []
     for j in cutlass.range_constexpr(per_lane):
@@ -367,21 +391,7 @@ def choose_top_k(scores, choices, lane, num_experts: cutlass.Constexpr, top_k: c
         keys.append(key)
     my_expert = cutlass.Int32(0)
     for k in cutlass.range_constexpr(top_k):
-        best = keys[0]
-        for j in cutlass.range_constexpr(1, per_lane):
-            best = cutlass.max(best, keys[j])
-        largest = cute.arch.warp_redux_sync(best, "max")
-        ballots = []
-        for j in cutlass.range_constexpr(per_lane):
-            ballots.append(cute.arch.vote_ballot_sync(keys[j] == largest))
-        # the first register with a holder, from the last down
-        ballot = ballots[per_lane - 1]
-        first_register = cutlass.Int32(per_lane - 1)
-        for j in cutlass.range_constexpr(per_lane - 2, -1, -1):
-            if ballots[j] != 0:
-                ballot = ballots[j]
-                first_register = cutlass.Int32(j)
-        expert = cutlass.Int32(cute.arch.clz(cute.arch.brev(ballot))) + 32 * first_register
+        expert = largest_key_owner(keys, per_lane)
         for j in cutlass.range_constexpr(per_lane):
             if lane + 32 * j == expert:
                 keys[j] = cutlass.Int32(TAKEN_KEY)
@@ -396,15 +406,65 @@ def choose_top_k(scores, choices, lane, num_experts: cutlass.Constexpr, top_k: c
 
 
 @cute.jit
+def sparsemixer_token(mLogits, token, lane, rule: cutlass.Constexpr):
+    """Lane k < 2's k-th expert of `token` by PhiMoE's sparsemixer (RouteRule) and its weight:
+    each round takes the largest logit left (the lowest id among equal ones) and weighs it by
+    its softmax over the logits left within a relative gap of 2 x sparsemixer_eps below it,
+    ((largest - l) / max(|l|, largest) <= 2 eps), as 1 / the sum of their exp(l - largest)."""
+    num_experts = rule.num_experts
+    per_lane = (num_experts + 31) // 32
+    gap = cutlass.Float32(2 * rule.sparsemixer_eps)
+    logits = []
+    keys = []
+    for j in cutlass.range_constexpr(per_lane):
+        logit = cutlass.Float32(-float("inf"))
+        key = cutlass.Int32(TAKEN_KEY)
+        if lane + 32 * j < num_experts:
+            logit = cutlass.Float32(mLogits[token, lane + 32 * j])
+            key = score_key(logit)
+        logits.append(logit)
+        keys.append(key)
+    my_expert = cutlass.Int32(0)
+    my_weight = cutlass.Float32(0.0)
+    for k in cutlass.range_constexpr(2):
+        expert = largest_key_owner(keys, per_lane)
+        largest = cutlass.Float32(0.0)
+        for j in cutlass.range_constexpr(per_lane):
+            value = cute.arch.shuffle_sync(logits[j], expert % 32)
+            if expert // 32 == j:
+                largest = value
+        local_sum = cutlass.Float32(0.0)
+        for j in cutlass.range_constexpr(per_lane):
+            if keys[j] != cutlass.Int32(TAKEN_KEY):
+                # left out past the gap; NaN (0 / 0: the largest logit 0) keeps it, as in torch
+                term = cute.math.exp(logits[j] - largest)
+                magnitude = cute.arch.fmax(cute.arch.fmax(logits[j], -logits[j]), largest)
+                if (largest - logits[j]) / magnitude > gap:
+                    term = cutlass.Float32(0.0)
+                local_sum = local_sum + term
+        weight = cutlass.Float32(1.0) / warp_sum(local_sum)
+        for j in cutlass.range_constexpr(per_lane):
+            if lane + 32 * j == expert:
+                keys[j] = cutlass.Int32(TAKEN_KEY)
+        if lane == k:
+            my_expert = expert
+            my_weight = weight
+    return my_expert, my_weight
+
+
+@cute.jit
 def route_token(mLogits, mBias, token, lane, rule: cutlass.Constexpr):
     """Lane k < top_k's k-th expert of `token` and its final weight (renormalised, scaled)."""
-    scores, choices = score_token(mLogits, mBias, token, lane, rule)
-    expert, weight = choose_top_k(scores, choices, lane, rule.num_experts, rule.top_k)
+    if cutlass.const_expr(rule.scoring == "sparsemixer"):
+        expert, weight = sparsemixer_token(mLogits, token, lane, rule)
+    else:
+        scores, choices = score_token(mLogits, mBias, token, lane, rule)
+        expert, weight = choose_top_k(scores, choices, lane, rule.num_experts, rule.top_k)
     if cutlass.const_expr(rule.renormalize):
         denominator = cutlass.Float32(0.0)
         for k in cutlass.range_constexpr(rule.top_k):
             denominator = denominator + cute.arch.shuffle_sync(weight, k)
-        if cutlass.const_expr(rule.sigmoid):
+        if cutlass.const_expr(rule.scoring == "sigmoid"):
             denominator = denominator + cutlass.Float32(1e-20)
         weight = weight / denominator
     if cutlass.const_expr(rule.scaling != 1.0):

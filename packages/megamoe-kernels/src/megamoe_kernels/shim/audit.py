@@ -265,7 +265,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
         parameters=(
             "num_experts",
             "top_k",
-            "sigmoid",
+            "scoring",
             "renormalize",
             "num_groups",
             "top_groups",
@@ -273,6 +273,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "choice_on_logits",
             "dropped_score",
             "scaling",
+            "sparsemixer_eps",
         ),
     ),
     DropSymbol("local_route", "scratch_words", "function", parameters=("num_experts",)),

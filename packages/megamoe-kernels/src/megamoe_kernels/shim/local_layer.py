@@ -22,7 +22,7 @@ Shape legend: T tokens, E experts, K experts per token (top-k), H hidden size, M
   Every routing
   of megamoe's RouterConfig: softmax or sigmoid scoring, a correction bias on the scores or the
   logits for the choice, grouped top-k (groups scored by their two best experts or their best),
-  renormalisation, routed scaling.
+  PhiMoE's sparsemixer, renormalisation, routed scaling.
   `RouteLauncher.route(logits)`: the routing alone (ids and weights, one launch), for the
   expert-parallel dispatchers. With `publish_offsets` (the caller's choice for the call's size:
   knobs.routing_publishes_offsets) expert_offsets is a view of E + S + 2 words whose last the
@@ -57,7 +57,7 @@ from megamoe_kernels.shim.expert_gemm import (
 
 _COMPILE_LOCK = threading.Lock()
 _COMPILED: dict[tuple, Callable] = {}
-SCORINGS = ("softmax", "sigmoid")
+SCORINGS = ("softmax", "sigmoid", "sparsemixer")
 GROUP_SCORES = ("top2_sum", "max")
 LOGITS_DTYPES = (torch.float32, torch.bfloat16)
 # the batch rows the routing kernel writes: the tokens' bf16, or e4m3 quantized as they copy
@@ -205,6 +205,7 @@ class RouteLauncher:
         top_groups: int = 1,
         group_score: str = "top2_sum",
         choice_on_logits: bool = False,
+        sparsemixer_eps: float = 0.01,
         routed_scaling_factor: float = 1.0,
         dropped_group_score: float = float("-inf"),
         has_correction_bias: bool = False,
@@ -238,6 +239,13 @@ class RouteLauncher:
             )
         if group_score not in GROUP_SCORES:
             problems.append(f"group_score={group_score!r} is not one of {GROUP_SCORES}")
+        if scoring == "sparsemixer" and (
+            top_k != 2 or has_correction_bias or num_groups > 1 or choice_on_logits
+        ):
+            problems.append(
+                "scoring='sparsemixer' chooses two experts on the logits alone (top_k=2, no "
+                "correction bias, no groups, not choice_on_logits)"
+            )
         if num_groups < 1 or num_experts % num_groups or not 1 <= top_groups <= num_groups:
             problems.append(
                 f"num_groups={num_groups} must divide num_experts={num_experts} and "
@@ -328,7 +336,7 @@ class RouteLauncher:
         rule = _drop_route().RouteRule(
             num_experts=num_experts,
             top_k=top_k,
-            sigmoid=scoring == "sigmoid",
+            scoring=scoring,
             renormalize=bool(renormalize),
             num_groups=num_groups,
             top_groups=top_groups,
@@ -336,6 +344,7 @@ class RouteLauncher:
             choice_on_logits=bool(choice_on_logits),
             dropped_score=float(dropped_group_score),
             scaling=float(routed_scaling_factor),
+            sparsemixer_eps=float(sparsemixer_eps),
         )
         constants = (
             rule,

@@ -46,6 +46,7 @@ def route_launcher_constants(router: RouterConfig) -> dict:
         top_groups=router.top_groups,
         group_score=router.group_score,
         choice_on_logits=router.choice_on_logits,
+        sparsemixer_eps=router.sparsemixer_eps,
         routed_scaling_factor=router.routed_scaling_factor,
         dropped_group_score=router.dropped_group_score,
         has_correction_bias=router.use_correction_bias,
@@ -70,9 +71,6 @@ def device_routing_status(
             return False, f"{package} (import {module}) is not installed"
     if dtype != torch.bfloat16:
         return False, f"the device routing kernels move bf16 rows, got {dtype}"
-    unsupported = router_features_without_kernels(router)
-    if unsupported:
-        return False, f"the device routing kernels lack {'; '.join(unsupported)}"
     from megamoe_kernels.shim.local_layer import routing_problems
 
     problems = routing_problems(
@@ -101,14 +99,6 @@ def shared_experts_batch_problems(
         num_groups=router.num_groups,
         shared_experts=shared_experts,
     )
-
-
-def router_features_without_kernels(router: RouterConfig) -> list[str]:
-    """The parts of `router` the device routing kernels do not compute ([] when they compute
-    it all); `route` computes every RouterConfig."""
-    if router.scoring not in ("softmax", "sigmoid"):
-        return [f"scoring={router.scoring!r} (softmax or sigmoid only)"]
-    return []
 
 
 class DeviceRoutedDispatcher:
