@@ -196,3 +196,47 @@ def test_bad_logits_shape_and_missing_bias_are_refused():
     biased = RouterConfig(num_experts=4, top_k=1, scoring="sigmoid", use_correction_bias=True)
     with pytest.raises(ValueError, match="correction_bias"):
         route(torch.randn(2, 4), biased)
+
+
+@pytest.mark.parametrize(
+    "fields, rule",
+    [
+        (dict(num_experts=128, top_k=8), dict(scoring="softmax", group_by_max=False)),
+        (
+            dict(num_experts=64, top_k=6, use_correction_bias=True, routed_scaling_factor=2.0),
+            dict(scoring="softmax", scaling=2.0),
+        ),
+        (
+            dict(num_experts=160, top_k=6, num_groups=8, top_groups=3, group_score="max"),
+            dict(num_groups=8, top_groups=3, group_by_max=True),
+        ),
+        (
+            dict(
+                num_experts=40,
+                top_k=4,
+                scoring="sigmoid",
+                use_correction_bias=True,
+                choice_on_logits=True,
+                num_groups=4,
+                dropped_group_score=0.0,
+            ),
+            dict(scoring="sigmoid", choice_on_logits=True, dropped_score=0.0, group_by_max=False),
+        ),
+        (
+            dict(num_experts=16, top_k=2, scoring="sparsemixer", sparsemixer_eps=0.3),
+            dict(scoring="sparsemixer", sparsemixer_eps=0.3),
+        ),
+    ],
+)
+def test_every_router_reaches_the_routing_kernels_as_its_rule(fields, rule):
+    # the device routing kernels compute every RouterConfig: the rule they are compiled for
+    from megamoe_kernels.shim.local_layer import RouteLauncher
+    from megamoe_runtime.dispatch.device_routed import route_launcher_constants
+
+    router = RouterConfig(**fields)
+    launcher = RouteLauncher(**route_launcher_constants(router), hidden_size=64, compile_only=True)
+    assert launcher.rule.num_experts == router.num_experts
+    assert launcher.rule.top_k == router.top_k
+    assert launcher.rule.renormalize == router.renormalize
+    for name, value in rule.items():
+        assert getattr(launcher.rule, name) == value, name

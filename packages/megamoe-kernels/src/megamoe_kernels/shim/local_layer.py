@@ -333,7 +333,8 @@ class RouteLauncher:
         self._one_cta_token_limit = _drop_route().one_cta_token_limit(
             self.batch_experts, one_cta_tokens, cta_tokens
         )
-        rule = _drop_route().RouteRule(
+        # the routing as the kernels take it (one compile-time constant)
+        self.rule = rule = _drop_route().RouteRule(
             num_experts=num_experts,
             top_k=top_k,
             scoring=scoring,
