@@ -26,7 +26,7 @@ FAMILIES = {
     ),
 }
 
-# and PhiMoE's sparsemixer, whose routing the device kernels lack: traced as torch ops
+# and PhiMoE's sparsemixer (on a CPU its routing is traced as torch ops)
 TORCH_ROUTED_FAMILIES = {
     **FAMILIES,
     "sparsemixer": dict(
