@@ -416,7 +416,12 @@ def test_ties_go_to_the_lower_expert_and_nans_rank_first(name):
     ids = ids_TK.tolist()
     in_order = list(range(top_k))
     assert all(row == in_order for t, row in enumerate(ids) if t not in (2, 7))
-    others = [e for e in range(experts) if e not in tied_experts]
+    # the groups kept: the tied experts', then the first of the others (equal scores)
+    per_group = experts // router.num_groups
+    tied_groups = sorted({e // per_group for e in tied_experts})
+    kept = tied_groups + [g for g in range(router.num_groups) if g not in tied_groups]
+    kept = kept[: router.top_groups]
+    others = [e for e in range(experts) if e not in tied_experts and e // per_group in kept]
     assert ids[7] == tied_experts + others[: top_k - len(tied_experts)]
     if router.scoring == "sigmoid":
         numbers = [e for e in range(experts) if e not in nan_experts]
