@@ -8,6 +8,7 @@ reference backend's gradients."""
 
 import pytest
 import torch
+from gpu_inputs import fresh_tokens, poison_allocator
 from layer_gradients import bf16_and_fp32_gradients
 from megamoe_kernels.reference import relative_l2_error
 from megamoe_torch import MegaMoE, MegaMoEConfig
@@ -76,16 +77,6 @@ def make_layer(fields: dict) -> MegaMoE:
             layer.e_score_correction_bias.normal_(0.0, 0.05)
         layer.w13.mul_(4.0)  # gate and up values past the SwiGLU limit
     return layer
-
-
-def poison_allocator() -> None:
-    # the next allocations reuse this memory: anything a forward leaves unwritten reads NaN
-    torch.full((256 << 20,), float("nan"), dtype=torch.float32, device="cuda")
-
-
-def fresh_tokens(tokens: int, hidden: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(tokens, hidden, device="cuda", generator=generator).to(torch.bfloat16)
 
 
 @torch.no_grad()

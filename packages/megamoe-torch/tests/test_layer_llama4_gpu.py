@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from gpu_inputs import fresh_tokens, poison_allocator
 from layer_gradients import bf16_and_fp32_gradients
 from megamoe_kernels.reference import relative_l2_error
 from megamoe_torch import MegaMoE, MegaMoEConfig, swap_moe_blocks
@@ -52,16 +53,6 @@ def make_layer(dims, *, router_scale: float = 8.0, **overrides):
         # routing weights spread over (0, 1), not all near 0.5 (the chosen experts' near 1)
         layer.gate.weight.mul_(router_scale)
     return layer
-
-
-def poison_allocator() -> None:
-    # the next allocations reuse this memory: anything a forward leaves unwritten reads NaN
-    torch.full((256 << 20,), float("nan"), dtype=torch.float32, device="cuda")
-
-
-def fresh_tokens(tokens: int, hidden: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(tokens, hidden, device="cuda", generator=generator).to(torch.bfloat16)
 
 
 @torch.no_grad()
