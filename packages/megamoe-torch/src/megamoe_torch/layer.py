@@ -31,7 +31,6 @@ from megamoe_kernels import (
     shared_experts_in_batch_by_default,
     weight_scales_shape,
 )
-from megamoe_kernels.reference import swiglu
 from megamoe_runtime.dispatch import LocalDispatcher, RowWeightsDispatcher
 from megamoe_runtime.dispatch.device_routed import (
     DeviceRoutedDispatcher,
@@ -136,6 +135,7 @@ class SharedExperts(nn.Module):
     ):
         super().__init__()
         self.swiglu = SwiGLU() if swiglu is None else swiglu
+        self._plain_swiglu = self.swiglu.is_plain  # decided once, not at every forward
 
         def projection(in_features: int, out_features: int) -> nn.Module:
             if fp8:
@@ -160,16 +160,9 @@ class SharedExperts(nn.Module):
         if self.gate_proj is None:
             return torch.relu(up_TI).square()
         gate_TI = self.gate_proj(x_TH)
-        if self.swiglu.is_plain:
+        if self._plain_swiglu:
             return nn.functional.silu(gate_TI) * up_TI
-        constants = self.swiglu
-        return swiglu(
-            gate_TI,
-            up_TI,
-            limit=constants.limit,
-            alpha=constants.alpha,
-            up_offset=constants.up_offset,
-        ).to(gate_TI.dtype)
+        return self.swiglu(gate_TI, up_TI).to(gate_TI.dtype)
 
 
 def _check_routing_weights_on_input(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from megamoe_kernels.drop.gate_up_layout import GATE_UP_BLOCK, interleaved_source_row
+from megamoe_kernels.reference import swiglu
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,10 @@ class SwiGLU:
             if not math.isfinite(value):
                 raise ValueError(f"SwiGLU {name} must be finite, got {value}")
             object.__setattr__(self, name, float(value))
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """This activation of `gate` and `up` in fp32 (megamoe_kernels.reference.swiglu)."""
+        return swiglu(gate, up, limit=self.limit, alpha=self.alpha, up_offset=self.up_offset)
 
     @property
     def is_plain(self) -> bool:

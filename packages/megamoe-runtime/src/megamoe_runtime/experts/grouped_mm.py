@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from megamoe_kernels.reference import swiglu
 
 from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.experts.base import check_batch_matches_weights
@@ -95,14 +94,7 @@ class GroupedMMExperts:
             if w13_bias is not None:
                 gate_up += row_biases(w13_bias)
             if prepared.gated:
-                activation = prepared.swiglu
-                hidden = swiglu(
-                    gate_up[..., :intermediate],
-                    gate_up[..., intermediate:],
-                    limit=activation.limit,
-                    alpha=activation.alpha,
-                    up_offset=activation.up_offset,
-                )
+                hidden = prepared.swiglu(gate_up[..., :intermediate], gate_up[..., intermediate:])
             else:
                 hidden = torch.relu(gate_up).square()
             hidden = hidden.to(rows.dtype)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from megamoe_kernels import SwiGLU
-from megamoe_kernels.reference import expert_mlp_reference, swiglu
+from megamoe_kernels.reference import expert_mlp_reference
 from megamoe_runtime.routing import RouterConfig, route
 from torch import nn
 
@@ -509,15 +509,8 @@ def read_shared_experts(
         else:
             gate, up = twin.gate_proj(x_TH), twin.up_proj(x_TH)
         candidates = {"silu": SwiGLU(), "routed": routed_swiglu}
-        for name, constants in candidates.items():
-            hidden = swiglu(
-                gate,
-                up,
-                limit=constants.limit,
-                alpha=constants.alpha,
-                up_offset=constants.up_offset,
-            )
-            if relative_error(seen, twin.down_proj(hidden)) <= MATCH_TOLERANCE:
+        for name, activation in candidates.items():
+            if relative_error(seen, twin.down_proj(activation(gate, up))) <= MATCH_TOLERANCE:
                 return dict(fields, shared_swiglu=name)
     act_fn = type(getattr(shared, "act_fn", None)).__name__
     raise UnsupportedBlockError(
