@@ -131,11 +131,7 @@ def match_routing(
         config = RouterConfig(**fields)
         scales, matching_tokens = [], 0
         for run, seen in zip(runs, seen_routings, strict=True):
-            ids_TK, weights_TK = route(
-                run.logits_TE,
-                config,
-                correction_bias_E=run.correction_bias_E if config.use_correction_bias else None,
-            )
+            ids_TK, weights_TK = _route_probe(run, config)
             expected_ids, order = _routed_first(
                 ids_TK.long(), parts, routed=ids_TK < routed_experts
             )
@@ -184,6 +180,15 @@ def match_routing(
     )
 
 
+def _route_probe(run: BlockRun, config: RouterConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """megamoe's routing `config` of a probe's logits, with its correction bias if it takes one."""
+    return route(
+        run.logits_TE,
+        config,
+        correction_bias_E=run.correction_bias_E if config.use_correction_bias else None,
+    )
+
+
 def _routed_first(
     ids_TK: torch.Tensor, parts: BlockParts, *, routed: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,12 +207,7 @@ def identity_weights(
     routing `fields` (None without identity experts)."""
     if not parts.num_identity_experts:
         return None
-    config = RouterConfig(**fields)
-    ids_TK, weights_TK = route(
-        run.logits_TE,
-        config,
-        correction_bias_E=run.correction_bias_E if config.use_correction_bias else None,
-    )
+    ids_TK, weights_TK = _route_probe(run, RouterConfig(**fields))
     return torch.where(ids_TK >= parts.routed_experts, weights_TK, 0.0).sum(-1, keepdim=True)
 
 
