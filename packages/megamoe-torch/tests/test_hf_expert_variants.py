@@ -21,8 +21,8 @@ from megamoe_torch import (  # noqa: E402
 )
 from megamoe_torch.hf.naming import BlockNaming  # noqa: E402
 from megamoe_torch.hf.reader import read_block  # noqa: E402
+from test_hf_fp8 import assert_same_bytes, raw  # noqa: E402
 
-E4M3 = torch.float8_e4m3fn
 HIDDEN = 64
 LIMIT = 7.0
 
@@ -84,9 +84,7 @@ def test_the_layer_maps_back_to_the_blocks_tensors():
     layer = from_hf(block, backend="reference")
     mapped = hf_state_dict_from_megamoe(layer.state_dict(), family=naming, layout="fused")
     expected = block.state_dict()
-    assert sorted(mapped) == sorted(expected)
-    for key, tensor in expected.items():
-        assert torch.equal(mapped[key], tensor), key
+    assert_same_bytes(mapped, expected)
     on_disk = hf_state_dict_from_megamoe(layer.state_dict(), family=naming, layout="per_expert")
     assert "shared_experts.gate_up_proj.weight" not in on_disk
     gate_up = expected["shared_experts.gate_up_proj.weight"]
@@ -113,11 +111,6 @@ def fp8_block_tensors(shared_size: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def raw(tensor: torch.Tensor) -> torch.Tensor:
-    """The bytes of an e4m3 tensor (torch.equal on e4m3 compares values: -0 == 0)."""
-    return tensor.view(torch.uint8) if tensor.dtype == E4M3 else tensor
-
-
 NAMING = BlockNaming(family="minimax_m3_vl", shared_prefix="shared_experts", shared_gate_up=True)
 
 
@@ -131,10 +124,7 @@ def test_an_e4m3_shared_gate_up_splits_with_its_scales_and_maps_back_bit_for_bit
     assert torch.equal(ours["shared_experts.gate_proj.weight_scale_inv"], scales[:2])
     assert torch.equal(ours["shared_experts.up_proj.weight_scale_inv"], scales[2:])
     back = hf_state_dict_from_megamoe(ours, family=NAMING, layout="fused")
-    assert sorted(back) == sorted(hf)
-    for key, tensor in hf.items():
-        assert back[key].dtype == tensor.dtype, key
-        assert torch.equal(raw(back[key]), raw(tensor)), key
+    assert_same_bytes(back, hf)
     # the names on disk hold the two projections apart, and read back the same
     on_disk = hf_state_dict_from_megamoe(ours, family=NAMING, layout="per_expert")
     assert "shared_experts.gate_proj.weight_scale_inv" in on_disk
@@ -194,15 +184,12 @@ def test_ungated_experts_map_back_to_the_blocks_and_the_per_expert_tensors(laten
     layer = from_hf(block, backend="reference")
     mapped = hf_state_dict_from_megamoe(layer.state_dict(), family=naming, layout="fused")
     expected = block.state_dict()
-    assert sorted(mapped) == sorted(expected)
-    for key, tensor in expected.items():
-        assert torch.equal(mapped[key], tensor), key
+    assert_same_bytes(mapped, expected)
     on_disk = hf_state_dict_from_megamoe(layer.state_dict(), family=naming, layout="per_expert")
     assert torch.equal(on_disk["experts.3.up_proj.weight"], expected["experts.up_proj"][3])
     assert not any("gate_proj" in key for key in on_disk)
     again = megamoe_state_dict_from_hf(on_disk, family=naming)
-    for key, tensor in layer.state_dict().items():
-        assert torch.equal(again[key], tensor), key
+    assert_same_bytes(again, layer.state_dict())
     del on_disk["experts.3.down_proj.weight"]
     with pytest.raises(UnsupportedBlockError, match=r"expert 3 has projections \['up_proj'\]"):
         megamoe_state_dict_from_hf(on_disk, family=naming)
@@ -237,6 +224,4 @@ def test_identity_experts_convert_exactly_and_map_back():
     assert relative_l2_error(actual, expected) < 1e-5
     naming = read_block(block).naming
     mapped = hf_state_dict_from_megamoe(layer.state_dict(), family=naming, layout="fused")
-    assert sorted(mapped) == sorted(block.state_dict())
-    for key, tensor in block.state_dict().items():
-        assert torch.equal(mapped[key], tensor), key
+    assert_same_bytes(mapped, block.state_dict())
