@@ -60,9 +60,27 @@ def test_the_swiglu_defaults_are_the_plain_one_and_the_constants_are_checked():
         ({"alpha": math.nan}, ValueError),
         ({"up_offset": "1"}, TypeError),
         ({"limit": True}, TypeError),
+        ({"gate_softcap": 0.0}, ValueError),
+        ({"up_softcap": math.inf}, ValueError),
+        ({"up_softcap": "25"}, TypeError),
     ]:
         with pytest.raises(error, match=next(iter(fields))):
             SwiGLU(**fields)
+
+
+def test_the_softcapped_swiglu_is_inkling2s_and_no_kernel_takes_it():
+    gate, up = torch.randn(1000) * 6, torch.randn(1000) * 40
+    expected = 4.0 * torch.tanh(gate / 4.0) * torch.sigmoid(gate) * 25.0 * torch.tanh(up / 25.0)
+    swiglu = SwiGLU(gate_softcap=4, up_softcap=25)
+    assert swiglu.softcapped and not swiglu.is_plain and not SwiGLU(limit=7).softcapped
+    torch.testing.assert_close(swiglu(gate, up), expected)
+    # one cap alone
+    torch.testing.assert_close(
+        reference_swiglu(gate, up, up_softcap=25.0),
+        torch.nn.functional.silu(gate) * 25.0 * torch.tanh(up / 25.0),
+    )
+    with pytest.raises(ValueError, match="compute no softcapped SwiGLU"):
+        swiglu.kernel_constants()
 
 
 def test_the_swiglu_oracle_is_the_gpt_oss_activation():

@@ -1,4 +1,5 @@
-"""A weight pack with the experts' biases and the clamped SwiGLU (gpt-oss) on a CPU: its checks,
+"""A weight pack with the experts' biases and the clamped SwiGLU (gpt-oss), or the softcapped
+SwiGLU (Inkling2), on a CPU: its checks,
 the reference backend computing the whole math, grouped_mm computing it as the reference does
 (torch's CPU torch._grouped_mm, where this torch has one), the cutedsl backend laying the biases
 out for its kernels, and the backend choice."""
@@ -14,7 +15,7 @@ from megamoe_kernels.reference import expert_mlp_reference, relative_l2_error
 from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.experts import _batch_refusal, make_backend, select_backend
 from megamoe_runtime.experts.cutedsl import CuteDSLExperts
-from megamoe_runtime.weights import Unquantized, quantize
+from megamoe_runtime.weights import SOFTCAPPED_SWIGLU, Unquantized, quantize
 from test_masked_batch import grouped_mm_runs_on_cpu
 
 E, H, INTER = 4, 64, 48
@@ -90,6 +91,9 @@ FEATURES = {
     "biases": dict(swiglu=SwiGLU()),
     "clamped swiglu": dict(w13_bias_E2I=None, w2_bias_EH=None),
     "both": {},
+    "softcapped swiglu": dict(
+        w13_bias_E2I=None, w2_bias_EH=None, swiglu=SwiGLU(gate_softcap=1.0, up_softcap=2.0)
+    ),
 }
 PAST_THE_VALID_ROWS = 5
 
@@ -116,9 +120,7 @@ def reference_of(pack: Unquantized, batch: ExpertBatch, row_scale_M=None) -> tor
         row_scale_M,
         w13_bias_E2I=pack.w13_bias_E2I,
         w2_bias_EH=pack.w2_bias_EH,
-        limit=pack.swiglu.limit,
-        alpha=pack.swiglu.alpha,
-        up_offset=pack.swiglu.up_offset,
+        **pack.swiglu.constants(),
         expert_counts=batch.expert_counts,
     )
 
@@ -209,6 +211,25 @@ def test_every_backend_but_the_fp8_kernels_takes_the_expert_math():
     # a CPU: grouped_mm needs a CUDA device, whatever the experts compute
     name, reason = select_backend("auto", torch.device("cpu"), expert_math=math)
     assert name == "reference" and "needs a CUDA device" in reason
+
+
+def test_a_softcapped_swiglu_is_named_and_refused_by_the_cutedsl_backend_alone():
+    base = gpt_oss_pack(dtype=torch.bfloat16)
+    pack = Unquantized(
+        w13_E2IH=base.w13_E2IH, w2_EHI=base.w2_EHI, swiglu=SwiGLU(gate_softcap=4, up_softcap=25)
+    )
+    assert pack.expert_math == (SOFTCAPPED_SWIGLU,)
+    clamped_too = replace(pack, swiglu=replace(pack.swiglu, limit=7.0))
+    assert clamped_too.expert_math == (
+        SOFTCAPPED_SWIGLU,
+        f"a clamped/scaled SwiGLU ({clamped_too.swiglu})",
+    )
+    choice = dict(masked_batches=False, fp8_rows=False, expert_math=pack.expert_math)
+    assert "compute no softcapped SwiGLU" in _batch_refusal("cutedsl", fp8_weights=False, **choice)
+    for name in ("grouped_mm", "reference"):
+        assert _batch_refusal(name, fp8_weights=False, **choice) is None
+    with pytest.raises(ValueError, match="compute no softcapped SwiGLU"):
+        CuteDSLExperts().prepare(pack)
 
 
 def test_the_cutedsl_backend_interleaves_the_w13_bias_like_w13_and_keeps_both_in_float32():

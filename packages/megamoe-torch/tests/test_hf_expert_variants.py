@@ -2,7 +2,7 @@
 mapped back: MiniMax-M3's shared MLP, one `gate_up_proj` Linear (gate rows then up rows)
 computing the routed experts' clamped SwiGLU, in full precision and in e4m3 with its block
 scales; Nemotron-H's ungated relu^2 experts and shared MLP, and its latent MoE; LongCat-Flash's
-zero-computation (identity) experts."""
+zero-computation (identity) experts; Inkling2's softcapped SwiGLU."""
 
 from __future__ import annotations
 
@@ -221,6 +221,40 @@ def test_identity_experts_convert_exactly_and_map_back():
     config = layer.config
     assert (config.num_experts, config.num_identity_experts, config.top_k) == (8, 4, 3)
     assert (ids_TK >= 8).any()  # identity experts chosen
+    assert relative_l2_error(actual, expected) < 1e-5
+    naming = read_block(block).naming
+    mapped = hf_state_dict_from_megamoe(layer.state_dict(), family=naming, layout="fused")
+    assert_same_bytes(mapped, block.state_dict())
+
+
+def inkling2_block(*, gate_softcap: float, up_softcap: float) -> torch.nn.Module:
+    """A tiny Inkling2 sparse block; with weights of std 0.3 its gate and up values reach a few
+    units, past caps of that size."""
+    modeling = pytest.importorskip("transformers.models.inkling2.modeling_inkling2")
+    from transformers.models.inkling2.configuration_inkling2 import Inkling2TextConfig
+
+    config = Inkling2TextConfig(
+        hidden_size=HIDDEN,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        mlp_gate_softcap=gate_softcap,
+        mlp_up_softcap=up_softcap,
+    )
+    return with_random_weights(modeling.Inkling2SparseMoeBlock(config))
+
+
+@pytest.mark.parametrize("caps", [(4.0, 25.0), (1.5, 2.0)], ids=["inkling2", "tight-caps"])
+def test_softcapped_experts_convert_exactly_and_map_back(caps):
+    gate_softcap, up_softcap = caps
+    block = inkling2_block(gate_softcap=gate_softcap, up_softcap=up_softcap)
+    x = torch.randn(2, 13, HIDDEN)
+    with torch.no_grad():
+        expected = block(x)
+        layer = from_hf(block, backend="reference")
+        actual = layer(x)
+    config = layer.config
+    assert (config.swiglu_gate_softcap, config.swiglu_up_softcap) == caps
     assert relative_l2_error(actual, expected) < 1e-5
     naming = read_block(block).naming
     mapped = hf_state_dict_from_megamoe(layer.state_dict(), family=naming, layout="fused")

@@ -26,7 +26,7 @@ SWAP_EXACTLY = {
     "ernie4_5_vl_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite",
     "glm4v_moe", "glm5_next", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa",
     "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "hy_v4_vl",
-    "jamba", "kimi_linear", "kolibri1", "kolibri1_1", "laguna", "lara_mini", "lfm2_moe", "llama4",
+    "inkling2", "inkling2_loop", "jamba", "kimi_linear", "kolibri1", "kolibri1_1", "laguna", "lara_mini", "lfm2_moe", "llama4",
     "longcat_flash", "mellum", "mimo_v2_flash", "minicpm5_moe", "minimax", "minimax_m2",
     "minimax_m3_vl", "mistral4", "mistral_large4", "mixtral", "nemotron_h", "olmoe",
     "openai_privacy_filter", "phimoe", "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_next",

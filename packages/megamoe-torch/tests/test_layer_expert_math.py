@@ -98,6 +98,18 @@ NEMOTRON_H = dict(
     num_shared_experts=1,
     shared_intermediate_size=24,
 )
+# Inkling2's softcapped SwiGLU, its caps small enough that this layer's values pass them
+INKLING2 = dict(
+    hidden_size=32,
+    intermediate_size=16,
+    num_experts=8,
+    top_k=2,
+    scoring="sigmoid",
+    use_correction_bias=True,
+    routed_scaling_factor=8.0,
+    swiglu_gate_softcap=0.5,
+    swiglu_up_softcap=1.0,
+)
 # Nemotron-H's latent MoE: the routed experts on 24-wide projections of the 32-wide tokens
 NEMOTRON_H_LATENT = dict(NEMOTRON_H, latent_size=24)
 # LongCat-Flash: 4 identity experts scored beside the 8 routed ones
@@ -232,7 +244,12 @@ def swiglu_float64(c: MegaMoEConfig, gate: torch.Tensor, up: torch.Tensor) -> to
     """The routed experts' SwiGLU of `c` on one token's gate and up values."""
     if c.swiglu_limit is not None:
         gate, up = gate.clamp(max=c.swiglu_limit), up.clamp(-c.swiglu_limit, c.swiglu_limit)
-    return gate * torch.sigmoid(c.swiglu_alpha * gate) * (up + c.swiglu_up_offset)
+    linear_gate = gate
+    if c.swiglu_gate_softcap is not None:
+        linear_gate = c.swiglu_gate_softcap * torch.tanh(gate / c.swiglu_gate_softcap)
+    if c.swiglu_up_softcap is not None:
+        up = c.swiglu_up_softcap * torch.tanh(up / c.swiglu_up_softcap)
+    return linear_gate * torch.sigmoid(c.swiglu_alpha * gate) * (up + c.swiglu_up_offset)
 
 
 @pytest.mark.parametrize(
@@ -248,6 +265,7 @@ def swiglu_float64(c: MegaMoEConfig, gate: torch.Tensor, up: torch.Tensor) -> to
         NEMOTRON_H,
         NEMOTRON_H_LATENT,
         LONGCAT,
+        INKLING2,
     ],
     ids=[
         "gpt-oss",
@@ -260,6 +278,7 @@ def swiglu_float64(c: MegaMoEConfig, gate: torch.Tensor, up: torch.Tensor) -> to
         "nemotron-h",
         "nemotron-h-latent",
         "longcat",
+        "inkling2",
     ],
 )
 def test_layer_matches_per_token_float64_loop(fields):
@@ -310,9 +329,14 @@ def random_layer_fields(rng: random.Random) -> dict:
             fields.update(latent_size=rng.choice([4, 12, 32]))
         elif rng.random() < 0.2:
             fields.update(num_identity_experts=rng.choice([1, 2, experts]))
-        expert_activation = rng.choice(["swiglu", "clamped", "relu2"])
+        expert_activation = rng.choice(["swiglu", "clamped", "softcapped", "relu2"])
         if expert_activation == "clamped":
             fields.update(swiglu_limit=7.0, swiglu_alpha=1.702, swiglu_up_offset=1.0)
+        if expert_activation == "softcapped":  # Inkling2's caps, one of them at times
+            fields.update(
+                swiglu_gate_softcap=rng.choice([None, 0.5]),
+                swiglu_up_softcap=rng.choice([1.0, 25.0]),
+            )
         if expert_activation == "relu2":
             fields.update(activation="relu2")
         elif fields["num_shared_experts"]:
@@ -364,8 +388,10 @@ def test_random_layers_route_on_the_device_as_on_the_torch_path(seed):
         pytest.skip("needs a CUDA GPU")
     rng = random.Random(seed)
     fields = dict(random_layer_fields(rng), hidden_size=512, intermediate_size=256)
-    # ungated experts: the fused path around grouped_mm (the cutedsl kernels compute gated ones)
-    backend = "grouped_mm" if fields.get("activation") == "relu2" else "cutedsl"
+    # ungated experts and softcaps: the fused path around grouped_mm (the cutedsl kernels
+    # compute gated experts, and no softcaps)
+    softcapped = MegaMoEConfig(**fields).swiglu.softcapped
+    backend = "grouped_mm" if fields.get("activation") == "relu2" or softcapped else "cutedsl"
     torch.manual_seed(seed)
     fused = MegaMoE(
         MegaMoEConfig(**fields, backend=backend),
@@ -405,6 +431,26 @@ def test_the_swiglu_limit_is_reached_by_the_test_inputs():
     with torch.no_grad():
         for projection in (shared.gate_proj, shared.up_proj):
             assert (projection(x).abs() > MINIMAX_M3["swiglu_limit"]).any()
+
+
+def test_the_softcaps_bound_the_values_the_test_inputs_reach():
+    layer = make_layer(INKLING2).eval()
+    x = torch.randn(37, 32)
+    with torch.no_grad():
+        gate_up = torch.einsum("th,eih->tei", x, layer.w13)
+        assert (gate_up[..., :16].abs() > 2 * INKLING2["swiglu_gate_softcap"]).any()
+        assert (gate_up[..., 16:].abs() > 2 * INKLING2["swiglu_up_softcap"]).any()
+        plain = make_layer(dict(INKLING2, swiglu_gate_softcap=None, swiglu_up_softcap=None)).eval()
+        assert relative_l2_error(layer(x), plain(x)) > 1e-1
+
+
+def test_the_softcaps_are_checked():
+    for name in ("swiglu_gate_softcap", "swiglu_up_softcap"):
+        for value in (0.0, -1.0, math.inf):
+            with pytest.raises(ValueError, match=f"{name} must be a finite number > 0 or None"):
+                MegaMoEConfig(**dict(INKLING2, **{name: value}))
+    with pytest.raises(ValueError, match="activation='relu2'.*takes no SwiGLU"):
+        MegaMoEConfig(**dict(NEMOTRON_H, swiglu_up_softcap=25.0))
 
 
 def test_shared_experts_with_the_routed_swiglu_differ_from_silu_ones():
@@ -449,8 +495,8 @@ def grouped_mm_runs_on_cpu() -> bool:
 @pytest.mark.skipif(not grouped_mm_runs_on_cpu(), reason="this torch has no CPU torch._grouped_mm")
 @pytest.mark.parametrize(
     "fields",
-    [GPT_OSS, LLAMA4, dict(NEMOTRON_H_LATENT, expert_bias=True), LONGCAT],
-    ids=["gpt-oss", "llama4", "nemotron-h-latent", "longcat"],
+    [GPT_OSS, LLAMA4, dict(NEMOTRON_H_LATENT, expert_bias=True), LONGCAT, INKLING2],
+    ids=["gpt-oss", "llama4", "nemotron-h-latent", "longcat", "inkling2"],
 )
 def test_grouped_mm_computes_and_trains_the_layer_as_the_reference_does(monkeypatch, fields):
     from megamoe_runtime import experts
@@ -515,6 +561,19 @@ def test_ungated_experts_are_refused_by_the_cutedsl_backend_alone(monkeypatch):
         layer.use_backend("cutedsl")
         _ = layer.backend
     assert layer.w13.shape == (8, 16, 32) and layer.shared_experts.gate_proj is None
+
+
+def test_softcapped_experts_are_refused_by_the_cutedsl_backend_alone(monkeypatch):
+    from megamoe_runtime import experts
+
+    for status in ("grouped_mm_status", "cutedsl_status"):
+        monkeypatch.setattr(experts, status, lambda device, *_, **__: (True, "an sm_90 GPU"))
+    layer = make_layer(INKLING2)
+    assert layer.backend == "grouped_mm"
+    assert "cutedsl: the cutedsl kernels compute no softcapped SwiGLU" in layer.backend_reason
+    with pytest.raises(ValueError, match=r"backend 'cutedsl' cannot run.*softcapped SwiGLU"):
+        layer.use_backend("cutedsl")
+        _ = layer.backend
 
 
 def test_identity_experts_are_chosen_and_their_pairs_skip_the_expert_mlp(monkeypatch):

@@ -3,8 +3,9 @@ the bf16 tolerance, on fresh tokens over a poisoned allocator: Nemotron-H's unga
 (backend 'auto' picks grouped_mm, the cutedsl kernels computing gated experts; the fused path
 around it) and its latent MoE (the torch layer path); LongCat-Flash's identity experts (the torch
 layer path, the routed rows on cutedsl); MiniMax-M3's shared experts with the routed experts'
-clamped SwiGLU (cutedsl, the fused path). A Nemotron-H layer trains through grouped_mm with the
-reference backend's gradients."""
+clamped SwiGLU (cutedsl, the fused path); Inkling2's softcapped SwiGLU (grouped_mm, the cutedsl
+kernels computing no softcaps; the fused path around it). A Nemotron-H layer trains through
+grouped_mm with the reference backend's gradients."""
 
 import pytest
 import torch
@@ -60,11 +61,25 @@ MINIMAX_M3 = dict(
     shared_intermediate_size=1024,
     shared_swiglu="routed",
 )
+# Inkling2's kind: sigmoid routing scaled by 8, the SwiGLU's gate and up softcapped (caps small
+# enough that the scaled weights' values pass them)
+INKLING2 = dict(
+    hidden_size=1024,
+    intermediate_size=512,
+    num_experts=32,
+    top_k=4,
+    scoring="sigmoid",
+    use_correction_bias=True,
+    routed_scaling_factor=8.0,
+    swiglu_gate_softcap=4.0,
+    swiglu_up_softcap=2.0,
+)
 CASES = {
     "nemotron-h": (NEMOTRON_H, "grouped_mm", True),
     "nemotron-h-latent": (dict(NEMOTRON_H, latent_size=1024), "grouped_mm", False),
     "longcat": (LONGCAT, "cutedsl", False),
     "minimax-m3": (MINIMAX_M3, "cutedsl", True),
+    "inkling2": (INKLING2, "grouped_mm", True),
 }
 
 

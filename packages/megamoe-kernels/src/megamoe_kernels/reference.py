@@ -24,17 +24,26 @@ def swiglu(
     limit: float | None = None,
     alpha: float = 1.0,
     up_offset: float = 0.0,
+    gate_softcap: float | None = None,
+    up_softcap: float | None = None,
 ) -> torch.Tensor:
     """gate * sigmoid(alpha * gate) * (up + up_offset), computed in fp32.
 
     The defaults give silu(gate) * up. `limit` clamps gate to at most `limit` and up to
     [-limit, limit] first; gpt-oss computes limit=7.0, alpha=1.702, up_offset=1.0.
+    `gate_softcap` c replaces the linear gate factor (not the sigmoid's gate) by
+    c * tanh(gate / c), and `up_softcap` c up by c * tanh(up / c) (Inkling2's softcapped SwiGLU).
     """
     gate, up = gate.float(), up.float()
     if limit is not None:
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
-    return gate * torch.sigmoid(alpha * gate) * (up + up_offset)
+    linear_gate = gate
+    if gate_softcap is not None:
+        linear_gate = gate_softcap * torch.tanh(gate / gate_softcap)
+    if up_softcap is not None:
+        up = up_softcap * torch.tanh(up / up_softcap)
+    return linear_gate * torch.sigmoid(alpha * gate) * (up + up_offset)
 
 
 def _expert_row_ranges(
@@ -78,11 +87,14 @@ def gate_up_swiglu_reference(
     limit: float | None = None,
     alpha: float = 1.0,
     up_offset: float = 0.0,
+    gate_softcap: float | None = None,
+    up_softcap: float | None = None,
     expert_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """swiglu(x Wg^T + bg, x Wu^T + bu) per expert; `w13_E2IH` holds gate rows [0, I) then up rows
-    [I, 2I), `w13_bias_E2I` (optional) their biases in the same order. `limit`, `alpha` and
-    `up_offset`: see `swiglu`; `expert_counts`: the masked layout (module docstring)."""
+    [I, 2I), `w13_bias_E2I` (optional) their biases in the same order. `limit`, `alpha`,
+    `up_offset`, `gate_softcap`, `up_softcap`: see `swiglu`; `expert_counts`: the masked layout
+    (module docstring)."""
     intermediate = w13_E2IH.shape[1] // 2
     out_MI = torch.zeros(rows_MH.shape[0], intermediate, dtype=torch.float32, device=rows_MH.device)
     for expert, start, end in _expert_row_ranges(expert_offsets, expert_counts):
@@ -95,6 +107,8 @@ def gate_up_swiglu_reference(
             limit=limit,
             alpha=alpha,
             up_offset=up_offset,
+            gate_softcap=gate_softcap,
+            up_softcap=up_softcap,
         )
     return out_MI
 
@@ -156,6 +170,8 @@ def expert_mlp_reference(
     limit: float | None = None,
     alpha: float = 1.0,
     up_offset: float = 0.0,
+    gate_softcap: float | None = None,
+    up_softcap: float | None = None,
     expert_counts: torch.Tensor | None = None,
     activation: str = "swiglu",
 ) -> torch.Tensor:
@@ -164,9 +180,10 @@ def expert_mlp_reference(
     `round_intermediate_to` rounds the SwiGLU output to a dtype before the down GEMM, as a kernel
     that stores the intermediate in bf16 does; None keeps it in fp32 (the exact oracle).
     `w13_bias_E2I` / `w2_bias_EH`: per-expert biases of the two projections; `limit`, `alpha`,
-    `up_offset`: the SwiGLU variant (see `swiglu`); `expert_counts`: the masked layout (module
-    docstring); `activation="relu2"`: ungated experts (`up_relu2_reference`), `w13_E2IH` and
-    its bias their up projections alone, [E, I, H] and [E, I].
+    `up_offset`, `gate_softcap`, `up_softcap`: the SwiGLU variant (see `swiglu`);
+    `expert_counts`: the masked layout (module docstring); `activation="relu2"`: ungated experts
+    (`up_relu2_reference`), `w13_E2IH` and its bias their up projections alone, [E, I, H] and
+    [E, I].
     """
     if activation == "relu2":
         hidden_MI = up_relu2_reference(
@@ -185,6 +202,8 @@ def expert_mlp_reference(
             limit=limit,
             alpha=alpha,
             up_offset=up_offset,
+            gate_softcap=gate_softcap,
+            up_softcap=up_softcap,
             expert_counts=expert_counts,
         )
     else:

@@ -8,10 +8,10 @@ Backends transform a pack into their own layout once (ExpertBackend.prepare) and
 
 - `Unquantized`: bf16/fp16/fp32 weights, optionally with per-expert biases (`w13_bias_E2I`
   [E, 2I] in w13's row order, `w2_bias_EH` [E, H]) and a SwiGLU other than silu(gate) * up
-  (`swiglu`, megamoe_kernels.SwiGLU: gpt-oss's clamped one), or ungated relu^2 experts
-  (`activation`): the expert math a backend
-  computes from the pack (`expert_math` names what a pack holds of it; the backends that lack
-  it refuse such a pack in `prepare`).
+  (`swiglu`, megamoe_kernels.SwiGLU: gpt-oss's clamped one, Inkling2's softcapped one), or
+  ungated relu^2 experts (`activation`): the expert math a backend computes from the pack
+  (`expert_math` names what a pack holds of it; the backends that lack it refuse such a pack
+  in `prepare`).
 - `Prequantized`: e4m3 weights with one float32 scale per 128 x 128 block (value = e4m3 x
   scale: the `weight_scale_inv` of DeepSeek-V3's and Qwen3's FP8 checkpoints), the blocks of
   w13 over its stored rows (gate rows, then up rows). `quantize` makes one from an Unquantized
@@ -22,7 +22,7 @@ Backends transform a pack into their own layout once (ExpertBackend.prepare) and
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from megamoe_kernels import FP8_DTYPE, SwiGLU, weight_scales_shape
@@ -30,8 +30,10 @@ from megamoe_kernels import FP8_DTYPE, SwiGLU, weight_scales_shape
 FP8_WEIGHT_DTYPE = FP8_DTYPE
 # the experts' activations: "swiglu", gated, swiglu(gate x, up x); "relu2", ungated, relu(up x)^2
 ACTIVATIONS = ("swiglu", "relu2")
-# how `Unquantized.expert_math` names ungated relu^2 experts (backends refuse them by this name)
+# how `Unquantized.expert_math` names ungated relu^2 experts and a softcapped SwiGLU (the
+# cutedsl backend refuses them by these names)
 UNGATED_RELU2 = "ungated relu^2 experts"
+SOFTCAPPED_SWIGLU = "softcapped SwiGLU"
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,9 @@ class Unquantized:
         features = []
         if self.w13_bias_E2I is not None or self.w2_bias_EH is not None:
             features.append("per-expert biases")
-        if not self.swiglu.is_plain:
+        if self.swiglu.softcapped:
+            features.append(SOFTCAPPED_SWIGLU)
+        if not replace(self.swiglu, gate_softcap=None, up_softcap=None).is_plain:
             features.append(f"a clamped/scaled SwiGLU ({self.swiglu})")
         if not self.gated:
             features.append(UNGATED_RELU2)

@@ -13,7 +13,7 @@ from megamoe_runtime.distributed import COMBINE_ORDERS
 from megamoe_runtime.experts import BACKEND_NAMES
 from megamoe_runtime.geometries import Geometry
 from megamoe_runtime.routing import GROUP_SCORES, GroupScore, RouterConfig, Scoring
-from megamoe_runtime.weights import ACTIVATIONS, UNGATED_RELU2
+from megamoe_runtime.weights import ACTIVATIONS, SOFTCAPPED_SWIGLU, UNGATED_RELU2
 
 DISPATCHER_NAMES = ("auto", "torch", "nvshmem")
 KNOB_MODES = ("lookup", "auto")
@@ -81,6 +81,11 @@ class MegaMoEConfig:
     swiglu_alpha: float = 1.0
     # the SwiGLU's offset added to up (swiglu_limit)
     swiglu_up_offset: float = 0.0
+    # softcaps c of the SwiGLU (Inkling2): the linear gate factor becomes c * tanh(gate / c)
+    # (the sigmoid sees gate as it is), up c * tanh(up / c); None: no cap. On the grouped_mm
+    # and reference backends (the cutedsl kernels compute no softcaps)
+    swiglu_gate_softcap: float | None = None
+    swiglu_up_softcap: float | None = None
     # the experts' activation: "swiglu", gated experts down(swiglu(gate x, up x)), `w13`
     # [E, 2I, H]; "relu2", ungated experts down(relu(up x)^2) (Nemotron-H), `w13` the up
     # projection alone [E, I, H] (and `w13_bias` [E, I]), the shared experts likewise (up_proj
@@ -244,12 +249,11 @@ class MegaMoEConfig:
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if self.activation == "relu2" and (
-            (self.swiglu_limit, self.swiglu_alpha, self.swiglu_up_offset) != (None, 1.0, 0.0)
-            or self.shared_swiglu != "silu"
+            not self.swiglu.is_plain or self.shared_swiglu != "silu"
         ):
             raise ValueError(
-                "activation='relu2' (ungated experts) takes no SwiGLU: leave swiglu_limit, "
-                "swiglu_alpha, swiglu_up_offset and shared_swiglu at their defaults"
+                "activation='relu2' (ungated experts) takes no SwiGLU: leave the swiglu_* "
+                "fields and shared_swiglu at their defaults"
             )
         if self.shared_swiglu not in SHARED_SWIGLUS:
             raise ValueError(
@@ -265,10 +269,10 @@ class MegaMoEConfig:
             )
         if self.group_score not in GROUP_SCORES:
             raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {self.group_score!r}")
-        if self.swiglu_limit is not None and not 0 < self.swiglu_limit < math.inf:
-            raise ValueError(
-                f"swiglu_limit must be a finite number > 0 or None, got {self.swiglu_limit}"
-            )
+        for name in ("swiglu_limit", "swiglu_gate_softcap", "swiglu_up_softcap"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a finite number > 0 or None, got {value}")
         for name in ("swiglu_alpha", "swiglu_up_offset"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
@@ -367,6 +371,8 @@ class MegaMoEConfig:
                 f"a clamped/scaled SwiGLU (swiglu_limit={self.swiglu_limit}, "
                 f"swiglu_alpha={self.swiglu_alpha}, swiglu_up_offset={self.swiglu_up_offset})"
             )
+        if self.swiglu.softcapped:
+            features.append(SOFTCAPPED_SWIGLU)
         if self.activation == "relu2":
             features.append(UNGATED_RELU2)
         return tuple(features)
@@ -385,7 +391,11 @@ class MegaMoEConfig:
     def swiglu(self) -> SwiGLU:
         """The experts' activation, as the kernels and the weight pack take it."""
         return SwiGLU(
-            limit=self.swiglu_limit, alpha=self.swiglu_alpha, up_offset=self.swiglu_up_offset
+            limit=self.swiglu_limit,
+            alpha=self.swiglu_alpha,
+            up_offset=self.swiglu_up_offset,
+            gate_softcap=self.swiglu_gate_softcap,
+            up_softcap=self.swiglu_up_softcap,
         )
 
     @property

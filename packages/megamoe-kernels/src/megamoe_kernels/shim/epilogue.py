@@ -1,11 +1,13 @@
 """The expert GEMMs' epilogue options beyond the plain ones: the SwiGLU variant and per-expert
 biases (plain Python and torch; no CuTe DSL).
 
-- `SwiGLU(limit, alpha, up_offset)`: gate * sigmoid(alpha * gate) * (up + up_offset), gate
-  clamped to at most `limit` and up to [-limit, limit] first when `limit` is set
-  (megamoe_kernels.reference.swiglu is its oracle). `SwiGLU()` is silu(gate) * up; gpt-oss
-  computes `SwiGLU(limit=7.0, alpha=1.702, up_offset=1.0)`. The constants are compiled into
-  the kernel: each distinct SwiGLU is its own kernel variant.
+- `SwiGLU(limit, alpha, up_offset, gate_softcap, up_softcap)`: gate * sigmoid(alpha * gate) *
+  (up + up_offset), gate clamped to at most `limit` and up to [-limit, limit] first when
+  `limit` is set, the linear gate factor and up softcapped (c * tanh(v / c)) when their caps
+  are set (megamoe_kernels.reference.swiglu is its oracle). `SwiGLU()` is silu(gate) * up;
+  gpt-oss computes `SwiGLU(limit=7.0, alpha=1.702, up_offset=1.0)`, Inkling2 softcaps. The
+  kernels compile the clamped SwiGLU's constants in (each distinct one is its own kernel
+  variant) and compute no softcaps (`softcapped`: the torch backends do).
 - `interleave_gate_up_bias(w13_bias_E2I)` -> float32 [E, I / 8, 16]: the gate-up bias in the
   interleaved order of the weight rows (interleave_gate_up), the layout gate_up_swiglu takes.
   The down GEMM takes its bias [E, H] in float32 as it is.
@@ -31,14 +33,19 @@ class SwiGLU:
     limit: float | None = None
     alpha: float = 1.0
     up_offset: float = 0.0
+    gate_softcap: float | None = None
+    up_softcap: float | None = None
 
     def __post_init__(self) -> None:
-        if self.limit is not None:
-            if isinstance(self.limit, bool) or not isinstance(self.limit, int | float):
-                raise TypeError(f"SwiGLU limit must be a number or None, got {self.limit!r}")
-            if not 0 < self.limit < math.inf:
-                raise ValueError(f"SwiGLU limit must be finite and > 0, or None; got {self.limit}")
-            object.__setattr__(self, "limit", float(self.limit))
+        for name in ("limit", "gate_softcap", "up_softcap"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"SwiGLU {name} must be a number or None, got {value!r}")
+            if not 0 < value < math.inf:
+                raise ValueError(f"SwiGLU {name} must be finite and > 0, or None; got {value}")
+            object.__setattr__(self, name, float(value))
         for name in ("alpha", "up_offset"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
@@ -49,15 +56,32 @@ class SwiGLU:
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """This activation of `gate` and `up` in fp32 (megamoe_kernels.reference.swiglu)."""
-        return swiglu(gate, up, limit=self.limit, alpha=self.alpha, up_offset=self.up_offset)
+        return swiglu(gate, up, **self.constants())
 
     @property
     def is_plain(self) -> bool:
         """Whether this is silu(gate) * up."""
         return self == SwiGLU()
 
+    @property
+    def softcapped(self) -> bool:
+        """Whether a softcap is set (the kernels compute none)."""
+        return self.gate_softcap is not None or self.up_softcap is not None
+
+    def constants(self) -> dict[str, float | None]:
+        """The keyword arguments of megamoe_kernels.reference's swiglu and expert oracles."""
+        return {
+            "limit": self.limit,
+            "alpha": self.alpha,
+            "up_offset": self.up_offset,
+            "gate_softcap": self.gate_softcap,
+            "up_softcap": self.up_softcap,
+        }
+
     def kernel_constants(self) -> dict[str, float | None]:
-        """The drop kernel's keyword arguments for this activation."""
+        """The drop kernel's keyword arguments for this activation; a ValueError when softcapped."""
+        if self.softcapped:
+            raise ValueError(f"the expert GEMM kernels compute no softcapped SwiGLU, got {self}")
         return {
             "swiglu_limit": self.limit,
             "swiglu_alpha": self.alpha,

@@ -4,11 +4,11 @@ FP8 weights are dequantized once to bf16 (the baseline has no FP8 path of its ow
 
 Bias-free silu(gate) * up experts: silu(gate) * up in the rows' dtype on the gate-up GEMM's
 output. Experts with expert math (`Unquantized.expert_math`: per-expert biases, gpt-oss's
-clamped SwiGLU, ungated relu^2 experts) compute it in the oracle's order, in fp32 after each
-GEMM: the gate-up (or up) output plus each row's expert's bias, then
+clamped SwiGLU, Inkling2's softcapped one, ungated relu^2 experts) compute it in the oracle's
+order, in fp32 after each GEMM: the gate-up (or up) output plus each row's expert's bias, then
 megamoe_kernels.reference.swiglu (gate clamped to at most `limit`, up to [-limit, limit],
-gate * sigmoid(alpha * gate) * (up + up_offset)) or relu(up)^2, rounded to the rows' dtype for
-the down GEMM; the down output plus its bias, then the row scale.
+gate * sigmoid(alpha * gate) * (up + up_offset), the softcaps) or relu(up)^2, rounded to the
+rows' dtype for the down GEMM; the down output plus its bias, then the row scale.
 torch._grouped_mm writes its output in its inputs' dtype and takes no bias, so its
 accumulators are rounded to bf16 before a bias is added (the cutedsl kernels add it to the fp32
 accumulators). Each row's expert comes from a search in the offsets on the device: no host

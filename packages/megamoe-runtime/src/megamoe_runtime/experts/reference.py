@@ -43,9 +43,7 @@ class ReferenceExperts:
             row_scale_M,
             w13_bias_E2I=prepared.w13_bias_E2I,
             w2_bias_EH=prepared.w2_bias_EH,
-            limit=prepared.swiglu.limit,
-            alpha=prepared.swiglu.alpha,
-            up_offset=prepared.swiglu.up_offset,
+            **prepared.swiglu.constants(),
             expert_counts=batch.expert_counts,
             activation=prepared.activation,
         )

@@ -226,6 +226,13 @@ class BlockReading:
                 f"SwiGLU alpha {fields.get('swiglu_alpha', 1.0):g}, up + "
                 f"{fields.get('swiglu_up_offset', 0.0):g}"
             )
+        softcaps = [
+            f"{name} softcapped at {fields[f'swiglu_{name}_softcap']:g}"
+            for name in ("gate", "up")
+            if fields.get(f"swiglu_{name}_softcap") is not None
+        ]
+        if softcaps:
+            experts.append(f"SwiGLU with {' and '.join(softcaps)}")
         if fields.get("activation") == "relu2":
             experts.append("up projection alone, relu(up)^2")
         if fields.get("latent_size") is not None:

@@ -42,6 +42,8 @@ KEPT_GROUP_ATTRIBUTES = ("topk_group", "num_topk_group", "top_groups", "topk_gro
 # attribute names of the SwiGLU variants' constants
 LIMIT_ATTRIBUTES = ("limit", "swiglu_limit", "clamp_limit")
 ALPHA_ATTRIBUTES = ("alpha", "swiglu_alpha")
+# an attribute naming a softcap c (c * tanh(v / c)), on the experts or any module inside them
+SOFTCAP_ATTRIBUTE = "softcap"
 # the attribute under which a sparsemixer router (PhiMoE) keeps its epsilon
 SPARSEMIXER_EPS_ATTRIBUTES = ("router_jitter_noise",)
 
@@ -329,20 +331,29 @@ def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_inpu
     }
     limits = {None} | set(_float_attributes(experts, LIMIT_ATTRIBUTES))
     alphas = {1.0} | set(_float_attributes(experts, ALPHA_ATTRIBUTES))
-    # (activation, swiglu limit, alpha, up offset): ungated experts compute relu^2 alone
+    softcaps = sorted({None} | _softcaps(experts), key=lambda v: -1 if v is None else v)
+    # (activation, swiglu limit, alpha, up offset, gate softcap, up softcap): ungated experts
+    # compute relu^2 alone
     activations = (
-        [("relu2", None, 1.0, 0.0)]
+        [("relu2", None, 1.0, 0.0, None, None)]
         if naming.experts_ungated
         else itertools.product(
             ("swiglu",),
             sorted(limits, key=lambda v: -1 if v is None else v),
             sorted(alphas),
             (0.0, 1.0),
+            softcaps,
+            softcaps,
         )
     )
-    for layout, (activation, limit, alpha, up_offset) in itertools.product(
-        _expert_layouts(parts, twin_tensors), list(activations)
-    ):
+    for layout, (
+        activation,
+        limit,
+        alpha,
+        up_offset,
+        gate_softcap,
+        up_softcap,
+    ) in itertools.product(_expert_layouts(parts, twin_tensors), list(activations)):
         candidate = replace(naming, **layout)
         w13, w2 = megamoe_experts_from_hf(candidate, twin_tensors, num_experts=probe_experts)
         gate_up_bias = down_bias = None
@@ -358,9 +369,13 @@ def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_inpu
             w2,
             gate_up_bias,
             down_bias,
-            limit=limit,
-            alpha=alpha,
-            up_offset=up_offset,
+            swiglu=SwiGLU(
+                limit=limit,
+                alpha=alpha,
+                up_offset=up_offset,
+                gate_softcap=gate_softcap,
+                up_softcap=up_softcap,
+            ),
             activation=activation,
         )
         if not weights_on_input:
@@ -373,6 +388,8 @@ def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_inpu
                 swiglu_limit=limit,
                 swiglu_alpha=alpha,
                 swiglu_up_offset=up_offset,
+                swiglu_gate_softcap=gate_softcap,
+                swiglu_up_softcap=up_softcap,
                 activation=activation,
             )
     act_fn = getattr(experts, "act_fn", None)
@@ -384,8 +401,8 @@ def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_inpu
         )
     raise UnsupportedBlockError(
         f"the experts compute something other than a SiLU-gated MLP{named}: megamoe computes "
-        "silu(gate) * up (SwiGLU), optionally clamped with alpha and (up + 1), with or without "
-        "biases"
+        "silu(gate) * up (SwiGLU), optionally clamped with alpha and (up + 1) or softcapped, "
+        "with or without biases"
     )
 
 
@@ -423,7 +440,7 @@ def _expert_layouts(parts: BlockParts, tensors: dict[str, torch.Tensor]) -> list
 
 
 def _expert_math(
-    x_TH, expert_of_token, w13, w2, gate_up_bias, down_bias, *, limit, alpha, up_offset, activation
+    x_TH, expert_of_token, w13, w2, gate_up_bias, down_bias, *, swiglu, activation
 ) -> torch.Tensor:
     """The reference expert MLP of each token's one expert, in the tokens' order."""
     order = torch.argsort(expert_of_token, stable=True)
@@ -436,12 +453,24 @@ def _expert_math(
         w2,
         w13_bias_E2I=gate_up_bias,
         w2_bias_EH=down_bias,
-        limit=limit,
-        alpha=alpha,
-        up_offset=up_offset,
+        **swiglu.constants(),
         activation=activation,
     )
     return out_TH[torch.argsort(order)]
+
+
+def _softcaps(experts: nn.Module) -> set[float]:
+    """The softcaps the experts' modules name (Inkling2's activation holds one for the gate and
+    one for up): candidates for either cap."""
+    return {
+        float(value)
+        for module in experts.modules()
+        for name, value in vars(module).items()
+        if SOFTCAP_ATTRIBUTE in name
+        and isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and 0 < value < math.inf
+    }
 
 
 def _float_attributes(module: nn.Module, names: tuple[str, ...]) -> list[float]:

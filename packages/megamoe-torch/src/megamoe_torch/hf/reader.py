@@ -149,6 +149,8 @@ def _read_by_probes(block: nn.Module, parts: BlockParts) -> BlockReading:
         limit=fields["swiglu_limit"],
         alpha=fields["swiglu_alpha"],
         up_offset=fields["swiglu_up_offset"],
+        gate_softcap=fields["swiglu_gate_softcap"],
+        up_softcap=fields["swiglu_up_softcap"],
     )
     fields.update(
         read_shared_experts(
