@@ -2,7 +2,7 @@
 mapped back: MiniMax-M3's shared MLP, one `gate_up_proj` Linear (gate rows then up rows)
 computing the routed experts' clamped SwiGLU, in full precision and in e4m3 with its block
 scales; Nemotron-H's ungated relu^2 experts and shared MLP, and its latent MoE; LongCat-Flash's
-zero-computation (identity) experts; Inkling2's softcapped SwiGLU."""
+zero-computation (identity) experts; Inkling2's softcapped SwiGLU; A.X-K1's output RMSNorm."""
 
 from __future__ import annotations
 
@@ -259,3 +259,55 @@ def test_softcapped_experts_convert_exactly_and_map_back(caps):
     naming = read_block(block).naming
     mapped = hf_state_dict_from_megamoe(layer.state_dict(), family=naming, layout="fused")
     assert_same_bytes(mapped, block.state_dict())
+
+
+def axk1_block() -> torch.nn.Module:
+    """A tiny A.X-K1 MoE block: DeepSeek-V3's, its output RMSNorm-ed (a weight of its own)."""
+    modeling = pytest.importorskip("transformers.models.axk1.modeling_axk1")
+    config = transformers.AXK1Config(
+        hidden_size=HIDDEN,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=2,
+        rms_norm_eps=1e-5,
+    )
+    return with_random_weights(modeling.AXK1MoE(config))
+
+
+def test_an_output_norm_converts_exactly_and_maps_back():
+    block = axk1_block()
+    x = torch.randn(2, 13, HIDDEN)
+    with torch.no_grad():
+        expected = block(x)
+        layer = from_hf(block, backend="reference")
+        actual = layer(x)
+    assert layer.config.output_norm_eps == 1e-5
+    assert torch.equal(layer.output_norm.weight, block.post_mlp_layernorm.weight)
+    assert relative_l2_error(actual, expected) < 1e-5
+    naming = read_block(block).naming
+    assert naming.output_norm == "post_mlp_layernorm.weight"
+    mapped = hf_state_dict_from_megamoe(layer.state_dict(), family=naming, layout="fused")
+    assert_same_bytes(mapped, block.state_dict())
+    assert_same_bytes(megamoe_state_dict_from_hf(mapped, family=naming), layer.state_dict())
+
+
+def test_an_output_norm_other_than_the_rmsnorm_is_refused_naming_it():
+    class OffsetRMSNorm(torch.nn.Module):  # Gemma's: weight + 1
+        def __init__(self, hidden: int):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(hidden))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, y):
+            return y * torch.rsqrt(y.square().mean(-1, keepdim=True) + 1e-6) * (1 + self.weight)
+
+    block = axk1_block()
+    block.post_mlp_layernorm = OffsetRMSNorm(HIDDEN)
+    with pytest.raises(UnsupportedBlockError, match="OffsetRMSNorm.*other than the RMSNorm"):
+        from_hf(block)
+    block.post_mlp_layernorm = torch.nn.LayerNorm(HIDDEN)
+    with pytest.raises(UnsupportedBlockError, match=r"output norm post_mlp_layernorm.*not one"):
+        from_hf(block)

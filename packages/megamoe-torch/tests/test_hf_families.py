@@ -21,7 +21,7 @@ from test_hf_models import transformers_before  # noqa: E402
 # the families that swap exactly with transformers 5.25 (the floor this test holds; a family an
 # older release lacks is not walked there)
 SWAP_EXACTLY = {
-    "afmoe", "aria", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "dbrx", "deepseek_ocr2",
+    "afmoe", "aria", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "dbrx", "deepseek_ocr2",
     "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1", "dots3_note", "ernie4_5_moe",
     "ernie4_5_vl_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite",
     "glm4v_moe", "glm5_next", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa",

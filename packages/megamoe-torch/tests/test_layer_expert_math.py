@@ -110,6 +110,20 @@ INKLING2 = dict(
     swiglu_gate_softcap=0.5,
     swiglu_up_softcap=1.0,
 )
+# A.X-K1: DeepSeek-V3's routing and shared expert, the output RMSNorm-ed
+AXK1 = dict(
+    hidden_size=32,
+    intermediate_size=16,
+    num_experts=8,
+    top_k=2,
+    scoring="sigmoid",
+    use_correction_bias=True,
+    num_groups=4,
+    top_groups=2,
+    routed_scaling_factor=2.5,
+    num_shared_experts=1,
+    output_norm_eps=1e-6,
+)
 # Nemotron-H's latent MoE: the routed experts on 24-wide projections of the 32-wide tokens
 NEMOTRON_H_LATENT = dict(NEMOTRON_H, latent_size=24)
 # LongCat-Flash: 4 identity experts scored beside the 8 routed ones
@@ -237,7 +251,13 @@ def per_token_float64(layer: MegaMoE, x_TH: torch.Tensor) -> torch.Tensor:
             else:
                 y += down @ (torch.nn.functional.silu(gate @ x) * (up @ x))
         out.append(y)
-    return torch.stack(out)
+    y_TH = torch.stack(out)
+    if layer.output_norm is not None:
+        mean_square = y_TH.square().mean(-1, keepdim=True)
+        y_TH = (
+            y_TH * torch.rsqrt(mean_square + c.output_norm_eps) * layer.output_norm.weight.double()
+        )
+    return y_TH
 
 
 def swiglu_float64(c: MegaMoEConfig, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -266,6 +286,7 @@ def swiglu_float64(c: MegaMoEConfig, gate: torch.Tensor, up: torch.Tensor) -> to
         NEMOTRON_H_LATENT,
         LONGCAT,
         INKLING2,
+        AXK1,
     ],
     ids=[
         "gpt-oss",
@@ -279,6 +300,7 @@ def swiglu_float64(c: MegaMoEConfig, gate: torch.Tensor, up: torch.Tensor) -> to
         "nemotron-h-latent",
         "longcat",
         "inkling2",
+        "axk1",
     ],
 )
 def test_layer_matches_per_token_float64_loop(fields):
@@ -325,6 +347,8 @@ def random_layer_fields(rng: random.Random) -> dict:
             expert_bias=rng.random() < 0.3,
             num_shared_experts=int(rng.random() < 0.3),
         )
+        if rng.random() < 0.2:
+            fields.update(output_norm_eps=rng.choice([1e-6, 0.1]))
         if rng.random() < 0.2:
             fields.update(latent_size=rng.choice([4, 12, 32]))
         elif rng.random() < 0.2:
@@ -444,6 +468,24 @@ def test_the_softcaps_bound_the_values_the_test_inputs_reach():
         assert relative_l2_error(layer(x), plain(x)) > 1e-1
 
 
+def test_the_output_norm_normalises_after_the_shared_experts_and_is_checked():
+    layer = make_layer(AXK1).eval()
+    assert torch.equal(layer.output_norm.weight, torch.ones(32))  # as transformers' RMSNorms
+    with torch.no_grad():
+        weight = layer.output_norm.weight.normal_().clone()
+        x = torch.randn(37, 32)
+        y = layer(x)
+        layer.output_norm = None  # the same layer without its norm
+        unnormed = layer(x)
+    expected = unnormed * torch.rsqrt(unnormed.square().mean(-1, keepdim=True) + 1e-6) * weight
+    torch.testing.assert_close(y, expected)
+    assert relative_l2_error(unnormed, expected) > 1e-1
+    for value in (0.0, -1e-6, math.inf):
+        with pytest.raises(ValueError, match="output_norm_eps must be a finite number > 0"):
+            MegaMoEConfig(**dict(AXK1, output_norm_eps=value))
+    assert "output_norm_eps=1e-06" in repr(make_layer(AXK1))
+
+
 def test_the_softcaps_are_checked():
     for name in ("swiglu_gate_softcap", "swiglu_up_softcap"):
         for value in (0.0, -1.0, math.inf):
@@ -495,8 +537,8 @@ def grouped_mm_runs_on_cpu() -> bool:
 @pytest.mark.skipif(not grouped_mm_runs_on_cpu(), reason="this torch has no CPU torch._grouped_mm")
 @pytest.mark.parametrize(
     "fields",
-    [GPT_OSS, LLAMA4, dict(NEMOTRON_H_LATENT, expert_bias=True), LONGCAT, INKLING2],
-    ids=["gpt-oss", "llama4", "nemotron-h-latent", "longcat", "inkling2"],
+    [GPT_OSS, LLAMA4, dict(NEMOTRON_H_LATENT, expert_bias=True), LONGCAT, INKLING2, AXK1],
+    ids=["gpt-oss", "llama4", "nemotron-h-latent", "longcat", "inkling2", "axk1"],
 )
 def test_grouped_mm_computes_and_trains_the_layer_as_the_reference_does(monkeypatch, fields):
     from megamoe_runtime import experts

@@ -4,7 +4,8 @@ the bf16 tolerance, on fresh tokens over a poisoned allocator: Nemotron-H's unga
 around it) and its latent MoE (the torch layer path); LongCat-Flash's identity experts (the torch
 layer path, the routed rows on cutedsl); MiniMax-M3's shared experts with the routed experts'
 clamped SwiGLU (cutedsl, the fused path); Inkling2's softcapped SwiGLU (grouped_mm, the cutedsl
-kernels computing no softcaps; the fused path around it). A Nemotron-H layer trains through
+kernels computing no softcaps; the fused path around it); A.X-K1's output RMSNorm (cutedsl, the
+fused path). A Nemotron-H layer trains through
 grouped_mm with the reference backend's gradients."""
 
 import pytest
@@ -74,12 +75,28 @@ INKLING2 = dict(
     swiglu_gate_softcap=4.0,
     swiglu_up_softcap=2.0,
 )
+# A.X-K1's kind: DeepSeek-V3's grouped routing and shared expert, the output RMSNorm-ed (the fused
+# path and its replayed graphs apply the norm after the combine)
+AXK1 = dict(
+    hidden_size=1024,
+    intermediate_size=512,
+    num_experts=64,
+    top_k=6,
+    scoring="sigmoid",
+    use_correction_bias=True,
+    num_groups=8,
+    top_groups=4,
+    routed_scaling_factor=2.5,
+    num_shared_experts=1,
+    output_norm_eps=1e-6,
+)
 CASES = {
     "nemotron-h": (NEMOTRON_H, "grouped_mm", True),
     "nemotron-h-latent": (dict(NEMOTRON_H, latent_size=1024), "grouped_mm", False),
     "longcat": (LONGCAT, "cutedsl", False),
     "minimax-m3": (MINIMAX_M3, "cutedsl", True),
     "inkling2": (INKLING2, "grouped_mm", True),
+    "axk1": (AXK1, "cutedsl", True),
 }
 
 
@@ -90,6 +107,8 @@ def make_layer(fields: dict) -> MegaMoE:
         layer.gate.weight.mul_(8.0)  # decisive routing
         if layer.e_score_correction_bias is not None:
             layer.e_score_correction_bias.normal_(0.0, 0.05)
+        if layer.output_norm is not None:
+            layer.output_norm.weight.normal_(1.0, 0.5)
         layer.w13.mul_(4.0)  # gate and up values past the SwiGLU limit
     return layer
 

@@ -111,6 +111,10 @@ class MegaMoEConfig:
     # expert MLP. The torch layer path on one device computes them (fused_path_status says why
     # not the fused one; expert parallelism refuses them)
     num_identity_experts: int = 0
+    # the layer's output normalised (A.X-K1's post-MLP norm): y * rsqrt(mean(y^2) + eps) in
+    # fp32, rounded to y's dtype, times `output_norm.weight` [H]; None: no norm. Every layer
+    # path computes it, after the shared experts are added
+    output_norm_eps: float | None = None
     # shared experts every token visits, summed as one MLP of shared_intermediate_size
     num_shared_experts: int = 0
     # defaults to intermediate_size * num_shared_experts
@@ -269,6 +273,10 @@ class MegaMoEConfig:
             )
         if self.group_score not in GROUP_SCORES:
             raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {self.group_score!r}")
+        if self.output_norm_eps is not None and not 0 < self.output_norm_eps < math.inf:
+            raise ValueError(
+                f"output_norm_eps must be a finite number > 0 or None, got {self.output_norm_eps}"
+            )
         for name in ("swiglu_limit", "swiglu_gate_softcap", "swiglu_up_softcap"):
             value = getattr(self, name)
             if value is not None and not 0 < value < math.inf:

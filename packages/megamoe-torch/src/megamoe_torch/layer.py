@@ -165,6 +165,24 @@ class SharedExperts(nn.Module):
         return self.swiglu(gate_TI, up_TI).to(gate_TI.dtype)
 
 
+class OutputNorm(nn.Module):
+    """The layer's output normalised as A.X-K1's post-MLP RMSNorm computes it: y * rsqrt(mean(y^2)
+    + eps) in fp32, rounded to y's dtype, times `weight` [H]."""
+
+    def __init__(self, hidden_size: int, eps: float, *, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        y_float = y.float()
+        normed = y_float * torch.rsqrt(y_float.square().mean(-1, keepdim=True) + self.eps)
+        return (self.weight * normed.to(y.dtype)).to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
 def _check_routing_weights_on_input(
     config: MegaMoEConfig, *, process_group: torch.distributed.ProcessGroup | None
 ) -> None:
@@ -196,7 +214,8 @@ class MegaMoE(nn.Module):
     `w2` [E, H, I]; `w13_bias` [E, 2I] ([E, I]) and `w2_bias` [E, H] with expert_bias;
     `e_score_correction_bias` [E] (fp32 buffer) when the config asks for it; `shared_experts`
     when num_shared_experts > 0; with latent_size L `latent_in.weight` [L, H] and
-    `latent_out.weight` [H, L], the routed experts' H then L (`w13` [E, 2I, L], `w2` [E, L, I]).
+    `latent_out.weight` [H, L], the routed experts' H then L (`w13` [E, 2I, L], `w2` [E, L, I]);
+    with output_norm_eps `output_norm.weight` [H].
 
     weight_dtype="fp8": `w13`/`w2` are e4m3 with float32 block scales `w13_scale_inv`
     [E, ceil(2I/128), ceil(H/128)] and `w2_scale_inv` [E, ceil(H/128), ceil(I/128)] (buffers);
@@ -267,6 +286,9 @@ class MegaMoE(nn.Module):
         if config.latent_size is not None:
             self.latent_in = nn.Linear(hidden, config.latent_size, bias=False, **factory)
             self.latent_out = nn.Linear(config.latent_size, hidden, bias=False, **factory)
+        self.output_norm = None
+        if config.output_norm_eps is not None:
+            self.output_norm = OutputNorm(hidden, config.output_norm_eps, **factory)
         hidden = config.expert_hidden_size  # the routed experts' rows from here on
         # gated experts' w13 holds gate and up rows; ungated ones' the up rows alone
         first_rows = 2 * intermediate if config.gated else intermediate
@@ -371,6 +393,8 @@ class MegaMoE(nn.Module):
         for projection in (self.latent_in, self.latent_out):
             if projection is not None:
                 projection.reset_parameters()
+        if self.output_norm is not None:
+            nn.init.ones_(self.output_norm.weight)
 
     def use_backend(self, backend: str) -> None:
         """Switches the expert-compute backend ('auto' or a name); weights are re-prepared lazily."""
@@ -902,10 +926,15 @@ class MegaMoE(nn.Module):
     def _fused_forward_from_tokens(
         self, x_TH: torch.Tensor, *, out_TH: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(y_TH, router_logits_TE) of the fused path, y written into `out_TH` where given: what
-        a captured forward records."""
+        """(y_TH, router_logits_TE) of the fused path, the output norm applied, y written into
+        `out_TH` where given: what a captured forward records."""
         router_logits_TE = self.router_logits(x_TH)
-        return self._fused_forward(x_TH, router_logits_TE, out_TH=out_TH), router_logits_TE
+        if self.output_norm is None:
+            return self._fused_forward(x_TH, router_logits_TE, out_TH=out_TH), router_logits_TE
+        y_TH = self.output_norm(self._fused_forward(x_TH, router_logits_TE))
+        if out_TH is not None:
+            y_TH = out_TH.copy_(y_TH)
+        return y_TH, router_logits_TE
 
     @property
     def _routes_on_this_gpu(self) -> bool:
@@ -1016,7 +1045,7 @@ class MegaMoE(nn.Module):
                     )
                 else:
                     y_TH = self._fused_forward(x_TH, router_logits_TE)
-                y = y_TH.view(x.shape)
+                y = self._normed(y_TH.view(x.shape))
                 return (y, router_logits_TE) if return_router_logits else y
             if self.config.check_inputs:
                 check_finite_logits(router_logits_TE)
@@ -1047,8 +1076,12 @@ class MegaMoE(nn.Module):
             y_TH = self.latent_out(y_TH)
         if self.shared_experts is not None:
             y_TH = y_TH + self.shared_experts(x_TH)
-        y = y_TH.reshape(x.shape).to(x.dtype)
+        y = self._normed(y_TH.reshape(x.shape).to(x.dtype))
         return (y, router_logits_TE) if return_router_logits else y
+
+    def _normed(self, y: torch.Tensor) -> torch.Tensor:
+        """The output through the output norm, where the layer has one."""
+        return y if self.output_norm is None else self.output_norm(y)
 
     def _dispatch_experts_combine(
         self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor
@@ -1146,6 +1179,8 @@ class MegaMoE(nn.Module):
             shape.append(f"activation={c.activation}")
         if c.latent_size is not None:
             shape.append(f"latent={c.latent_size}")
+        if c.output_norm_eps is not None:
+            shape.append(f"output_norm_eps={c.output_norm_eps:g}")
         if self.expert_parallel:
             shape.append(f"local_experts=[{self.local_experts.start}, {self.local_experts.stop})")
         return ", ".join(shape)

@@ -247,6 +247,8 @@ class BlockReading:
             if fields.get("activation") == "relu2":
                 shared += ", relu(up)^2"
             parts.append(f"shared expert {shared}")
+        if fields.get("output_norm_eps") is not None:
+            parts.append(f"the output RMSNorm-ed (eps {fields['output_norm_eps']:g})")
         return "; ".join(parts)
 
 

@@ -35,6 +35,7 @@ from megamoe_torch.hf.probes import (
     relative_error,
 )
 from megamoe_torch.hf.structure import BlockParts
+from megamoe_torch.layer import OutputNorm
 
 # attribute names under which routers and blocks keep the grouped top-k sizes
 GROUP_COUNT_ATTRIBUTES = ("n_group", "num_group", "num_expert_group", "num_groups", "n_groups")
@@ -44,6 +45,8 @@ LIMIT_ATTRIBUTES = ("limit", "swiglu_limit", "clamp_limit")
 ALPHA_ATTRIBUTES = ("alpha", "swiglu_alpha")
 # an attribute naming a softcap c (c * tanh(v / c)), on the experts or any module inside them
 SOFTCAP_ATTRIBUTE = "softcap"
+# an output norm's epsilon
+OUTPUT_NORM_EPS_ATTRIBUTES = ("variance_epsilon", "eps")
 # the attribute under which a sparsemixer router (PhiMoE) keeps its epsilon
 SPARSEMIXER_EPS_ATTRIBUTES = ("router_jitter_noise",)
 
@@ -545,6 +548,29 @@ def read_shared_experts(
     raise UnsupportedBlockError(
         f"the shared experts compute something other than silu(gate) * up or the routed "
         f"experts' SwiGLU (act_fn {act_fn})"
+    )
+
+
+def read_output_norm(parts: BlockParts, random: ProbeRandom) -> dict[str, Any]:
+    """The output norm's MegaMoEConfig field: its eps, where a copy of the norm computes
+    MegaMoE's OutputNorm (an RMSNorm) with it; {} for a block without one."""
+    norm = parts.output_norm
+    if norm is None:
+        return {}
+    eps = _float_attributes(norm, OUTPUT_NORM_EPS_ATTRIBUTES)
+    twin = random_copy(norm, random)
+    y_TH = random.normal(8, parts.hidden_size, std=3.0)
+    with torch.no_grad():
+        seen = twin(y_TH)
+        if eps:
+            expected = OutputNorm(parts.hidden_size, eps[0])
+            expected.weight.copy_(twin.weight)
+            if relative_error(seen, expected(y_TH)) <= MATCH_TOLERANCE:
+                return {"output_norm_eps": eps[0]}
+    raise UnsupportedBlockError(
+        f"the output norm ({type(norm).__name__}) computes something other than the RMSNorm "
+        "megamoe computes, y * rsqrt(mean(y^2) + eps) * weight"
+        + ("" if eps else f", or holds its eps in none of {OUTPUT_NORM_EPS_ATTRIBUTES}")
     )
 
 

@@ -15,7 +15,8 @@ experts: [E, I, H], the up rows); w2 [E, H, I];
 w13_bias [E, 2I]; w2_bias [E, H]; e_score_correction_bias [E] fp32;
 shared_experts.{gate_proj, up_proj, down_proj, gate}.weight. A block's shared MLP may hold
 `gate_up_proj` [2I, H] in place of gate_proj and up_proj (`shared_gate_up`). A latent MoE:
-latent_in.weight [L, H], latent_out.weight [H, L], and the experts' H is L.
+latent_in.weight [L, H], latent_out.weight [H, L], and the experts' H is L. A norm of the
+block's output: output_norm.weight [H].
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ class BlockNaming:
     # fc1_latent_proj / fc2_latent_proj): MegaMoE's latent_in / latent_out
     latent_in: str | None = None
     latent_out: str | None = None
+    # a norm of the block's output (A.X-K1's post_mlp_layernorm): its weight [H], MegaMoE's
+    # output_norm.weight
+    output_norm: str | None = None
     # keys of tensors the block holds but its forward does not use (a correction bias switched
     # off): a swapped block keeps them as they are, for its checkpoint
     ignored: tuple[str, ...] = ()

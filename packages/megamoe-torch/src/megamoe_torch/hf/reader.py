@@ -41,6 +41,7 @@ from megamoe_torch.hf.matching import (
     identity_weights,
     match_routing,
     read_experts_math,
+    read_output_norm,
     read_router_dtype,
     read_shared_experts,
     snapped_scale,
@@ -155,7 +156,8 @@ def _read_by_probes(block: nn.Module, parts: BlockParts) -> BlockReading:
     fields.update(
         read_shared_experts(
             parts, random, routed_swiglu=routed_swiglu, activation=fields["activation"]
-        )
+        ),
+        **read_output_norm(parts, random),
     )
     try:
         MegaMoEConfig(**fields)

@@ -63,7 +63,7 @@ def megamoe_state_dict_from_hf(
         out["e_score_correction_bias"] = remaining.pop(naming.correction_bias).float().reshape(-1)
     for key in naming.ignored:  # held by the block, unused by its computation
         remaining.pop(key, None)
-    for ours, theirs in _latent_keys(naming):
+    for ours, theirs in _kept_module_keys(naming):
         out[ours] = _take(remaining, theirs)
     if naming.expert_keys[0] in remaining:
         expert_tensors = {key: _take(remaining, key) for key in naming.expert_keys}
@@ -130,10 +130,14 @@ def hf_state_dict_from_megamoe(
         if naming.correction_bias is None:
             raise ValueError(f"family {naming.family!r} has no correction bias")
         out[naming.correction_bias] = bias_E
-    latent = _latent_keys(naming)
-    if "latent_in.weight" in state_dict and not latent:
-        raise ValueError(f"family {naming.family!r} has no latent projections")
-    for ours, theirs in latent:
+    kept = dict(_kept_module_keys(naming))
+    for ours, what in (
+        ("latent_in.weight", "latent projections"),
+        ("output_norm.weight", "output norm"),
+    ):
+        if ours in state_dict and ours not in kept:
+            raise ValueError(f"family {naming.family!r} has no {what}")
+    for ours, theirs in kept.items():
         out[theirs] = state_dict[ours]
     w13_E2IH, w2_EHI = state_dict["w13"], state_dict["w2"]
     w13_scales, w2_scales = state_dict.get("w13_scale_inv"), state_dict.get("w2_scale_inv")
@@ -230,11 +234,15 @@ def _shared_from_megamoe(
     return out
 
 
-def _latent_keys(naming: BlockNaming) -> tuple[tuple[str, str], ...]:
-    """(MegaMoE's key, the block's) of a latent MoE's two projections; () for other blocks."""
-    if naming.latent_in is None:
-        return ()
-    return (("latent_in.weight", naming.latent_in), ("latent_out.weight", naming.latent_out))
+def _kept_module_keys(naming: BlockNaming) -> tuple[tuple[str, str], ...]:
+    """(MegaMoE's key, the block's) of the tensors both hold as they are: a latent MoE's two
+    projections, an output norm's weight."""
+    keys = []
+    if naming.latent_in is not None:
+        keys += [("latent_in.weight", naming.latent_in), ("latent_out.weight", naming.latent_out)]
+    if naming.output_norm is not None:
+        keys.append(("output_norm.weight", naming.output_norm))
+    return tuple(keys)
 
 
 def _take_shared_projections(

@@ -22,6 +22,9 @@ SHARED_GATE_NAME = "shared_expert_gate"
 # the latent MoE's projections into and out of the routed experts' space (Nemotron-H): Linears,
 # or nn.Identity where a block has none
 LATENT_NAMES = ("fc1_latent_proj", "fc2_latent_proj")
+# a norm of the block's output (A.X-K1's RMSNorm): a module holding one weight [H] (whether it
+# computes the RMSNorm megamoe computes, a probe tells)
+OUTPUT_NORM_NAMES = ("post_mlp_layernorm",)
 # attributes of blocks that multiply their training inputs by random noise (Mixtral, PhiMoE)
 INPUT_JITTER_ATTRIBUTES = ("jitter_noise", "input_jitter_noise", "moe_jitter_eps")
 # DBRX: each expert's gate, up and (transposed) down rows stacked, [E * I, H] each
@@ -63,6 +66,13 @@ class BlockParts:
         return self.naming.latent_in is not None
 
     @property
+    def output_norm(self) -> nn.Module | None:
+        """The module normalising the block's output, or None."""
+        if self.naming.output_norm is None:
+            return None
+        return getattr(self.block, self.naming.output_norm.split(".")[0])
+
+    @property
     def expert_weight(self) -> torch.Tensor:
         """One routed expert weight tensor: its dtype and device are the experts'."""
         return self.block.state_dict(keep_vars=True)[self.naming.expert_keys[0]]
@@ -93,7 +103,14 @@ def block_parts(block: nn.Module, *, allow_meta: bool = False) -> BlockParts:
         )
     shared_name = next((name for name in SHARED_NAMES if name in children), None)
     shared_gate = children.get(SHARED_GATE_NAME)
-    known = {router_name, "experts", shared_name, SHARED_GATE_NAME, *LATENT_NAMES}
+    known = {
+        router_name,
+        "experts",
+        shared_name,
+        SHARED_GATE_NAME,
+        *LATENT_NAMES,
+        *OUTPUT_NORM_NAMES,
+    }
     for name, child in children.items():
         if name not in known and any(True for _ in child.state_dict()):
             raise UnsupportedBlockError(
@@ -159,6 +176,7 @@ def _named_tensors(
     router_weight = router_2d[0]
     num_experts, hidden_size = tensors[router_weight].shape
     latent_size = _latent_size(block, hidden_size)
+    output_norm = _output_norm_key(block, hidden_size)
     router_bias = router_weight[: -len("weight")] + "bias"
     router_bias = (
         router_bias if router_weight.endswith(".weight") and router_bias in tensors else None
@@ -187,6 +205,8 @@ def _named_tensors(
         if shared_name is not None and key.startswith(f"{shared_name}."):
             continue
         if latent_size is not None and key in (f"{name}.weight" for name in LATENT_NAMES):
+            continue
+        if key == output_norm:
             continue
         if key == f"{SHARED_GATE_NAME}.weight" and tensor.shape == (1, hidden_size):
             continue
@@ -235,6 +255,7 @@ def _named_tensors(
         shared_gate_up=f"{shared_name}.gate_up_proj.weight" in tensors,
         latent_in=None if latent_size is None else f"{LATENT_NAMES[0]}.weight",
         latent_out=None if latent_size is None else f"{LATENT_NAMES[1]}.weight",
+        output_norm=output_norm,
     )
     return BlockParts(
         block=block,
@@ -284,6 +305,23 @@ def _latent_size(block: nn.Module, hidden_size: int) -> int | None:
             f"and [{hidden_size}, L], the latent MoE megamoe computes"
         )
     return into.out_features
+
+
+def _output_norm_key(block: nn.Module, hidden_size: int) -> str | None:
+    """The key of the weight [H] of a norm of the block's output; None for a block without one."""
+    for name in OUTPUT_NORM_NAMES:
+        norm = getattr(block, name, None)
+        if norm is None:
+            continue
+        tensors = norm.state_dict(keep_vars=True)
+        if list(tensors) != ["weight"] or tuple(tensors["weight"].shape) != (hidden_size,):
+            shapes = {key: tuple(tensor.shape) for key, tensor in tensors.items()}
+            raise UnsupportedBlockError(
+                f"the output norm {name} ({type(norm).__name__}) holds {shapes}, not one weight "
+                f"[{hidden_size}]: the RMSNorm megamoe computes"
+            )
+        return f"{name}.weight"
+    return None
 
 
 def _check_expert_tensors(found: dict[str, str]) -> None:
