@@ -5,8 +5,8 @@ around it) and its latent MoE (the torch layer path); LongCat-Flash's identity e
 layer path, the routed rows on cutedsl); MiniMax-M3's shared experts with the routed experts'
 clamped SwiGLU (cutedsl, the fused path); Inkling2's softcapped SwiGLU (grouped_mm, the cutedsl
 kernels computing no softcaps; the fused path around it); A.X-K1's output RMSNorm (cutedsl, the
-fused path). A Nemotron-H layer trains through
-grouped_mm with the reference backend's gradients."""
+fused path). A Nemotron-H layer trains through grouped_mm with the reference backend's
+gradients."""
 
 import pytest
 import torch
