@@ -104,6 +104,12 @@ def test_expert_parallel_latent_layer_equals_single_gpu(multirank):
     multirank(check_layer_matches_single_gpu, "torch", [40, 0], "exact", "bf16", fields)
 
 
+def test_expert_parallel_softcapped_layer_with_an_output_norm_equals_single_gpu(multirank):
+    # Inkling2's softcapped SwiGLU and A.X-K1's output RMSNorm, after the combine
+    fields = dict(swiglu_gate_softcap=4.0, swiglu_up_softcap=2.0, output_norm_eps=1e-6)
+    multirank(check_layer_matches_single_gpu, "torch", [40, 0], "exact", "bf16", fields)
+
+
 def test_expert_parallel_layer_with_owner_partials(multirank):
     # the partial-sum combine: one more bf16 rounding, so within the bf16 tolerance only
     if not nvshmem_status(multirank.device)[0]:
