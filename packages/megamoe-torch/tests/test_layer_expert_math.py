@@ -591,29 +591,23 @@ def test_the_cutedsl_backend_is_not_refused_for_biases_and_the_clamped_swiglu():
     layer.use_backend("cutedsl")
 
 
-def test_ungated_experts_are_refused_by_the_cutedsl_backend_alone(monkeypatch):
+@pytest.mark.parametrize(
+    "fields, reason, named",
+    [
+        (NEMOTRON_H, "compute gated (SwiGLU) experts", r"ungated relu\^2"),
+        (INKLING2, "compute no softcapped SwiGLU", "softcapped SwiGLU"),
+    ],
+    ids=["relu2", "softcaps"],
+)
+def test_expert_mlps_the_cutedsl_kernels_lack_run_on_grouped_mm(monkeypatch, fields, reason, named):
     from megamoe_runtime import experts
 
     for status in ("grouped_mm_status", "cutedsl_status"):
         monkeypatch.setattr(experts, status, lambda device, *_, **__: (True, "an sm_90 GPU"))
-    layer = make_layer(NEMOTRON_H)
+    layer = make_layer(fields)
     assert layer.backend == "grouped_mm"
-    assert "cutedsl: the cutedsl kernels compute gated (SwiGLU) experts" in layer.backend_reason
-    with pytest.raises(ValueError, match=r"backend 'cutedsl' cannot run.*ungated relu\^2"):
-        layer.use_backend("cutedsl")
-        _ = layer.backend
-    assert layer.w13.shape == (8, 16, 32) and layer.shared_experts.gate_proj is None
-
-
-def test_softcapped_experts_are_refused_by_the_cutedsl_backend_alone(monkeypatch):
-    from megamoe_runtime import experts
-
-    for status in ("grouped_mm_status", "cutedsl_status"):
-        monkeypatch.setattr(experts, status, lambda device, *_, **__: (True, "an sm_90 GPU"))
-    layer = make_layer(INKLING2)
-    assert layer.backend == "grouped_mm"
-    assert "cutedsl: the cutedsl kernels compute no softcapped SwiGLU" in layer.backend_reason
-    with pytest.raises(ValueError, match=r"backend 'cutedsl' cannot run.*softcapped SwiGLU"):
+    assert f"cutedsl: the cutedsl kernels {reason}" in layer.backend_reason
+    with pytest.raises(ValueError, match=f"backend 'cutedsl' cannot run.*{named}"):
         layer.use_backend("cutedsl")
         _ = layer.backend
 
