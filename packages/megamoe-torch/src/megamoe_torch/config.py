@@ -81,10 +81,11 @@ class MegaMoEConfig:
     swiglu_alpha: float = 1.0
     # the SwiGLU's offset added to up (swiglu_limit)
     swiglu_up_offset: float = 0.0
-    # softcaps c of the SwiGLU (Inkling2): the linear gate factor becomes c * tanh(gate / c)
-    # (the sigmoid sees gate as it is), up c * tanh(up / c); None: no cap. On the grouped_mm
-    # and reference backends (the cutedsl kernels compute no softcaps)
+    # a softcap c of the SwiGLU's linear gate factor (Inkling2): c * tanh(gate / c) in place of
+    # gate (the sigmoid sees gate as it is); None: no cap. The softcaps run on the grouped_mm and
+    # reference backends (the cutedsl kernels compute none)
     swiglu_gate_softcap: float | None = None
+    # a softcap c of the SwiGLU's up (Inkling2): c * tanh(up / c) in place of up; None: no cap
     swiglu_up_softcap: float | None = None
     # the experts' activation: "swiglu", gated experts down(swiglu(gate x, up x)), `w13`
     # [E, 2I, H]; "relu2", ungated experts down(relu(up x)^2) (Nemotron-H), `w13` the up
