@@ -14,6 +14,7 @@ from megamoe_kernels.reference import relative_l2_error
 transformers = pytest.importorskip("transformers")
 
 from megamoe_torch import (  # noqa: E402
+    MegaMoE,
     UnsupportedBlockError,
     from_hf,
     hf_state_dict_from_megamoe,
@@ -38,6 +39,21 @@ def with_random_weights(block: torch.nn.Module, *, bias_std: float = 0.2) -> tor
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, bias_std)
     return block.eval()
+
+
+def converts_exactly(block: torch.nn.Module) -> tuple[MegaMoE, BlockNaming]:
+    """The reference-backend layer of `block` and its naming, after checking that the layer
+    computes what the block does and maps back to the block's tensors, bit for bit."""
+    x = torch.randn(2, 13, HIDDEN)
+    with torch.no_grad():
+        expected = block(x)
+        layer = from_hf(block, backend="reference")
+        actual = layer(x)
+    assert relative_l2_error(actual, expected) < 1e-5
+    naming = read_block(block).naming
+    mapped = hf_state_dict_from_megamoe(layer.state_dict(), family=naming, layout="fused")
+    assert_same_bytes(mapped, block.state_dict())
+    return layer, naming
 
 
 def minimax_block() -> torch.nn.Module:
@@ -211,20 +227,12 @@ def longcat_block() -> torch.nn.Module:
 
 
 def test_identity_experts_convert_exactly_and_map_back():
-    block = longcat_block()
-    x = torch.randn(2, 13, HIDDEN)
+    layer, _ = converts_exactly(longcat_block())
     with torch.no_grad():
-        expected = block(x)
-        layer = from_hf(block, backend="reference")
-        actual = layer(x)
-        ids_TK = layer.router_logits(x.reshape(-1, HIDDEN)).topk(3, dim=-1).indices
+        ids_TK = layer.router_logits(torch.randn(26, HIDDEN)).topk(3, dim=-1).indices
     config = layer.config
     assert (config.num_experts, config.num_identity_experts, config.top_k) == (8, 4, 3)
     assert (ids_TK >= 8).any()  # identity experts chosen
-    assert relative_l2_error(actual, expected) < 1e-5
-    naming = read_block(block).naming
-    mapped = hf_state_dict_from_megamoe(layer.state_dict(), family=naming, layout="fused")
-    assert_same_bytes(mapped, block.state_dict())
 
 
 def inkling2_block(*, gate_softcap: float, up_softcap: float) -> torch.nn.Module:
@@ -247,18 +255,8 @@ def inkling2_block(*, gate_softcap: float, up_softcap: float) -> torch.nn.Module
 @pytest.mark.parametrize("caps", [(4.0, 25.0), (1.5, 2.0)], ids=["inkling2", "tight-caps"])
 def test_softcapped_experts_convert_exactly_and_map_back(caps):
     gate_softcap, up_softcap = caps
-    block = inkling2_block(gate_softcap=gate_softcap, up_softcap=up_softcap)
-    x = torch.randn(2, 13, HIDDEN)
-    with torch.no_grad():
-        expected = block(x)
-        layer = from_hf(block, backend="reference")
-        actual = layer(x)
-    config = layer.config
-    assert (config.swiglu_gate_softcap, config.swiglu_up_softcap) == caps
-    assert relative_l2_error(actual, expected) < 1e-5
-    naming = read_block(block).naming
-    mapped = hf_state_dict_from_megamoe(layer.state_dict(), family=naming, layout="fused")
-    assert_same_bytes(mapped, block.state_dict())
+    layer, _ = converts_exactly(inkling2_block(gate_softcap=gate_softcap, up_softcap=up_softcap))
+    assert (layer.config.swiglu_gate_softcap, layer.config.swiglu_up_softcap) == caps
 
 
 def axk1_block() -> torch.nn.Module:
@@ -279,18 +277,11 @@ def axk1_block() -> torch.nn.Module:
 
 def test_an_output_norm_converts_exactly_and_maps_back():
     block = axk1_block()
-    x = torch.randn(2, 13, HIDDEN)
-    with torch.no_grad():
-        expected = block(x)
-        layer = from_hf(block, backend="reference")
-        actual = layer(x)
+    layer, naming = converts_exactly(block)
     assert layer.config.output_norm_eps == 1e-5
     assert torch.equal(layer.output_norm.weight, block.post_mlp_layernorm.weight)
-    assert relative_l2_error(actual, expected) < 1e-5
-    naming = read_block(block).naming
     assert naming.output_norm == "post_mlp_layernorm.weight"
     mapped = hf_state_dict_from_megamoe(layer.state_dict(), family=naming, layout="fused")
-    assert_same_bytes(mapped, block.state_dict())
     assert_same_bytes(megamoe_state_dict_from_hf(mapped, family=naming), layer.state_dict())
 
 
