@@ -174,9 +174,7 @@ def check_gate_up(
         offsets,
         w13_E2IH,
         w13_bias_E2I=w13_bias_E2I,
-        limit=activation.limit,
-        alpha=activation.alpha,
-        up_offset=activation.up_offset,
+        **activation.constants(),
     )
     assert_valid_rows_match(out_MI, expected, valid, what=f"gate_up with {knobs}, {activation}")
     return out_MI

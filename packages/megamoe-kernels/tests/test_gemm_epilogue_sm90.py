@@ -114,6 +114,8 @@ def test_every_tile_family_with_tails(knobs, dims):
         (GPT_OSS_SWIGLU, False),  # the clamped SwiGLU, no bias
         (SwiGLU(limit=3.0), True),  # the clamp alone
         (SwiGLU(alpha=0.5, up_offset=-2.0), True),  # alpha and offset, no clamp
+        (SwiGLU(gate_softcap=4.0, up_softcap=2.0), False),  # Inkling2's softcaps, tighter
+        (SwiGLU(limit=7.0, up_softcap=3.0), True),  # a clamp and a softcap
     ],
     ids=str,
 )

@@ -213,7 +213,7 @@ def test_every_backend_but_the_fp8_kernels_takes_the_expert_math():
     assert name == "reference" and "needs a CUDA device" in reason
 
 
-def test_a_softcapped_swiglu_is_named_and_refused_by_the_cutedsl_backend_alone():
+def test_a_softcapped_swiglu_is_named_and_refused_by_the_fp8_kernels_alone():
     base = gpt_oss_pack(dtype=torch.bfloat16)
     pack = Unquantized(
         w13_E2IH=base.w13_E2IH, w2_EHI=base.w2_EHI, swiglu=SwiGLU(gate_softcap=4, up_softcap=25)
@@ -225,11 +225,10 @@ def test_a_softcapped_swiglu_is_named_and_refused_by_the_cutedsl_backend_alone()
         f"a clamped/scaled SwiGLU ({clamped_too.swiglu})",
     )
     choice = dict(masked_batches=False, fp8_rows=False, expert_math=pack.expert_math)
-    assert "compute no softcapped SwiGLU" in _batch_refusal("cutedsl", fp8_weights=False, **choice)
-    for name in ("grouped_mm", "reference"):
+    assert SOFTCAPPED_SWIGLU in _batch_refusal("cutedsl", fp8_weights=True, **choice)
+    for name in ("cutedsl", "grouped_mm", "reference"):
         assert _batch_refusal(name, fp8_weights=False, **choice) is None
-    with pytest.raises(ValueError, match="compute no softcapped SwiGLU"):
-        CuteDSLExperts().prepare(pack)
+    assert CuteDSLExperts().prepare(pack).swiglu == pack.swiglu
 
 
 def test_the_cutedsl_backend_interleaves_the_w13_bias_like_w13_and_keeps_both_in_float32():

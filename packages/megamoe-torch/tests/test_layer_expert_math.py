@@ -412,10 +412,8 @@ def test_random_layers_route_on_the_device_as_on_the_torch_path(seed):
         pytest.skip("needs a CUDA GPU")
     rng = random.Random(seed)
     fields = dict(random_layer_fields(rng), hidden_size=512, intermediate_size=256)
-    # ungated experts and softcaps: the fused path around grouped_mm (the cutedsl kernels
-    # compute gated experts, and no softcaps)
-    softcapped = MegaMoEConfig(**fields).swiglu.softcapped
-    backend = "grouped_mm" if fields.get("activation") == "relu2" or softcapped else "cutedsl"
+    # ungated experts: the fused path around grouped_mm (the cutedsl kernels compute gated ones)
+    backend = "grouped_mm" if fields.get("activation") == "relu2" else "cutedsl"
     torch.manual_seed(seed)
     fused = MegaMoE(
         MegaMoEConfig(**fields, backend=backend),
@@ -595,9 +593,8 @@ def test_the_cutedsl_backend_is_not_refused_for_biases_and_the_clamped_swiglu():
     "fields, reason, named",
     [
         (NEMOTRON_H, "compute gated (SwiGLU) experts", r"ungated relu\^2"),
-        (INKLING2, "compute no softcapped SwiGLU", "softcapped SwiGLU"),
     ],
-    ids=["relu2", "softcaps"],
+    ids=["relu2"],
 )
 def test_expert_mlps_the_cutedsl_kernels_lack_run_on_grouped_mm(monkeypatch, fields, reason, named):
     from megamoe_runtime import experts
@@ -610,6 +607,16 @@ def test_expert_mlps_the_cutedsl_kernels_lack_run_on_grouped_mm(monkeypatch, fie
     with pytest.raises(ValueError, match=f"backend 'cutedsl' cannot run.*{named}"):
         layer.use_backend("cutedsl")
         _ = layer.backend
+
+
+def test_softcapped_experts_take_the_cutedsl_backend_in_bf16_alone(monkeypatch):
+    from megamoe_runtime import experts
+
+    for status in ("grouped_mm_status", "cutedsl_status"):
+        monkeypatch.setattr(experts, status, lambda device, *_, **__: (True, "an sm_90 GPU"))
+    assert make_layer(INKLING2).backend == "cutedsl"
+    with pytest.raises(ValueError, match=r"weight_dtype=.fp8. does not combine with softcapped"):
+        MegaMoEConfig(**INKLING2, weight_dtype="fp8")
 
 
 def test_identity_experts_are_chosen_and_their_pairs_skip_the_expert_mlp(monkeypatch):

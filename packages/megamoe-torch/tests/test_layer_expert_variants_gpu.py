@@ -3,10 +3,9 @@ the bf16 tolerance, on fresh tokens over a poisoned allocator: Nemotron-H's unga
 (backend 'auto' picks grouped_mm, the cutedsl kernels computing gated experts; the fused path
 around it) and its latent MoE (the torch layer path); LongCat-Flash's identity experts (the torch
 layer path, the routed rows on cutedsl); MiniMax-M3's shared experts with the routed experts'
-clamped SwiGLU (cutedsl, the fused path); Inkling2's softcapped SwiGLU (grouped_mm, the cutedsl
-kernels computing no softcaps; the fused path around it); A.X-K1's output RMSNorm (cutedsl, the
-fused path). A Nemotron-H layer trains through grouped_mm with the reference backend's
-gradients."""
+clamped SwiGLU (cutedsl, the fused path); Inkling2's softcapped SwiGLU and A.X-K1's output
+RMSNorm (cutedsl, the fused path). A Nemotron-H layer trains through grouped_mm with the
+reference backend's gradients."""
 
 import pytest
 import torch
@@ -95,7 +94,7 @@ CASES = {
     "nemotron-h-latent": (dict(NEMOTRON_H, latent_size=1024), "grouped_mm", False),
     "longcat": (LONGCAT, "cutedsl", False),
     "minimax-m3": (MINIMAX_M3, "cutedsl", True),
-    "inkling2": (INKLING2, "grouped_mm", True),
+    "inkling2": (INKLING2, "cutedsl", True),
     "axk1": (AXK1, "cutedsl", True),
 }
 

@@ -30,8 +30,8 @@ from megamoe_kernels import FP8_DTYPE, SwiGLU, weight_scales_shape
 FP8_WEIGHT_DTYPE = FP8_DTYPE
 # the experts' activations: "swiglu", gated, swiglu(gate x, up x); "relu2", ungated, relu(up x)^2
 ACTIVATIONS = ("swiglu", "relu2")
-# how `Unquantized.expert_math` names ungated relu^2 experts and a softcapped SwiGLU (the
-# cutedsl backend refuses them by these names)
+# how `Unquantized.expert_math` names ungated relu^2 experts (the cutedsl backend refuses them
+# by this name) and a softcapped SwiGLU
 UNGATED_RELU2 = "ungated relu^2 experts"
 SOFTCAPPED_SWIGLU = "softcapped SwiGLU"
 

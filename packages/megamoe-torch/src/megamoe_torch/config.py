@@ -82,8 +82,7 @@ class MegaMoEConfig:
     # the SwiGLU's offset added to up (swiglu_limit)
     swiglu_up_offset: float = 0.0
     # a softcap c of the SwiGLU's linear gate factor (Inkling2): c * tanh(gate / c) in place of
-    # gate (the sigmoid sees gate as it is); None: no cap. The softcaps run on the grouped_mm and
-    # reference backends (the cutedsl kernels compute none)
+    # gate (the sigmoid sees gate as it is); None: no cap
     swiglu_gate_softcap: float | None = None
     # a softcap c of the SwiGLU's up (Inkling2): c * tanh(up / c) in place of up; None: no cap
     swiglu_up_softcap: float | None = None

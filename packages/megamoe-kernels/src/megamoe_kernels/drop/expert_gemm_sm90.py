@@ -83,7 +83,9 @@ SwiGLU: w is the gate/up interleaved weight (gate_up_layout); out = silu(gate) *
 swiglu_limit / swiglu_alpha / swiglu_up_offset (compile-time constants) make it the clamped
 variant: gate = min(gate, limit), up = clamp(up, -limit, limit), out = gate * sigmoid(alpha *
 gate) * (up + up_offset) (gpt-oss: 7.0, 1.702, 1.0); the defaults give silu(gate) * up with the
-same instructions as a kernel built without them.
+same instructions as a kernel built without them. swiglu_gate_softcap / swiglu_up_softcap c
+(compile-time constants) softcap the linear gate factor and up, c * tanh(v / c), the sigmoid
+seeing the gate uncapped (Inkling2).
 
 bias: each accumulator gets its weight row's bias (bias[expert, n], fp32) after the mainloop
 (after split_k's sum) and before the epilogue: before SwiGLU and its clamp, before the row
@@ -224,8 +226,9 @@ class ExpertGroupedGemmSm90:
     stages:    depth of the TMA ring
     swap_ab:   weight on the MMA's M side (decode)
     swiglu:    gate/up interleaved weight, out = silu(gate) * up
-    swiglu_limit, swiglu_alpha, swiglu_up_offset: the clamped SwiGLU's constants (swiglu
-               only; None, 1.0, 0.0: the plain one)
+    swiglu_limit, swiglu_alpha, swiglu_up_offset, swiglu_gate_softcap, swiglu_up_softcap: the
+               clamped and softcapped SwiGLU's constants (swiglu only; None, 1.0, 0.0, None,
+               None: the plain one)
     bias:      add bias[expert, weight row] (fp32) to each accumulator before the epilogue
     row_scale: multiply each output row by row_scale[row]
     rows_fastest: schedule order inside an expert (m-tiles vary fastest: weights stream once)
@@ -299,13 +302,24 @@ class ExpertGroupedGemmSm90:
         swiglu_limit=None,
         swiglu_alpha=1.0,
         swiglu_up_offset=0.0,
+        swiglu_gate_softcap=None,
+        swiglu_up_softcap=None,
         prefetch_weight_scales=False,
         staged_scale_k_tiles=0,
     ):
-        if not swiglu and (swiglu_limit, swiglu_alpha, swiglu_up_offset) != (None, 1.0, 0.0):
+        swiglu_constants = dict(
+            limit=swiglu_limit,
+            alpha=swiglu_alpha,
+            up_offset=swiglu_up_offset,
+            gate_softcap=swiglu_gate_softcap,
+            up_softcap=swiglu_up_softcap,
+        )
+        if not swiglu and swiglu_constants != dict(
+            limit=None, alpha=1.0, up_offset=0.0, gate_softcap=None, up_softcap=None
+        ):
             raise ValueError(
-                "swiglu_limit / swiglu_alpha / swiglu_up_offset: the SwiGLU epilogue's constants "
-                "(swiglu=True only)"
+                "swiglu_limit / swiglu_alpha / swiglu_up_offset / swiglu_gate_softcap / "
+                "swiglu_up_softcap: the SwiGLU epilogue's constants (swiglu=True only)"
             )
         if gather_rows and scale_group is not None:
             raise ValueError(
@@ -402,9 +416,7 @@ class ExpertGroupedGemmSm90:
         )
         self.bias = Bias(swap_ab=swap_ab, tile_cols=tile_cols) if bias else None
         self.output = (
-            SwiGLUOutput(
-                swap_ab=swap_ab, limit=swiglu_limit, alpha=swiglu_alpha, up_offset=swiglu_up_offset
-            )
+            SwiGLUOutput(swap_ab=swap_ab, **swiglu_constants)
             if swiglu
             else RowScaledOutput(swap_ab=swap_ab, row_scale=row_scale)
         )

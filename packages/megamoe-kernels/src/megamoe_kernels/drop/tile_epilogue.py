@@ -66,27 +66,41 @@ def up_partner_offset(swap_ab):
 
 
 @cute.jit
-def swiglu(gate, up, *, limit=None, alpha=1.0, up_offset=0.0):
+def swiglu(gate, up, *, limit=None, alpha=1.0, up_offset=0.0, gate_softcap=None, up_softcap=None):
     """The pointwise SwiGLU in fp32: gate * sigmoid(alpha * gate) * (up + up_offset), with gate
-    clamped to at most `limit` and up to [-limit, limit] first when `limit` is set; limit, alpha
-    and up_offset are compile-time constants (plain Python numbers), and the defaults are
-    silu(gate) * up (no instruction for the constants they leave out). The reciprocal is the
+    clamped to at most `limit` and up to [-limit, limit] first when `limit` is set, and the
+    linear gate factor and up softcapped, c * tanh(v / c), when `gate_softcap` / `up_softcap` c
+    is set (the sigmoid sees the gate uncapped); every constant is a compile-time one (a plain
+    Python number), and the defaults are silu(gate) * up (no instruction for the constants they
+    leave out). A softcap's tanh is the approximate one (one MUFU.TANH, relative error about
+    2^-11, below the bf16 rounding of the output). The reciprocal is the
     approximate one (one MUFU.RCP; a far gate's 1 + exp(-alpha gate) = inf still gives 0): an
     IEEE division is a refinement, a check and a slow-path call per value, and the gate-up
     epilogue runs 64 of them per thread and tile while the tensor cores wait."""
     if cutlass.const_expr(limit is not None):
         gate = cute.arch.fmin(gate, cutlass.Float32(limit))
         up = cute.arch.fmax(cute.arch.fmin(up, cutlass.Float32(limit)), cutlass.Float32(-limit))
+    linear_gate = gate
+    if cutlass.const_expr(gate_softcap is not None):
+        linear_gate = softcap(gate, gate_softcap)
+    if cutlass.const_expr(up_softcap is not None):
+        up = softcap(up, up_softcap)
     if cutlass.const_expr(up_offset != 0.0):
         up = up + cutlass.Float32(up_offset)
     scaled_gate = gate
     if cutlass.const_expr(alpha != 1.0):
         scaled_gate = gate * cutlass.Float32(alpha)
     return (
-        gate
+        linear_gate
         * up
         * cute.arch.rcp_approx(cutlass.Float32(1.0) + cute.math.exp(-scaled_gate, fastmath=True))
     )
+
+
+@cute.jit
+def softcap(value, cap):
+    """cap * tanh(value / cap) in fp32, `cap` a compile-time constant."""
+    return cutlass.Float32(cap) * cute.math.tanh(value * cutlass.Float32(1.0 / cap), approx=True)
 
 
 class EpilogueTensors:
@@ -240,10 +254,18 @@ class SwiGLUOutput(TileOutput):
     compile time. Half of the values are gates: a tile of tile_cols weight rows stages
     tile_cols / 2 output columns."""
 
-    def __init__(self, *, swap_ab, limit=None, alpha=1.0, up_offset=0.0):
+    def __init__(
+        self, *, swap_ab, limit=None, alpha=1.0, up_offset=0.0, gate_softcap=None, up_softcap=None
+    ):
         super().__init__(swap_ab=swap_ab)
         self.partner_offset = up_partner_offset(swap_ab)
-        self.constants = {"limit": limit, "alpha": float(alpha), "up_offset": float(up_offset)}
+        self.constants = {
+            "limit": limit,
+            "alpha": float(alpha),
+            "up_offset": float(up_offset),
+            "gate_softcap": gate_softcap,
+            "up_softcap": up_softcap,
+        }
 
     def stages(self, i):
         return (i // self.partner_offset) % 2 == 0

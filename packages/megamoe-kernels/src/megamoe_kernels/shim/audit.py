@@ -118,6 +118,8 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "swiglu_limit",
             "swiglu_alpha",
             "swiglu_up_offset",
+            "swiglu_gate_softcap",
+            "swiglu_up_softcap",
             "prefetch_weight_scales",
         ),
     ),

@@ -6,8 +6,8 @@ biases (plain Python and torch; no CuTe DSL).
   `limit` is set, the linear gate factor and up softcapped (c * tanh(v / c)) when their caps
   are set (megamoe_kernels.reference.swiglu is its oracle). `SwiGLU()` is silu(gate) * up;
   gpt-oss computes `SwiGLU(limit=7.0, alpha=1.702, up_offset=1.0)`, Inkling2 softcaps. The
-  kernels compile the clamped SwiGLU's constants in (each distinct one is its own kernel
-  variant) and compute no softcaps (`softcapped`: the torch backends do).
+  bf16 gate-up kernel compiles the constants in: each distinct SwiGLU is its own kernel
+  variant.
 - `interleave_gate_up_bias(w13_bias_E2I)` -> float32 [E, I / 8, 16]: the gate-up bias in the
   interleaved order of the weight rows (interleave_gate_up), the layout gate_up_swiglu takes.
   The down GEMM takes its bias [E, H] in float32 as it is.
@@ -65,7 +65,7 @@ class SwiGLU:
 
     @property
     def softcapped(self) -> bool:
-        """Whether a softcap is set (the kernels compute none)."""
+        """Whether a softcap is set."""
         return self.gate_softcap is not None or self.up_softcap is not None
 
     def constants(self) -> dict[str, float | None]:
@@ -79,14 +79,8 @@ class SwiGLU:
         }
 
     def kernel_constants(self) -> dict[str, float | None]:
-        """The drop kernel's keyword arguments for this activation; a ValueError when softcapped."""
-        if self.softcapped:
-            raise ValueError(f"the expert GEMM kernels compute no softcapped SwiGLU, got {self}")
-        return {
-            "swiglu_limit": self.limit,
-            "swiglu_alpha": self.alpha,
-            "swiglu_up_offset": self.up_offset,
-        }
+        """The drop kernel's keyword arguments for this activation."""
+        return {f"swiglu_{name}": value for name, value in self.constants().items()}
 
 
 PLAIN_SWIGLU = SwiGLU()

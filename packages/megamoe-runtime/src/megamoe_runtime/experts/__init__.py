@@ -21,7 +21,7 @@ from megamoe_runtime.experts.base import (
 from megamoe_runtime.experts.cutedsl import CuteDSLExperts, cutedsl_status
 from megamoe_runtime.experts.grouped_mm import GroupedMMExperts, grouped_mm_status
 from megamoe_runtime.experts.reference import ReferenceExperts
-from megamoe_runtime.weights import SOFTCAPPED_SWIGLU, UNGATED_RELU2
+from megamoe_runtime.weights import UNGATED_RELU2
 
 BACKEND_NAMES = ("cutedsl", "grouped_mm", "reference")
 
@@ -68,8 +68,6 @@ def _batch_refusal(
     """Why backend `name` cannot compute such batches or experts (None: it can)."""
     if name == "cutedsl" and UNGATED_RELU2 in expert_math:
         return f"the cutedsl kernels compute gated (SwiGLU) experts, not {UNGATED_RELU2}"
-    if name == "cutedsl" and SOFTCAPPED_SWIGLU in expert_math:
-        return f"the cutedsl kernels compute no {SOFTCAPPED_SWIGLU}"
     if name == "cutedsl" and expert_math and fp8_weights:
         return (
             f"the cutedsl FP8 kernels are not built for {', '.join(expert_math)} (the bf16 "

@@ -46,7 +46,7 @@ from megamoe_kernels import (
 from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.experts.base import check_batch_matches_weights
 from megamoe_runtime.tuning.cache import KnobCache, KnobKey
-from megamoe_runtime.weights import SOFTCAPPED_SWIGLU, Prequantized, WeightPack
+from megamoe_runtime.weights import Prequantized, WeightPack
 
 
 def cutedsl_status(device: torch.device) -> tuple[bool, str]:
@@ -369,11 +369,6 @@ class CuteDSLExperts:
             raise ValueError(
                 "the cutedsl kernels compute gated (SwiGLU) experts, not "
                 f"{weights.activation} ones: use backend='grouped_mm' or 'reference'"
-            )
-        if weights.swiglu.softcapped:
-            raise ValueError(
-                f"the cutedsl kernels compute no {SOFTCAPPED_SWIGLU} ({weights.swiglu}): use "
-                "backend='grouped_mm' or 'reference'"
             )
         w13_bias, w2_bias = weights.w13_bias_E2I, weights.w2_bias_EH
         w13, _ = self._packed(interleave_gate_up(weights.w13_E2IH), None, gate_up=True)
