@@ -22,7 +22,7 @@ Backends transform a pack into their own layout once (ExpertBackend.prepare) and
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from megamoe_kernels import FP8_DTYPE, SwiGLU, weight_scales_shape
@@ -98,7 +98,7 @@ class Unquantized:
             features.append("per-expert biases")
         if self.swiglu.softcapped:
             features.append(SOFTCAPPED_SWIGLU)
-        if not replace(self.swiglu, gate_softcap=None, up_softcap=None).is_plain:
+        if self.swiglu.clamped:
             features.append(f"a clamped/scaled SwiGLU ({self.swiglu})")
         if not self.gated:
             features.append(UNGATED_RELU2)

@@ -273,11 +273,7 @@ class MegaMoEConfig:
             )
         if self.group_score not in GROUP_SCORES:
             raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {self.group_score!r}")
-        if self.output_norm_eps is not None and not 0 < self.output_norm_eps < math.inf:
-            raise ValueError(
-                f"output_norm_eps must be a finite number > 0 or None, got {self.output_norm_eps}"
-            )
-        for name in ("swiglu_limit", "swiglu_gate_softcap", "swiglu_up_softcap"):
+        for name in ("swiglu_limit", "swiglu_gate_softcap", "swiglu_up_softcap", "output_norm_eps"):
             value = getattr(self, name)
             if value is not None and not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a finite number > 0 or None, got {value}")
@@ -374,7 +370,7 @@ class MegaMoEConfig:
         features = []
         if self.expert_bias:
             features.append("expert_bias=True")
-        if (self.swiglu_limit, self.swiglu_alpha, self.swiglu_up_offset) != (None, 1.0, 0.0):
+        if self.swiglu.clamped:
             features.append(
                 f"a clamped/scaled SwiGLU (swiglu_limit={self.swiglu_limit}, "
                 f"swiglu_alpha={self.swiglu_alpha}, swiglu_up_offset={self.swiglu_up_offset})"

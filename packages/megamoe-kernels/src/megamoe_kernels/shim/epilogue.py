@@ -64,6 +64,11 @@ class SwiGLU:
         return self == SwiGLU()
 
     @property
+    def clamped(self) -> bool:
+        """Whether a clamp, an alpha or an up offset is set (gpt-oss's kind)."""
+        return (self.limit, self.alpha, self.up_offset) != (None, 1.0, 0.0)
+
+    @property
     def softcapped(self) -> bool:
         """Whether a softcap is set."""
         return self.gate_softcap is not None or self.up_softcap is not None

@@ -541,8 +541,8 @@ def read_shared_experts(
         else:
             gate, up = twin.gate_proj(x_TH), twin.up_proj(x_TH)
         candidates = {"silu": SwiGLU(), "routed": routed_swiglu}
-        for name, activation in candidates.items():
-            if relative_error(seen, twin.down_proj(activation(gate, up))) <= MATCH_TOLERANCE:
+        for name, swiglu in candidates.items():
+            if relative_error(seen, twin.down_proj(swiglu(gate, up))) <= MATCH_TOLERANCE:
                 return dict(fields, shared_swiglu=name)
     act_fn = type(getattr(shared, "act_fn", None)).__name__
     raise UnsupportedBlockError(

@@ -168,10 +168,10 @@ def run_block(
         # themselves are bias-free Linears the layer applies as they are)
         for name in LATENT_NAMES:
             modules[name] = nn.Identity()
-    if parts.output_norm is not None:
+    if parts.output_norm_name is not None:
         # the routing and how the parts combine, read as a block without its output norm
         # (read_output_norm reads the norm itself)
-        modules[parts.naming.output_norm.split(".")[0]] = nn.Identity()
+        modules[parts.output_norm_name] = nn.Identity()
     shared_stub = None
     if parts.shared is not None:
         shared_stub = _shallow_stand_in(parts.shared, answer_shared)

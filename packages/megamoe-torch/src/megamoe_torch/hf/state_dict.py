@@ -37,6 +37,14 @@ from megamoe_torch.hf.naming import (
     megamoe_gate_up_bias_from_hf,
 )
 
+# the tensors MegaMoE and a block hold as they are: MegaMoE's key, the BlockNaming field naming
+# the block's, and what they are (a latent MoE's two projections, an output norm's weight)
+KEPT_MODULE_TENSORS = (
+    ("latent_in.weight", "latent_in", "latent projections"),
+    ("latent_out.weight", "latent_out", "latent projections"),
+    ("output_norm.weight", "output_norm", "output norm"),
+)
+
 
 def naming_of(family: str | Family | BlockNaming) -> BlockNaming:
     """The BlockNaming of a family name, a Family or a BlockNaming."""
@@ -130,15 +138,12 @@ def hf_state_dict_from_megamoe(
         if naming.correction_bias is None:
             raise ValueError(f"family {naming.family!r} has no correction bias")
         out[naming.correction_bias] = bias_E
-    kept = dict(_kept_module_keys(naming))
-    for ours, what in (
-        ("latent_in.weight", "latent projections"),
-        ("output_norm.weight", "output norm"),
-    ):
-        if ours in state_dict and ours not in kept:
+    for ours, naming_field, what in KEPT_MODULE_TENSORS:
+        theirs = getattr(naming, naming_field)
+        if theirs is not None:
+            out[theirs] = state_dict[ours]
+        elif ours in state_dict:
             raise ValueError(f"family {naming.family!r} has no {what}")
-    for ours, theirs in kept.items():
-        out[theirs] = state_dict[ours]
     w13_E2IH, w2_EHI = state_dict["w13"], state_dict["w2"]
     w13_scales, w2_scales = state_dict.get("w13_scale_inv"), state_dict.get("w2_scale_inv")
     has_biases = "w13_bias" in state_dict
@@ -235,14 +240,13 @@ def _shared_from_megamoe(
 
 
 def _kept_module_keys(naming: BlockNaming) -> tuple[tuple[str, str], ...]:
-    """(MegaMoE's key, the block's) of the tensors both hold as they are: a latent MoE's two
-    projections, an output norm's weight."""
-    keys = []
-    if naming.latent_in is not None:
-        keys += [("latent_in.weight", naming.latent_in), ("latent_out.weight", naming.latent_out)]
-    if naming.output_norm is not None:
-        keys.append(("output_norm.weight", naming.output_norm))
-    return tuple(keys)
+    """(MegaMoE's key, the block's) of the tensors both hold as they are, where the block has
+    them (KEPT_MODULE_TENSORS)."""
+    return tuple(
+        (ours, getattr(naming, naming_field))
+        for ours, naming_field, _ in KEPT_MODULE_TENSORS
+        if getattr(naming, naming_field) is not None
+    )
 
 
 def _take_shared_projections(

@@ -66,11 +66,15 @@ class BlockParts:
         return self.naming.latent_in is not None
 
     @property
+    def output_norm_name(self) -> str | None:
+        """The name of the block's child normalising its output, or None."""
+        return None if self.naming.output_norm is None else self.naming.output_norm.split(".")[0]
+
+    @property
     def output_norm(self) -> nn.Module | None:
         """The module normalising the block's output, or None."""
-        if self.naming.output_norm is None:
-            return None
-        return getattr(self.block, self.naming.output_norm.split(".")[0])
+        name = self.output_norm_name
+        return None if name is None else getattr(self.block, name)
 
     @property
     def expert_weight(self) -> torch.Tensor:
