@@ -8,6 +8,7 @@ RMSNorm (cutedsl, the fused path). A Nemotron-H layer trains through grouped_mm 
 reference backend's gradients."""
 
 import pytest
+import test_layer_expert_math as expert_math
 import torch
 from gpu_inputs import fresh_tokens, poison_allocator
 from layer_gradients import bf16_and_fp32_gradients
@@ -34,61 +35,34 @@ NEMOTRON_H = dict(
     num_shared_experts=1,
     shared_intermediate_size=3712,
 )
-# LongCat-Flash's routing at a smaller width: 64 routed and 32 identity experts, top-12
+# the families of test_layer_expert_math (their routing and expert math) at sizes the kernels take
+WIDER = dict(hidden_size=1024, intermediate_size=512)
+# LongCat-Flash's routing: 64 routed and 32 identity experts, top-12
 LONGCAT = dict(
-    hidden_size=1024,
-    intermediate_size=512,
+    expert_math.LONGCAT,
+    **WIDER,
     num_experts=64,
     num_identity_experts=32,
     top_k=12,
-    renormalize=False,
-    use_correction_bias=True,
     routed_scaling_factor=6.0,
 )
 # MiniMax-M3's kind: clamped routed experts and a shared MLP clamped alike
 MINIMAX_M3 = dict(
-    hidden_size=1024,
-    intermediate_size=512,
-    num_experts=32,
-    top_k=4,
-    scoring="sigmoid",
-    use_correction_bias=True,
-    routed_scaling_factor=2.0,
-    swiglu_limit=7.0,
-    swiglu_alpha=1.702,
-    swiglu_up_offset=1.0,
-    num_shared_experts=1,
-    shared_intermediate_size=1024,
-    shared_swiglu="routed",
+    expert_math.MINIMAX_M3, **WIDER, num_experts=32, top_k=4, shared_intermediate_size=1024
 )
-# Inkling2's kind: sigmoid routing scaled by 8, the SwiGLU's gate and up softcapped (caps small
-# enough that the scaled weights' values pass them)
+# Inkling2's kind: the SwiGLU's gate and up softcapped (caps small enough that the scaled
+# weights' values pass them)
 INKLING2 = dict(
-    hidden_size=1024,
-    intermediate_size=512,
+    expert_math.INKLING2,
+    **WIDER,
     num_experts=32,
     top_k=4,
-    scoring="sigmoid",
-    use_correction_bias=True,
-    routed_scaling_factor=8.0,
     swiglu_gate_softcap=4.0,
     swiglu_up_softcap=2.0,
 )
 # A.X-K1's kind: DeepSeek-V3's grouped routing and shared expert, the output RMSNorm-ed (the fused
 # path and its replayed graphs apply the norm after the combine)
-AXK1 = dict(
-    hidden_size=1024,
-    intermediate_size=512,
-    num_experts=64,
-    top_k=6,
-    scoring="sigmoid",
-    use_correction_bias=True,
-    num_groups=8,
-    top_groups=4,
-    routed_scaling_factor=2.5,
-    num_shared_experts=1,
-    output_norm_eps=1e-6,
-)
+AXK1 = dict(expert_math.AXK1, **WIDER, num_experts=64, top_k=6, num_groups=8, top_groups=4)
 CASES = {
     "nemotron-h": (NEMOTRON_H, "grouped_mm", True),
     "nemotron-h-latent": (dict(NEMOTRON_H, latent_size=1024), "grouped_mm", False),
