@@ -52,6 +52,17 @@ FAMILIES = {
     "phimoe_sparsemixer": dict(
         num_experts=16, top_k=2, scoring="sparsemixer", renormalize=False, sparsemixer_eps=0.3
     ),
+    # sqrt(softplus) scores chosen with a bias, a shared expert, SwiGLU clamped (DeepSeek-V4)
+    "deepseek_v4": dict(
+        num_experts=32,
+        top_k=6,
+        scoring="sqrtsoftplus",
+        use_correction_bias=True,
+        routed_scaling_factor=1.5,
+        num_shared_experts=1,
+        swiglu_limit=10.0,
+        shared_swiglu="routed",
+    ),
     # the choice on the logits + bias (Kolibri)
     "kolibri_choice_on_logits": dict(
         num_experts=16,

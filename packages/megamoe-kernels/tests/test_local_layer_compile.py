@@ -38,8 +38,16 @@ ROUTERS = [
         renormalize=False,
     ),
     dict(num_experts=64, top_k=4, hidden_size=2048, num_groups=8, top_groups=2),
-    # PhiMoE's sparsemixer
+    # PhiMoE's sparsemixer; DeepSeek-V4's sqrt(softplus) scores chosen with a bias
     dict(num_experts=16, top_k=2, hidden_size=4096, scoring="sparsemixer", renormalize=False),
+    dict(
+        num_experts=256,
+        top_k=6,
+        hidden_size=4096,
+        scoring="sqrtsoftplus",
+        routed_scaling_factor=1.5,
+        has_correction_bias=True,
+    ),
     dict(
         num_experts=40,
         top_k=4,

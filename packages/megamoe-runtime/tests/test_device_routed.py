@@ -13,7 +13,7 @@ from megamoe_runtime.dispatch.local import (
     row_weights_of,
     weighted_sum_over_topk,
 )
-from megamoe_runtime.routing import RouterConfig, route
+from megamoe_runtime.routing import RouterConfig, route, scores_of
 from torch.profiler import ProfilerActivity, profile
 
 pytestmark = pytest.mark.gpu
@@ -80,6 +80,14 @@ ROUTERS = {
         num_experts=16, top_k=2, scoring="sparsemixer", renormalize=False, sparsemixer_eps=0.3
     ),
     "sparsemixer_renormalized": RouterConfig(num_experts=40, top_k=2, scoring="sparsemixer"),
+    # DeepSeek-V4's sqrt(softplus) scores, chosen with a bias
+    "sqrtsoftplus_bias": RouterConfig(
+        num_experts=256,
+        top_k=6,
+        scoring="sqrtsoftplus",
+        use_correction_bias=True,
+        routed_scaling_factor=1.5,
+    ),
     "sigmoid_groups_by_max": RouterConfig(
         num_experts=64,
         top_k=4,
@@ -98,7 +106,7 @@ def _choice_scores(logits_TE: torch.Tensor, router: RouterConfig, bias_E) -> tor
     logits = logits_TE.float()
     if router.scoring == "sparsemixer":  # its rounds take the largest logits left
         return logits
-    scores = torch.softmax(logits, dim=-1) if router.scoring == "softmax" else torch.sigmoid(logits)
+    scores = scores_of(logits, router.scoring)
     choice = logits if router.choice_on_logits else scores
     return choice + bias_E if router.use_correction_bias else choice
 

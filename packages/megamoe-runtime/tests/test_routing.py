@@ -54,6 +54,70 @@ def test_sigmoid_renormalized_then_scaled():
     torch.testing.assert_close(weights.sum(-1), torch.full((5,), 2.0))
 
 
+def test_sqrtsoftplus_hand_computed():
+    # DeepSeek-V4: sqrt(softplus(l)) scores, the bias for the choice only, + 1e-20, scaled
+    logits = torch.tensor([[0.0, 2.0, -1.0, 30.0]])
+    bias = torch.tensor([0.0, 0.0, 5.0, -40.0])
+    config = RouterConfig(
+        num_experts=4,
+        top_k=2,
+        scoring="sqrtsoftplus",
+        use_correction_bias=True,
+        routed_scaling_factor=1.5,
+    )
+    ids, weights = route(logits, config, correction_bias_E=bias)
+    scores = [math.sqrt(math.log1p(math.exp(v))) for v in (0.0, 2.0, -1.0)] + [math.sqrt(30.0)]
+    # biased choice scores: 0.83, 1.46, 5.56, 5.48 - 40: experts 2 then 1
+    assert ids.tolist() == [[2, 1]]
+    chosen = [scores[2], scores[1]]
+    expected = torch.tensor([[1.5 * v / (sum(chosen) + 1e-20) for v in chosen]])
+    torch.testing.assert_close(weights, expected)
+
+
+def test_sqrtsoftplus_scores_take_the_logit_itself_above_20():
+    # torch's softplus threshold: softplus(l) = l for l > 20, log1p(exp(l)) below
+    logits = torch.tensor([[20.5, 19.5, -200.0, float("-inf")]])
+    config = RouterConfig(num_experts=4, top_k=4, scoring="sqrtsoftplus", renormalize=False)
+    ids, weights = route(logits, config)
+    order = ids.long().sort(dim=-1)
+    assert order.values.tolist() == [[0, 1, 2, 3]]
+    expected = [math.sqrt(20.5), math.sqrt(math.log1p(math.exp(19.5))), 0.0, 0.0]
+    torch.testing.assert_close(weights.gather(1, order.indices), torch.tensor([expected]))
+
+
+def test_sqrtsoftplus_matches_deepseek_v4s_router():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+
+    config = transformers.DeepseekV4Config(
+        hidden_size=32, num_local_experts=16, num_experts_per_tok=4, routed_scaling_factor=1.5
+    )
+    torch.manual_seed(0)
+    router = v4.DeepseekV4TopKRouter(config)
+    torch.nn.init.normal_(router.weight, std=0.5)
+    router.e_score_correction_bias.normal_(std=0.3)
+    x = torch.randn(64, 32)
+    logits, hf_weights, hf_ids = router(x)
+    ids, weights = route(
+        logits,
+        RouterConfig(
+            num_experts=16,
+            top_k=4,
+            scoring="sqrtsoftplus",
+            use_correction_bias=True,
+            routed_scaling_factor=1.5,
+        ),
+        correction_bias_E=router.e_score_correction_bias,
+    )
+    # transformers leaves its top-k unsorted: compare each token's experts as sets
+    hf_order = hf_ids.sort(dim=-1)
+    order = ids.long().sort(dim=-1)
+    assert torch.equal(order.values, hf_order.values)
+    torch.testing.assert_close(
+        weights.gather(1, order.indices), hf_weights.gather(1, hf_order.indices)
+    )
+
+
 def test_softmax_with_correction_bias_chooses_on_biased_probabilities():
     # ERNIE 4.5: the bias moves the choice, the weights stay the unbiased probabilities
     logits = torch.randn(6, 8)
@@ -225,6 +289,10 @@ def test_bad_logits_shape_and_missing_bias_are_refused():
         (
             dict(num_experts=16, top_k=2, scoring="sparsemixer", sparsemixer_eps=0.3),
             dict(scoring="sparsemixer", sparsemixer_eps=0.3),
+        ),
+        (
+            dict(num_experts=64, top_k=6, scoring="sqrtsoftplus", use_correction_bias=True),
+            dict(scoring="sqrtsoftplus", choice_on_logits=False),
         ),
     ],
 )

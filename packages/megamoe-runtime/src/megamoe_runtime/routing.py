@@ -12,6 +12,9 @@ Semantics follow the model families megamoe serves:
   experts only; experts are split into groups, each group scored by the sum of its two best biased
   scores, the best `top_groups` groups kept; top-k among their experts; the weights are the
   unbiased scores, optionally renormalised, times `routed_scaling_factor`.
+- sqrtsoftplus (DeepSeek-V4): sqrt(softplus(logit)) scores, chosen and weighted as sigmoid ones
+  are (the correction bias for the choice only, + 1e-20 in the renormalisation); torch's
+  softplus, which returns the logit itself above 20.
   Experts of the groups not kept get the choice score `dropped_group_score`: -inf (never chosen,
   as DeepSeek's reference and current transformers do) or 0.0 (transformers before its 2026 fix,
   which picks them over kept experts whose biased scores are negative).
@@ -38,8 +41,8 @@ from typing import Literal
 
 import torch
 
-Scoring = Literal["softmax", "sigmoid", "sparsemixer"]
-SCORINGS = ("softmax", "sigmoid", "sparsemixer")
+Scoring = Literal["softmax", "sigmoid", "sqrtsoftplus", "sparsemixer"]
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus", "sparsemixer")
 GroupScore = Literal["top2_sum", "max"]
 GROUP_SCORES = ("top2_sum", "max")
 
@@ -147,25 +150,50 @@ def route(
         topk_ids_TK, topk_weights_TK = _sparsemixer(logits_TE, config.sparsemixer_eps)
     else:
         topk_ids_TK, topk_weights_TK = _top_k_scores(logits_TE, config, correction_bias_E)
+    return topk_ids_TK.to(torch.int32), _renormalized_and_scaled(topk_weights_TK, config)
+
+
+def weights_of_chosen(
+    router_logits_TE: torch.Tensor, topk_ids_TK: torch.Tensor, config: RouterConfig
+) -> torch.Tensor:
+    """float32 [T, K]: the weights `config` gives experts chosen otherwise than by their scores
+    (a table of token ids: DeepSeek-V4's hash layers): each chosen expert's score, renormalised
+    and scaled as route's weights are. The scoring must have per-expert scores (not
+    sparsemixer); the correction bias and the groups, which only choose, play no part."""
+    if router_logits_TE.dim() != 2 or router_logits_TE.shape[1] != config.num_experts:
+        raise ValueError(
+            f"router_logits must have shape [tokens, num_experts={config.num_experts}], "
+            f"got {tuple(router_logits_TE.shape)}"
+        )
+    if tuple(topk_ids_TK.shape) != (router_logits_TE.shape[0], config.top_k):
+        raise ValueError(
+            f"topk_ids must have shape [tokens={router_logits_TE.shape[0]}, "
+            f"top_k={config.top_k}], got {tuple(topk_ids_TK.shape)}"
+        )
+    scores_TE = scores_of(router_logits_TE.float(), config.scoring)
+    return _renormalized_and_scaled(scores_TE.gather(1, topk_ids_TK.long()), config)
+
+
+def _renormalized_and_scaled(weights_TK: torch.Tensor, config: RouterConfig) -> torch.Tensor:
+    """The top-k weights divided by their sum where config.renormalize (+ 1e-20 for sigmoid
+    and sqrtsoftplus scores), then times the routed scaling factor."""
     if config.renormalize:
-        denominator = topk_weights_TK.sum(dim=-1, keepdim=True)
-        if config.scoring == "sigmoid":
+        denominator = weights_TK.sum(dim=-1, keepdim=True)
+        if config.scoring in ("sigmoid", "sqrtsoftplus"):
             denominator = denominator + 1e-20
-        topk_weights_TK = topk_weights_TK / denominator
+        weights_TK = weights_TK / denominator
     if config.routed_scaling_factor != 1.0:
-        topk_weights_TK = topk_weights_TK * config.routed_scaling_factor
-    return topk_ids_TK.to(torch.int32), topk_weights_TK
+        weights_TK = weights_TK * config.routed_scaling_factor
+    return weights_TK
 
 
 def _top_k_scores(
     logits_TE: torch.Tensor, config: RouterConfig, correction_bias_E: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, unnormalised weights) of softmax or sigmoid scoring: the top-k of the choice
-    scores (the scores, or the logits, plus the bias; grouped), weighted by their scores."""
-    if config.scoring == "softmax":
-        scores_TE = torch.softmax(logits_TE, dim=-1)
-    else:
-        scores_TE = torch.sigmoid(logits_TE)
+    """(ids, unnormalised weights) of softmax, sigmoid or sqrtsoftplus scoring: the top-k of
+    the choice scores (the scores, or the logits, plus the bias; grouped), weighted by their
+    scores."""
+    scores_TE = scores_of(logits_TE, config.scoring)
     if config.use_correction_bias or config.num_groups > 1 or config.choice_on_logits:
         choice_TE = logits_TE if config.choice_on_logits else scores_TE
         if config.use_correction_bias:
@@ -176,6 +204,18 @@ def _top_k_scores(
         return topk_ids_TK, scores_TE.gather(1, topk_ids_TK)
     topk_weights_TK, topk_ids_TK = torch.topk(scores_TE, config.top_k, dim=-1)
     return topk_ids_TK, topk_weights_TK
+
+
+def scores_of(logits_TE: torch.Tensor, scoring: Scoring) -> torch.Tensor:
+    """float32 [T, E]: the scores of fp32 logits under softmax, sigmoid or sqrtsoftplus
+    scoring (sparsemixer has none: its rounds take the logits)."""
+    if scoring == "softmax":
+        return torch.softmax(logits_TE, dim=-1)
+    if scoring == "sigmoid":
+        return torch.sigmoid(logits_TE)
+    if scoring == "sqrtsoftplus":
+        return torch.nn.functional.softplus(logits_TE).sqrt()
+    raise ValueError(f"scoring {scoring!r} has no per-expert scores")
 
 
 def _sparsemixer(logits_TE: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,8 @@ launch bounds guarantee, on the `sms` SMs of the GPU (at most ROUTE_MAX_CTAS). E
 contiguous share of the tokens, at most `cta_tokens` where the grid has room (a quantizing copy
 split between a CTA's warps: the tokens whose slices its warps take in one pass):
 1. a warp per token, each warp walking a contiguous slice of the tokens in order: the scores
-   and choice scores (RouteRule: softmax over the experts or sigmoid; each expert chosen on its
+   and choice scores (RouteRule: softmax over the experts, sigmoid or sqrt(softplus) of each
+   logit; each expert chosen on its
    score or its logit, plus its correction bias), the grouped top-k mask (groups scored by the
    sum of their two best choice scores or by their best one, the best `top_groups` kept, the
    others' experts given `dropped_score`), then the top-k in rounds: each takes the
@@ -15,7 +16,7 @@ split between a CTA's warps: the tokens whose slices its warps take in one pass)
    ballot per register, the order torch.topk ranks them in (ties to the lower expert id; a
    butterfly of int64 (key, id) maxima, 5 shuffle steps a round, took the routing launch 5-13%
    longer at 1-16 qwen3-30b-a3b tokens); the weights are the chosen experts' unbiased scores,
-   renormalised (k order, fp32; + 1e-20 for sigmoid) and scaled. Lane k writes topk_ids[t, k]
+   renormalised (k order, fp32; + 1e-20 for sigmoid and sqrt(softplus)) and scaled. Lane k writes topk_ids[t, k]
    and topk_weights[t, k], and the pair's rank among the warp's pairs of its expert so far
    (per-warp counters in shared memory): a token's experts are distinct, and the warp takes its
    tokens in order, so the ranks follow the (token, k) order;
@@ -111,15 +112,16 @@ class RouteRule:
     """How a token's experts and weights follow from its logits: one compile-time constant of
     the routing kernels (the correction bias is the mBias tensor, or None).
 
-    scoring "softmax" (over the experts) or "sigmoid" (of each logit): the choice score of an
-    expert is its score, or its logit where choice_on_logits, plus its correction bias.
+    scoring "softmax" (over the experts), "sigmoid" or "sqrtsoftplus" (sqrt(softplus), of
+    each logit): the choice score of an expert is its score, or its logit where
+    choice_on_logits, plus its correction bias.
     Grouped top-k (num_groups > 1): each group scored by the sum of its two best choice
     scores, or by its best one where group_by_max; the best top_groups groups kept, the other
     groups' experts given dropped_score. The top_k largest choice scores are chosen, weighted
     by their scores. scoring "sparsemixer" (PhiMoE's, top_k 2, no bias, no groups): two rounds,
     each the largest logit left, weighted by its softmax over the logits left within a relative
     gap of 2 x sparsemixer_eps below it. The weights are then renormalised (+ 1e-20 with
-    sigmoid scores) where renormalize, times scaling."""
+    sigmoid and sqrtsoftplus scores) where renormalize, times scaling."""
 
     num_experts: int
     top_k: int
@@ -253,6 +255,16 @@ def sigmoid_of(logit):
 
 
 @cute.jit
+def sqrt_softplus_of(logit):
+    """sqrt(softplus(logit)) in fp32, softplus as torch computes it: the logit itself above 20,
+    else log1p(exp(logit)) (0 for -inf, NaN for NaN): the sqrtsoftplus scoring's."""
+    softplus = logit
+    if logit <= cutlass.Float32(20.0):
+        softplus = cute.math.log1p(cute.math.exp(logit))
+    return cute.math.sqrt(softplus)
+
+
+@cute.jit
 def warp_top(value):
     """The largest of the warp's values in top-k order (NaN above every number), on every
     lane."""
@@ -272,7 +284,7 @@ def choice_score(score, logit, mBias, expert, rule: cutlass.Constexpr):
     if cutlass.const_expr(mBias is not None):
         if expert < rule.num_experts:
             choice = choice + mBias[expert]
-    if cutlass.const_expr(rule.scoring == "sigmoid" or rule.choice_on_logits or mBias is not None):
+    if cutlass.const_expr(rule.scoring != "softmax" or rule.choice_on_logits or mBias is not None):
         if expert >= rule.num_experts:
             choice = cutlass.Float32(-float("inf"))
     return choice
@@ -312,7 +324,10 @@ def score_token(mLogits, mBias, token, lane, rule: cutlass.Constexpr):
             choices.append(choice_score(score, logits[j], mBias, lane + 32 * j, rule))
     else:
         for j in cutlass.range_constexpr(per_lane):
-            score = sigmoid_of(logits[j])
+            if cutlass.const_expr(rule.scoring == "sigmoid"):
+                score = sigmoid_of(logits[j])
+            else:
+                score = sqrt_softplus_of(logits[j])
             scores.append(score)
             choices.append(choice_score(score, logits[j], mBias, lane + 32 * j, rule))
     if cutlass.const_expr(rule.num_groups > 1):
@@ -464,7 +479,7 @@ def route_token(mLogits, mBias, token, lane, rule: cutlass.Constexpr):
         denominator = cutlass.Float32(0.0)
         for k in cutlass.range_constexpr(rule.top_k):
             denominator = denominator + cute.arch.shuffle_sync(weight, k)
-        if cutlass.const_expr(rule.scoring == "sigmoid"):
+        if cutlass.const_expr(rule.scoring in ("sigmoid", "sqrtsoftplus")):
             denominator = denominator + cutlass.Float32(1e-20)
         weight = weight / denominator
     if cutlass.const_expr(rule.scaling != 1.0):

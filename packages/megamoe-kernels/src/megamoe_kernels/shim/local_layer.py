@@ -19,10 +19,9 @@ Shape legend: T tokens, E experts, K experts per token (top-k), H hidden size, M
   gate-up GEMM that reads the rows from the tokens (gate_up_swiglu's row_source_M); or with
   weights_on_input=True (bf16, copied) each pair's row scaled by its routing weight, the bits of
   `x * w.to(torch.bfloat16)`, for experts that compute on w x (Llama 4), combined unweighted.
-  Every routing
-  of megamoe's RouterConfig: softmax or sigmoid scoring, a correction bias on the scores or the
-  logits for the choice, grouped top-k (groups scored by their two best experts or their best),
-  PhiMoE's sparsemixer, renormalisation, routed scaling.
+  Every routing of megamoe's RouterConfig: softmax, sigmoid or sqrt(softplus) scoring, a
+  correction bias on the scores or the logits for the choice, grouped top-k (groups scored by
+  their two best experts or their best), PhiMoE's sparsemixer, renormalisation, routed scaling.
   `RouteLauncher.route(logits)`: the routing alone (ids and weights, one launch), for the
   expert-parallel dispatchers. With `publish_offsets` (the caller's choice for the call's size:
   knobs.routing_publishes_offsets) expert_offsets is a view of E + S + 2 words whose last the
@@ -57,7 +56,7 @@ from megamoe_kernels.shim.expert_gemm import (
 
 _COMPILE_LOCK = threading.Lock()
 _COMPILED: dict[tuple, Callable] = {}
-SCORINGS = ("softmax", "sigmoid", "sparsemixer")
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus", "sparsemixer")
 GROUP_SCORES = ("top2_sum", "max")
 LOGITS_DTYPES = (torch.float32, torch.bfloat16)
 # the batch rows the routing kernel writes: the tokens' bf16, or e4m3 quantized as they copy
