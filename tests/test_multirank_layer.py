@@ -24,23 +24,27 @@ def layer_config(
     **fields,
 ) -> MegaMoEConfig:
     return MegaMoEConfig(
-        hidden_size=128,
-        intermediate_size=64,
-        num_experts=16,
-        top_k=4,
-        scoring="sigmoid",
-        num_groups=4,
-        top_groups=2,
-        use_correction_bias=True,
-        routed_scaling_factor=2.5,
-        num_shared_experts=1,
-        backend="reference" if device.type == "cpu" else "grouped_mm",
-        dispatcher=dispatcher,
-        max_tokens_per_rank=96,
-        combine_order=combine_order,
-        dispatch_dtype=wire,
-        combine_dtype=wire,
-        **fields,
+        **dict(
+            dict(
+                hidden_size=128,
+                intermediate_size=64,
+                num_experts=16,
+                top_k=4,
+                scoring="sigmoid",
+                num_groups=4,
+                top_groups=2,
+                use_correction_bias=True,
+                routed_scaling_factor=2.5,
+                num_shared_experts=1,
+                backend="reference" if device.type == "cpu" else "grouped_mm",
+                dispatcher=dispatcher,
+                max_tokens_per_rank=96,
+                combine_order=combine_order,
+                dispatch_dtype=wire,
+                combine_dtype=wire,
+            ),
+            **fields,
+        )
     )
 
 
@@ -60,8 +64,13 @@ def check_layer_matches_single_gpu(
     config = layer_config(dispatcher, device, combine_order, wire, **(fields or {}))
     torch.manual_seed(7)  # the same full weights on every rank
     single = MegaMoE(config, device=device, dtype=dtype)
+    vocab = config.routing_table_vocab_size
     with torch.no_grad():
-        single.e_score_correction_bias.uniform_(-0.1, 0.1)
+        if single.e_score_correction_bias is not None:
+            single.e_score_correction_bias.uniform_(-0.1, 0.1)
+        if vocab:  # each token id's experts, random and distinct
+            table = torch.rand(vocab, config.num_experts).argsort(dim=1)[:, : config.top_k]
+            single.routing_table.copy_(table)
     parallel = MegaMoE(
         config, process_group=torch.distributed.group.WORLD, device=device, dtype=dtype
     )
@@ -73,9 +82,11 @@ def check_layer_matches_single_gpu(
     for _ in range(3):  # repeated forwards on the same layer and buffers
         xs = [torch.randn(t, config.hidden_size, generator=generator) for t in tokens_per_rank]
         xs = [x.to(device=device, dtype=dtype) for x in xs]
+        ids = [torch.randint(max(vocab, 1), (t,), generator=generator) for t in tokens_per_rank]
+        ids = [i.to(device) for i in ids]
         with torch.no_grad():
-            y_single = single(torch.cat(xs))
-            y = parallel(xs[rank])
+            y_single = single(torch.cat(xs), input_ids=torch.cat(ids))
+            y = parallel(xs[rank], input_ids=ids[rank])
         first = sum(tokens_per_rank[:rank])
         results.append((y, y_single[first : first + tokens_per_rank[rank]]))
     # compared after the last collective, so one rank's failure cannot hang the others
@@ -107,6 +118,19 @@ def test_expert_parallel_latent_layer_equals_single_gpu(multirank):
 def test_expert_parallel_softcapped_layer_with_an_output_norm_equals_single_gpu(multirank):
     # Inkling2's softcapped SwiGLU and A.X-K1's output RMSNorm, after the combine
     fields = dict(swiglu_gate_softcap=4.0, swiglu_up_softcap=2.0, output_norm_eps=1e-6)
+    multirank(check_layer_matches_single_gpu, "torch", [40, 0], "exact", "bf16", fields)
+
+
+def test_expert_parallel_layer_routing_by_token_id_equals_single_gpu(multirank):
+    # DeepSeek-V4's hash layers: each token's experts the row of its id in the routing table,
+    # weighted by their sqrt(softplus) scores
+    fields = dict(
+        scoring="sqrtsoftplus",
+        num_groups=1,
+        top_groups=1,
+        use_correction_bias=False,
+        routing_table_vocab_size=64,
+    )
     multirank(check_layer_matches_single_gpu, "torch", [40, 0], "exact", "bf16", fields)
 
 

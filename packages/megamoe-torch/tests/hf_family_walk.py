@@ -310,6 +310,10 @@ def tiny_model(family: str) -> torch.nn.Module:
         for name, buffer in model.named_buffers():
             if re.search("correction_bias|statics", name):
                 buffer.normal_(0.0, 0.2)  # negative entries included: group masking matters
+            if name.endswith("tid2eid"):  # DeepSeek-V4's table of each token id's experts
+                experts = getattr(config, "num_local_experts", None) or buffer.max().item() + 1
+                rows = torch.rand(buffer.shape[0], experts).argsort(dim=1)
+                buffer.copy_(rows[:, : buffer.shape[1]])
     return model
 
 
@@ -416,8 +420,12 @@ def _checkpoint_problems(
     layer = int(re.search(r"\.(\d+)\.", f".{name}.").group(1))
     block = original.get_submodule(name)
     x = torch.randn(1, 5, model.get_submodule(name).config.hidden_size)  # the swapped block
+    # the token ids, for a block that takes them (DeepSeek-V4's, whose hash layers route by them)
+    inputs = {}
+    if "input_ids" in inspect.signature(type(block).forward).parameters:
+        inputs["input_ids"] = torch.randint(VOCAB, (1, 5))
     with torch.no_grad():
-        expected = block(x)
+        expected = block(x, **inputs)
         expected = expected[0] if isinstance(expected, tuple) else expected
     reads = {}
     for names, tensors in (("on disk", checkpoint), ("in memory", original_state)):
@@ -427,7 +435,7 @@ def _checkpoint_problems(
             reads[names] = f"{type(error).__name__}: {error}"
             continue
         with torch.no_grad():
-            actual = from_checkpoint(x).reshape(expected.shape)
+            actual = from_checkpoint(x, **inputs).reshape(expected.shape)
         block_error = relative_l2_error(actual, expected)
         reads[names] = (
             None if block_error < 1e-5 else f"differs from the block by {block_error:.2e}"

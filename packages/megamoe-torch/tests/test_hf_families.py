@@ -22,7 +22,7 @@ from test_hf_models import transformers_before  # noqa: E402
 # older release lacks is not walked there)
 SWAP_EXACTLY = {
     "afmoe", "aria", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "dbrx", "deepseek_ocr2",
-    "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1", "dots3_note", "ernie4_5_moe",
+    "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "dots1", "dots3_note", "ernie4_5_moe",
     "ernie4_5_vl_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite",
     "glm4v_moe", "glm5_next", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa",
     "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "hy_v4_vl",

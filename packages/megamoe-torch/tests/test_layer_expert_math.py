@@ -124,6 +124,21 @@ AXK1 = dict(
     num_shared_experts=1,
     output_norm_eps=1e-6,
 )
+# DeepSeek-V4: sqrt(softplus) scores chosen with a bias, experts and shared expert clamped
+DEEPSEEK_V4 = dict(
+    hidden_size=32,
+    intermediate_size=16,
+    num_experts=8,
+    top_k=3,
+    scoring="sqrtsoftplus",
+    use_correction_bias=True,
+    routed_scaling_factor=1.5,
+    swiglu_limit=10.0,
+    num_shared_experts=1,
+    shared_swiglu="routed",
+)
+# DeepSeek-V4's hash layers: each token's experts the row of its id in a routing table
+DEEPSEEK_V4_HASH = dict(DEEPSEEK_V4, use_correction_bias=False, routing_table_vocab_size=50)
 # Nemotron-H's latent MoE: the routed experts on 24-wide projections of the 32-wide tokens
 NEMOTRON_H_LATENT = dict(NEMOTRON_H, latent_size=24)
 # LongCat-Flash: 4 identity experts scored beside the 8 routed ones
@@ -163,6 +178,10 @@ def make_layer(fields):
     torch.manual_seed(0)
     layer = MegaMoE(MegaMoEConfig(**fields))
     with torch.no_grad():
+        if layer.routing_table is not None:  # each token id's experts, distinct and random
+            vocab, top_k = layer.routing_table.shape
+            table = torch.rand(vocab, layer.config.num_experts).argsort(dim=1)[:, :top_k]
+            layer.routing_table.copy_(table)
         # gate and up values past the SwiGLU limit, so the clamp matters
         layer.w13.mul_(4.0)
         if layer.shared_experts is not None and layer.shared_experts.gate_proj is not None:
@@ -175,12 +194,14 @@ def make_layer(fields):
     return layer
 
 
-def per_token_float64(layer: MegaMoE, x_TH: torch.Tensor) -> torch.Tensor:
+def per_token_float64(
+    layer: MegaMoE, x_TH: torch.Tensor, input_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     c = layer.config
     gate_weight = layer.gate.weight.double()
     w13, w2 = layer.w13.double(), layer.w2.double()
     out = []
-    for x in x_TH.double():
+    for t, x in enumerate(x_TH.double()):
         logits = gate_weight @ x
         if layer.gate.bias is not None:
             logits = logits + layer.gate.bias.double()
@@ -188,6 +209,8 @@ def per_token_float64(layer: MegaMoE, x_TH: torch.Tensor) -> torch.Tensor:
             # its scores: the two experts' weights, 0 elsewhere (the top-2 below takes them)
             chosen, weights = sparsemixer_float64(logits, c.sparsemixer_eps)
             scores = torch.zeros_like(logits).index_put_((torch.tensor(chosen),), weights)
+        elif c.scoring == "sqrtsoftplus":
+            scores = torch.nn.functional.softplus(logits).sqrt()
         else:
             scores = torch.softmax(logits, 0) if c.scoring == "softmax" else torch.sigmoid(logits)
         choice = (logits if c.choice_on_logits else scores).clone()
@@ -211,6 +234,8 @@ def per_token_float64(layer: MegaMoE, x_TH: torch.Tensor) -> torch.Tensor:
             )
         scored = c.num_experts + c.num_identity_experts
         chosen = sorted(range(scored), key=lambda e: -float(choice[e]))[: c.top_k]
+        if c.routing_table_vocab_size:  # the row of the token's id
+            chosen = layer.routing_table[int(input_ids.reshape(-1)[t])].tolist()
         weights = scores[chosen]
         if c.renormalize:
             weights = weights / weights.sum()
@@ -287,6 +312,8 @@ def swiglu_float64(c: MegaMoEConfig, gate: torch.Tensor, up: torch.Tensor) -> to
         LONGCAT,
         INKLING2,
         AXK1,
+        DEEPSEEK_V4,
+        DEEPSEEK_V4_HASH,
     ],
     ids=[
         "gpt-oss",
@@ -301,13 +328,16 @@ def swiglu_float64(c: MegaMoEConfig, gate: torch.Tensor, up: torch.Tensor) -> to
         "longcat",
         "inkling2",
         "axk1",
+        "deepseek-v4",
+        "deepseek-v4-hash",
     ],
 )
 def test_layer_matches_per_token_float64_loop(fields):
     layer = make_layer(fields).eval()  # a sparsemixer layer does not train
     x = torch.randn(37, 32)
-    expected = per_token_float64(layer, x)
-    actual = layer(x)
+    input_ids = torch.randint(fields.get("routing_table_vocab_size", 1), (37,))
+    expected = per_token_float64(layer, x, input_ids)
+    actual = layer(x, input_ids=input_ids)
     assert ((actual.double() - expected).norm() / expected.norm()) < 1e-6
 
 
@@ -335,7 +365,7 @@ def random_layer_fields(rng: random.Random) -> dict:
     0.0 there, the dropped experts tie, and which of them torch.topk takes is unspecified."""
     while True:
         experts = rng.choice([2, 3, 4, 6, 8, 12, 16, 40])
-        scoring = rng.choice(["softmax", "sigmoid", "sparsemixer"])
+        scoring = rng.choice(["softmax", "sigmoid", "sqrtsoftplus", "sparsemixer"])
         fields = dict(
             hidden_size=rng.choice([8, 16, 24]),
             intermediate_size=rng.choice([4, 8, 12]),
@@ -368,6 +398,12 @@ def random_layer_fields(rng: random.Random) -> dict:
         if scoring == "sparsemixer":
             fields.update(top_k=2, sparsemixer_eps=rng.choice([0.0, 0.01, 0.3, 1.0]))
             return fields
+        if not fields.get("num_identity_experts") and rng.random() < 0.15:
+            # DeepSeek-V4's hash layers: the experts from a table of token ids
+            fields.update(
+                top_k=rng.randint(1, experts), routing_table_vocab_size=rng.choice([1, 30])
+            )
+            return fields
         scored = experts + fields.get("num_identity_experts", 0)
         groups = rng.choice([g for g in (1, 2, 4) if scored % g == 0])
         top_groups = rng.randint(1, groups)
@@ -394,9 +430,10 @@ def test_random_layers_match_the_float64_loop(seed):
             layer.w13_bias.normal_()
             layer.w2_bias.normal_()
     x = torch.randn(rng.choice([1, 5, 37]), fields["hidden_size"])
+    input_ids = torch.randint(fields.get("routing_table_vocab_size", 1), (x.shape[0],))
     with torch.no_grad():
-        actual = layer(x)
-    expected = per_token_float64(layer, x)
+        actual = layer(x, input_ids=input_ids)
+    expected = per_token_float64(layer, x, input_ids)
     assert ((actual.double() - expected).norm() / expected.norm()) < 1e-6, fields
 
 
@@ -731,3 +768,53 @@ def test_the_weight_pack_carries_the_biases_and_the_swiglu():
 def test_bad_expert_math_configs_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         MegaMoEConfig(**fields)
+
+
+def test_a_table_routed_layer_takes_input_ids_and_checks_them():
+    layer = make_layer(DEEPSEEK_V4_HASH).eval()
+    x = torch.randn(5, 32)
+    with pytest.raises(TypeError, match="pass input_ids"):
+        layer(x)
+    with pytest.raises(TypeError, match="input_ids must hold integers"):
+        layer(x, input_ids=torch.zeros(5))
+    with pytest.raises(ValueError, match=r"one id per token of x \(5 on cpu\)"):
+        layer(x, input_ids=torch.zeros(4, dtype=torch.long))
+    checked = MegaMoE(MegaMoEConfig(**DEEPSEEK_V4_HASH, check_inputs=True))
+    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, 50\)"):
+        checked(x, input_ids=torch.tensor([0, 1, 2, 3, 50]))
+    # the same token ids, the same experts: token ids in any shape of x's tokens
+    ids = torch.randint(50, (5,))
+    assert torch.equal(
+        layer(x, input_ids=ids), layer(x.view(1, 5, 32), input_ids=ids.view(1, 5))[0]
+    )
+    assert not layer.fused_path_status("cpu")[0]
+    assert "routing_table_vocab_size" in layer.fused_path_status("cpu")[1]
+
+
+def test_a_routing_table_is_checked_as_it_loads():
+    layer = make_layer(DEEPSEEK_V4_HASH)
+    state = layer.state_dict()
+    assert state["routing_table"].shape == (50, 3)
+    bad = dict(state, routing_table=torch.full((50, 3), 8))
+    with pytest.raises(ValueError, match=r"routing_table names experts outside \[0, 8\)"):
+        layer.load_state_dict(bad)
+    with pytest.raises(ValueError, match=r"routing_table must have shape \[50, 3\]"):
+        layer.load_state_dict(dict(state, routing_table=torch.zeros(50, 2, dtype=torch.long)))
+    with pytest.raises(TypeError, match="routing_table must be an integer tensor"):
+        layer.load_state_dict(dict(state, routing_table=torch.zeros(50, 3)))
+    layer.load_state_dict(dict(state, routing_table=torch.zeros(50, 3, dtype=torch.long)))
+    assert not bool(layer.routing_table.any())
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(routing_table_vocab_size=-1), "routing_table_vocab_size must be an int >= 0"),
+        (dict(use_correction_bias=True), "does not combine with use_correction_bias=True"),
+        (dict(scoring="sparsemixer", top_k=2), "does not combine with scoring='sparsemixer'"),
+        (dict(num_groups=2), "does not combine with num_groups=2"),
+    ],
+)
+def test_bad_table_routing_configs_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        MegaMoEConfig(**dict(DEEPSEEK_V4_HASH, **fields))

@@ -39,10 +39,11 @@ class MegaMoEConfig:
     num_experts: int
     # experts each token is routed to K
     top_k: int
-    # the router's scores of the logits: "softmax" over the experts, "sigmoid" of each logit,
-    # or "sparsemixer" (PhiMoE's; top_k = 2)
+    # the router's scores of the logits: "softmax" over the experts, "sigmoid" or
+    # "sqrtsoftplus" (sqrt(softplus), DeepSeek-V4) of each logit, or "sparsemixer" (PhiMoE's;
+    # top_k = 2)
     scoring: Scoring = "softmax"
-    # the K weights divided by their sum (+ 1e-20 with sigmoid scores)
+    # the K weights divided by their sum (+ 1e-20 with sigmoid and sqrtsoftplus scores)
     renormalize: bool = True
     # grouped top-k: the experts split into this many groups of consecutive experts
     num_groups: int = 1
@@ -63,6 +64,12 @@ class MegaMoEConfig:
     # scoring="sparsemixer" (PhiMoE): the relative gap below a round's largest logit, in units
     # of 2 x this, past which a logit is left out of the round's softmax (RouterConfig)
     sparsemixer_eps: float = 0.01
+    # routing by token id (DeepSeek-V4's hash layers): the vocabulary size V of the layer's
+    # `routing_table` [V, top_k] (int64), whose row input_ids[t] names token t's experts in place
+    # of the top-k of its scores; their weights are still their scores, renormalised and scaled
+    # (no correction bias, no groups). The forward then takes `input_ids`. The torch layer path
+    # computes it (fused_path_status says why not the fused one). 0: the top-k of the scores
+    routing_table_vocab_size: int = 0
     # the router's matmul: "float32" (accurate) or "input" (in the hidden states' dtype, as
     # Mixtral and Qwen blocks in transformers do)
     router_dtype: Literal["float32", "input"] = "float32"
@@ -236,6 +243,36 @@ class MegaMoEConfig:
             raise ValueError(
                 f"num_identity_experts must be an int >= 0, got {self.num_identity_experts!r}"
             )
+        if (
+            isinstance(self.routing_table_vocab_size, bool)
+            or not isinstance(self.routing_table_vocab_size, int)
+            or self.routing_table_vocab_size < 0
+        ):
+            raise ValueError(
+                "routing_table_vocab_size must be an int >= 0, got "
+                f"{self.routing_table_vocab_size!r}"
+            )
+        if self.routing_table_vocab_size:
+            choosing = [
+                name
+                for name, used in (
+                    (f"scoring={self.scoring!r}", self.scoring == "sparsemixer"),
+                    ("use_correction_bias=True", self.use_correction_bias),
+                    (f"num_groups={self.num_groups}", self.num_groups > 1),
+                    ("choice_on_logits=True", self.choice_on_logits),
+                    (
+                        f"num_identity_experts={self.num_identity_experts}",
+                        self.num_identity_experts,
+                    ),
+                )
+                if used
+            ]
+            if choosing:
+                raise ValueError(
+                    "routing_table_vocab_size > 0 takes each token's experts from the routing "
+                    f"table and weighs them by their scores; it does not combine with "
+                    f"{', '.join(choosing)}"
+                )
         if self.num_identity_experts and self.latent_size is not None:
             raise ValueError(
                 "num_identity_experts does not combine with latent_size (an identity expert "

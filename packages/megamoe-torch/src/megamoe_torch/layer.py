@@ -44,7 +44,7 @@ from megamoe_runtime.distributed import (
     select_dispatcher,
 )
 from megamoe_runtime.experts import backend_status, first_experts, make_backend, select_backend
-from megamoe_runtime.routing import check_finite_logits, route
+from megamoe_runtime.routing import check_finite_logits, route, weights_of_chosen
 from megamoe_runtime.tuning.online import OnlineAutotuner
 from megamoe_runtime.weights import (
     FP8_WEIGHT_DTYPE,
@@ -205,6 +205,29 @@ def _quantize_loaded_expert_weights(
     quantize_loaded_weights(state_dict, (prefix + "w13", prefix + "w2"))
 
 
+def _check_loaded_routing_table(
+    module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+) -> None:
+    """load_state_dict pre-hook of a layer that routes by token id: the routing table it loads
+    is [V, top_k] integers naming experts in [0, E) (a host sync, at load), so that no id past
+    the experts reaches the dispatch."""
+    table = state_dict.get(prefix + "routing_table")
+    if table is None:
+        return
+    config = module.config
+    shape = (config.routing_table_vocab_size, config.top_k)
+    if (
+        not isinstance(table, torch.Tensor)
+        or table.is_floating_point()
+        or table.dtype == torch.bool
+    ):
+        raise TypeError(f"routing_table must be an integer tensor, got {table!r:.80}")
+    if tuple(table.shape) != shape:
+        raise ValueError(f"routing_table must have shape {list(shape)}, got {list(table.shape)}")
+    if table.numel() and not bool(((table >= 0) & (table < config.num_experts)).all()):
+        raise ValueError(f"routing_table names experts outside [0, {config.num_experts})")
+
+
 class MegaMoE(nn.Module):
     """A Mixture-of-Experts block.
 
@@ -215,7 +238,8 @@ class MegaMoE(nn.Module):
     `e_score_correction_bias` [E] (fp32 buffer) when the config asks for it; `shared_experts`
     when num_shared_experts > 0; with latent_size L `latent_in.weight` [L, H] and
     `latent_out.weight` [H, L], the routed experts' H then L (`w13` [E, 2I, L], `w2` [E, L, I]);
-    with output_norm_eps `output_norm.weight` [H].
+    with output_norm_eps `output_norm.weight` [H]; with routing_table_vocab_size V the buffer
+    `routing_table` [V, top_k] (int64: each token id's experts, in [0, E), checked as it loads).
 
     weight_dtype="fp8": `w13`/`w2` are e4m3 with float32 block scales `w13_scale_inv`
     [E, ceil(2I/128), ceil(H/128)] and `w2_scale_inv` [E, ceil(H/128), ceil(I/128)] (buffers);
@@ -323,6 +347,13 @@ class MegaMoE(nn.Module):
             )
         else:
             self.e_score_correction_bias = None
+        table = None
+        if config.routing_table_vocab_size:
+            # token id v's experts: v, v + 1, ... (mod E) until loaded
+            table = torch.arange(config.routing_table_vocab_size, device=device).unsqueeze(1)
+            table = (table + torch.arange(config.top_k, device=device)) % experts
+            self.register_load_state_dict_pre_hook(_check_loaded_routing_table)
+        self.register_buffer("routing_table", table)
         self.shared_experts = (
             SharedExperts(
                 config.hidden_size,
@@ -803,6 +834,11 @@ class MegaMoE(nn.Module):
                 status = (False, "latent_size: the fused path is not built for latent projections")
             elif self.config.num_identity_experts:
                 status = (False, "num_identity_experts: the fused path is not built for them")
+            elif self.config.routing_table_vocab_size:
+                status = (
+                    False,
+                    "routing_table_vocab_size: the fused path routes on the logits alone",
+                )
             else:
                 status = device_routing_status(
                     self.config.router,
@@ -994,10 +1030,18 @@ class MegaMoE(nn.Module):
             and self.config.hidden_size % 16 == 0
         )
 
-    def forward(self, x: torch.Tensor, *, return_router_logits: bool = False):
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        input_ids: torch.Tensor | None = None,
+        return_router_logits: bool = False,
+    ):
         """The MoE output of hidden states x [..., H] (the layer's activation dtype, its
         device), in x's shape; with return_router_logits, (output, router logits [T, E]), T
-        the tokens of x. Takes the fused path where fused_path_status says it runs, else the
+        the tokens of x. `input_ids` (integers, T of them, on x's device): the token ids whose
+        rows of the routing table choose the experts of a layer that routes by token id
+        (config.routing_table_vocab_size); other layers ignore them. Takes the fused path where fused_path_status says it runs, else the
         torch path (and always where autograd records); eager forwards of up to
         config.eager_graph_tokens tokens on the fused path replay the layer's own CUDA graphs.
         A sparsemixer layer refuses to train: training mode with gradients enabled
@@ -1015,6 +1059,8 @@ class MegaMoE(nn.Module):
             if replayed is not None:
                 return replayed if return_router_logits else replayed[0]
         self._check_input(x)
+        if self.routing_table is not None:
+            self._check_input_ids(input_ids, x)
         if self.config.check_inputs:
             if torch.compiler.is_compiling():
                 torch._dynamo.graph_break(msg=CHECK_INPUTS_UNDER_COMPILE)
@@ -1052,6 +1098,12 @@ class MegaMoE(nn.Module):
             topk_ids_TK, topk_weights_TK = self._device_routed.route(
                 router_logits_TE, correction_bias_E=self.e_score_correction_bias
             )
+        elif self.routing_table is not None:
+            if self.config.check_inputs:
+                check_finite_logits(router_logits_TE)
+            topk_ids_TK = self.routing_table[input_ids.reshape(-1)]
+            topk_weights_TK = weights_of_chosen(router_logits_TE, topk_ids_TK, self.config.router)
+            topk_ids_TK = topk_ids_TK.to(torch.int32)
         else:
             topk_ids_TK, topk_weights_TK = route(
                 router_logits_TE,
@@ -1139,6 +1191,28 @@ class MegaMoE(nn.Module):
         if x.device != self.w13.device:
             raise ValueError(f"x is on {x.device} but the layer's weights are on {self.w13.device}")
 
+    def _check_input_ids(self, input_ids: torch.Tensor | None, x: torch.Tensor) -> None:
+        """input_ids of a layer that routes by token id: T integers on x's device (their
+        values in [0, V) are checked where config.check_inputs allows a host sync)."""
+        tokens = x.numel() // self.config.hidden_size
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(
+                "this layer routes by token id (routing_table_vocab_size="
+                f"{self.config.routing_table_vocab_size}): pass input_ids, a tensor of the "
+                f"{tokens} tokens' ids, got {type(input_ids).__name__}"
+            )
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must hold integers, got {input_ids.dtype}")
+        if input_ids.numel() != tokens or input_ids.device != x.device:
+            raise ValueError(
+                f"input_ids must hold one id per token of x ({tokens} on {x.device}), got "
+                f"{tuple(input_ids.shape)} on {input_ids.device}"
+            )
+        if self.config.check_inputs:
+            vocab = self.config.routing_table_vocab_size
+            if tokens and not bool(((input_ids >= 0) & (input_ids < vocab)).all()):
+                raise ValueError(f"input_ids must lie in [0, {vocab}) (check_inputs=True)")
+
     @property
     def activation_dtype(self) -> torch.dtype:
         """The dtype of the hidden states the layer takes and answers in: the constructor's
@@ -1181,6 +1255,8 @@ class MegaMoE(nn.Module):
             shape.append(f"latent={c.latent_size}")
         if c.output_norm_eps is not None:
             shape.append(f"output_norm_eps={c.output_norm_eps:g}")
+        if c.routing_table_vocab_size:
+            shape.append(f"routing_table_vocab_size={c.routing_table_vocab_size}")
         if self.expert_parallel:
             shape.append(f"local_experts=[{self.local_experts.start}, {self.local_experts.stop})")
         return ", ".join(shape)

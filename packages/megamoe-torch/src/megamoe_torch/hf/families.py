@@ -173,6 +173,8 @@ class BlockReading:
     router_outputs: int = 3
     # the router's logits are fp32 whatever the input dtype
     router_logits_float32: bool = False
+    # the inputs the block's forward takes besides the hidden states (structure.BLOCK_INPUTS)
+    inputs: tuple[str, ...] = ()
 
     @property
     def family(self) -> str:
@@ -190,10 +192,16 @@ class BlockReading:
                 f"top {fields['top_groups']} of {fields['num_groups']} groups (by their {best})"
             )
         identity = fields.get("num_identity_experts", 0)
-        routing.append(
-            f"top-{fields['top_k']} of {fields['num_experts']}"
-            + (f" + {identity} identity experts" if identity else "")
-        )
+        if fields.get("routing_table_vocab_size"):
+            routing.append(
+                f"{fields['top_k']} of {fields['num_experts']} by token id (a table of "
+                f"{fields['routing_table_vocab_size']} ids)"
+            )
+        else:
+            routing.append(
+                f"top-{fields['top_k']} of {fields['num_experts']}"
+                + (f" + {identity} identity experts" if identity else "")
+            )
         routing.append("renormalised" if fields["renormalize"] else "not renormalised")
         if fields.get("use_correction_bias"):
             on = "logits" if fields.get("choice_on_logits") else "scores"

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from megamoe_kernels import SwiGLU
 from megamoe_kernels.reference import expert_mlp_reference
-from megamoe_runtime.routing import RouterConfig, route
+from megamoe_runtime.routing import RouterConfig, route, weights_of_chosen
 from torch import nn
 
 from megamoe_torch.hf.families import UnsupportedBlockError
@@ -74,7 +74,7 @@ def _routing_candidates(
     biases = [(True, False), (True, True), (False, False)] if has_bias else [(False, False)]
     candidates, refusals = [], []
     for (use_bias, on_logits), scoring, renormalize, grouping in itertools.product(
-        biases, ("softmax", "sigmoid"), (True, False), groupings
+        biases, ("softmax", "sigmoid", "sqrtsoftplus"), (True, False), groupings
     ):
         fields = dict(
             num_experts=parts.num_experts,
@@ -128,6 +128,8 @@ def match_routing(
     hands its experts with weight 0, compare by their tokens' other experts; their weights show
     in the block's output, `identity_weights`)."""
     top_k = seen_routings[0].ids_TK.shape[1]
+    if parts.naming.routing_table is not None:
+        return _match_table_routing(parts, runs, seen_routings, top_k)
     has_bias = runs[0].correction_bias_E is not None
     nearest = (-1, None)
     routed_experts = parts.routed_experts
@@ -179,9 +181,51 @@ def match_routing(
             f"{total} probe tokens"
         )
     raise UnsupportedBlockError(
-        "the router's choice or weights match none of megamoe's routings (softmax or sigmoid "
-        "scores, renormalised or not, correction bias, grouped top-k, scaling; PhiMoE's "
-        f"sparsemixer){closest}"
+        "the router's choice or weights match none of megamoe's routings (softmax, sigmoid or "
+        "sqrt(softplus) scores, renormalised or not, correction bias, grouped top-k, scaling; "
+        f"PhiMoE's sparsemixer){closest}"
+    )
+
+
+def _match_table_routing(
+    parts: BlockParts, runs: list[BlockRun], seen_routings: list[Routed], top_k: int
+) -> tuple[dict[str, Any], float]:
+    """match_routing for a block whose router looks each token's experts up in a table by its
+    token id (DeepSeek-V4's hash layers): the experts must be the rows of the probe's table, and
+    their weights the scores of one scoring, renormalised or not, in one ratio."""
+    for run, seen in zip(runs, seen_routings, strict=True):
+        expected_ids = run.routing_table[run.input_ids_T].long().sort(dim=-1).values
+        if not torch.equal(seen.ids_TK.sort(dim=-1).values, expected_ids):
+            raise UnsupportedBlockError(
+                f"the router holds a routing table ({parts.naming.routing_table}) but the "
+                "experts it picks are not the table's rows of the token ids"
+            )
+    for scoring, renormalize in itertools.product(
+        ("softmax", "sigmoid", "sqrtsoftplus"), (True, False)
+    ):
+        fields = dict(
+            num_experts=parts.num_experts,
+            top_k=top_k,
+            scoring=scoring,
+            renormalize=renormalize,
+            use_correction_bias=False,
+        )
+        config = RouterConfig(**fields)
+        ratios = []
+        for run, seen in zip(runs, seen_routings, strict=True):
+            seen_order = seen.ids_TK.sort(dim=-1).indices
+            ids_TK = run.routing_table[run.input_ids_T].long()
+            order = ids_TK.sort(dim=-1).indices
+            expected = weights_of_chosen(run.logits_TE, ids_TK, config).gather(1, order)
+            ratios.append(seen.weights_TK.gather(1, seen_order) / expected)
+        ratio = torch.cat([r.reshape(-1) for r in ratios])
+        scale = float(ratio.mean())
+        if scale > 0 and float((ratio - scale).abs().max()) <= 1e-4 * scale:
+            return dict(fields, routing_table_vocab_size=parts.routing_table_vocab_size), scale
+    raise UnsupportedBlockError(
+        "the router picks each token's experts from its routing table but weighs them by none "
+        "of megamoe's scorings (softmax, sigmoid or sqrt(softplus) scores of the chosen "
+        "experts, renormalised or not, scaled)"
     )
 
 
@@ -312,8 +356,7 @@ def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_inpu
             if isinstance(value, int) and not isinstance(value, bool) and value == num_experts:
                 setattr(module, name, probe_experts)
     tokens = 16
-    magnitudes = torch.tensor([0.25, 1.0, 4.0, 16.0]).repeat(tokens // 4).unsqueeze(-1)
-    x_TH = random.normal(tokens, hidden) * magnitudes
+    x_TH = _tokens_of_magnitudes(random, tokens, hidden)
     expert_of_token = torch.arange(tokens) % probe_experts
     weights_T1 = random.uniform(tokens, 1, low=0.5, high=1.5)
     try:
@@ -407,6 +450,13 @@ def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_inpu
         "silu(gate) * up (SwiGLU), optionally clamped with alpha and (up + 1) or softcapped, "
         "with or without biases"
     )
+
+
+def _tokens_of_magnitudes(random: ProbeRandom, tokens: int, hidden: int) -> torch.Tensor:
+    """[tokens, hidden] random probe tokens, in turn 0.25, 1, 4 and 16 times the unit normal's
+    size: a clamp or a softcap of the activation shows on the large ones."""
+    magnitudes = torch.tensor([0.25, 1.0, 4.0, 16.0]).repeat(tokens // 4).unsqueeze(-1)
+    return random.normal(tokens, hidden) * magnitudes
 
 
 def _eager_experts(twin: nn.Module) -> None:
@@ -525,7 +575,7 @@ def read_shared_experts(
         shared_expert_gate=parts.shared_gate is not None,
     )
     twin = random_copy(shared, random)
-    x_TH = random.normal(8, parts.hidden_size)
+    x_TH = _tokens_of_magnitudes(random, 16, parts.hidden_size)
     with torch.no_grad():
         seen = twin(x_TH)
         if activation == "relu2":

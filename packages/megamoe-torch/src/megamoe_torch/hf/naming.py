@@ -69,6 +69,9 @@ class BlockNaming:
     # a norm of the block's output (A.X-K1's post_mlp_layernorm): its weight [H], MegaMoE's
     # output_norm.weight
     output_norm: str | None = None
+    # a table routing each token id to its experts (DeepSeek-V4's hash layers: the router's
+    # tid2eid, [V, K] integers): MegaMoE's routing_table
+    routing_table: str | None = None
     # keys of tensors the block holds but its forward does not use (a correction bias switched
     # off): a swapped block keeps them as they are, for its checkpoint
     ignored: tuple[str, ...] = ()

@@ -23,6 +23,7 @@ from megamoe_torch.hf.families import UnsupportedBlockError
 from megamoe_torch.hf.structure import LATENT_NAMES, SHARED_GATE_NAME, BlockParts
 
 _PROBE_BATCH, _PROBE_SEQUENCE = 2, 12
+_PROBE_VOCAB = 1000  # the token ids given to a block that takes them and holds no table
 MATCH_TOLERANCE = 1e-5  # relative L2, fp32 against fp32
 FORWARD_HOOKS = (
     "_forward_hooks",
@@ -47,6 +48,14 @@ class ProbeRandom:
 
     def uniform(self, *shape: int, low: float, high: float) -> torch.Tensor:
         return torch.rand(*shape, generator=self.generator) * (high - low) + low
+
+    def integers(self, *shape: int, high: int) -> torch.Tensor:
+        """int64 values in [0, high)."""
+        return torch.randint(high, shape, generator=self.generator)
+
+    def distinct(self, rows: int, count: int, *, high: int) -> torch.Tensor:
+        """int64 [rows, count]: each row `count` distinct values of [0, high)."""
+        return torch.rand(rows, high, generator=self.generator).argsort(dim=1)[:, :count]
 
 
 def random_copy(
@@ -117,6 +126,9 @@ class BlockRun:
     shared_gate_TH: torch.Tensor | None  # sigmoid of the gate, [T, 1]
     router_calls: list
     router_twin: nn.Module
+    # the token ids the block was given (where it takes them) and its routing table's stand-in
+    input_ids_T: torch.Tensor | None = None
+    routing_table: torch.Tensor | None = None
 
 
 def run_block(
@@ -132,6 +144,13 @@ def run_block(
     stand_ins = {}
     if bias_tensor is not None:
         stand_ins[id(bias_tensor)] = bias_value.reshape(bias_tensor.shape).clone()
+    table = None
+    if parts.naming.routing_table is not None:
+        # each token id's experts, distinct and random (a zero table would route every token
+        # alike); the token ids the block is given, random
+        held = block.state_dict(keep_vars=True)[parts.naming.routing_table]
+        table = random.distinct(held.shape[0], held.shape[1], high=num_experts).to(held.dtype)
+        stand_ins[id(held)] = table
     router_twin = random_copy(parts.router, random, replace=stand_ins)
     router_weight = router_twin.state_dict()[
         parts.naming.router_weight[len(parts.router_name) + 1 :]
@@ -201,9 +220,13 @@ def run_block(
         setattr(twin, registry, type(getattr(block, registry))())
     twin.training = False
     x_BSH = random.normal(_PROBE_BATCH, _PROBE_SEQUENCE, hidden)
+    inputs = {}
+    if "input_ids" in parts.inputs:
+        vocab = parts.routing_table_vocab_size or _PROBE_VOCAB
+        inputs["input_ids"] = random.integers(_PROBE_BATCH, _PROBE_SEQUENCE, high=vocab)
     try:
         with torch.no_grad():
-            output = twin(x_BSH)
+            output = twin(x_BSH, **inputs)
     except Exception as error:  # the block's code on a structure it did not expect
         raise UnsupportedBlockError(
             f"the block's forward failed when probed ({type(error).__name__}: {error})"
@@ -233,6 +256,8 @@ def run_block(
         else torch.sigmoid(nn.functional.linear(x_TH, gate_twin.weight)),
         router_calls=router_calls,
         router_twin=router_twin,
+        input_ids_T=inputs["input_ids"].reshape(-1) if inputs else None,
+        routing_table=table,
     )
 
 

@@ -176,6 +176,7 @@ def _read_by_probes(block: nn.Module, parts: BlockParts) -> BlockReading:
         router_logits_index=logits_index,
         router_outputs=router_outputs,
         router_logits_float32=logits_float32,
+        inputs=parts.inputs,
     )
 
 

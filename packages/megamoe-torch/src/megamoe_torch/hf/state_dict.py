@@ -38,11 +38,13 @@ from megamoe_torch.hf.naming import (
 )
 
 # the tensors MegaMoE and a block hold as they are: MegaMoE's key, the BlockNaming field naming
-# the block's, and what they are (a latent MoE's two projections, an output norm's weight)
+# the block's, and what they are (a latent MoE's two projections, an output norm's weight, a
+# table of each token id's experts)
 KEPT_MODULE_TENSORS = (
     ("latent_in.weight", "latent_in", "latent projections"),
     ("latent_out.weight", "latent_out", "latent projections"),
     ("output_norm.weight", "output_norm", "output norm"),
+    ("routing_table", "routing_table", "routing table"),
 )
 
 

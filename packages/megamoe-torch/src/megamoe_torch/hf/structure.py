@@ -7,7 +7,7 @@ Shape legend: E experts, H hidden size, I intermediate size.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ LATENT_NAMES = ("fc1_latent_proj", "fc2_latent_proj")
 # a norm of the block's output (A.X-K1's RMSNorm): a module holding one weight [H] (whether it
 # computes the RMSNorm megamoe computes, a probe tells)
 OUTPUT_NORM_NAMES = ("post_mlp_layernorm",)
+# the inputs a block's forward may take besides the hidden states (with defaults): the token
+# ids, which DeepSeek-V4's hash layers route by (its other layers take and ignore them)
+BLOCK_INPUTS = ("input_ids",)
 # attributes of blocks that multiply their training inputs by random noise (Mixtral, PhiMoE)
 INPUT_JITTER_ATTRIBUTES = ("jitter_noise", "input_jitter_noise", "moe_jitter_eps")
 # DBRX: each expert's gate, up and (transposed) down rows stacked, [E * I, H] each
@@ -55,6 +58,10 @@ class BlockParts:
     # scored experts past the experts module's, which compute no MLP (LongCat-Flash's
     # zero-computation experts): whether they return their token the probes tell
     num_identity_experts: int
+    # the inputs of BLOCK_INPUTS the block's forward takes
+    inputs: tuple[str, ...] = ()
+    # the token ids the routing table holds rows for (0: no table)
+    routing_table_vocab_size: int = 0
 
     @property
     def routed_experts(self) -> int:
@@ -121,7 +128,7 @@ def block_parts(block: nn.Module, *, allow_meta: bool = False) -> BlockParts:
                 f"the block holds {name} ({type(child).__name__}) beside its router and "
                 "experts, a part megamoe does not compute"
             )
-    _check_forward_signature(block)
+    inputs = _forward_inputs(block)
     check_fp8_modules(block)
     for holder in (block, children[router_name]):
         for name, value in vars(holder).items():
@@ -130,7 +137,7 @@ def block_parts(block: nn.Module, *, allow_meta: bool = False) -> BlockParts:
                     f"{name}={value} multiplies training inputs by random noise, which MegaMoE "
                     "does not reproduce; set it to 0.0 to convert"
                 )
-    return _named_tensors(
+    parts = _named_tensors(
         block,
         allow_meta=allow_meta,
         router_name=router_name,
@@ -138,20 +145,31 @@ def block_parts(block: nn.Module, *, allow_meta: bool = False) -> BlockParts:
         shared_name=shared_name,
         shared_gate=shared_gate,
     )
+    if parts.naming.routing_table is not None and "input_ids" not in inputs:
+        raise UnsupportedBlockError(
+            f"the router holds a routing table ({parts.naming.routing_table}) but the block's "
+            "forward takes no input_ids to look it up with"
+        )
+    return replace(parts, inputs=inputs)
 
 
-def _check_forward_signature(block: nn.Module) -> None:
+def _forward_inputs(block: nn.Module) -> tuple[str, ...]:
+    """The inputs of BLOCK_INPUTS the block's forward takes besides the hidden states; raises
+    for any other input, or one without a default."""
     parameters = list(inspect.signature(type(block).forward).parameters.values())[1:]
     extra = [
-        p.name
+        p
         for p in parameters[1:]
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
     ]
-    if not parameters or extra:
+    unknown = [p.name for p in extra if p.name not in BLOCK_INPUTS or p.default is p.empty]
+    if not parameters or unknown:
         raise UnsupportedBlockError(
-            f"the block's forward takes {extra or 'no input'} besides the hidden states (the "
-            "layer computes from the hidden states alone)"
+            f"the block's forward takes {unknown or 'no input'} besides the hidden states (the "
+            "layer computes from the hidden states, and from input_ids where it routes by token "
+            "id)"
         )
+    return tuple(p.name for p in extra)
 
 
 def _named_tensors(
@@ -166,11 +184,12 @@ def _named_tensors(
     """Where each of the block's tensors lives, as a BlockNaming, and the block's sizes."""
     tensors = block.state_dict(keep_vars=True)
     router_prefix = f"{router_name}."
-    # the [E, H] weight; a [1, E] correction bias (ERNIE 4.5's moe_statics) is not a matrix
+    # the [E, H] weight; a [1, E] correction bias (ERNIE 4.5's moe_statics) is not a matrix,
+    # nor is a routing table of integers
     router_2d = [
         k
         for k, t in tensors.items()
-        if k.startswith(router_prefix) and t.dim() == 2 and t.shape[0] > 1
+        if k.startswith(router_prefix) and t.dim() == 2 and t.shape[0] > 1 and t.is_floating_point()
     ]
     if len(router_2d) != 1:
         raise UnsupportedBlockError(
@@ -179,6 +198,7 @@ def _named_tensors(
         )
     router_weight = router_2d[0]
     num_experts, hidden_size = tensors[router_weight].shape
+    routing_table = _routing_table_key(tensors, router_prefix)
     latent_size = _latent_size(block, hidden_size)
     output_norm = _output_norm_key(block, hidden_size)
     router_bias = router_weight[: -len("weight")] + "bias"
@@ -192,6 +212,10 @@ def _named_tensors(
         in_experts = key.startswith("experts.") or (
             shared_name is not None and key.startswith(f"{shared_name}.")
         )
+        if key == routing_table:
+            if tensor.device.type == "meta" and not allow_meta:
+                raise UnsupportedBlockError(f"{key} is on the meta device: load the weights first")
+            continue
         check_tensor(tensor, what=key, allow_meta=allow_meta, allow_fp8=in_experts)
         if key in (router_weight, router_bias):
             continue
@@ -260,6 +284,7 @@ def _named_tensors(
         latent_in=None if latent_size is None else f"{LATENT_NAMES[0]}.weight",
         latent_out=None if latent_size is None else f"{LATENT_NAMES[1]}.weight",
         output_norm=output_norm,
+        routing_table=routing_table,
     )
     return BlockParts(
         block=block,
@@ -275,7 +300,21 @@ def _named_tensors(
         intermediate_size=intermediate_size,
         expert_hidden_size=expert_hidden_size,
         num_identity_experts=num_experts - routed,
+        routing_table_vocab_size=0 if routing_table is None else tensors[routing_table].shape[0],
     )
+
+
+def _routing_table_key(tensors: dict[str, torch.Tensor], router_prefix: str) -> str | None:
+    """The key of the router's table of each token id's experts ([V, K] integers: DeepSeek-V4's
+    hash layers' tid2eid), or None."""
+    tables = [
+        k
+        for k, t in tensors.items()
+        if k.startswith(router_prefix) and t.dim() == 2 and not t.is_floating_point()
+    ]
+    if len(tables) > 1:
+        raise UnsupportedBlockError(f"the router holds more than one table of integers: {tables}")
+    return tables[0] if tables else None
 
 
 def _routed_experts(gate_up: torch.Tensor, down: torch.Tensor, scored: int) -> int:

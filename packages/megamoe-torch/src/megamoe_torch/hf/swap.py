@@ -48,9 +48,20 @@ class SwappedMoEBlock(MegaMoE):
     hf_naming: BlockNaming
     hf_layout: Layout
     hf_checkpoint_format: bool = True
+    # the inputs the replaced block's forward took besides the hidden states (the token ids
+    # of DeepSeek-V4's blocks, which its hash layers route by)
+    hf_inputs: tuple[str, ...] = ()
 
-    def forward(self, hidden_states: torch.Tensor):
-        y, router_logits = super().forward(hidden_states, return_router_logits=True)
+    def forward(self, hidden_states: torch.Tensor, **inputs):
+        unknown = sorted(set(inputs) - set(self.hf_inputs))
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__}.forward() got inputs {unknown} the replaced block did "
+                f"not take (it took {list(self.hf_inputs)} besides the hidden states)"
+            )
+        y, router_logits = super().forward(
+            hidden_states, input_ids=inputs.get("input_ids"), return_router_logits=True
+        )
         if self.hf_router_logits_float32:
             router_logits = router_logits.float()
         probe = self._modules.get("router_logits_probe")
@@ -211,6 +222,7 @@ def _answer_like(swapped: SwappedMoEBlock, block: nn.Module, reading: BlockReadi
     swapped.hf_answer = reading.answer
     swapped.hf_output_shape = reading.output_shape
     swapped.hf_router_logits_float32 = reading.router_logits_float32
+    swapped.hf_inputs = reading.inputs
     router = getattr(block, reading.router_name)
     if _has_hooks(router, "_forward_pre_hooks"):
         raise UnsupportedBlockError(
