@@ -170,6 +170,7 @@ def render() -> str:
             "from_hf_state_dict",
             "megamoe_state_dict_from_hf",
             "hf_state_dict_from_megamoe",
+            "register_experts_implementation",
         ]
     )
     out += render_cli()

@@ -32,6 +32,10 @@ SWAP_EXACTLY = {
     "openai_privacy_filter", "phimoe", "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_next",
     "qwen3_omni_moe", "qwen3_vl_moe", "qwen4_exp", "solar_open", "step3p7", "unlimited_ocr",
 }  # fmt: skip
+# the families whose experts experts_implementation="megamoe" computes exactly with transformers
+# 5.25 (their experts run through transformers' experts interface, DBRX's and Llama 4's do not),
+# among them families whose blocks do not swap whole
+EXPERTS_EXACTLY = (SWAP_EXACTLY - {"dbrx", "llama4"}) | {"inkling", "zaya"}
 # families of SWAP_EXACTLY that transformers releases before the one given built in a layout
 # megamoe does not read, and the tensor of that layout the reason names
 OLDER_LAYOUTS = {
@@ -61,6 +65,12 @@ def test_family_swaps_exactly_or_is_reported_with_the_reason(family):
         assert result.status == "skipped" and older_layout in result.detail, result.detail
     elif family in SWAP_EXACTLY:
         assert result.status == "swaps exactly", result.detail
+    if family in EXPERTS_EXACTLY and not (since is not None and transformers_before(since)):
+        assert result.experts_implementation == "exact", result.experts_implementation
+    # megamoe's experts implementation computes a family's experts exactly or refuses them
+    assert result.experts_implementation in ("exact", "") or (
+        result.experts_implementation.startswith("refused: ")
+    ), result.experts_implementation
     assert result.status in ("swaps exactly", "skipped"), result.detail
     if result.status == "swaps exactly":
         assert result.logits_error < 1e-5 and result.same_tokens is not False

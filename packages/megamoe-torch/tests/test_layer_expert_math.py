@@ -818,3 +818,24 @@ def test_a_routing_table_is_checked_as_it_loads():
 def test_bad_table_routing_configs_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         MegaMoEConfig(**dict(DEEPSEEK_V4_HASH, **fields))
+
+
+def test_routed_experts_compute_the_routing_they_are_given_and_check_it():
+    from megamoe_runtime.routing import route
+
+    layer = make_layer(ERNIE).eval()
+    x = torch.randn(9, 32)
+    with torch.no_grad():
+        ids, weights = route(
+            layer.router_logits(x),
+            layer.config.router,
+            correction_bias_E=layer.e_score_correction_bias,
+        )
+        assert torch.equal(layer.routed_experts(x, ids.long(), weights), layer(x))
+    with pytest.raises(ValueError, match=r"topk_ids \[tokens, top_k=2\]"):
+        layer.routed_experts(x, ids[:, :1], weights[:, :1])
+    with pytest.raises(ValueError, match="topk_weights must be shaped as topk_ids"):
+        layer.routed_experts(x, ids, weights[:, :1])
+    checked = MegaMoE(MegaMoEConfig(**ERNIE, check_inputs=True))
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 8\)"):
+        checked.routed_experts(x, torch.full_like(ids, 8), weights)

@@ -10,6 +10,7 @@ from megamoe_torch.hf import (
     from_hf_state_dict,
     hf_state_dict_from_megamoe,
     megamoe_state_dict_from_hf,
+    register_experts_implementation,
     swap_moe_blocks,
     unswap_moe_blocks,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "from_hf_state_dict",
     "hf_state_dict_from_megamoe",
     "megamoe_state_dict_from_hf",
+    "register_experts_implementation",
     "swap_moe_blocks",
     "unswap_moe_blocks",
 ]

@@ -1135,6 +1135,38 @@ class MegaMoE(nn.Module):
         """The output through the output norm, where the layer has one."""
         return y if self.output_norm is None else self.output_norm(y)
 
+    def routed_experts(
+        self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum [T, H] for tokens [T, H] routed elsewhere: each
+        token's top-k experts (int, [T, K], in [0, E)) and weights ([T, K]), as the torch
+        path dispatches, computes and combines them (no router, no shared experts, no output
+        norm; transformers' experts interface, hf/experts_implementation.py). The ids are
+        checked against E where config.check_inputs allows a host sync."""
+        self._check_input(x_TH)
+        if x_TH.dim() != 2 or topk_ids_TK.shape != (x_TH.shape[0], self.config.top_k):
+            raise ValueError(
+                f"x must be [tokens, H] and topk_ids [tokens, top_k={self.config.top_k}], got "
+                f"{tuple(x_TH.shape)} and {tuple(topk_ids_TK.shape)}"
+            )
+        if topk_weights_TK.shape != topk_ids_TK.shape:
+            raise ValueError(
+                f"topk_weights must be shaped as topk_ids {tuple(topk_ids_TK.shape)}, got "
+                f"{tuple(topk_weights_TK.shape)}"
+            )
+        experts = self.config.num_experts
+        if (  # a host sync: only where check_inputs asks for it
+            self.config.check_inputs
+            and topk_ids_TK.numel()
+            and not bool(((topk_ids_TK >= 0) & (topk_ids_TK < experts)).all())
+        ):
+            raise ValueError(f"topk_ids must lie in [0, {experts})")
+        self._resolve_backend()
+        self._resolve_dispatcher(x_TH)
+        return self._dispatch_experts_combine(
+            x_TH, topk_ids_TK.to(torch.int32), topk_weights_TK.float()
+        )
+
     def _dispatch_experts_combine(
         self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor
     ) -> torch.Tensor:

@@ -5,6 +5,7 @@ Needs no transformers import of its own: it reads the modules and tensors it is 
 """
 
 from megamoe_torch.hf.convert import RUN_OPTIONS, from_hf, from_hf_state_dict
+from megamoe_torch.hf.experts_implementation import register_experts_implementation
 from megamoe_torch.hf.families import (
     FAMILIES,
     UnsupportedBlockError,
@@ -36,6 +37,7 @@ __all__ = [
     "megamoe_state_dict_from_hf",
     "moe_layer_indices",
     "read_hf_config",
+    "register_experts_implementation",
     "swap_moe_blocks",
     "unswap_moe_blocks",
 ]

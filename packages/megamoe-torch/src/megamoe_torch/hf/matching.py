@@ -19,7 +19,7 @@ from megamoe_runtime.routing import RouterConfig, route, weights_of_chosen
 from torch import nn
 
 from megamoe_torch.hf.families import UnsupportedBlockError
-from megamoe_torch.hf.fp8 import activation_dtype_of, is_fp8, model_config_of
+from megamoe_torch.hf.fp8 import activation_dtype_of, model_config_of
 from megamoe_torch.hf.naming import (
     SHARED_PROJECTIONS,
     megamoe_experts_from_hf,
@@ -349,8 +349,7 @@ def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_inpu
         fan_in = tensor.shape[-1] if tensor.dim() >= 2 else hidden
         stand_ins[id(tensor)] = random.normal(*shape, std=1.0 / math.sqrt(fan_in))
     twin = random_copy(experts, random, replace=stand_ins)
-    if is_fp8(parts.expert_weight):
-        _eager_experts(twin)
+    _eager_experts(twin)
     for module in twin.modules():  # the experts' own count, where they keep it
         for name, value in list(vars(module).items()):
             if isinstance(value, int) and not isinstance(value, bool) and value == num_experts:
@@ -460,9 +459,10 @@ def _tokens_of_magnitudes(random: ProbeRandom, tokens: int, hidden: int) -> torc
 
 
 def _eager_experts(twin: nn.Module) -> None:
-    """transformers' FP8 experts hand their weights to FP8 kernels (grouped_mm, DeepGEMM), which
-    take no fp32 probe copies; their eager forward computes on such copies as on unquantized
-    weights, with the same gate and projections."""
+    """The probe copy of the experts runs their own (eager) forward, the definition of what
+    they compute, whichever implementation the model runs them with: transformers' FP8 experts
+    hand their weights to FP8 kernels (grouped_mm, DeepGEMM), which take no fp32 probe copies,
+    and experts the model runs with megamoe's implementation would read themselves again."""
     config = getattr(twin, "config", None)
     if getattr(config, "_experts_implementation", None) not in (None, "eager"):
         config._experts_implementation = "eager"

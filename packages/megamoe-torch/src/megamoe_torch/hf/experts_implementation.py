@@ -1,0 +1,171 @@
+"""megamoe's expert compute as a transformers experts implementation.
+
+transformers >= 5 runs the experts modules of most MoE families through its experts interface:
+`experts(hidden_states, top_k_index, top_k_weights)`, computed by the implementation the model's
+config names (`experts_implementation="grouped_mm"`, "eager", ...). `register_experts_implementation()`
+adds megamoe's under the name "megamoe":
+
+    from megamoe_torch import register_experts_implementation
+    register_experts_implementation()
+    model = AutoModelForCausalLM.from_pretrained(name, experts_implementation="megamoe")
+    # or, on a loaded model: model.set_experts_implementation("megamoe")
+
+The model keeps its own routers, norms and block code; each experts module computes its
+routed experts with megamoe: the dispatch into an expert-major batch, the expert MLP on the
+chosen backend (cutedsl on an sm_90 GPU) and the combine, in fixed order. It covers the
+families whose blocks swap_moe_blocks cannot replace whole (Gemma 4's experts sit in its decoder
+layer, Inkling's shared experts take router gammas, ...), as long as their experts compute what
+megamoe computes: what each experts module computes is read once per structure by the same
+probes as swap_moe_blocks' (reader.py, on a copy of the module with random weights), and a
+module megamoe cannot reproduce (a norm after each expert, expert parallelism) raises
+UnsupportedBlockError naming why.
+
+The layer shares the module's weight tensors (their Parameters, where megamoe's layout is the
+module's: `gate_up_proj` [E, 2I, H] of gate rows then up rows, `down_proj` [E, H, I]), so
+moving the model or loading weights in place reaches it, and gradients reach the module's
+parameters; other layouts (transposed, interleaved) are laid out once per weight version.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from megamoe_torch.hf.convert import layer_from_hf_tensors
+from megamoe_torch.hf.families import UnsupportedBlockError
+from megamoe_torch.hf.reader import read_block
+from megamoe_torch.layer import MegaMoE
+
+EXPERTS_IMPLEMENTATION = "megamoe"
+# the options of the layers it builds: how they run (the routing is the model's, on one GPU)
+EXPERTS_OPTIONS = ("backend", "capacity", "check_inputs", "tile_pack", "weight_dtype")
+# the run options the registered implementation builds its layers with
+_OPTIONS: dict[str, Any] = {}
+# per experts module: (the tensors it was built from, by id and version, and the layer per top-k)
+_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def register_experts_implementation(**options: Any) -> str:
+    """Registers megamoe's expert compute in transformers' experts interface and returns its
+    name, "megamoe". `options`: how the layers it builds run, any of EXPERTS_OPTIONS (backend,
+    capacity, check_inputs, tile_pack, and weight_dtype: "auto", "fp8" or None, as from_hf
+    takes them; `backend="reference"` on a CPU). Registering again replaces the options; the
+    layers built so far are built again at their next call."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError as error:
+        raise ImportError(
+            "register_experts_implementation needs transformers >= 5, whose experts interface "
+            "(transformers.integrations.moe) it registers in"
+        ) from error
+    unknown = sorted(set(options) - set(EXPERTS_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"unexpected options {unknown}: accepted are {list(EXPERTS_OPTIONS)} (the layers "
+            "compute what the experts module computes, on one GPU)"
+        )
+    _OPTIONS.clear()
+    _OPTIONS.update(options)
+    _LAYERS.clear()
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, megamoe_experts_forward)
+    return EXPERTS_IMPLEMENTATION
+
+
+def megamoe_experts_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The experts module `self`'s output [T, H] for its tokens [T, H] and their top-k experts
+    and weights [T, K], computed by megamoe (the module doc), in the tokens' dtype."""
+    if getattr(self, "has_post_expert_norm", False):
+        raise UnsupportedBlockError(
+            f"{type(self).__name__} normalises each expert's output (has_post_expert_norm), "
+            "which megamoe does not compute: use another experts_implementation"
+        )
+    if getattr(self, "_is_expert_parallel", False):
+        raise UnsupportedBlockError(
+            f"{type(self).__name__} runs under transformers' expert parallelism, whose "
+            "sentinel ids megamoe's implementation does not take: use swap_moe_blocks with a "
+            "process_group, or another experts_implementation"
+        )
+    if top_k_index.dim() != 2:
+        raise ValueError(f"top_k_index must be [tokens, top_k], got {tuple(top_k_index.shape)}")
+    layer = _layer(self, top_k_index.shape[1])
+    y_TH = layer.routed_experts(
+        hidden_states.to(layer.activation_dtype), top_k_index, top_k_weights
+    )
+    return y_TH.to(hidden_states.dtype)
+
+
+class _RoutedExperts(nn.Module):
+    """A block around an experts module alone, as reader.py reads blocks: a softmax top-k
+    router of random weights, then the experts (only what the experts compute is kept)."""
+
+    def __init__(self, experts: nn.Module, num_experts: int, hidden_size: int, top_k: int):
+        super().__init__()
+        # read for its structure alone: a meta tensor, no memory
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False, device="meta")
+        self.experts = experts
+        self.top_k = top_k
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
+        weights_TK, ids_TK = torch.softmax(self.gate(x_TH), dim=-1).topk(self.top_k, dim=-1)
+        weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        return self.experts(x_TH, ids_TK, weights_TK).reshape(hidden_states.shape)
+
+
+def _layer(experts: nn.Module, top_k: int) -> MegaMoE:
+    """The MegaMoE computing `experts`' MLPs for `top_k` experts per token, built at the first
+    call (and again once the module holds other weight tensors or the options change)."""
+    tensors = tuple(
+        (name, id(tensor), tensor._version)
+        for name, tensor in experts.state_dict(keep_vars=True).items()
+    )
+    built = _LAYERS.get(experts)
+    if built is None or built[0] != tensors:
+        built = (tensors, {})
+        _LAYERS[experts] = built
+    layers = built[1]
+    if top_k not in layers:
+        layers[top_k] = _build_layer(experts, top_k)
+    return layers[top_k]
+
+
+def _build_layer(experts: nn.Module, top_k: int) -> MegaMoE:
+    held = experts.state_dict(keep_vars=True)
+    weight = next(
+        (held[name] for name in ("gate_up_proj", "up_proj", "mlp.w1") if name in held), None
+    )
+    num_experts = getattr(experts, "num_experts", None)
+    if weight is None or not isinstance(num_experts, int):
+        raise UnsupportedBlockError(
+            f"{type(experts).__name__} holds no stacked expert weights megamoe reads "
+            f"(its tensors: {sorted(held)})"
+        )
+    hidden = weight.shape[1] if getattr(experts, "is_transposed", False) else weight.shape[-1]
+    block = _RoutedExperts(experts, num_experts, hidden, min(top_k, num_experts))
+    reading = read_block(block, structure_only=True)
+    fields = dict(reading.config_fields, top_k=top_k)
+    # the block's router is a stand-in: its routing fields do not matter, its weight is unused
+    hf_tensors = {f"experts.{name}": tensor for name, tensor in held.items()}
+    hf_tensors[reading.naming.router_weight] = torch.zeros(
+        num_experts, hidden, device=weight.device, dtype=weight.dtype
+    )
+    options = dict(_OPTIONS)
+    weight_dtype = options.pop("weight_dtype", "auto")
+    return layer_from_hf_tensors(
+        hf_tensors,
+        fields=fields,
+        naming=reading.naming,
+        options=options,
+        weight_dtype=weight_dtype,
+        layer_class=MegaMoE,
+        device=weight.device,
+        activation_dtype=weight.dtype if weight.is_floating_point() else torch.bfloat16,
+    ).train(experts.training)
