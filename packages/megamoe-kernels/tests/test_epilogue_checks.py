@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from megamoe_kernels import (
+    GEGLU,
     SwiGLU,
     down,
     down_launcher,
@@ -63,6 +64,7 @@ def test_the_swiglu_defaults_are_the_plain_one_and_the_constants_are_checked():
         ({"gate_softcap": 0.0}, ValueError),
         ({"up_softcap": math.inf}, ValueError),
         ({"up_softcap": "25"}, TypeError),
+        ({"gate_cubic": math.inf}, ValueError),
     ]:
         with pytest.raises(error, match=next(iter(fields))):
             SwiGLU(**fields)
@@ -85,7 +87,16 @@ def test_the_softcapped_swiglu_is_inkling2s_and_compiled_into_the_kernel():
         "swiglu_up_offset": 0.0,
         "swiglu_gate_softcap": 4.0,
         "swiglu_up_softcap": 25.0,
+        "swiglu_gate_cubic": 0.0,
     }
+
+
+def test_geglu_is_the_tanh_gelu_of_the_gate_times_up():
+    gate, up = torch.randn(1000, dtype=torch.float64) * 6, torch.randn(1000, dtype=torch.float64)
+    expected = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(GEGLU(gate, up).double(), expected, rtol=1e-6, atol=1e-6)
+    assert GEGLU.clamped and not GEGLU.is_plain and not GEGLU.softcapped
+    assert GEGLU.kernel_constants()["swiglu_gate_cubic"] == 0.044715
 
 
 def test_the_swiglu_oracle_is_the_gpt_oss_activation():

@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("cutlass")
 
 from megamoe_kernels import (
+    GEGLU,
     GemmKnobs,
     SwiGLU,
     down,
@@ -81,6 +82,7 @@ def test_the_clamped_swiglu_without_bias_and_a_gathering_biased_gate_up_compile(
     gate_up_swiglu(rows_MH, offsets, w13, knobs=knobs, swiglu=GPT_OSS_SWIGLU, compile_only=True)
     softcapped = SwiGLU(gate_softcap=4.0, up_softcap=25.0)  # Inkling2's
     gate_up_swiglu(rows_MH, offsets, w13, swiglu=softcapped, compile_only=True)
+    gate_up_swiglu(rows_MH, offsets, w13, knobs=knobs, swiglu=GEGLU, compile_only=True)
     tokens_TH = torch.empty(20, 2944, **META)  # gathered rows: H a multiple of 64
     w13_gather = interleave_gate_up(torch.empty(EXPERTS, 2 * INTERMEDIATE, 2944, **META))
     row_source_M = torch.empty(64, dtype=torch.int32, device="meta")

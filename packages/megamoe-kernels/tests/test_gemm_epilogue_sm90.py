@@ -22,6 +22,7 @@ from gemm_cases import (
     replay_with_counts,
 )
 from megamoe_kernels import (
+    GEGLU,
     GemmKnobs,
     SwiGLU,
     down,
@@ -116,6 +117,7 @@ def test_every_tile_family_with_tails(knobs, dims):
         (SwiGLU(alpha=0.5, up_offset=-2.0), True),  # alpha and offset, no clamp
         (SwiGLU(gate_softcap=4.0, up_softcap=2.0), False),  # Inkling2's softcaps, tighter
         (SwiGLU(limit=7.0, up_softcap=3.0), True),  # a clamp and a softcap
+        (GEGLU, True),  # the tanh GELU of the gate (Gemma 4)
     ],
     ids=str,
 )

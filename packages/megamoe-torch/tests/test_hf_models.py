@@ -277,9 +277,22 @@ def test_reading_a_full_size_block_makes_no_copy_of_its_experts(monkeypatch):
 
 
 def test_other_activation_is_refused():
+    # the erf GELU: within about 1e-4 of the tanh one on unit-sized values, and refused
     model = tiny_model("qwen3_moe", hidden_act="gelu")
     report = swap_moe_blocks(model, backend="reference")
     assert report.swapped == [] and all("SiLU" in e.reason for e in report.skipped)
+
+
+def test_tanh_gelu_gated_experts_swap_as_geglu():
+    model = tiny_model("qwen3_moe", hidden_act="gelu_pytorch_tanh")
+    original = copy.deepcopy(model)
+    report = swap_moe_blocks(model, backend="reference")
+    assert report.swapped and not report.skipped
+    assert all("GeGLU" in entry.computes for entry in report.swapped)
+    input_ids = torch.randint(3, VOCAB, (2, 7))
+    with torch.no_grad():
+        error = relative_l2_error(model(input_ids).logits, original(input_ids).logits)
+    assert error < 1e-5
 
 
 class _ReLUSquared(torch.nn.Module):

@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from megamoe_kernels import GEGLU
 from megamoe_kernels.reference import relative_l2_error
 from megamoe_runtime.routing import route
 from megamoe_torch import MegaMoE, MegaMoEConfig
@@ -136,6 +137,15 @@ DEEPSEEK_V4 = dict(
     swiglu_limit=10.0,
     num_shared_experts=1,
     shared_swiglu="routed",
+)
+# Gemma 4's experts: GeGLU, the tanh GELU of the gate times up
+GEMMA4 = dict(
+    hidden_size=32,
+    intermediate_size=16,
+    num_experts=8,
+    top_k=2,
+    swiglu_alpha=GEGLU.alpha,
+    swiglu_gate_cubic=GEGLU.gate_cubic,
 )
 # DeepSeek-V4's hash layers: each token's experts the row of its id in a routing table
 DEEPSEEK_V4_HASH = dict(DEEPSEEK_V4, use_correction_bias=False, routing_table_vocab_size=50)
@@ -294,7 +304,8 @@ def swiglu_float64(c: MegaMoEConfig, gate: torch.Tensor, up: torch.Tensor) -> to
         linear_gate = c.swiglu_gate_softcap * torch.tanh(gate / c.swiglu_gate_softcap)
     if c.swiglu_up_softcap is not None:
         up = c.swiglu_up_softcap * torch.tanh(up / c.swiglu_up_softcap)
-    return linear_gate * torch.sigmoid(c.swiglu_alpha * gate) * (up + c.swiglu_up_offset)
+    sigmoid_gate = gate + c.swiglu_gate_cubic * gate**3
+    return linear_gate * torch.sigmoid(c.swiglu_alpha * sigmoid_gate) * (up + c.swiglu_up_offset)
 
 
 @pytest.mark.parametrize(
@@ -314,6 +325,7 @@ def swiglu_float64(c: MegaMoEConfig, gate: torch.Tensor, up: torch.Tensor) -> to
         AXK1,
         DEEPSEEK_V4,
         DEEPSEEK_V4_HASH,
+        GEMMA4,
     ],
     ids=[
         "gpt-oss",
@@ -330,6 +342,7 @@ def swiglu_float64(c: MegaMoEConfig, gate: torch.Tensor, up: torch.Tensor) -> to
         "axk1",
         "deepseek-v4",
         "deepseek-v4-hash",
+        "gemma4",
     ],
 )
 def test_layer_matches_per_token_float64_loop(fields):
@@ -383,9 +396,11 @@ def random_layer_fields(rng: random.Random) -> dict:
             fields.update(latent_size=rng.choice([4, 12, 32]))
         elif rng.random() < 0.2:
             fields.update(num_identity_experts=rng.choice([1, 2, experts]))
-        expert_activation = rng.choice(["swiglu", "clamped", "softcapped", "relu2"])
+        expert_activation = rng.choice(["swiglu", "clamped", "softcapped", "geglu", "relu2"])
         if expert_activation == "clamped":
             fields.update(swiglu_limit=7.0, swiglu_alpha=1.702, swiglu_up_offset=1.0)
+        if expert_activation == "geglu":
+            fields.update(swiglu_alpha=GEGLU.alpha, swiglu_gate_cubic=GEGLU.gate_cubic)
         if expert_activation == "softcapped":  # Inkling2's caps, one of them at times
             fields.update(
                 swiglu_gate_softcap=rng.choice([None, 0.5]),
@@ -821,8 +836,6 @@ def test_bad_table_routing_configs_are_refused(fields, message):
 
 
 def test_routed_experts_compute_the_routing_they_are_given_and_check_it():
-    from megamoe_runtime.routing import route
-
     layer = make_layer(ERNIE).eval()
     x = torch.randn(9, 32)
     with torch.no_grad():

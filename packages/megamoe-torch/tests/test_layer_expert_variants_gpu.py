@@ -4,7 +4,9 @@ the bf16 tolerance, on fresh tokens over a poisoned allocator: Nemotron-H's unga
 around it) and its latent MoE (the torch layer path); LongCat-Flash's identity experts (the torch
 layer path, the routed rows on cutedsl); MiniMax-M3's shared experts with the routed experts'
 clamped SwiGLU (cutedsl, the fused path); Inkling2's softcapped SwiGLU and A.X-K1's output
-RMSNorm (cutedsl, the fused path). A Nemotron-H layer trains through grouped_mm with the
+RMSNorm (cutedsl, the fused path); Gemma 4's GeGLU experts and DeepSeek-V4's sqrt(softplus)
+routing with clamped experts (cutedsl, the fused path) and its hash layers' routing table (the
+torch layer path, cutedsl experts). A Nemotron-H layer trains through grouped_mm with the
 reference backend's gradients."""
 
 import pytest
@@ -63,6 +65,12 @@ INKLING2 = dict(
 # A.X-K1's kind: DeepSeek-V3's grouped routing and shared expert, the output RMSNorm-ed (the fused
 # path and its replayed graphs apply the norm after the combine)
 AXK1 = dict(expert_math.AXK1, **WIDER, num_experts=64, top_k=6, num_groups=8, top_groups=4)
+# Gemma 4's kind: GeGLU experts (the tanh GELU of the gate)
+GEMMA4 = dict(expert_math.GEMMA4, **WIDER, num_experts=32, top_k=4)
+# DeepSeek-V4's kind: sqrt(softplus) scores with a bias, experts and shared MLP clamped; its hash
+# layers take the experts from a table of token ids
+DEEPSEEK_V4 = dict(expert_math.DEEPSEEK_V4, **WIDER, num_experts=64, top_k=6)
+DEEPSEEK_V4_HASH = dict(expert_math.DEEPSEEK_V4_HASH, **WIDER, num_experts=64, top_k=6)
 CASES = {
     "nemotron-h": (NEMOTRON_H, "grouped_mm", True),
     "nemotron-h-latent": (dict(NEMOTRON_H, latent_size=1024), "grouped_mm", False),
@@ -70,6 +78,9 @@ CASES = {
     "minimax-m3": (MINIMAX_M3, "cutedsl", True),
     "inkling2": (INKLING2, "cutedsl", True),
     "axk1": (AXK1, "cutedsl", True),
+    "gemma4": (GEMMA4, "cutedsl", True),
+    "deepseek-v4": (DEEPSEEK_V4, "cutedsl", True),
+    "deepseek-v4-hash": (DEEPSEEK_V4_HASH, "cutedsl", False),
 }
 
 
@@ -98,14 +109,18 @@ def test_the_layer_matches_the_reference_backend(case, tokens):
     # two forwards of one shape on fresh tokens: the second of a small batch on the fused path
     # replays the graph the first captured
     inputs = [fresh_tokens(tokens, hidden, seed=tokens * 10 + i) for i in range(2)]
+    # the token ids a layer routing by token id takes (others ignore them)
+    vocab = max(layer.config.routing_table_vocab_size, 1)
+    ids = torch.randint(vocab, (tokens,), generator=torch.Generator().manual_seed(tokens))
+    ids = ids.cuda()
     outputs = []
     for x in inputs:
         poison_allocator()
-        outputs.append(layer(x).clone())
-    assert torch.equal(layer(inputs[-1]), outputs[-1])  # bitwise repeatable
+        outputs.append(layer(x, input_ids=ids).clone())
+    assert torch.equal(layer(inputs[-1], input_ids=ids), outputs[-1])  # bitwise repeatable
     layer.use_backend("reference")
     for x, actual in zip(inputs, outputs, strict=True):
-        expected = layer(x)
+        expected = layer(x, input_ids=ids)
         assert torch.isfinite(actual).all()
         error = relative_l2_error(actual, expected)
         assert error < TOLERANCE, (case, tokens, error)

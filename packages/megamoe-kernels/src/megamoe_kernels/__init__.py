@@ -16,6 +16,7 @@ except importlib.metadata.PackageNotFoundError:  # imported from a source tree, 
 
 _SHIM_NAMES = (
     "FP8_DTYPE",
+    "GEGLU",
     "PACKED_TILE_COLS",
     "GemmKnobs",
     "GemmLauncher",

@@ -26,13 +26,16 @@ def swiglu(
     up_offset: float = 0.0,
     gate_softcap: float | None = None,
     up_softcap: float | None = None,
+    gate_cubic: float = 0.0,
 ) -> torch.Tensor:
-    """gate * sigmoid(alpha * gate) * (up + up_offset), computed in fp32.
+    """gate * sigmoid(alpha * (gate + gate_cubic * gate^3)) * (up + up_offset), computed in fp32.
 
     The defaults give silu(gate) * up. `limit` clamps gate to at most `limit` and up to
     [-limit, limit] first; gpt-oss computes limit=7.0, alpha=1.702, up_offset=1.0.
     `gate_softcap` c replaces the linear gate factor (not the sigmoid's gate) by
     c * tanh(gate / c), and `up_softcap` c up by c * tanh(up / c) (Inkling2's softcapped SwiGLU).
+    alpha = 2 sqrt(2 / pi) and gate_cubic = 0.044715 make the gate factor the tanh GELU
+    (megamoe_kernels.GEGLU: Gemma 4's experts).
     """
     gate, up = gate.float(), up.float()
     if limit is not None:
@@ -43,7 +46,8 @@ def swiglu(
         linear_gate = gate_softcap * torch.tanh(gate / gate_softcap)
     if up_softcap is not None:
         up = up_softcap * torch.tanh(up / up_softcap)
-    return linear_gate * torch.sigmoid(alpha * gate) * (up + up_offset)
+    sigmoid_gate = gate if gate_cubic == 0.0 else gate + gate_cubic * gate**3
+    return linear_gate * torch.sigmoid(alpha * sigmoid_gate) * (up + up_offset)
 
 
 def _expert_row_ranges(
@@ -89,12 +93,13 @@ def gate_up_swiglu_reference(
     up_offset: float = 0.0,
     gate_softcap: float | None = None,
     up_softcap: float | None = None,
+    gate_cubic: float = 0.0,
     expert_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """swiglu(x Wg^T + bg, x Wu^T + bu) per expert; `w13_E2IH` holds gate rows [0, I) then up rows
     [I, 2I), `w13_bias_E2I` (optional) their biases in the same order. `limit`, `alpha`,
-    `up_offset`, `gate_softcap`, `up_softcap`: see `swiglu`; `expert_counts`: the masked layout
-    (module docstring)."""
+    `up_offset`, `gate_softcap`, `up_softcap`, `gate_cubic`: see `swiglu`; `expert_counts`: the
+    masked layout (module docstring)."""
     intermediate = w13_E2IH.shape[1] // 2
     out_MI = torch.zeros(rows_MH.shape[0], intermediate, dtype=torch.float32, device=rows_MH.device)
     for expert, start, end in _expert_row_ranges(expert_offsets, expert_counts):
@@ -109,6 +114,7 @@ def gate_up_swiglu_reference(
             up_offset=up_offset,
             gate_softcap=gate_softcap,
             up_softcap=up_softcap,
+            gate_cubic=gate_cubic,
         )
     return out_MI
 
@@ -172,6 +178,7 @@ def expert_mlp_reference(
     up_offset: float = 0.0,
     gate_softcap: float | None = None,
     up_softcap: float | None = None,
+    gate_cubic: float = 0.0,
     expert_counts: torch.Tensor | None = None,
     activation: str = "swiglu",
 ) -> torch.Tensor:
@@ -180,7 +187,7 @@ def expert_mlp_reference(
     `round_intermediate_to` rounds the SwiGLU output to a dtype before the down GEMM, as a kernel
     that stores the intermediate in bf16 does; None keeps it in fp32 (the exact oracle).
     `w13_bias_E2I` / `w2_bias_EH`: per-expert biases of the two projections; `limit`, `alpha`,
-    `up_offset`, `gate_softcap`, `up_softcap`: the SwiGLU variant (see `swiglu`);
+    `up_offset`, `gate_softcap`, `up_softcap`, `gate_cubic`: the SwiGLU variant (see `swiglu`);
     `expert_counts`: the masked layout (module docstring); `activation="relu2"`: ungated experts
     (`up_relu2_reference`), `w13_E2IH` and its bias their up projections alone, [E, I, H] and
     [E, I].
@@ -204,6 +211,7 @@ def expert_mlp_reference(
             up_offset=up_offset,
             gate_softcap=gate_softcap,
             up_softcap=up_softcap,
+            gate_cubic=gate_cubic,
             expert_counts=expert_counts,
         )
     else:

@@ -93,6 +93,10 @@ class MegaMoEConfig:
     swiglu_gate_softcap: float | None = None
     # a softcap c of the SwiGLU's up (Inkling2): c * tanh(up / c) in place of up; None: no cap
     swiglu_up_softcap: float | None = None
+    # a cubic term b of the sigmoid's gate, sigmoid(swiglu_alpha * (gate + b gate^3)): with
+    # swiglu_alpha = 2 sqrt(2 / pi) and b = 0.044715 the gate factor is the tanh GELU, GeGLU
+    # (Gemma 4's experts; megamoe_kernels.GEGLU holds the two constants); 0.0: none
+    swiglu_gate_cubic: float = 0.0
     # the experts' activation: "swiglu", gated experts down(swiglu(gate x, up x)), `w13`
     # [E, 2I, H]; "relu2", ungated experts down(relu(up x)^2) (Nemotron-H), `w13` the up
     # projection alone [E, I, H] (and `w13_bias` [E, I]), the shared experts likewise (up_proj
@@ -314,7 +318,7 @@ class MegaMoEConfig:
             value = getattr(self, name)
             if value is not None and not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a finite number > 0 or None, got {value}")
-        for name in ("swiglu_alpha", "swiglu_up_offset"):
+        for name in ("swiglu_alpha", "swiglu_up_offset", "swiglu_gate_cubic"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
         if self.weight_dtype not in WEIGHT_DTYPES:
@@ -410,7 +414,8 @@ class MegaMoEConfig:
         if self.swiglu.clamped:
             features.append(
                 f"a clamped/scaled SwiGLU (swiglu_limit={self.swiglu_limit}, "
-                f"swiglu_alpha={self.swiglu_alpha}, swiglu_up_offset={self.swiglu_up_offset})"
+                f"swiglu_alpha={self.swiglu_alpha}, swiglu_up_offset={self.swiglu_up_offset}, "
+                f"swiglu_gate_cubic={self.swiglu_gate_cubic})"
             )
         if self.swiglu.softcapped:
             features.append(SOFTCAPPED_SWIGLU)
@@ -437,6 +442,7 @@ class MegaMoEConfig:
             up_offset=self.swiglu_up_offset,
             gate_softcap=self.swiglu_gate_softcap,
             up_softcap=self.swiglu_up_softcap,
+            gate_cubic=self.swiglu_gate_cubic,
         )
 
     @property

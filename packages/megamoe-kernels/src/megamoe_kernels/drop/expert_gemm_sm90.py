@@ -85,7 +85,9 @@ variant: gate = min(gate, limit), up = clamp(up, -limit, limit), out = gate * si
 gate) * (up + up_offset) (gpt-oss: 7.0, 1.702, 1.0); the defaults give silu(gate) * up with the
 same instructions as a kernel built without them. swiglu_gate_softcap / swiglu_up_softcap c
 (compile-time constants) softcap the linear gate factor and up, c * tanh(v / c), the sigmoid
-seeing the gate uncapped (Inkling2).
+seeing the gate uncapped (Inkling2). swiglu_gate_cubic b (a compile-time constant) adds b gate^3
+to the sigmoid's gate: with alpha 2 sqrt(2 / pi) and b 0.044715, gate * sigmoid(...) is the tanh
+GELU of the gate, GeGLU (Gemma 4's experts).
 
 bias: each accumulator gets its weight row's bias (bias[expert, n], fp32) after the mainloop
 (after split_k's sum) and before the epilogue: before SwiGLU and its clamp, before the row
@@ -226,9 +228,9 @@ class ExpertGroupedGemmSm90:
     stages:    depth of the TMA ring
     swap_ab:   weight on the MMA's M side (decode)
     swiglu:    gate/up interleaved weight, out = silu(gate) * up
-    swiglu_limit, swiglu_alpha, swiglu_up_offset, swiglu_gate_softcap, swiglu_up_softcap: the
-               clamped and softcapped SwiGLU's constants (swiglu only; None, 1.0, 0.0, None,
-               None: the plain one)
+    swiglu_limit, swiglu_alpha, swiglu_up_offset, swiglu_gate_softcap, swiglu_up_softcap,
+    swiglu_gate_cubic: the clamped, softcapped and GELU SwiGLU's constants (swiglu only; None,
+               1.0, 0.0, None, None, 0.0: the plain one)
     bias:      add bias[expert, weight row] (fp32) to each accumulator before the epilogue
     row_scale: multiply each output row by row_scale[row]
     rows_fastest: schedule order inside an expert (m-tiles vary fastest: weights stream once)
@@ -304,6 +306,7 @@ class ExpertGroupedGemmSm90:
         swiglu_up_offset=0.0,
         swiglu_gate_softcap=None,
         swiglu_up_softcap=None,
+        swiglu_gate_cubic=0.0,
         prefetch_weight_scales=False,
         staged_scale_k_tiles=0,
     ):
@@ -313,13 +316,15 @@ class ExpertGroupedGemmSm90:
             up_offset=swiglu_up_offset,
             gate_softcap=swiglu_gate_softcap,
             up_softcap=swiglu_up_softcap,
+            gate_cubic=swiglu_gate_cubic,
         )
         if not swiglu and swiglu_constants != dict(
-            limit=None, alpha=1.0, up_offset=0.0, gate_softcap=None, up_softcap=None
+            limit=None, alpha=1.0, up_offset=0.0, gate_softcap=None, up_softcap=None, gate_cubic=0.0
         ):
             raise ValueError(
                 "swiglu_limit / swiglu_alpha / swiglu_up_offset / swiglu_gate_softcap / "
-                "swiglu_up_softcap: the SwiGLU epilogue's constants (swiglu=True only)"
+                "swiglu_up_softcap / swiglu_gate_cubic: the SwiGLU epilogue's constants "
+                "(swiglu=True only)"
             )
         if gather_rows and scale_group is not None:
             raise ValueError(

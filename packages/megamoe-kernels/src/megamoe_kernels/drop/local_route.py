@@ -16,10 +16,10 @@ split between a CTA's warps: the tokens whose slices its warps take in one pass)
    ballot per register, the order torch.topk ranks them in (ties to the lower expert id; a
    butterfly of int64 (key, id) maxima, 5 shuffle steps a round, took the routing launch 5-13%
    longer at 1-16 qwen3-30b-a3b tokens); the weights are the chosen experts' unbiased scores,
-   renormalised (k order, fp32; + 1e-20 for sigmoid and sqrt(softplus)) and scaled. Lane k writes topk_ids[t, k]
-   and topk_weights[t, k], and the pair's rank among the warp's pairs of its expert so far
-   (per-warp counters in shared memory): a token's experts are distinct, and the warp takes its
-   tokens in order, so the ranks follow the (token, k) order;
+   renormalised (k order, fp32; + 1e-20 for sigmoid and sqrt(softplus)) and scaled. Lane k
+   writes topk_ids[t, k] and topk_weights[t, k], and the pair's rank among the warp's pairs of
+   its expert so far (per-warp counters in shared memory): a token's experts are distinct, and
+   the warp takes its tokens in order, so the ranks follow the (token, k) order;
 2. per expert, each warp's exclusive prefix inside the CTA; the CTA's count into the scratch;
 3. grid-wide barrier; a warp per expert scans the CTAs' counts (each CTA's exclusive prefix, in
    place) and stores the expert's total (a grid of one CTA, up to `one_cta_tokens` <=

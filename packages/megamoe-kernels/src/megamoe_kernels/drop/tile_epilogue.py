@@ -66,13 +66,25 @@ def up_partner_offset(swap_ab):
 
 
 @cute.jit
-def swiglu(gate, up, *, limit=None, alpha=1.0, up_offset=0.0, gate_softcap=None, up_softcap=None):
-    """The pointwise SwiGLU in fp32: gate * sigmoid(alpha * gate) * (up + up_offset), with gate
-    clamped to at most `limit` and up to [-limit, limit] first when `limit` is set, and the
-    linear gate factor and up softcapped, c * tanh(v / c), when `gate_softcap` / `up_softcap` c
-    is set (the sigmoid sees the gate uncapped); every constant is a compile-time one (a plain
-    Python number), and the defaults are silu(gate) * up (no instruction for the constants they
-    leave out). A softcap's tanh is the approximate one (one MUFU.TANH, relative error about
+def swiglu(
+    gate,
+    up,
+    *,
+    limit=None,
+    alpha=1.0,
+    up_offset=0.0,
+    gate_softcap=None,
+    up_softcap=None,
+    gate_cubic=0.0,
+):
+    """The pointwise SwiGLU in fp32: gate * sigmoid(alpha * (gate + gate_cubic * gate^3)) *
+    (up + up_offset), with gate clamped to at most `limit` and up to [-limit, limit] first when
+    `limit` is set, and the linear gate factor and up softcapped, c * tanh(v / c), when
+    `gate_softcap` / `up_softcap` c is set (the sigmoid sees the gate uncapped). With alpha
+    2 sqrt(2 / pi) and gate_cubic 0.044715 the gate factor is the tanh GELU, 0.5 gate (1 +
+    tanh(sqrt(2 / pi) (gate + 0.044715 gate^3))): GeGLU. Every constant is a compile-time one
+    (a plain Python number), and the defaults are silu(gate) * up (no instruction for the
+    constants they leave out). A softcap's tanh is the approximate one (one MUFU.TANH, relative error about
     2^-11, below the bf16 rounding of the output). The reciprocal is the
     approximate one (one MUFU.RCP; a far gate's 1 + exp(-alpha gate) = inf still gives 0): an
     IEEE division is a refinement, a check and a slow-path call per value, and the gate-up
@@ -88,8 +100,10 @@ def swiglu(gate, up, *, limit=None, alpha=1.0, up_offset=0.0, gate_softcap=None,
     if cutlass.const_expr(up_offset != 0.0):
         up = up + cutlass.Float32(up_offset)
     scaled_gate = gate
+    if cutlass.const_expr(gate_cubic != 0.0):
+        scaled_gate = gate + cutlass.Float32(gate_cubic) * gate * gate * gate
     if cutlass.const_expr(alpha != 1.0):
-        scaled_gate = gate * cutlass.Float32(alpha)
+        scaled_gate = scaled_gate * cutlass.Float32(alpha)
     return (
         linear_gate
         * up
@@ -255,7 +269,15 @@ class SwiGLUOutput(TileOutput):
     tile_cols / 2 output columns."""
 
     def __init__(
-        self, *, swap_ab, limit=None, alpha=1.0, up_offset=0.0, gate_softcap=None, up_softcap=None
+        self,
+        *,
+        swap_ab,
+        limit=None,
+        alpha=1.0,
+        up_offset=0.0,
+        gate_softcap=None,
+        up_softcap=None,
+        gate_cubic=0.0,
     ):
         super().__init__(swap_ab=swap_ab)
         self.partner_offset = up_partner_offset(swap_ab)
@@ -265,6 +287,7 @@ class SwiGLUOutput(TileOutput):
             "up_offset": float(up_offset),
             "gate_softcap": gate_softcap,
             "up_softcap": up_softcap,
+            "gate_cubic": float(gate_cubic),
         }
 
     def stages(self, i):

@@ -3,7 +3,7 @@
 Importing this package imports torch but not CuTe DSL; kernels compile on first use.
 """
 
-from megamoe_kernels.shim.epilogue import SwiGLU, interleave_gate_up_bias
+from megamoe_kernels.shim.epilogue import GEGLU, SwiGLU, interleave_gate_up_bias
 from megamoe_kernels.shim.expert_gemm import (
     GemmLauncher,
     cached_kernel_count,
@@ -61,6 +61,7 @@ from megamoe_kernels.shim.weight_packets import (
 
 __all__ = [
     "FP8_DTYPE",
+    "GEGLU",
     "OPS",
     "PACKED_TILE_COLS",
     "PROFILE_ROWS_PER_EXPERT",

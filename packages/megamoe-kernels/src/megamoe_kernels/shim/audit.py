@@ -120,6 +120,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "swiglu_up_offset",
             "swiglu_gate_softcap",
             "swiglu_up_softcap",
+            "swiglu_gate_cubic",
             "prefetch_weight_scales",
         ),
     ),

@@ -1,13 +1,14 @@
 """The expert GEMMs' epilogue options beyond the plain ones: the SwiGLU variant and per-expert
 biases (plain Python and torch; no CuTe DSL).
 
-- `SwiGLU(limit, alpha, up_offset, gate_softcap, up_softcap)`: gate * sigmoid(alpha * gate) *
-  (up + up_offset), gate clamped to at most `limit` and up to [-limit, limit] first when
-  `limit` is set, the linear gate factor and up softcapped (c * tanh(v / c)) when their caps
-  are set (megamoe_kernels.reference.swiglu is its oracle). `SwiGLU()` is silu(gate) * up;
-  gpt-oss computes `SwiGLU(limit=7.0, alpha=1.702, up_offset=1.0)`, Inkling2 softcaps. The
-  bf16 gate-up kernel compiles the constants in: each distinct SwiGLU is its own kernel
-  variant.
+- `SwiGLU(limit, alpha, up_offset, gate_softcap, up_softcap, gate_cubic)`: gate *
+  sigmoid(alpha * (gate + gate_cubic * gate^3)) * (up + up_offset), gate clamped to at most
+  `limit` and up to [-limit, limit] first when `limit` is set, the linear gate factor and up
+  softcapped (c * tanh(v / c)) when their caps are set (megamoe_kernels.reference.swiglu is its
+  oracle). `SwiGLU()` is silu(gate) * up; gpt-oss computes `SwiGLU(limit=7.0, alpha=1.702,
+  up_offset=1.0)`, Inkling2 softcaps, and `GEGLU` (alpha 2 sqrt(2 / pi), gate_cubic 0.044715)
+  is the tanh GELU of the gate times up (Gemma 4). The bf16 gate-up kernel compiles the
+  constants in: each distinct SwiGLU is its own kernel variant.
 - `interleave_gate_up_bias(w13_bias_E2I)` -> float32 [E, I / 8, 16]: the gate-up bias in the
   interleaved order of the weight rows (interleave_gate_up), the layout gate_up_swiglu takes.
   The down GEMM takes its bias [E, H] in float32 as it is.
@@ -35,6 +36,7 @@ class SwiGLU:
     up_offset: float = 0.0
     gate_softcap: float | None = None
     up_softcap: float | None = None
+    gate_cubic: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("limit", "gate_softcap", "up_softcap"):
@@ -46,7 +48,7 @@ class SwiGLU:
             if not 0 < value < math.inf:
                 raise ValueError(f"SwiGLU {name} must be finite and > 0, or None; got {value}")
             object.__setattr__(self, name, float(value))
-        for name in ("alpha", "up_offset"):
+        for name in ("alpha", "up_offset", "gate_cubic"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise TypeError(f"SwiGLU {name} must be a number, got {value!r}")
@@ -65,8 +67,9 @@ class SwiGLU:
 
     @property
     def clamped(self) -> bool:
-        """Whether a clamp, an alpha or an up offset is set (gpt-oss's kind)."""
-        return (self.limit, self.alpha, self.up_offset) != (None, 1.0, 0.0)
+        """Whether a clamp, an alpha, an up offset (gpt-oss's kind) or a cubic gate term (GeGLU)
+        is set."""
+        return (self.limit, self.alpha, self.up_offset, self.gate_cubic) != (None, 1.0, 0.0, 0.0)
 
     @property
     def softcapped(self) -> bool:
@@ -81,6 +84,7 @@ class SwiGLU:
             "up_offset": self.up_offset,
             "gate_softcap": self.gate_softcap,
             "up_softcap": self.up_softcap,
+            "gate_cubic": self.gate_cubic,
         }
 
     def kernel_constants(self) -> dict[str, float | None]:
@@ -89,6 +93,11 @@ class SwiGLU:
 
 
 PLAIN_SWIGLU = SwiGLU()
+# GeGLU with the tanh GELU, 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) = g sigmoid(2
+# sqrt(2 / pi) (g + 0.044715 g^3)): transformers' gelu_pytorch_tanh of the gate, times up
+GELU_TANH_ALPHA = 2.0 * math.sqrt(2.0 / math.pi)
+GELU_TANH_CUBIC = 0.044715
+GEGLU = SwiGLU(alpha=GELU_TANH_ALPHA, gate_cubic=GELU_TANH_CUBIC)
 
 
 def interleave_gate_up_bias(w13_bias_E2I: torch.Tensor) -> torch.Tensor:

@@ -224,7 +224,12 @@ class BlockReading:
             experts.append("gate/up interleaved")
         if fields.get("expert_bias"):
             experts.append("biased")
-        if fields.get("swiglu_limit") is not None:
+        if fields.get("swiglu_gate_cubic", 0.0) != 0.0:
+            limit = fields.get("swiglu_limit")
+            experts.append(
+                "GeGLU (tanh GELU)" + ("" if limit is None else f", clamped at {limit:g}")
+            )
+        elif fields.get("swiglu_limit") is not None:
             experts.append(
                 f"SwiGLU clamped at {fields['swiglu_limit']:g}, alpha "
                 f"{fields.get('swiglu_alpha', 1.0):g}, up + {fields.get('swiglu_up_offset', 0.0):g}"

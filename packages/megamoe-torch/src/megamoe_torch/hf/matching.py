@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from megamoe_kernels import SwiGLU
+from megamoe_kernels import GEGLU, SwiGLU
 from megamoe_kernels.reference import expert_mlp_reference
 from megamoe_runtime.routing import RouterConfig, route, weights_of_chosen
 from torch import nn
@@ -33,6 +33,7 @@ from megamoe_torch.hf.probes import (
     clear_forward_hooks,
     random_copy,
     relative_error,
+    worst_token_error,
 )
 from megamoe_torch.hf.structure import BlockParts
 from megamoe_torch.layer import OutputNorm
@@ -377,15 +378,18 @@ def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_inpu
     limits = {None} | set(_float_attributes(experts, LIMIT_ATTRIBUTES))
     alphas = {1.0} | set(_float_attributes(experts, ALPHA_ATTRIBUTES))
     softcaps = sorted({None} | _softcaps(experts), key=lambda v: -1 if v is None else v)
-    # (activation, swiglu limit, alpha, up offset, gate softcap, up softcap): ungated experts
-    # compute relu^2 alone
+    # the sigmoid's (alpha, cubic term): a SiLU-gated MLP's alphas, or the tanh GELU's (GeGLU)
+    gate_factors = [(alpha, 0.0) for alpha in sorted(alphas)]
+    gate_factors.append((GEGLU.alpha, GEGLU.gate_cubic))
+    # (activation, swiglu limit, (alpha, cubic), up offset, gate softcap, up softcap): ungated
+    # experts compute relu^2 alone
     activations = (
-        [("relu2", None, 1.0, 0.0, None, None)]
+        [("relu2", None, (1.0, 0.0), 0.0, None, None)]
         if naming.experts_ungated
         else itertools.product(
             ("swiglu",),
             sorted(limits, key=lambda v: -1 if v is None else v),
-            sorted(alphas),
+            gate_factors,
             (0.0, 1.0),
             softcaps,
             softcaps,
@@ -394,7 +398,7 @@ def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_inpu
     for layout, (
         activation,
         limit,
-        alpha,
+        (alpha, cubic),
         up_offset,
         gate_softcap,
         up_softcap,
@@ -420,12 +424,13 @@ def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_inpu
                 up_offset=up_offset,
                 gate_softcap=gate_softcap,
                 up_softcap=up_softcap,
+                gate_cubic=cubic,
             ),
             activation=activation,
         )
         if not weights_on_input:
             expected_TH = expected_TH * weights_T1
-        if relative_error(seen_TH.float().reshape(expected_TH.shape), expected_TH) < (
+        if worst_token_error(seen_TH.float().reshape(expected_TH.shape), expected_TH) < (
             MATCH_TOLERANCE
         ):
             return dict(
@@ -435,6 +440,7 @@ def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_inpu
                 swiglu_up_offset=up_offset,
                 swiglu_gate_softcap=gate_softcap,
                 swiglu_up_softcap=up_softcap,
+                swiglu_gate_cubic=cubic,
                 activation=activation,
             )
     act_fn = getattr(experts, "act_fn", None)
@@ -445,9 +451,9 @@ def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_inpu
             "ungated experts megamoe computes"
         )
     raise UnsupportedBlockError(
-        f"the experts compute something other than a SiLU-gated MLP{named}: megamoe computes "
-        "silu(gate) * up (SwiGLU), optionally clamped with alpha and (up + 1) or softcapped, "
-        "with or without biases"
+        f"the experts compute something other than a SiLU- or GELU-gated MLP{named}: megamoe "
+        "computes silu(gate) * up (SwiGLU), optionally clamped with alpha and (up + 1) or "
+        "softcapped, or gelu_tanh(gate) * up (GeGLU), with or without biases"
     )
 
 

@@ -423,6 +423,14 @@ def combination(
     return float(solution[0]), None if identity_T1 is None else float(solution[1])
 
 
+def worst_token_error(actual_TH: torch.Tensor, expected_TH: torch.Tensor) -> float:
+    """The largest relative_error of one token's row: where tokens of several magnitudes are
+    probed, the large ones must not hide a difference of the small ones (the erf GELU and the
+    tanh one differ by about 1e-4 of a unit-sized value, nothing of a large one)."""
+    rows = zip(actual_TH, expected_TH, strict=True)
+    return max((relative_error(actual, expected) for actual, expected in rows), default=0.0)
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     actual, expected = actual.double(), expected.double()
     denominator = float(expected.norm())

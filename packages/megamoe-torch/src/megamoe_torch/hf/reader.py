@@ -152,6 +152,7 @@ def _read_by_probes(block: nn.Module, parts: BlockParts) -> BlockReading:
         up_offset=fields["swiglu_up_offset"],
         gate_softcap=fields["swiglu_gate_softcap"],
         up_softcap=fields["swiglu_up_softcap"],
+        gate_cubic=fields["swiglu_gate_cubic"],
     )
     fields.update(
         read_shared_experts(
