@@ -5,7 +5,8 @@ weights, built alone from a one-layer config, one family's weights alive at a ti
 checkpoints hold MXFP4 experts, its block here bf16 ones), on the same inputs at each
 token count: the median wall time of the transformers block's own eager forward, once per experts
 implementation of --hf-experts ('eager' loops over the experts; from_pretrained picks
-'grouped_mm'); of the block converted by `from_hf`, eager and as a CUDA-graph replay (capacity
+'grouped_mm'; 'megamoe' is megamoe's experts implementation, the block's own router and code
+around megamoe's expert compute); of the block converted by `from_hf`, eager and as a CUDA-graph replay (capacity
 fixed at tokens x top_k); of the transformers block as a CUDA-graph replay, '-' where its forward
 does not capture (host syncs); the speedups of megamoe eager and graph over the transformers eager
 forward; megamoe's rel-L2 against the transformers output (the hidden states, where a block
@@ -34,7 +35,7 @@ import torch
 import transformers
 from megamoe_kernels.reference import relative_l2_error
 from megamoe_runtime.measure import format_columns, median_graph_replay_seconds, median_seconds
-from megamoe_torch import from_hf
+from megamoe_torch import from_hf, register_experts_implementation
 from megamoe_torch.bench import calls_in_turn, with_capacity
 from megamoe_torch.layer import MegaMoE
 from torch import nn
@@ -227,6 +228,7 @@ def bench_family(family: str, args: argparse.Namespace, device: torch.device) ->
 
 
 def main() -> None:
+    register_experts_implementation()  # "megamoe" among the --hf-experts choices
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )

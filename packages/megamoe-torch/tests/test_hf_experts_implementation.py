@@ -13,6 +13,7 @@ pytest.importorskip("transformers.integrations.moe")
 from hf_family_walk import VOCAB, tiny_model  # noqa: E402
 from megamoe_torch import UnsupportedBlockError, register_experts_implementation  # noqa: E402
 from megamoe_torch.hf.experts_implementation import _layer  # noqa: E402
+from test_hf_models import tiny_model as configured_model  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -32,8 +33,13 @@ def _logits(model, implementation, input_ids):
 
 # blocks swap_moe_blocks replaces (gpt-oss: biases and its clamped SwiGLU; DeepSeek-V4: clamped,
 # a routing table) and blocks it cannot (Inkling: router gammas on its shared experts; Zaya:
-# its router takes the previous layer's router state)
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v4", "inkling", "zaya"])
+# its router takes the previous layer's router state; Gemma 4: GeGLU experts in its decoder
+# layer; Muse Spark: a norm of each expert's output, applied by megamoe; Ergo: per-expert norms
+# its own code applies around relu^2 experts)
+@pytest.mark.parametrize(
+    "family",
+    ["qwen3_moe", "gpt_oss", "deepseek_v4", "inkling", "zaya", "gemma4", "muse_spark", "ergo"],
+)
 def test_a_model_runs_its_experts_on_megamoe_as_on_eager(family):
     if family not in transformers.models.__dict__ and not hasattr(transformers.models, family):
         pytest.skip(f"transformers {transformers.__version__} has no {family}")
@@ -71,16 +77,14 @@ def test_gradients_reach_the_modules_parameters():
 
 
 def test_what_megamoe_does_not_compute_is_refused_with_the_reason():
-    model = tiny_model("qwen3_moe")
+    model = configured_model("qwen3_moe", hidden_act="gelu")  # the erf GELU
     experts = _experts_modules(model)[0]
     x = torch.randn(3, model.config.hidden_size)
     ids = torch.zeros(3, 2, dtype=torch.long)
     weights = torch.full((3, 2), 0.5)
     model.set_experts_implementation("megamoe")
-    experts.has_post_expert_norm = True
-    with pytest.raises(UnsupportedBlockError, match="has_post_expert_norm"):
+    with pytest.raises(UnsupportedBlockError, match="SiLU- or GELU-gated MLP"):
         experts(x, ids, weights)
-    experts.has_post_expert_norm = False
     experts._is_expert_parallel = True
     with pytest.raises(UnsupportedBlockError, match="expert parallelism"):
         experts(x, ids, weights)

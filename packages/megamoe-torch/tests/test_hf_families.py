@@ -35,7 +35,13 @@ SWAP_EXACTLY = {
 # the families whose experts experts_implementation="megamoe" computes exactly with transformers
 # 5.25 (their experts run through transformers' experts interface, DBRX's and Llama 4's do not),
 # among them families whose blocks do not swap whole
-EXPERTS_EXACTLY = (SWAP_EXACTLY - {"dbrx", "llama4"}) | {"gemma4", "inkling", "zaya"}
+EXPERTS_EXACTLY = (SWAP_EXACTLY - {"dbrx", "llama4"}) | {
+    "ergo",
+    "gemma4",
+    "inkling",
+    "muse_spark",
+    "zaya",
+}
 # families of SWAP_EXACTLY that transformers releases before the one given built in a layout
 # megamoe does not read, and the tensor of that layout the reason names
 OLDER_LAYOUTS = {

@@ -852,3 +852,21 @@ def test_routed_experts_compute_the_routing_they_are_given_and_check_it():
     checked = MegaMoE(MegaMoEConfig(**ERNIE, check_inputs=True))
     with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 8\)"):
         checked.routed_experts(x, torch.full_like(ids, 8), weights)
+
+
+def test_routed_experts_take_a_function_of_the_expert_rows_before_the_combine():
+    layer = make_layer(ERNIE).eval()
+    x = torch.randn(9, 32)
+    with torch.no_grad():
+        ids, weights = route(
+            layer.router_logits(x),
+            layer.config.router,
+            correction_bias_E=layer.e_score_correction_bias,
+        )
+        doubled = layer.routed_experts(x, ids, weights, expert_rows_fn=lambda rows: 2 * rows)
+        torch.testing.assert_close(doubled, 2 * layer.routed_experts(x, ids, weights))
+    identity = make_layer(LONGCAT).eval()
+    with pytest.raises(ValueError, match="expert_rows_fn"):
+        identity.routed_experts(
+            x, ids.clamp(max=2).repeat(1, 2)[:, :3], weights.repeat(1, 2)[:, :3], expert_rows_fn=abs
+        )

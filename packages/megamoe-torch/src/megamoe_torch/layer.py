@@ -20,6 +20,7 @@ megamoe::fused_moe (ops.py), which runs the rest.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -1136,13 +1137,20 @@ class MegaMoE(nn.Module):
         return y if self.output_norm is None else self.output_norm(y)
 
     def routed_experts(
-        self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor
+        self,
+        x_TH: torch.Tensor,
+        topk_ids_TK: torch.Tensor,
+        topk_weights_TK: torch.Tensor,
+        *,
+        expert_rows_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The routed experts' weighted sum [T, H] for tokens [T, H] routed elsewhere: each
         token's top-k experts (int, [T, K], in [0, E)) and weights ([T, K]), as the torch
         path dispatches, computes and combines them (no router, no shared experts, no output
-        norm; transformers' experts interface, hf/experts_implementation.py). The ids are
-        checked against E where config.check_inputs allows a host sync."""
+        norm; transformers' experts interface, hf/experts_implementation.py). `expert_rows_fn`:
+        a row-wise function of the expert MLP's output rows [M, H], applied before the combine
+        (transformers' post-expert norm). The ids are checked against E where
+        config.check_inputs allows a host sync."""
         self._check_input(x_TH)
         if x_TH.dim() != 2 or topk_ids_TK.shape != (x_TH.shape[0], self.config.top_k):
             raise ValueError(
@@ -1164,14 +1172,29 @@ class MegaMoE(nn.Module):
         self._resolve_backend()
         self._resolve_dispatcher(x_TH)
         return self._dispatch_experts_combine(
-            x_TH, topk_ids_TK.to(torch.int32), topk_weights_TK.float()
+            x_TH,
+            topk_ids_TK.to(torch.int32),
+            topk_weights_TK.float(),
+            expert_rows_fn=expert_rows_fn,
         )
 
     def _dispatch_experts_combine(
-        self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor
+        self,
+        x_TH: torch.Tensor,
+        topk_ids_TK: torch.Tensor,
+        topk_weights_TK: torch.Tensor,
+        *,
+        expert_rows_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The routed experts' y_TH on the torch path: the dispatcher's batch, the expert MLP on
-        it, the dispatcher's combine."""
+        it (its output rows through `expert_rows_fn` where given), the dispatcher's combine."""
+        if expert_rows_fn is not None and (
+            self.config.num_identity_experts or self.config.routing_weights_on_input
+        ):
+            raise ValueError(
+                "expert_rows_fn: rows of the expert MLP's output apart from identity experts "
+                "and routing weights on the input"
+            )
         if self.config.num_identity_experts:
             return self._identity_combine(x_TH, topk_ids_TK, topk_weights_TK)
         batch, handle = self.dispatcher.dispatch(x_TH, topk_ids_TK, topk_weights_TK)
@@ -1182,6 +1205,8 @@ class MegaMoE(nn.Module):
             expert_out_MH = self._expert_compute(batch)
             return self.dispatcher.combine(expert_out_MH, handle, weights_applied=True)
         expert_out_MH = self._expert_compute(batch)
+        if expert_rows_fn is not None:
+            expert_out_MH = expert_rows_fn(expert_out_MH)
         return self.dispatcher.combine(expert_out_MH, handle)
 
     def _identity_combine(

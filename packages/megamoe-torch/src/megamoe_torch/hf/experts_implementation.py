@@ -17,8 +17,12 @@ families whose blocks swap_moe_blocks cannot replace whole (Gemma 4's experts si
 layer, Inkling's shared experts take router gammas, ...), as long as their experts compute what
 megamoe computes: what each experts module computes is read once per structure by the same
 probes as swap_moe_blocks' (reader.py, on a copy of the module with random weights), and a
-module megamoe cannot reproduce (a norm after each expert, expert parallelism) raises
-UnsupportedBlockError naming why.
+module megamoe cannot reproduce (experts gated by the erf GELU, transformers' own expert
+parallelism) raises UnsupportedBlockError naming why. A norm of each expert's output (`post_expert_norm`) is read
+apart from the projections: with the interface's has_post_expert_norm (Muse Spark) megamoe
+applies the module's norm to the expert MLP's output rows before the combine; without it the
+module's own code applies it around the interface's call (Ergo, whose experts compute one route
+per row).
 
 The layer shares the module's weight tensors (their Parameters, where megamoe's layout is the
 module's: `gate_up_proj` [E, 2I, H] of gate rows then up rows, `down_proj` [E, H, I]), so
@@ -28,6 +32,7 @@ parameters; other layouts (transposed, interleaved) are laid out once per weight
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any
 
@@ -40,6 +45,8 @@ from megamoe_torch.hf.reader import read_block
 from megamoe_torch.layer import MegaMoE
 
 EXPERTS_IMPLEMENTATION = "megamoe"
+# the child of an experts module that normalises each expert's output
+POST_EXPERT_NORM = "post_expert_norm"
 # the options of the layers it builds: how they run (the routing is the model's, on one GPU)
 EXPERTS_OPTIONS = ("backend", "capacity", "check_inputs", "tile_pack", "weight_dtype")
 # the run options the registered implementation builds its layers with
@@ -82,11 +89,6 @@ def megamoe_experts_forward(
 ) -> torch.Tensor:
     """The experts module `self`'s output [T, H] for its tokens [T, H] and their top-k experts
     and weights [T, K], computed by megamoe (the module doc), in the tokens' dtype."""
-    if getattr(self, "has_post_expert_norm", False):
-        raise UnsupportedBlockError(
-            f"{type(self).__name__} normalises each expert's output (has_post_expert_norm), "
-            "which megamoe does not compute: use another experts_implementation"
-        )
     if getattr(self, "_is_expert_parallel", False):
         raise UnsupportedBlockError(
             f"{type(self).__name__} runs under transformers' expert parallelism, whose "
@@ -96,20 +98,49 @@ def megamoe_experts_forward(
     if top_k_index.dim() != 2:
         raise ValueError(f"top_k_index must be [tokens, top_k], got {tuple(top_k_index.shape)}")
     layer = _layer(self, top_k_index.shape[1])
+    norm = (
+        getattr(self, POST_EXPERT_NORM, None)
+        if getattr(self, "has_post_expert_norm", False)
+        else None
+    )
     y_TH = layer.routed_experts(
-        hidden_states.to(layer.activation_dtype), top_k_index, top_k_weights
+        hidden_states.to(layer.activation_dtype), top_k_index, top_k_weights, expert_rows_fn=norm
     )
     return y_TH.to(hidden_states.dtype)
+
+
+class _Passthrough(nn.Module):
+    """Stands in for an experts module's post-expert norm while its projections are read: the
+    norm is applied apart (megamoe_experts_forward)."""
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return hidden_states
+
+
+def _projections(experts: nn.Module) -> nn.Module:
+    """`experts` without its post-expert norm (a shallow copy), where it has one."""
+    if POST_EXPERT_NORM not in experts._modules:
+        return experts
+    view = copy.copy(experts)
+    view._modules = {**experts._modules, POST_EXPERT_NORM: _Passthrough()}
+    return view
 
 
 class _RoutedExperts(nn.Module):
     """A block around an experts module alone, as reader.py reads blocks: a softmax top-k
     router of random weights, then the experts (only what the experts compute is kept)."""
 
-    def __init__(self, experts: nn.Module, num_experts: int, hidden_size: int, top_k: int):
+    def __init__(
+        self,
+        experts: nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        top_k: int,
+        dtype: torch.dtype,
+    ):
         super().__init__()
-        # read for its structure alone: a meta tensor, no memory
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False, device="meta")
+        # read for its structure alone: a meta tensor (no memory) in the experts' dtype
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False, device="meta", dtype=dtype)
         self.experts = experts
         self.top_k = top_k
 
@@ -138,6 +169,7 @@ def _layer(experts: nn.Module, top_k: int) -> MegaMoE:
 
 
 def _build_layer(experts: nn.Module, top_k: int) -> MegaMoE:
+    experts = _projections(experts)
     held = experts.state_dict(keep_vars=True)
     weight = next(
         (held[name] for name in ("gate_up_proj", "up_proj", "mlp.w1") if name in held), None
@@ -149,7 +181,9 @@ def _build_layer(experts: nn.Module, top_k: int) -> MegaMoE:
             f"(its tensors: {sorted(held)})"
         )
     hidden = weight.shape[1] if getattr(experts, "is_transposed", False) else weight.shape[-1]
-    block = _RoutedExperts(experts, num_experts, hidden, min(top_k, num_experts))
+    dtype = weight.dtype if weight.is_floating_point() and weight.element_size() > 1 else None
+    dtype = dtype or torch.bfloat16  # e4m3 experts: the activations' dtype
+    block = _RoutedExperts(experts, num_experts, hidden, min(top_k, num_experts), dtype)
     reading = read_block(block, structure_only=True)
     fields = dict(reading.config_fields, top_k=top_k)
     # the block's router is a stand-in: its routing fields do not matter, its weight is unused
@@ -167,5 +201,5 @@ def _build_layer(experts: nn.Module, top_k: int) -> MegaMoE:
         weight_dtype=weight_dtype,
         layer_class=MegaMoE,
         device=weight.device,
-        activation_dtype=weight.dtype if weight.is_floating_point() else torch.bfloat16,
+        activation_dtype=dtype,
     ).train(experts.training)
