@@ -26,7 +26,9 @@ from gemm_cases import (
 )
 from megamoe_kernels import (
     FP8_DTYPE,
+    GEGLU,
     GemmKnobs,
+    SwiGLU,
     candidate_knobs,
     default_launches,
     dequantize_rows,
@@ -102,20 +104,24 @@ class Problem:
         return (hidden, hidden_scales, self.offsets, self.w2, self.w2_scales)
 
 
-def check_gate_up(problem, knobs=None):
-    """The gate-up output and its scales, in the groups the launcher writes (returned too)."""
+def check_gate_up(problem, knobs=None, swiglu=None):
+    """The gate-up output and its scales, in the groups the launcher writes (returned too);
+    `swiglu`: the SwiGLU variant (the plain one by default)."""
     capacity, intermediate = problem.rows.shape[0], problem.w13.shape[1] // 2
     group = gate_up_fp8_launcher(
-        problem.rows, problem.offsets, problem.w13_interleaved, knobs=knobs
+        problem.rows, problem.offsets, problem.w13_interleaved, knobs=knobs, swiglu=swiglu
     ).out_group
     out = poisoned((capacity, intermediate), FP8_DTYPE)
     out_scales = poisoned_scales(intermediate // group, capacity)
-    gate_up_swiglu_fp8(*problem.gate_up_operands, out_MI=out, out_scales=out_scales, knobs=knobs)
+    gate_up_swiglu_fp8(
+        *problem.gate_up_operands, out_MI=out, out_scales=out_scales, knobs=knobs, swiglu=swiglu
+    )
     valid = problem.valid
     expected = gate_up_swiglu_reference(
         dequantize_rows(problem.rows, problem.rows_scales, 128),
         problem.offsets,
         dequantize_weight_blocks(problem.w13, problem.w13_scales),
+        **({} if swiglu is None else swiglu.constants()),
     )
     actual = dequantize_rows(out[:valid], out_scales[:, :valid], group)
     error = relative_l2_error(actual, expected[:valid])
@@ -160,6 +166,24 @@ def test_geometry_matches_oracle(geometry, rows_per_expert):
     check_gate_up(problem)
     for group in (64, 128):
         check_down(problem, group=group)
+
+
+@pytest.mark.parametrize(
+    "swiglu",
+    [
+        SwiGLU(limit=7.0, alpha=1.702, up_offset=1.0),  # gpt-oss's clamp
+        SwiGLU(limit=1.0),  # a clamp the values pass (DeepSeek-V4's kind)
+        SwiGLU(gate_softcap=2.0, up_softcap=1.0),  # Inkling2's kind, tight
+        GEGLU,  # Gemma 4's
+    ],
+    ids=str,
+)
+# decode tiles (3 rows per expert), 64x256 (24) and 128x256 (300) prefill tiles
+@pytest.mark.parametrize("rows_per_expert", [3, 24, 300])
+def test_each_swiglu_variant_matches_oracle(swiglu, rows_per_expert):
+    experts, hidden, intermediate = GEOMETRY_DIMS["partial-k"]
+    counts = random_counts(experts, rows_per_expert * experts, seed=rows_per_expert)
+    check_gate_up(Problem(counts, hidden, intermediate, capacity=sum(counts) + 5), swiglu=swiglu)
 
 
 def test_one_row_on_one_of_many_experts_matches_oracle():

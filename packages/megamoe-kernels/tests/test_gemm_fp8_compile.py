@@ -18,7 +18,9 @@ pytest.importorskip("cutlass")
 
 from megamoe_kernels import (
     FP8_DTYPE,
+    GEGLU,
     GemmKnobs,
+    SwiGLU,
     default_knobs,
     default_launches,
     down_fp8,
@@ -90,6 +92,21 @@ def test_every_default_fp8_profile_compiles(rows_per_expert):
     ):
         knobs = default_knobs(op, rows_per_expert)
         launcher(x, offsets, w, knobs=knobs, compile_only=True)
+
+
+@pytest.mark.parametrize(
+    "swiglu",
+    [SwiGLU(limit=7.0, alpha=1.702, up_offset=1.0), SwiGLU(up_softcap=25.0), GEGLU],
+    ids=str,
+)
+@pytest.mark.parametrize("rows_per_expert", [1, 300])  # a decode tile, a 128x256 prefill tile
+def test_the_fp8_gate_up_compiles_each_swiglu_variant(swiglu, rows_per_expert):
+    rows_MH, offsets, w13, _, _ = meta_operands(rows_per_expert * EXPERTS)
+    knobs = default_knobs("gate_up_fp8", rows_per_expert)
+    launcher = gate_up_fp8_launcher(
+        rows_MH, offsets, w13, knobs=knobs, swiglu=swiglu, compile_only=True
+    )
+    assert launcher.swiglu == swiglu
 
 
 @pytest.mark.parametrize(

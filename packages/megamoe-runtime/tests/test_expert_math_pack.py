@@ -15,7 +15,7 @@ from megamoe_kernels.reference import expert_mlp_reference, relative_l2_error
 from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.experts import _batch_refusal, make_backend, select_backend
 from megamoe_runtime.experts.cutedsl import CuteDSLExperts
-from megamoe_runtime.weights import SOFTCAPPED_SWIGLU, Unquantized, quantize
+from megamoe_runtime.weights import SOFTCAPPED_SWIGLU, Unquantized, dequantize, quantize
 from test_masked_batch import grouped_mm_runs_on_cpu
 
 E, H, INTER = 4, 64, 48
@@ -202,18 +202,20 @@ def test_grouped_mm_gradients_of_the_expert_math_match_the_reference():
         assert relative_l2_error(actual[name], expected[name]) < 3e-2, name
 
 
-def test_every_backend_but_the_fp8_kernels_takes_the_expert_math():
+def test_every_backend_takes_the_expert_math_of_its_pack():
     math = ("per-expert biases",)
     choice = dict(masked_batches=False, fp8_rows=False, expert_math=math)
     for name in ("cutedsl", "grouped_mm", "reference"):
         assert _batch_refusal(name, fp8_weights=False, **choice) is None
-    assert "per-expert biases" in _batch_refusal("cutedsl", fp8_weights=True, **choice)
+    # an FP8 pack holds no biases, and no FP8 pack is made of experts with them
+    with pytest.raises(ValueError, match="per-expert biases, which the FP8 kernels are not"):
+        quantize(gpt_oss_pack(dtype=torch.bfloat16))
     # a CPU: grouped_mm needs a CUDA device, whatever the experts compute
     name, reason = select_backend("auto", torch.device("cpu"), expert_math=math)
     assert name == "reference" and "needs a CUDA device" in reason
 
 
-def test_a_softcapped_swiglu_is_named_and_refused_by_the_fp8_kernels_alone():
+def test_a_softcapped_swiglu_is_named_and_kept_by_the_fp8_pack():
     base = gpt_oss_pack(dtype=torch.bfloat16)
     pack = Unquantized(
         w13_E2IH=base.w13_E2IH, w2_EHI=base.w2_EHI, swiglu=SwiGLU(gate_softcap=4, up_softcap=25)
@@ -225,10 +227,21 @@ def test_a_softcapped_swiglu_is_named_and_refused_by_the_fp8_kernels_alone():
         f"a clamped/scaled SwiGLU ({clamped_too.swiglu})",
     )
     choice = dict(masked_batches=False, fp8_rows=False, expert_math=pack.expert_math)
-    assert SOFTCAPPED_SWIGLU in _batch_refusal("cutedsl", fp8_weights=True, **choice)
     for name in ("cutedsl", "grouped_mm", "reference"):
-        assert _batch_refusal(name, fp8_weights=False, **choice) is None
+        for fp8_weights in (False, True):
+            assert _batch_refusal(name, fp8_weights=fp8_weights, **choice) is None
     assert CuteDSLExperts().prepare(pack).swiglu == pack.swiglu
+    fp8 = quantize(pack)
+    assert fp8.swiglu == pack.swiglu and fp8.expert_math == pack.expert_math
+    assert dequantize(fp8).swiglu == pack.swiglu
+    wide = quantize(  # the FP8 kernels' intermediate size: whole 128-row weight blocks
+        Unquantized(
+            w13_E2IH=torch.randn(2, 256, 128, dtype=torch.bfloat16),
+            w2_EHI=torch.randn(2, 128, 128, dtype=torch.bfloat16),
+            swiglu=pack.swiglu,
+        )
+    )
+    assert CuteDSLExperts().prepare(wide).swiglu == pack.swiglu
 
 
 def test_the_cutedsl_backend_interleaves_the_w13_bias_like_w13_and_keeps_both_in_float32():

@@ -654,14 +654,18 @@ def test_ungated_experts_are_refused_by_the_cutedsl_backend_alone(monkeypatch):
         _ = layer.backend
 
 
-def test_softcapped_experts_take_the_cutedsl_backend_in_bf16_alone(monkeypatch):
+def test_the_swiglu_variants_take_the_cutedsl_backend_in_bf16_and_fp8(monkeypatch):
     from megamoe_runtime import experts
 
     for status in ("grouped_mm_status", "cutedsl_status"):
         monkeypatch.setattr(experts, status, lambda device, *_, **__: (True, "an sm_90 GPU"))
-    assert make_layer(INKLING2).backend == "cutedsl"
-    with pytest.raises(ValueError, match=r"weight_dtype=.fp8. does not combine with softcapped"):
-        MegaMoEConfig(**INKLING2, weight_dtype="fp8")
+    for fields in (INKLING2, GEMMA4, DEEPSEEK_V4):
+        assert make_layer(fields).backend == "cutedsl"
+        fp8 = MegaMoE(MegaMoEConfig(**fields, weight_dtype="fp8"))
+        assert fp8.backend == "cutedsl" and fp8.expert_weight_pack().swiglu == fp8.config.swiglu
+    for refused in (dict(GPT_OSS), dict(NEMOTRON_H), dict(LLAMA4)):
+        with pytest.raises(ValueError, match=r"weight_dtype=.fp8. does not combine with"):
+            MegaMoEConfig(**refused, weight_dtype="fp8")
 
 
 def test_identity_experts_are_chosen_and_their_pairs_skip_the_expert_mlp(monkeypatch):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megamoe_kernels import dequantize_weight_blocks, quantize_weight_blocks
+from megamoe_kernels import GEGLU, dequantize_weight_blocks, quantize_weight_blocks
 from megamoe_kernels.reference import fp8_difference, relative_l2_error
 from megamoe_torch import MegaMoE, MegaMoEConfig
 
@@ -179,11 +179,41 @@ def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
+# the SwiGLU's variants FP8 experts compute: DeepSeek-V4's clamp, Inkling2's softcaps (tight
+# enough that the test's values pass them), Gemma 4's GeGLU
+SWIGLU_VARIANTS = {
+    "silu": {},
+    "clamped": dict(swiglu_limit=1.0),
+    "softcapped": dict(swiglu_gate_softcap=1.0, swiglu_up_softcap=0.5),
+    "geglu": dict(swiglu_alpha=GEGLU.alpha, swiglu_gate_cubic=GEGLU.gate_cubic),
+}
+
+
+def test_an_fp8_layer_computes_each_swiglu_variant_with_its_dequantized_weights():
+    for name, fields in SWIGLU_VARIANTS.items():
+        fp8 = MegaMoE(fp8_config(**fields), dtype=torch.float32)
+        fp8.load_state_dict(random_bf16_state(5))
+        exact = MegaMoE(fp8_config(weight_dtype=None, **fields), dtype=torch.float32)
+        exact.load_state_dict(
+            {
+                "gate.weight": fp8.gate.weight.detach(),
+                "w13": dequantize_weight_blocks(fp8.w13, fp8.w13_scale_inv),
+                "w2": dequantize_weight_blocks(fp8.w2, fp8.w2_scale_inv),
+            }
+        )
+        x = torch.randn(9, HIDDEN) * 4
+        assert torch.equal(fp8(x), exact(x)), name
+        plain = MegaMoE(fp8_config(), dtype=torch.float32)
+        plain.load_state_dict(fp8.state_dict())
+        assert name == "silu" or relative_l2_error(plain(x), fp8(x)) > 1e-3, name
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("tokens", [0, 1, 5, 300, 2048])
 @pytest.mark.parametrize("layer_path", ["fused", "torch"])
-def test_the_fp8_kernels_meet_the_fp8_oracle(tokens, layer_path):
+@pytest.mark.parametrize("swiglu", sorted(SWIGLU_VARIANTS))
+def test_the_fp8_kernels_meet_the_fp8_oracle(tokens, layer_path, swiglu):
     hidden, intermediate, experts = 2048, 768, 32
     config = MegaMoEConfig(
         hidden_size=hidden,
@@ -193,6 +223,7 @@ def test_the_fp8_kernels_meet_the_fp8_oracle(tokens, layer_path):
         weight_dtype="fp8",
         backend="cutedsl",
         layer_path=layer_path,
+        **SWIGLU_VARIANTS[swiglu],
     )
     torch.manual_seed(tokens)
     layer = MegaMoE(config, device="cuda", dtype=torch.bfloat16)

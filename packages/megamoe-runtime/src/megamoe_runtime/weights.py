@@ -14,8 +14,10 @@ Backends transform a pack into their own layout once (ExpertBackend.prepare) and
   in `prepare`).
 - `Prequantized`: e4m3 weights with one float32 scale per 128 x 128 block (value = e4m3 x
   scale: the `weight_scale_inv` of DeepSeek-V3's and Qwen3's FP8 checkpoints), the blocks of
-  w13 over its stored rows (gate rows, then up rows). `quantize` makes one from an Unquantized
-  pack (deterministic: each block's amax / 448); `dequantize` gives the values it stands for.
+  w13 over its stored rows (gate rows, then up rows), and the experts' SwiGLU (clamped,
+  softcapped or GeGLU as Unquantized's; no biases, gated experts). `quantize` makes one from an
+  Unquantized pack (deterministic: each block's amax / 448); `dequantize` gives the values it
+  stands for.
 - `with_dense_experts(pack, ...)`: the pack with a dense SwiGLU MLP (shared experts) appended as
   experts of the routed size, for a batch whose last experts every token visits.
 """
@@ -126,12 +128,13 @@ class Unquantized:
 class Prequantized:
     """FP8 expert weights: e4m3 `w13_E2IH` [E, 2I, H] and `w2_EHI` [E, H, I] with float32 block
     scales `w13_scales` [E, ceil(2I/128), ceil(H/128)] and `w2_scales` [E, ceil(H/128),
-    ceil(I/128)]."""
+    ceil(I/128)], and the experts' SwiGLU (gated experts)."""
 
     w13_E2IH: torch.Tensor
     w13_scales: torch.Tensor
     w2_EHI: torch.Tensor
     w2_scales: torch.Tensor
+    swiglu: SwiGLU = field(default_factory=SwiGLU)
 
     def __post_init__(self) -> None:
         for name in ("w13_E2IH", "w2_EHI"):
@@ -139,8 +142,8 @@ class Prequantized:
             if not isinstance(tensor, torch.Tensor) or tensor.dtype != FP8_WEIGHT_DTYPE:
                 got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
                 raise TypeError(f"{name} must be {FP8_WEIGHT_DTYPE}, got {got}")
-        # the shapes' rules are Unquantized's
-        Unquantized(w13_E2IH=self.w13_E2IH, w2_EHI=self.w2_EHI)
+        # the shapes' and the SwiGLU's rules are Unquantized's
+        Unquantized(w13_E2IH=self.w13_E2IH, w2_EHI=self.w2_EHI, swiglu=self.swiglu)
         expected = {
             "w13_scales": weight_scales_shape(self.w13_E2IH.shape),
             "w2_scales": weight_scales_shape(self.w2_EHI.shape),
@@ -178,6 +181,13 @@ class Prequantized:
     def intermediate_size(self) -> int:
         return self.w13_E2IH.shape[1] // 2
 
+    @property
+    def expert_math(self) -> tuple[str, ...]:
+        """What the pack holds beyond silu(gate) * up experts: () when nothing."""
+        return Unquantized(
+            w13_E2IH=self.w13_E2IH, w2_EHI=self.w2_EHI, swiglu=self.swiglu
+        ).expert_math
+
 
 WeightPack = Unquantized | Prequantized
 
@@ -186,14 +196,31 @@ def quantize(weights: Unquantized) -> Prequantized:
     """e4m3 weights with per-128x128-block scales (amax / 448), deterministic on any device."""
     from megamoe_kernels import quantize_weight_blocks
 
-    if weights.expert_math:
+    unbuilt = [
+        name
+        for name, held in (
+            (
+                "per-expert biases",
+                weights.w13_bias_E2I is not None or weights.w2_bias_EH is not None,
+            ),
+            (UNGATED_RELU2, not weights.gated),
+        )
+        if held
+    ]
+    if unbuilt:
         raise ValueError(
-            f"an FP8 pack holds weights and their scales only: these experts have "
-            f"{', '.join(weights.expert_math)}, which the FP8 kernels are not built for"
+            "an FP8 pack holds gated experts' weights, their scales and their SwiGLU: these "
+            f"experts have {', '.join(unbuilt)}, which the FP8 kernels are not built for"
         )
     w13, w13_scales = quantize_weight_blocks(weights.w13_E2IH)
     w2, w2_scales = quantize_weight_blocks(weights.w2_EHI)
-    return Prequantized(w13_E2IH=w13, w13_scales=w13_scales, w2_EHI=w2, w2_scales=w2_scales)
+    return Prequantized(
+        w13_E2IH=w13,
+        w13_scales=w13_scales,
+        w2_EHI=w2,
+        w2_scales=w2_scales,
+        swiglu=weights.swiglu,
+    )
 
 
 def dequantize(weights: Prequantized, dtype: torch.dtype = torch.float32) -> Unquantized:
@@ -203,6 +230,7 @@ def dequantize(weights: Prequantized, dtype: torch.dtype = torch.float32) -> Unq
     return Unquantized(
         w13_E2IH=dequantize_weight_blocks(weights.w13_E2IH, weights.w13_scales).to(dtype),
         w2_EHI=dequantize_weight_blocks(weights.w2_EHI, weights.w2_scales).to(dtype),
+        swiglu=weights.swiglu,
     )
 
 

@@ -108,7 +108,7 @@ def build_layer(
     random weights scaled so bf16 activations stay O(1), and the router and expert biases a
     geometry has random too (as reset_parameters draws them), so that they are computed;
     weight_dtype="fp8": the same weights quantized per 128 x 128 block (a ValueError for a
-    geometry whose expert math FP8 experts do not compute)."""
+    geometry whose expert biases FP8 experts do not compute)."""
     torch.manual_seed(seed)
     config = MegaMoEConfig.from_geometry(geometry, backend="reference", weight_dtype=weight_dtype)
     layer = MegaMoE(config, device=device, dtype=dtype)

@@ -491,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="build a layer, run it on the best backend here, check it against the fp32 oracle and time it",
         description="Builds MegaMoE layers (the benchmark geometries on a GPU, a small Qwen3-like one on a CPU), "
         "each with bf16 experts and with the same weights in FP8 (e4m3, 128x128 block scales; not gpt-oss-120b, "
-        "whose expert biases and clamped SwiGLU FP8 experts do not compute), runs them on the "
+        "whose expert biases FP8 experts do not compute), runs them on the "
         "best backend available, prints the backend, the error against the fp32 oracle (rel-L2; for FP8 also "
         "DeepGEMM's 1 - 2xy/(x^2+y^2), against the dequantized weights) and a timing table of both on every "
         "backend that runs here.",
@@ -615,7 +615,7 @@ def build_parser() -> argparse.ArgumentParser:
         tune,
         what="fp8 times the FP8 GEMMs (gate_up_fp8, down_fp8) on e4m3 rows (one scale per row "
         "and 128 columns) and stores the fastest under the keys an FP8 layer looks up (not "
-        "gpt-oss-120b, whose expert math FP8 experts do not compute)",
+        "gpt-oss-120b, whose expert biases FP8 experts do not compute)",
     )
     tune.set_defaults(run=run_tune, parser=tune)
     return parser

@@ -75,8 +75,9 @@ class MegaMoEConfig:
     router_dtype: Literal["float32", "input"] = "float32"
     # the router adds a bias to its logits, x W_gate^T + b (gpt-oss): `gate.bias` [E]
     router_bias: bool = False
-    # The expert math below is computed by every backend, with bf16 weights (FP8 experts do
-    # not combine with it); `expert_math_features` names what a config uses of it.
+    # The expert math below is computed by every backend, with bf16 weights (FP8 experts
+    # compute the SwiGLU's variants, not the biases nor relu^2); `expert_math_features` names
+    # what a config uses of it.
 
     # each expert projection adds a per-expert bias (gpt-oss): `w13_bias` [E, 2I], `w2_bias` [E, H]
     expert_bias: bool = False
@@ -332,14 +333,18 @@ class MegaMoEConfig:
             )
         if self.shared_weight_dtype == "fp8" and self.num_shared_experts == 0:
             raise ValueError("shared_weight_dtype='fp8' needs num_shared_experts >= 1")
-        if self.weight_dtype == "fp8" and (
-            self.expert_math_features or self.routing_weights_on_input
-        ):
-            features = self.expert_math_features + (
-                ("routing_weights_on_input=True",) if self.routing_weights_on_input else ()
+        fp8_refuses = [
+            name
+            for name, used in (
+                ("expert_bias=True", self.expert_bias),
+                (UNGATED_RELU2, self.activation == "relu2"),
+                ("routing_weights_on_input=True", self.routing_weights_on_input),
             )
+            if used
+        ]
+        if self.weight_dtype == "fp8" and fp8_refuses:
             raise ValueError(
-                f"weight_dtype='fp8' does not combine with {', '.join(features)} (the FP8 "
+                f"weight_dtype='fp8' does not combine with {', '.join(fp8_refuses)} (the FP8 "
                 "experts and the FP8 dispatch do not compute it): use weight_dtype=None"
             )
         if self.gather_rows and self.routing_weights_on_input:
@@ -407,7 +412,8 @@ class MegaMoEConfig:
     @property
     def expert_math_features(self) -> tuple[str, ...]:
         """The expert math beyond bias-free silu(gate) * up experts this config uses, which
-        every backend computes with bf16 weights and FP8 experts do not: () when none."""
+        every backend computes with bf16 weights (FP8 experts: the SwiGLU's variants, neither
+        biases nor relu^2): () when none."""
         features = []
         if self.expert_bias:
             features.append("expert_bias=True")

@@ -628,8 +628,8 @@ class MegaMoE(nn.Module):
 
     def expert_weight_pack(self, *, detach: bool = True) -> WeightPack:
         """The routed experts' weights as a runtime pack: Unquantized (with the expert biases and
-        the SwiGLU the config asks for), or with weight_dtype='fp8' Prequantized (e4m3 and their
-        block scales)."""
+        the SwiGLU the config asks for), or with weight_dtype='fp8' Prequantized (e4m3, their
+        block scales and the SwiGLU)."""
 
         def tensor(t: torch.Tensor | None) -> torch.Tensor | None:
             return t.detach() if detach and t is not None else t
@@ -648,6 +648,7 @@ class MegaMoE(nn.Module):
             w13_scales=self.w13_scale_inv,
             w2_EHI=self.w2.detach(),
             w2_scales=self.w2_scale_inv,
+            swiglu=self.config.swiglu,
         )
 
     def shared_in_batch_weight_pack(self) -> WeightPack:

@@ -905,16 +905,16 @@ def _check_op(
 
 
 def _check_epilogue(op: str, *, bias, swiglu) -> None:
-    """The epilogue options an op is built with: the SwiGLU variant on the bf16 gate-up GEMM,
-    biases on the bf16 GEMMs."""
+    """The epilogue options an op is built with: the SwiGLU variant on the gate-up GEMMs (bf16
+    and FP8), biases on the bf16 GEMMs."""
     if not isinstance(swiglu, SwiGLU):
         raise TypeError(
             f"swiglu must be a megamoe_kernels.SwiGLU (or None), got {type(swiglu).__name__}"
         )
-    if is_fp8(op) and (bias is not None or not swiglu.is_plain):
+    if is_fp8(op) and bias is not None:
         raise ValueError(
-            f"the {op} GEMM is not built with a bias or a clamped SwiGLU ({swiglu}): they run "
-            "on the bf16 GEMMs (gate_up_swiglu, down)"
+            f"the {op} GEMM is not built with a bias: biases run on the bf16 GEMMs "
+            "(gate_up_swiglu, down)"
         )
     if not is_gate_up(op) and not swiglu.is_plain:
         raise ValueError(f"swiglu is the gate-up GEMM's; the {op} GEMM takes none, got {swiglu}")
@@ -1336,12 +1336,14 @@ def gate_up_swiglu_fp8(
     compile_only: bool = False,
     expert_counts: torch.Tensor | None = None,
     offsets_published: bool = False,
+    swiglu: SwiGLU | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up_swiglu on e4m3 rows (scales [H / 128, M]) and an e4m3 interleaved w13 (scales
     [E, 2I / 128, H / 128], per block of the w13 before the interleave): the SwiGLU output
-    quantized per g columns, (e4m3 [M, I], scales [I / g, M]), g = 128 where every launch of
-    the call runs 256-column prefill tiles, else 64 (gate_up_fp8_launcher(...).out_group says
-    which; out_scales, if given, must have that shape). Arguments as there."""
+    (`swiglu`'s variant, the plain one by default) quantized per g columns, (e4m3 [M, I],
+    scales [I / g, M]), g = 128 where every launch of the call runs 256-column prefill tiles,
+    else 64 (gate_up_fp8_launcher(...).out_group says which; out_scales, if given, must have
+    that shape). Arguments as there."""
     launcher = gate_up_fp8_launcher(
         rows_MH,
         expert_offsets,
@@ -1352,6 +1354,7 @@ def gate_up_swiglu_fp8(
         compile_only=compile_only,
         expert_counts=expert_counts,
         offsets_published=offsets_published,
+        swiglu=swiglu,
     )
     return launcher(
         rows_MH,
@@ -1418,9 +1421,12 @@ def gate_up_fp8_launcher(
     compile_only: bool = False,
     expert_counts: torch.Tensor | None = None,
     offsets_published: bool = False,
+    swiglu: SwiGLU | None = None,
 ) -> GemmLauncher:
     """gate_up_swiglu_fp8's launcher: called as launcher(rows_MH, expert_offsets, w13_EB2GH,
-    x_scales=..., w_scales=..., out=None, out_scales=None) -> (out, out_scales)."""
+    x_scales=..., w_scales=..., out=None, out_scales=None) -> (out, out_scales). `swiglu`: the
+    SwiGLU variant compiled into its epilogue (as gate_up_swiglu's), the plain one by
+    default."""
     return _launcher(
         "gate_up_fp8",
         rows_MH,
@@ -1433,6 +1439,7 @@ def gate_up_fp8_launcher(
         compile_only=compile_only,
         expert_counts=expert_counts,
         offsets_published=offsets_published,
+        swiglu=swiglu,
     )
 
 

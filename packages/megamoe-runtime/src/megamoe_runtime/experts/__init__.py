@@ -68,11 +68,8 @@ def _batch_refusal(
     """Why backend `name` cannot compute such batches or experts (None: it can)."""
     if name == "cutedsl" and UNGATED_RELU2 in expert_math:
         return f"the cutedsl kernels compute gated (SwiGLU) experts, not {UNGATED_RELU2}"
-    if name == "cutedsl" and expert_math and fp8_weights:
-        return (
-            f"the cutedsl FP8 kernels are not built for {', '.join(expert_math)} (the bf16 "
-            "ones are)"
-        )
+    # FP8 weights (a Prequantized pack) hold no biases: their expert math is the SwiGLU's
+    # variant, which the cutedsl FP8 kernels compute as the bf16 ones do
     # FP8 rows (an FP8 dispatch) run on every backend: bf16 experts dequantize the batch
     # (ExpertBatch.dequantized), the reference computes on the values the rows stand for
     return None

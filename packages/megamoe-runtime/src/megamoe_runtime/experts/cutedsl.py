@@ -8,8 +8,9 @@ row scale. Both read `expert_offsets` on the GPU: no host sync, fixed shapes for
 capacity, so the pair replays in a CUDA graph.
 
 FP8 weights (a Prequantized pack, which holds no biases) run the FP8 GEMMs: the batch rows are
-quantized to e4m3 per row and 128 columns, the gate-up GEMM's epilogue quantizes its output per
-64 columns for the down GEMM, which writes bf16. Their knobs come as the bf16 GEMMs' do, under
+quantized to e4m3 per row and 128 columns, the gate-up GEMM's epilogue computes the pack's
+SwiGLU variant and quantizes its output per 64 or 128 columns for the down GEMM, which writes
+bf16. Their knobs come as the bf16 GEMMs' do, under
 their own ops ("gate_up_fp8", "down_fp8"): explicit ones, else the knob cache's (filled by
 `megamoe tune` or the layer's online autotune), else the kernels' default profiles.
 
@@ -105,12 +106,14 @@ class CuteDSLWeights(_KernelLayoutDims):
 class CuteDSLFP8Weights(_KernelLayoutDims):
     """FP8 weights in the kernels' layout: e4m3 w13 gate/up interleaved ([E, I/8, 16, H]) with
     its block scales over the source rows, e4m3 w2 with its block scales; or both packed
-    (tile_pack), each scale a view of its weight's allocation (the packets' scale words)."""
+    (tile_pack), each scale a view of its weight's allocation (the packets' scale words); the
+    SwiGLU."""
 
     w13_EB2GH: torch.Tensor
     w13_scales: torch.Tensor
     w2_EHI: torch.Tensor
     w2_scales: torch.Tensor
+    swiglu: SwiGLU = field(default_factory=SwiGLU)
 
     @property
     def w13_E2IH(self) -> torch.Tensor:  # check_batch_matches_weights reads its device
@@ -361,7 +364,11 @@ class CuteDSLExperts:
                 weights.w2_EHI.contiguous(), weights.w2_scales.contiguous(), gate_up=False
             )
             return CuteDSLFP8Weights(
-                w13_EB2GH=w13, w13_scales=w13_scales, w2_EHI=w2, w2_scales=w2_scales
+                w13_EB2GH=w13,
+                w13_scales=w13_scales,
+                w2_EHI=w2,
+                w2_scales=w2_scales,
+                swiglu=weights.swiglu,
             )
         if weights.w13_E2IH.dtype != torch.bfloat16:
             raise TypeError(f"the cutedsl backend runs bf16 weights, got {weights.w13_E2IH.dtype}")
@@ -504,6 +511,7 @@ class CuteDSLExperts:
             rows_MH.get_device(),
             prepared.w2_EHI.shape,
             row_scale_M is None,
+            prepared.swiglu,
         )
         rows = self._fp8_rows(batch)
         launchers = self._launchers.get(memo)
@@ -543,6 +551,7 @@ class CuteDSLExperts:
             valid_rows=batch.valid_rows,
             expert_counts=batch.expert_counts,
             offsets_published=batch.offsets_published,
+            swiglu=prepared.swiglu,
             **gate_up_knobs,
         )
         intermediate = prepared.intermediate_size
