@@ -1043,9 +1043,10 @@ class MegaMoE(nn.Module):
         device), in x's shape; with return_router_logits, (output, router logits [T, E]), T
         the tokens of x. `input_ids` (integers, T of them, on x's device): the token ids whose
         rows of the routing table choose the experts of a layer that routes by token id
-        (config.routing_table_vocab_size); other layers ignore them. Takes the fused path where fused_path_status says it runs, else the
-        torch path (and always where autograd records); eager forwards of up to
-        config.eager_graph_tokens tokens on the fused path replay the layer's own CUDA graphs.
+        (config.routing_table_vocab_size); other layers ignore them. Takes the fused path where
+        fused_path_status says it runs, else the torch path (and always where autograd
+        records); eager forwards of up to config.eager_graph_tokens tokens on the fused path
+        replay the layer's own CUDA graphs.
         A sparsemixer layer refuses to train: training mode with gradients enabled
         (SPARSEMIXER_IN_TRAINING)."""
         if self._refuses_training and self.training and torch.is_grad_enabled():

@@ -2,8 +2,8 @@
 
 transformers >= 5 runs the experts modules of most MoE families through its experts interface:
 `experts(hidden_states, top_k_index, top_k_weights)`, computed by the implementation the model's
-config names (`experts_implementation="grouped_mm"`, "eager", ...). `register_experts_implementation()`
-adds megamoe's under the name "megamoe":
+config names (`experts_implementation="grouped_mm"`, "eager", ...).
+`register_experts_implementation()` adds megamoe's under the name "megamoe":
 
     from megamoe_torch import register_experts_implementation
     register_experts_implementation()
@@ -18,11 +18,11 @@ layer, Inkling's shared experts take router gammas, ...), as long as their exper
 megamoe computes: what each experts module computes is read once per structure by the same
 probes as swap_moe_blocks' (reader.py, on a copy of the module with random weights), and a
 module megamoe cannot reproduce (experts gated by the erf GELU, transformers' own expert
-parallelism) raises UnsupportedBlockError naming why. A norm of each expert's output (`post_expert_norm`) is read
-apart from the projections: with the interface's has_post_expert_norm (Muse Spark) megamoe
-applies the module's norm to the expert MLP's output rows before the combine; without it the
-module's own code applies it around the interface's call (Ergo, whose experts compute one route
-per row).
+parallelism) raises UnsupportedBlockError naming why. A norm of each expert's output
+(`post_expert_norm`) is read apart from the projections: with the interface's
+has_post_expert_norm (Muse Spark) megamoe applies the module's norm to the expert MLP's output
+rows before the combine; without it the module's own code applies it around the interface's
+call (Ergo, whose experts compute one route per row).
 
 The layer shares the module's weight tensors (their Parameters, where megamoe's layout is the
 module's: `gate_up_proj` [E, 2I, H] of gate rows then up rows, `down_proj` [E, H, I]), so
@@ -189,7 +189,7 @@ def _build_layer(experts: nn.Module, top_k: int) -> MegaMoE:
     # the block's router is a stand-in: its routing fields do not matter, its weight is unused
     hf_tensors = {f"experts.{name}": tensor for name, tensor in held.items()}
     hf_tensors[reading.naming.router_weight] = torch.zeros(
-        num_experts, hidden, device=weight.device, dtype=weight.dtype
+        num_experts, hidden, device=weight.device, dtype=dtype
     )
     options = dict(_OPTIONS)
     weight_dtype = options.pop("weight_dtype", "auto")
