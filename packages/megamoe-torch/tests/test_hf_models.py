@@ -349,6 +349,7 @@ def test_block_megamoe_cannot_reproduce_is_reported_with_its_reason_and_left_in_
     assert [(entry.name, entry.class_name) for entry in report.skipped] == [("1", "_UngatedMoE")]
     assert "other than relu(up x)^2" in report.skipped[0].reason
     assert "skipped 1 (_UngatedMoE)" in str(report)
+    assert "register_experts_implementation()" in str(report)  # the other way for the experts
     with pytest.raises(UnsupportedBlockError, match=r"other than relu\(up x\)\^2"):
         from_hf(block)
 

@@ -118,6 +118,12 @@ class SwapReport:
             for e in self.swapped
         ]
         lines += [f"  skipped {e.name} ({e.class_name}): {e.reason}" for e in self.skipped]
+        if self.skipped:
+            lines.append(
+                "  (a skipped block's experts may still compute on megamoe: "
+                "register_experts_implementation(), then "
+                'model.set_experts_implementation("megamoe"))'
+            )
         return "\n".join(lines)
 
 
