@@ -151,6 +151,7 @@ class _RoutedExperts(nn.Module):
         return self.experts(x_TH, ids_TK, weights_TK).reshape(hidden_states.shape)
 
 
+@torch.compiler.disable  # probes and a cache lookup, never traced: one graph break a call
 def _layer(experts: nn.Module, top_k: int) -> MegaMoE:
     """The MegaMoE computing `experts`' MLPs for `top_k` experts per token, built at the first
     call (and again once the module holds other weight tensors or the options change)."""
