@@ -33,6 +33,7 @@ from megamoe_kernels import (
     weight_scales_shape,
 )
 from megamoe_runtime.dispatch import LocalDispatcher, RowWeightsDispatcher
+from megamoe_runtime.dispatch.checks import check_expert_ids
 from megamoe_runtime.dispatch.device_routed import (
     DeviceRoutedDispatcher,
     device_routing_status,
@@ -1164,13 +1165,8 @@ class MegaMoE(nn.Module):
                 f"topk_weights must be shaped as topk_ids {tuple(topk_ids_TK.shape)}, got "
                 f"{tuple(topk_weights_TK.shape)}"
             )
-        experts = self.config.num_experts
-        if (  # a host sync: only where check_inputs asks for it
-            self.config.check_inputs
-            and topk_ids_TK.numel()
-            and not bool(((topk_ids_TK >= 0) & (topk_ids_TK < experts)).all())
-        ):
-            raise ValueError(f"topk_ids must lie in [0, {experts})")
+        if self.config.check_inputs:  # a host sync: only where check_inputs asks for it
+            check_expert_ids(topk_ids_TK, self.config.num_experts)
         self._resolve_backend()
         self._resolve_dispatcher(x_TH)
         return self._dispatch_experts_combine(

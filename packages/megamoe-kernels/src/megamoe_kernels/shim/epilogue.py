@@ -88,7 +88,8 @@ class SwiGLU:
         }
 
     def kernel_constants(self) -> dict[str, float | None]:
-        """The drop kernel's keyword arguments for this activation."""
+        """The drop kernel's keyword arguments for this activation (MegaMoEConfig's fields of
+        it have the same names)."""
         return {f"swiglu_{name}": value for name, value in self.constants().items()}
 
 

@@ -411,6 +411,14 @@ def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_inpu
                 candidate, twin_tensors[naming.gate_up_bias]
             )
             down_bias = twin_tensors[naming.down_bias]
+        swiglu = SwiGLU(
+            limit=limit,
+            alpha=alpha,
+            up_offset=up_offset,
+            gate_softcap=gate_softcap,
+            up_softcap=up_softcap,
+            gate_cubic=cubic,
+        )
         expected_TH = _expert_math(
             x_TH,
             expert_of_token,
@@ -418,14 +426,7 @@ def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_inpu
             w2,
             gate_up_bias,
             down_bias,
-            swiglu=SwiGLU(
-                limit=limit,
-                alpha=alpha,
-                up_offset=up_offset,
-                gate_softcap=gate_softcap,
-                up_softcap=up_softcap,
-                gate_cubic=cubic,
-            ),
+            swiglu=swiglu,
             activation=activation,
         )
         if not weights_on_input:
@@ -433,16 +434,8 @@ def read_experts_math(parts: BlockParts, random: ProbeRandom, *, weights_on_inpu
         if worst_token_error(seen_TH.float().reshape(expected_TH.shape), expected_TH) < (
             MATCH_TOLERANCE
         ):
-            return dict(
-                **layout,
-                swiglu_limit=limit,
-                swiglu_alpha=alpha,
-                swiglu_up_offset=up_offset,
-                swiglu_gate_softcap=gate_softcap,
-                swiglu_up_softcap=up_softcap,
-                swiglu_gate_cubic=cubic,
-                activation=activation,
-            )
+            # the swiglu_* fields of MegaMoEConfig
+            return dict(**layout, **swiglu.kernel_constants(), activation=activation)
     act_fn = getattr(experts, "act_fn", None)
     named = "" if act_fn is None else f" (act_fn {type(act_fn).__name__})"
     if naming.experts_ungated:
