@@ -302,3 +302,60 @@ def test_shared_experts_in_the_batch(family, backend, tokens):
     if not in_batch._expert_backend.captures_in_graphs:
         return  # the reference backend reads the expert offsets on the host
     _check_a_callers_capture(in_batch, x, expected=in_batch)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mixtral_input_router", "dsv3"])
+@pytest.mark.parametrize("backend", ["cutedsl", "reference"])
+@pytest.mark.parametrize("tokens", [0, 1, 77, 1500])
+@torch.no_grad()
+def test_routed_experts_of_given_experts_give_the_torch_paths_bits(family, backend, tokens):
+    """MegaMoE.routed_experts (transformers' experts interface): the fused path places the
+    given experts and weights (int64 ids, bf16 weights, as transformers hands them) where the
+    torch path's dispatcher does, for the same bits; with a norm of the expert rows too."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    fused, plain = _pair(family, backend, tokens)
+    ok, why = fused.fused_path_status()
+    if not ok or fused.backend != backend:
+        pytest.skip(why)
+    config = fused.config
+    x = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
+    ids = torch.rand(tokens, config.num_experts, device="cuda").argsort(dim=1)
+    ids = ids[:, : config.top_k].contiguous()
+    weights = torch.rand(tokens, config.top_k, device="cuda").to(torch.bfloat16)
+    y = fused.routed_experts(x, ids, weights)
+    assert torch.equal(y, plain.routed_experts(x, ids, weights))
+    assert torch.equal(fused.routed_experts(x, ids, weights), y)  # deterministic
+    norm = torch.nn.RMSNorm(512, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(
+        fused.routed_experts(x, ids, weights, expert_rows_fn=norm),
+        plain.routed_experts(x, ids, weights, expert_rows_fn=norm),
+    )
+
+
+@pytest.mark.parametrize("backend", ["cutedsl", "reference"])
+@pytest.mark.parametrize("tokens", [0, 1, 77, 1500])
+@torch.no_grad()
+def test_a_layer_routing_by_token_id_places_its_tables_experts(backend, tokens):
+    """DeepSeek-V4's hash layers on the fused path: the routing table's experts of each token
+    id placed by the routing kernel, weighted by their scores there (within an ulp or two of
+    the torch path's weights), the shared expert in the batch or on its own."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    vocab = 50
+    hashed = dict(use_correction_bias=False, routing_table_vocab_size=vocab)
+    for shared_path in ("side_stream", "auto"):
+        fused, plain = _pair(
+            "deepseek_v4", backend, tokens, shared_experts_path=shared_path, **hashed
+        )
+        ok, why = fused.fused_path_status()
+        if not ok or fused.backend != backend:
+            pytest.skip(why)
+        x = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
+        input_ids = torch.randint(vocab, (tokens,), device="cuda")
+        y, logits = fused(x, input_ids=input_ids, return_router_logits=True)
+        expected, expected_logits = plain(x, input_ids=input_ids, return_router_logits=True)
+        assert torch.equal(logits, expected_logits)
+        assert torch.equal(fused(x, input_ids=input_ids), y)  # deterministic
+        if tokens:
+            assert relative_l2_error(y.float(), expected.float()) < 2e-3

@@ -147,6 +147,64 @@ def test_route_and_place_scaling_rows_by_their_weights_compiles(constants):
 
 
 @pytest.mark.parametrize(
+    "constants",
+    [
+        # a model's own top-k (transformers' experts interface): int64 ids, weights as given
+        dict(ROUTERS[0], given_ids_dtype=torch.int64, given_weights_dtype=torch.float32),
+        dict(ROUTERS[1], given_ids_dtype=torch.int64, given_weights_dtype=torch.bfloat16),
+        dict(
+            ROUTERS[0],
+            gather_rows=True,
+            given_ids_dtype=torch.int32,
+            given_weights_dtype=torch.float32,
+        ),
+        dict(FP8_ROUTERS[0], given_ids_dtype=torch.int64, given_weights_dtype=torch.float32),
+        # DeepSeek-V4's hash layers: the table's experts weighted by their scores, shared
+        # experts in the batch, a bias the given experts do without
+        dict(ROUTERS[9], given_ids_dtype=torch.int64, shared_experts=1),
+        dict(ROUTERS[3], given_ids_dtype=torch.int32),  # grouped scoring: the groups unused
+    ],
+    ids=["qwen3", "mixtral-bf16-weights", "qwen3-gathered", "qwen3-fp8", "v4-hash", "dsv3"],
+)
+def test_route_and_place_of_given_experts_compiles(constants):
+    launcher = RouteLauncher(**constants, compile_only=True)
+    plain = RouteLauncher(
+        **{k: v for k, v in constants.items() if not k.startswith("given")}, compile_only=True
+    )
+    assert launcher.compile() is not None
+    assert launcher.compile() is not plain.compile()  # its own compiled variant
+    # the call takes exactly the tensors the launcher was built for
+    tokens, hidden, top_k = 2, constants["hidden_size"], constants["top_k"]
+    x_TH = torch.empty(tokens, hidden, dtype=torch.bfloat16)
+    logits_TE = None
+    if "given_weights_dtype" not in constants:  # weighted by the experts' scores
+        logits_TE = torch.empty(tokens, constants["num_experts"])
+    with pytest.raises(ValueError, match="topk_ids_TK is required by this launcher"):
+        launcher(logits_TE, x_TH, capacity=tokens * top_k)
+
+
+@pytest.mark.parametrize(
+    ("constants", "message"),
+    [
+        (dict(given_ids_dtype=torch.float32), "given_ids_dtype=torch.float32 is not None"),
+        (dict(given_weights_dtype=torch.float32), "given weights come with given ids"),
+        (
+            dict(given_ids_dtype=torch.int64, given_weights_dtype=torch.float16),
+            "given_weights_dtype=torch.float16",
+        ),
+        (
+            dict(scoring="sparsemixer", renormalize=False, given_ids_dtype=torch.int64),
+            "scoring='sparsemixer' has none",
+        ),
+    ],
+)
+def test_given_experts_that_cannot_be_placed_are_refused(constants, message):
+    with pytest.raises(ValueError, match="the routing kernel cannot serve") as refusal:
+        RouteLauncher(num_experts=16, top_k=2, hidden_size=256, compile_only=True, **constants)
+    assert message in str(refusal.value)
+
+
+@pytest.mark.parametrize(
     ("constants", "message"),
     [
         (dict(rows_dtype=torch.float8_e4m3fn), "rows_dtype=torch.float8_e4m3fn"),

@@ -1,6 +1,9 @@
 """The device routing, dispatch and combine kernels against the torch path (route +
 LocalDispatcher + weighted_sum_over_topk), which is their oracle: same ids and weights up to
-ties, then the same batch, offsets, pair rows and combine bits on the kernel's own routing."""
+ties, then the same batch, offsets, pair rows and combine bits on the kernel's own routing; and
+given experts (a model's own top-k, DeepSeek-V4's hash layers) placed as LocalDispatcher places
+the same ids, their weights as given or each given expert's score as weights_of_chosen
+computes it."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from megamoe_runtime.dispatch.local import (
     row_weights_of,
     weighted_sum_over_topk,
 )
-from megamoe_runtime.routing import RouterConfig, route, scores_of
+from megamoe_runtime.routing import RouterConfig, route, scores_of, weights_of_chosen
 from torch.profiler import ProfilerActivity, profile
 
 pytestmark = pytest.mark.gpu
@@ -513,6 +516,16 @@ def test_bitwise_repeat_and_graph_replay_with_new_routing():
         batch, handle, _ = dispatcher.route_and_dispatch(x_TH, logits_TE)
         return dispatcher.combine(batch.rows_MH * 2, handle)
 
+    def new_inputs():
+        x_TH.copy_(torch.randn_like(x_TH))
+        logits_TE.copy_(torch.randn_like(logits_TE))
+
+    _check_repeat_and_replay(forward, new_inputs)
+
+
+def _check_repeat_and_replay(forward, new_inputs) -> None:
+    """forward() gives the same bits twice, and a CUDA graph of it (captured after a warm-up on
+    a side stream) replays what it computes eagerly after each new_inputs()."""
     first, second = forward(), forward()
     assert torch.equal(first, second)
     side = torch.cuda.Stream()
@@ -524,8 +537,7 @@ def test_bitwise_repeat_and_graph_replay_with_new_routing():
     with torch.cuda.graph(graph):
         y_TH = forward()
     for _ in range(3):
-        x_TH.copy_(torch.randn_like(x_TH))
-        logits_TE.copy_(torch.randn_like(logits_TE))
+        new_inputs()
         graph.replay()
         assert torch.equal(y_TH, forward())
 
@@ -714,3 +726,193 @@ def test_scaled_rows_are_refused_with_fp8_or_gathered_rows():
     for refused in (dict(gather_rows=True), dict(rows_dtype=torch.float8_e4m3fn)):
         with pytest.raises(ValueError, match="weights_on_input=True"):
             dispatcher.route_and_dispatch(x_TH, logits_TE, weights_on_input=True, **refused)
+
+
+def _given_ids(tokens, router, generator, *, repeats=False, dtype=torch.int64):
+    """[T, K] ids: distinct per token (a top-k's), or drawn with repeats (a table may repeat)."""
+    experts, top_k = router.num_experts, router.top_k
+    if repeats:
+        ids = torch.randint(0, experts, (tokens, top_k), device="cuda", generator=generator)
+    else:
+        ids = torch.rand(tokens, experts, device="cuda", generator=generator).argsort(dim=1)
+        ids = ids[:, :top_k]
+    return ids.to(dtype).contiguous()
+
+
+def _check_given(
+    router,
+    tokens,
+    hidden,
+    *,
+    ids_dtype=torch.int64,
+    weights_dtype=torch.float32,
+    scored=False,
+    repeats=False,
+    gather_rows=False,
+    shared_experts=0,
+    ids_TK=None,
+):
+    """Places given ids (weights given, or `scored` from random logits) and checks the batch,
+    offsets, pair rows and combine against LocalDispatcher on the ids (an id outside [0, E) as
+    expert 0 of weight 0)."""
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(tokens * 11 + router.num_experts)
+    x_TH = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, generator=generator)
+    if ids_TK is None:
+        ids_TK = _given_ids(tokens, router, generator, repeats=repeats, dtype=ids_dtype)
+    logits_TE = weights_TK = None
+    if scored:
+        logits_TE = 3 * torch.randn(tokens, router.num_experts, device=device, generator=generator)
+    else:
+        weights_TK = torch.rand(ids_TK.shape, device=device, generator=generator)
+        weights_TK = weights_TK.to(weights_dtype)
+    bias_E = torch.randn(router.num_experts, device=device) if router.use_correction_bias else None
+    dispatcher = DeviceRoutedDispatcher(router, hidden_size=hidden)
+    torch.full((64 << 20,), float("nan"), device=device)  # poisons the next allocations
+    batch, handle, pair_ids_TP = dispatcher.route_and_dispatch(
+        x_TH,
+        logits_TE,
+        topk_ids_TK=ids_TK,
+        topk_weights_TK=weights_TK,
+        correction_bias_E=bias_E,
+        gather_rows=gather_rows,
+        shared_experts=shared_experts,
+    )
+    top_k, experts = router.top_k, router.num_experts
+    valid_TK = (ids_TK >= 0) & (ids_TK < experts)
+    placed_TK = torch.where(valid_TK, ids_TK, 0).to(torch.int32)
+    if scored and valid_TK.all():
+        expected_TK = weights_of_chosen(logits_TE, placed_TK, router)
+    elif scored:  # weights_of_chosen's, the ids outside the experts left out
+        expected_TK = torch.where(
+            valid_TK, scores_of(logits_TE, router.scoring).gather(1, placed_TK.long()), 0.0
+        )
+        if router.renormalize:
+            epsilon = 1e-20 if router.scoring != "softmax" else 0.0
+            expected_TK = expected_TK / (expected_TK.sum(dim=-1, keepdim=True) + epsilon)
+        expected_TK = expected_TK * router.routed_scaling_factor
+    else:
+        expected_TK = torch.where(valid_TK, weights_TK.float(), 0.0)
+    assert torch.equal(pair_ids_TP[:, :top_k], placed_TK)
+    if tokens:
+        torch.testing.assert_close(
+            handle.topk_weights_TK[:, :top_k], expected_TK, rtol=2e-6, atol=1e-7
+        )
+    if not scored:  # as given, to the bit
+        assert torch.equal(handle.topk_weights_TK[:, :top_k], expected_TK)
+    # placement and copy: exactly LocalDispatcher's on the same ids
+    oracle, oracle_handle = LocalDispatcher(
+        experts + shared_experts, capacity=tokens * (top_k + shared_experts)
+    ).dispatch(x_TH, pair_ids_TP, handle.topk_weights_TK)
+    valid = tokens * (top_k + shared_experts)
+    assert torch.equal(batch.expert_offsets, oracle.expert_offsets)
+    assert torch.equal(handle.row_of_pair_TK.long(), oracle_handle.row_of_pair_TK.long())
+    assert torch.equal(batch.materialized().rows_MH[:valid], oracle.rows_MH[:valid])
+    # the combine: the torch combine's bits
+    expert_out_MH = torch.randn_like(batch.materialized().rows_MH)
+    assert torch.equal(
+        dispatcher.combine(expert_out_MH, handle),
+        weighted_sum_over_topk(
+            expert_out_MH,
+            handle.row_of_pair_TK,
+            handle.topk_weights_TK,
+            output_dtype=torch.bfloat16,
+        ),
+    )
+
+
+@pytest.mark.parametrize("name", ["qwen3", "mixtral", "odd_experts", "dsv3_ep8_local"])
+@pytest.mark.parametrize("tokens", [0, 1, 5, 300, 4099])
+@pytest.mark.parametrize(
+    ("ids_dtype", "weights_dtype"),
+    [(torch.int64, torch.float32), (torch.int32, torch.bfloat16)],
+    ids=["int64-f32", "int32-bf16"],
+)
+def test_given_experts_and_weights_are_placed_as_the_torch_path_places_them(
+    name, tokens, ids_dtype, weights_dtype
+):
+    router = ROUTERS[name]
+    _needs_kernels(router, 264)
+    _check_given(router, tokens, 264, ids_dtype=ids_dtype, weights_dtype=weights_dtype)
+    if tokens:
+        _check_given(router, tokens, 512, gather_rows=True)
+        _check_given(router, tokens, 264, repeats=True)
+
+
+@pytest.mark.parametrize("name", ["sqrtsoftplus_bias", "dsv3", "qwen3"])
+@pytest.mark.parametrize("shared_experts", [0, 1])
+@pytest.mark.parametrize("tokens", [1, 5, 300, 4099])
+def test_given_experts_weighted_by_their_scores_match_weights_of_chosen(
+    name, shared_experts, tokens
+):
+    """DeepSeek-V4's hash layers: a table's experts (with repeats too), weighted by their
+    scores from the logits; the bias and the groups play no part."""
+    router = ROUTERS[name]
+    _needs_kernels(router, 512)
+    _check_given(router, tokens, 512, scored=True, shared_experts=shared_experts)
+    _check_given(router, tokens, 512, scored=True, repeats=True, shared_experts=shared_experts)
+
+
+@pytest.mark.parametrize("scored", [False, True])
+def test_ids_outside_the_experts_are_placed_as_expert_0_with_weight_0(scored):
+    router = ROUTERS["sqrtsoftplus_bias"] if scored else ROUTERS["qwen3"]
+    _needs_kernels(router, 256)
+    tokens = 600
+    ids_TK = _given_ids(tokens, router, torch.Generator(device="cuda").manual_seed(3))
+    ids_TK[::7, 0] = -1
+    ids_TK[3::11, -1] = router.num_experts
+    ids_TK[5::13, 1] = 1 << 40  # past int32
+    _check_given(router, tokens, 256, scored=scored, ids_TK=ids_TK)
+
+
+def test_one_expert_given_every_pair():
+    """Every pair of every token names expert 3: K pairs of each token in one expert, in
+    (token, k) order; every other expert empty."""
+    router = ROUTERS["qwen3"]
+    _needs_kernels(router, 256)
+    ids_TK = torch.full((3000, 8), 3, dtype=torch.int64, device="cuda")
+    _check_given(router, 3000, 256, ids_TK=ids_TK)
+
+
+def test_given_weights_take_no_logits_and_need_ids():
+    router = ROUTERS["qwen3"]
+    _needs_kernels(router, 256)
+    dispatcher = DeviceRoutedDispatcher(router, hidden_size=256)
+    x_TH = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16)
+    ids_TK = torch.zeros(3, 8, dtype=torch.int64, device="cuda")
+    weights_TK = torch.ones(3, 8, device="cuda")
+    logits_TE = torch.randn(3, 128, device="cuda")
+    with pytest.raises(ValueError, match="router_logits_TE is None exactly where"):
+        dispatcher.route_and_dispatch(
+            x_TH, logits_TE, topk_ids_TK=ids_TK, topk_weights_TK=weights_TK
+        )
+    with pytest.raises(ValueError, match="topk_weights_TK weighs given experts"):
+        dispatcher.route_and_dispatch(x_TH, None, topk_weights_TK=weights_TK)
+    with pytest.raises(ValueError, match="given_ids_dtype=torch.float32 is not None"):
+        dispatcher.route_and_dispatch(
+            x_TH, None, topk_ids_TK=ids_TK.float(), topk_weights_TK=weights_TK
+        )
+
+
+def test_given_experts_replay_in_a_graph_with_new_ids():
+    router = ROUTERS["qwen3"]
+    _needs_kernels(router, 512)
+    tokens = 96
+    dispatcher = DeviceRoutedDispatcher(router, hidden_size=512, capacity=tokens * 8)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    x_TH = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
+    ids_TK = _given_ids(tokens, router, generator)
+    weights_TK = torch.rand(tokens, 8, device="cuda")
+
+    def forward():
+        batch, handle, _ = dispatcher.route_and_dispatch(
+            x_TH, None, topk_ids_TK=ids_TK, topk_weights_TK=weights_TK
+        )
+        return dispatcher.combine(batch.rows_MH * 2, handle)
+
+    def new_inputs():
+        x_TH.copy_(torch.randn_like(x_TH))
+        ids_TK.copy_(_given_ids(tokens, router, generator))
+        weights_TK.copy_(torch.rand_like(weights_TK))
+
+    _check_repeat_and_replay(forward, new_inputs)

@@ -135,7 +135,8 @@ def fused_path_on_a_cpu(monkeypatch, layer: MegaMoE) -> list[int]:
         torch._dynamo.graph_break()
         return True, "patched for the test"
 
-    def fused_forward(x_TH, router_logits_TE):
+    def fused_forward(x_TH, router_logits_TE, *, table_ids_TK=None):
+        assert table_ids_TK is None  # no layer here routes by token id
         calls.append(x_TH.shape[0])
         topk_ids_TK, topk_weights_TK = route(
             router_logits_TE, layer.config.router, correction_bias_E=layer.e_score_correction_bias

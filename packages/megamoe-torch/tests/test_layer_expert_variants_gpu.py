@@ -80,7 +80,7 @@ CASES = {
     "axk1": (AXK1, "cutedsl", True),
     "gemma4": (GEMMA4, "cutedsl", True),
     "deepseek-v4": (DEEPSEEK_V4, "cutedsl", True),
-    "deepseek-v4-hash": (DEEPSEEK_V4_HASH, "cutedsl", False),
+    "deepseek-v4-hash": (DEEPSEEK_V4_HASH, "cutedsl", True),
 }
 
 

@@ -837,11 +837,6 @@ class MegaMoE(nn.Module):
                 status = (False, "latent_size: the fused path is not built for latent projections")
             elif self.config.num_identity_experts:
                 status = (False, "num_identity_experts: the fused path is not built for them")
-            elif self.config.routing_table_vocab_size:
-                status = (
-                    False,
-                    "routing_table_vocab_size: the fused path routes on the logits alone",
-                )
             else:
                 status = device_routing_status(
                     self.config.router,
@@ -856,10 +851,15 @@ class MegaMoE(nn.Module):
 
     def _runs_fused(self, x_TH: torch.Tensor) -> bool:
         compiling = torch.compiler.is_compiling()
-        if compiling and (not self._routes_on_this_gpu or self.config.check_inputs):
+        if compiling and (
+            not self._routes_on_this_gpu
+            or self.config.check_inputs
+            or self.routing_table is not None
+        ):
             # the torch steps are traced (inductor fuses them) around the expert-compute
             # custom ops: the routing kernel alone (expert parallelism) has no fake
-            # implementation, and check_inputs reads the logits on the host
+            # implementation, check_inputs reads the logits on the host, and the custom op
+            # megamoe::fused_moe takes no token ids
             return False
         if torch.is_grad_enabled():
             # the shared experts too: the fused path may compute them from detached weights in
@@ -876,11 +876,14 @@ class MegaMoE(nn.Module):
         x_TH: torch.Tensor,
         router_logits_TE: torch.Tensor,
         *,
+        table_ids_TK: torch.Tensor | None = None,
         out_TH: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Routing + dispatch (one launch), expert compute, combine (one launch); the shared
         experts as experts of the batch, or their own MLP's output added in the combine. The
-        combine writes into `out_TH` where given (a captured forward's static output)."""
+        combine writes into `out_TH` where given (a captured forward's static output).
+        `table_ids_TK`: the experts the routing table gives the tokens, placed in place of the
+        logits' choice and weighted by their scores."""
         if self.config.check_inputs:
             check_finite_logits(router_logits_TE)
         x_TH = x_TH.contiguous()  # the kernels take row-major rows (a no-op for most inputs)
@@ -910,6 +913,7 @@ class MegaMoE(nn.Module):
         batch, handle, _ = self._device_routed.route_and_dispatch(
             x_TH,
             router_logits_TE,
+            topk_ids_TK=table_ids_TK,
             correction_bias_E=self.e_score_correction_bias,
             rows_dtype=torch.float8_e4m3fn if self._dispatches_fp8_rows() else None,
             gather_rows=self._gathers_rows(x_TH, shared_in_batch=shared_in_batch),
@@ -992,6 +996,7 @@ class MegaMoE(nn.Module):
             and not torch.compiler.is_compiling()
             and self._routes_on_this_gpu
             and not self.config.check_inputs
+            and self.routing_table is None  # the graphs take no token ids
             and x_TH.is_cuda
             and self._runs_fused(x_TH)
             and self._expert_backend.captures_in_graphs
@@ -1081,22 +1086,25 @@ class MegaMoE(nn.Module):
         runs_fused = self._runs_fused(x_TH)
         # traced under torch.compile: the custom op megamoe::fused_moe takes the logits
         router_logits_TE = self.router_logits(x_TH)
-        if runs_fused:
-            if self._routes_on_this_gpu:
-                if torch.compiler.is_compiling():
-                    # the routing, dispatch, experts, combine and shared experts: one op
-                    y_TH = fused_moe(
-                        x_TH,
-                        router_logits_TE,
-                        self.w13,
-                        self.w2,
-                        self._fused_moe_weights(),
-                        self._layer_id,
-                    )
-                else:
-                    y_TH = self._fused_forward(x_TH, router_logits_TE)
-                y = self._normed(y_TH.view(x.shape))
-                return (y, router_logits_TE) if return_router_logits else y
+        if runs_fused and self._routes_on_this_gpu:
+            if torch.compiler.is_compiling():
+                # the routing, dispatch, experts, combine and shared experts: one op
+                y_TH = fused_moe(
+                    x_TH,
+                    router_logits_TE,
+                    self.w13,
+                    self.w2,
+                    self._fused_moe_weights(),
+                    self._layer_id,
+                )
+            else:
+                table_ids_TK = None
+                if self.routing_table is not None:
+                    table_ids_TK = self.routing_table[input_ids.reshape(-1)]
+                y_TH = self._fused_forward(x_TH, router_logits_TE, table_ids_TK=table_ids_TK)
+            y = self._normed(y_TH.view(x.shape))
+            return (y, router_logits_TE) if return_router_logits else y
+        if runs_fused and self.routing_table is None:  # expert parallelism
             if self.config.check_inputs:
                 check_finite_logits(router_logits_TE)
             topk_ids_TK, topk_weights_TK = self._device_routed.route(
@@ -1148,12 +1156,15 @@ class MegaMoE(nn.Module):
         expert_rows_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The routed experts' weighted sum [T, H] for tokens [T, H] routed elsewhere: each
-        token's top-k experts (int, [T, K], in [0, E)) and weights ([T, K]), as the torch
-        path dispatches, computes and combines them (no router, no shared experts, no output
-        norm; transformers' experts interface, hf/experts_implementation.py). `expert_rows_fn`:
-        a row-wise function of the expert MLP's output rows [M, H], applied before the combine
+        token's top-k experts (int, [T, K], in [0, E)) and weights ([T, K]), dispatched,
+        computed and combined (no router, no shared experts, no output norm; transformers'
+        experts interface, hf/experts_implementation.py). Where the fused path runs (one GPU,
+        no autograd, not under torch.compile) one launch places the given experts and copies
+        the rows, and one combines; else the torch path's dispatcher. `expert_rows_fn`: a
+        row-wise function of the expert MLP's output rows [M, H], applied before the combine
         (transformers' post-expert norm). The ids are checked against E where
-        config.check_inputs allows a host sync."""
+        config.check_inputs allows a host sync (unchecked, an id outside [0, E) on the fused
+        path weighs 0)."""
         self._check_input(x_TH)
         if x_TH.dim() != 2 or topk_ids_TK.shape != (x_TH.shape[0], self.config.top_k):
             raise ValueError(
@@ -1169,12 +1180,52 @@ class MegaMoE(nn.Module):
             check_expert_ids(topk_ids_TK, self.config.num_experts)
         self._resolve_backend()
         self._resolve_dispatcher(x_TH)
+        if (
+            not torch.compiler.is_compiling()
+            and self._routes_on_this_gpu
+            and not self.config.num_identity_experts
+            and not self._records_autograd(topk_weights_TK)
+            and self._runs_fused(x_TH)
+        ):
+            return self._fused_routed_experts(
+                x_TH, topk_ids_TK, topk_weights_TK, expert_rows_fn=expert_rows_fn
+            )
         return self._dispatch_experts_combine(
             x_TH,
             topk_ids_TK.to(torch.int32),
             topk_weights_TK.float(),
             expert_rows_fn=expert_rows_fn,
         )
+
+    def _fused_routed_experts(
+        self,
+        x_TH: torch.Tensor,
+        topk_ids_TK: torch.Tensor,
+        topk_weights_TK: torch.Tensor,
+        *,
+        expert_rows_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """routed_experts on the fused path: the given experts placed and the rows copied (one
+        launch), the expert MLP, the combine (one launch); the torch path's numbers."""
+        x_TH = x_TH.contiguous()
+        weights_on_input = self.config.routing_weights_on_input
+        if topk_weights_TK.dtype not in (torch.float32, torch.bfloat16):
+            topk_weights_TK = topk_weights_TK.float()
+        if topk_ids_TK.dtype not in (torch.int32, torch.int64):
+            topk_ids_TK = topk_ids_TK.long()
+        batch, handle, _ = self._device_routed.route_and_dispatch(
+            x_TH,
+            None,
+            topk_ids_TK=topk_ids_TK,
+            topk_weights_TK=topk_weights_TK,
+            rows_dtype=torch.float8_e4m3fn if self._dispatches_fp8_rows() else None,
+            gather_rows=self._gathers_rows(x_TH),
+            weights_on_input=weights_on_input,
+        )
+        expert_out_MH = self._run_expert_backend(batch)
+        if expert_rows_fn is not None:
+            expert_out_MH = expert_rows_fn(expert_out_MH)
+        return self._device_routed.combine(expert_out_MH, handle, weights_applied=weights_on_input)
 
     def _dispatch_experts_combine(
         self,

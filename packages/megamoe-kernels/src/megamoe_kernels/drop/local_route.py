@@ -48,6 +48,15 @@ split between a CTA's warps: the tokens whose slices its warps take in one pass)
    row_source[row] = its token instead, and the gate-up GEMM reads the batch rows from the
    tokens (expert_gemm_sm90's gather_rows).
 
+Given experts (mGivenIds [T, top_k], int32 or int64, in place of the choice of step 1: a model
+that routes its tokens itself, or DeepSeek-V4's hash layers, whose token ids choose): lane k takes
+expert mGivenIds[t, k] and the weight mGivenWeights[t, k] (float32 or bfloat16) as given, or,
+mGivenWeights None, the expert's score from the logits, renormalised and scaled by the rule.
+Where the ids name an expert twice in a token its pairs are ranked in k order (`match.any`), as
+the stable sort ranks them. An id outside [0, E) is placed as expert 0 with weight 0: no id
+reaches memory outside the batch (the caller checks ids where it can afford a host sync). With
+given weights there are no logits (mLogits None).
+
 Shared experts in the batch (`shared_experts` S > 0): every token also visits experts E .. E + S
 - 1 (a shared MLP cut into S experts of the routed experts' size), as pairs top_k .. top_k + S - 1
 of weight 1, after its routed pairs: they are counted, placed and copied like the routed pairs,
@@ -71,9 +80,9 @@ the GEMM launch (the GEMM launches once every CTA has passed launch_dependents; 
 launch before this one finished reading the word before the kernels between the two launched),
 and to 1, with release semantics, once CTA 0 has stored the offsets.
 
-Layouts: logits [T, E] float32 or bfloat16; correction_bias [E] float32 (optional);
-shared_gate [T] float32 (optional, with S > 0); x [T, H]
-bfloat16 and rows [M, H] bfloat16 (or e4m3 with row_scales float32 [ceil(H / 128), M],
+Layouts: logits [T, E] float32 or bfloat16 (None with given weights); correction_bias [E]
+float32 (optional); shared_gate [T] float32 (optional, with S > 0); given ids and weights
+[T, top_k] (optional); x [T, H] bfloat16 and rows [M, H] bfloat16 (or e4m3 with row_scales float32 [ceil(H / 128), M],
 group-major) row-major, H a multiple of 8, rows 16-byte aligned (or row_source int32 [M] in
 their place); topk_ids and
 row_of_pair int32 [T, top_k + S]; topk_weights float32 [T, top_k + S]; expert_offsets int32
@@ -95,7 +104,7 @@ from .ep_dispatch import copy_row, copy_to_rows
 from .ep_place import grid_barrier, scan_cta_counts
 from .ep_sync import thread_position
 from .row_vectors import bf16_weight, quantize_to_rows, scale_to_rows
-from .warp import warp_inclusive_sum
+from .warp import lanes_with_same_value, warp_inclusive_sum
 
 ROUTE_WARPS = 16
 ROUTE_THREADS = ROUTE_WARPS * 32
@@ -475,6 +484,13 @@ def route_token(mLogits, mBias, token, lane, rule: cutlass.Constexpr):
     else:
         scores, choices = score_token(mLogits, mBias, token, lane, rule)
         expert, weight = choose_top_k(scores, choices, lane, rule.num_experts, rule.top_k)
+    return expert, finished_weight(weight, rule)
+
+
+@cute.jit
+def finished_weight(weight, rule: cutlass.Constexpr):
+    """Lane k < top_k's weight renormalised over the top_k lanes' (k order, fp32; + 1e-20 with
+    sigmoid and sqrt(softplus) scores) where rule.renormalize, then times rule.scaling."""
     if cutlass.const_expr(rule.renormalize):
         denominator = cutlass.Float32(0.0)
         for k in cutlass.range_constexpr(rule.top_k):
@@ -484,6 +500,38 @@ def route_token(mLogits, mBias, token, lane, rule: cutlass.Constexpr):
         weight = weight / denominator
     if cutlass.const_expr(rule.scaling != 1.0):
         weight = weight * cutlass.Float32(rule.scaling)
+    return weight
+
+
+@cute.jit
+def given_pair(mLogits, mGivenIds, mGivenWeights, token, lane, rule: cutlass.Constexpr):
+    """Lane k < top_k's expert of `token` as given, mGivenIds[token, k], and its weight:
+    mGivenWeights[token, k] as given, or (mGivenWeights None) the expert's score from the
+    logits, renormalised and scaled as route_token's weights are (the correction bias and the
+    groups, which only choose, play no part). An id outside [0, E) becomes expert 0 with
+    weight 0 (left out of the renormalisation): no id addresses memory outside the batch."""
+    expert = cutlass.Int32(0)
+    valid = cutlass.Boolean(False)
+    if lane < rule.top_k:
+        given = mGivenIds[token, lane]
+        if given >= 0:
+            if given < rule.num_experts:
+                expert = cutlass.Int32(given)
+                valid = cutlass.Boolean(True)
+    weight = cutlass.Float32(0.0)
+    if cutlass.const_expr(mGivenWeights is not None):
+        if valid:
+            weight = cutlass.Float32(mGivenWeights[token, lane])
+    else:
+        scores, _ = score_token(mLogits, None, token, lane, rule)
+        picked = cutlass.Float32(0.0)
+        for j in cutlass.range_constexpr((rule.num_experts + 31) // 32):
+            score = cute.arch.shuffle_sync(scores[j], expert % 32)
+            if expert // 32 == j:
+                picked = score
+        if valid:
+            weight = picked
+        weight = finished_weight(weight, rule)
     return expert, weight
 
 
@@ -529,9 +577,11 @@ def write_row_vectors(
 
 @cute.kernel
 def route_and_place_kernel(
-    mLogits: cute.Tensor,
+    mLogits,
     mBias,
     mSharedGate,
+    mGivenIds,
+    mGivenWeights,
     mX: cute.Tensor,
     mTopkIds: cute.Tensor,
     mTopkWeights: cute.Tensor,
@@ -574,7 +624,7 @@ def route_and_place_kernel(
     # earlier kernel: x) to finish before reading the logits. After a kernel that does not
     # signal early this returns at once
     cute.arch.griddepcontrol_wait()
-    tokens = mLogits.shape[0]
+    tokens = mX.shape[0]
     hidden = mX.shape[1]
     smem = SmemAllocator()
     # per-warp counters, then per-warp prefixes, per expert; each expert's first row; the CTA's
@@ -606,27 +656,49 @@ def route_and_place_kernel(
         warp_counts[i] = cutlass.Int32(0)
     cute.arch.sync_threads()
 
-    # 1. route each token; rank its pairs inside their experts among the warp's pairs
+    # 1. route each token (or take its given experts); rank its pairs inside their experts
+    #    among the warp's pairs
     for token in range(warp_begin, warp_end):
-        expert, weight = route_token(
-            mLogits,
-            mBias,
-            token,
-            lane,
-            rule,
-        )
+        if cutlass.const_expr(mGivenIds is not None):
+            expert, weight = given_pair(mLogits, mGivenIds, mGivenWeights, token, lane, rule)
+        else:
+            expert, weight = route_token(
+                mLogits,
+                mBias,
+                token,
+                lane,
+                rule,
+            )
         if cutlass.const_expr(shared_experts > 0):
             if lane >= rule.top_k:
                 expert = rule.num_experts + lane - rule.top_k
                 weight = cutlass.Float32(1.0)
                 if cutlass.const_expr(mSharedGate is not None):
                     weight = sigmoid_of(cutlass.Float32(mSharedGate[token]))
-        if lane < pairs:
-            mTopkIds[token, lane] = expert
-            mTopkWeights[token, lane] = weight
-            rank = warp_counts[warp * experts + expert]
-            warp_counts[warp * experts + expert] = rank + 1
-            mRowOfPair[token, lane] = rank  # finished in step 4
+        if cutlass.const_expr(mGivenIds is not None):
+            # given ids may name an expert twice in a token: its pairs ranked in k order
+            key = expert
+            if lane >= pairs:
+                key = -1 - lane
+            same = lanes_with_same_value(key)
+            before = cute.arch.popc(same & ((cutlass.Int32(1) << lane) - 1))
+            rank = cutlass.Int32(0)
+            if lane < pairs:
+                mTopkIds[token, lane] = expert
+                mTopkWeights[token, lane] = weight
+                rank = warp_counts[warp * experts + expert] + before
+                mRowOfPair[token, lane] = rank  # finished in step 4
+            cute.arch.sync_warp()
+            if lane < pairs:
+                if cute.arch.popc(same) == before + 1:  # the last pair of its expert
+                    warp_counts[warp * experts + expert] = rank + 1
+        else:
+            if lane < pairs:
+                mTopkIds[token, lane] = expert
+                mTopkWeights[token, lane] = weight
+                rank = warp_counts[warp * experts + expert]
+                warp_counts[warp * experts + expert] = rank + 1
+                mRowOfPair[token, lane] = rank  # finished in step 4
         cute.arch.sync_warp()
     cute.arch.sync_threads()
 
@@ -790,9 +862,11 @@ def route_and_place_kernel(
 
 @cute.jit
 def route_and_place(
-    mLogits: cute.Tensor,
+    mLogits,
     mBias,
     mSharedGate,
+    mGivenIds,
+    mGivenWeights,
     mX: cute.Tensor,
     mTopkIds: cute.Tensor,
     mTopkWeights: cute.Tensor,
@@ -821,7 +895,7 @@ def route_and_place(
     # least a warp per expert, so the scan of step 3 takes one expert per warp, not several one
     # after another, and at most `cta_tokens` tokens a CTA (one_cta_token_limit: up to how many
     # tokens this makes one CTA)
-    tokens = mLogits.shape[0]
+    tokens = mX.shape[0]
     grid = (tokens + ROUTE_WARPS - 1) // ROUTE_WARPS
     expert_ctas = (rule.num_experts + shared_experts + ROUTE_WARPS - 1) // ROUTE_WARPS
     if tokens > one_cta_tokens and grid < expert_ctas:
@@ -840,6 +914,8 @@ def route_and_place(
         mLogits,
         mBias,
         mSharedGate,
+        mGivenIds,
+        mGivenWeights,
         mX,
         mTopkIds,
         mTopkWeights,

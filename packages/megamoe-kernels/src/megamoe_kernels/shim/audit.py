@@ -222,6 +222,8 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
             "mLogits",
             "mBias",
             "mSharedGate",
+            "mGivenIds",
+            "mGivenWeights",
             "mX",
             "mTopkIds",
             "mTopkWeights",

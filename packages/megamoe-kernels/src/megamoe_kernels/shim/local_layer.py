@@ -22,6 +22,12 @@ Shape legend: T tokens, E experts, K experts per token (top-k), H hidden size, M
   Every routing of megamoe's RouterConfig: softmax, sigmoid or sqrt(softplus) scoring, a
   correction bias on the scores or the logits for the choice, grouped top-k (groups scored by
   their two best experts or their best), PhiMoE's sparsemixer, renormalisation, routed scaling.
+  Given experts (`given_ids_dtype` int32 or int64): the launch places each token's top-k experts
+  as the caller gives them (topk_ids_TK, a model that routes its tokens itself) with their
+  weights as given (`given_weights_dtype` float32 or bfloat16, no logits) or scored from the
+  logits (DeepSeek-V4's hash layers: each given expert's score, renormalised and scaled); an
+  expert named twice in a token keeps both pairs, in k order; an id outside [0, E) is placed as
+  expert 0 with weight 0, so that it reaches no memory outside the batch.
   `RouteLauncher.route(logits)`: the routing alone (ids and weights, one launch), for the
   expert-parallel dispatchers. With `publish_offsets` (the caller's choice for the call's size:
   knobs.routing_publishes_offsets) expert_offsets is a view of E + S + 2 words whose last the
@@ -58,6 +64,9 @@ _COMPILE_LOCK = threading.Lock()
 _COMPILED: dict[tuple, Callable] = {}
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus", "sparsemixer")
 GROUP_SCORES = ("top2_sum", "max")
+# the experts and weights a caller may give in place of the routing's choice
+GIVEN_IDS_DTYPES = (torch.int32, torch.int64)
+GIVEN_WEIGHTS_DTYPES = (torch.float32, torch.bfloat16)
 LOGITS_DTYPES = (torch.float32, torch.bfloat16)
 # the batch rows the routing kernel writes: the tokens' bf16, or e4m3 quantized as they copy
 ROW_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
@@ -220,6 +229,8 @@ class RouteLauncher:
         split_tokens: int | None = None,
         cta_tokens: int | None = None,
         publish_offsets: bool = False,
+        given_ids_dtype: torch.dtype | None = None,
+        given_weights_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         compile_only: bool = False,
     ):
@@ -252,6 +263,22 @@ class RouteLauncher:
             )
         if logits_dtype not in LOGITS_DTYPES:
             problems.append(f"logits dtype {logits_dtype} is not one of {LOGITS_DTYPES}")
+        if given_ids_dtype not in (None, *GIVEN_IDS_DTYPES):
+            problems.append(
+                f"given_ids_dtype={given_ids_dtype} is not None or one of {GIVEN_IDS_DTYPES}"
+            )
+        if given_weights_dtype not in (None, *GIVEN_WEIGHTS_DTYPES):
+            problems.append(
+                f"given_weights_dtype={given_weights_dtype} is not None or one of "
+                f"{GIVEN_WEIGHTS_DTYPES}"
+            )
+        if given_weights_dtype is not None and given_ids_dtype is None:
+            problems.append("given weights come with given ids: pass given_ids_dtype too")
+        if given_ids_dtype is not None and given_weights_dtype is None and scoring == "sparsemixer":
+            problems.append(
+                "given ids weighted from the logits need per-expert scores: scoring="
+                "'sparsemixer' has none (give the weights too)"
+            )
         if rows_dtype not in ROW_DTYPES:
             problems.append(f"rows dtype {rows_dtype} is not one of {ROW_DTYPES}")
         if rows_dtype == torch.float8_e4m3fn and not copy_by_token:
@@ -295,6 +322,10 @@ class RouteLauncher:
             self.scale_groups = -(-hidden_size // ACTIVATION_GROUP)
         self.has_correction_bias = has_correction_bias
         self.shared_expert_gate = bool(shared_expert_gate)
+        self.given_ids_dtype, self.given_weights_dtype = given_ids_dtype, given_weights_dtype
+        # the placement takes logits unless the weights are given, a bias only where it chooses
+        self._takes_logits = given_weights_dtype is None
+        self._takes_bias = has_correction_bias and given_ids_dtype is None
         self.device = None if device is None else torch.device(device)
         self._scratch_words = _drop_route().scratch_words(self.batch_experts)
         # reuse_outputs: the last outputs per (device, stream), with the (tokens, capacity) they
@@ -371,6 +402,8 @@ class RouteLauncher:
             self.gather_rows,
             has_correction_bias,
             self.shared_expert_gate,
+            given_ids_dtype,
+            given_weights_dtype,
             device_index,
         )
         # route_tokens takes the routing rule alone
@@ -405,11 +438,19 @@ class RouteLauncher:
         tokens = cute.sym_int32(symbol="tokens")
         rows = cute.sym_int32(symbol="rows")
         experts, pairs, hidden = self.num_experts, self.pairs, self.hidden_size
+
+        def given(dtype):
+            return None if dtype is None else row_major(_cutlass_dtype(dtype), (tokens, self.top_k))
+
         return cute.compile(
             route,
-            row_major(_cutlass_dtype(self.logits_dtype), (tokens, experts)),
-            row_major(cutlass.Float32, (experts,)) if self.has_correction_bias else None,
+            row_major(_cutlass_dtype(self.logits_dtype), (tokens, experts))
+            if self._takes_logits
+            else None,
+            row_major(cutlass.Float32, (experts,)) if self._takes_bias else None,
             row_major(cutlass.Float32, (tokens,)) if self.shared_expert_gate else None,
+            given(self.given_ids_dtype),
+            given(self.given_weights_dtype),
             row_major(cutlass.BFloat16, (tokens, hidden)),
             row_major(cutlass.Int32, (tokens, pairs)),
             row_major(cutlass.Float32, (tokens, pairs)),
@@ -496,12 +537,14 @@ class RouteLauncher:
 
     def __call__(
         self,
-        router_logits_TE: torch.Tensor,
+        router_logits_TE: torch.Tensor | None,
         x_TH: torch.Tensor,
         *,
         capacity: int,
         correction_bias_E: torch.Tensor | None = None,
         shared_gate_T: torch.Tensor | None = None,
+        topk_ids_TK: torch.Tensor | None = None,
+        topk_weights_TK: torch.Tensor | None = None,
         reuse_outputs: bool = False,
     ) -> tuple[torch.Tensor, ...]:
         """(topk_ids_TK, topk_weights_TK, row_of_pair_TK, expert_offsets (with publishes_offsets
@@ -510,7 +553,10 @@ class RouteLauncher:
         capacity >= T x pairs rows (checked here: the kernel writes rows up to T x pairs - 1;
         pairs = K + shared_experts, the columns of the [T, pairs] outputs). shared_gate_T: the
         shared experts' gate logits, float32 [T], given exactly when built with
-        shared_expert_gate=True.
+        shared_expert_gate=True. topk_ids_TK [T, K] (and topk_weights_TK [T, K]): the given
+        experts (and weights) of a launcher built with given_ids_dtype (and
+        given_weights_dtype), refused by others; router_logits_TE is then None where the weights
+        are given, and the correction bias plays no part.
 
         `reuse_outputs`: the outputs of the last call on this stream with the same tokens and
         capacity are written again instead of allocating new ones (five allocations fewer per
@@ -518,7 +564,18 @@ class RouteLauncher:
         read them (the layer's forward). Calls on one stream run one after another, so that is
         safe there. Under CUDA-graph capture the outputs are new, in the graph's memory pool
         (a graph replays on other streams than its capture stream)."""
-        tokens = router_logits_TE.shape[0]
+        tokens = x_TH.shape[0]
+        for name, tensor, built_for in (
+            ("router_logits_TE", router_logits_TE, self._takes_logits),
+            ("topk_ids_TK", topk_ids_TK, self.given_ids_dtype is not None),
+            ("topk_weights_TK", topk_weights_TK, self.given_weights_dtype is not None),
+        ):
+            if (tensor is not None) != built_for:
+                raise ValueError(
+                    f"{name} is {'required' if built_for else 'refused'} by this launcher (built "
+                    f"with given_ids_dtype={self.given_ids_dtype}, given_weights_dtype="
+                    f"{self.given_weights_dtype})"
+                )
         if (shared_gate_T is not None) != self.shared_expert_gate:
             raise ValueError(
                 "shared_gate_T is required by a launcher built with shared_expert_gate=True and "
@@ -547,11 +604,15 @@ class RouteLauncher:
         ids_TK, weights_TK, row_of_pair_TK, offsets, rows_MH, row_scales_GM, row_source_M = outputs
         scratch, status = self._scratch(device, tokens=tokens)
         compiled = self.compile()
+        if self.given_ids_dtype is not None:
+            correction_bias_E = None  # it only chooses experts: given ones need none
         try:
             compiled(
                 router_logits_TE,
                 correction_bias_E,
                 shared_gate_T,
+                topk_ids_TK,
+                topk_weights_TK,
                 x_TH,
                 ids_TK,
                 weights_TK,
@@ -564,7 +625,15 @@ class RouteLauncher:
                 status,
             )
         except Exception as failure:
-            self._explain(failure, router_logits_TE, x_TH, correction_bias_E, shared_gate_T)
+            self._explain(
+                failure,
+                router_logits_TE,
+                x_TH,
+                correction_bias_E,
+                shared_gate_T,
+                topk_ids_TK,
+                topk_weights_TK,
+            )
         return outputs
 
     def _new_outputs(self, tokens: int, capacity: int, x_TH: torch.Tensor) -> tuple:
@@ -587,16 +656,34 @@ class RouteLauncher:
         )
 
     def _explain(
-        self, failure, router_logits_TE, x_TH, correction_bias_E, shared_gate_T=None
+        self,
+        failure,
+        router_logits_TE,
+        x_TH,
+        correction_bias_E,
+        shared_gate_T=None,
+        topk_ids_TK=None,
+        topk_weights_TK=None,
     ) -> None:
         """Re-raises a refused launch as an error that names the argument at fault."""
-        checks = [("router_logits", router_logits_TE, self.logits_dtype, (None, self.num_experts))]
+        tokens = None if x_TH is None else x_TH.shape[0]
+        checks = []
+        if router_logits_TE is not None:
+            checks.append(
+                ("router_logits", router_logits_TE, self.logits_dtype, (tokens, self.num_experts))
+            )
         if x_TH is not None:
-            tokens = router_logits_TE.shape[0]
             checks.append(("x", x_TH, torch.bfloat16, (tokens, self.hidden_size)))
             if self.shared_expert_gate:
                 checks.append(("shared_gate", shared_gate_T, torch.float32, (tokens,)))
-        if self.has_correction_bias:
+            given = (
+                ("topk_ids", topk_ids_TK, self.given_ids_dtype),
+                ("topk_weights", topk_weights_TK, self.given_weights_dtype),
+            )
+            for name, tensor, dtype in given:
+                if dtype is not None:
+                    checks.append((name, tensor, dtype, (tokens, self.top_k)))
+        if self._takes_bias:
             checks.append(
                 ("correction_bias", correction_bias_E, torch.float32, (self.num_experts,))
             )

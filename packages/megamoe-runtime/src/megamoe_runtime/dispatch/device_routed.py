@@ -18,7 +18,10 @@ for the grouped GEMMs to compute with the routed experts; the combine then sums 
 sigmoid of its gate logit in place of 1).
 `weights_on_input=True` writes each batch row as its token times the pair's weight (the bits of
 `x * w.to(torch.bfloat16)`) for experts that compute on w x (Llama 4), and `combine(...,
-weights_applied=True)` then sums the rows unweighted. No host sync, fixed shapes for a fixed capacity: the pair captures in a CUDA graph.
+weights_applied=True)` then sums the rows unweighted. Given experts (`topk_ids_TK`, with their
+weights given or scored from the logits) are placed in place of the routing's choice, for a model
+that routes its tokens itself and for DeepSeek-V4's hash layers. No host sync, fixed shapes for a
+fixed capacity: the pair captures in a CUDA graph.
 Replaces about 25 torch launches of the routing (`route`), LocalDispatcher and its combine.
 """
 
@@ -101,6 +104,14 @@ def shared_experts_batch_problems(
     )
 
 
+def _row_major(tensor_TK: torch.Tensor | None) -> torch.Tensor | None:
+    """[T, K] `tensor_TK` with strides (K, 1), which the kernels' compiled signatures check
+    (a contiguous tensor may have others: an empty one, a slice of one row)."""
+    if tensor_TK is None or tensor_TK.stride() == (tensor_TK.shape[1], 1):
+        return tensor_TK
+    return tensor_TK.new_empty(tensor_TK.shape).copy_(tensor_TK)
+
+
 class DeviceRoutedDispatcher:
     """One GPU holding all the router's experts: route + dispatch in one launch, combine in one.
 
@@ -141,6 +152,8 @@ class DeviceRoutedDispatcher:
         weights_on_input: bool = False,
         shared_expert_gate: bool = False,
         publish_offsets: bool = False,
+        given_ids_dtype: torch.dtype | None = None,
+        given_weights_dtype: torch.dtype | None = None,
     ):
         key = (
             logits_dtype,
@@ -151,6 +164,8 @@ class DeviceRoutedDispatcher:
             weights_on_input,
             shared_expert_gate,
             publish_offsets,
+            given_ids_dtype,
+            given_weights_dtype,
         )
         launcher = self._route_launchers.get(key)
         if launcher is None:
@@ -166,6 +181,8 @@ class DeviceRoutedDispatcher:
                 shared_expert_gate=shared_expert_gate,
                 weights_on_input=weights_on_input,
                 publish_offsets=publish_offsets,
+                given_ids_dtype=given_ids_dtype,
+                given_weights_dtype=given_weights_dtype,
                 device=device,
             )
         return launcher
@@ -186,8 +203,10 @@ class DeviceRoutedDispatcher:
     def route_and_dispatch(
         self,
         x_TH: torch.Tensor,
-        router_logits_TE: torch.Tensor,
+        router_logits_TE: torch.Tensor | None,
         *,
+        topk_ids_TK: torch.Tensor | None = None,
+        topk_weights_TK: torch.Tensor | None = None,
         correction_bias_E: torch.Tensor | None = None,
         rows_dtype: torch.dtype | None = None,
         gather_rows: bool = False,
@@ -197,6 +216,14 @@ class DeviceRoutedDispatcher:
     ) -> tuple[ExpertBatch, LocalHandle, torch.Tensor]:
         """(batch, handle for combine, topk_ids_TK int32); the routing weights are
         handle.topk_weights_TK (float32).
+
+        `topk_ids_TK` (int32 or int64 [T, K]): the tokens' experts as given (a model that routes
+        them itself; DeepSeek-V4's hash layers) in place of the routing's choice, placed in the
+        same order; their weights `topk_weights_TK` (float32 or bfloat16 [T, K]) as given, with
+        router_logits_TE None, or else each given expert's score from the logits, renormalised
+        and scaled as the router's are (weights_of_chosen). An id outside [0, E) is placed as
+        expert 0 with weight 0 (nothing outside the batch is touched); check_expert_ids checks
+        them where a host sync is affordable.
 
         `shared_experts=S`: the batch holds E + S experts, the last S visited by every token
         with weight 1 (the ids, weights and pair rows then have K + S columns); `capacity`,
@@ -233,12 +260,20 @@ class DeviceRoutedDispatcher:
             raise ValueError(
                 "shared_gate_logits_T gates shared experts in the batch: pass shared_experts >= 1"
             )
+        if topk_weights_TK is not None and topk_ids_TK is None:
+            raise ValueError("topk_weights_TK weighs given experts: pass topk_ids_TK too")
+        if (router_logits_TE is None) != (topk_weights_TK is not None):
+            raise ValueError(
+                "router_logits_TE is None exactly where topk_weights_TK gives the weights, got "
+                f"router_logits_TE {'None' if router_logits_TE is None else 'given'} and "
+                f"topk_weights_TK {'None' if topk_weights_TK is None else 'given'}"
+            )
         tokens = x_TH.shape[0]
         num_pairs = tokens * (self.router.top_k + shared_experts)
         capacity = self.batch_capacity(tokens, shared_experts=shared_experts)
         rows_dtype = x_TH.dtype if rows_dtype is None else rows_dtype
         launcher = self._route_launcher(
-            router_logits_TE.dtype,
+            torch.float32 if router_logits_TE is None else router_logits_TE.dtype,
             x_TH.device,
             rows_dtype,
             gather_rows,
@@ -246,14 +281,21 @@ class DeviceRoutedDispatcher:
             weights_on_input,
             shared_gate_logits_T is not None,
             knobs.routing_publishes_offsets(tokens),
+            None if topk_ids_TK is None else topk_ids_TK.dtype,
+            None if topk_weights_TK is None else topk_weights_TK.dtype,
         )
         ids_TK, weights_TK, row_of_pair_TK, offsets, rows_MH, row_scales_GM, row_source_M = (
             launcher(
                 router_logits_TE,
                 x_TH,
                 capacity=capacity,
-                correction_bias_E=self._correction_bias(correction_bias_E),
+                # the bias only chooses experts: given ones take none
+                correction_bias_E=None
+                if topk_ids_TK is not None
+                else self._correction_bias(correction_bias_E),
                 shared_gate_T=shared_gate_logits_T,
+                topk_ids_TK=_row_major(topk_ids_TK),
+                topk_weights_TK=_row_major(topk_weights_TK),
                 reuse_outputs=self.reuse_outputs,
             )
         )
