@@ -305,16 +305,21 @@ def test_shared_experts_in_the_batch(family, backend, tokens):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "mixtral_input_router", "dsv3"])
-@pytest.mark.parametrize("backend", ["cutedsl", "reference"])
+@pytest.mark.parametrize(
+    ("backend", "weight_dtype"), [("cutedsl", None), ("reference", None), ("cutedsl", "fp8")]
+)
 @pytest.mark.parametrize("tokens", [0, 1, 77, 1500])
 @torch.no_grad()
-def test_routed_experts_of_given_experts_give_the_torch_paths_bits(family, backend, tokens):
+def test_routed_experts_of_given_experts_give_the_torch_paths_bits(
+    family, backend, weight_dtype, tokens
+):
     """MegaMoE.routed_experts (transformers' experts interface): the fused path places the
     given experts and weights (int64 ids, bf16 weights, as transformers hands them) where the
-    torch path's dispatcher does, for the same bits; with a norm of the expert rows too."""
+    torch path's dispatcher does, for the same bits (FP8 experts: the rows quantized in the
+    dispatch, as the FP8 backend quantizes copied rows); with a norm of the expert rows too."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    fused, plain = _pair(family, backend, tokens)
+    fused, plain = _pair(family, backend, tokens, weight_dtype=weight_dtype)
     ok, why = fused.fused_path_status()
     if not ok or fused.backend != backend:
         pytest.skip(why)

@@ -338,7 +338,7 @@ def test_fp8_recipes_megamoe_does_not_compute_are_refused_naming_them(tmp_path, 
     for field, value, expected in (
         ("weight_block_size", [64, 64], r"weight_block_size \[64, 64\]"),
         ("activation_scheme", "static", "activation_scheme 'static'"),
-        ("scale_fmt", "ue8m0", "scale_fmt 'ue8m0'"),
+        ("scale_fmt", "nvfp4", "scale_fmt 'nvfp4'"),
         ("quant_method", "gptq", "quant_method 'gptq'"),
     ):
         config = {**config_json, "quantization_config": {**QUANTIZATION_CONFIG, field: value}}

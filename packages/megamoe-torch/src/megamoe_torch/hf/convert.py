@@ -7,10 +7,11 @@ which precision it holds its experts:
 - "auto" (the default): as the source holds them. e4m3 experts with 128 x 128 block scales (an
   FP8 checkpoint, or transformers' FP8Experts) make a weight_dtype="fp8" layer holding the same
   bytes and scales, with FP8 shared experts where the source's are FP8
-  (shared_weight_dtype="fp8"); full-precision experts stay so;
+  (shared_weight_dtype="fp8"); DeepSeek-V4's FP4 experts make one holding their values exactly
+  in e4m3 (fp4.py); full-precision experts stay so;
 - "fp8": FP8 experts; full-precision ones are quantized per 128 x 128 block as they load;
 - None: the experts in the activations' dtype; e4m3 ones (and FP8 shared experts) are
-  dequantized into it, e4m3 x scale rounded once.
+  dequantized into it, e4m3 x scale rounded once (FP4 ones, e2m1 x 2^s, exactly).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from megamoe_torch.hf.families import (
     correction_bias_of,
     read_hf_config,
 )
+from megamoe_torch.hf.fp4 import as_fp8_checkpoint
 from megamoe_torch.hf.fp8 import (
     activation_dtype_of,
     check_quantization_config,
@@ -115,10 +117,12 @@ def from_hf_state_dict(
 
     FP8 checkpoints (DeepSeek-V3/R1, the Qwen3 FP8 releases: e4m3 weights with a
     `weight_scale_inv` per 128 x 128 block, `quantization_config` quant_method "fp8") load as
-    they are with `weight_dtype` "auto" or "fp8", dequantized with None (see the module doc); a
-    recipe megamoe does not compute (another block size, static activation scales, ue8m0
-    scales) raises UnsupportedBlockError naming it, and stacking gate and up scales needs an
-    intermediate size that is a multiple of 128 (ValueError otherwise; None still converts).
+    they are with `weight_dtype` "auto" or "fp8", dequantized with None (see the module doc);
+    DeepSeek-V4's (FP4 experts with a power-of-two scale per row and 32 columns, ue8m0 block
+    scales, `expert_dtype` "fp4") load with the same values in e4m3 (fp4.py). A recipe megamoe
+    does not compute (another block size, static activation scales) raises
+    UnsupportedBlockError naming it, and stacking gate and up scales needs an intermediate size
+    that is a multiple of 128 (ValueError otherwise; None still converts).
     The layer is in eval mode, as a model that from_pretrained loads is (`.train()` to train).
     """
     if _model_type(hf_config) in FAMILY_OF_MODEL_TYPE:
@@ -140,6 +144,25 @@ def from_hf_state_dict(
     block_tensors = block_state_dict(state_dict, prefix=prefix) if prefix else dict(state_dict)
     if not block_tensors:
         raise ValueError(f"state_dict holds no tensors under prefix {prefix!r}")
+    # a routed expert's weight (either layout) says the dtypes; tensors that are no block of
+    # this family are refused when they map, below
+    expert_weight = next(
+        (
+            tensor
+            for key, tensor in block_tensors.items()
+            if key.startswith("experts.") and not key.endswith("_scale_inv")
+        ),
+        next(iter(block_tensors.values())),
+    )
+    router_weight = block_tensors.get(naming.router_weight, expert_weight)
+    activation_dtype = activation_dtype_of(
+        expert_dtype=expert_weight.dtype, model_config=hf_config, router_dtype=router_weight.dtype
+    )
+    # DeepSeek-V4's FP4 experts and ue8m0 scales as megamoe's FP8 format (or, for
+    # weight_dtype=None, the FP4 experts' values)
+    block_tensors = as_fp8_checkpoint(
+        block_tensors, dequantize_fp4_to=activation_dtype if weight_dtype is None else None
+    )
     if holds_fp8(block_tensors):
         check_quantization_config(hf_config)
     config = semantic_config(fields)
@@ -152,17 +175,6 @@ def from_hf_state_dict(
         ),
         prefix=prefix or "",
     )
-    # a routed expert's weight (either layout) says the dtypes; tensors that are no block of
-    # this family are refused when they map, below
-    expert_weight = next(
-        (
-            tensor
-            for key, tensor in block_tensors.items()
-            if key.startswith("experts.") and not key.endswith("_scale_inv")
-        ),
-        next(iter(block_tensors.values())),
-    )
-    router_weight = block_tensors.get(naming.router_weight, expert_weight)
     layer = layer_from_hf_tensors(
         block_tensors,
         fields=fields,
@@ -171,11 +183,7 @@ def from_hf_state_dict(
         weight_dtype=weight_dtype,
         layer_class=MegaMoE,
         device=device if device is not None else expert_weight.device,
-        activation_dtype=activation_dtype_of(
-            expert_dtype=expert_weight.dtype,
-            model_config=hf_config,
-            router_dtype=router_weight.dtype,
-        ),
+        activation_dtype=activation_dtype,
     )
     return layer.eval()
 
@@ -229,6 +237,9 @@ def layer_from_hf_tensors(
 ) -> MegaMoE:
     """A layer from one block's tensors (block-relative Hugging Face keys) in the precision
     `weight_dtype` chooses (the module doc)."""
+    hf_tensors = as_fp8_checkpoint(
+        hf_tensors, dequantize_fp4_to=activation_dtype if weight_dtype is None else None
+    )
     routed, shared = weight_dtypes(hf_tensors, naming=naming, weight_dtype=weight_dtype)
     to_dequantize = keys_to_dequantize(
         hf_tensors, naming=naming, weight_dtype=routed, shared_weight_dtype=shared

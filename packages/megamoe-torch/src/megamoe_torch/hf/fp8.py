@@ -12,10 +12,10 @@ the weight's key + `_scale_inv`:
 | transformers >= 5 in memory (fused) | `experts.gate_up_proj` [E, 2I, H] | `experts.gate_up_proj_scale_inv`            |
 | shared experts (both)               | `shared_experts.up_proj.weight`   | `shared_experts.up_proj.weight_scale_inv`   |
 
-Scales are float32 (DeepSeek) or bfloat16 (some Qwen releases): megamoe keeps float32, which holds
-every bfloat16 exactly. Activations are quantized at run time (activation_scheme "dynamic").
-Refused, with the reason: other block sizes, static activation scales, power-of-two (ue8m0) or
-other scale formats, e5m2 weights.
+Scales are float32 (DeepSeek), bfloat16 (some Qwen releases) or ue8m0 powers of two
+(DeepSeek-V4, whose FP4 experts fp4.py reads): megamoe keeps float32, which holds each exactly.
+Activations are quantized at run time (activation_scheme "dynamic"). Refused, with the reason:
+other block sizes, static activation scales, other scale formats, e5m2 weights.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ from megamoe_torch.hf.families import UnsupportedBlockError
 
 SCALES_SUFFIX = "_scale_inv"
 SCALE_DTYPES = (torch.float32, torch.bfloat16)
+# power-of-two scales (scale_fmt "ue8m0"): torch.float8_e8m0fnu, or its bytes as uint8
+UE8M0_DTYPES = tuple(
+    dtype for dtype in (getattr(torch, "float8_e8m0fnu", None), torch.uint8) if dtype is not None
+)
 SUPPORTED_BLOCK = [WEIGHT_BLOCK, WEIGHT_BLOCK]
 FULL_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -176,6 +180,12 @@ def check_quantization_config(hf_config: Any) -> bool:
         weight_format=quantization.get("fmt", "e4m3"),
         where="quantization_config",
     )
+    expert_dtype = quantization.get("expert_dtype", "fp8")
+    if expert_dtype not in ("fp8", "fp4"):
+        raise UnsupportedBlockError(
+            f"quantization_config expert_dtype {expert_dtype!r}: megamoe reads FP8 experts and "
+            "DeepSeek-V4's FP4 ones (expert_dtype 'fp8' or 'fp4')"
+        )
     return True
 
 
@@ -200,10 +210,10 @@ def check_fp8_recipe(
             "per row and 128 channels as they come (activation_scheme 'dynamic'), not with "
             "static scales"
         )
-    if scale_format not in (None, "float"):
+    if scale_format not in (None, "float", "ue8m0"):
         raise UnsupportedBlockError(
             f"{where}: scale_fmt {scale_format!r}: megamoe takes float32 (or bfloat16) block "
-            "scales (scale_fmt 'float'), not power-of-two ue8m0 ones"
+            "scales (scale_fmt 'float') and power-of-two ones (scale_fmt 'ue8m0')"
         )
     if weight_format not in (None, "e4m3"):
         raise UnsupportedBlockError(
@@ -214,7 +224,7 @@ def check_fp8_recipe(
 def check_fp8_modules(block: nn.Module) -> None:
     """Raises UnsupportedBlockError for a module of `block` holding e4m3 weights (transformers'
     FP8Experts, FP8Linear) with a recipe other than megamoe's: block size, static activation
-    scales, ue8m0 scales."""
+    scales, scale formats other than float32, bfloat16 and ue8m0."""
     for name, module in block.named_modules():
         tensors = dict(module.named_parameters(recurse=False))
         tensors.update(module.named_buffers(recurse=False))
@@ -225,6 +235,8 @@ def check_fp8_modules(block: nn.Module) -> None:
         check_fp8_recipe(
             block_size=getattr(module, "block_size", None),
             activation_scheme=getattr(module, "activation_scheme", None),
-            scale_format=None if scale_dtypes <= set(SCALE_DTYPES) else str(scale_dtypes),
+            scale_format=None
+            if scale_dtypes <= {*SCALE_DTYPES, *UE8M0_DTYPES}
+            else str(scale_dtypes),
             where=f"{where} ({type(module).__name__})",
         )

@@ -1,0 +1,217 @@
+"""DeepSeek-V4's checkpoints: FP4 experts (packed e2m1, a ue8m0 scale per row and 32 columns)
+and FP8 weights with ue8m0 block scales, read as megamoe's FP8 format with the same values.
+
+The values are checked against transformers' own FP4 decoding where it has one, the requantized
+e4m3 experts against the FP4 values bit for bit, and a converted block against DeepSeek-V4's
+block holding the dequantized weights."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+from megamoe_kernels import dequantize_weight_blocks
+from megamoe_kernels.reference import fp8_difference, relative_l2_error
+from megamoe_torch import UnsupportedBlockError, from_hf, from_hf_state_dict
+from megamoe_torch.hf.fp4 import (
+    E2M1_MAGNITUDES,
+    E2M1_VALUES,
+    as_fp8_checkpoint,
+    fp4_as_fp8,
+    fp4_values,
+)
+
+E8M0 = torch.float8_e8m0fnu
+E4M3 = torch.float8_e4m3fn
+
+
+def fp4_quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed int8 [..., N, K/2], ue8m0 scales [..., N, K/32], the values they hold) of a
+    float32 weight: each 32 columns of a row scaled by the power of two that puts their largest
+    magnitude at or under 6, each value rounded to the nearest e2m1."""
+    groups = weight.unflatten(-1, (-1, 32))
+    amax = groups.abs().amax(dim=-1)
+    exponent = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), 0.0).to(torch.int32)
+    scaled = torch.ldexp(groups, -exponent[..., None])
+    magnitudes = torch.tensor(E2M1_MAGNITUDES)
+    code = (scaled.abs()[..., None] - magnitudes).abs().argmin(dim=-1)
+    code = torch.where((scaled < 0) & (code > 0), code + 8, code).flatten(-2)
+    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    scales = (exponent + 127).to(torch.uint8).view(E8M0)
+    values = torch.ldexp(
+        torch.tensor(E2M1_VALUES)[code].unflatten(-1, (-1, 32)), exponent[..., None]
+    )
+    return packed, scales, values.flatten(-2)
+
+
+def fp8_ue8m0_quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 [N, K], ue8m0 scales [ceil(N/128), ceil(K/128)], the values they hold) of a float32
+    weight: each 128 x 128 block scaled by a power of two."""
+    rows, cols = weight.shape
+    padded = weight.new_zeros(-(-rows // 128) * 128, -(-cols // 128) * 128)
+    padded[:rows, :cols] = weight
+    amax = padded.unflatten(0, (-1, 128)).unflatten(2, (-1, 128)).abs().amax(dim=(1, 3))
+    exponent = torch.where(amax > 0, torch.ceil(torch.log2(amax / 448.0)), 0.0).to(torch.int32)
+    expanded = exponent.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
+    quantized = torch.ldexp(weight, -expanded).to(E4M3)
+    scales = (exponent + 127).to(torch.uint8).view(E8M0)
+    return quantized, scales, torch.ldexp(quantized.float(), expanded)
+
+
+def random_fp4(shape, *, exponents=(-6, 3), seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    packed = torch.randint(-128, 128, shape, dtype=torch.int8, generator=generator)
+    scale_shape = (*shape[:-1], 2 * shape[-1] // 32)
+    exponent = torch.randint(*exponents, scale_shape, generator=generator)
+    return packed, (exponent + 127).to(torch.uint8).view(E8M0)
+
+
+def test_fp4_values_are_transformers_decoding():
+    finegrained = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    dequantize = getattr(finegrained, "Fp8Dequantize", None)
+    if dequantize is None or not hasattr(dequantize, "_unpack_fp4"):
+        pytest.skip("this transformers decodes no FP4 experts")
+    packed, scales = random_fp4((3, 40, 48))
+    expected = dequantize(None)._dequantize_one(packed, scales, output_dtype=torch.float32)
+    assert torch.equal(fp4_values(packed, scales, where="w"), expected)
+
+
+@pytest.mark.parametrize(
+    "shape", [(2, 256, 64), (3, 200, 160), (130, 48)], ids=["fused", "tails", "2d"]
+)
+def test_fp4_weights_requantize_to_e4m3_holding_the_same_values(shape):
+    """Scales 2^-20 to 2^-7 apart by up to 2^13 within a block; zero blocks scaled by 1."""
+    packed, scales = random_fp4(shape, exponents=(-20, -6))
+    packed[..., :16] = 0  # zero values in every row: a block's smaller values stay exact
+    values = fp4_values(packed, scales, where="w")
+    quantized, block_scales = fp4_as_fp8(packed, scales, where="w")
+    stacked = len(shape) == 3
+    assert quantized.dtype == E4M3 and block_scales.dtype == torch.float32
+    assert quantized.shape == values.shape
+    rows, cols = shape[-2], 2 * shape[-1]
+    assert block_scales.shape == (*shape[:-2], -(-rows // 128), -(-cols // 128))
+    assert (torch.frexp(block_scales).mantissa == 0.5).all()  # powers of two
+    dequantized = dequantize_weight_blocks(
+        quantized if stacked else quantized[None], block_scales if stacked else block_scales[None]
+    )
+    assert torch.equal(dequantized if stacked else dequantized[0], values)
+
+
+def test_a_block_e4m3_cannot_hold_is_refused_naming_it_and_converts_dequantized():
+    packed, scales = random_fp4((2, 64, 64), exponents=(0, 1))
+    spread = scales.view(torch.uint8).clone()
+    spread[1, 3, 0] = 127 + 20
+    packed[1, 3, :16] = 0x11  # 0.5 x 2^20 beside 6 x 2^0 of another row: 2^22 apart
+    with pytest.raises(UnsupportedBlockError, match="experts.down_proj: .* of expert 1 .* 2\\^14"):
+        fp4_as_fp8(packed, spread.view(E8M0), where="experts.down_proj")
+    tensors = {"experts.down_proj": packed, "experts.down_proj_scale_inv": spread.view(E8M0)}
+    values = as_fp8_checkpoint(tensors, dequantize_fp4_to=torch.float32)
+    assert list(values) == ["experts.down_proj"]
+    assert torch.equal(
+        values["experts.down_proj"], fp4_values(packed, spread.view(E8M0), where="w")
+    )
+
+
+def test_ue8m0_block_scales_read_as_their_float32_values():
+    weight = torch.randn(200, 130).to(E4M3)
+    exponent_bytes = torch.tensor([[120, 127], [130, 0]], dtype=torch.uint8)
+    for scales in (exponent_bytes.view(E8M0), exponent_bytes):
+        out = as_fp8_checkpoint({"w": weight, "w_scale_inv": scales})
+        assert out["w"] is weight and out["w_scale_inv"].dtype == torch.float32
+        assert torch.equal(
+            out["w_scale_inv"], torch.ldexp(torch.ones(2, 2), exponent_bytes.int() - 127)
+        )
+    nan = exponent_bytes.clone()
+    nan[1, 1] = 255
+    with pytest.raises(ValueError, match="w_scale_inv holds the ue8m0 NaN"):
+        as_fp8_checkpoint({"w": weight, "w_scale_inv": nan.view(E8M0)})
+
+
+@pytest.fixture(scope="module")
+def deepseek_v4():
+    """A tiny random DeepSeek-V4 model with experts of intermediate size 128 (FP8 shared experts
+    stack their gate and up scales on the 128 grid)."""
+    pytest.importorskip("transformers.models.deepseek_v4")
+    from hf_family_walk import tiny_model
+
+    small = tiny_model("deepseek_v4")
+    config = copy.deepcopy(small.config)
+    config.moe_intermediate_size = 128
+    torch.manual_seed(0)
+    model = type(small)(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() >= 2:
+                parameter.normal_(0.0, 0.3 if "gate.weight" in name else 0.08)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.2)
+    return model
+
+
+def test_a_deepseek_v4_fp4_checkpoint_converts_with_its_values(deepseek_v4):
+    """Layer 1 (a top-k layer) as a DeepSeek-V4 checkpoint holds it: FP4 routed experts, FP8
+    shared experts with ue8m0 block scales; converted as FP8 (the same values in e4m3) and in
+    the activations' dtype, against the block holding the dequantized weights."""
+    prefix = "model.layers.1.mlp."
+    block = deepseek_v4.get_submodule(prefix[:-1])
+    assert not block.is_hash
+    checkpoint, oracle_state = {}, {}
+    for key, tensor in block.state_dict().items():
+        if key.startswith("experts."):
+            packed, scales, values = fp4_quantized(tensor)
+        elif key.startswith("shared_experts."):
+            packed, scales, values = fp8_ue8m0_quantized(tensor)
+        else:
+            checkpoint[prefix + key], oracle_state[key] = tensor, tensor
+            continue
+        checkpoint[prefix + key], checkpoint[prefix + key + "_scale_inv"] = packed, scales
+        oracle_state[key] = values
+    oracle = copy.deepcopy(block)
+    oracle.load_state_dict(oracle_state)
+    config = deepseek_v4.config.to_dict()
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "weight_block_size": [128, 128],
+        "activation_scheme": "dynamic",
+        "scale_fmt": "ue8m0",
+        "expert_dtype": "fp4",
+    }
+    fp8 = from_hf_state_dict(checkpoint, config, layer=1, backend="reference")
+    assert fp8.config.weight_dtype == "fp8" and fp8.config.shared_weight_dtype == "fp8"
+    assert torch.equal(
+        dequantize_weight_blocks(fp8.w13, fp8.w13_scale_inv), oracle_state["experts.gate_up_proj"]
+    )
+    assert torch.equal(
+        dequantize_weight_blocks(fp8.w2, fp8.w2_scale_inv), oracle_state["experts.down_proj"]
+    )
+    exact = from_hf_state_dict(checkpoint, config, layer=1, backend="reference", weight_dtype=None)
+    assert exact.w13.dtype == torch.float32 and exact.w13_scale_inv is None
+    assert torch.equal(exact.w13, oracle_state["experts.gate_up_proj"])
+    x = torch.randn(2, 7, deepseek_v4.config.hidden_size)
+    with torch.no_grad():
+        expected = oracle(x)
+        assert relative_l2_error(exact(x), expected) < 1e-5
+        actual = fp8(x)  # e4m3 activations too
+    assert fp8_difference(actual, expected) <= 2e-3
+    # another expert format is refused, naming it
+    config["quantization_config"] = {**config["quantization_config"], "expert_dtype": "fp6"}
+    with pytest.raises(UnsupportedBlockError, match="expert_dtype 'fp6'"):
+        from_hf_state_dict(checkpoint, config, layer=1, backend="reference")
+
+
+def test_a_live_block_with_fp4_experts_points_at_its_checkpoint(deepseek_v4):
+    """transformers' FP8Experts holding FP4 experts (packed, its GPU kernels' layout) is not
+    read live: the refusal names the checkpoint path that converts them."""
+    finegrained = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    if "expert_dtype" not in inspect.signature(finegrained.FP8Experts).parameters:
+        pytest.skip("this transformers holds no FP4 experts")
+    block = copy.deepcopy(deepseek_v4.get_submodule("model.layers.1.mlp"))
+    block.experts = finegrained.FP8Experts(
+        deepseek_v4.config, block_size=(128, 128), scale_fmt="ue8m0", expert_dtype="fp4"
+    )
+    with pytest.raises(UnsupportedBlockError, match="torch.int8: .*from_hf_state_dict"):
+        from_hf(block, backend="reference")
