@@ -104,7 +104,9 @@ def test_a_block_e4m3_cannot_hold_is_refused_naming_it_and_converts_dequantized(
     spread = scales.view(torch.uint8).clone()
     spread[1, 3, 0] = 127 + 20
     packed[1, 3, :16] = 0x11  # 0.5 x 2^20 beside 6 x 2^0 of another row: 2^22 apart
-    with pytest.raises(UnsupportedBlockError, match="experts.down_proj: .* of expert 1 .* 2\\^14"):
+    with pytest.raises(
+        UnsupportedBlockError, match=r"experts.down_proj \(expert 1\): .* row 0, column 0 .* 2\^14"
+    ):
         fp4_as_fp8(packed, spread.view(E8M0), where="experts.down_proj")
     tensors = {"experts.down_proj": packed, "experts.down_proj_scale_inv": spread.view(E8M0)}
     values = as_fp8_checkpoint(tensors, dequantize_fp4_to=torch.float32)
@@ -129,6 +131,34 @@ def test_ue8m0_block_scales_read_as_their_float32_values():
         as_fp8_checkpoint({"w": weight, "w_scale_inv": nan.view(E8M0)})
 
 
+def disk_names(block_tensors: dict, *, prefix: str) -> dict:
+    """A DeepSeek-V4 block's tensors under its checkpoint's names on disk: experts per expert
+    (w1 gate, w3 up, w2 down), shared experts' w1/w3/w2, the correction bias at gate.bias,
+    scales at `.scale` beside their `.weight`."""
+    out = {}
+    for key, tensor in block_tensors.items():
+        scale = key.endswith("_scale_inv")
+        name = key.removesuffix("_scale_inv")
+        if name.startswith("experts."):
+            _, projection = name.split(".")
+            for expert in range(tensor.shape[0]):
+                parts = tensor[expert]
+                if projection == "gate_up_proj":
+                    gate, up = parts.chunk(2, dim=0)
+                    pairs = (("w1", gate), ("w3", up))
+                else:
+                    pairs = (("w2", parts),)
+                for disk_name, part in pairs:
+                    stem = f"{prefix}experts.{expert}.{disk_name}"
+                    out[f"{stem}.scale" if scale else f"{stem}.weight"] = part.contiguous()
+            continue
+        for ours, theirs in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+            name = name.replace(f"shared_experts.{ours}.", f"shared_experts.{theirs}.")
+        name = name.replace("gate.e_score_correction_bias", "gate.bias")
+        out[prefix + (name.removesuffix(".weight") + ".scale" if scale else name)] = tensor
+    return out
+
+
 @pytest.fixture(scope="module")
 def deepseek_v4():
     """A tiny random DeepSeek-V4 model with experts of intermediate size 128 (FP8 shared experts
@@ -151,24 +181,36 @@ def deepseek_v4():
     return model
 
 
-def test_a_deepseek_v4_fp4_checkpoint_converts_with_its_values(deepseek_v4):
-    """Layer 1 (a top-k layer) as a DeepSeek-V4 checkpoint holds it: FP4 routed experts, FP8
-    shared experts with ue8m0 block scales; converted as FP8 (the same values in e4m3) and in
-    the activations' dtype, against the block holding the dequantized weights."""
-    prefix = "model.layers.1.mlp."
-    block = deepseek_v4.get_submodule(prefix[:-1])
-    assert not block.is_hash
-    checkpoint, oracle_state = {}, {}
+def quantized_block(block) -> tuple[dict, dict]:
+    """(a DeepSeek-V4 block's tensors as transformers holds them loaded from its checkpoint:
+    FP4 routed experts, FP8 shared experts with ue8m0 block scales, under block-relative names;
+    the values they hold, as the block's state_dict)."""
+    quantized, values = {}, {}
     for key, tensor in block.state_dict().items():
         if key.startswith("experts."):
-            packed, scales, values = fp4_quantized(tensor)
+            packed, scales, values[key] = fp4_quantized(tensor)
         elif key.startswith("shared_experts."):
-            packed, scales, values = fp8_ue8m0_quantized(tensor)
+            packed, scales, values[key] = fp8_ue8m0_quantized(tensor)
         else:
-            checkpoint[prefix + key], oracle_state[key] = tensor, tensor
+            quantized[key] = values[key] = tensor
             continue
-        checkpoint[prefix + key], checkpoint[prefix + key + "_scale_inv"] = packed, scales
-        oracle_state[key] = values
+        quantized[key], quantized[key + "_scale_inv"] = packed, scales
+    return quantized, values
+
+
+@pytest.mark.parametrize("on_disk", [False, True], ids=["transformers-names", "disk-names"])
+def test_a_deepseek_v4_fp4_checkpoint_converts_with_its_values(deepseek_v4, on_disk):
+    """Layer 1 (a top-k layer) as a DeepSeek-V4 checkpoint holds it: FP4 routed experts, FP8
+    shared experts with ue8m0 block scales, under transformers' names or as on disk (per expert
+    w1/w3/w2, `ffn`, scales at `.scale`); converted as FP8 (the same values in e4m3) and in the
+    activations' dtype, against the block holding the dequantized weights."""
+    block = deepseek_v4.get_submodule("model.layers.1.mlp")
+    assert not block.is_hash
+    quantized, oracle_state = quantized_block(block)
+    if on_disk:
+        checkpoint = disk_names(quantized, prefix="layers.1.ffn.")
+    else:
+        checkpoint = {f"model.layers.1.mlp.{key}": value for key, value in quantized.items()}
     oracle = copy.deepcopy(block)
     oracle.load_state_dict(oracle_state)
     config = deepseek_v4.config.to_dict()

@@ -29,6 +29,7 @@ from megamoe_torch import (  # noqa: E402
     from_hf,
     from_hf_state_dict,
     hf_state_dict_from_megamoe,
+    register_experts_implementation,
     swap_moe_blocks,
     unswap_moe_blocks,
 )
@@ -331,6 +332,28 @@ def test_an_expert_parallel_fp8_layer_loads_the_scales_of_its_experts(monkeypatc
     assert layer.expert_parallel and layer.config.weight_dtype == "fp8"
     assert torch.equal(raw(layer.w13), raw(full.w13[4:8]))
     assert torch.equal(layer.w13_scale_inv, full.w13_scale_inv[4:8])
+
+
+def test_an_fp8_models_experts_run_on_megamoes_experts_implementation(tmp_path, fp8_modules_on_cpu):
+    """transformers' FP8Experts look their implementation up in an interface of their own:
+    "megamoe" is registered there too, and computes the checkpoint's e4m3 experts and scales
+    (the module's own tensors, shared) as the block holding the dequantized weights does."""
+    checkpoint, config_json = write_fp8_checkpoint("qwen3_moe", tmp_path / "fp8")
+    model = load_fp8_model("qwen3_moe", tmp_path / "fp8")
+    oracle = dequantized_model("qwen3_moe", checkpoint, config_json, tmp_path / "oracle")
+    register_experts_implementation(backend="reference")
+    model.set_experts_implementation("megamoe")
+    name, block = moe_blocks(model)[-1]
+    assert type(block.experts).__name__ == "FP8Experts"
+    x = torch.randn(2, 7, HIDDEN)
+    with torch.no_grad():  # the block alone: FP8Linear layers elsewhere run GPU kernels
+        actual, expected = block(x), oracle.get_submodule(name)(x)
+    assert relative_l2_error(actual, expected) < 1e-5
+    from megamoe_torch.hf.experts_implementation import _layer
+
+    layer = _layer(block.experts, model.config.num_experts_per_tok)
+    assert layer.config.weight_dtype == "fp8" and layer.w13 is block.experts.gate_up_proj
+    assert layer.activation_dtype == torch.float32  # the model's, which e4m3 does not show
 
 
 def test_fp8_recipes_megamoe_does_not_compute_are_refused_naming_them(tmp_path, fp8_modules_on_cpu):

@@ -34,7 +34,7 @@ from megamoe_torch.hf.families import (
     correction_bias_of,
     read_hf_config,
 )
-from megamoe_torch.hf.fp4 import as_fp8_checkpoint
+from megamoe_torch.hf.fp4 import as_fp8_checkpoint, with_scales_inv_names
 from megamoe_torch.hf.fp8 import (
     activation_dtype_of,
     check_quantization_config,
@@ -144,6 +144,7 @@ def from_hf_state_dict(
     block_tensors = block_state_dict(state_dict, prefix=prefix) if prefix else dict(state_dict)
     if not block_tensors:
         raise ValueError(f"state_dict holds no tensors under prefix {prefix!r}")
+    block_tensors = with_scales_inv_names(block_tensors)  # DeepSeek-V4's `.scale` on disk
     # a routed expert's weight (either layout) says the dtypes; tensors that are no block of
     # this family are refused when they map, below
     expert_weight = next(

@@ -24,6 +24,10 @@ has_post_expert_norm (Muse Spark) megamoe applies the module's norm to the exper
 rows before the combine; without it the module's own code applies it around the interface's
 call (Ergo, whose experts compute one route per row).
 
+FP8 checkpoints' experts (transformers' FP8Experts, e4m3 with 128 x 128 block scales) look their
+implementation up in an interface of their own: megamoe registers there too, and their layers are
+FP8 layers on the module's e4m3 weights and scales.
+
 The layer shares the module's weight tensors (their Parameters, where megamoe's layout is the
 module's: `gate_up_proj` [E, 2I, H] of gate rows then up rows, `down_proj` [E, H, I]), so
 moving the model or loading weights in place reaches it, and gradients reach the module's
@@ -41,6 +45,7 @@ from torch import nn
 
 from megamoe_torch.hf.convert import layer_from_hf_tensors
 from megamoe_torch.hf.families import UnsupportedBlockError
+from megamoe_torch.hf.fp8 import activation_dtype_of
 from megamoe_torch.hf.reader import read_block
 from megamoe_torch.layer import MegaMoE
 
@@ -78,6 +83,12 @@ def register_experts_implementation(**options: Any) -> str:
     _OPTIONS.update(options)
     _LAYERS.clear()
     ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, megamoe_experts_forward)
+    try:  # FP8 checkpoints' experts (FP8Experts) look their implementation up apart
+        from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+    except ImportError:
+        pass
+    else:
+        ALL_FP8_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, megamoe_experts_forward)
     return EXPERTS_IMPLEMENTATION
 
 
@@ -182,8 +193,12 @@ def _build_layer(experts: nn.Module, top_k: int) -> MegaMoE:
             f"(its tensors: {sorted(held)})"
         )
     hidden = weight.shape[1] if getattr(experts, "is_transposed", False) else weight.shape[-1]
-    dtype = weight.dtype if weight.is_floating_point() and weight.element_size() > 1 else None
-    dtype = dtype or torch.bfloat16  # e4m3 experts: the activations' dtype
+    # e4m3 experts do not show the activations' dtype: the model's config says it
+    dtype = activation_dtype_of(
+        expert_dtype=weight.dtype,
+        model_config=getattr(experts, "config", None),
+        router_dtype=torch.bfloat16,
+    )
     block = _RoutedExperts(experts, num_experts, hidden, min(top_k, num_experts), dtype)
     reading = read_block(block, structure_only=True)
     fields = dict(reading.config_fields, top_k=top_k)
