@@ -54,7 +54,7 @@ def test_the_layer_shares_the_modules_parameters_and_follows_their_updates():
     input_ids = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
     _logits(model, "megamoe", input_ids)
     experts = _experts_modules(model)[0]
-    layer = _layer(experts, model.config.num_experts_per_tok)
+    layer = _layer(experts, model.config.num_experts_per_tok, torch.float32)
     assert layer.w13 is experts.gate_up_proj and layer.w2 is experts.down_proj
     with torch.no_grad():
         for module in _experts_modules(model):

@@ -14,7 +14,13 @@ import pytest
 import torch
 from megamoe_kernels import dequantize_weight_blocks
 from megamoe_kernels.reference import fp8_difference, relative_l2_error
-from megamoe_torch import UnsupportedBlockError, from_hf, from_hf_state_dict
+from megamoe_torch import (
+    UnsupportedBlockError,
+    from_hf_state_dict,
+    register_experts_implementation,
+    swap_moe_blocks,
+    unswap_moe_blocks,
+)
 from megamoe_torch.hf.fp4 import (
     E2M1_MAGNITUDES,
     E2M1_VALUES,
@@ -245,15 +251,105 @@ def test_a_deepseek_v4_fp4_checkpoint_converts_with_its_values(deepseek_v4, on_d
         from_hf_state_dict(checkpoint, config, layer=1, backend="reference")
 
 
-def test_a_live_block_with_fp4_experts_points_at_its_checkpoint(deepseek_v4):
-    """transformers' FP8Experts holding FP4 experts (packed, its GPU kernels' layout) is not
-    read live: the refusal names the checkpoint path that converts them."""
+def with_fp4_experts(model, layer: int, *, fp8_shared: bool = True) -> tuple[torch.nn.Module, dict]:
+    """`model` (a copy) whose block at `layer` holds its experts as transformers holds a
+    DeepSeek-V4 checkpoint's on a GPU (FP8Experts of FP4 experts, FP8Linear shared experts,
+    ue8m0 scales; `fp8_shared=False`: the shared experts as they are), and the block's state
+    holding the values they stand for."""
     finegrained = pytest.importorskip("transformers.integrations.finegrained_fp8")
     if "expert_dtype" not in inspect.signature(finegrained.FP8Experts).parameters:
         pytest.skip("this transformers holds no FP4 experts")
-    block = copy.deepcopy(deepseek_v4.get_submodule("model.layers.1.mlp"))
-    block.experts = finegrained.FP8Experts(
-        deepseek_v4.config, block_size=(128, 128), scale_fmt="ue8m0", expert_dtype="fp4"
+    model = copy.deepcopy(model)
+    block = model.get_submodule(f"model.layers.{layer}.mlp")
+    values = block.state_dict()
+    # as transformers' FP8 loading builds them, looking their implementation up by name
+    experts_class = finegrained.use_experts_implementation(
+        experts_class=finegrained.FP8Experts,
+        experts_interface=finegrained.ALL_FP8_EXPERTS_FUNCTIONS,
+        has_bias=False,
+        has_gate=True,
     )
-    with pytest.raises(UnsupportedBlockError, match="torch.int8: .*from_hf_state_dict"):
-        from_hf(block, backend="reference")
+    experts = experts_class(
+        config=model.config,
+        block_size=(128, 128),
+        scale_fmt="ue8m0",
+        expert_dtype="fp4",
+        swiglu_limit=getattr(block.experts, "limit", None),
+    )
+    quantized = {}
+    for name in ("gate_up_proj", "down_proj"):
+        packed, scales, values[f"experts.{name}"] = fp4_quantized(getattr(block.experts, name))
+        quantized[name], quantized[f"{name}_scale_inv"] = packed, scales
+    experts.load_state_dict(quantized)
+    block.experts = experts
+    for name in ("gate_proj", "up_proj", "down_proj") if fp8_shared else ():
+        linear = getattr(block.shared_experts, name)
+        fp8_linear = finegrained.FP8Linear(
+            linear.in_features, linear.out_features, block_size=(128, 128), scale_fmt="ue8m0"
+        )
+        weight, scales, values[f"shared_experts.{name}.weight"] = fp8_ue8m0_quantized(
+            linear.weight.detach()
+        )
+        fp8_linear.load_state_dict({"weight": weight, "weight_scale_inv": scales})
+        setattr(block.shared_experts, name, fp8_linear)
+    return model, values
+
+
+def assert_same_fp4(actual: dict, expected: dict) -> None:
+    """The same tensors, FP4 weights holding the same values in the same formats (a group of
+    32 values may have two encodings: 3 x 2^s is 6 x 2^(s-1)), others the same bytes."""
+    assert sorted(actual) == sorted(expected)
+    fp4 = {key for key, t in expected.items() if t.dtype == torch.int8}
+    for key, tensor in expected.items():
+        assert actual[key].dtype == tensor.dtype, key
+        if key in fp4:
+            scales = (actual[key + "_scale_inv"], expected[key + "_scale_inv"])
+            assert torch.equal(
+                fp4_values(actual[key], scales[0], where=key),
+                fp4_values(tensor, scales[1], where=key),
+            ), key
+        elif key.removesuffix("_scale_inv") not in fp4:
+            assert torch.equal(actual[key].view(torch.uint8), tensor.view(torch.uint8)), key
+
+
+def test_a_live_deepseek_v4_block_with_fp4_experts_swaps_and_saves_its_values(deepseek_v4):
+    """The block transformers builds from a DeepSeek-V4 checkpoint: swapped into an FP8 layer
+    with the FP4 values, saved back as FP4 experts and ue8m0 scales holding those values,
+    loaded from them, and unswapped to them."""
+    model, values = with_fp4_experts(deepseek_v4, layer=1)
+    name = "model.layers.1.mlp"
+    block = model.get_submodule(name)
+    held = {k: t.clone() for k, t in block.state_dict().items()}
+    oracle = copy.deepcopy(deepseek_v4.get_submodule(name))
+    oracle.load_state_dict(values)
+
+    report = swap_moe_blocks(model, backend="reference")
+
+    assert name in [entry.name for entry in report.swapped]
+    layer = model.get_submodule(name)
+    assert layer.config.weight_dtype == "fp8"
+    x = torch.randn(2, 7, deepseek_v4.config.hidden_size)
+    with torch.no_grad():
+        assert relative_l2_error(layer(x), oracle(x)) < 1e-5
+    saved = layer.state_dict()
+    assert_same_fp4(saved, held)
+    layer.load_state_dict(saved)
+    with torch.no_grad():
+        assert relative_l2_error(layer(x), oracle(x)) < 1e-5
+    unswap_moe_blocks(model)
+    restored = model.get_submodule(name)
+    assert type(restored.experts).__name__ == "FP8Experts"
+    assert_same_fp4(restored.state_dict(), held)
+
+
+def test_fp4_experts_run_on_megamoes_experts_implementation(deepseek_v4):
+    # FP8Linear shared experts would run transformers' GPU kernels: the block's own code
+    model, values = with_fp4_experts(deepseek_v4, layer=1, fp8_shared=False)
+    register_experts_implementation(backend="reference")
+    model.set_experts_implementation("megamoe")
+    block = model.get_submodule("model.layers.1.mlp")
+    oracle = copy.deepcopy(deepseek_v4.get_submodule("model.layers.1.mlp"))
+    oracle.load_state_dict(values)
+    x = torch.randn(2, 7, deepseek_v4.config.hidden_size)
+    with torch.no_grad():
+        assert relative_l2_error(block(x), oracle(x)) < 1e-5

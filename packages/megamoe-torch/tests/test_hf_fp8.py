@@ -351,7 +351,7 @@ def test_an_fp8_models_experts_run_on_megamoes_experts_implementation(tmp_path, 
     assert relative_l2_error(actual, expected) < 1e-5
     from megamoe_torch.hf.experts_implementation import _layer
 
-    layer = _layer(block.experts, model.config.num_experts_per_tok)
+    layer = _layer(block.experts, model.config.num_experts_per_tok, torch.float32)
     assert layer.config.weight_dtype == "fp8" and layer.w13 is block.experts.gate_up_proj
     assert layer.activation_dtype == torch.float32  # the model's, which e4m3 does not show
 

@@ -32,6 +32,7 @@ from torch import nn
 from megamoe_torch.fp8_linear import quantize_loaded_weights
 from megamoe_torch.hf.convert import expected_hf_shapes, keys_to_dequantize
 from megamoe_torch.hf.families import Layout
+from megamoe_torch.hf.fp4 import as_fp8_checkpoint, in_block_formats, with_scales_inv_names
 from megamoe_torch.hf.fp8 import dequantized, is_fp8
 from megamoe_torch.hf.naming import BlockNaming
 from megamoe_torch.hf.state_dict import (
@@ -91,7 +92,12 @@ def restored_hf_block(layer: MegaMoE) -> nn.Module:
     }
     block = _weightless_copy(layer.__dict__["_weightless_hf_block"])
     hf_state = {
-        **hf_state_dict_from_megamoe(megamoe_state, family=layer.hf_naming, layout=layer.hf_layout),
+        **_in_replaced_formats(
+            layer,
+            hf_state_dict_from_megamoe(
+                megamoe_state, family=layer.hf_naming, layout=layer.hf_layout
+            ),
+        ),
         **layer.__dict__["_hf_ignored_tensors"],
     }
     block_fp8 = {key for key, tensor in block.state_dict().items() if is_fp8(tensor)}
@@ -118,12 +124,19 @@ def _hf_state_dict_hook(
     _require_every_expert(layer, where=prefix or "the layer")
     own_keys = [key for key in state_dict if key.startswith(prefix)]
     megamoe_state = {key[len(prefix) :]: state_dict.pop(key) for key in own_keys}
-    hf_state = hf_state_dict_from_megamoe(
-        megamoe_state, family=layer.hf_naming, layout=layer.hf_layout
+    hf_state = _in_replaced_formats(
+        layer,
+        hf_state_dict_from_megamoe(megamoe_state, family=layer.hf_naming, layout=layer.hf_layout),
     )
     hf_state.update(layer.__dict__["_hf_ignored_tensors"])
     for key, tensor in hf_state.items():
         state_dict[prefix + key] = tensor
+
+
+def _in_replaced_formats(layer: MegaMoE, hf_state: dict[str, Any]) -> dict[str, Any]:
+    """`hf_state` in the formats the replaced block held (DeepSeek-V4's FP4 experts and ue8m0
+    scales, hf/fp4.py): the checkpoint the model was loaded from."""
+    return in_block_formats(hf_state, layer.__dict__["_weightless_hf_block"].state_dict())
 
 
 def _require_every_expert(layer: MegaMoE, *, where: str) -> None:
@@ -155,7 +168,10 @@ def _hf_load_state_dict_pre_hook(
     megamoe_names |= {name for name, _ in layer.named_buffers()}
     if all(key[len(prefix) :] in megamoe_names for key in own_keys):
         return  # megamoe's own names (or none of the block's): nothing to convert
-    hf_state = {key[len(prefix) :]: state_dict.pop(key) for key in own_keys}
+    # DeepSeek-V4's FP4 experts and ue8m0 scales: megamoe's FP8 format (hf/fp4.py)
+    hf_state = as_fp8_checkpoint(
+        with_scales_inv_names({key[len(prefix) :]: state_dict.pop(key) for key in own_keys})
+    )
     naming = layer.hf_naming
     check_shapes(
         hf_state,

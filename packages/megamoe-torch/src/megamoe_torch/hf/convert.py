@@ -34,7 +34,12 @@ from megamoe_torch.hf.families import (
     correction_bias_of,
     read_hf_config,
 )
-from megamoe_torch.hf.fp4 import as_fp8_checkpoint, with_scales_inv_names
+from megamoe_torch.hf.fp4 import (
+    as_fp8_checkpoint,
+    fp8_reading_view,
+    reads_through_fp8_view,
+    with_scales_inv_names,
+)
 from megamoe_torch.hf.fp8 import (
     activation_dtype_of,
     check_quantization_config,
@@ -203,7 +208,13 @@ def convert_block(
     weight_dtype: str | None = "auto",
 ) -> tuple[MegaMoE, BlockReading]:
     """(layer of `layer_class`, what was read of the block): the one conversion path."""
-    reading = read_block(block)
+    if reads_through_fp8_view(block):  # FP4 experts, ue8m0 scales: read as the FP8 they become
+        reading = replace(
+            read_block(fp8_reading_view(block), structure_only=True),
+            device=next(block.experts.parameters()).device,  # the view's are on meta
+        )
+    else:
+        reading = read_block(block)
     fields = dict(reading.config_fields)
     if reading.layout == "per_expert" and reading.family == DEEPSEEK_V3.name:
         fields["dropped_group_score"] = _dropped_group_score_of(block, fields)

@@ -45,6 +45,7 @@ from torch import nn
 
 from megamoe_torch.hf.convert import layer_from_hf_tensors
 from megamoe_torch.hf.families import UnsupportedBlockError
+from megamoe_torch.hf.fp4 import fp8_experts_view, reads_through_fp8_view
 from megamoe_torch.hf.fp8 import activation_dtype_of
 from megamoe_torch.hf.reader import read_block
 from megamoe_torch.layer import MegaMoE
@@ -108,7 +109,7 @@ def megamoe_experts_forward(
         )
     if top_k_index.dim() != 2:
         raise ValueError(f"top_k_index must be [tokens, top_k], got {tuple(top_k_index.shape)}")
-    layer = _layer(self, top_k_index.shape[1])
+    layer = _layer(self, top_k_index.shape[1], hidden_states.dtype)
     norm = (
         getattr(self, POST_EXPERT_NORM, None)
         if getattr(self, "has_post_expert_norm", False)
@@ -163,9 +164,10 @@ class _RoutedExperts(nn.Module):
 
 
 @torch.compiler.disable  # probes and a cache lookup, never traced: one graph break a call
-def _layer(experts: nn.Module, top_k: int) -> MegaMoE:
-    """The MegaMoE computing `experts`' MLPs for `top_k` experts per token, built at the first
-    call (and again once the module holds other weight tensors or the options change)."""
+def _layer(experts: nn.Module, top_k: int, hidden_dtype: torch.dtype) -> MegaMoE:
+    """The MegaMoE computing `experts`' MLPs for `top_k` experts per token on hidden states of
+    `hidden_dtype`, built at the first call (and again once the module holds other weight
+    tensors or the options change)."""
     tensors = tuple(
         (name, id(tensor), tensor._version)
         for name, tensor in experts.state_dict(keep_vars=True).items()
@@ -175,16 +177,25 @@ def _layer(experts: nn.Module, top_k: int) -> MegaMoE:
         built = (tensors, {})
         _LAYERS[experts] = built
     layers = built[1]
-    if top_k not in layers:
-        layers[top_k] = _build_layer(experts, top_k)
-    return layers[top_k]
+    key = (top_k, hidden_dtype)
+    if key not in layers:
+        layers[key] = _build_layer(experts, top_k, hidden_dtype)
+    return layers[key]
 
 
-def _build_layer(experts: nn.Module, top_k: int) -> MegaMoE:
+def _build_layer(experts: nn.Module, top_k: int, hidden_dtype: torch.dtype) -> MegaMoE:
     experts = _projections(experts)
     held = experts.state_dict(keep_vars=True)
+    # FP4 experts (DeepSeek-V4's) and ue8m0 scales are read as the FP8 experts they convert to
+    read = fp8_experts_view(experts) if reads_through_fp8_view(experts) else experts
+    read_tensors = read.state_dict(keep_vars=True)
     weight = next(
-        (held[name] for name in ("gate_up_proj", "up_proj", "mlp.w1") if name in held), None
+        (
+            read_tensors[name]
+            for name in ("gate_up_proj", "up_proj", "mlp.w1")
+            if name in read_tensors
+        ),
+        None,
     )
     num_experts = getattr(experts, "num_experts", None)
     if weight is None or not isinstance(num_experts, int):
@@ -193,19 +204,21 @@ def _build_layer(experts: nn.Module, top_k: int) -> MegaMoE:
             f"(its tensors: {sorted(held)})"
         )
     hidden = weight.shape[1] if getattr(experts, "is_transposed", False) else weight.shape[-1]
-    # e4m3 experts do not show the activations' dtype: the model's config says it
+    # e4m3 experts do not show the activations' dtype: the model's config says it, else the
+    # hidden states do
     dtype = activation_dtype_of(
         expert_dtype=weight.dtype,
         model_config=getattr(experts, "config", None),
-        router_dtype=torch.bfloat16,
+        router_dtype=hidden_dtype,
     )
-    block = _RoutedExperts(experts, num_experts, hidden, min(top_k, num_experts), dtype)
+    block = _RoutedExperts(read, num_experts, hidden, min(top_k, num_experts), dtype)
     reading = read_block(block, structure_only=True)
     fields = dict(reading.config_fields, top_k=top_k)
     # the block's router is a stand-in: its routing fields do not matter, its weight is unused
     hf_tensors = {f"experts.{name}": tensor for name, tensor in held.items()}
+    device = held[next(iter(held))].device  # the weights' (the FP4 view's are on meta)
     hf_tensors[reading.naming.router_weight] = torch.zeros(
-        num_experts, hidden, device=weight.device, dtype=dtype
+        num_experts, hidden, device=device, dtype=dtype
     )
     options = dict(_OPTIONS)
     weight_dtype = options.pop("weight_dtype", "auto")
@@ -216,6 +229,6 @@ def _build_layer(experts: nn.Module, top_k: int) -> MegaMoE:
         options=options,
         weight_dtype=weight_dtype,
         layer_class=MegaMoE,
-        device=weight.device,
+        device=device,
         activation_dtype=dtype,
     ).train(experts.training)

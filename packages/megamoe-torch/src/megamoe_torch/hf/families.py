@@ -507,15 +507,9 @@ def check_tensor(
         pass
     elif tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         accepted = "e4m3 with 128 x 128 block scales, or " if allow_fp8 else ""
-        packed = (
-            " (packed FP4 experts, DeepSeek-V4's, convert from the checkpoint's tensors with "
-            "from_hf_state_dict)"
-            if allow_fp8 and tensor.dtype in (torch.int8, torch.uint8)
-            else ""
-        )
         raise UnsupportedBlockError(
             f"{what} is {tensor.dtype}: megamoe takes {accepted}full-precision weights; "
-            f"dequantize others first{packed}"
+            "dequantize others first"
         )
     if tensor.device.type == "meta" and not allow_meta:
         raise UnsupportedBlockError(f"{what} is on the meta device: load the weights first")

@@ -8,15 +8,23 @@ DeepSeek-V4 checkpoints (transformers' "fp8" quantization with `expert_dtype "fp
 The scales are ue8m0 (torch.float8_e8m0fnu, or its bytes as uint8: 2^(byte - 127)).
 
 On disk the scales sit at `X.scale` beside `X.weight` (`with_scales_inv_names` names them as
-transformers does). `as_fp8_checkpoint` turns such tensors into megamoe's FP8 format, exactly: a power-of-two scale
-is a float32 scale as it is; an FP4 weight's values, e2m1 x 2^s, are e4m3 values times one
-power-of-two scale per 128 x 128 block where the block's values span few enough binades (e2m1
-holds 0.5 to 6, e4m3 2^-9 to 448: the exponents of a block's 32-column scales within 14 of each
-other). A block whose values e4m3 cannot hold exactly raises UnsupportedBlockError naming the
-tensor; `weight_dtype=None` still converts it (`fp4_values`: e2m1 x 2^s is exact in bf16).
+transformers does). `as_fp8_checkpoint` turns such tensors into megamoe's FP8 format, exactly:
+a power-of-two scale is a float32 scale as it is; an FP4 weight's values, e2m1 x 2^s, are e4m3
+values times one power-of-two scale per 128 x 128 block where the block's values span few
+enough binades (e2m1 holds 0.5 to 6, e4m3 2^-9 to 448: the exponents of a block's 32-column
+scales within 14 of each other). A block whose values e4m3 cannot hold exactly raises
+UnsupportedBlockError naming the tensor; `weight_dtype=None` still converts it (`fp4_values`:
+e2m1 x 2^s is exact in bf16).
+
+A block transformers loaded from such a checkpoint holds FP8Experts of FP4 weights: reader.py
+reads it through `fp8_experts_view` (meta tensors of the FP8 weights it converts to), and a
+swapped block saves its experts back in the formats the block held (`in_block_formats`,
+`fp8_as_fp4`: the same values).
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from megamoe_kernels.shim.fp8 import WEIGHT_BLOCK
@@ -175,3 +183,161 @@ def _dequantized_fp4(
     for expert in range(weight.shape[0]):
         out[expert] = fp4_values(weight[expert], scales[expert], where=where)
     return out
+
+
+def fp8_as_fp4(
+    weight: torch.Tensor, scales: torch.Tensor, *, like: tuple[torch.dtype, torch.dtype], where: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of fp4_as_fp8, one expert at a time: (packed e2m1 [..., N, K / 2], ue8m0
+    scales [..., N, K / 32]) in the dtypes `like` (the FP4 weight's and its scales') holding the
+    values of e4m3 [..., N, K] and its float32 128 x 128 block scales; each 32 columns scaled by
+    the power of two that puts their largest magnitude at 4 or 6, the scale an encoder rounding
+    amax / 6 up to a power of two picks (32 values whose largest rounded to 3 have another
+    encoding too: 3 x 2^s is 6 x 2^(s-1)). Raises RuntimeError naming `where` for values FP4
+    cannot hold (weights that changed since they were read)."""
+    if weight.dim() == 2:
+        return _one_fp8_as_fp4(weight, scales, like=like, where=where)
+    packed, group_scales = zip(
+        *(
+            _one_fp8_as_fp4(weight[e], scales[e], like=like, where=f"{where} (expert {e})")
+            for e in range(weight.shape[0])
+        ),
+        strict=True,
+    )
+    return torch.stack(packed), torch.stack(group_scales)
+
+
+def _one_fp8_as_fp4(
+    weight: torch.Tensor, scales: torch.Tensor, *, like: tuple[torch.dtype, torch.dtype], where: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = weight.shape
+    values = (
+        weight.float()
+        * scales.repeat_interleave(WEIGHT_BLOCK, 0).repeat_interleave(WEIGHT_BLOCK, 1)[:rows, :cols]
+    )
+    groups = values.view(rows, -1, FP4_GROUP)
+    amax = groups.abs().amax(dim=-1, keepdim=True)
+    _, amax_exponent = torch.frexp(amax)  # amax = m x 2^e: floor(log2(amax)) = e - 1
+    exponent = torch.where(amax > 0, amax_exponent - 3, 0)
+    scaled = groups * torch.ldexp(torch.ones_like(amax), -exponent)  # powers of two: exact
+    magnitudes = torch.tensor(E2M1_MAGNITUDES, device=weight.device)
+    index = torch.searchsorted(magnitudes, scaled.abs()).clamp(max=len(E2M1_MAGNITUDES) - 1)
+    if not torch.equal(magnitudes[index], scaled.abs()) or int(exponent.abs().max()) > 127:
+        raise RuntimeError(
+            f"{where}: the weights hold values FP4 (e2m1 times a power of two per 32 columns) "
+            "cannot: they changed since the FP4 checkpoint was read, and are saved in it no more"
+        )
+    code = (index + 8 * torch.signbit(scaled)).flatten(-2).to(torch.uint8)
+    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).view(like[0])
+    scale_bytes = (exponent.squeeze(-1) + 127).to(torch.uint8).view(like[1])
+    return packed, scale_bytes
+
+
+def in_block_formats(
+    hf_state: dict[str, torch.Tensor], block_state: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """`hf_state` (megamoe's FP8 format under a block's names) in the formats `block_state`
+    holds (the replaced block's tensors, their dtypes and shapes): FP4 weights and their ue8m0
+    scales where the block held FP4, ue8m0 block scales where it held them; others as they
+    are."""
+    out = dict(hf_state)
+    for key, held in block_state.items():
+        scales_name = key + SCALES_SUFFIX
+        held_scales = block_state.get(scales_name)
+        if held_scales is None or scales_name not in out or key not in out:
+            continue
+        if is_fp4(held, held_scales) and out[key].dtype == FP8_WEIGHT_DTYPE:
+            out[key], out[scales_name] = fp8_as_fp4(
+                out[key], out[scales_name], like=(held.dtype, held_scales.dtype), where=key
+            )
+        elif held_scales.dtype in UE8M0_DTYPES and out[scales_name].dtype == torch.float32:
+            mantissa, exponent = torch.frexp(out[scales_name])
+            if not bool((mantissa == 0.5).all()):
+                raise RuntimeError(f"{scales_name}: block scales that are not powers of two")
+            out[scales_name] = (exponent - 1 + 127).to(torch.uint8).view(held_scales.dtype)
+    return out
+
+
+def fp8_experts_view(experts: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of an experts module holding, in place of FP4 weights and their ue8m0
+    scales, meta tensors of the e4m3 weights and float32 block scales megamoe reads them as
+    (fp4_as_fp8), and float32 meta tensors in place of other ue8m0 scales: what reader.py reads
+    its structure by (the probes never need the weights' values). `experts` is left as it
+    is."""
+    held = dict(experts.named_parameters(recurse=False))
+    view = copy.copy(experts)
+    view._parameters = dict(experts._parameters)
+    for name, weight in held.items():
+        scales = held.get(name + SCALES_SUFFIX)
+        if scales is None or not is_fp4(weight, scales):
+            continue
+        rows, cols = weight.shape[-2], 2 * weight.shape[-1]
+        blocks = (-(-rows // WEIGHT_BLOCK), -(-cols // WEIGHT_BLOCK))
+        view._parameters[name] = torch.nn.Parameter(
+            torch.empty((*weight.shape[:-2], rows, cols), dtype=FP8_WEIGHT_DTYPE, device="meta"),
+            requires_grad=False,
+        )
+        view._parameters[name + SCALES_SUFFIX] = torch.nn.Parameter(
+            torch.empty((*weight.shape[:-2], *blocks), device="meta"), requires_grad=False
+        )
+    return _with_float32_scales(view)
+
+
+def fp8_reading_view(block: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of `block` whose experts module is fp8_experts_view's and whose other
+    ue8m0 scales (FP8 shared experts', FP8 experts') are float32 meta tensors: the block as
+    reader.py reads the FP8 layer it converts to. `block` is left as it is."""
+    view = copy.copy(block)
+    view._modules = {**block._modules, "experts": fp8_experts_view(block.experts)}
+    return _with_float32_scales(view)
+
+
+def reads_through_fp8_view(module: torch.nn.Module) -> bool:
+    """Whether reader.py reads a block (or an experts module) through the views above: its
+    experts hold FP4 weights, or it holds ue8m0 scales."""
+    return (
+        holds_fp4_weights(module)
+        or holds_fp4_weights(getattr(module, "experts", None))
+        or any(
+            name.endswith(SCALES_SUFFIX) and tensor.dtype in UE8M0_DTYPES
+            for name, tensor in module.named_parameters()
+        )
+    )
+
+
+def _with_float32_scales(module: torch.nn.Module) -> torch.nn.Module:
+    """`module`, or a shallow copy of it whose ue8m0 scales (in it or its children) are float32
+    meta tensors of their shape."""
+    own = {
+        name: parameter
+        for name, parameter in module._parameters.items()
+        if parameter is not None
+        and parameter.dtype in UE8M0_DTYPES
+        and name.endswith(SCALES_SUFFIX)
+    }
+    children = {
+        name: _with_float32_scales(child)
+        for name, child in module._modules.items()
+        if child is not None
+    }
+    changed = {
+        name: child for name, child in children.items() if child is not module._modules[name]
+    }
+    if not own and not changed:
+        return module
+    view = copy.copy(module)
+    view._parameters = dict(module._parameters)
+    for name, parameter in own.items():
+        view._parameters[name] = torch.nn.Parameter(
+            torch.empty(parameter.shape, device="meta"), requires_grad=False
+        )
+    view._modules = {**module._modules, **changed}
+    return view
+
+
+def holds_fp4_weights(experts: torch.nn.Module | None) -> bool:
+    """Whether an experts module holds FP4 weights with their ue8m0 scales."""
+    if not isinstance(experts, torch.nn.Module):
+        return False
+    held = dict(experts.named_parameters(recurse=False))
+    return any(is_fp4(weight, held.get(name + SCALES_SUFFIX)) for name, weight in held.items())
