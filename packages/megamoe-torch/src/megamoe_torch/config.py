@@ -67,8 +67,9 @@ class MegaMoEConfig:
     # routing by token id (DeepSeek-V4's hash layers): the vocabulary size V of the layer's
     # `routing_table` [V, top_k] (int64), whose row input_ids[t] names token t's experts in place
     # of the top-k of its scores; their weights are still their scores, renormalised and scaled
-    # (no correction bias, no groups). The forward then takes `input_ids`. The torch layer path
-    # computes it (fused_path_status says why not the fused one). 0: the top-k of the scores
+    # (no correction bias, no groups). The forward then takes `input_ids`. On the fused path
+    # the routing kernel places the table's experts (the layer replays no graphs of its own: they
+    # take no token ids). 0: the top-k of the scores
     routing_table_vocab_size: int = 0
     # the router's matmul: "float32" (accurate) or "input" (in the hidden states' dtype, as
     # Mixtral and Qwen blocks in transformers do)

@@ -105,9 +105,12 @@ def shared_experts_batch_problems(
 
 
 def _row_major(tensor_TK: torch.Tensor | None) -> torch.Tensor | None:
-    """[T, K] `tensor_TK` with strides (K, 1), which the kernels' compiled signatures check
-    (a contiguous tensor may have others: an empty one, a slice of one row)."""
-    if tensor_TK is None or tensor_TK.stride() == (tensor_TK.shape[1], 1):
+    """[T, K] `tensor_TK` with strides (K, 1) and 16-byte aligned, as the kernels' compiled
+    signatures take it (a contiguous tensor may have other strides: an empty one, a slice of
+    one row; a slice may start anywhere): a copy where it is not."""
+    if tensor_TK is None or (
+        tensor_TK.stride() == (tensor_TK.shape[1], 1) and tensor_TK.data_ptr() % 16 == 0
+    ):
         return tensor_TK
     return tensor_TK.new_empty(tensor_TK.shape).copy_(tensor_TK)
 
