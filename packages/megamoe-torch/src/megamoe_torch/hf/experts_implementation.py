@@ -26,7 +26,8 @@ call (Ergo, whose experts compute one route per row).
 
 FP8 checkpoints' experts (transformers' FP8Experts, e4m3 with 128 x 128 block scales) look their
 implementation up in an interface of their own: megamoe registers there too, and their layers are
-FP8 layers on the module's e4m3 weights and scales.
+FP8 layers on the module's e4m3 weights and scales (DeepSeek-V4's FP4 experts: e4m3 copies
+holding their values, hf/fp4.py).
 
 The layer shares the module's weight tensors (their Parameters, where megamoe's layout is the
 module's: `gate_up_proj` [E, 2I, H] of gate rows then up rows, `down_proj` [E, H, I]), so
