@@ -27,6 +27,7 @@ from megamoe_torch.hf.fp4 import (
     as_fp8_checkpoint,
     fp4_as_fp8,
     fp4_values,
+    with_scales_inv_names,
 )
 
 E8M0 = torch.float8_e8m0fnu
@@ -353,3 +354,34 @@ def test_fp4_experts_run_on_megamoes_experts_implementation(deepseek_v4):
     x = torch.randn(2, 7, deepseek_v4.config.hidden_size)
     with torch.no_grad():
         assert relative_l2_error(block(x), oracle(x)) < 1e-5
+
+
+def test_scales_on_disk_are_named_as_transformers_names_them():
+    """`X.scale` beside a one-byte `X.weight` is its block scales; a norm's `.scale` (beside no
+    weight, or a full-precision one) stays."""
+    packed, scales = random_fp4((4, 32))
+    tensors = {
+        "experts.0.w1.weight": packed,
+        "experts.0.w1.scale": scales,
+        "q_norm.scale": torch.ones(4),
+        "proj.weight": torch.ones(4, 4),
+        "proj.scale": torch.ones(4),
+    }
+    renamed = with_scales_inv_names(tensors)
+    assert sorted(renamed) == [
+        "experts.0.w1.weight",
+        "experts.0.w1.weight_scale_inv",
+        "proj.scale",
+        "proj.weight",
+        "q_norm.scale",
+    ]
+    assert renamed["experts.0.w1.weight_scale_inv"] is scales
+
+
+def test_ue8m0_scales_as_uint8_bytes_read_as_e8m0_ones():
+    packed, scales = random_fp4((2, 130, 64))
+    expected = fp4_as_fp8(packed, scales, where="w")
+    for actual, wanted in zip(
+        fp4_as_fp8(packed, scales.view(torch.uint8), where="w"), expected, strict=True
+    ):
+        assert torch.equal(actual.view(torch.uint8), wanted.view(torch.uint8))
