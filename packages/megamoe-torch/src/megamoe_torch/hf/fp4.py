@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from megamoe_kernels import dequantize_weight_blocks
 from megamoe_kernels.shim.fp8 import WEIGHT_BLOCK
 from megamoe_runtime.weights import FP8_WEIGHT_DTYPE
 
@@ -210,12 +211,8 @@ def fp8_as_fp4(
 def _one_fp8_as_fp4(
     weight: torch.Tensor, scales: torch.Tensor, *, like: tuple[torch.dtype, torch.dtype], where: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, cols = weight.shape
-    values = (
-        weight.float()
-        * scales.repeat_interleave(WEIGHT_BLOCK, 0).repeat_interleave(WEIGHT_BLOCK, 1)[:rows, :cols]
-    )
-    groups = values.view(rows, -1, FP4_GROUP)
+    values = dequantize_weight_blocks(weight[None], scales[None])[0]
+    groups = values.view(weight.shape[0], -1, FP4_GROUP)
     amax = groups.abs().amax(dim=-1, keepdim=True)
     _, amax_exponent = torch.frexp(amax)  # amax = m x 2^e: floor(log2(amax)) = e - 1
     exponent = torch.where(amax > 0, amax_exponent - 3, 0)
