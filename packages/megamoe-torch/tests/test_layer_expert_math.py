@@ -874,3 +874,15 @@ def test_routed_experts_take_a_function_of_the_expert_rows_before_the_combine():
         identity.routed_experts(
             x, ids.clamp(max=2).repeat(1, 2)[:, :3], weights.repeat(1, 2)[:, :3], expert_rows_fn=abs
         )
+
+
+@pytest.mark.parametrize("fields", [LLAMA4, LONGCAT], ids=["weights_on_input", "identity"])
+def test_a_function_of_the_expert_rows_is_refused_where_rows_are_not_the_experts_alone(fields):
+    """routed_experts' expert_rows_fn takes the expert MLP's output rows: rows scaled by their
+    weight before the experts, or identity experts' token rows, are refused on every path."""
+    layer = make_layer(fields)
+    top_k = fields["top_k"]
+    x = torch.randn(5, 32)
+    ids = torch.stack([torch.randperm(8)[:top_k] for _ in range(5)])
+    with pytest.raises(ValueError, match="expert_rows_fn: rows of the expert MLP's output"):
+        layer.routed_experts(x, ids, torch.rand(5, top_k), expert_rows_fn=torch.nn.Identity())

@@ -1176,6 +1176,13 @@ class MegaMoE(nn.Module):
                 f"topk_weights must be shaped as topk_ids {tuple(topk_ids_TK.shape)}, got "
                 f"{tuple(topk_weights_TK.shape)}"
             )
+        if expert_rows_fn is not None and (
+            self.config.num_identity_experts or self.config.routing_weights_on_input
+        ):
+            raise ValueError(
+                "expert_rows_fn: rows of the expert MLP's output apart from identity experts "
+                "and routing weights on the input"
+            )
         if self.config.check_inputs:  # a host sync: only where check_inputs asks for it
             check_expert_ids(topk_ids_TK, self.config.num_experts)
         self._resolve_backend()
@@ -1237,13 +1244,6 @@ class MegaMoE(nn.Module):
     ) -> torch.Tensor:
         """The routed experts' y_TH on the torch path: the dispatcher's batch, the expert MLP on
         it (its output rows through `expert_rows_fn` where given), the dispatcher's combine."""
-        if expert_rows_fn is not None and (
-            self.config.num_identity_experts or self.config.routing_weights_on_input
-        ):
-            raise ValueError(
-                "expert_rows_fn: rows of the expert MLP's output apart from identity experts "
-                "and routing weights on the input"
-            )
         if self.config.num_identity_experts:
             return self._identity_combine(x_TH, topk_ids_TK, topk_weights_TK)
         batch, handle = self.dispatcher.dispatch(x_TH, topk_ids_TK, topk_weights_TK)
