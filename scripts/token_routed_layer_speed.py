@@ -6,8 +6,10 @@ The layer: 256 experts, top-6, hidden 4096, intermediate 2048, sqrt(softplus) sc
 weights and table. For each token count, the median wall time of an eager forward and the
 per-forward time of a CUDA-graph replay (a caller's capture of 10 forwards), the fused path
 (the table's experts placed by the routing kernel, weighted by their scores there, and the
-combine kernel) against layer_path="torch" (torch ops around the same expert GEMMs), the two
-paths timed in turn, and their outputs' rel-L2. Run on the GPU machine from the project root
+combine kernel; its eager forwards up to eager_graph_tokens tokens replay the layer's own
+graphs, "launched" the same forwards launching their kernels, eager_graph_tokens=0) against
+layer_path="torch" (torch ops around the same expert GEMMs), the three timed in turn, and the
+fused and torch paths' outputs' rel-L2. Run on the GPU machine from the project root
 (docs/benchmarks.md, "Setting up a GPU machine"):
 
     python3 scripts/token_routed_layer_speed.py --tokens 1 16 128 2048
@@ -49,9 +51,15 @@ def main() -> None:
     fused = MegaMoE(MegaMoEConfig(**HASH_LAYER), device=device, dtype=torch.bfloat16).eval()
     with torch.no_grad():
         fused.routing_table.copy_(torch.randint(256, fused.routing_table.shape, device=device))
-    plain = MegaMoE(replace(fused.config, layer_path="torch"), device=device, dtype=torch.bfloat16)
-    plain.load_state_dict(fused.state_dict())
+    # the same tensors (12.9 GB of experts), each layer with its own prepared weights
+    plain = MegaMoE(replace(fused.config, layer_path="torch"), device="meta", dtype=torch.bfloat16)
+    plain.load_state_dict(fused.state_dict(), assign=True)
     plain.eval()
+    launched = MegaMoE(
+        replace(fused.config, eager_graph_tokens=0), device="meta", dtype=torch.bfloat16
+    )
+    launched.load_state_dict(fused.state_dict(), assign=True)
+    launched.eval()
     ok, why = fused.fused_path_status(device)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device)}; fused path: {why}")
     if not ok:
@@ -65,8 +73,10 @@ def main() -> None:
             error = relative_l2_error(
                 fused(x, input_ids=ids).float(), plain(x, input_ids=ids).float()
             )
-            for _ in range(2):  # the paths in turn, twice
-                for name, layer in (("fused", fused), ("torch", plain)):
+            if not torch.equal(fused(x, input_ids=ids), launched(x, input_ids=ids)):
+                raise SystemExit(f"{tokens} tokens: a replayed forward differs from a launched one")
+            for _ in range(2):  # the three in turn, twice
+                for name, layer in (("fused", fused), ("launched", launched), ("torch", plain)):
 
                     def forward(layer=layer, x=x, ids=ids):
                         return layer(x, input_ids=ids)
@@ -84,6 +94,7 @@ def main() -> None:
             [
                 str(tokens),
                 " / ".join(f"{t[0]:.1f}" for t in times["fused"]),
+                " / ".join(f"{t[0]:.1f}" for t in times["launched"]),
                 " / ".join(f"{t[0]:.1f}" for t in times["torch"]),
                 " / ".join(f"{t[1]:.1f}" for t in times["fused"]),
                 " / ".join(f"{t[1]:.1f}" for t in times["torch"]),
@@ -97,6 +108,7 @@ def main() -> None:
             [
                 "tokens",
                 "fused eager us",
+                "launched eager us",
                 "torch eager us",
                 "fused graph us",
                 "torch graph us",

@@ -1,7 +1,9 @@
 """Small eager forwards replayed from the layer's own CUDA graphs (forward_graphs.py): the same
 bits as launching the forward, in the caller's shape, an output a caller holds never
 overwritten, a new graph whenever a weight or the config changes, per stream, bounded in number,
-never inside an outer capture, and a replay that runs none of the layer's other work."""
+never inside an outer capture, and a replay that runs none of the layer's other work. A layer
+routing by token id replays with each forward's ids, wherever they lie, and never without
+them."""
 
 from __future__ import annotations
 
@@ -28,6 +30,15 @@ FAMILIES = {
         num_shared_experts=1,
     ),
     "qwen3_fp8": dict(num_experts=32, top_k=4, weight_dtype="fp8"),
+    # DeepSeek-V4's hash layers: each token id's experts from the routing table
+    "dsv4_hashed": dict(
+        num_experts=32,
+        top_k=4,
+        scoring="sqrtsoftplus",
+        routed_scaling_factor=1.5,
+        num_shared_experts=1,
+        routing_table_vocab_size=1000,
+    ),
 }
 
 
@@ -48,6 +59,8 @@ def _pair(family: str) -> tuple[MegaMoE, MegaMoE]:
         pytest.skip(why)
     if replaying.e_score_correction_bias is not None:
         replaying.e_score_correction_bias.normal_(0, 0.05)
+    if replaying.routing_table is not None:
+        replaying.routing_table.random_(config.num_experts)
     launching = MegaMoE(replace(config, eager_graph_tokens=0), device="meta", dtype=torch.bfloat16)
     launching.load_state_dict(replaying.state_dict(), assign=True)  # the same tensors
     return replaying, launching
@@ -58,19 +71,68 @@ def _tokens(tokens: int, seed: int) -> torch.Tensor:
     return torch.randn(tokens, 512, device="cuda", generator=generator).bfloat16()
 
 
+def _ids(tokens: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randint(1000, (tokens,), device="cuda", generator=generator)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("tokens", [1, 7, 128])
 @torch.no_grad()
 def test_replayed_forwards_give_the_launched_forwards_bits(family, tokens):
+    # every forward passes token ids: the hashed layer routes by them, the others ignore them
     replaying, launching = _pair(family)
     for call in range(4):  # launched, captured, replayed twice (each output dropped)
-        x = _tokens(tokens, seed=call)
-        y, logits = replaying(x, return_router_logits=True)
-        expected, expected_logits = launching(x, return_router_logits=True)
+        x, ids = _tokens(tokens, seed=call), _ids(tokens, seed=call)
+        y, logits = replaying(x, input_ids=ids, return_router_logits=True)
+        expected, expected_logits = launching(x, input_ids=ids, return_router_logits=True)
         assert torch.equal(y, expected), f"call {call}"
         assert torch.equal(logits, expected_logits), f"call {call}"
         del y, logits
     assert len(replaying._forward_graphs) == 1
+    if family != "dsv4_hashed":  # ids or none: the same graph
+        assert torch.equal(replaying(x), expected)
+        assert len(replaying._forward_graphs) == 1
+
+
+@torch.no_grad()
+def test_a_hashed_replay_reads_the_callers_ids_wherever_they_lie():
+    # the graph's second copy node brings the ids in from each forward's ids: the same buffer
+    # rewritten, another buffer, a strided view, the caller's [batch, sequence] shape; ids of
+    # another dtype are another graph, and a forward without usable ids is refused, never
+    # replayed
+    replaying, launching = _pair("dsv4_hashed")
+    x, ids = _tokens(4, seed=70), _ids(4, seed=70)
+    for _ in range(2):  # launched, captured
+        replaying(x, input_ids=ids)
+    (entry,) = _entries(replaying)
+    if entry.copy_source is not None:
+        assert entry.ids_copy_source is not None
+    ids.copy_(_ids(4, seed=71))  # the same address, new ids
+    assert torch.equal(replaying(x, input_ids=ids), launching(x, input_ids=ids))
+    other = _ids(4, seed=72)
+    assert torch.equal(replaying(x, input_ids=other), launching(x, input_ids=other))
+    strided = _ids(8, seed=73)[::2]
+    assert not strided.is_contiguous()
+    expected = launching(x, input_ids=strided.contiguous())
+    assert torch.equal(replaying(x, input_ids=strided), expected)
+    assert len(_entries(replaying)) == 1
+    for call in range(3):  # another dtype: launched, captured, replayed
+        narrow = _ids(4, seed=74 + call).int()
+        assert torch.equal(replaying(x, input_ids=narrow), launching(x, input_ids=narrow.long()))
+    assert len(_entries(replaying)) == 2
+    batched, batched_ids = x.view(2, 2, 512), ids.view(2, 2)
+    for _ in range(3):
+        y = replaying(batched, input_ids=batched_ids)
+        assert y.shape == (2, 2, 512)
+        assert torch.equal(y, launching(batched, input_ids=batched_ids))
+        del y
+    with pytest.raises(TypeError, match="pass input_ids"):
+        replaying(x)
+    with pytest.raises(ValueError, match="one id per token"):
+        replaying(x, input_ids=ids.cpu())
+    with pytest.raises(ValueError, match="one id per token"):
+        replaying(x, input_ids=ids[:3])
 
 
 def _graph_outputs(layer: MegaMoE) -> set[int]:

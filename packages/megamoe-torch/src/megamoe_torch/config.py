@@ -68,8 +68,8 @@ class MegaMoEConfig:
     # `routing_table` [V, top_k] (int64), whose row input_ids[t] names token t's experts in place
     # of the top-k of its scores; their weights are still their scores, renormalised and scaled
     # (no correction bias, no groups). The forward then takes `input_ids`. On the fused path
-    # the routing kernel places the table's experts (the layer replays no graphs of its own: they
-    # take no token ids). 0: the top-k of the scores
+    # the routing kernel places the table's experts (eager forwards replay the layer's graphs,
+    # the ids copied in beside the tokens). 0: the top-k of the scores
     routing_table_vocab_size: int = 0
     # the router's matmul: "float32" (accurate) or "input" (in the hidden states' dtype, as
     # Mixtral and Qwen blocks in transformers do)

@@ -7,10 +7,12 @@ A replay costs the host one `cudaGraphLaunch`, after pointing the graph's first 
 copies the tokens in, at the caller's tokens where they moved (graph_input.py; without the CUDA
 runtime bindings a torch copy precedes the launch). docs/benchmarks.md has the numbers.
 
-`ForwardGraphs.forward(layer, x, router_logits=...)` returns (y, router_logits_TE or None), y
-in x's shape, or None where the forward should run eagerly. Graphs are kept per (x's shape,
-dtype and device, the caller's stream, the identity and version of every parameter and buffer
-of the layer) under one layer config: the first forward of a key runs eagerly (it compiles the
+`ForwardGraphs.forward(layer, x, input_ids=..., router_logits=...)` returns (y, router_logits_TE
+or None), y in x's shape, or None where the forward should run eagerly. `input_ids`: the token
+ids of a layer that routes by token id (its routing table looks their experts up inside the
+graph), brought in by a second copy node as the tokens are; None for other layers. Graphs are
+kept per (x's shape, dtype and device, the ids' shape, dtype and device, the caller's stream,
+the identity and version of every parameter and buffer of the layer) under one layer config: the first forward of a key runs eagerly (it compiles the
 kernels and warms the caches the capture records), the second captures, the later ones replay.
 Any change to a weight (in place, replaced, moved) changes the key, so a replay never reads
 stale prepared weights; a new config (`use_backend`) drops every graph. At most `MAX_GRAPHS`
@@ -31,11 +33,12 @@ any tensor the caching allocator may hand out again does. The router logits
 when the capture ran under `torch.inference_mode`, so a graph replays inside and outside it
 alike, and its output takes in-place updates in both.
 
-`ForwardGraphs.replay(layer, x, router_logits=...)` is the layer's lean path, taken before any
-other work of a forward that autograd does not record: the replay of a graph already captured
-for this key (which the layer's checks admitted when it captured) whose output is free, or
-None. Its host time is the key (an address and a version per parameter), the copy node's
-update where the tokens moved, and the graph launch.
+`ForwardGraphs.replay(layer, x, input_ids=..., router_logits=...)` is the layer's lean path,
+taken before any other work of a forward that autograd does not record: the replay of a graph
+already captured for this key (which the layer's checks admitted when it captured: the ids'
+shape and device among them) whose output is free, or None. Its host time is the key (an
+address and a version per parameter), the copy nodes' updates where the tokens or ids moved,
+and the graph launch.
 
 The graphs of one (device, stream), every layer's, share one memory pool while one of them
 lives: replays on one stream never overlap, and each graph's static input (outside the pool)
@@ -85,6 +88,10 @@ class _Graph:
     router_logits_TE: torch.Tensor
     # the graph's first node, copying the tokens into x (None: copied by torch before a replay)
     copy_source: CopySource | None = None
+    # a layer routing by token id: the static ids [T] and the node copying them in (None: by
+    # torch, as the tokens)
+    ids: torch.Tensor | None = None
+    ids_copy_source: CopySource | None = None
     # y's storage, held: with y, the two references to it while no caller holds an output
     y_storage: torch.UntypedStorage = field(init=False)
 
@@ -96,18 +103,21 @@ class _Graph:
         return torch._C._storage_Use_Count(self.y_storage._cdata) == 2
 
     def run(
-        self, x: torch.Tensor, router_logits: bool
+        self, x: torch.Tensor, input_ids: torch.Tensor | None, router_logits: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Replays (the output must be free) and returns (an alias of the output, a copy of the
-        router logits or None); None where the tokens could not be brought in (nothing ran)."""
+        router logits or None); None where the tokens or ids could not be brought in (nothing
+        ran)."""
         if self.copy_source is None:
             self.x.copy_(x)
+            if self.ids is not None:
+                self.ids.copy_(input_ids.reshape(-1))
         else:
-            # the graph's copy reads x at its launch, in stream order (a contiguous copy made
-            # here is freed to this stream's pool, behind that launch)
-            if not x.is_contiguous():
-                x = x.contiguous()
-            if not self.copy_source.point_at(x.data_ptr()):
+            # the graph's copies read x and the ids at its launch, in stream order (a contiguous
+            # copy made here is freed to this stream's pool, behind that launch)
+            if not _points_at(self.copy_source, x):
+                return None
+            if self.ids is not None and not _points_at(self.ids_copy_source, input_ids):
                 return None
         self.graph.replay()
         # the logits may lie in another graph's scratch: the caller gets its own
@@ -168,12 +178,26 @@ class ForwardGraphs:
             ]
         return tensor_versions([container[name] for container, name in self._tensor_slots])
 
-    def _key(self, layer: torch.nn.Module, x: torch.Tensor, device_index: int) -> tuple:
+    def _key(
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        input_ids: torch.Tensor | None,
+        device_index: int,
+    ) -> tuple:
         stream = torch._C._cuda_getCurrentRawStream(device_index)
-        return (x.shape, x.dtype, device_index, stream, self._weights_signature(layer))
+        ids = None
+        if input_ids is not None:
+            ids = (input_ids.shape, input_ids.dtype, input_ids.get_device())
+        return (x.shape, x.dtype, ids, device_index, stream, self._weights_signature(layer))
 
     def replay(
-        self, layer: torch.nn.Module, x: torch.Tensor, *, router_logits: bool = False
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        *,
+        input_ids: torch.Tensor | None = None,
+        router_logits: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The replay of a graph captured for this forward's key whose output is free, or None
         (no such graph, another config, a CPU tensor, or the caller's stream capturing a graph
@@ -183,17 +207,24 @@ class ForwardGraphs:
         device_index = x.get_device()
         if device_index < 0:
             return None
-        entry = _free_graph(self._graphs.get(self._key(layer, x, device_index), ()))
+        key = self._key(layer, x, input_ids, device_index)
+        entry = _free_graph(self._graphs.get(key, ()))
         if entry is None or torch.cuda.is_current_stream_capturing():
             return None
-        return entry.run(x, router_logits)
+        return entry.run(x, input_ids, router_logits)
 
     def forward(
-        self, layer: torch.nn.Module, x: torch.Tensor, *, router_logits: bool = False
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        *,
+        input_ids: torch.Tensor | None = None,
+        router_logits: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """A forward the layer admitted for graphs: replayed, captured (the second forward of its
-        key, or one whose caller holds the output of the key's only graph) or None (the first:
-        run it eagerly; or every graph's output held)."""
+        """A forward the layer admitted for graphs (and, routing by token id, its checked
+        input_ids): replayed, captured (the second forward of its key, or one whose caller holds
+        the output of the key's only graph) or None (the first: run it eagerly; or every
+        graph's output held)."""
         if not 0 < x.numel() // layer.config.hidden_size <= self.max_tokens:
             return None
         if layer.config is not self._config:
@@ -201,7 +232,7 @@ class ForwardGraphs:
             self._config = layer.config
         device_index = x.get_device()
         stream = torch._C._cuda_getCurrentRawStream(device_index)
-        key = self._key(layer, x, device_index)
+        key = self._key(layer, x, input_ids, device_index)
         graphs = self._graphs.get(key)
         if graphs is None:
             if key not in self._seen:
@@ -219,19 +250,24 @@ class ForwardGraphs:
         if entry is None:
             if len(graphs) == GRAPHS_PER_KEY:
                 return None
-            entry = self._capture(layer, x, device_index, stream)
+            entry = self._capture(layer, x, input_ids, device_index, stream)
             if entry is None:
                 return None
             graphs.append(entry)
-        return entry.run(x, router_logits)
+        return entry.run(x, input_ids, router_logits)
 
     def _capture(
-        self, layer: torch.nn.Module, x: torch.Tensor, device_index: int, stream: int
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        input_ids: torch.Tensor | None,
+        device_index: int,
+        stream: int,
     ) -> _Graph | None:
-        """A graph of this forward, its tokens copied in by its first node (graph_input.py)
-        where that node can be pointed at each replay's tokens; else by torch before each
-        replay. None where the copy did not come out as such a node: the forward launches,
-        and later captures copy with torch."""
+        """A graph of this forward, its tokens (and ids) copied in by its first nodes
+        (graph_input.py) where those nodes can be pointed at each replay's tokens; else by
+        torch before each replay. None where a copy did not come out as such a node: the
+        forward launches, and later captures copy with torch."""
         global _copies_in_graph
         # the static input and output, allocated before the capture: outside the shared pool.
         # Normal tensors even under inference mode: a replay outside it writes the input in
@@ -239,9 +275,16 @@ class ForwardGraphs:
         with torch.inference_mode(False):
             static_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
             static_y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            static_ids = None
+            if input_ids is not None:
+                static_ids = torch.empty(input_ids.numel(), dtype=input_ids.dtype, device=x.device)
         copies_in_graph = _copies_in_graph
-        # the tokens the graph's copy reads at the capture (later replays point it elsewhere)
+        # the tokens (and ids) the graph's copies read at the capture (later replays point them
+        # elsewhere)
         source = x.contiguous() if copies_in_graph else None
+        ids_source = None
+        if copies_in_graph and input_ids is not None:
+            ids_source = input_ids.contiguous().view(-1)
         graph = torch.cuda.CUDAGraph(keep_graph=True) if copies_in_graph else torch.cuda.CUDAGraph()
         hidden = layer.config.hidden_size
         # thread_local: another thread's CUDA calls during the capture are not an error
@@ -250,24 +293,45 @@ class ForwardGraphs:
         ):
             if copies_in_graph:
                 static_x.copy_(source)
+                if static_ids is not None:
+                    static_ids.copy_(ids_source)
             _, router_logits_TE = layer._fused_forward_from_tokens(
-                static_x.view(-1, hidden), out_TH=static_y.view(-1, hidden)
+                static_x.view(-1, hidden), input_ids=static_ids, out_TH=static_y.view(-1, hidden)
             )
-        copy_source = None
+        copy_source = ids_copy_source = None
         if copies_in_graph:
             graph.instantiate()
-            copy_source = CopySource.find(
-                graph,
-                dst=static_x.data_ptr(),
-                src=source.data_ptr(),
-                nbytes=static_x.numel() * static_x.element_size(),
-                device_index=device_index,
-            )
-            if copy_source is None:
+            copy_source = _copy_node(graph, static_x, source, device_index)
+            if static_ids is not None and copy_source is not None:
+                ids_copy_source = _copy_node(graph, static_ids, ids_source, device_index)
+            if copy_source is None or (static_ids is not None and ids_copy_source is None):
                 _copies_in_graph = False
                 return None
         _LIVE_GRAPHS.setdefault((device_index, stream), weakref.WeakSet()).add(graph)
-        return _Graph(graph, static_x, static_y, router_logits_TE, copy_source)
+        return _Graph(
+            graph, static_x, static_y, router_logits_TE, copy_source, static_ids, ids_copy_source
+        )
+
+
+def _copy_node(
+    graph: torch.cuda.CUDAGraph, static: torch.Tensor, source: torch.Tensor, device_index: int
+) -> CopySource | None:
+    """The node of `graph` that copies `source` into `static` (graph_input.py), or None."""
+    return CopySource.find(
+        graph,
+        dst=static.data_ptr(),
+        src=source.data_ptr(),
+        nbytes=static.numel() * static.element_size(),
+        device_index=device_index,
+    )
+
+
+def _points_at(copy_source: CopySource, tensor: torch.Tensor) -> bool:
+    """Points a graph's copy node at `tensor` (made contiguous first where it is not); False
+    where the runtime refused."""
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    return copy_source.point_at(tensor.data_ptr())
 
 
 def _free_graph(graphs) -> _Graph | None:

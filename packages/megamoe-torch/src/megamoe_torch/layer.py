@@ -967,14 +967,26 @@ class MegaMoE(nn.Module):
         return [tensor for tensor in tensors if tensor is not None]
 
     def _fused_forward_from_tokens(
-        self, x_TH: torch.Tensor, *, out_TH: torch.Tensor | None = None
+        self,
+        x_TH: torch.Tensor,
+        *,
+        input_ids: torch.Tensor | None = None,
+        out_TH: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(y_TH, router_logits_TE) of the fused path, the output norm applied, y written into
-        `out_TH` where given: what a captured forward records."""
+        `out_TH` where given: what a captured forward records. `input_ids`: the checked token
+        ids of a layer routing by token id."""
         router_logits_TE = self.router_logits(x_TH)
+        table_ids_TK = None if self.routing_table is None else self._table_ids(input_ids)
+        y_TH = self._fused_forward(
+            x_TH,
+            router_logits_TE,
+            table_ids_TK=table_ids_TK,
+            out_TH=out_TH if self.output_norm is None else None,
+        )
         if self.output_norm is None:
-            return self._fused_forward(x_TH, router_logits_TE, out_TH=out_TH), router_logits_TE
-        y_TH = self.output_norm(self._fused_forward(x_TH, router_logits_TE))
+            return y_TH, router_logits_TE
+        y_TH = self.output_norm(y_TH)
         if out_TH is not None:
             y_TH = out_TH.copy_(y_TH)
         return y_TH, router_logits_TE
@@ -996,7 +1008,6 @@ class MegaMoE(nn.Module):
             and not torch.compiler.is_compiling()
             and self._routes_on_this_gpu
             and not self.config.check_inputs
-            and self.routing_table is None  # the graphs take no token ids
             and x_TH.is_cuda
             and self._runs_fused(x_TH)
             and self._expert_backend.captures_in_graphs
@@ -1064,7 +1075,12 @@ class MegaMoE(nn.Module):
         ):
             # the lean path: a forward of a shape this layer captured, replayed with no other
             # work (the checks below admitted it when it was captured)
-            replayed = self._forward_graphs.replay(self, x, router_logits=return_router_logits)
+            replayed = self._forward_graphs.replay(
+                self,
+                x,
+                input_ids=self._graph_input_ids(input_ids),
+                router_logits=return_router_logits,
+            )
             if replayed is not None:
                 return replayed if return_router_logits else replayed[0]
         self._check_input(x)
@@ -1080,7 +1096,12 @@ class MegaMoE(nn.Module):
             self._resolve_backend()
             self._resolve_dispatcher(x_TH)
         if self._replays_graphs(x_TH):
-            replayed = self._forward_graphs.forward(self, x, router_logits=return_router_logits)
+            replayed = self._forward_graphs.forward(
+                self,
+                x,
+                input_ids=self._graph_input_ids(input_ids),
+                router_logits=return_router_logits,
+            )
             if replayed is not None:
                 return replayed if return_router_logits else replayed[0]
         runs_fused = self._runs_fused(x_TH)
@@ -1100,7 +1121,7 @@ class MegaMoE(nn.Module):
             else:
                 table_ids_TK = None
                 if self.routing_table is not None:
-                    table_ids_TK = self.routing_table[input_ids.reshape(-1)]
+                    table_ids_TK = self._table_ids(input_ids)
                 y_TH = self._fused_forward(x_TH, router_logits_TE, table_ids_TK=table_ids_TK)
             y = self._normed(y_TH.view(x.shape))
             return (y, router_logits_TE) if return_router_logits else y
@@ -1113,7 +1134,7 @@ class MegaMoE(nn.Module):
         elif self.routing_table is not None:
             if self.config.check_inputs:
                 check_finite_logits(router_logits_TE)
-            topk_ids_TK = self.routing_table[input_ids.reshape(-1)]
+            topk_ids_TK = self._table_ids(input_ids)
             topk_weights_TK = weights_of_chosen(router_logits_TE, topk_ids_TK, self.config.router)
             topk_ids_TK = topk_ids_TK.to(torch.int32)
         else:
@@ -1296,6 +1317,18 @@ class MegaMoE(nn.Module):
             raise TypeError(f"x is {x.dtype} but the layer's weights are {self.activation_dtype}")
         if x.device != self.w13.device:
             raise ValueError(f"x is on {x.device} but the layer's weights are on {self.w13.device}")
+
+    def _table_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T, top_k] int64: the routing table's experts for each token id (checked ids)."""
+        return self.routing_table[input_ids.reshape(-1)]
+
+    def _graph_input_ids(self, input_ids) -> torch.Tensor | None:
+        """The token ids a graph of this forward takes: a layer routing by token id, its
+        input_ids tensor (a key of the graphs; checked before any capture); other layers, None
+        (they ignore the ids)."""
+        if not self.config.routing_table_vocab_size or not isinstance(input_ids, torch.Tensor):
+            return None
+        return input_ids
 
     def _check_input_ids(self, input_ids: torch.Tensor | None, x: torch.Tensor) -> None:
         """input_ids of a layer that routes by token id: T integers on x's device (their
