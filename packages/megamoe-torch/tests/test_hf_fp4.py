@@ -27,6 +27,7 @@ from megamoe_torch.hf.fp4 import (
     as_fp8_checkpoint,
     fp4_as_fp8,
     fp4_values,
+    fp8_as_fp4,
     with_scales_inv_names,
 )
 
@@ -385,3 +386,49 @@ def test_ue8m0_scales_as_uint8_bytes_read_as_e8m0_ones():
         fp4_as_fp8(packed, scales.view(torch.uint8), where="w"), expected, strict=True
     ):
         assert torch.equal(actual.view(torch.uint8), wanted.view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_the_conversions_on_a_gpu_give_the_cpus_bytes():
+    """transformers loads a DeepSeek-V4 model onto the GPU with its FP4 experts and ue8m0 scales
+    there, and megamoe converts them where they lie: each conversion on CUDA tensors gives the
+    CPU's bytes (values, e4m3 weights and block scales, ue8m0 block scales, the way back to FP4,
+    the refusals)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    packed, scales = random_fp4((3, 200, 160), exponents=(-20, -6))
+    packed[..., :16] = 0
+    on_gpu = packed.cuda(), scales.cuda()
+    assert torch.equal(fp4_values(*on_gpu, where="w").cpu(), fp4_values(packed, scales, where="w"))
+    quantized, block_scales = fp4_as_fp8(packed, scales, where="w")
+    gpu_quantized, gpu_block_scales = fp4_as_fp8(*on_gpu, where="w")
+    assert gpu_quantized.is_cuda and gpu_block_scales.is_cuda
+    assert torch.equal(gpu_quantized.cpu().view(torch.uint8), quantized.view(torch.uint8))
+    assert torch.equal(gpu_block_scales.cpu(), block_scales)
+    like = (packed.dtype, scales.dtype)
+    back = fp8_as_fp4(gpu_quantized, gpu_block_scales, like=like, where="w")
+    expected = fp8_as_fp4(quantized, block_scales, like=like, where="w")
+    for actual, wanted in zip(back, expected, strict=True):
+        assert actual.is_cuda and torch.equal(
+            actual.cpu().view(torch.uint8), wanted.view(torch.uint8)
+        )
+    assert torch.equal(fp4_values(*back, where="w").cpu(), fp4_values(packed, scales, where="w"))
+
+    weight, ue8m0, _ = fp8_ue8m0_quantized(torch.randn(200, 130))
+    tensors = {"w": weight, "w_scale_inv": ue8m0, "e": packed, "e_scale_inv": scales}
+    on_cpu = as_fp8_checkpoint(tensors)
+    converted = as_fp8_checkpoint({key: tensor.cuda() for key, tensor in tensors.items()})
+    assert list(converted) == list(on_cpu)
+    for key, tensor in converted.items():
+        assert tensor.is_cuda and tensor.dtype == on_cpu[key].dtype
+        assert torch.equal(tensor.cpu().view(torch.uint8), on_cpu[key].view(torch.uint8))
+
+    spread = scales.view(torch.uint8).clone()
+    spread[1, 3, 0] = 127 + 20
+    packed[1, 3, :16] = 0x11  # 0.5 x 2^20 beside values near 2^-6: more binades than e4m3 holds
+    with pytest.raises(UnsupportedBlockError, match=r"w \(expert 1\): .* row 0, column 0"):
+        fp4_as_fp8(packed.cuda(), spread.view(E8M0).cuda(), where="w")
+    nan = ue8m0.view(torch.uint8).clone()
+    nan[0, 0] = 255
+    with pytest.raises(ValueError, match="w_scale_inv holds the ue8m0 NaN"):
+        as_fp8_checkpoint({"w": weight.cuda(), "w_scale_inv": nan.view(E8M0).cuda()})
