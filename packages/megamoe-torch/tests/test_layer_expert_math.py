@@ -806,6 +806,9 @@ def test_a_table_routed_layer_takes_input_ids_and_checks_them():
     assert torch.equal(
         layer(x, input_ids=ids), layer(x.view(1, 5, 32), input_ids=ids.view(1, 5))[0]
     )
+    # and in any integer dtype (uint8 ids are ids, not a mask)
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        assert torch.equal(layer(x, input_ids=ids.to(dtype)), layer(x, input_ids=ids))
     # on a GPU the fused path places the table's experts (test_fused_layer.py)
     assert "sm_90 CUDA GPU" in layer.fused_path_status("cpu")[1]
 

@@ -1319,8 +1319,13 @@ class MegaMoE(nn.Module):
             raise ValueError(f"x is on {x.device} but the layer's weights are on {self.w13.device}")
 
     def _table_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[T, top_k] int64: the routing table's experts for each token id (checked ids)."""
-        return self.routing_table[input_ids.reshape(-1)]
+        """[T, top_k] int64: the routing table's experts for each token id (checked ids of any
+        integer dtype: uint8 ones index the table too, where torch would take them as a
+        mask)."""
+        ids_T = input_ids.reshape(-1)
+        if ids_T.dtype not in (torch.int32, torch.int64):
+            ids_T = ids_T.long()
+        return self.routing_table[ids_T]
 
     def _graph_input_ids(self, input_ids) -> torch.Tensor | None:
         """The token ids a graph of this forward takes: a layer routing by token id, its
