@@ -1,7 +1,7 @@
 """When a replayed forward's static output is free to be written again (forward_graphs.py): only
 while no tensor of a caller, a view included, shares its storage; and the graphs a key takes
-while outputs are held. CPU: the rule is the storage's use count, and the captures are stood in
-for, so neither needs a GPU."""
+while outputs are held, and the token ids a key takes. CPU: the rule is the storage's use
+count, and the captures are stood in for, so neither needs a GPU."""
 
 from __future__ import annotations
 
@@ -71,12 +71,13 @@ def test_a_key_takes_a_second_graph_while_the_first_output_is_held(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
     captured = []
 
-    def capture(self, layer, x, device_index, stream):
+    def capture(self, layer, x, input_ids, device_index, stream):
         graph = _Graph(
             graph=_Replays(),
             x=torch.empty_like(x),
             y=torch.empty_like(x),
             router_logits_TE=torch.empty(x.shape[0], 4),
+            ids=None if input_ids is None else input_ids.new_empty(input_ids.numel()),
         )
         captured.append(graph)
         return graph
@@ -97,3 +98,12 @@ def test_a_key_takes_a_second_graph_while_the_first_output_is_held(monkeypatch):
     assert logits.data_ptr() != captured[0].router_logits_TE.data_ptr()  # a copy
     assert [graph.graph.replays for graph in captured] == [2, 1]
     assert len(graphs) == 1  # one key
+    del second, again
+    # a layer routing by token id: its ids are part of the key, brought in before each replay
+    ids = torch.tensor([[3, 5]])
+    assert graphs.forward(layer, x, input_ids=ids) is None  # another key: launched
+    graphs.forward(layer, x, input_ids=ids)  # captured and replayed
+    graphs.forward(layer, x, input_ids=torch.tensor([[7, 1]]))
+    assert len(graphs) == 2 and captured[-1].graph.replays == 2
+    assert torch.equal(captured[-1].ids, torch.tensor([7, 1]))
+    assert graphs.forward(layer, x, input_ids=ids.int()) is None  # another dtype: another key
