@@ -222,6 +222,36 @@ def test_shared_experts_the_batch_cannot_hold_say_why():
 
 
 @torch.no_grad()
+def test_a_backend_switch_frees_the_prepared_weights_before_preparing_anew(monkeypatch):
+    """The prepared expert weights (the backend's copy: tens of GB at DeepSeek-V3's size) are
+    held by the layer's cache alone, the routed experts' view of weights prepared with the
+    shared ones included: a backend switch frees them before the next preparation (the view
+    kept them alive, and `megamoe demo` ran an 80 GB GPU out of memory at dsv3)."""
+    import weakref
+
+    layer = MegaMoE(MegaMoEConfig(**DSV3, shared_experts_path="batch"), dtype=torch.float32)
+    # as on a GPU's fused path: the shared expert prepared as a 17th expert of the routed ones
+    monkeypatch.setattr(layer, "_shared_batch_experts", lambda: 1)
+    layer._resolve_backend()
+    whole = layer._prepared_weights(shared_in_batch=True)
+    routed = layer._prepared_weights()
+    assert whole.w13_E2IH.shape[0] == 17 and routed.w13_E2IH.shape[0] == 16
+    assert routed.w13_E2IH.data_ptr() == whole.w13_E2IH.data_ptr()  # a view, no copy
+    old = weakref.ref(whole.w13_E2IH)
+    del whole, routed
+    layer.use_backend("reference")
+    layer._resolve_backend()
+    prepare = layer._expert_backend.prepare
+
+    def checked_prepare(pack):
+        assert old() is None, "the weights prepared before the switch are still held"
+        return prepare(pack)
+
+    monkeypatch.setattr(layer._expert_backend, "prepare", checked_prepare)
+    assert layer._prepared_weights().w13_E2IH.shape[0] == 16
+
+
+@torch.no_grad()
 def test_a_dropped_layer_is_freed_by_its_last_reference():
     """No reference cycle holds a layer (its captured graphs included): what it owns is freed
     when the last reference goes, never by the cycle collector at a random moment, such as in

@@ -393,9 +393,8 @@ class MegaMoE(nn.Module):
         )
         self._fused_status: dict[tuple, tuple[bool, str]] = {}
         # per backend: how many experts the shared experts make in the fused path's batch (0:
-        # they run as their own MLP), and the routed experts' view of weights prepared with them
+        # they run as their own MLP)
         self._shared_in_batch: dict[tuple, int] = {}
-        self._routed_view: tuple[object, object] | None = None
         # small eager forwards on the fused path replay CUDA graphs of themselves
         self._forward_graphs = ForwardGraphs(max_tokens=config.eager_graph_tokens)
         # knobs="auto": times the GEMM knobs of each new batch class once (collectively under
@@ -555,7 +554,9 @@ class MegaMoE(nn.Module):
         def prepare():
             with torch.no_grad():
                 pack = self.shared_in_batch_weight_pack() if shared else self.expert_weight_pack()
-                return self._expert_backend.prepare(pack)
+                prepared = self._expert_backend.prepare(pack)
+            # and the routed experts' views of them (a batch without the shared experts)
+            return prepared, first_experts(prepared, len(self.local_experts)) if shared else None
 
         weights = [
             self.w13,
@@ -568,13 +569,12 @@ class MegaMoE(nn.Module):
         if shared:
             mlp = self.shared_experts
             weights += [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
-        # the backend's layout is rebuilt only when the weights change (in place or replaced)
-        prepared = self._prepared.get(weights, prepare, context=(self._backend_name, shared))
-        if not shared or shared_in_batch:
-            return prepared
-        if self._routed_view is None or self._routed_view[0] is not prepared:
-            self._routed_view = (prepared, first_experts(prepared, len(self.local_experts)))
-        return self._routed_view[1]
+        # the backend's layout is rebuilt only when the weights change (in place or replaced);
+        # the cache alone holds it, so a backend switch or a rebuild frees it first
+        prepared, routed = self._prepared.get(
+            weights, prepare, context=(self._backend_name, shared)
+        )
+        return prepared if not shared or shared_in_batch else routed
 
     def _shared_batch_experts(self) -> int:
         """How many experts the shared experts make when they join the fused path's batch, S =

@@ -23,7 +23,10 @@ def tensor_versions(tensors: Iterable[torch.Tensor | None]) -> tuple:
 
 
 class DerivedTensorCache(Generic[Value]):
-    """Holds `derive()`'s value until the tensors it was derived from (or `context`) change."""
+    """Holds `derive()`'s value until the tensors it was derived from (or `context`) change.
+    The value it replaces is dropped before `derive()` runs, so that (no caller holding it) its
+    memory is free for the new one: prepared expert weights take tens of GB at DeepSeek-V3's
+    size, and holding both through a rebuild ran an 80 GB GPU out of memory."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
@@ -38,6 +41,7 @@ class DerivedTensorCache(Generic[Value]):
     ) -> Value:
         key = (*context, *tensor_versions(tensors))
         if key != self._key:
+            self.clear()
             self._value = derive()
             self._key = key
         return self._value  # type: ignore[return-value]
