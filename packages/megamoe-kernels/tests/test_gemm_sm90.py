@@ -192,7 +192,8 @@ def test_the_dynamic_schedule_repeats_bitwise_and_leaves_its_counter_zero():
 def test_untransformed_or_malformed_weights_are_refused_before_launch():
     rows_MH, offsets, w13, w2, _ = make_problem([3, 4], 256, 128)
     with pytest.raises(ValueError, match="interleave_gate_up"):
-        gate_up_swiglu(rows_MH, offsets, w13)
+        # [E, 2I, H] with I = 124: not the model's order the kernels read (I a multiple of 128)
+        gate_up_swiglu(rows_MH, offsets, w13[:, :248])
     with pytest.raises(ValueError, match="contiguous"):
         strided = interleave_gate_up(w13).transpose(1, 2).contiguous().transpose(1, 2)
         gate_up_swiglu(rows_MH, offsets, strided)

@@ -172,7 +172,7 @@ def test_the_backend_runs_explicit_knobs_exactly_and_cached_ones_as_tuned(tmp_pa
     batch = small_batch()
     tuned, explicit = candidate_knobs("down")[3:5]
     cache.put(down_key(batch), cache_fields(tuned), microseconds=1.0)
-    prepared = cutedsl.CuteDSLWeights(w13_EB2GH=torch.empty(0), w2_EHI=torch.empty(2, *DOWN_DIMS))
+    prepared = cutedsl.CuteDSLWeights(w13=torch.empty(0), w2_EHI=torch.empty(2, *DOWN_DIMS))
     gate_up, down = CuteDSLExperts(knob_cache=cache)._knob_arguments(batch, prepared)
     assert gate_up == {"tuned_knobs": None} and down == {"tuned_knobs": tuned}
     gate_up, down = CuteDSLExperts(down_knobs=explicit, knob_cache=cache)._knob_arguments(
@@ -192,7 +192,7 @@ def test_packed_weights_skip_cached_knobs_whose_tiles_their_packets_do_not_serve
         cache.put(down_key(batch), cache_fields(tuned), microseconds=1.0)
         w2 = torch.zeros(2, *DOWN_DIMS, dtype=torch.bfloat16)
         packed, _ = pack_weight_tiles(w2, gate_up=False)
-        prepared = cutedsl.CuteDSLWeights(w13_EB2GH=torch.empty(0), w2_EHI=packed)
+        prepared = cutedsl.CuteDSLWeights(w13=torch.empty(0), w2_EHI=packed)
         assert (prepared.hidden_size, prepared.intermediate_size) == DOWN_DIMS
         _, down = CuteDSLExperts(knob_cache=cache, tile_pack=True)._knob_arguments(batch, prepared)
         assert down == {"tuned_knobs": tuned if served else None}

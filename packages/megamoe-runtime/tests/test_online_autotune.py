@@ -189,7 +189,7 @@ def test_the_cutedsl_backend_keys_and_binds_what_the_tuner_stores(tmp_path):
     # what CuteDSLExperts gives the tuner, checked without a GPU: the classes it looks knobs up
     # by (only for ops without explicit knobs), and tuned knobs in place of the looked-up ones
     batch, weights = make_problem(24)
-    prepared = CuteDSLWeights(w13_EB2GH=torch.empty(0), w2_EHI=weights.w2_EHI)
+    prepared = CuteDSLWeights(w13=torch.empty(0), w2_EHI=weights.w2_EHI)
     cache = KnobCache(tmp_path / "knobs.json")
     backend = CuteDSLExperts(knob_cache=cache)
     keys = backend.knob_keys(batch, prepared)
@@ -217,7 +217,7 @@ def test_the_cutedsl_backend_keys_fp8_weights_under_the_fp8_ops(tmp_path):
     batch, weights = make_problem(24)
     empty = torch.empty(0)
     prepared = CuteDSLFP8Weights(
-        w13_EB2GH=empty, w13_scales=empty, w2_EHI=weights.w2_EHI, w2_scales=empty
+        w13=empty, w13_scales=empty, w2_EHI=weights.w2_EHI, w2_scales=empty
     )
     fp8_dims = {"gate_up_fp8": WEIGHT_DIMS["gate_up"], "down_fp8": WEIGHT_DIMS["down"]}
     cache = KnobCache(tmp_path / "knobs.json")

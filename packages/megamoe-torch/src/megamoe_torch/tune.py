@@ -123,14 +123,14 @@ def gemm_runners(problem: TuningProblem, *, l2_bytes: int | None = None) -> dict
     if isinstance(prepared, CuteDSLFP8Weights):
         gate_up_gemm, down_gemm = gate_up_swiglu_fp8, down_fp8
         rows = quantize_rows(batch.rows_MH)
-        w13 = (prepared.w13_EB2GH, prepared.w13_scales)
+        w13 = (prepared.w13, prepared.w13_scales)
         w2 = (prepared.w2_EHI, prepared.w2_scales)
     else:
         gate_up_gemm = functools.partial(
             gate_up_swiglu, w13_bias_EB2G=prepared.w13_bias_EB2G, swiglu=prepared.swiglu
         )
         down_gemm = functools.partial(down, w2_bias_EH=prepared.w2_bias_EH)
-        rows, w13, w2 = (batch.rows_MH,), (prepared.w13_EB2GH,), (prepared.w2_EHI,)
+        rows, w13, w2 = (batch.rows_MH,), (prepared.w13,), (prepared.w2_EHI,)
     offsets = batch.expert_offsets
     hidden = gate_up_gemm(*rows, offsets, *w13)
     hidden = hidden if isinstance(hidden, tuple) else (hidden,)  # FP8: e4m3 and its scales

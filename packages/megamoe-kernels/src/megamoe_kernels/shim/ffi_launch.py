@@ -7,8 +7,9 @@ device (the environment stream, so CUDA-graph capture records the launch). Measu
 a few microseconds per launch, against ~70 us for the pointer wrappers this replaces.
 
 The signature: x [rows, K], w as stored ([E, ...], contiguous, E * N * K elements, each expert's
-N x K block row-major; or packed, shim/weight_packets.py: a 5-D view with the packets' strides,
-the FP8 w_scales then its scale words' view of the same allocation), out [rows, N_out],
+N x K block row-major: a gate-up w13 of three dims is the model's [E, 2I, K], read in the
+interleaved order through model_order_view; or packed, shim/weight_packets.py: a 5-D view with
+the packets' strides, the FP8 w_scales then its scale words' view of the same allocation), out [rows, N_out],
 offsets [E + 1] int32, row scale [rows] float32 or None, for split-K variants the workspace: partials [words] float32 and arrivals [slots]
 int32 (else None, None), and for variants with a dynamic schedule the unit counter [2] int32
 (else None), and for FP8 variants the scales (fp8_scaling): x_scales [K groups, rows],
@@ -35,6 +36,7 @@ import torch
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
 from megamoe_kernels.drop.fp8_scaling import WEIGHT_BLOCK
+from megamoe_kernels.drop.gate_up_layout import GATE_UP_BLOCK
 from megamoe_kernels.shim.fp8 import FP8_DTYPE
 from megamoe_kernels.shim.weight_packets import SCALE_WORDS, is_packed_shape, packet_strides
 
@@ -56,10 +58,30 @@ class StoredWeightLaunch:
         experts: int,
         packet: tuple[int, int, int] | None = None,
         gate_up: bool = False,
+        model_order: bool = False,
     ):
         self.kernels = kernels
         self.n, self.k, self.experts = n, k, experts
         self.packet, self.gate_up = packet, gate_up
+        self.model_order = model_order
+
+    def model_order_view(self, mWStored):
+        """The kernel's (N, K, E) gate-up weight over w13 as the model holds it, [E, 2I, K]
+        (gate rows, then up rows): weight row n of the interleaved order (gate_up_layout: blocks
+        of GATE_UP_BLOCK gate rows, each followed by its up rows) is source row half x I +
+        block x GATE_UP_BLOCK + j for n = j + GATE_UP_BLOCK x (half + 2 x block), so the N mode
+        is (GATE_UP_BLOCK, 2, I / GATE_UP_BLOCK) with strides (K, I x K, GATE_UP_BLOCK x K): a
+        tile of whole blocks is one TMA box, written into shared memory in the interleaved
+        order."""
+        n, k = self.n, self.k
+        half = n // 2
+        return cute.make_tensor(
+            mWStored.iterator,
+            cute.make_layout(
+                ((GATE_UP_BLOCK, 2, half // GATE_UP_BLOCK), k, self.experts),
+                stride=((k, half * k, GATE_UP_BLOCK * k), 1, n * k),
+            ),
+        )
 
     def packed_views(self, mWStored, mWScalesStored):
         """The kernel's (N, K, E) weight and [E, N blocks, K blocks] scales over a packed
@@ -119,6 +141,8 @@ class StoredWeightLaunch:
         mWScales = mWScalesStored
         if cutlass.const_expr(self.packet is not None):
             mW, mWScales = self.packed_views(mWStored, mWScalesStored)
+        elif cutlass.const_expr(self.model_order):
+            mW = self.model_order_view(mWStored)
         else:
             mW = cute.make_tensor(
                 mWStored.iterator, cute.make_layout((n, k, experts), stride=(k, 1, n * k))
@@ -235,8 +259,16 @@ def compile_stored_weight_launch(
         arrivals = row_major(cutlass.Int32, (cute.sym_int32(symbol="slots"),))
     unit_counter = row_major(cutlass.Int32, (2,)) if dynamic_schedule else None
     bias = row_major(cutlass.Float32, tuple(weight_shape[:-1])) if has_bias else None
+    gate_up = n_out != n
     launch = StoredWeightLaunch(
-        kernels, n=n, k=k, experts=experts, packet=packet, gate_up=n_out != n
+        kernels,
+        n=n,
+        k=k,
+        experts=experts,
+        packet=packet,
+        gate_up=gate_up,
+        # a gate-up weight of three dims is w13 as the model holds it (interleaved: four)
+        model_order=gate_up and packet is None and len(weight_shape) == 3,
     )
     return cute.compile(
         launch,

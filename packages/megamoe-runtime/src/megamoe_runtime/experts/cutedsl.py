@@ -86,12 +86,14 @@ class _KernelLayoutDims:
 
 @dataclass(frozen=True)
 class CuteDSLWeights(_KernelLayoutDims):
-    """Weights in the kernels' layout: w13 gate/up interleaved ([E, I/8, 16, H]), w2 as given,
-    or both packed (tile_pack: megamoe_kernels.pack_weight_tiles); the biases in float32, w13's
-    interleaved like it ([E, I/8, 16]), w2's [E, H]; the SwiGLU. Nothing of the source pack is
-    kept (a pack made for the backend alone is freed)."""
+    """Weights in the kernels' layout: w13 as the pack holds it ([E, 2I, H], no copy) where the
+    gate-up GEMMs read that order (I a multiple of 128: megamoe_kernels.model_order_problems),
+    else gate/up interleaved ([E, I/8, 16, H]); w2 as given; or both packed (tile_pack:
+    megamoe_kernels.pack_weight_tiles); the biases in float32, w13's interleaved ([E, I/8,
+    16]), w2's [E, H]; the SwiGLU. A copy made here is all the backend keeps of the pack's
+    weights besides the tensors it shares."""
 
-    w13_EB2GH: torch.Tensor
+    w13: torch.Tensor
     w2_EHI: torch.Tensor
     swiglu: SwiGLU = field(default_factory=SwiGLU)
     w13_bias_EB2G: torch.Tensor | None = None
@@ -99,17 +101,18 @@ class CuteDSLWeights(_KernelLayoutDims):
 
     @property
     def w13_E2IH(self) -> torch.Tensor:  # check_batch_matches_weights reads its dtype, device
-        return self.w13_EB2GH
+        return self.w13
 
 
 @dataclass(frozen=True)
 class CuteDSLFP8Weights(_KernelLayoutDims):
-    """FP8 weights in the kernels' layout: e4m3 w13 gate/up interleaved ([E, I/8, 16, H]) with
-    its block scales over the source rows, e4m3 w2 with its block scales; or both packed
+    """FP8 weights in the kernels' layout: e4m3 w13 as the pack holds it or gate/up interleaved
+    (as CuteDSLWeights') with its block scales over the source rows, e4m3 w2 with its block
+    scales; or both packed
     (tile_pack), each scale a view of its weight's allocation (the packets' scale words); the
     SwiGLU."""
 
-    w13_EB2GH: torch.Tensor
+    w13: torch.Tensor
     w13_scales: torch.Tensor
     w2_EHI: torch.Tensor
     w2_scales: torch.Tensor
@@ -117,7 +120,7 @@ class CuteDSLFP8Weights(_KernelLayoutDims):
 
     @property
     def w13_E2IH(self) -> torch.Tensor:  # check_batch_matches_weights reads its device
-        return self.w13_EB2GH
+        return self.w13
 
 
 class CuteDSLExperts:
@@ -236,7 +239,7 @@ class CuteDSLExperts:
             hidden_MI = gate_up(
                 rows_MH,
                 offsets,
-                prepared.w13_EB2GH,
+                prepared.w13,
                 row_source_M=row_source_M,
                 expert_counts=counts,
                 bias=prepared.w13_bias_EB2G,
@@ -306,7 +309,7 @@ class CuteDSLExperts:
         gate_up = gate_up_launcher(
             rows_MH,
             offsets,
-            prepared.w13_EB2GH,
+            prepared.w13,
             valid_rows=batch.valid_rows,
             row_source_M=batch.row_source_M,
             expert_counts=batch.expert_counts,
@@ -346,7 +349,7 @@ class CuteDSLExperts:
         return kept
 
     def prepare(self, weights: WeightPack) -> CuteDSLWeights | CuteDSLFP8Weights:
-        from megamoe_kernels import interleave_gate_up, interleave_gate_up_bias
+        from megamoe_kernels import interleave_gate_up_bias
 
         if self.tile_pack:
             self._check_packable(weights)
@@ -358,13 +361,13 @@ class CuteDSLExperts:
                     f"{weights.intermediate_size}: use backend='reference' or bf16 weights"
                 )
             w13, w13_scales = self._packed(
-                interleave_gate_up(weights.w13_E2IH), weights.w13_scales.contiguous(), gate_up=True
+                self._gate_up_order(weights.w13_E2IH), weights.w13_scales.contiguous(), gate_up=True
             )
             w2, w2_scales = self._packed(
                 weights.w2_EHI.contiguous(), weights.w2_scales.contiguous(), gate_up=False
             )
             return CuteDSLFP8Weights(
-                w13_EB2GH=w13,
+                w13=w13,
                 w13_scales=w13_scales,
                 w2_EHI=w2,
                 w2_scales=w2_scales,
@@ -378,15 +381,24 @@ class CuteDSLExperts:
                 f"{weights.activation} ones: use backend='grouped_mm' or 'reference'"
             )
         w13_bias, w2_bias = weights.w13_bias_E2I, weights.w2_bias_EH
-        w13, _ = self._packed(interleave_gate_up(weights.w13_E2IH), None, gate_up=True)
+        w13, _ = self._packed(self._gate_up_order(weights.w13_E2IH), None, gate_up=True)
         w2, _ = self._packed(weights.w2_EHI.contiguous(), None, gate_up=False)
         return CuteDSLWeights(
-            w13_EB2GH=w13,
+            w13=w13,
             w2_EHI=w2,
             swiglu=weights.swiglu,
             w13_bias_EB2G=None if w13_bias is None else interleave_gate_up_bias(w13_bias),
             w2_bias_EH=None if w2_bias is None else w2_bias.float().contiguous(),
         )
+
+    def _gate_up_order(self, w13_E2IH: torch.Tensor) -> torch.Tensor:
+        """w13 as the gate-up GEMMs read it: the pack's own tensor (made contiguous) where they
+        read the model's order, else (or to be packed) interleave_gate_up's copy."""
+        from megamoe_kernels import interleave_gate_up, model_order_problems
+
+        if self.tile_pack or model_order_problems(w13_E2IH.shape[1] // 2):
+            return interleave_gate_up(w13_E2IH)
+        return w13_E2IH.contiguous()
 
     def _check_packable(self, weights: WeightPack) -> None:
         """tile_pack: refuses, with every reason, weights the packet layout cannot hold."""
@@ -466,7 +478,7 @@ class CuteDSLExperts:
             hidden_MI = gate_up(
                 rows_MH,
                 offsets,
-                prepared.w13_EB2GH,
+                prepared.w13,
                 out=self._intermediate(batch, gate_up),
                 row_source_M=batch.row_source_M,
                 expert_counts=batch.expert_counts,
@@ -547,7 +559,7 @@ class CuteDSLExperts:
         gate_up = gate_up_fp8_launcher(
             rows_q,
             batch.expert_offsets,
-            prepared.w13_EB2GH,
+            prepared.w13,
             valid_rows=batch.valid_rows,
             expert_counts=batch.expert_counts,
             offsets_published=batch.offsets_published,
@@ -584,7 +596,7 @@ class CuteDSLExperts:
         hidden_q, hidden_scales = gate_up(
             rows_q,
             offsets,
-            prepared.w13_EB2GH,
+            prepared.w13,
             x_scales=rows_scales,
             w_scales=prepared.w13_scales,
             expert_counts=counts,

@@ -1,0 +1,115 @@
+"""Compile-only: the gate-up GEMMs reading w13 as the model holds it ([E, 2I, H], no interleaved
+copy) compile for sm_90a on a CPU, bf16 and FP8, at every default profile and the knob variants
+(decode tiles with split K, pingpong, 2-CTA clusters, gathered rows, masked batches, published
+offsets); a tile or an intermediate size the model's order cannot serve is refused naming the
+interleaved copy, and tuned knobs with such a tile give way to the profile's.
+
+Meta tensors carry the shapes; CuTe DSL compiles against fake tensors (CUTE_DSL_ARCH=sm_90a).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # before CuTe DSL is first imported: without a GPU it would guess another architecture
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+pytest.importorskip("cutlass")
+
+from megamoe_kernels import (
+    FP8_DTYPE,
+    GemmKnobs,
+    default_knobs,
+    gate_up_fp8_launcher,
+    gate_up_launcher,
+    gate_up_swiglu,
+    model_order_problems,
+)
+from megamoe_kernels.shim.expert_gemm import _launches, published_offsets_buffer
+from megamoe_kernels.shim.knobs import PROFILE_ROWS_PER_EXPERT
+
+pytestmark = pytest.mark.compile
+
+# qwen3-30b-a3b's expert dims (I = 6 x 128) over fewer experts
+EXPERTS, HIDDEN, INTERMEDIATE = 8, 2048, 768
+
+
+def operands(rows: int, dtype: torch.dtype = torch.bfloat16, intermediate: int = INTERMEDIATE):
+    """(rows, offsets, w13 [E, 2I, H] as the model holds it) as meta tensors."""
+    meta = {"device": "meta", "dtype": dtype}
+    return (
+        torch.empty(rows, HIDDEN, **meta),
+        torch.empty(EXPERTS + 1, dtype=torch.int32, device="meta"),
+        torch.empty(EXPERTS, 2 * intermediate, HIDDEN, **meta),
+    )
+
+
+@pytest.mark.parametrize("rows_per_expert", PROFILE_ROWS_PER_EXPERT)
+def test_every_default_gate_up_profile_compiles_on_the_models_w13(rows_per_expert):
+    rows = max(1, int(rows_per_expert * EXPERTS))
+    rows_MH, offsets, w13 = operands(rows)
+    out = gate_up_swiglu(rows_MH, offsets, w13, compile_only=True)
+    assert out.shape == (rows, INTERMEDIATE)
+    rows_MH, offsets, w13 = operands(rows, FP8_DTYPE)
+    knobs = default_knobs("gate_up_fp8", rows_per_expert)
+    gate_up_fp8_launcher(rows_MH, offsets, w13, knobs=knobs, compile_only=True)
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        GemmKnobs(tile_rows=16, tile_cols=64, stages=8, swap_ab=True),
+        GemmKnobs(tile_rows=16, tile_cols=128, stages=8, swap_ab=True, split_k=4),
+        GemmKnobs(tile_rows=64, tile_cols=256, stages=3, pingpong=True),
+        GemmKnobs(tile_rows=128, tile_cols=128, stages=5, pingpong=True),
+        GemmKnobs(tile_rows=128, tile_cols=256, stages=3, cluster=(2, 1)),
+    ],
+    ids=str,
+)
+def test_the_knob_variants_compile_on_the_models_w13(knobs):
+    rows_MH, offsets, w13 = operands(64 * EXPERTS)
+    gate_up_swiglu(rows_MH, offsets, w13, knobs=knobs, compile_only=True)
+
+
+def test_gathered_masked_and_polling_gate_ups_compile_on_the_models_w13():
+    rows_MH, offsets, w13 = operands(16)
+    counts = torch.empty(EXPERTS, dtype=torch.int32, device="meta")
+    gate_up_swiglu(rows_MH, offsets, w13, expert_counts=counts, compile_only=True)
+    source_M = torch.empty(16, dtype=torch.int32, device="meta")
+    tokens_TH = torch.empty(4, HIDDEN, device="meta", dtype=torch.bfloat16)
+    gate_up_swiglu(tokens_TH, offsets, w13, row_source_M=source_M, compile_only=True)
+    published = published_offsets_buffer(EXPERTS + 1, device="meta")
+    launcher = gate_up_launcher(
+        rows_MH[:8], published, w13, valid_rows=8, offsets_published=True, compile_only=True
+    )
+    assert launcher.knobs.swap_ab
+
+
+def test_what_the_models_order_cannot_serve_is_refused_naming_the_interleaved_copy():
+    assert model_order_problems(INTERMEDIATE) == []
+    assert "2880 is not a multiple of 128" in model_order_problems(2880)[0]
+    rows_MH, offsets, w13 = operands(64, intermediate=2880)  # gpt-oss-120b's I
+    with pytest.raises(ValueError, match=r"interleave_gate_up.*I=2880 is not a multiple of 128"):
+        gate_up_swiglu(rows_MH, offsets, w13, compile_only=True)
+    # 192 columns are 12 blocks of gate and up rows: I = 768 has 96 blocks, 2048 has 256
+    rows_MH, offsets, w13 = operands(512 * EXPERTS, intermediate=2048)
+    wide = GemmKnobs(tile_rows=128, tile_cols=192, stages=4)
+    with pytest.raises(ValueError, match=r"tile_cols=192 with w13 in the model's order"):
+        gate_up_swiglu(rows_MH, offsets, w13, knobs=wide, compile_only=True)
+    # tuned knobs with such a tile give way to the profile's tiles; where 12 blocks divide I's
+    # blocks (I = 768) they run
+    for intermediate, runs in ((2048, False), (INTERMEDIATE, True)):
+        launches = _launches(
+            "gate_up",
+            None,
+            wide,
+            (512 * EXPERTS, HIDDEN),
+            (EXPERTS, 2 * intermediate, HIDDEN),
+            None,
+            -1,
+        )
+        assert any(launch.knobs.tile_cols == 192 for launch in launches) == runs, launches
+    gate_up_swiglu(rows_MH, offsets, w13, tuned_knobs=wide, compile_only=True)
