@@ -484,10 +484,13 @@ def test_random_layers_route_on_the_device_as_on_the_torch_path(seed):
     )
     plain.load_state_dict(fused.state_dict())
     x = torch.randn(rng.choice([1, 77, 700]), 512, device="cuda", dtype=torch.bfloat16)
-    y, logits = fused(x, return_router_logits=True)
-    expected, expected_logits = plain(x, return_router_logits=True)
+    # a layer routing by token id takes them (the others ignore them)
+    vocab = fields.get("routing_table_vocab_size", 1)
+    input_ids = torch.randint(vocab, (x.shape[0],), device="cuda")
+    y, logits = fused(x, input_ids=input_ids, return_router_logits=True)
+    expected, expected_logits = plain(x, input_ids=input_ids, return_router_logits=True)
     assert torch.equal(logits, expected_logits)
-    assert torch.equal(fused(x), y)
+    assert torch.equal(fused(x, input_ids=input_ids), y)
     # shared experts may join the fused path's batch, their intermediate rounded once where the
     # torch path's MLP rounds each projection's output: about a bf16 ulp of their share (0.4%
     # at one token on an H100)
