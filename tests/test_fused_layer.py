@@ -299,6 +299,11 @@ def test_shared_experts_in_the_batch(family, backend, tokens):
     routed, joined = (in_batch._prepared_weights(shared_in_batch=s) for s in (False, True))
     assert routed.w2_EHI.shape[0] == joined.w2_EHI.shape[0] - shared
     assert routed.w2_EHI.data_ptr() == joined.w2_EHI.data_ptr()  # a view, no copy
+    # the layer's routed weights are views of the prepared ones: held once (w13 too where the
+    # backend keeps the model's layout: the cutedsl kernels read it for I a multiple of 128)
+    assert in_batch.w2.data_ptr() == joined.w2_EHI.data_ptr()
+    joined_w13 = joined.w13 if backend == "cutedsl" else joined.w13_E2IH
+    assert in_batch.w13.data_ptr() == joined_w13.data_ptr()
     if not in_batch._expert_backend.captures_in_graphs:
         return  # the reference backend reads the expert offsets on the host
     _check_a_callers_capture(in_batch, x, expected=in_batch)

@@ -157,6 +157,16 @@ def test_fixed_capacity_layer_shares_the_weights_and_computes_the_same(tiny_laye
         tiny_layer.w2.div_(2)
 
 
+def test_a_layer_prepared_like_another_shares_its_parameters_and_prepared_weights(tiny_layer):
+    # one preparation serves both; one that points the parameters at what it made (shared
+    # experts in the batch) is then seen by both, not undone by the other's
+    first = bench.with_capacity(tiny_layer, 64)
+    second = bench.with_capacity(tiny_layer, 64, prepared_like=first, eager_graph_tokens=0)
+    assert second._prepared is first._prepared
+    for (name, mine), theirs in zip(second.named_parameters(), first.parameters(), strict=True):
+        assert mine is theirs, name
+
+
 def test_op_count_on_a_cpu_is_the_aten_ops_called_from_python():
     a, b = torch.randn(4, 8), torch.randn(3, 8)
     # linear runs transposes and a matmul inside it: one op called, one counted

@@ -252,6 +252,41 @@ def test_a_backend_switch_frees_the_prepared_weights_before_preparing_anew(monke
 
 
 @torch.no_grad()
+def test_weights_prepared_with_the_shared_experts_hold_the_routed_ones_once(monkeypatch):
+    """The weights a batch with the shared experts computes on copy the routed experts' (the
+    shared MLP appended as more experts): w13 and w2 become views of that copy where it holds
+    them as they are, and their own storage is freed; the outputs, the state dict and a later
+    update in place are as before, and the next call prepares nothing."""
+    layer = MegaMoE(MegaMoEConfig(**DSV3, shared_experts_path="batch"), dtype=torch.float32)
+    x = torch.randn(5, DSV3["hidden_size"])
+    expected, state = layer(x), {k: v.clone() for k, v in layer.state_dict().items()}
+    # as on a GPU's fused path: the shared expert prepared as a 17th expert of the routed ones
+    monkeypatch.setattr(layer, "_shared_batch_experts", lambda: 1)
+    storages = [layer.w13.untyped_storage(), layer.w2.untyped_storage()]
+    whole = layer._prepared_weights(shared_in_batch=True)  # the reference backend's pack
+    assert layer.w13.data_ptr() == whole.w13_E2IH.data_ptr()
+    assert layer.w2.data_ptr() == whole.w2_EHI.data_ptr()
+    # the parameters' own storage: held by these handles alone
+    assert [torch._C._storage_Use_Count(storage._cdata) for storage in storages] == [1, 1]
+    assert layer.w13.shape == (16, 32, 32) and isinstance(layer.w13, torch.nn.Parameter)
+    for name, value in layer.state_dict().items():
+        assert torch.equal(value, state[name]), name
+    prepare = layer._expert_backend.prepare
+    calls = []
+    monkeypatch.setattr(
+        layer._expert_backend, "prepare", lambda pack: calls.append(1) or prepare(pack)
+    )
+    assert layer._prepared_weights(shared_in_batch=True) is whole and not calls
+    monkeypatch.undo()
+    assert torch.equal(layer(x), expected)
+    layer.w2.mul_(0.5)  # in place: prepared again, the parameter a view of the new weights
+    monkeypatch.setattr(layer, "_shared_batch_experts", lambda: 1)
+    again = layer._prepared_weights(shared_in_batch=True)
+    assert again is not whole and layer.w2.data_ptr() == again.w2_EHI.data_ptr()
+    assert torch.equal(again.w2_EHI[:16], state["w2"] * 0.5)
+
+
+@torch.no_grad()
 def test_a_dropped_layer_is_freed_by_its_last_reference():
     """No reference cycle holds a layer (its captured graphs included): what it owns is freed
     when the last reference goes, never by the cycle collector at a random moment, such as in

@@ -298,6 +298,11 @@ def with_capacity(
     fixed = MegaMoE(config, device="meta", dtype=layer.activation_dtype)
     fixed.load_state_dict(layer.state_dict(), assign=True)
     if prepared_like is not None:
+        # its parameters too, the same objects: a preparation may point them at the weights
+        # it made (MegaMoE._point_routed_weights_into), which both layers must then read
+        twins = dict(prepared_like.named_modules())
+        for name, module in fixed.named_modules():
+            module._parameters.update(twins[name]._parameters)
         fixed._prepared = prepared_like._prepared
     return fixed
 

@@ -144,7 +144,8 @@ class MegaMoEConfig:
     #   or with shared_expert_gate sigmoid(x . w_gate), computed by the same two grouped GEMMs
     #   and summed by the same combine; bf16 weights, no expert bias, the plain SwiGLU,
     #   shared_size a multiple of intermediate_size. The layer then keeps the routed and shared
-    #   experts' weights together in the kernels' layout, a copy of every routed expert's;
+    #   experts' weights together, its routed weights views of them where the backend keeps
+    #   their layout (no copy; the cutedsl kernels' w13 for I a multiple of 128);
     # "side_stream": their own MLP on a side stream of the caller's stream, beside the routing
     #   and the routed experts, joined before the combine adds their output;
     # "caller_stream": their own MLP on the caller's stream, after the routed experts (the

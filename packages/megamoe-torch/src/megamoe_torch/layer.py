@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import torch
 from megamoe_kernels import (
@@ -555,6 +555,8 @@ class MegaMoE(nn.Module):
             with torch.no_grad():
                 pack = self.shared_in_batch_weight_pack() if shared else self.expert_weight_pack()
                 prepared = self._expert_backend.prepare(pack)
+                if shared:
+                    self._point_routed_weights_into(prepared)
             # and the routed experts' views of them (a batch without the shared experts)
             return prepared, first_experts(prepared, len(self.local_experts)) if shared else None
 
@@ -575,6 +577,34 @@ class MegaMoE(nn.Module):
             weights, prepare, context=(self._backend_name, shared)
         )
         return prepared if not shared or shared_in_batch else routed
+
+    def _point_routed_weights_into(self, prepared) -> None:
+        """Weights prepared with the shared experts copy the routed experts' (with_dense_experts
+        concatenates them): where a prepared tensor holds w13 or w2 as it is (dtype, layout and
+        values) as its first experts, the parameter becomes a view of it, so that the routed
+        weights are held once (the parameter's own storage is freed where nothing else holds
+        it). An interleaved or packed copy differs in layout and is left alone, as is every
+        tensor while the stream captures a graph (the value check reads them on the host)."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
+        experts = len(self.local_experts)
+        candidates = [
+            value
+            for field in fields(prepared)
+            if isinstance(value := getattr(prepared, field.name), torch.Tensor)
+        ]
+        for parameter in (self.w13, self.w2):
+            for tensor in candidates:
+                if (
+                    tensor.dtype == parameter.dtype
+                    and tensor.device == parameter.device
+                    and tensor.shape[1:] == parameter.shape[1:]
+                    and tensor.shape[0] > experts
+                    and tensor.is_contiguous()
+                    and torch.equal(tensor[:experts], parameter)
+                ):
+                    parameter.data = tensor[:experts]
+                    break
 
     def _shared_batch_experts(self) -> int:
         """How many experts the shared experts make when they join the fused path's batch, S =

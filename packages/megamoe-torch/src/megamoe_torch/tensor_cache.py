@@ -40,11 +40,14 @@ class DerivedTensorCache(Generic[Value]):
         *,
         context: tuple = (),
     ) -> Value:
+        tensors = list(tensors)
         key = (*context, *tensor_versions(tensors))
         if key != self._key:
             self.clear()
             self._value = derive()
-            self._key = key
+            # read again: a derivation may point the tensors at what it made (the layer's
+            # routed weights at views of the weights prepared with its shared experts)
+            self._key = (*context, *tensor_versions(tensors))
         return self._value  # type: ignore[return-value]
 
     def clear(self) -> None:
