@@ -12,8 +12,9 @@ or None), y in x's shape, or None where the forward should run eagerly. `input_i
 ids of a layer that routes by token id (its routing table looks their experts up inside the
 graph), brought in by a second copy node as the tokens are; None for other layers. Graphs are
 kept per (x's shape, dtype and device, the ids' shape, dtype and device, the caller's stream,
-the identity and version of every parameter and buffer of the layer) under one layer config: the first forward of a key runs eagerly (it compiles the
-kernels and warms the caches the capture records), the second captures, the later ones replay.
+the identity and version of every parameter and buffer of the layer) under one layer config:
+the first forward of a key runs eagerly (it compiles the kernels and warms the caches the
+capture records), the second captures, the later ones replay.
 Any change to a weight (in place, replaced, moved) changes the key, so a replay never reads
 stale prepared weights; a new config (`use_backend`) drops every graph. At most `MAX_GRAPHS`
 keys per layer, the least recently used dropped first.
