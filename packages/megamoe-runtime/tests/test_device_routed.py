@@ -768,7 +768,7 @@ def _check_given(
         weights_TK = weights_TK.to(weights_dtype)
     bias_E = torch.randn(router.num_experts, device=device) if router.use_correction_bias else None
     dispatcher = DeviceRoutedDispatcher(router, hidden_size=hidden)
-    torch.full((64 << 20,), float("nan"), device=device)  # poisons the next allocations
+    _poison_allocator(device)
     batch, handle, pair_ids_TP = dispatcher.route_and_dispatch(
         x_TH,
         logits_TE,

@@ -99,6 +99,12 @@ def _bf16_mm_to_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None
     return torch.mm(a, b, out_dtype=torch.float32) if _MM_OUT_DTYPE else None
 
 
+def _int32_or_int64(ids: torch.Tensor) -> torch.Tensor:
+    """Integer ids as they are where int32 or int64 (what torch's indexing and the routing
+    kernel take), else as int64: uint8 ones would index as a mask."""
+    return ids if ids.dtype in (torch.int32, torch.int64) else ids.long()
+
+
 _SIDE_STREAMS: dict[tuple, torch.cuda.Stream] = {}
 
 
@@ -1269,8 +1275,7 @@ class MegaMoE(nn.Module):
         weights_on_input = self.config.routing_weights_on_input
         if topk_weights_TK.dtype not in (torch.float32, torch.bfloat16):
             topk_weights_TK = topk_weights_TK.float()
-        if topk_ids_TK.dtype not in (torch.int32, torch.int64):
-            topk_ids_TK = topk_ids_TK.long()
+        topk_ids_TK = _int32_or_int64(topk_ids_TK)
         batch, handle, _ = self._device_routed.route_and_dispatch(
             x_TH,
             None,
@@ -1352,10 +1357,7 @@ class MegaMoE(nn.Module):
         """[T, top_k] int64: the routing table's experts for each token id (checked ids of any
         integer dtype: uint8 ones index the table too, where torch would take them as a
         mask)."""
-        ids_T = input_ids.reshape(-1)
-        if ids_T.dtype not in (torch.int32, torch.int64):
-            ids_T = ids_T.long()
-        return self.routing_table[ids_T]
+        return self.routing_table[_int32_or_int64(input_ids.reshape(-1))]
 
     def _graph_input_ids(self, input_ids) -> torch.Tensor | None:
         """The token ids a graph of this forward takes: a layer routing by token id, its

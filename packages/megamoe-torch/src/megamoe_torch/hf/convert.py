@@ -164,10 +164,10 @@ def from_hf_state_dict(
     activation_dtype = activation_dtype_of(
         expert_dtype=expert_weight.dtype, model_config=hf_config, router_dtype=router_weight.dtype
     )
-    # DeepSeek-V4's FP4 experts and ue8m0 scales as megamoe's FP8 format (or, for
-    # weight_dtype=None, the FP4 experts' values)
-    block_tensors = as_fp8_checkpoint(
-        block_tensors, dequantize_fp4_to=activation_dtype if weight_dtype is None else None
+    # before the shape check, which takes the unpacked shapes (layer_from_hf_tensors then
+    # finds nothing left to convert)
+    block_tensors = _fp4_converted(
+        block_tensors, weight_dtype=weight_dtype, activation_dtype=activation_dtype
     )
     if holds_fp8(block_tensors):
         check_quantization_config(hf_config)
@@ -236,6 +236,17 @@ def convert_block(
     return layer, reading
 
 
+def _fp4_converted(
+    hf_tensors: dict[str, torch.Tensor], *, weight_dtype: str | None, activation_dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """DeepSeek-V4's FP4 experts and ue8m0 scales in megamoe's FP8 format (fp4.py), or, with
+    weight_dtype=None, the FP4 experts' values in the activations' dtype; other tensors as they
+    are."""
+    return as_fp8_checkpoint(
+        hf_tensors, dequantize_fp4_to=activation_dtype if weight_dtype is None else None
+    )
+
+
 def layer_from_hf_tensors(
     hf_tensors: dict[str, torch.Tensor],
     *,
@@ -249,8 +260,8 @@ def layer_from_hf_tensors(
 ) -> MegaMoE:
     """A layer from one block's tensors (block-relative Hugging Face keys) in the precision
     `weight_dtype` chooses (the module doc)."""
-    hf_tensors = as_fp8_checkpoint(
-        hf_tensors, dequantize_fp4_to=activation_dtype if weight_dtype is None else None
+    hf_tensors = _fp4_converted(
+        hf_tensors, weight_dtype=weight_dtype, activation_dtype=activation_dtype
     )
     routed, shared = weight_dtypes(hf_tensors, naming=naming, weight_dtype=weight_dtype)
     to_dequantize = keys_to_dequantize(
