@@ -1,8 +1,8 @@
 """The gate-up GEMMs on w13 as the model holds it ([E, 2I, H], read through the view whose TMA
 boxes write the interleaved order into shared memory) give interleave_gate_up's copy's bits, on an
 sm_90 GPU: bf16 and FP8, decode (swap-AB) and prefill tiles, split K, pingpong, 2-CTA clusters,
-gathered rows, masked batches, tails and empty experts; the untouched rows past the valid count
-stay as poisoned."""
+gathered rows, masked batches, a bias with gpt-oss's activation, tails and empty experts; the
+untouched rows past the valid count stay as poisoned."""
 
 from __future__ import annotations
 
@@ -19,10 +19,12 @@ from gemm_cases import (
 from megamoe_kernels import (
     FP8_DTYPE,
     GemmKnobs,
+    SwiGLU,
     gate_up_fp8_launcher,
     gate_up_swiglu,
     gate_up_swiglu_fp8,
     interleave_gate_up,
+    interleave_gate_up_bias,
     quantize_rows,
     quantize_weight_blocks,
     row_scales_buffer,
@@ -102,6 +104,30 @@ def test_gathered_and_masked_gate_ups_on_the_models_w13(dims, rows_per_expert):
     for expert, count in enumerate(counts):
         first = expert * stride
         assert torch.equal(masked[0][first : first + count], masked[1][first : first + count])
+
+
+@pytest.mark.parametrize("dims", ["qwen3", "small"])
+@pytest.mark.parametrize("rows_per_expert", [1, 40])
+def test_a_biased_gate_up_on_the_models_w13_gives_the_interleaved_copys_bits(dims, rows_per_expert):
+    # gpt-oss's epilogue: the bias stays interleaved (the kernel's order of N) for both layouts
+    experts, hidden, intermediate = DIMS[dims]
+    counts = random_counts(experts, experts * rows_per_expert, seed=11)
+    rows_MH, offsets, w13, _, valid = make_problem(counts, hidden, intermediate, seed=11)
+    generator = torch.Generator(device=DEVICE).manual_seed(12)
+    bias = torch.randn(experts, 2 * intermediate, device=DEVICE, generator=generator)
+    bias_EB2G = interleave_gate_up_bias(bias)
+    swiglu = SwiGLU(limit=7.0, alpha=1.702, up_offset=1.0)
+
+    def run(w13_stored):
+        out = poisoned((rows_MH.shape[0], intermediate))
+        gate_up_swiglu(
+            rows_MH, offsets, w13_stored, out_MI=out, w13_bias_EB2G=bias_EB2G, swiglu=swiglu
+        )
+        return out
+
+    model, interleaved = both_layouts(run, w13)
+    assert torch.equal(model[:valid], interleaved[:valid])
+    assert torch.isnan(model[valid:].float()).all()
 
 
 @pytest.mark.parametrize("dims", ["qwen3", "dsv3", "mixtral"])

@@ -1132,6 +1132,9 @@ class MegaMoE(nn.Module):
             self._resolve_backend()
             self._resolve_dispatcher(x_TH)
         if self._replays_graphs(x_TH):
+            # prepared first: a preparation may point w13/w2 into the prepared weights
+            # (_point_routed_weights_into), and the graphs' key reads where they point
+            self._prepared_weights()
             replayed = self._forward_graphs.forward(
                 self,
                 x,

@@ -17,8 +17,8 @@ w_scales [E, N blocks, K blocks] and, with a quantized output, out_scales [N_out
 (else None), and for variants that gather their rows the token of each batch row, row_source
 [rows] int32, x then being the tokens [tokens, K] (else None), for masked batches each
 expert's valid rows, expert_counts [E] int32 (else None), and for variants with a bias the
-per-expert bias, float32 in the weight's shape without K ([E, I/8, 16] interleaved for the
-gate-up GEMM, [E, H] for the down one; else None). `rows` is one symbol shared by
+per-expert bias, float32 in the kernel's order of N ([E, I/8, 16] interleaved for the gate-up
+GEMM, whichever order w13 is in; [E, H] for the down one; else None). `rows` is one symbol shared by
 x (unless gathered), out, the row scale, the row source and the scales' rows (so a row count
 that differs between them is refused before launch); the scales' row stride is a runtime value
 (they may be views of a wider buffer); the workspace sizes are runtime dims too. The jit
@@ -213,7 +213,7 @@ def compile_stored_weight_launch(
     when one has a dynamic schedule; the scales for FP8 kernels, scale_group set: e4m3 x and w,
     and an e4m3 out with out_scale_group (its scales' columns per group); row_source with
     gather_rows, x then being the tokens; expert_counts for a masked batch; the bias with
-    has_bias, float32 in the weight's shape without K)."""
+    has_bias, float32 in the kernel's order of N: [E, I/8, 16] or [E, H])."""
     experts = weight_shape[0]
     rows = cute.sym_int32(symbol="rows")
     ab_dtype = cutlass.BFloat16 if scale_group is None else cutlass.Float8E4M3FN
@@ -258,8 +258,15 @@ def compile_stored_weight_launch(
         partials = row_major(cutlass.Float32, (cute.sym_int32(symbol="partial_words"),))
         arrivals = row_major(cutlass.Int32, (cute.sym_int32(symbol="slots"),))
     unit_counter = row_major(cutlass.Int32, (2,)) if dynamic_schedule else None
-    bias = row_major(cutlass.Float32, tuple(weight_shape[:-1])) if has_bias else None
     gate_up = n_out != n
+    bias = None
+    if has_bias:
+        # in the kernel's order of N: a gate-up bias is interleaved whichever order w13 is in
+        # (the model's w13 reaches shared memory interleaved)
+        bias_shape = (
+            (experts, n // (2 * GATE_UP_BLOCK), 2 * GATE_UP_BLOCK) if gate_up else (experts, n)
+        )
+        bias = row_major(cutlass.Float32, bias_shape)
     launch = StoredWeightLaunch(
         kernels,
         n=n,
