@@ -101,9 +101,15 @@ def multirank(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def gpu(session: nox.Session) -> None:
-    """Tests marked gpu; they skip without an sm_90 GPU."""
-    session.install(KERNELS, f"{RUNTIME}[test]", f"{TORCH}[test,hf]")
-    pytest(session, "-m", "gpu", f"{KERNELS}/tests", f"{RUNTIME}/tests", f"{TORCH}/tests", "tests")
+    """Tests marked gpu; they skip without an sm_90 GPU. They run in MEGAMOE_GPU_WORKERS (6)
+    worker processes sharing the GPU, which compile their kernels in parallel; the real-size
+    layers of tests/test_gpu_layer.py run alone after them (DeepSeek-V3's takes half an 80 GB
+    GPU)."""
+    session.install(KERNELS, f"{RUNTIME}[test]", f"{TORCH}[test,hf]", "pytest-xdist>=3")
+    workers = os.environ.get("MEGAMOE_GPU_WORKERS", "6")
+    suites = (f"{KERNELS}/tests", f"{RUNTIME}/tests", f"{TORCH}/tests", "tests")
+    pytest(session, "-m", "gpu", "-n", workers, *suites, "--deselect", "tests/test_gpu_layer.py")
+    pytest(session, "-m", "gpu", "tests/test_gpu_layer.py")
 
 
 @nox.session(python=PYTHON, name="compile")
