@@ -2,7 +2,8 @@
 copy) compile for sm_90a on a CPU, bf16 and FP8, at every default profile and the knob variants
 (decode tiles with split K, pingpong, 2-CTA clusters, gathered rows, masked batches, published
 offsets); a tile or an intermediate size the model's order cannot serve is refused naming the
-interleaved copy, and tuned knobs with such a tile give way to the profile's.
+interleaved copy, and tuned knobs with such a tile give way to the profile's; the compiled
+signature takes a gate-up bias in the kernel's (interleaved) order with either w13.
 
 Meta tensors carry the shapes; CuTe DSL compiles against fake tensors (CUTE_DSL_ARCH=sm_90a).
 """
@@ -113,3 +114,36 @@ def test_what_the_models_order_cannot_serve_is_refused_naming_the_interleaved_co
         )
         assert any(launch.knobs.tile_cols == 192 for launch in launches) == runs, launches
     gate_up_swiglu(rows_MH, offsets, w13, tuned_knobs=wide, compile_only=True)
+
+
+def test_a_gate_up_bias_is_signed_in_the_kernels_order_whichever_order_w13_is_in(monkeypatch):
+    # the runtime passes interleave_gate_up_bias's [E, I/8, 16] with either w13: the compiled
+    # signature must take that shape (a model-order one once took [E, 2I], and TVM-FFI refused
+    # every biased call); the down GEMM's bias stays [E, H]
+    from megamoe_kernels.shim import ffi_launch
+
+    signed = {}
+    monkeypatch.setattr(
+        ffi_launch.cute, "compile", lambda launch, *args, **options: signed.update(args=args)
+    )
+    common = dict(has_row_scale=False, split_k=1, dynamic_schedule=False, has_bias=True)
+    interleaved = (EXPERTS, INTERMEDIATE // 8, 16, HIDDEN)
+    for weight_shape in ((EXPERTS, 2 * INTERMEDIATE, HIDDEN), interleaved):
+        ffi_launch.compile_stored_weight_launch(
+            [],
+            weight_shape=weight_shape,
+            n=2 * INTERMEDIATE,
+            k=HIDDEN,
+            n_out=INTERMEDIATE,
+            **common,
+        )
+        assert tuple(signed["args"][13].shape) == (EXPERTS, INTERMEDIATE // 8, 16), weight_shape
+    ffi_launch.compile_stored_weight_launch(
+        [],
+        weight_shape=(EXPERTS, HIDDEN, INTERMEDIATE),
+        n=HIDDEN,
+        k=INTERMEDIATE,
+        n_out=HIDDEN,
+        **common,
+    )
+    assert tuple(signed["args"][13].shape) == (EXPERTS, HIDDEN)
