@@ -2,7 +2,8 @@
 copy) compile for sm_90a on a CPU, bf16 and FP8, at every default profile and the knob variants
 (decode tiles with split K, pingpong, 2-CTA clusters, gathered rows, masked batches, published
 offsets), and where the last tile runs past I's blocks (gpt-oss's I, 192-column tiles); a w13
-of no whole blocks is refused naming the layouts.
+of no whole blocks is refused naming the layouts; the compiled signature takes a gate-up bias in
+the kernel's (interleaved) order with either w13.
 
 Meta tensors carry the shapes; CuTe DSL compiles against fake tensors (CUTE_DSL_ARCH=sm_90a).
 """
@@ -114,3 +115,36 @@ def test_a_w13_of_no_whole_blocks_is_refused_naming_the_layouts():
     rows_MH, offsets, w13 = operands(64, intermediate=12)  # 12 gate rows: a block and a half
     with pytest.raises(ValueError, match=r"I a multiple of 8.*interleave_gate_up"):
         gate_up_swiglu(rows_MH, offsets, w13, compile_only=True)
+
+
+def test_a_gate_up_bias_is_signed_in_the_kernels_order_whichever_order_w13_is_in(monkeypatch):
+    # the runtime passes interleave_gate_up_bias's [E, I/8, 16] with either w13: the compiled
+    # signature must take that shape (a model-order one once took [E, 2I], and TVM-FFI refused
+    # every biased call); the down GEMM's bias stays [E, H]
+    from megamoe_kernels.shim import ffi_launch
+
+    signed = {}
+    monkeypatch.setattr(
+        ffi_launch.cute, "compile", lambda launch, *args, **options: signed.update(args=args)
+    )
+    common = dict(has_row_scale=False, split_k=1, dynamic_schedule=False, has_bias=True)
+    interleaved = (EXPERTS, INTERMEDIATE // 8, 16, HIDDEN)
+    for weight_shape in ((EXPERTS, 2 * INTERMEDIATE, HIDDEN), interleaved):
+        ffi_launch.compile_stored_weight_launch(
+            [],
+            weight_shape=weight_shape,
+            n=2 * INTERMEDIATE,
+            k=HIDDEN,
+            n_out=INTERMEDIATE,
+            **common,
+        )
+        assert tuple(signed["args"][13].shape) == (EXPERTS, INTERMEDIATE // 8, 16), weight_shape
+    ffi_launch.compile_stored_weight_launch(
+        [],
+        weight_shape=(EXPERTS, HIDDEN, INTERMEDIATE),
+        n=HIDDEN,
+        k=INTERMEDIATE,
+        n_out=HIDDEN,
+        **common,
+    )
+    assert tuple(signed["args"][13].shape) == (EXPERTS, HIDDEN)
