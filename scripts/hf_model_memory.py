@@ -16,8 +16,11 @@ machine from the project root (docs/benchmarks.md, "Setting up a GPU machine"):
 
     python3 scripts/hf_model_memory.py
 
---layers builds fewer decoder layers (the memory per layer is the same); --tiny shrinks every
-size so the script runs on a CPU in seconds:
+--weight-dtype fp8 swaps the blocks with e4m3 experts quantized per 128 x 128 block (the bf16
+experts go with the blocks that held them: the memory falls by about half of theirs) and times megamoe's blocks against
+the zeros alone (transformers' blocks cannot come back to FP8 experts; their time is the bf16
+run's). --layers builds fewer decoder layers (the memory per layer is the same); --tiny shrinks
+every size so the script runs on a CPU in seconds:
 
     python3 scripts/hf_model_memory.py --tiny --device cpu
 """
@@ -111,6 +114,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--weight-dtype", choices=["bf16", "fp8"], default="bf16")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
@@ -130,7 +134,8 @@ def main() -> None:
     )
     hf_tokens, _ = generate(model, prompt, args.new_tokens)
     memory.append(("transformers generated", allocated_gb(device)))
-    report = swap_moe_blocks(model)
+    fp8 = args.weight_dtype == "fp8"
+    report = swap_moe_blocks(model, weight_dtype="fp8" if fp8 else None)
     memory.append((f"swapped ({len(report.swapped)} blocks)", allocated_gb(device)))
     tokens, _ = generate(model, prompt, args.new_tokens)  # compiles, prepares the weights
     memory.append(("megamoe generated", allocated_gb(device)))
@@ -138,8 +143,9 @@ def main() -> None:
 
     names = [entry.name for entry in report.swapped]
     blocks = {"megamoe": [model.get_submodule(name) for name in names]}
-    unswap_moe_blocks(model)
-    blocks["transformers"] = [model.get_submodule(name) for name in names]
+    if not fp8:
+        unswap_moe_blocks(model)
+        blocks["transformers"] = [model.get_submodule(name) for name in names]
     blocks["zeros"] = [Zeros() for _ in names]
     per_token = {kind: float("inf") for kind in blocks}
     for _ in range(args.rounds):
@@ -156,21 +162,25 @@ def main() -> None:
     print(
         f"{config.num_hidden_layers} layers, {parameters_gb:.1f} GB of bf16 parameters; "
         f"experts implementation {getattr(config, '_experts_implementation', None)!r}; "
-        f"backend {report.swapped[0].backend if report.swapped else '-'}"
+        f"backend {report.swapped[0].backend if report.swapped else '-'}, "
+        f"{args.weight_dtype} experts"
     )
     for step, gb in memory:
         print(f"  {step:28s} {gb:7.1f} GB allocated")
     if device.type == "cuda":
         print(f"  {'peak':28s} {torch.cuda.max_memory_allocated(device) / GB:7.1f} GB allocated")
-    rest = per_token["zeros"]
-    hf, ours = per_token["transformers"], per_token["megamoe"]
-    print(
-        f"decode per token, best of {args.rounds}: transformers {hf * 1e3:.2f} ms (its MoE "
-        f"blocks {(hf - rest) * 1e3:.2f}), megamoe {ours * 1e3:.2f} ms (its MoE blocks "
-        f"{(ours - rest) * 1e3:.2f}), the rest {rest * 1e3:.2f} ms: the model "
-        f"{hf / ours:.2f}x, its MoE blocks {(hf - rest) / max(ours - rest, 1e-12):.2f}x; "
-        f"{agree} of {args.new_tokens} generated tokens agree"
+    rest, ours = per_token["zeros"], per_token["megamoe"]
+    line = (
+        f"decode per token, best of {args.rounds}: megamoe {ours * 1e3:.2f} ms (its MoE blocks "
+        f"{(ours - rest) * 1e3:.2f}), the rest {rest * 1e3:.2f} ms"
     )
+    if "transformers" in per_token:
+        hf = per_token["transformers"]
+        line += (
+            f", transformers {hf * 1e3:.2f} ms (its MoE blocks {(hf - rest) * 1e3:.2f}): the "
+            f"model {hf / ours:.2f}x, its MoE blocks {(hf - rest) / max(ours - rest, 1e-12):.2f}x"
+        )
+    print(f"{line}; {agree} of {args.new_tokens} generated tokens agree with transformers' bf16")
 
 
 if __name__ == "__main__":
