@@ -84,25 +84,26 @@ def allocated_gb(device: torch.device) -> float:
     return torch.cuda.memory_allocated(device) / GB if device.type == "cuda" else float("nan")
 
 
-def synchronize(device: torch.device) -> None:
+def timed(call, device: torch.device) -> tuple[object, float]:
+    """(call's result, the seconds it took, the device drained before and after)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    result = call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return result, time.perf_counter() - start
 
 
 @torch.no_grad()
 def generate(model, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float]:
     """(the greedy tokens after the prompt, seconds per generated token past the first)."""
-    device = prompt.device
-    synchronize(device)
-    start = time.perf_counter()
-    first = model.generate(prompt, max_new_tokens=1, do_sample=False)
-    synchronize(device)
-    first_seconds = time.perf_counter() - start
-    start = time.perf_counter()
-    out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
-    synchronize(device)
-    seconds = time.perf_counter() - start
-    del first
+
+    def tokens(count: int) -> torch.Tensor:
+        return model.generate(prompt, max_new_tokens=count, do_sample=False)
+
+    _, first_seconds = timed(lambda: tokens(1), prompt.device)
+    out, seconds = timed(lambda: tokens(new_tokens), prompt.device)
     # the whole generation less its prefill and first token, over the tokens after the first
     per_token = max(0.0, seconds - first_seconds) / max(1, new_tokens - 1)
     return out[:, prompt.shape[1] :], per_token
