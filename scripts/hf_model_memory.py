@@ -16,8 +16,11 @@ machine from the project root (docs/benchmarks.md, "Setting up a GPU machine"):
 
     python3 scripts/hf_model_memory.py
 
---layers builds fewer decoder layers (the memory per layer is the same); --tiny shrinks every
-size so the script runs on a CPU in seconds:
+--weight-dtype fp8 swaps the blocks with e4m3 experts quantized per 128 x 128 block (the bf16
+experts go with the blocks that held them: the memory falls by about half of theirs) and times megamoe's blocks against
+the zeros alone (transformers' blocks cannot come back to FP8 experts; their time is the bf16
+run's). --layers builds fewer decoder layers (the memory per layer is the same); --tiny shrinks
+every size so the script runs on a CPU in seconds:
 
     python3 scripts/hf_model_memory.py --tiny --device cpu
 """
@@ -81,25 +84,26 @@ def allocated_gb(device: torch.device) -> float:
     return torch.cuda.memory_allocated(device) / GB if device.type == "cuda" else float("nan")
 
 
-def synchronize(device: torch.device) -> None:
+def timed(call, device: torch.device) -> tuple[object, float]:
+    """(call's result, the seconds it took, the device drained before and after)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    result = call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return result, time.perf_counter() - start
 
 
 @torch.no_grad()
 def generate(model, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float]:
     """(the greedy tokens after the prompt, seconds per generated token past the first)."""
-    device = prompt.device
-    synchronize(device)
-    start = time.perf_counter()
-    first = model.generate(prompt, max_new_tokens=1, do_sample=False)
-    synchronize(device)
-    first_seconds = time.perf_counter() - start
-    start = time.perf_counter()
-    out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
-    synchronize(device)
-    seconds = time.perf_counter() - start
-    del first
+
+    def tokens(count: int) -> torch.Tensor:
+        return model.generate(prompt, max_new_tokens=count, do_sample=False)
+
+    _, first_seconds = timed(lambda: tokens(1), prompt.device)
+    out, seconds = timed(lambda: tokens(new_tokens), prompt.device)
     # the whole generation less its prefill and first token, over the tokens after the first
     per_token = max(0.0, seconds - first_seconds) / max(1, new_tokens - 1)
     return out[:, prompt.shape[1] :], per_token
@@ -111,6 +115,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--weight-dtype", choices=["bf16", "fp8"], default="bf16")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
@@ -130,7 +135,8 @@ def main() -> None:
     )
     hf_tokens, _ = generate(model, prompt, args.new_tokens)
     memory.append(("transformers generated", allocated_gb(device)))
-    report = swap_moe_blocks(model)
+    fp8 = args.weight_dtype == "fp8"
+    report = swap_moe_blocks(model, weight_dtype="fp8" if fp8 else None)
     memory.append((f"swapped ({len(report.swapped)} blocks)", allocated_gb(device)))
     tokens, _ = generate(model, prompt, args.new_tokens)  # compiles, prepares the weights
     memory.append(("megamoe generated", allocated_gb(device)))
@@ -138,8 +144,9 @@ def main() -> None:
 
     names = [entry.name for entry in report.swapped]
     blocks = {"megamoe": [model.get_submodule(name) for name in names]}
-    unswap_moe_blocks(model)
-    blocks["transformers"] = [model.get_submodule(name) for name in names]
+    if not fp8:
+        unswap_moe_blocks(model)
+        blocks["transformers"] = [model.get_submodule(name) for name in names]
     blocks["zeros"] = [Zeros() for _ in names]
     per_token = {kind: float("inf") for kind in blocks}
     for _ in range(args.rounds):
@@ -156,21 +163,25 @@ def main() -> None:
     print(
         f"{config.num_hidden_layers} layers, {parameters_gb:.1f} GB of bf16 parameters; "
         f"experts implementation {getattr(config, '_experts_implementation', None)!r}; "
-        f"backend {report.swapped[0].backend if report.swapped else '-'}"
+        f"backend {report.swapped[0].backend if report.swapped else '-'}, "
+        f"{args.weight_dtype} experts"
     )
     for step, gb in memory:
         print(f"  {step:28s} {gb:7.1f} GB allocated")
     if device.type == "cuda":
         print(f"  {'peak':28s} {torch.cuda.max_memory_allocated(device) / GB:7.1f} GB allocated")
-    rest = per_token["zeros"]
-    hf, ours = per_token["transformers"], per_token["megamoe"]
-    print(
-        f"decode per token, best of {args.rounds}: transformers {hf * 1e3:.2f} ms (its MoE "
-        f"blocks {(hf - rest) * 1e3:.2f}), megamoe {ours * 1e3:.2f} ms (its MoE blocks "
-        f"{(ours - rest) * 1e3:.2f}), the rest {rest * 1e3:.2f} ms: the model "
-        f"{hf / ours:.2f}x, its MoE blocks {(hf - rest) / max(ours - rest, 1e-12):.2f}x; "
-        f"{agree} of {args.new_tokens} generated tokens agree"
+    rest, ours = per_token["zeros"], per_token["megamoe"]
+    line = (
+        f"decode per token, best of {args.rounds}: megamoe {ours * 1e3:.2f} ms (its MoE blocks "
+        f"{(ours - rest) * 1e3:.2f}), the rest {rest * 1e3:.2f} ms"
     )
+    if "transformers" in per_token:
+        hf = per_token["transformers"]
+        line += (
+            f", transformers {hf * 1e3:.2f} ms (its MoE blocks {(hf - rest) * 1e3:.2f}): the "
+            f"model {hf / ours:.2f}x, its MoE blocks {(hf - rest) / max(ours - rest, 1e-12):.2f}x"
+        )
+    print(f"{line}; {agree} of {args.new_tokens} generated tokens agree with transformers' bf16")
 
 
 if __name__ == "__main__":
