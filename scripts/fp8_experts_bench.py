@@ -59,15 +59,6 @@ def routed_counts(experts: int, top_k: int, tokens: int, seed: int) -> list[int]
     return torch.bincount(ids.flatten(), minlength=experts).tolist()
 
 
-def fp8_floor_seconds(geometry, rows: int, active: int) -> float:
-    """The FP8 bytes floor: each active expert's weights at 1 byte plus its block scales, the
-    e4m3 rows in and the intermediate out and in, the bf16 output."""
-    h, i = geometry.hidden_size, geometry.intermediate_size
-    weights = 3 * active * h * i * (1 + 4 / (128 * 128))
-    activations = rows * h + 2 * rows * i + 2 * rows * h
-    return (weights + activations) / H200_HBM_BYTES_PER_S
-
-
 class Weights:
     def __init__(self, geometry, seed: int = 0):
         e, h, i = geometry.num_experts, geometry.hidden_size, geometry.intermediate_size
@@ -215,7 +206,9 @@ def bench_point(geometry, weight_sets, tokens: int) -> dict:
     if "scaled_mm_us" in row:
         row["fp8_speedup_vs_scaled_mm"] = row["scaled_mm_us"] / row["fp8_us"]
     row["fp8_tflops"] = tflops(geometry.expert_flops(rows), row["fp8_us"] * 1e-6)
-    row["fp8_floor_fraction"] = fp8_floor_seconds(geometry, rows, active) / (row["fp8_us"] * 1e-6)
+    # the FP8 bytes floor: the time fp8_expert_bytes take at the HBM rate
+    fp8_floor_seconds = geometry.fp8_expert_bytes(rows, active) / H200_HBM_BYTES_PER_S
+    row["fp8_floor_fraction"] = fp8_floor_seconds / (row["fp8_us"] * 1e-6)
     return row
 
 

@@ -33,11 +33,11 @@ for step in "${steps[@]}"; do
       python3 -m megamoe_torch.cli demo --tokens 512 2>&1 | grep -v 'it/s' | tee "$out/demo.log" | tail -n 14
       record demo "$(tail -n 1 "$out/demo.log")" ;;
     bench)
-      python3 -m megamoe_torch.cli bench --backends cutedsl grouped_mm --modes kernels eager \
-        --repeats 20 --out "$out" 2>&1 | grep -v "it/s" > "$out/bench.log"
+      python3 -m megamoe_torch.cli bench --backends cutedsl grouped_mm --modes kernels layer \
+        --weight-dtype bf16 fp8 --targets --repeats 20 --out "$out" 2>&1 | grep -v "it/s" > "$out/bench.log"
       python3 -m megamoe_torch.cli bench --backends cutedsl --geometry qwen3-30b-a3b --tokens 8192 \
         --capacity-sweep --out "$out/sweep" 2>&1 | grep 'capacity sweep' | tee "$out/capacity-sweep.log"
-      record bench "$(grep -c 'cutedsl  kernels' "$out/bench.log") cutedsl points, table in $out/bench.log" ;;
+      record bench "$(grep -cE ' cutedsl(\+fp8)? +kernels ' "$out/bench.log") cutedsl points, table in $out/bench.log, targets in $out/targets.md" ;;
     multirank)
       if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
         torchrun --standalone --nproc-per-node 2 -m pytest -q -m multirank -p no:cacheprovider tests 2>&1 \

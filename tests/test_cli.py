@@ -55,6 +55,19 @@ def test_bench_writes_csv_with_oracle_error(tmp_path):
     assert all(int(row["rows"]) == 5 * 4 for row in rows)
 
 
+def test_bench_times_each_weight_dtype_and_reports_the_targets(tmp_path, capsys):
+    argv = ["bench", "--device", "cpu", "--geometry", "tiny-qwen3", "--tokens", "3"]
+    argv += ["--weight-dtype", "bf16", "fp8", "--targets", "--repeats", "1", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    with (tmp_path / "bench.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["backend"] for row in rows] == ["reference", "reference+fp8"]
+    report = (tmp_path / "targets.md").read_text()
+    assert report.splitlines()[0].startswith("Targets at the points this run measured (CPU")
+    assert "| FP8 >= 1.7x our bf16 at 1 and 16 tokens | 0 | not measured |" in report
+    assert report.strip() in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("command", ["demo", "bench", "tune"])
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as exit_info:

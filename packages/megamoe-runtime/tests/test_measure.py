@@ -108,3 +108,37 @@ def test_rates_and_fractions():
     assert tflops(2e12, 0.5) == 4.0
     assert gigabytes_per_second(3e9, 1.5) == 2.0
     assert speedup(None, 1.0) is None and speedup(3.0, 1.5) == 2.0
+
+
+def test_the_fp8_floor_counts_a_byte_a_weight_with_its_block_scales_and_fp8_products():
+    """One token of qwen3-30b-a3b (8 rows on 8 experts): both floors are the weights' bytes at
+    the HBM rate, the FP8 one a little over half the bf16 one (its scales, bf16 rows out). At
+    8192 tokens both are the FLOPs' time, the FP8 one at the e4m3 rate."""
+    from megamoe_runtime.geometries import (
+        GEOMETRIES,
+        H200_BF16_FLOPS,
+        H200_FP8_FLOPS,
+        H200_HBM_BYTES_PER_S,
+        roofline_floor_seconds,
+    )
+    from megamoe_runtime.measure import expert_roofline_fraction
+
+    qwen3 = GEOMETRIES["qwen3-30b-a3b"]
+    h, i = qwen3.hidden_size, qwen3.intermediate_size
+    weights = 8 * 3 * h * i
+    fp8_decode = roofline_floor_seconds(qwen3, 8, 8, weight_dtype="fp8")
+    assert fp8_decode * H200_HBM_BYTES_PER_S == pytest.approx(
+        weights * (1 + 4 / 128**2) + 8 * (h + 2 * i + 2 * h)
+    )
+    assert 0.5 < fp8_decode / roofline_floor_seconds(qwen3, 8, 8) < 0.51
+    rows = 8192 * 8
+    assert roofline_floor_seconds(qwen3, rows, 128, weight_dtype="fp8") == pytest.approx(
+        6 * rows * h * i / H200_FP8_FLOPS
+    )
+    assert roofline_floor_seconds(qwen3, rows, 128) == pytest.approx(
+        6 * rows * h * i / H200_BF16_FLOPS
+    )
+    fraction = expert_roofline_fraction(
+        qwen3, rows=8, active_experts=8, seconds=2 * fp8_decode, weight_dtype="fp8"
+    )
+    assert fraction == pytest.approx(0.5)

@@ -129,7 +129,7 @@ def test_bench_with_fp8_experts_skips_the_geometry_with_the_reason(
     argv += ["--weight-dtype", "fp8", "--repeats", "1", "--out", str(tmp_path)]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert f"skipped {tiny_gpt_oss_geometry.name}: weight_dtype='fp8' does not combine" in out
+    assert f"skipped {tiny_gpt_oss_geometry.name} fp8: weight_dtype='fp8' does not combine" in out
 
 
 def test_demo_checks_the_bf16_layer_and_says_why_there_are_no_fp8_experts(

@@ -204,6 +204,7 @@ def make_layer(fields):
     return layer
 
 
+@torch.no_grad()
 def per_token_float64(
     layer: MegaMoE, x_TH: torch.Tensor, input_ids: torch.Tensor | None = None
 ) -> torch.Tensor:

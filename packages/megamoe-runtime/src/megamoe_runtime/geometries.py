@@ -47,6 +47,15 @@ class Geometry:
         activations = 2 * rows * self.hidden_size + 2 * rows * self.intermediate_size
         return float(element_bytes * (weights + activations))
 
+    def fp8_expert_bytes(self, rows: int, active_experts: int) -> float:
+        """Fewest bytes the FP8 expert MLP moves: each active expert's e4m3 weights once with
+        their float32 scale per 128 x 128 block, the e4m3 rows in, the e4m3 intermediate
+        written and read once, and the bf16 rows out (the activations' scales left out)."""
+        h, i = self.hidden_size, self.intermediate_size
+        weights = 3 * active_experts * h * i * (1 + 4 / (128 * 128))
+        activations = rows * h + 2 * rows * i + 2 * rows * h
+        return float(weights + activations)
+
 
 GEOMETRIES: dict[str, Geometry] = {
     geometry.name: geometry
@@ -98,13 +107,23 @@ GEOMETRIES: dict[str, Geometry] = {
 
 TOKEN_COUNTS = (1, 16, 128, 512, 2048, 8192)
 
-# Limits measured on the H200: a dense bf16 8192^3 product in a burst, the HBM copy rate
-# (docs/benchmarks.md, "Roofline floor and targets")
+# Limits measured on the H200: a dense bf16 and a dense e4m3 8192^3 product in a burst, the
+# HBM copy rate (docs/benchmarks.md, "Roofline floor and targets")
 H200_BF16_FLOPS = 788e12
+H200_FP8_FLOPS = 1425e12
 H200_HBM_BYTES_PER_S = 4.24e12
 
 
-def roofline_floor_seconds(geometry: Geometry, rows: int, active_experts: int) -> float:
+def roofline_floor_seconds(
+    geometry: Geometry, rows: int, active_experts: int, *, weight_dtype: str | None = None
+) -> float:
+    """The time the expert MLP's FLOPs or its bytes need at the H200's limits, whichever is
+    longer: bf16 experts, or FP8 ones (weight_dtype="fp8": e4m3 products, fp8_expert_bytes)."""
+    if weight_dtype == "fp8":
+        return max(
+            geometry.expert_flops(rows) / H200_FP8_FLOPS,
+            geometry.fp8_expert_bytes(rows, active_experts) / H200_HBM_BYTES_PER_S,
+        )
     return max(
         geometry.expert_flops(rows) / H200_BF16_FLOPS,
         geometry.expert_bytes(rows, active_experts) / H200_HBM_BYTES_PER_S,

@@ -1,8 +1,8 @@
 """Benchmarks of expert compute and of the whole layer, backend against backend in one run.
 
 `bench_point` (modes "kernels" and "eager"): time, the ratio to the grouped_mm baseline measured in
-the same run, TFLOP/s, the fraction of the roofline floor (docs/benchmarks.md) and rel-L2 against
-the fp32 oracle. `bench_layer_point` (mode "layer"): the whole forward, router GEMM to combine,
+the same run, TFLOP/s, the fraction of the roofline floor (docs/benchmarks.md; FP8 experts':
+e4m3 products and weights at one byte with their scales) and rel-L2 against the fp32 oracle. `bench_layer_point` (mode "layer"): the whole forward, router GEMM to combine,
 eager and as a CUDA-graph replay, with the ops it launches and its host time, against the expert
 GEMMs alone and against the grouped_mm layer.
 """
@@ -244,7 +244,11 @@ def bench_point(
                 speedup=speedup(baseline, seconds),
                 tflops=tflops(geometry.expert_flops(rows), seconds),
                 roofline_fraction=expert_roofline_fraction(
-                    geometry, rows=rows, active_experts=active, seconds=seconds
+                    geometry,
+                    rows=rows,
+                    active_experts=active,
+                    seconds=seconds,
+                    weight_dtype=layer.config.weight_dtype,
                 ),
                 rel_l2=error,
             )

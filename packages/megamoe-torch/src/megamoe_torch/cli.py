@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import tempfile
@@ -22,6 +23,7 @@ from tqdm import tqdm
 
 import megamoe_torch
 from megamoe_torch import bench, bench_ep
+from megamoe_torch.bench_targets import evaluate_targets, format_targets
 from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.fp8_linear import BlockFP8Linear
 from megamoe_torch.layer import MegaMoE
@@ -149,17 +151,26 @@ def runnable_backends(
     )
 
 
+def device_name(device: torch.device) -> str:
+    """The GPU's name (e.g. "NVIDIA H200"), or "CPU"."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
 def config_weight_dtype(weight_dtype: str) -> str | None:
     """MegaMoEConfig's weight_dtype for a --weight-dtype (one of WEIGHT_DTYPES)."""
     return None if weight_dtype == "bf16" else weight_dtype
 
 
-def add_weight_dtype_argument(parser: argparse.ArgumentParser, *, what: str) -> None:
-    """--weight-dtype, as bench and tune name it; `what`: what the choice does there."""
+def add_weight_dtype_argument(
+    parser: argparse.ArgumentParser, *, what: str, several: bool = False
+) -> None:
+    """--weight-dtype, as bench and tune name it; `what`: what the choice does there;
+    `several`: it takes one or more (a list), else one."""
     parser.add_argument(
         "--weight-dtype",
         choices=WEIGHT_DTYPES,
-        default="bf16",
+        nargs="+" if several else None,
+        default=["bf16"] if several else "bf16",
         help=f"the experts' weights: bf16, or fp8 (e4m3 with 128x128 block scales); {what} "
         "(default: bf16)",
     )
@@ -201,8 +212,8 @@ def run_demo(args: argparse.Namespace) -> int:
     geometries = args.geometry or (GPU_GEOMETRIES if device.type == "cuda" else CPU_GEOMETRIES)
     tokens = args.tokens or (512 if device.type == "cuda" else 64)
     print(
-        f"megamoe demo on {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
-        f"torch {torch.__version__}, bf16, {tokens} tokens"
+        f"megamoe demo on {device} ({device_name(device)}), torch {torch.__version__}, bf16, "
+        f"{tokens} tokens"
     )
     table = []
     worst_error, worst_fp8_difference = 0.0, 0.0
@@ -360,22 +371,26 @@ def run_bench(args: argparse.Namespace) -> int:
     point_modes = tuple(mode for mode in args.modes if mode != "layer")
     rows, layer_rows = [], []
     out = args.out
-    progress = tqdm(total=len(geometries) * len(token_counts), desc="bench")
-    weight_dtype = config_weight_dtype(args.weight_dtype)
-    for name in geometries:
+    weight_dtypes = list(dict.fromkeys(args.weight_dtype))  # in order, each once
+    progress = tqdm(total=len(geometries) * len(weight_dtypes) * len(token_counts), desc="bench")
+    # each geometry's dtypes one after the other, so that their rows compare on one clock
+    for name, weight_dtype in itertools.product(geometries, weight_dtypes):
         try:
             layer = bench.build_layer(
-                GEOMETRIES[name], device=device, dtype=torch.bfloat16, weight_dtype=weight_dtype
+                GEOMETRIES[name],
+                device=device,
+                dtype=torch.bfloat16,
+                weight_dtype=config_weight_dtype(weight_dtype),
             )
         except ValueError as error:  # FP8 experts with expert math they do not compute
-            progress.write(f"skipped {name}: {error}")
+            progress.write(f"skipped {name} {weight_dtype}: {error}")
             progress.update(len(token_counts))
             continue
         # the backends that compute this geometry's experts here
         layer_backends, refused = bench.layer_backends(layer, backends)
         if refused:
             skipped = "; ".join(f"{backend}: {why}" for backend, why in refused.items())
-            progress.write(f"{name}: skipped {skipped}")
+            progress.write(f"{name} {weight_dtype}: skipped {skipped}")
         if not layer_backends:
             progress.update(len(token_counts))
             del layer
@@ -437,6 +452,13 @@ def run_bench(args: argparse.Namespace) -> int:
         print(bench.format_table(rows))
     if layer_rows:
         print(bench.format_layer_table(layer_rows))
+    if args.targets:
+        report = format_targets(
+            evaluate_targets(rows, layer_rows),
+            device=f"{device_name(device)}, torch {torch.__version__}",
+        )
+        (out / "targets.md").write_text(report + "\n")
+        print(f"\n{report}")
     return 0
 
 
@@ -557,8 +579,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_weight_dtype_argument(
         bench_parser,
-        what="with fp8 rows name the backend with +fp8 and accuracy is against the oracle on the "
-        "dequantized weights; run the bench once per dtype for the comparison",
+        what="with fp8 rows name the backend with +fp8, accuracy is against the oracle on the "
+        "dequantized weights and the floor is FP8's (e4m3 products, weights at 1 byte and "
+        "their scales); several (bf16 fp8) time each geometry with each in turn",
+        several=True,
     )
     bench_parser.add_argument("--repeats", type=positive_int, default=30)
     bench_parser.add_argument(
@@ -566,6 +590,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=output_folder,
         default="bench-out",
         help="folder for bench.csv, bench.png and layer.csv, created if missing (default: bench-out)",
+    )
+    bench_parser.add_argument(
+        "--targets",
+        action="store_true",
+        help="also print which of the project's targets (docs/benchmarks.md) the cutedsl rows of "
+        "this run meet, their worst readings and the points that miss, and write targets.md "
+        "under --out (the FP8 ones need --weight-dtype bf16 fp8; the layer ones --modes layer)",
     )
     bench_parser.add_argument(
         "--capacity-sweep",
