@@ -16,6 +16,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from megamoe_runtime.geometries import GEOMETRIES
+
 from megamoe_torch.bench import BenchRow, LayerBenchRow
 
 # the backend whose rows the targets read: megamoe's kernels (FP8 experts: KERNELS + "+fp8")
@@ -150,6 +152,21 @@ def _fp8_over_bf16(bound: float, tokens: Sequence[int]):
     return readings
 
 
+def _launches_without_shared_experts(
+    _: Sequence[BenchRow], layer_rows: Sequence[LayerBenchRow]
+) -> list[Reading]:
+    """The GPU launches (kernels, memcpy and memset) of one launched forward of a layer
+    without shared experts."""
+    return [
+        Reading(_point(row.geometry, row.tokens), row.gpu_ops + (row.gpu_memory_ops or 0), 6)
+        for row in layer_rows
+        if row.backend == KERNELS
+        and row.ops_counted == "kernels"
+        and row.geometry in GEOMETRIES
+        and GEOMETRIES[row.geometry].num_shared_experts == 0
+    ]
+
+
 def _sonic_moe(_: Sequence[BenchRow], layer_rows: Sequence[LayerBenchRow]) -> list[Reading]:
     return [
         Reading(
@@ -188,6 +205,12 @@ TARGETS = (
         False,
         _field("host_microseconds", 30.0, layer=True),
         value_format="{:.1f}",
+    ),
+    Target(
+        "<= 6 GPU launches per forward without shared experts",
+        False,
+        _launches_without_shared_experts,
+        value_format="{:.0f}",
     ),
     Target(
         "one-token qwen3-30b-a3b forward <= 30 us in a graph",
