@@ -238,6 +238,12 @@ TARGETS = (
         _field("roofline_fraction", 0.8, backend=FP8_KERNELS, tokens=(1, 16)),
     ),
     Target(
+        "FP8 difference <= 1e-3 against the fp32 oracle",
+        False,
+        _field("difference", 1e-3, backend=FP8_KERNELS),
+        value_format="{:.1e}",
+    ),
+    Target(
         "FP8 >= 850 TFLOP/s at dsv3-ep8-local 8192 tokens",
         True,
         _field("tflops", 850.0, backend=FP8_KERNELS, tokens=(8192,), geometry="dsv3-ep8-local"),
