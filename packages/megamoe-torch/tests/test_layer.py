@@ -167,6 +167,17 @@ def test_bad_input_is_refused():
         MegaMoEConfig(**QWEN3, eager_graph_tokens=-1)
 
 
+def test_expert_weights_load_from_float_tensors_only():
+    layer = make_layer(QWEN3)
+    w2 = layer.w2.detach().clone()
+    w13 = layer.w13.detach().clone()
+    with pytest.raises(TypeError, match="w2 must hold floating-point values, got torch.int64"):
+        layer.load_expert_weights(w13=torch.zeros(w13.shape), w2=torch.ones(w2.shape).long())
+    with pytest.raises(TypeError, match="w13 must be a torch.Tensor, got list"):
+        layer.load_expert_weights(w13=[[1.0]])
+    assert torch.equal(layer.w13, w13) and torch.equal(layer.w2, w2)  # nothing was written
+
+
 @pytest.mark.parametrize(
     ("fields", "error", "message"),
     [
