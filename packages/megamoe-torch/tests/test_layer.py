@@ -167,6 +167,12 @@ def test_bad_input_is_refused():
         MegaMoEConfig(**QWEN3, eager_graph_tokens=-1)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float8_e4m3fn])
+def test_a_layer_of_a_dtype_that_is_not_an_activation_dtype_is_refused(dtype):
+    with pytest.raises(TypeError, match=f"16 bits or more, .* got {dtype}"):
+        MegaMoE(MegaMoEConfig(**QWEN3), dtype=dtype)
+
+
 def test_expert_weights_load_from_float_tensors_only():
     layer = make_layer(QWEN3)
     w2 = layer.w2.detach().clone()

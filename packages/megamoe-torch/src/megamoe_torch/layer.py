@@ -276,6 +276,12 @@ class MegaMoE(nn.Module):
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
+        if dtype is not None and (not dtype.is_floating_point or dtype.itemsize < 2):
+            raise TypeError(
+                "dtype (the activations' and the full-precision weights') must be a floating-"
+                "point dtype of 16 bits or more, such as bfloat16, float16 or float32 (e4m3 "
+                f"experts: config.weight_dtype='fp8'), got {dtype}"
+            )
         self.config = config
         factory = {"device": device, "dtype": dtype}
         # the hidden states' dtype, apart from the router's: a router weight kept in fp32 next to
