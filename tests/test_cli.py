@@ -52,6 +52,8 @@ def test_bench_writes_csv_with_oracle_error(tmp_path):
         rows = list(csv.DictReader(handle))
     assert {row["mode"] for row in rows} == {"kernels", "eager"}
     assert all(float(row["rel_l2"]) < 1e-2 for row in rows)
+    # DeepGEMM's difference: about half the square of the rel-L2 where the error is small
+    assert all(0 < float(row["difference"]) < float(row["rel_l2"]) ** 2 for row in rows)
     assert all(int(row["rows"]) == 5 * 4 for row in rows)
 
 

@@ -106,6 +106,10 @@ def test_bad_input_is_refused_with_the_offending_values():
         checked.dispatch(x, torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 2))
     with pytest.raises(ValueError, match="2-D"):
         checked.dispatch(x[0], torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1))
+    with pytest.raises(TypeError, match="num_experts must be an int, got 4.5"):
+        LocalDispatcher(4.5)
+    with pytest.raises(TypeError, match="capacity must be an int, got 3.0"):
+        LocalDispatcher(4, capacity=3.0)
 
 
 def test_combine_of_present_pairs_ignores_what_absent_pairs_rows_hold():

@@ -251,6 +251,19 @@ def test_bad_router_config_is_refused(fields, message):
         RouterConfig(**fields)
 
 
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(num_experts="8", top_k=2), "num_experts must be an int, got '8'"),
+        (dict(num_experts=8, top_k=2.5), "top_k must be an int, got 2.5"),
+        (dict(num_experts=8, top_k=2, num_groups=True), "num_groups must be an int, got True"),
+    ],
+)
+def test_router_config_counts_are_ints(fields, message):
+    with pytest.raises(TypeError, match=message):
+        RouterConfig(**fields)
+
+
 def test_bad_logits_shape_and_missing_bias_are_refused():
     config = RouterConfig(num_experts=4, top_k=1)
     with pytest.raises(ValueError, match="num_experts=4"):

@@ -73,6 +73,13 @@ def test_an_fp8_pack_refuses_other_dtypes_and_misshaped_scales():
         )
 
 
+def test_a_full_precision_pack_refuses_integer_and_e4m3_weights():
+    pack = random_pack(2)
+    for dtype in (torch.int32, torch.float8_e4m3fn):
+        with pytest.raises(TypeError, match=f"full-precision floating point, .* got {dtype}"):
+            Unquantized(w13_E2IH=pack.w13_E2IH.to(dtype), w2_EHI=pack.w2_EHI.to(dtype))
+
+
 def test_dense_experts_appended_to_a_pack_sum_to_the_dense_mlp():
     """with_dense_experts: a dense SwiGLU MLP of intermediate 3 x INTER as experts E .. E + 2;
     a token's rows in those three experts, summed, are the MLP of the token (the oracle

@@ -250,13 +250,14 @@ def test_tables_widen_a_column_for_a_long_name_or_a_slow_time():
         tflops=0.04,
         roofline_fraction=0.0001,
         rel_l2=1.7e-3,
+        difference=2.1e-6,
     )
     header, rule, line = bench.format_table([point]).splitlines()
     assert line.split() == [
         *("qwen3-30b-a3b", "8192", "32768", "reference+fp8", "kernels"),
-        *("1299800.7", "1281040.6", "-", "0.0", "0.000", "1.7e-03"),
+        *("1299800.7", "1281040.6", "-", "0.0", "0.000", "1.7e-03", "2.1e-06"),
     ]
-    assert len(rule) == len(header) and header.index("rel-L2") + len("rel-L2") == len(line)
+    assert len(rule) == len(header) and header.index("diff") + len("diff") == len(line)
 
     forward = bench.LayerBenchRow(
         geometry="qwen3-30b-a3b",

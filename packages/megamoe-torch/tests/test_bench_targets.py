@@ -24,6 +24,7 @@ KERNEL_ROW = BenchRow(
     tflops=700.0,
     roofline_fraction=0.9,
     rel_l2=2.4e-3,
+    difference=1.5e-6,
 )
 LAYER_ROW = LayerBenchRow(
     geometry="qwen3-30b-a3b",
@@ -174,3 +175,20 @@ def test_the_report_is_a_markdown_table_that_names_the_misses():
     )
     assert empty.count("| not measured |") == len(evaluate_targets([]))
     assert "this run has none" in empty.splitlines()[-1]
+
+
+def test_launches_are_counted_for_layers_without_shared_experts_only():
+    rows = [
+        replace(LAYER_ROW, gpu_ops=5, gpu_memory_ops=0),
+        replace(LAYER_ROW, tokens=8192, gpu_ops=5, gpu_memory_ops=2),
+        replace(LAYER_ROW, geometry="dsv3", gpu_ops=9),  # its shared expert's launches
+        replace(LAYER_ROW, gpu_ops=300, gpu_memory_ops=None, ops_counted="aten ops"),  # a CPU's
+    ]
+    status = status_of(
+        evaluate_targets([], rows), "<= 6 GPU launches per forward without shared experts"
+    )
+    assert [(r.point, r.value) for r in status.readings] == [
+        ("qwen3-30b-a3b 1", 5),
+        ("qwen3-30b-a3b 8192", 7),
+    ]
+    assert status.status == "missed at 1 of 2"

@@ -163,8 +163,49 @@ def test_bad_input_is_refused():
         MegaMoE(MegaMoEConfig(**QWEN3, backend="grouped_mm"))(torch.randn(2, 32))
     with pytest.raises(ValueError, match="top_k"):
         MegaMoEConfig(**dict(QWEN3, top_k=17))
-    with pytest.raises(ValueError, match="eager_graph_tokens must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="eager_graph_tokens must be an int >= 0, got -1"):
         MegaMoEConfig(**QWEN3, eager_graph_tokens=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float8_e4m3fn])
+def test_a_layer_of_a_dtype_that_is_not_an_activation_dtype_is_refused(dtype):
+    with pytest.raises(TypeError, match=f"16 bits or more, .* got {dtype}"):
+        MegaMoE(MegaMoEConfig(**QWEN3), dtype=dtype)
+
+
+def test_expert_weights_load_from_float_tensors_only():
+    layer = make_layer(QWEN3)
+    w2 = layer.w2.detach().clone()
+    w13 = layer.w13.detach().clone()
+    with pytest.raises(TypeError, match="w2 must hold floating-point values, got torch.int64"):
+        layer.load_expert_weights(w13=torch.zeros(w13.shape), w2=torch.ones(w2.shape).long())
+    with pytest.raises(TypeError, match="w13 must be a torch.Tensor, got list"):
+        layer.load_expert_weights(w13=[[1.0]])
+    assert torch.equal(layer.w13, w13) and torch.equal(layer.w2, w2)  # nothing was written
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "message"),
+    [
+        (dict(hidden_size=32.5), TypeError, "hidden_size must be an int >= 1, got 32.5"),
+        (dict(hidden_size="32"), TypeError, "hidden_size must be an int >= 1, got '32'"),
+        (dict(top_k=True), TypeError, "top_k must be an int >= 1, got True"),
+        (dict(num_experts=0), ValueError, "num_experts must be an int >= 1, got 0"),
+        (dict(capacity=-3), ValueError, "capacity must be an int >= 0 or None, got -3"),
+        (dict(capacity=8.0), TypeError, "capacity must be an int >= 0 or None, got 8.0"),
+        (
+            dict(num_shared_experts=1, shared_intermediate_size=0),
+            ValueError,
+            "shared_intermediate_size must be an int >= 1 or None, got 0",
+        ),
+        (dict(max_tokens_per_rank=0), ValueError, "max_tokens_per_rank must be an int >= 1"),
+    ],
+)
+def test_integer_fields_take_ints_in_range_and_say_which_field_and_what_they_accept(
+    fields, error, message
+):
+    with pytest.raises(error, match=message):
+        MegaMoEConfig(**{**QWEN3, **fields})
 
 
 def test_static_capacity_overflow_is_refused():

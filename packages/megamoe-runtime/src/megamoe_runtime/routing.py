@@ -69,6 +69,10 @@ class RouterConfig:
     sparsemixer_eps: float = 0.01
 
     def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "num_groups", "top_groups"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
         if self.num_experts < 1:
             raise ValueError(f"num_experts must be >= 1, got {self.num_experts}")
         if not 1 <= self.top_k <= self.num_experts:

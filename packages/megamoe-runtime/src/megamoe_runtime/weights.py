@@ -52,26 +52,14 @@ class Unquantized:
     activation: str = "swiglu"
 
     def __post_init__(self) -> None:
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
-        if self.activation == "relu2" and not self.swiglu.is_plain:
-            raise ValueError(f"ungated relu^2 experts take no SwiGLU, got {self.swiglu}")
-        first = "[E, 2I, H]" if self.gated else "[E, I, H]"
-        if self.w13_E2IH.dim() != 3 or self.w2_EHI.dim() != 3:
-            raise ValueError(
-                f"w13 must be {first} and w2 [E, H, I]; got {tuple(self.w13_E2IH.shape)} "
-                f"and {tuple(self.w2_EHI.shape)}"
+        _check_weights(self.w13_E2IH, self.w2_EHI, swiglu=self.swiglu, activation=self.activation)
+        if not self.w13_E2IH.is_floating_point() or self.w13_E2IH.dtype.itemsize < 2:
+            raise TypeError(
+                "w13 and w2 must be full-precision floating point, such as bfloat16, float16 or "
+                f"float32 (e4m3 weights with their block scales: Prequantized), got "
+                f"{self.w13_E2IH.dtype}"
             )
         experts, two_intermediate, hidden = self.w13_E2IH.shape
-        if self.gated and two_intermediate % 2:
-            raise ValueError(f"w13's second dim must be 2 * intermediate, got {two_intermediate}")
-        expected_w2 = (experts, hidden, self.intermediate_size)
-        if tuple(self.w2_EHI.shape) != expected_w2:
-            raise ValueError(
-                f"w2 must have shape {expected_w2} to match w13, got {tuple(self.w2_EHI.shape)}"
-            )
-        if self.w13_E2IH.dtype != self.w2_EHI.dtype or self.w13_E2IH.device != self.w2_EHI.device:
-            raise ValueError("w13 and w2 must share dtype and device")
         biases = {
             "w13_bias_E2I": (self.w13_bias_E2I, (experts, two_intermediate)),
             "w2_bias_EH": (self.w2_bias_EH, (experts, hidden)),
@@ -87,24 +75,12 @@ class Unquantized:
                     f"{name} must be a float tensor on the weights' device "
                     f"({self.w13_E2IH.device}), got {bias.dtype} on {bias.device}"
                 )
-        if not isinstance(self.swiglu, SwiGLU):
-            raise TypeError(
-                f"swiglu must be a megamoe_kernels.SwiGLU, got {type(self.swiglu).__name__}"
-            )
 
     @property
     def expert_math(self) -> tuple[str, ...]:
         """What the pack holds beyond bias-free silu(gate) * up experts: () when nothing."""
-        features = []
-        if self.w13_bias_E2I is not None or self.w2_bias_EH is not None:
-            features.append("per-expert biases")
-        if self.swiglu.softcapped:
-            features.append(SOFTCAPPED_SWIGLU)
-        if self.swiglu.clamped:
-            features.append(f"a clamped/scaled SwiGLU ({self.swiglu})")
-        if not self.gated:
-            features.append(UNGATED_RELU2)
-        return tuple(features)
+        biased = self.w13_bias_E2I is not None or self.w2_bias_EH is not None
+        return _expert_math(self.swiglu, biased=biased, gated=self.gated)
 
     @property
     def gated(self) -> bool:
@@ -142,8 +118,7 @@ class Prequantized:
             if not isinstance(tensor, torch.Tensor) or tensor.dtype != FP8_WEIGHT_DTYPE:
                 got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
                 raise TypeError(f"{name} must be {FP8_WEIGHT_DTYPE}, got {got}")
-        # the shapes' and the SwiGLU's rules are Unquantized's
-        Unquantized(w13_E2IH=self.w13_E2IH, w2_EHI=self.w2_EHI, swiglu=self.swiglu)
+        _check_weights(self.w13_E2IH, self.w2_EHI, swiglu=self.swiglu, activation="swiglu")
         expected = {
             "w13_scales": weight_scales_shape(self.w13_E2IH.shape),
             "w2_scales": weight_scales_shape(self.w2_EHI.shape),
@@ -184,12 +159,55 @@ class Prequantized:
     @property
     def expert_math(self) -> tuple[str, ...]:
         """What the pack holds beyond silu(gate) * up experts: () when nothing."""
-        return Unquantized(
-            w13_E2IH=self.w13_E2IH, w2_EHI=self.w2_EHI, swiglu=self.swiglu
-        ).expert_math
+        return _expert_math(self.swiglu, biased=False, gated=True)
 
 
 WeightPack = Unquantized | Prequantized
+
+
+def _check_weights(
+    w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor, *, swiglu: SwiGLU, activation: str
+) -> None:
+    """The rules of every pack's weights and activation: w13 [E, 2I, H] ([E, I, H] ungated) and
+    w2 [E, H, I] of one dtype on one device, a megamoe_kernels.SwiGLU, none with relu^2."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if not isinstance(swiglu, SwiGLU):
+        raise TypeError(f"swiglu must be a megamoe_kernels.SwiGLU, got {type(swiglu).__name__}")
+    gated = activation == "swiglu"
+    if not gated and not swiglu.is_plain:
+        raise ValueError(f"ungated relu^2 experts take no SwiGLU, got {swiglu}")
+    first = "[E, 2I, H]" if gated else "[E, I, H]"
+    if w13_E2IH.dim() != 3 or w2_EHI.dim() != 3:
+        raise ValueError(
+            f"w13 must be {first} and w2 [E, H, I]; got {tuple(w13_E2IH.shape)} "
+            f"and {tuple(w2_EHI.shape)}"
+        )
+    experts, rows, hidden = w13_E2IH.shape
+    if gated and rows % 2:
+        raise ValueError(f"w13's second dim must be 2 * intermediate, got {rows}")
+    expected_w2 = (experts, hidden, rows // 2 if gated else rows)
+    if tuple(w2_EHI.shape) != expected_w2:
+        raise ValueError(
+            f"w2 must have shape {expected_w2} to match w13, got {tuple(w2_EHI.shape)}"
+        )
+    if w13_E2IH.dtype != w2_EHI.dtype or w13_E2IH.device != w2_EHI.device:
+        raise ValueError("w13 and w2 must share dtype and device")
+
+
+def _expert_math(swiglu: SwiGLU, *, biased: bool, gated: bool) -> tuple[str, ...]:
+    """What experts compute beyond bias-free silu(gate) * up, by the names the backends refuse
+    them by: () when nothing."""
+    features = []
+    if biased:
+        features.append("per-expert biases")
+    if swiglu.softcapped:
+        features.append(SOFTCAPPED_SWIGLU)
+    if swiglu.clamped:
+        features.append(f"a clamped/scaled SwiGLU ({swiglu})")
+    if not gated:
+        features.append(UNGATED_RELU2)
+    return tuple(features)
 
 
 def quantize(weights: Unquantized) -> Prequantized:

@@ -2,9 +2,10 @@
 
 `bench_point` (modes "kernels" and "eager"): time, the ratio to the grouped_mm baseline measured in
 the same run, TFLOP/s, the fraction of the roofline floor (docs/benchmarks.md; FP8 experts':
-e4m3 products and weights at one byte with their scales) and rel-L2 against the fp32 oracle. `bench_layer_point` (mode "layer"): the whole forward, router GEMM to combine,
-eager and as a CUDA-graph replay, with the ops it launches and its host time, against the expert
-GEMMs alone and against the grouped_mm layer.
+e4m3 products and weights at one byte with their scales), and rel-L2 and DeepGEMM's difference
+against the fp32 oracle. `bench_layer_point` (mode "layer"): the whole forward, router GEMM to
+combine, eager and as a CUDA-graph replay, with the ops it launches and its host time, against
+the expert GEMMs alone and against the grouped_mm layer.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from megamoe_kernels.reference import expert_mlp_reference, relative_l2_error
+from megamoe_kernels.reference import expert_mlp_reference, fp8_difference, relative_l2_error
 from megamoe_runtime.dispatch import LocalDispatcher
 from megamoe_runtime.experts import backend_status, make_backend
 from megamoe_runtime.geometries import Geometry
@@ -52,6 +53,9 @@ class BenchRow:
     tflops: float
     roofline_fraction: float
     rel_l2: float
+    # DeepGEMM's 1 - 2 sum(xy) / sum(x^2 + y^2) against the same fp32 oracle (the FP8 experts'
+    # accuracy target: <= 1e-3)
+    difference: float
 
 
 @dataclass(frozen=True)
@@ -204,12 +208,13 @@ def bench_point(
 
         fp8_rows, fp8_scales = quantize_rows(batch.rows_MH)
         fp8_batch = replace(batch, rows_MH=fp8_rows, row_scales_GM=fp8_scales)
-    results: dict[tuple[str, str], tuple[float, float, float]] = {}
+    results: dict[tuple[str, str], tuple[float, float, tuple[float, float]]] = {}
     for name in backends:
         backend = make_backend(name)
         prepared = backend.prepare(pack)
         batch_in = fp8_batch if fp8_batch is not None and name == "cutedsl" else batch
-        error = relative_l2_error(backend(batch_in, prepared)[:rows], oracle_MH)
+        out_MH = backend(batch_in, prepared)[:rows]
+        errors = (relative_l2_error(out_MH, oracle_MH), fp8_difference(out_MH, oracle_MH))
         for mode in modes:
             if mode == "kernels":
                 # the reference backend reads the offsets on the host: it cannot be captured
@@ -226,9 +231,9 @@ def bench_point(
                     return layer(x_TH)
 
             seconds = timer(call, device=device, repeats=repeats)
-            results[(name, mode)] = (seconds, host_seconds_per_call(call, device=device), error)
+            results[(name, mode)] = (seconds, host_seconds_per_call(call, device=device), errors)
     out = []
-    for (name, mode), (seconds, host_seconds, error) in results.items():
+    for (name, mode), (seconds, host_seconds, (error, difference)) in results.items():
         baseline = results.get((BASELINE, mode), (None,))[0]
         out.append(
             BenchRow(
@@ -251,6 +256,7 @@ def bench_point(
                     weight_dtype=layer.config.weight_dtype,
                 ),
                 rel_l2=error,
+                difference=difference,
             )
         )
     return out
@@ -602,7 +608,7 @@ def _cell(value: float | int | None, spec: str) -> str:
 
 def format_table(rows: list[BenchRow]) -> str:
     header = ["geometry", "tokens", "rows", "backend", "mode", "us", "host us", "x base"]
-    header += ["TFLOP/s", "roof", "rel-L2"]
+    header += ["TFLOP/s", "roof", "rel-L2", "diff"]
     body = [
         [
             r.geometry,
@@ -616,10 +622,11 @@ def format_table(rows: list[BenchRow]) -> str:
             f"{r.tflops:.1f}",
             f"{r.roofline_fraction:.3f}",
             f"{r.rel_l2:.1e}",
+            f"{r.difference:.1e}",
         ]
         for r in rows
     ]
-    return "\n".join(aligned_table(header, body, align="<>><<>>>>>>"))
+    return "\n".join(aligned_table(header, body, align="<>><<>>>>>>>"))
 
 
 def format_layer_table(rows: list[LayerBenchRow]) -> str:

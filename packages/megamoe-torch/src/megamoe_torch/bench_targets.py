@@ -16,6 +16,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from megamoe_runtime.geometries import GEOMETRIES
+
 from megamoe_torch.bench import BenchRow, LayerBenchRow
 
 # the backend whose rows the targets read: megamoe's kernels (FP8 experts: KERNELS + "+fp8")
@@ -150,6 +152,21 @@ def _fp8_over_bf16(bound: float, tokens: Sequence[int]):
     return readings
 
 
+def _launches_without_shared_experts(
+    _: Sequence[BenchRow], layer_rows: Sequence[LayerBenchRow]
+) -> list[Reading]:
+    """The GPU launches (kernels, memcpy and memset) of one launched forward of a layer
+    without shared experts."""
+    return [
+        Reading(_point(row.geometry, row.tokens), row.gpu_ops + (row.gpu_memory_ops or 0), 6)
+        for row in layer_rows
+        if row.backend == KERNELS
+        and row.ops_counted == "kernels"
+        and row.geometry in GEOMETRIES
+        and GEOMETRIES[row.geometry].num_shared_experts == 0
+    ]
+
+
 def _sonic_moe(_: Sequence[BenchRow], layer_rows: Sequence[LayerBenchRow]) -> list[Reading]:
     return [
         Reading(
@@ -190,6 +207,12 @@ TARGETS = (
         value_format="{:.1f}",
     ),
     Target(
+        "<= 6 GPU launches per forward without shared experts",
+        False,
+        _launches_without_shared_experts,
+        value_format="{:.0f}",
+    ),
+    Target(
         "one-token qwen3-30b-a3b forward <= 30 us in a graph",
         False,
         _field("graph_microseconds", 30.0, layer=True, tokens=(1,), geometry="qwen3-30b-a3b"),
@@ -213,6 +236,12 @@ TARGETS = (
         "FP8 >= 0.8 of its bytes floor at 1 and 16 tokens",
         True,
         _field("roofline_fraction", 0.8, backend=FP8_KERNELS, tokens=(1, 16)),
+    ),
+    Target(
+        "FP8 difference <= 1e-3 against the fp32 oracle",
+        False,
+        _field("difference", 1e-3, backend=FP8_KERNELS),
+        value_format="{:.1e}",
     ),
     Target(
         "FP8 >= 850 TFLOP/s at dsv3-ep8-local 8192 tokens",

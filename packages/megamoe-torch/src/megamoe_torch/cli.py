@@ -303,6 +303,7 @@ def _demo_timings(
         bench.layer_backends(layer, BACKEND_NAMES)[0],
         desc=f"timing {name} {weights}",
         leave=False,
+        disable=None,  # no bar where stderr is not a terminal (logs, pipes)
     ):
         layer.use_backend(backend)
         try:
@@ -372,7 +373,11 @@ def run_bench(args: argparse.Namespace) -> int:
     rows, layer_rows = [], []
     out = args.out
     weight_dtypes = list(dict.fromkeys(args.weight_dtype))  # in order, each once
-    progress = tqdm(total=len(geometries) * len(weight_dtypes) * len(token_counts), desc="bench")
+    progress = tqdm(
+        total=len(geometries) * len(weight_dtypes) * len(token_counts),
+        desc="bench",
+        disable=None,  # no bar where stderr is not a terminal (logs, pipes)
+    )
     # each geometry's dtypes one after the other, so that their rows compare on one clock
     for name, weight_dtype in itertools.product(geometries, weight_dtypes):
         try:
@@ -486,7 +491,7 @@ def run_tune(args: argparse.Namespace) -> int:
     cache = KnobCache(args.cache)
     points = [(g, t) for g in args.geometry for t in args.tokens]
     print(f"tuning {len(points)} points of {args.weight_dtype} experts into {cache.path}")
-    for name, tokens in tqdm(points, desc="tune"):
+    for name, tokens in tqdm(points, desc="tune", disable=None):
         for result in tune_point(
             GEOMETRIES[name],
             tokens,
@@ -547,8 +552,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Times expert compute (kernels: CUDA-graph replay) and/or the whole layer (eager) per backend "
         "(at each geometry those that run here and compute its experts, gpt-oss-120b's biases and clamped "
         "SwiGLU included; the others skipped, said why), "
-        "with the speedup over grouped_mm, TFLOP/s, fraction of the roofline floor and rel-L2 against the fp32 "
-        "oracle; for modes kernels and eager writes bench.csv and bench.png under --out (bench.png: the speedup "
+        "with the speedup over grouped_mm, TFLOP/s, fraction of the roofline floor, and rel-L2 and DeepGEMM's "
+        "difference 1 - 2xy/(x^2+y^2) against the fp32 oracle; for modes kernels and eager writes bench.csv and bench.png under --out (bench.png: the speedup "
         "over grouped_mm where grouped_mm ran next to another backend, else the time per call; it needs "
         "matplotlib, megamoe-torch's extra plot). "
         "Mode layer times the whole forward (router GEMM to "

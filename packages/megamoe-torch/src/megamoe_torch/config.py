@@ -22,6 +22,23 @@ SHARED_EXPERTS_PATHS = ("auto", "batch", "side_stream", "caller_stream")
 SharedExpertsPath = Literal["auto", "batch", "side_stream", "caller_stream"]
 SHARED_SWIGLUS = ("silu", "routed")
 WEIGHT_DTYPES = (None, "fp8")
+# the integer fields: (name, least value, whether None is accepted)
+INTEGER_FIELDS = (
+    ("hidden_size", 1, False),
+    ("intermediate_size", 1, False),
+    ("num_experts", 1, False),
+    ("top_k", 1, False),
+    ("num_groups", 1, False),
+    ("top_groups", 1, False),
+    ("routing_table_vocab_size", 0, False),
+    ("latent_size", 1, True),
+    ("num_identity_experts", 0, False),
+    ("num_shared_experts", 0, False),
+    ("shared_intermediate_size", 1, True),
+    ("capacity", 0, True),
+    ("max_tokens_per_rank", 1, False),
+    ("eager_graph_tokens", 0, False),
+)
 
 
 @dataclass(frozen=True)
@@ -234,32 +251,15 @@ class MegaMoEConfig:
     gather_rows: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.latent_size is not None and (
-            isinstance(self.latent_size, bool)
-            or not isinstance(self.latent_size, int)
-            or self.latent_size < 1
-        ):
-            raise ValueError(f"latent_size must be an int >= 1 or None, got {self.latent_size!r}")
-        if (
-            isinstance(self.num_identity_experts, bool)
-            or not isinstance(self.num_identity_experts, int)
-            or self.num_identity_experts < 0
-        ):
-            raise ValueError(
-                f"num_identity_experts must be an int >= 0, got {self.num_identity_experts!r}"
-            )
-        if (
-            isinstance(self.routing_table_vocab_size, bool)
-            or not isinstance(self.routing_table_vocab_size, int)
-            or self.routing_table_vocab_size < 0
-        ):
-            raise ValueError(
-                "routing_table_vocab_size must be an int >= 0, got "
-                f"{self.routing_table_vocab_size!r}"
-            )
+        for name, least, optional in INTEGER_FIELDS:
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            accepted = f"an int >= {least}{' or None' if optional else ''}"
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be {accepted}, got {value!r}")
+            if value < least:
+                raise ValueError(f"{name} must be {accepted}, got {value!r}")
         if self.routing_table_vocab_size:
             choosing = [
                 name
@@ -291,8 +291,6 @@ class MegaMoEConfig:
                 "num_identity_experts does not combine with routing_weights_on_input=True (an "
                 "identity expert's output is its routing weight times the token, not its input)"
             )
-        if self.num_shared_experts < 0:
-            raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
         if self.shared_expert_gate and self.num_shared_experts == 0:
             raise ValueError("shared_expert_gate needs num_shared_experts >= 1")
         if self.activation not in ACTIVATIONS:
@@ -378,10 +376,6 @@ class MegaMoEConfig:
             raise ValueError(
                 f"dispatcher must be one of {DISPATCHER_NAMES}, got {self.dispatcher!r}"
             )
-        if self.max_tokens_per_rank < 1:
-            raise ValueError(f"max_tokens_per_rank must be >= 1, got {self.max_tokens_per_rank}")
-        if self.eager_graph_tokens < 0:
-            raise ValueError(f"eager_graph_tokens must be >= 0, got {self.eager_graph_tokens}")
         if self.knobs not in KNOB_MODES:
             raise ValueError(f"knobs must be one of {KNOB_MODES}, got {self.knobs!r}")
         if self.combine_order not in COMBINE_ORDERS:

@@ -276,6 +276,12 @@ class MegaMoE(nn.Module):
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
+        if dtype is not None and (not dtype.is_floating_point or dtype.itemsize < 2):
+            raise TypeError(
+                "dtype (the activations' and the full-precision weights') must be a floating-"
+                "point dtype of 16 bits or more, such as bfloat16, float16 or float32 (e4m3 "
+                f"experts: config.weight_dtype='fp8'), got {dtype}"
+            )
         self.config = config
         factory = {"device": device, "dtype": dtype}
         # the hidden states' dtype, apart from the router's: a router weight kept in fp32 next to
@@ -710,14 +716,19 @@ class MegaMoE(nn.Module):
         deterministic)."""
         from megamoe_kernels import quantize_weight_blocks
 
-        for name, values in (("w13", w13), ("w2", w2)):
-            if values is None:
-                continue
+        given = [
+            (name, values) for name, values in (("w13", w13), ("w2", w2)) if values is not None
+        ]
+        for name, values in given:  # all checked before any is written
+            if not isinstance(values, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
+            if not values.is_floating_point():
+                raise TypeError(f"{name} must hold floating-point values, got {values.dtype}")
+            shape = getattr(self, name).shape
+            if tuple(values.shape) != tuple(shape):
+                raise ValueError(f"{name} must have shape {list(shape)}, got {list(values.shape)}")
+        for name, values in given:
             weight = getattr(self, name)
-            if tuple(values.shape) != tuple(weight.shape):
-                raise ValueError(
-                    f"{name} must have shape {list(weight.shape)}, got {list(values.shape)}"
-                )
             if weight.dtype != FP8_WEIGHT_DTYPE:
                 weight.copy_(values)
                 continue

@@ -34,6 +34,9 @@ class LocalDispatcher:
     """
 
     def __init__(self, num_experts: int, *, capacity: int | None = None, check_ids: bool = True):
+        for name, value in (("num_experts", num_experts), ("capacity", capacity)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be an int, got {value!r}")
         if num_experts < 1:
             raise ValueError(f"num_experts must be >= 1, got {num_experts}")
         if capacity is not None and capacity < 0:
