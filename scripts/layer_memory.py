@@ -60,7 +60,7 @@ def measure(geometry_name, backend, path, *, device, tokens) -> list[str] | None
     layer(x)
     held = storages(list(layer.parameters()) + list(layer.buffers()))
     routed = sum(storages([layer.w13, layer.w2]).values())
-    prepared = {key: size for key, size in storages(prepared_tensors(layer)).items()}
+    prepared = storages(prepared_tensors(layer))
     beside = sum(size for key, size in prepared.items() if key not in held)
     return [
         geometry_name,
