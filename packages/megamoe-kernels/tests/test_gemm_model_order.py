@@ -1,8 +1,9 @@
 """The gate-up GEMMs on w13 as the model holds it ([E, 2I, H], read through the view whose TMA
 boxes write the interleaved order into shared memory) give interleave_gate_up's copy's bits, on an
 sm_90 GPU: bf16 and FP8, decode (swap-AB) and prefill tiles, split K, pingpong, 2-CTA clusters,
-gathered rows, masked batches, a bias with gpt-oss's activation, tails and empty experts; the
-untouched rows past the valid count stay as poisoned."""
+gathered rows, masked batches, a bias with gpt-oss's activation, a last tile past I's blocks
+(gpt-oss's I, 192-column tiles), tails and empty experts; the untouched rows past the valid
+count stay as poisoned."""
 
 from __future__ import annotations
 
@@ -35,12 +36,13 @@ pytestmark = pytest.mark.gpu
 if not has_sm90():
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
 
-# (E, H, I): qwen3-30b-a3b's dims, dsv3's, mixtral-8x7b's (fewer experts), and a small I of one
-# 256-row tile
+# (E, H, I): qwen3-30b-a3b's dims, dsv3's, mixtral-8x7b's (fewer experts), gpt-oss-120b's (360
+# blocks: its last 256-row tile takes 8 of 16), and a small I of one 256-row tile
 DIMS = {
     "qwen3": (16, 2048, 768),
     "dsv3": (8, 7168, 2048),
     "mixtral": (2, 4096, 14336),
+    "gpt-oss": (4, 2880, 2880),
     "small": (8, 256, 128),
 }
 KNOBS = [
@@ -50,6 +52,8 @@ KNOBS = [
     GemmKnobs(tile_rows=64, tile_cols=256, stages=3, pingpong=True),
     GemmKnobs(tile_rows=128, tile_cols=128, stages=4, pingpong=True),
     GemmKnobs(tile_rows=128, tile_cols=256, stages=3, cluster=(2, 1)),
+    # 12 blocks a tile: the last takes part of a tile but at I = 768
+    GemmKnobs(tile_rows=128, tile_cols=192, stages=4),
 ]
 
 
@@ -106,8 +110,8 @@ def test_gathered_and_masked_gate_ups_on_the_models_w13(dims, rows_per_expert):
         assert torch.equal(masked[0][first : first + count], masked[1][first : first + count])
 
 
-@pytest.mark.parametrize("dims", ["qwen3", "small"])
-@pytest.mark.parametrize("rows_per_expert", [1, 40])
+@pytest.mark.parametrize("dims", ["qwen3", "gpt-oss", "small"])
+@pytest.mark.parametrize("rows_per_expert", [1, 40, 300])
 def test_a_biased_gate_up_on_the_models_w13_gives_the_interleaved_copys_bits(dims, rows_per_expert):
     # gpt-oss's epilogue: the bias stays interleaved (the kernel's order of N) for both layouts
     experts, hidden, intermediate = DIMS[dims]

@@ -1,9 +1,9 @@
 """Compile-only: the gate-up GEMMs reading w13 as the model holds it ([E, 2I, H], no interleaved
 copy) compile for sm_90a on a CPU, bf16 and FP8, at every default profile and the knob variants
 (decode tiles with split K, pingpong, 2-CTA clusters, gathered rows, masked batches, published
-offsets); a tile or an intermediate size the model's order cannot serve is refused naming the
-interleaved copy, and tuned knobs with such a tile give way to the profile's; the compiled
-signature takes a gate-up bias in the kernel's (interleaved) order with either w13.
+offsets), and where the last tile runs past I's blocks (gpt-oss's I, 192-column tiles); a w13
+of no whole blocks is refused naming the layouts; the compiled signature takes a gate-up bias in
+the kernel's (interleaved) order with either w13.
 
 Meta tensors carry the shapes; CuTe DSL compiles against fake tensors (CUTE_DSL_ARCH=sm_90a).
 """
@@ -23,11 +23,11 @@ pytest.importorskip("cutlass")
 from megamoe_kernels import (
     FP8_DTYPE,
     GemmKnobs,
+    SwiGLU,
     default_knobs,
     gate_up_fp8_launcher,
     gate_up_launcher,
     gate_up_swiglu,
-    model_order_problems,
 )
 from megamoe_kernels.shim.expert_gemm import _launches, published_offsets_buffer
 from megamoe_kernels.shim.knobs import PROFILE_ROWS_PER_EXPERT
@@ -89,31 +89,32 @@ def test_gathered_masked_and_polling_gate_ups_compile_on_the_models_w13():
     assert launcher.knobs.swap_ab
 
 
-def test_what_the_models_order_cannot_serve_is_refused_naming_the_interleaved_copy():
-    assert model_order_problems(INTERMEDIATE) == []
-    assert "2880 is not a multiple of 128" in model_order_problems(2880)[0]
-    rows_MH, offsets, w13 = operands(64, intermediate=2880)  # gpt-oss-120b's I
-    with pytest.raises(ValueError, match=r"interleave_gate_up.*I=2880 is not a multiple of 128"):
-        gate_up_swiglu(rows_MH, offsets, w13, compile_only=True)
-    # 192 columns are 12 blocks of gate and up rows: I = 768 has 96 blocks, 2048 has 256
+def test_tiles_past_the_last_block_compile_on_the_models_w13():
+    # gpt-oss-120b's I = 2880 is 360 blocks of 8 gate and 8 up rows: a 256-row tile takes 16,
+    # so its last prefill tile takes 8 and the TMA fills the rest with zeros; with its bias and
+    # clamped SwiGLU, at decode and prefill
+    swiglu = SwiGLU(limit=7.0, alpha=1.702, up_offset=1.0)
+    for rows in (8, 512 * EXPERTS):
+        rows_MH, offsets, w13 = operands(rows, intermediate=2880)
+        bias = torch.empty(EXPERTS, 2880 // 8, 16, device="meta")
+        out = gate_up_swiglu(
+            rows_MH, offsets, w13, w13_bias_EB2G=bias, swiglu=swiglu, compile_only=True
+        )
+        assert out.shape == (rows, 2880)
+    # 192 columns are 12 blocks: I = 2048 has 256, the last tile takes 4
     rows_MH, offsets, w13 = operands(512 * EXPERTS, intermediate=2048)
     wide = GemmKnobs(tile_rows=128, tile_cols=192, stages=4)
-    with pytest.raises(ValueError, match=r"tile_cols=192 with w13 in the model's order"):
-        gate_up_swiglu(rows_MH, offsets, w13, knobs=wide, compile_only=True)
-    # tuned knobs with such a tile give way to the profile's tiles; where 12 blocks divide I's
-    # blocks (I = 768) they run
-    for intermediate, runs in ((2048, False), (INTERMEDIATE, True)):
-        launches = _launches(
-            "gate_up",
-            None,
-            wide,
-            (512 * EXPERTS, HIDDEN),
-            (EXPERTS, 2 * intermediate, HIDDEN),
-            None,
-            -1,
-        )
-        assert any(launch.knobs.tile_cols == 192 for launch in launches) == runs, launches
-    gate_up_swiglu(rows_MH, offsets, w13, tuned_knobs=wide, compile_only=True)
+    gate_up_swiglu(rows_MH, offsets, w13, knobs=wide, compile_only=True)
+    launches = _launches(
+        "gate_up", None, wide, (512 * EXPERTS, HIDDEN), (EXPERTS, 4096, HIDDEN), None, -1
+    )
+    assert any(launch.knobs.tile_cols == 192 for launch in launches), launches
+
+
+def test_a_w13_of_no_whole_blocks_is_refused_naming_the_layouts():
+    rows_MH, offsets, w13 = operands(64, intermediate=12)  # 12 gate rows: a block and a half
+    with pytest.raises(ValueError, match=r"I a multiple of 8.*interleave_gate_up"):
+        gate_up_swiglu(rows_MH, offsets, w13, compile_only=True)
 
 
 def test_a_gate_up_bias_is_signed_in_the_kernels_order_whichever_order_w13_is_in(monkeypatch):

@@ -49,7 +49,6 @@ _SHIM_NAMES = (
     "is_packed_weight",
     "keeps_buffers",
     "knob_problems",
-    "model_order_problems",
     "pack_problems",
     "pack_weight_tiles",
     "quantize_rows",

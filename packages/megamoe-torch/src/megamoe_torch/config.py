@@ -162,7 +162,7 @@ class MegaMoEConfig:
     #   and summed by the same combine; bf16 weights, no expert bias, the plain SwiGLU,
     #   shared_size a multiple of intermediate_size. The layer then keeps the routed and shared
     #   experts' weights together, its routed weights views of them where the backend keeps
-    #   their layout (no copy; the cutedsl kernels' w13 for I a multiple of 128);
+    #   their layout (no copy; the cutedsl kernels read w13 and w2 as they are);
     # "side_stream": their own MLP on a side stream of the caller's stream, beside the routing
     #   and the routed experts, joined before the combine adds their output;
     # "caller_stream": their own MLP on the caller's stream, after the routed experts (the

@@ -20,7 +20,6 @@ from megamoe_kernels.shim.expert_gemm import (
     gate_up_swiglu_fp8,
     interleave_gate_up,
     keeps_buffers,
-    model_order_problems,
 )
 from megamoe_kernels.shim.fp8 import (
     FP8_DTYPE,
@@ -96,7 +95,6 @@ __all__ = [
     "is_packed_weight",
     "keeps_buffers",
     "knob_problems",
-    "model_order_problems",
     "pack_problems",
     "pack_weight_tiles",
     "quantize_rows",

@@ -6,10 +6,11 @@ B = I / GATE_UP_BLOCK pair blocks. The batch is tight and expert-major: expert e
 
 - The gate-up kernel reads the interleaved order (gate_up_layout: blocks of GATE_UP_BLOCK gate
   rows, each followed by its up rows) from either of two layouts of w13: as the model holds it,
-  [E, 2I, H] (gate rows, then up rows), where I is a multiple of 128 (model_order_problems
-  says why not), through a view whose TMA boxes write the interleaved order into shared memory
-  (no copy); or `interleave_gate_up(w13_E2IH)` -> `w13_EB2GH` ([E, B, 2 * GATE_UP_BLOCK, H]),
-  the copy in that order, for any I. Both give the same bits.
+  [E, 2I, H] (gate rows, then up rows), through a view whose TMA boxes write the interleaved
+  order into shared memory (no copy; a last tile past I's blocks is filled with zeros by the
+  TMA and stores nothing there); or `interleave_gate_up(w13_E2IH)` -> `w13_EB2GH` ([E, B,
+  2 * GATE_UP_BLOCK, H]), the copy in that order (the weight packets are made from it). Both
+  give the same bits, for any I that is a multiple of GATE_UP_BLOCK.
 - `gate_up_swiglu(rows_MH, expert_offsets, w13_EB2GH)` -> [M, I] = silu(x Wg^T) * (x Wu^T).
   `w13_bias_EB2G` (float32 [E, B, 2 * GATE_UP_BLOCK], from `interleave_gate_up_bias`) adds
   each expert's gate and up biases before the activation; `swiglu` (shim/epilogue.SwiGLU)
@@ -129,23 +130,6 @@ _SPLIT_K_MAX_WORKSPACE_BYTES = 256 << 20
 _STREAM_SCRATCH: dict[tuple, object] = {}
 # per thread: how many fresh_scratch() contexts are open
 _FRESH_SCRATCH = threading.local()
-
-
-# the widest gate-up tile's weight rows (a 256-column prefill tile): a tile of whole
-# interleave blocks in the model's w13 takes I / GATE_UP_BLOCK blocks in whole tiles
-MODEL_ORDER_TILE_ROWS = 256
-
-
-def model_order_problems(intermediate: int) -> list[str]:
-    """Why the gate-up GEMMs cannot read w13 as the model holds it, [E, 2I, H] (empty: they
-    can; interleave_gate_up's copy serves every I that is a multiple of GATE_UP_BLOCK)."""
-    multiple = MODEL_ORDER_TILE_ROWS // 2
-    if intermediate % multiple:
-        return [
-            f"I={intermediate:g} is not a multiple of {multiple} (a tile of "
-            f"{MODEL_ORDER_TILE_ROWS} weight rows takes whole blocks of gate and up rows)"
-        ]
-    return []
 
 
 def interleave_gate_up(w13_E2IH: torch.Tensor) -> torch.Tensor:
@@ -392,8 +376,7 @@ def _check_gate_up(
     elif (
         isinstance(w13_EB2GH, torch.Tensor)
         and w13_EB2GH.dim() == 3
-        and w13_EB2GH.shape[1] % 2 == 0
-        and not model_order_problems(w13_EB2GH.shape[1] // 2)
+        and w13_EB2GH.shape[1] % (2 * GATE_UP_BLOCK) == 0
     ):
         experts, two_intermediate, hidden = w13_EB2GH.shape
         blocks = two_intermediate // (2 * GATE_UP_BLOCK)
@@ -403,14 +386,11 @@ def _check_gate_up(
         or w13_EB2GH.shape[2] != 2 * GATE_UP_BLOCK
     ):
         shape = tuple(w13_EB2GH.shape) if isinstance(w13_EB2GH, torch.Tensor) else w13_EB2GH
-        why = ""
-        if isinstance(w13_EB2GH, torch.Tensor) and w13_EB2GH.dim() == 3:
-            why = f" ({'; '.join(model_order_problems(w13_EB2GH.shape[1] / 2))})"
         raise ValueError(
-            f"w13 must be [E, 2I, H] as the model holds it with I a multiple of "
-            f"{MODEL_ORDER_TILE_ROWS // 2}, the interleaved [E, I/{GATE_UP_BLOCK}, "
-            f"{2 * GATE_UP_BLOCK}, H] layout from interleave_gate_up(w13_E2IH) (any I), or that "
-            f"packed (pack_weight_tiles), got shape {shape}{why}"
+            f"w13 must be [E, 2I, H] as the model holds it (gate rows, then up rows, I a "
+            f"multiple of {GATE_UP_BLOCK}), the interleaved [E, I/{GATE_UP_BLOCK}, "
+            f"{2 * GATE_UP_BLOCK}, H] layout from interleave_gate_up(w13_E2IH), or that packed "
+            f"(pack_weight_tiles), got shape {shape}"
         )
     else:
         experts, blocks, _, hidden = w13_EB2GH.shape
@@ -689,36 +669,19 @@ def _launches(
             f"pass knobs (exactly these) or tuned_knobs (these for the batch's class, decode tiles "
             f"for a small batch), not both: got knobs={knobs}, tuned_knobs={tuned_knobs}"
         )
-
-    def profile(tuned: GemmKnobs | None) -> tuple[Launch, ...]:
+    if knobs is None:
         n, _, _ = _gemm_dims(op, weight_shape)
-        return default_launches(
+        launches = default_launches(
             op,
             capacity,
             experts,
             weight_dims=(n, k),
             sms=_persistent_ctas(device_index, 1),
-            tuned=tuned,
+            tuned=tuned_knobs,
             valid_rows=valid_rows,
         )
-
-    if knobs is None:
-        launches = profile(tuned_knobs)
-        if tuned_knobs is not None and _model_order_misfits(op, weight_shape, launches):
-            # tuned for the interleaved copy, with a tile that takes part of a block of w13
-            # in the model's order: the profile's tiles take whole ones
-            launches = profile(None)
     else:
         launches = (Launch(resolve_knobs(op, capacity / max(1, experts), knobs)),)
-    misfits = _model_order_misfits(op, weight_shape, launches)
-    if misfits:
-        blocks = weight_shape[1] // (2 * GATE_UP_BLOCK)
-        raise ValueError(
-            f"tile_cols={misfits[0]} with w13 in the model's order ([E, 2I, H]: {blocks} "
-            f"blocks of {GATE_UP_BLOCK} gate and {GATE_UP_BLOCK} up rows): a tile takes "
-            f"tile_cols / {2 * GATE_UP_BLOCK} whole blocks, so tile_cols / "
-            f"{2 * GATE_UP_BLOCK} must divide {blocks}; or pass interleave_gate_up(w13)"
-        )
     if offsets_published:
         launches = polling_launches(op, launches)
     for launch in launches:
@@ -730,19 +693,6 @@ def _launches(
                 "fill two)"
             )
     return launches
-
-
-def _model_order_misfits(op: str, weight_shape, launches) -> list[int]:
-    """The tile widths of `launches` that do not take whole interleave blocks of a gate-up
-    weight in the model's order ([E, 2I, H]; none for other weights)."""
-    if not (is_gate_up(op) and len(weight_shape) == 3):
-        return []
-    blocks = weight_shape[1] // (2 * GATE_UP_BLOCK)
-    return [
-        launch.knobs.tile_cols
-        for launch in launches
-        if blocks % (launch.knobs.tile_cols // (2 * GATE_UP_BLOCK))
-    ]
 
 
 class GemmLauncher:

@@ -86,12 +86,11 @@ class _KernelLayoutDims:
 
 @dataclass(frozen=True)
 class CuteDSLWeights(_KernelLayoutDims):
-    """Weights in the kernels' layout: w13 as the pack holds it ([E, 2I, H], no copy) where the
-    gate-up GEMMs read that order (I a multiple of 128: megamoe_kernels.model_order_problems),
-    else gate/up interleaved ([E, I/8, 16, H]); w2 as given; or both packed (tile_pack:
-    megamoe_kernels.pack_weight_tiles); the biases in float32, w13's interleaved ([E, I/8,
-    16]), w2's [E, H]; the SwiGLU. A copy made here is all the backend keeps of the pack's
-    weights besides the tensors it shares."""
+    """Weights in the kernels' layout: w13 as the pack holds it ([E, 2I, H], no copy; the
+    gate-up GEMMs read it in the interleaved order) and w2 as given, or both packed (tile_pack:
+    megamoe_kernels.pack_weight_tiles, from the interleaved copy); the biases in float32,
+    w13's interleaved ([E, I/8, 16]), w2's [E, H]; the SwiGLU. A copy made here is all the
+    backend keeps of the pack's weights besides the tensors it shares."""
 
     w13: torch.Tensor
     w2_EHI: torch.Tensor
@@ -106,11 +105,9 @@ class CuteDSLWeights(_KernelLayoutDims):
 
 @dataclass(frozen=True)
 class CuteDSLFP8Weights(_KernelLayoutDims):
-    """FP8 weights in the kernels' layout: e4m3 w13 as the pack holds it or gate/up interleaved
-    (as CuteDSLWeights') with its block scales over the source rows, e4m3 w2 with its block
-    scales; or both packed
-    (tile_pack), each scale a view of its weight's allocation (the packets' scale words); the
-    SwiGLU."""
+    """FP8 weights in the kernels' layout: e4m3 w13 as the pack holds it with its block scales
+    over its rows, e4m3 w2 with its block scales; or both packed (tile_pack), each scale a view
+    of its weight's allocation (the packets' scale words); the SwiGLU."""
 
     w13: torch.Tensor
     w13_scales: torch.Tensor
@@ -392,13 +389,11 @@ class CuteDSLExperts:
         )
 
     def _gate_up_order(self, w13_E2IH: torch.Tensor) -> torch.Tensor:
-        """w13 as the gate-up GEMMs read it: the pack's own tensor (made contiguous) where they
-        read the model's order, else (or to be packed) interleave_gate_up's copy."""
-        from megamoe_kernels import interleave_gate_up, model_order_problems
+        """w13 as the gate-up GEMMs read it: the pack's own tensor (made contiguous), or, to be
+        packed, interleave_gate_up's copy (the packets hold the interleaved order)."""
+        from megamoe_kernels import interleave_gate_up
 
-        if self.tile_pack or model_order_problems(w13_E2IH.shape[1] // 2):
-            return interleave_gate_up(w13_E2IH)
-        return w13_E2IH.contiguous()
+        return interleave_gate_up(w13_E2IH) if self.tile_pack else w13_E2IH.contiguous()
 
     def _check_packable(self, weights: WeightPack) -> None:
         """tile_pack: refuses, with every reason, weights the packet layout cannot hold."""
