@@ -1,17 +1,17 @@
 """A transformers MoE block against the same block converted to megamoe, at real model sizes.
 
-For the MoE block of Qwen3-30B-A3B, Mixtral-8x7B, DeepSeek-V3 and gpt-oss-120b (random bf16
-weights, built alone from a one-layer config, one family's weights alive at a time; gpt-oss's
-checkpoints hold MXFP4 experts, its block here bf16 ones), on the same inputs at each
-token count: the median wall time of the transformers block's own eager forward, once per experts
-implementation of --hf-experts ('eager' loops over the experts; from_pretrained picks
-'grouped_mm'; 'megamoe' is megamoe's experts implementation, the block's own router and code
-around megamoe's expert compute); of the block converted by `from_hf`, eager and as a CUDA-graph replay (capacity
-fixed at tokens x top_k); of the transformers block as a CUDA-graph replay, '-' where its forward
-does not capture (host syncs); the speedups of megamoe eager and graph over the transformers eager
-forward; megamoe's rel-L2 against the transformers output (the hidden states, where a block
-also answers its routing weights). Needs transformers >= 5. Run on the
-GPU machine from the project root (docs/benchmarks.md, "Setting up a GPU machine"):
+For the MoE block of Qwen3-30B-A3B, Mixtral-8x7B, DeepSeek-V3 and gpt-oss-120b (random bf16 weights,
+built alone from a one-layer config, one family's weights alive at a time; gpt-oss's checkpoints
+hold MXFP4 experts, its block here bf16 ones), on the same inputs at each token count: the median
+wall time of the transformers block's own eager forward, once per experts implementation of
+--hf-experts ('eager' loops over the experts; from_pretrained picks 'grouped_mm'; 'megamoe' is
+megamoe's experts implementation, the block's own router and code around megamoe's expert compute);
+of the block converted by `from_hf`, eager and as a CUDA-graph replay (capacity fixed at tokens x
+top_k); of the transformers block as a CUDA-graph replay, '-' where its forward does not capture
+(host syncs); the speedups of megamoe eager and graph over the transformers eager forward; megamoe's
+rel-L2 against the transformers output (the hidden states, where a block also answers its routing
+weights). Needs transformers >= 5. Run on the GPU machine from the project root (docs/benchmarks.md,
+"Setting up a GPU machine"):
 
     python3 scripts/hf_block_speed.py
 

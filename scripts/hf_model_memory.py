@@ -19,8 +19,8 @@ machine from the project root (docs/benchmarks.md, "Setting up a GPU machine"):
 --weight-dtype fp8 swaps the blocks with e4m3 experts quantized per 128 x 128 block (the bf16
 experts go with the blocks that held them: the memory falls by about half of theirs) and times
 megamoe's blocks against the zeros alone (transformers' blocks cannot come back to FP8 experts;
-their time is the bf16 run's). --layers builds fewer decoder layers (the memory per layer is the same); --tiny shrinks
-every size so the script runs on a CPU in seconds:
+their time is the bf16 run's). --layers builds fewer decoder layers (the memory per layer is the
+same); --tiny shrinks every size so the script runs on a CPU in seconds:
 
     python3 scripts/hf_model_memory.py --tiny --device cpu
 """

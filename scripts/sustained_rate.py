@@ -2,17 +2,16 @@
 
     python3 scripts/sustained_rate.py --geometry qwen3-30b-a3b dsv3-ep8-local --tokens 8192
 
-The roofline floor's 788 TFLOP/s (docs/benchmarks.md) is a burst: ten 8192^3 products after three warm-ups, about 20 ms, in
-which the SM clock stays at its 1980 MHz boost. A benchmark that keeps the GPU busy for longer
-runs into the board's power limit, and the clock drops to what the limit allows. For each
-workload this script idles a few seconds (the clock and the power budget recover), runs ten
-calls to warm up and times ten more (the burst), then keeps replaying until `--hold` seconds
-have passed and takes the median rate of the last half (sustained). nvidia-smi samples the SM
-clock, the power draw and the clock-limit reasons every 50 ms meanwhile (0x4: the software
-power cap). Each workload is one CUDA graph of ten calls; the expert GEMMs run on the
-default-profile knobs and read their weights cold (the same runners as `megamoe tune` and
-scripts/gemm_knob_sweep.py). The dense matmul runs first and last, so a drift of the card
-between them shows.
+The roofline floor's 788 TFLOP/s (docs/benchmarks.md) is a burst: ten 8192^3 products after three
+warm-ups, about 20 ms, in which the SM clock stays at its 1980 MHz boost. A benchmark that keeps the
+GPU busy for longer runs into the board's power limit, and the clock drops to what the limit allows.
+For each workload this script idles a few seconds (the clock and the power budget recover), runs ten
+calls to warm up and times ten more (the burst), then keeps replaying until `--hold` seconds have
+passed and takes the median rate of the last half (sustained). nvidia-smi samples the SM clock, the
+power draw and the clock-limit reasons every 50 ms meanwhile (0x4: the software power cap). Each
+workload is one CUDA graph of ten calls; the expert GEMMs run on the default-profile knobs and read
+their weights cold (the same runners as `megamoe tune` and scripts/gemm_knob_sweep.py). The dense
+matmul runs first and last, so a drift of the card between them shows.
 """
 
 from __future__ import annotations

@@ -81,10 +81,10 @@ def test_a_full_precision_pack_refuses_integer_and_e4m3_weights():
 
 
 def test_dense_experts_appended_to_a_pack_sum_to_the_dense_mlp():
-    """with_dense_experts: a dense SwiGLU MLP of intermediate 3 x INTER as experts E .. E + 2;
-    a token's rows in those three experts, summed, are the MLP of the token (the oracle
-    computes in fp32: only the summation order differs); the routed experts are unchanged, and first_experts gives
-    back views of them."""
+    """with_dense_experts: a dense SwiGLU MLP of intermediate 3 x INTER as experts E .. E + 2; a
+    token's rows in those three experts, summed, are the MLP of the token (the oracle computes in
+    fp32: only the summation order differs); the routed experts are unchanged, and first_experts
+    gives back views of them."""
     from megamoe_runtime.experts import first_experts
     from megamoe_runtime.weights import with_dense_experts
 

@@ -1,4 +1,4 @@
-"""Tiny random transformers models of each family: swapped, converted and loaded from checkpoints."""
+"""Tiny random transformers models of each family: swapped, converted, loaded from checkpoints."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """The expert math of the families the Hugging Face reader adds, against per-token float64 loops:
 router and expert biases, the clamped SwiGLU of gpt-oss, routing weights on the expert input
 (Llama 4), softmax with a correction bias (ERNIE 4.5), the choice on logits + bias (Kolibri),
-group-limited greedy top-k (DeepSeek-V2), the sparsemixer (PhiMoE), shared experts with the
-routed experts' clamped SwiGLU (MiniMax-M3), ungated relu^2 experts (Nemotron-H), and random
-layers of all of them; the gpt-oss and Llama 4 layers on grouped_mm against the reference backend, forward and
+group-limited greedy top-k (DeepSeek-V2), the sparsemixer (PhiMoE), shared experts with the routed
+experts' clamped SwiGLU (MiniMax-M3), ungated relu^2 experts (Nemotron-H), and random layers of all
+of them; the gpt-oss and Llama 4 layers on grouped_mm against the reference backend, forward and
 backward; and what cannot compute them refused with the reason."""
 
 import math

@@ -229,7 +229,7 @@ def expert_mlp_reference(
 
 
 def relative_l2_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """||actual - expected|| / ||expected|| in float64; NaN anywhere gives NaN (never passes a bound)."""
+    """||actual - expected|| / ||expected|| in float64; NaN anywhere gives NaN (passes no bound)."""
     actual64 = actual.detach().double()
     expected64 = expected.detach().double()
     denominator = expected64.norm()

@@ -37,7 +37,7 @@ class Geometry:
     swiglu: SwiGLU = field(default_factory=SwiGLU)
 
     def expert_flops(self, rows: int) -> float:
-        """FLOPs of the expert MLP on `rows` routed rows: gate-up (2 x 2I x H) + down (2 x H x I)."""
+        """The expert MLP's FLOPs on `rows` rows: gate-up (2 x 2I x H) + down (2 x H x I)."""
         return 6.0 * rows * self.hidden_size * self.intermediate_size
 
     def expert_bytes(self, rows: int, active_experts: int, element_bytes: int = 2) -> float:

@@ -523,7 +523,7 @@ def capacity_sweep(
     backend_name: str,
     repeats: int = 30,
 ) -> list[dict]:
-    """Fixed capacity, valid rows from a small fraction to all of it: cost should follow valid rows."""
+    """Fixed capacity, valid rows from a small fraction to all of it: cost should follow them."""
     device = layer.w13.device
     capacity = capacity_tokens * geometry.top_k
     backend = make_backend(backend_name)

@@ -441,7 +441,7 @@ class MegaMoE(nn.Module):
             nn.init.ones_(self.output_norm.weight)
 
     def use_backend(self, backend: str) -> None:
-        """Switches the expert-compute backend ('auto' or a name); weights are re-prepared lazily."""
+        """Sets the expert-compute backend ('auto' or a name); weights are prepared at next use."""
         self.config = replace(self.config, backend=backend)
         self._backend_name = None
 

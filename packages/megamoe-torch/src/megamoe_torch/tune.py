@@ -109,12 +109,13 @@ def tuning_problem(
 
 @torch.no_grad()
 def gemm_runners(problem: TuningProblem, *, l2_bytes: int | None = None) -> dict[str, Runner]:
-    """One runner per op of `problem`: bf16 rows and weights, or for FP8 weights the rows
-    quantized to e4m3 per 128 columns (what the FP8 dispatch writes) and the weights with their
-    block scales. The down GEMM reads the gate-up output of the default knobs. Each runner
-    cycles through copies of its weights, so timed calls read them cold from HBM as a layer
-    does (weight_copies_for_cold_l2 with an L2 of `l2_bytes`; None: the batch's GPU's). bf16 GEMMs run the pack's epilogue (its expert biases and
-    SwiGLU variant), as the layer does; the FP8 kernels have none."""
+    """One runner per op of `problem`: bf16 rows and weights, or for FP8 weights the rows quantized
+    to e4m3 per 128 columns (what the FP8 dispatch writes) and the weights with their block scales.
+    The down GEMM reads the gate-up output of the default knobs. Each runner cycles through copies
+    of its weights, so timed calls read them cold from HBM as a layer does
+    (weight_copies_for_cold_l2 with an L2 of `l2_bytes`; None: the batch's GPU's). bf16 GEMMs run
+    the pack's epilogue (its expert biases and SwiGLU variant), as the layer does; the FP8 kernels
+    have none."""
     from megamoe_kernels import down, down_fp8, gate_up_swiglu, gate_up_swiglu_fp8, quantize_rows
 
     batch, prepared = problem.batch, problem.prepared

@@ -370,7 +370,7 @@ def is_kernel_like(statement: ast.stmt) -> bool:
 
 @dataclass(frozen=True)
 class AuditReport:
-    """What a drop lacks for the shim (`problems`) and what it has that the shim skips (`unused`)."""
+    """What a drop lacks for the shim (`problems`) and has that the shim skips (`unused`)."""
 
     drop_dir: Path
     entries_checked: int

@@ -48,14 +48,13 @@ expert_offsets[E]. A caller that knows the valid rows on the host (`valid_rows`:
 holds tokens x top-k) launches only the kernel for them.
 
 Compiled kernels are cached by (op, the launches' knobs and valid-row ranges, weight shape, row
-scale or not, bias or not, SwiGLU, device): the capacity is a dynamic dim, so one compile serves every batch size.
-Each kind of call (op, knobs, shapes, valid rows, row scale or not, device) gets a
-`GemmLauncher`, planned, checked and compiled once; `gate_up_launcher` / `down_launcher` hand it
-to a caller that repeats the call, which then skips even the lookup.
-They are compiled for CuTe DSL's TVM-FFI launch path (shim/ffi_launch.py): a launch hands the
-torch tensors to the compiled function, which checks them against its signature in C and
-launches on torch's current stream (CUDA-graph capture records it). Nothing is converted in
-Python and nothing is held after a call.
+scale or not, bias or not, SwiGLU, device): the capacity is a dynamic dim, so one compile serves
+every batch size. Each kind of call (op, knobs, shapes, valid rows, row scale or not, device) gets a
+`GemmLauncher`, planned, checked and compiled once; `gate_up_launcher` / `down_launcher` hand it to
+a caller that repeats the call, which then skips even the lookup. They are compiled for CuTe DSL's
+TVM-FFI launch path (shim/ffi_launch.py): a launch hands the torch tensors to the compiled function,
+which checks them against its signature in C and launches on torch's current stream (CUDA-graph
+capture records it). Nothing is converted in Python and nothing is held after a call.
 
 The Python checks (clear errors naming the argument) run when a kernel is compiled, when
 compiling only, and when a launch fails; a launch that hits the cache relies on the compiled

@@ -8,22 +8,22 @@ a few microseconds per launch, against ~70 us for the pointer wrappers this repl
 
 The signature: x [rows, K], w as stored ([E, ...], contiguous, E * N * K elements, each expert's
 N x K block row-major: a gate-up w13 of three dims is the model's [E, 2I, K], read in the
-interleaved order through model_order_view; or packed, shim/weight_packets.py: a 5-D view with
-the packets' strides, the FP8 w_scales then its scale words' view of the same allocation),
-out [rows, N_out], offsets [E + 1] int32, row scale [rows] float32 or None, for split-K variants
-the workspace: partials [words] float32 and arrivals [slots] int32 (else None, None), and for variants with a dynamic schedule the unit counter [2] int32
-(else None), and for FP8 variants the scales (fp8_scaling): x_scales [K groups, rows],
-w_scales [E, N blocks, K blocks] and, with a quantized output, out_scales [N_out groups, rows]
-(else None), and for variants that gather their rows the token of each batch row, row_source
-[rows] int32, x then being the tokens [tokens, K] (else None), for masked batches each
-expert's valid rows, expert_counts [E] int32 (else None), and for variants with a bias the
-per-expert bias, float32 in the kernel's order of N ([E, I/8, 16] interleaved for the gate-up
-GEMM, whichever order w13 is in; [E, H] for the down one; else None). `rows` is one symbol shared by
-x (unless gathered), out, the row scale, the row source and the scales' rows (so a row count
-that differs between them is refused before launch); the scales' row stride is a runtime value
-(they may be views of a wider buffer); the workspace sizes are runtime dims too. The jit
-wrapper views w as the (N, K, E) K-major tensor the kernel takes, so callers pass weights
-without a per-call permute.
+interleaved order through model_order_view; or packed, shim/weight_packets.py: a 5-D view with the
+packets' strides, the FP8 w_scales then its scale words' view of the same allocation), out [rows,
+N_out], offsets [E + 1] int32, row scale [rows] float32 or None, for split-K variants the workspace:
+partials [words] float32 and arrivals [slots] int32 (else None, None), and for variants with a
+dynamic schedule the unit counter [2] int32 (else None), and for FP8 variants the scales
+(fp8_scaling): x_scales [K groups, rows], w_scales [E, N blocks, K blocks] and, with a quantized
+output, out_scales [N_out groups, rows] (else None), and for variants that gather their rows the
+token of each batch row, row_source [rows] int32, x then being the tokens [tokens, K] (else None),
+for masked batches each expert's valid rows, expert_counts [E] int32 (else None), and for variants
+with a bias the per-expert bias, float32 in the kernel's order of N ([E, I/8, 16] interleaved for
+the gate-up GEMM, whichever order w13 is in; [E, H] for the down one; else None). `rows` is one
+symbol shared by x (unless gathered), out, the row scale, the row source and the scales' rows (so a
+row count that differs between them is refused before launch); the scales' row stride is a runtime
+value (they may be views of a wider buffer); the workspace sizes are runtime dims too. The jit
+wrapper views w as the (N, K, E) K-major tensor the kernel takes, so callers pass weights without a
+per-call permute.
 
 Imported on first compile only: it imports CuTe DSL.
 """

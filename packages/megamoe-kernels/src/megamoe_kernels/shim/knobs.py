@@ -50,16 +50,16 @@ SPLIT_K = (1, 2, 4, 8)
 @dataclass(frozen=True)
 class GemmKnobs:
     """tile_rows: batch rows per tile; tile_cols: weight rows (accumulator columns) per tile;
-    stages: TMA ring depth; swap_ab: weight on the MMA's M side (decode); cluster: CTAs per
-    cluster along (batch rows, weight rows), one of CLUSTERS: (2, 1) runs pairs of CTAs on two
-    row tiles of one weight tile, each loading half of it for both (TMA multicast; not with
-    swap_ab, whose decode tiles hold an expert's rows in one tile); rows_fastest: schedule
-    order inside an expert (row tiles vary fastest, so each weight tile streams once); pingpong: two consumer
-    warpgroups on alternate tiles, so one's epilogue overlaps the other's MMAs (not with swap_ab;
-    a tile of at most PINGPONG_MAX_ACCUMULATORS, each warpgroup holding a whole one); split_k:
-    CTAs that share each tile's K, one of SPLIT_K (swap_ab only: decode batches have fewer
-    weight tiles than SMs; the CTA that finishes a tile last adds the slices in a fixed order,
-    so results stay deterministic)."""
+    stages: TMA ring depth; swap_ab: weight on the MMA's M side (decode); cluster: CTAs per cluster
+    along (batch rows, weight rows), one of CLUSTERS: (2, 1) runs pairs of CTAs on two row tiles of
+    one weight tile, each loading half of it for both (TMA multicast; not with swap_ab, whose decode
+    tiles hold an expert's rows in one tile); rows_fastest: schedule order inside an expert (row
+    tiles vary fastest, so each weight tile streams once); pingpong: two consumer warpgroups on
+    alternate tiles, so one's epilogue overlaps the other's MMAs (not with swap_ab; a tile of at
+    most PINGPONG_MAX_ACCUMULATORS, each warpgroup holding a whole one); split_k: CTAs that share
+    each tile's K, one of SPLIT_K (swap_ab only: decode batches have fewer weight tiles than SMs;
+    the CTA that finishes a tile last adds the slices in a fixed order, so results stay
+    deterministic)."""
 
     tile_rows: int = 128
     tile_cols: int = 256

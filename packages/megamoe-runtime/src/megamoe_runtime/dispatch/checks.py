@@ -25,7 +25,7 @@ def check_wire_dtypes(*, dispatch_dtype: str, combine_dtype: str, hidden_size: i
 
 
 def experts_per_rank(num_experts: int, world_size: int) -> int:
-    """L = E / world; raises unless the experts split evenly (every rank owns a contiguous block)."""
+    """L = E / world; raises unless the experts split evenly (each rank owns a contiguous block)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if num_experts % world_size:

@@ -1,9 +1,9 @@
 """What a time means: rates and fractions of the hardware's limits.
 
 The limits are the H200's, measured (`megamoe_runtime.geometries`): a dense bf16 (or, for FP8
-experts, e4m3) product's FLOP/s in a burst and the HBM copy rate. A fraction of the roofline floor is the floor (the
-time the FLOPs or the bytes need at those limits, whichever is longer) over the time taken: 1.0
-runs at the limit.
+experts, e4m3) product's FLOP/s in a burst and the HBM copy rate. A fraction of the roofline floor
+is the floor (the time the FLOPs or the bytes need at those limits, whichever is longer) over the
+time taken: 1.0 runs at the limit.
 """
 
 from __future__ import annotations

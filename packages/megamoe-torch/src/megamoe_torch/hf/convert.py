@@ -78,19 +78,19 @@ WEIGHT_DTYPE_CHOICES = ("auto", "fp8", None)
 def from_hf(block: nn.Module, *, weight_dtype: str | None = "auto", **options: Any) -> MegaMoE:
     """A MegaMoE computing what a transformers MoE block computes, with the block's weights.
 
-    Any transformers >= 5 block of a structure megamoe reads (reader.py: a router with softmax
-    or sigmoid scores, renormalised or not, grouped top-k, correction bias, router bias,
-    scaling, or PhiMoE's sparsemixer; experts in any fused layout, with biases and clamped
-    SwiGLU; shared experts with or without a gate; routing weights on the expert input), and
-    the per-expert blocks of the transformers 4.x Mixtral, Qwen2-MoE, Qwen3-MoE and
-    DeepSeek-V3. transformers' FP8 blocks (FP8Experts, FP8Linear shared experts: a model loaded
-    from an FP8 checkpoint on a GPU) are taken as they are. The layer shares the block's tensors where the layouts agree (no copy).
+    Any transformers >= 5 block of a structure megamoe reads (reader.py: a router with softmax or
+    sigmoid scores, renormalised or not, grouped top-k, correction bias, router bias, scaling, or
+    PhiMoE's sparsemixer; experts in any fused layout, with biases and clamped SwiGLU; shared
+    experts with or without a gate; routing weights on the expert input), and the per-expert blocks
+    of the transformers 4.x Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3. transformers' FP8 blocks
+    (FP8Experts, FP8Linear shared experts: a model loaded from an FP8 checkpoint on a GPU) are taken
+    as they are. The layer shares the block's tensors where the layouts agree (no copy).
     `weight_dtype`: "auto", "fp8" or None, see the module doc (None from an FP8 block gives the
-    dequantized weights). `options`: any of RUN_OPTIONS, and `process_group` for expert
-    parallelism; `dispatcher` is a name (MegaMoEConfig.dispatcher) or a dispatcher the caller
-    built (`DeepEPDispatcher`), whose group the layer then spans (it keeps its rank's experts).
-    Raises UnsupportedBlockError (a ValueError) saying why a block cannot be reproduced exactly.
-    The layer is in the block's training mode.
+    dequantized weights). `options`: any of RUN_OPTIONS, and `process_group` for expert parallelism;
+    `dispatcher` is a name (MegaMoEConfig.dispatcher) or a dispatcher the caller built
+    (`DeepEPDispatcher`), whose group the layer then spans (it keeps its rank's experts). Raises
+    UnsupportedBlockError (a ValueError) saying why a block cannot be reproduced exactly. The layer
+    is in the block's training mode.
     """
     layer, _ = convert_block(block, layer_class=MegaMoE, options=options, weight_dtype=weight_dtype)
     return layer.train(block.training)
@@ -441,7 +441,7 @@ def _observe_dropped_group_score(block: nn.Module, fields: dict[str, Any]) -> fl
 
 
 def _twin(module: nn.Module, **replacements: Any) -> nn.Module:
-    """A shallow copy of `module` with some tensors or submodules replaced; `module` is untouched."""
+    """A shallow copy of `module` with some tensors or submodules replaced (`module` unchanged)."""
     twin = copy.copy(module)
     twin._parameters = dict(module._parameters)
     twin._buffers = dict(module._buffers)

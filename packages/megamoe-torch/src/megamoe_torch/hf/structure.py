@@ -368,7 +368,7 @@ def _output_norm_key(block: nn.Module, hidden_size: int) -> str | None:
 
 
 def _check_expert_tensors(found: dict[str, str]) -> None:
-    """Raises saying why the experts' tensors (names under `experts.`) are not ones megamoe takes."""
+    """Raises saying why the experts' tensors (names under `experts.`) are not megamoe's."""
     names = set(found)
     if names == set(FLATTENED_EXPERT_TENSORS):
         return
