@@ -1,7 +1,6 @@
 """Every default profile's SASS, and the pingpong and cluster variants', holds HGMMA (wgmma):
 without it a kernel is on a slow path. The decode (swap-AB) kernels, and only they, load their
-weights evict-first, and no kernel spills registers to local memory beyond the few it is known
-to."""
+weights evict-first, and no kernel spills registers to local memory past the few it is known to."""
 
 import subprocess
 import sys
