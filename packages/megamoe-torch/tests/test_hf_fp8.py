@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 
 import pytest
 import torch
@@ -288,6 +289,35 @@ def test_a_full_precision_model_stays_so_unless_fp8_is_asked():
     assert torch.equal(layer.w13_scale_inv, expected_scales)
     with pytest.raises(ValueError, match=r"weight_dtype must be one of .*got 'int8'"):
         from_hf(block, weight_dtype="int8")
+
+
+def test_swapping_to_fp8_lets_each_blocks_bf16_experts_go_before_the_next_block(monkeypatch):
+    """A bf16 model swapped with weight_dtype="fp8" holds one block's bf16 experts beside the
+    FP8 ones at a time, not every block's until the swap ends (which ran Qwen3-30B-A3B's whole
+    61 GB model out of an 80 GB GPU's memory)."""
+    import megamoe_torch.hf.swap as swap_module
+
+    model = tiny_model(
+        "qwen3_moe", hidden_size=HIDDEN, moe_intermediate_size=128, num_hidden_layers=3
+    )
+    originals = [weakref.ref(block) for _, block in moe_blocks(model)]
+    assert len(originals) == 3
+    alive_at_each_conversion = []
+    convert_block = swap_module.convert_block
+
+    def convert_and_count(block, **kwargs):
+        alive_at_each_conversion.append(
+            sum(ref() is not None and ref() is not block for ref in originals)
+        )
+        return convert_block(block, **kwargs)
+
+    monkeypatch.setattr(swap_module, "convert_block", convert_and_count)
+    report = swap_moe_blocks(model, backend="reference", weight_dtype="fp8")
+
+    assert [entry.experts for entry in report.swapped] == ["fp8"] * 3
+    # the blocks not yet converted are alive (the model holds them); the converted ones are not
+    assert alive_at_each_conversion == [2, 1, 0]
+    assert all(ref() is None for ref in originals)
 
 
 def test_swapped_layers_take_checkpoints_of_the_other_precision(tmp_path):

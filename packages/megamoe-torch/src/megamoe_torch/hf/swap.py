@@ -160,7 +160,10 @@ def swap_moe_blocks(
             "to routed experts (`experts`)",
             stacklevel=2,
         )
-    for name, block in blocks:
+    # each block is let go once its layer stands in the model (nothing here holds it after):
+    # a swap that makes new expert tensors (FP8 from bf16) needs room for one block's at a time
+    while blocks:
+        name, block = blocks.pop(0)
         class_name = type(block).__name__
         try:
             swapped, reading = convert_block(
