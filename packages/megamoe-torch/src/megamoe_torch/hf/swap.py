@@ -141,6 +141,8 @@ def swap_moe_blocks(
     `weight_dtype`: "auto" (the experts' precision as the blocks hold them: a model loaded from
     an FP8 checkpoint keeps its e4m3 experts and their scales), "fp8" (quantized per 128 x 128
     block where they are not), or None (the activations' dtype, e4m3 experts dequantized).
+    Each block is let go once its layer is in place, so a swap that makes new expert tensors
+    needs room for one block's beyond the model.
     `options`: see `from_hf` (capacity, check_inputs, process_group, ...).
 
     The swapped model's state_dict() holds the original Hugging Face names and layout, so
@@ -160,8 +162,7 @@ def swap_moe_blocks(
             "to routed experts (`experts`)",
             stacklevel=2,
         )
-    # each block is let go once its layer stands in the model (nothing here holds it after):
-    # a swap that makes new expert tensors (FP8 from bf16) needs room for one block's at a time
+    # popped, so that nothing here holds a block once its layer stands in the model
     while blocks:
         name, block = blocks.pop(0)
         class_name = type(block).__name__
