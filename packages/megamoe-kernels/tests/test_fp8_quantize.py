@@ -30,6 +30,15 @@ def test_weight_blocks_round_trip_within_e4m3_precision(shape):
     assert quantized.float().abs().amax() == 448
 
 
+def test_weight_blocks_dequantize_to_a_narrower_dtype_as_float32_rounded_once():
+    w = torch.randn(40, 200, 130, generator=torch.Generator().manual_seed(1))
+    quantized, scales = quantize_weight_blocks(w)
+    exact = dequantize_weight_blocks(quantized, scales)
+    narrow = dequantize_weight_blocks(quantized, scales, torch.bfloat16)
+    assert narrow.dtype == torch.bfloat16
+    assert torch.equal(narrow, exact.to(torch.bfloat16))
+
+
 def test_weight_scale_is_each_blocks_amax():
     w = torch.zeros(1, 256, 256)
     w[0, 5, 7] = 3.0

@@ -246,8 +246,8 @@ def dequantize(weights: Prequantized, dtype: torch.dtype = torch.float32) -> Unq
     from megamoe_kernels import dequantize_weight_blocks
 
     return Unquantized(
-        w13_E2IH=dequantize_weight_blocks(weights.w13_E2IH, weights.w13_scales).to(dtype),
-        w2_EHI=dequantize_weight_blocks(weights.w2_EHI, weights.w2_scales).to(dtype),
+        w13_E2IH=dequantize_weight_blocks(weights.w13_E2IH, weights.w13_scales, dtype),
+        w2_EHI=dequantize_weight_blocks(weights.w2_EHI, weights.w2_scales, dtype),
         swiglu=weights.swiglu,
     )
 

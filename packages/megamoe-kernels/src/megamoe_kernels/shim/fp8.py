@@ -96,8 +96,12 @@ def quantize_weight_blocks(w_ENK: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return quantized, scales
 
 
-def dequantize_weight_blocks(w_ENK: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The float32 values an e4m3 [E, N, K] weight and its block scales stand for."""
+def dequantize_weight_blocks(
+    w_ENK: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The values an e4m3 [E, N, K] weight and its block scales stand for, in `dtype`: each
+    product is exact in float32 and rounded once to `dtype` (the whole float32 weight is never
+    held, so a bf16 copy of a large pack needs only its own bytes beside the pack)."""
     experts, n, k = w_ENK.shape
     expected = weight_scales_shape(w_ENK.shape)
     if tuple(scales.shape) != expected:
@@ -105,7 +109,7 @@ def dequantize_weight_blocks(w_ENK: torch.Tensor, scales: torch.Tensor) -> torch
             f"weight scales must be [E, ceil(N/128), ceil(K/128)] = {list(expected)} for a "
             f"weight of shape {list(w_ENK.shape)}, got {list(scales.shape)}"
         )
-    values = torch.empty(w_ENK.shape, dtype=torch.float32, device=w_ENK.device)
+    values = torch.empty(w_ENK.shape, dtype=dtype, device=w_ENK.device)
     step = _expert_chunks(experts, n * k).step
     for first in range(0, experts, step):
         full = scales[first : first + step].float()
