@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
 from megamoe_kernels.reference import expert_mlp_reference, fp8_difference, relative_l2_error
 from megamoe_runtime.dispatch import LocalDispatcher
+from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.experts import backend_status, make_backend
 from megamoe_runtime.geometries import Geometry
 from megamoe_runtime.measure import (
@@ -31,11 +32,14 @@ from megamoe_runtime.measure import (
     tflops,
 )
 from megamoe_runtime.routing import route
+from megamoe_runtime.weights import WeightPack
 
 from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.layer import MegaMoE
 
 BASELINE = "grouped_mm"
+# experts whose oracle weights are dequantized to float32 at a time (oracle_rows)
+ORACLE_EXPERTS_PER_CHUNK = 32
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,48 @@ def layer_backends(layer: MegaMoE, requested: Iterable[str]) -> tuple[list[str],
     return runnable, refused
 
 
+def expert_slice(pack: WeightPack, first: int, last: int) -> WeightPack:
+    """Experts first..last-1 of a weight pack (views: every tensor of a pack is per expert)."""
+    per_expert = {
+        field.name: value[first:last]
+        for field in fields(pack)
+        if isinstance(value := getattr(pack, field.name), torch.Tensor)
+    }
+    return replace(pack, **per_expert)
+
+
+def oracle_rows(pack: WeightPack, batch: ExpertBatch, offsets: list[int]) -> torch.Tensor:
+    """The fp32 oracle's output for the batch's valid rows (`offsets`: its expert offsets on the
+    host), from the reference backend's weights (an FP8 pack's dequantized values) taken
+    ORACLE_EXPERTS_PER_CHUNK experts at a time: DeepSeek-V3's 256 experts dequantized at once
+    would take 45 GB of float32."""
+    chunks = []
+    experts = len(offsets) - 1
+    for first in range(0, experts, ORACLE_EXPERTS_PER_CHUNK):
+        last = min(first + ORACLE_EXPERTS_PER_CHUNK, experts)
+        if offsets[last] == offsets[first]:
+            continue
+        exact = make_backend("reference").prepare(expert_slice(pack, first, last))
+        chunks.append(
+            expert_mlp_reference(
+                batch.rows_MH[offsets[first] : offsets[last]],
+                batch.expert_offsets[first : last + 1] - offsets[first],
+                exact.w13_E2IH,
+                exact.w2_EHI,
+                w13_bias_E2I=exact.w13_bias_E2I,
+                w2_bias_EH=exact.w2_bias_EH,
+                limit=exact.swiglu.limit,
+                alpha=exact.swiglu.alpha,
+                up_offset=exact.swiglu.up_offset,
+                activation=exact.activation,
+            )
+        )
+    hidden = pack.w2_EHI.shape[1]
+    if not chunks:
+        return batch.rows_MH.new_zeros(0, hidden, dtype=torch.float32)
+    return torch.cat(chunks)
+
+
 @torch.no_grad()
 def bench_point(
     layer: MegaMoE,
@@ -188,19 +234,7 @@ def bench_point(
     rows = offsets[-1]
     active = sum(1 for e in range(geometry.num_experts) if offsets[e + 1] > offsets[e])
     pack = layer.expert_weight_pack()
-    exact = make_backend("reference").prepare(pack)  # FP8: the dequantized values, in fp32
-    oracle_MH = expert_mlp_reference(
-        batch.rows_MH,
-        batch.expert_offsets,
-        exact.w13_E2IH,
-        exact.w2_EHI,
-        w13_bias_E2I=exact.w13_bias_E2I,
-        w2_bias_EH=exact.w2_bias_EH,
-        limit=exact.swiglu.limit,
-        alpha=exact.swiglu.alpha,
-        up_offset=exact.swiglu.up_offset,
-        activation=exact.activation,
-    )[:rows]
+    oracle_MH = oracle_rows(pack, batch, offsets)
     fp8_batch = None
     if layer.config.weight_dtype == "fp8":
         # the FP8 kernels take the e4m3 rows the layer's dispatch writes: time them alone

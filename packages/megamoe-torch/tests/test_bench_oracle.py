@@ -1,0 +1,75 @@
+"""`megamoe bench`'s fp32 oracle, computed a chunk of experts at a time (an FP8 pack of
+DeepSeek-V3's experts dequantized whole would take 45 GB of float32): the same values as the
+whole pack's oracle, for bf16 experts with biases and a clamped SwiGLU and for FP8 experts, with
+experts left empty."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from megamoe_kernels.reference import expert_mlp_reference
+from megamoe_runtime.dispatch import LocalDispatcher
+from megamoe_runtime.experts import make_backend
+from megamoe_runtime.geometries import GEOMETRIES
+from megamoe_torch import bench
+
+CPU = torch.device("cpu")
+
+
+def whole_pack_oracle(pack, batch, rows: int) -> torch.Tensor:
+    exact = make_backend("reference").prepare(pack)
+    return expert_mlp_reference(
+        batch.rows_MH,
+        batch.expert_offsets,
+        exact.w13_E2IH,
+        exact.w2_EHI,
+        w13_bias_E2I=exact.w13_bias_E2I,
+        w2_bias_EH=exact.w2_bias_EH,
+        limit=exact.swiglu.limit,
+        alpha=exact.swiglu.alpha,
+        up_offset=exact.swiglu.up_offset,
+        activation=exact.activation,
+    )[:rows]
+
+
+@pytest.mark.parametrize(
+    ("geometry_name", "weight_dtype"), [("gpt-oss-120b", None), ("qwen3-30b-a3b", "fp8")]
+)
+@torch.no_grad()
+def test_the_oracle_a_chunk_of_experts_at_a_time_is_the_whole_packs(
+    geometry_name, weight_dtype, monkeypatch
+):
+    geometry = replace(
+        GEOMETRIES[geometry_name], num_experts=10, top_k=2, hidden_size=160, intermediate_size=96
+    )
+    layer = bench.build_layer(geometry, device=CPU, dtype=torch.bfloat16, weight_dtype=weight_dtype)
+    x_TH, ids, weights = bench.routed_tokens(layer, 6)
+    ids[:, 0] = 3  # a busy expert, and experts 0-9 not all visited
+    batch, _ = LocalDispatcher(geometry.num_experts).dispatch(x_TH, ids, weights)
+    offsets = batch.expert_offsets.tolist()
+    assert any(offsets[e + 1] == offsets[e] for e in range(geometry.num_experts))
+    pack = layer.expert_weight_pack()
+    monkeypatch.setattr(bench, "ORACLE_EXPERTS_PER_CHUNK", 3)  # chunks 0-2, 3-5, 6-8, 9
+
+    chunked = bench.oracle_rows(pack, batch, offsets)
+
+    expected = whole_pack_oracle(pack, batch, offsets[-1])
+    assert chunked.dtype == torch.float32 and chunked.shape == expected.shape
+    torch.testing.assert_close(chunked, expected, rtol=0, atol=0)
+
+
+def test_a_slice_of_a_pack_holds_its_experts_tensors():
+    geometry = replace(
+        GEOMETRIES["qwen3-30b-a3b"], num_experts=6, top_k=2, hidden_size=128, intermediate_size=64
+    )
+    pack = bench.build_layer(
+        geometry, device=CPU, dtype=torch.bfloat16, weight_dtype="fp8"
+    ).expert_weight_pack()
+
+    part = bench.expert_slice(pack, 2, 5)
+
+    assert type(part) is type(pack) and part.swiglu == pack.swiglu
+    assert torch.equal(part.w13_E2IH.float(), pack.w13_E2IH[2:5].float())
+    assert torch.equal(part.w2_scales, pack.w2_scales[2:5])
