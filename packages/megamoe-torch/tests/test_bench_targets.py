@@ -169,6 +169,7 @@ def test_the_report_is_a_markdown_table_that_names_the_misses():
     assert cells[3] == "0.50 (qwen3-30b-a3b 1)"
     assert cells[4].endswith("qwen3-30b-a3b 4: 0.50, and 3 more")
     assert not any("this run has none" in line for line in lines)
+    assert any(line.startswith("The floor is the H200's") for line in lines)
     # no cutedsl rows: every target not measured, and the report says what it reads
     empty = format_targets(
         evaluate_targets([replace(KERNEL_ROW, backend="reference")]), device="CPU"

@@ -6,8 +6,9 @@ backend's rows, against the baselines of the same run (grouped_mm, and with `--w
 bf16 fp8` the bf16 kernels for the FP8 ones). A target holds where every point it covers
 passes; the report gives the worst reading and the points that miss. Points the run did not
 measure (a geometry, a token count, a mode, a dtype or a backend left out) leave a target "not
-measured". The SonicMoE bounds are absolute times measured on an H200 at 700 W: another GPU's
-readings do not compare with them.
+measured". The floor (the H200's limits) and the SonicMoE bounds (times measured on an H200 at
+700 W) are an H200's: another GPU's readings of those targets do not compare with them, and the
+report says so.
 """
 
 from __future__ import annotations
@@ -283,6 +284,11 @@ def format_targets(statuses: Sequence[TargetStatus], *, device: str, most_misses
             f"| {status.target.name} | {len(status.readings)} | {status.status} | {worst_cell} "
             f"| {missed_cell or '-'} |"
         )
+    lines.append(
+        "\nThe floor is the H200's (its HBM copy rate and dense product rates, "
+        "megamoe_runtime.geometries) and the SonicMoE times were measured on an H200: on another "
+        "GPU those targets read against an H200."
+    )
     if not any(status.readings for status in statuses):
         lines.append(
             f"(the targets read the {KERNELS} backend's rows, {KERNELS} and {FP8_KERNELS}: "
