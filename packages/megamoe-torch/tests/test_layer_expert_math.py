@@ -893,3 +893,31 @@ def test_a_function_of_the_expert_rows_is_refused_where_rows_are_not_the_experts
     ids = torch.stack([torch.randperm(8)[:top_k] for _ in range(5)])
     with pytest.raises(ValueError, match="expert_rows_fn: rows of the expert MLP's output"):
         layer.routed_experts(x, ids, torch.rand(5, top_k), expert_rows_fn=torch.nn.Identity())
+
+
+def test_the_router_bias_is_cast_to_fp32_once_and_again_when_it_changes():
+    layer = MegaMoE(MegaMoEConfig(**GPT_OSS), dtype=torch.bfloat16)
+    x_TH = torch.randn(5, GPT_OSS["hidden_size"], dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.gate.bias.normal_(0, 0.5)
+        expected = x_TH.float() @ layer.gate.weight.float().t() + layer.gate.bias.float()
+        logits = layer.router_logits(x_TH)
+        bias = layer.gate.bias
+
+        def kept_cast():  # the cached fp32 bias, None where it was not kept
+            return layer._gate_bias_float32.get((bias,), lambda: None, context=(bias.device,))
+
+        cast = kept_cast()
+        assert isinstance(cast, torch.Tensor) and cast.dtype == torch.float32
+        layer.router_logits(x_TH)
+        # an inference forward reuses the fp32 bias (no cast launched per forward)...
+        assert kept_cast() is cast
+        torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
+        # ...until the bias changes in place
+        layer.gate.bias.add_(1.0)
+        changed = x_TH.float() @ layer.gate.weight.float().t() + layer.gate.bias.float()
+        torch.testing.assert_close(layer.router_logits(x_TH), changed, rtol=1e-6, atol=1e-6)
+    # with autograd the cast is recorded, so the bias gets its gradient
+    layer.gate.bias.requires_grad_(True)
+    layer.router_logits(x_TH).sum().backward()
+    assert layer.gate.bias.grad is not None

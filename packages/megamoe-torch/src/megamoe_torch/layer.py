@@ -99,6 +99,20 @@ def _bf16_mm_to_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None
     return torch.mm(a, b, out_dtype=torch.float32) if _MM_OUT_DTYPE else None
 
 
+def _float32_of(parameter: torch.Tensor, cache: DerivedTensorCache) -> torch.Tensor:
+    """A router parameter in fp32. Without autograd the cast is kept in `cache` until the
+    parameter changes (in place or replaced), so an inference forward does not cast it again:
+    a launch fewer per forward for gpt-oss's router bias (under torch.compile the compiled
+    graph holds the cast)."""
+    if (
+        parameter.dtype == torch.float32
+        or (torch.is_grad_enabled() and parameter.requires_grad)
+        or torch.compiler.is_compiling()
+    ):
+        return parameter.float()  # a no-op, or a cast autograd records or the graph holds
+    return cache.get((parameter,), lambda: parameter.detach().float(), context=(parameter.device,))
+
+
 def _int32_or_int64(ids: torch.Tensor) -> torch.Tensor:
     """Integer ids as they are where int32 or int64 (what torch's indexing and the routing
     kernel take), else as int64: uint8 ones would index as a mask."""
@@ -398,6 +412,7 @@ class MegaMoE(nn.Module):
         self._backend_reason = ""
         self._prepared = DerivedTensorCache()
         self._gate_float32 = DerivedTensorCache()
+        self._gate_bias_float32 = DerivedTensorCache()
         # the fused path's dispatcher and, per (device, dtype), whether it can serve the layer
         # (a forward is done with its batch once its own launches have read it)
         self._device_routed = DeviceRoutedDispatcher(
@@ -850,24 +865,14 @@ class MegaMoE(nn.Module):
 
     def _add_router_bias(self, logits_TE: torch.Tensor) -> torch.Tensor:
         """fp32 logits plus the router bias (router_bias=True), added in fp32."""
-        if self.gate.bias is None:
+        bias = self.gate.bias
+        if bias is None:
             return logits_TE
-        return logits_TE + self.gate.bias.float()
+        return logits_TE + _float32_of(bias, self._gate_bias_float32)
 
     def _gate_weight_float32(self) -> torch.Tensor:
-        """The router weight in fp32. Without autograd the cast is kept until the weight changes
-        (in place or replaced), so an inference forward does not cast [E, H] again (under
-        torch.compile the compiled graph holds the cast)."""
-        weight = self.gate.weight
-        if (
-            weight.dtype == torch.float32
-            or (torch.is_grad_enabled() and weight.requires_grad)
-            or torch.compiler.is_compiling()
-        ):
-            return weight.float()  # a no-op, or a cast autograd records or the graph holds
-        return self._gate_float32.get(
-            (weight,), lambda: weight.detach().float(), context=(weight.device,)
-        )
+        """The router weight in fp32 (kept until it changes: _float32_of)."""
+        return _float32_of(self.gate.weight, self._gate_float32)
 
     def fused_path_status(self, device: torch.device | str | None = None) -> tuple[bool, str]:
         """(whether a forward on `device` runs the device routing kernels, why): on one GPU the
