@@ -3,12 +3,15 @@
 from dataclasses import replace
 
 import pytest
+from megamoe_runtime.measure import write_csv
 from megamoe_torch.bench import BenchRow, LayerBenchRow
 from megamoe_torch.bench_targets import (
     SONIC_MOE_LAYER_US,
     evaluate_targets,
     format_targets,
+    read_rows,
 )
+from megamoe_torch.cli import main
 
 KERNEL_ROW = BenchRow(
     geometry="qwen3-30b-a3b",
@@ -193,3 +196,51 @@ def test_launches_are_counted_for_layers_without_shared_experts_only():
         ("qwen3-30b-a3b 8192", 7),
     ]
     assert status.status == "missed at 1 of 2"
+
+
+def test_rows_written_by_bench_read_back_equal_and_in_the_folders_order(tmp_path):
+    first, second = tmp_path / "qwen3", tmp_path / "mixtral"
+    kernel_rows = [KERNEL_ROW, replace(KERNEL_ROW, backend="grouped_mm", speedup=None)]
+    layer_rows = [
+        LAYER_ROW,
+        replace(LAYER_ROW, tokens=16, gpu_memory_ops=None, launched_eager_microseconds=40.5),
+    ]
+    write_csv(kernel_rows, first / "bench.csv")
+    write_csv(layer_rows, first / "layer.csv")
+    mixtral = replace(KERNEL_ROW, geometry="mixtral-8x7b", tokens=8192, tflops=651.9)
+    write_csv([mixtral], second / "bench.csv")  # a run without layer rows
+
+    rows, read_layer_rows = read_rows([first, second])
+
+    assert rows == [*kernel_rows, mixtral]
+    assert read_layer_rows == layer_rows
+
+
+def test_reading_a_folder_without_rows_or_with_other_columns_fails_naming_it(tmp_path):
+    with pytest.raises(ValueError, match="neither bench.csv nor layer.csv"):
+        read_rows([tmp_path])
+    (tmp_path / "bench.csv").write_text("geometry,tokens\nqwen3-30b-a3b,sixteen\n")
+    with pytest.raises(ValueError, match=r"bench.csv does not hold megamoe bench's bench.csv rows"):
+        read_rows([tmp_path])
+
+
+def test_the_command_reads_the_targets_of_runs_measured_one_geometry_each(tmp_path, capsys):
+    qwen3, mixtral = tmp_path / "qwen3", tmp_path / "mixtral"
+    write_csv([replace(KERNEL_ROW, tokens=8192, tflops=557.0)], qwen3 / "bench.csv")
+    write_csv([replace(KERNEL_ROW, geometry="mixtral-8x7b", tokens=8192)], mixtral / "bench.csv")
+
+    assert main(["bench", "--targets-of", str(qwen3), str(mixtral)]) == 0
+
+    report = capsys.readouterr().out
+    assert report.startswith(f"Targets at the points this run measured (the rows under {qwen3}, ")
+    assert (
+        "| expert compute >= 600 TFLOP/s at 8192 tokens | 2 | missed at 1 of 2 | "
+        "557 (qwen3-30b-a3b 8192) | qwen3-30b-a3b 8192: 557 |"
+    ) in report
+    # it measures nothing: options that would are refused
+    with pytest.raises(SystemExit):
+        main(["bench", "--targets-of", str(qwen3), "--geometry", "dsv3"])
+    assert "measures nothing: drop --geometry" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--targets-of", str(tmp_path)])
+    assert "neither bench.csv nor layer.csv" in capsys.readouterr().err

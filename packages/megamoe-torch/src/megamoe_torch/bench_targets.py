@@ -9,13 +9,21 @@ measure (a geometry, a token count, a mode, a dtype or a backend left out) leave
 measured". The floor (the H200's limits) and the SonicMoE bounds (times measured on an H200 at
 700 W) are an H200's: another GPU's readings of those targets do not compare with them, and the
 report says so.
+
+`megamoe bench --targets-of OUT ...` reads the rows of earlier runs back from the bench.csv and
+layer.csv under each `--out` folder (`read_rows`) and evaluates the targets on them together: a
+grid measured one geometry per process (a GPU's memory or a time limit per command) reads as one
+run.
 """
 
 from __future__ import annotations
 
+import csv
 import math
+import typing
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from pathlib import Path
 
 from megamoe_runtime.geometries import GEOMETRIES
 
@@ -295,3 +303,53 @@ def format_targets(statuses: Sequence[TargetStatus], *, device: str, most_misses
             "this run has none that any target covers)"
         )
     return "\n".join(lines)
+
+
+def _row_from_record(row_type: type, record: dict[str, str]):
+    """One CSV record (write_csv's cells: an empty cell for None) as a `row_type` dataclass."""
+    hints = typing.get_type_hints(row_type)
+    values = {}
+    for field in fields(row_type):
+        cell = record.get(field.name, "")
+        kind = hints[field.name]
+        optional = type(None) in typing.get_args(kind)
+        if cell == "" and optional:
+            values[field.name] = None
+        elif int in (kind, *typing.get_args(kind)):
+            values[field.name] = int(cell)
+        elif float in (kind, *typing.get_args(kind)):
+            values[field.name] = float(cell)
+        else:
+            values[field.name] = cell
+    return row_type(**values)
+
+
+def read_rows(folders: Sequence[Path]) -> tuple[list[BenchRow], list[LayerBenchRow]]:
+    """The kernels / eager rows and the layer rows `megamoe bench --out` wrote under each folder
+    (bench.csv, layer.csv; either may be missing), in the folders' order. A ValueError names a
+    folder holding neither, or a file whose columns are not those of its rows."""
+    rows: list[BenchRow] = []
+    layer_rows: list[LayerBenchRow] = []
+    for folder in map(Path, folders):
+        found = False
+        for name, row_type, into in (
+            ("bench.csv", BenchRow, rows),
+            ("layer.csv", LayerBenchRow, layer_rows),
+        ):
+            path = folder / name
+            if not path.is_file():
+                continue
+            found = True
+            with path.open(newline="") as handle:
+                for record in csv.DictReader(handle):
+                    try:
+                        into.append(_row_from_record(row_type, record))
+                    except (TypeError, ValueError) as error:
+                        raise ValueError(
+                            f"{path} does not hold megamoe bench's {name} rows: {error}"
+                        ) from None
+        if not found:
+            raise ValueError(
+                f"{folder} holds neither bench.csv nor layer.csv (a `megamoe bench --out` folder)"
+            )
+    return rows, layer_rows

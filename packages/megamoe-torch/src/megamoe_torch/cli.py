@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 import megamoe_torch
 from megamoe_torch import bench, bench_ep
-from megamoe_torch.bench_targets import evaluate_targets, format_targets
+from megamoe_torch.bench_targets import evaluate_targets, format_targets, read_rows
 from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.fp8_linear import BlockFP8Linear
 from megamoe_torch.layer import MegaMoE
@@ -357,7 +357,36 @@ def run_bench_ep(args: argparse.Namespace) -> int:
     )
 
 
+def run_bench_targets_of(args: argparse.Namespace) -> int:
+    """--targets-of: the targets of earlier runs' rows, read together; nothing is measured."""
+    measuring = [
+        option
+        for option, value in (
+            ("--geometry", args.geometry),
+            ("--tokens", args.tokens),
+            ("--backends", args.backends),
+            ("--device", args.device),
+            ("--ep", args.ep),
+            ("--capacity-sweep", args.capacity_sweep),
+        )
+        if value
+    ]
+    if measuring:
+        args.parser.error(
+            f"--targets-of reads earlier runs and measures nothing: drop {', '.join(measuring)}"
+        )
+    try:
+        rows, layer_rows = read_rows(args.targets_of)
+    except ValueError as error:
+        args.parser.error(f"argument --targets-of: {error}")
+    folders = ", ".join(str(folder) for folder in args.targets_of)
+    print(format_targets(evaluate_targets(rows, layer_rows), device=f"the rows under {folders}"))
+    return 0
+
+
 def run_bench(args: argparse.Namespace) -> int:
+    if args.targets_of:
+        return run_bench_targets_of(args)
     if args.ep:
         return run_bench_ep(args)
     if args.ep_layer_tokens or args.breakdown:
@@ -603,6 +632,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="also print which of the project's targets (docs/benchmarks.md) the cutedsl rows of "
         "this run meet, their worst readings and the points that miss, and write targets.md "
         "under --out (the FP8 ones need --weight-dtype bf16 fp8; the layer ones --modes layer)",
+    )
+    bench_parser.add_argument(
+        "--targets-of",
+        nargs="+",
+        type=Path,
+        metavar="OUT",
+        help="print the targets (as --targets does) of earlier runs' rows, read together from "
+        "the bench.csv and layer.csv under each OUT (their --out folders), measuring nothing: a "
+        "grid measured one geometry per process reads as one run",
     )
     bench_parser.add_argument(
         "--capacity-sweep",
