@@ -232,7 +232,7 @@ def test_the_command_reads_the_targets_of_runs_measured_one_geometry_each(tmp_pa
     assert main(["bench", "--targets-of", str(qwen3), str(mixtral)]) == 0
 
     report = capsys.readouterr().out
-    assert report.startswith(f"Targets at the points this run measured (the rows under {qwen3}, ")
+    assert report.startswith(f"Targets at the points these runs measured (read from {qwen3}, ")
     assert (
         "| expert compute >= 600 TFLOP/s at 8192 tokens | 2 | missed at 1 of 2 | "
         "557 (qwen3-30b-a3b 8192) | qwen3-30b-a3b 8192: 557 |"

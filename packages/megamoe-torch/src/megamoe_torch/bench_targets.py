@@ -268,11 +268,17 @@ def evaluate_targets(
     return [TargetStatus(target, target.readings(rows, layer_rows)) for target in TARGETS]
 
 
-def format_targets(statuses: Sequence[TargetStatus], *, device: str, most_misses: int = 4) -> str:
+def format_targets(
+    statuses: Sequence[TargetStatus],
+    *,
+    device: str,
+    most_misses: int = 4,
+    measured_by: str = "this run",
+) -> str:
     """A markdown table of the statuses: the target, its points, met or missed, the worst
-    reading, and the first `most_misses` points that miss."""
+    reading, and the first `most_misses` points that miss; `device` and `measured_by` head it."""
     lines = [
-        f"Targets at the points this run measured ({device}; ratios against baselines of the "
+        f"Targets at the points {measured_by} measured ({device}; ratios against baselines of the "
         "same run):",
         "",
         "| target | points | status | worst | missed at |",

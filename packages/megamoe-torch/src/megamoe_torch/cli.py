@@ -380,7 +380,12 @@ def run_bench_targets_of(args: argparse.Namespace) -> int:
     except ValueError as error:
         args.parser.error(f"argument --targets-of: {error}")
     folders = ", ".join(str(folder) for folder in args.targets_of)
-    print(format_targets(evaluate_targets(rows, layer_rows), device=f"the rows under {folders}"))
+    report = format_targets(
+        evaluate_targets(rows, layer_rows),
+        device=f"read from {folders}",
+        measured_by="these runs" if len(args.targets_of) > 1 else "this run",
+    )
+    print(report)
     return 0
 
 
