@@ -69,9 +69,9 @@ class BlockFP8Linear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The [out, in] values the weight stands for, in `dtype` (float32: exactly)."""
         values = dequantize_weight_blocks(
-            self.weight.detach().unsqueeze(0), self.weight_scale_inv.unsqueeze(0)
+            self.weight.detach().unsqueeze(0), self.weight_scale_inv.unsqueeze(0), dtype
         )
-        return values[0].to(dtype)
+        return values[0]
 
     def _weight_in(self, dtype: torch.dtype) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the compiled graph holds the dequantization

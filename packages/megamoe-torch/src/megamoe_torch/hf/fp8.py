@@ -127,8 +127,10 @@ def dequantized(
             continue
         scales = take_scales(out, key, weight)
         stacked = weight if weight.dim() == 3 else weight[None]
-        values = dequantize_weight_blocks(stacked, scales if weight.dim() == 3 else scales[None])
-        out[key] = (values if weight.dim() == 3 else values[0]).to(dtype)
+        values = dequantize_weight_blocks(
+            stacked, scales if weight.dim() == 3 else scales[None], dtype
+        )
+        out[key] = values if weight.dim() == 3 else values[0]
     return out
 
 
