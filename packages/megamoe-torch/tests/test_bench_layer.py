@@ -50,6 +50,9 @@ def test_layer_rows_time_the_forward_and_count_its_ops_on_a_cpu(tiny_layer, tmp_
     # a CPU has neither graphs nor kernels: aten ops are counted instead, and said so
     assert row.graph_microseconds is None
     assert row.ops_counted == "aten ops" and row.gpu_ops > 0 and row.gpu_memory_ops is None
+    # and named, in the order they ran
+    names = row.launched_ops.split("; ")
+    assert len(names) == row.gpu_ops and all(name.startswith("aten::") for name in names)
     assert math.isclose(row.layer_over_gemms, row.eager_microseconds / row.gemm_microseconds)
     # grouped_mm was not in the run: nothing to compare with
     assert row.speedup is None and row.baseline_eager_microseconds is None
@@ -172,6 +175,12 @@ def test_op_count_on_a_cpu_is_the_aten_ops_called_from_python():
     # linear runs transposes and a matmul inside it: one op called, one counted
     assert bench.ops_per_call(lambda: torch.nn.functional.linear(a, b), device=CPU)[0] == 1
     assert bench.ops_per_call(lambda: (a + 1).sum() * 2, device=CPU)[0] == 3
+    # named in the order they ran
+    assert bench.ops_per_call(lambda: (a + 1).sum() * 2, device=CPU)[3] == [
+        "aten::add",
+        "aten::sum",
+        "aten::mul",
+    ]
 
 
 def test_bench_command_writes_the_layer_table_and_csv(tmp_path, capsys):
@@ -213,6 +222,9 @@ def test_layer_rows_on_a_gpu_count_kernels_and_time_graph_replays():
     rows = bench.bench_layer_point(layer, geometry, 1, backends=backends, repeats=5)
     for row in rows:
         assert row.ops_counted == "kernels" and row.gpu_ops > 0 and row.gpu_memory_ops >= 0
+        assert len(row.launched_ops.split("; ")) == row.gpu_ops
+        if row.layer_path == "fused":  # its own routing and combine kernels among them
+            assert "route" in row.launched_ops and "combine" in row.launched_ops
         assert 0 < row.graph_microseconds < row.eager_microseconds  # one token: host-bound
         assert math.isclose(row.layer_over_gemms, row.graph_microseconds / row.gemm_microseconds)
         if "grouped_mm" in backends:

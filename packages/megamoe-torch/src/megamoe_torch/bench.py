@@ -38,6 +38,9 @@ from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.layer import MegaMoE
 
 BASELINE = "grouped_mm"
+# the characters of an op's name a layer row keeps (a CuTe DSL kernel's name spells its whole
+# signature: hundreds of characters; the first 80 tell the kernels apart)
+OP_NAME_CHARS = 80
 # experts whose oracle weights are dequantized to float32 at a time (oracle_rows)
 ORACLE_EXPERTS_PER_CHUNK = 32
 
@@ -82,7 +85,7 @@ class LayerBenchRow:
     `eager_graph_tokens` tokens replays the layer's own graph (forward_graphs.py): the
     `launched_*` fields time the same forward launching its kernels (eager_graph_tokens=0), in
     the same run, and are None where no graph is replayed; `gpu_ops` counts the launched
-    forward's kernels.
+    forward's kernels, and `launched_ops` names them (or the aten ops), in the order they ran.
     """
 
     geometry: str
@@ -102,6 +105,8 @@ class LayerBenchRow:
     speedup: float | None
     launched_eager_microseconds: float | None = None
     launched_host_microseconds: float | None = None
+    # what gpu_ops counts, in the order it ran, "; "-separated, each name cut to OP_NAME_CHARS
+    launched_ops: str = ""
 
 
 def build_layer(
@@ -390,13 +395,19 @@ def alternating_forward_times(
     }
 
 
-def ops_per_call(fn: Callable[[], object], *, device: torch.device) -> tuple[int, int | None, str]:
-    """(ops, memory ops, what was counted) for one call of `fn()` after a warm-up call, from the
-    torch profiler. On a GPU: the CUDA kernels it launches and, apart, its memcpy and memset,
-    "kernels". On a CPU, which has no kernels to count: the aten ops it calls from Python (an op
-    inside another aten op is not counted), None, "aten ops"."""
+def ops_per_call(
+    fn: Callable[[], object], *, device: torch.device
+) -> tuple[int, int | None, str, list[str]]:
+    """(ops, memory ops, what was counted, the counted ops' names in the order they ran) for one
+    call of `fn()` after a warm-up call, from the torch profiler. On a GPU: the CUDA kernels it
+    launches and, apart, its memcpy and memset, "kernels". On a CPU, which has no kernels to
+    count: the aten ops it calls from Python (an op inside another aten op is not counted),
+    None, "aten ops"."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
+    def in_order(events) -> list[str]:
+        return [e.name for e in sorted(events, key=lambda e: e.time_range.start)]
 
     fn()
     if device.type == "cuda":
@@ -404,9 +415,9 @@ def ops_per_call(fn: Callable[[], object], *, device: torch.device) -> tuple[int
         with profile(activities=[ProfilerActivity.CUDA]) as profiler:
             fn()
             torch.cuda.synchronize(device)
-        names = [e.name for e in profiler.events() if e.device_type == DeviceType.CUDA]
-        memory_ops = sum(1 for name in names if name.startswith(("Memcpy", "Memset")))
-        return len(names) - memory_ops, memory_ops, "kernels"
+        names = in_order(e for e in profiler.events() if e.device_type == DeviceType.CUDA)
+        kernels = [name for name in names if not name.startswith(("Memcpy", "Memset"))]
+        return len(kernels), len(names) - len(kernels), "kernels", kernels
     with profile(activities=[ProfilerActivity.CPU]) as profiler:
         fn()
 
@@ -421,8 +432,8 @@ def ops_per_call(fn: Callable[[], object], *, device: torch.device) -> tuple[int
             parent = parent.cpu_parent
         return True
 
-    events = profiler.events()
-    return sum(1 for e in events if is_aten(e) and called_from_python(e)), None, "aten ops"
+    names = in_order(e for e in profiler.events() if is_aten(e) and called_from_python(e))
+    return len(names), None, "aten ops", names
 
 
 @torch.no_grad()
@@ -516,7 +527,8 @@ def bench_layer_point(
         )
     baseline_eager, baseline_graph = measured.get(BASELINE, (None, None, None))[1:3]
     out = []
-    for name, (path, eager, graph, host, launched, ops, memory_ops, counted) in measured.items():
+    for name, (path, eager, graph, host, launched, *counted_ops) in measured.items():
+        ops, memory_ops, counted, op_names = counted_ops
         seconds = eager if graph is None else graph
         baseline = baseline_eager if graph is None else baseline_graph
         out.append(
@@ -542,6 +554,7 @@ def bench_layer_point(
                 speedup=speedup(baseline, seconds),
                 launched_eager_microseconds=None if launched[0] is None else launched[0] * 1e6,
                 launched_host_microseconds=None if launched[1] is None else launched[1] * 1e6,
+                launched_ops="; ".join(op[:OP_NAME_CHARS] for op in op_names),
             )
         )
     return out

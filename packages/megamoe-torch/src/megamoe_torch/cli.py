@@ -593,7 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
         "matplotlib, megamoe-torch's extra plot). "
         "Mode layer times the whole forward (router GEMM to "
         "combine) eager and as a CUDA-graph replay, counts the GPU kernels one eager forward launches and its host "
-        "time, against the expert GEMMs alone and the grouped_mm layer; writes layer.csv.",
+        "time, against the expert GEMMs alone and the grouped_mm layer; writes layer.csv (with the kernels' "
+        "names).",
     )
     bench_parser.add_argument("--geometry", nargs="+", choices=sorted(GEOMETRIES))
     bench_parser.add_argument(
