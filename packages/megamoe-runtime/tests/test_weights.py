@@ -163,3 +163,13 @@ def test_an_ungated_pack_checks_its_shapes_and_is_not_quantized():
         ValueError, match=r"ungated relu\^2 experts, which the FP8 kernels are not built for"
     ):
         quantize(pack)
+
+
+def test_a_slice_of_an_fp8_pack_holds_its_experts_tensors_as_views():
+    from megamoe_runtime.experts import expert_slice
+
+    pack = quantize(random_pack(6))
+    part = expert_slice(pack, 1, 3)
+    assert type(part) is Prequantized and part.swiglu == pack.swiglu and part.num_experts == 2
+    assert part.w13_E2IH.data_ptr() == pack.w13_E2IH[1].data_ptr()
+    assert torch.equal(part.w2_scales, pack.w2_scales[1:3])

@@ -43,18 +43,3 @@ def test_the_oracle_a_chunk_of_experts_at_a_time_is_the_whole_packs(
 
     assert chunked.dtype == torch.float32 and chunked.shape == (offsets[-1], geometry.hidden_size)
     torch.testing.assert_close(chunked, whole, rtol=0, atol=0)
-
-
-def test_a_slice_of_a_pack_holds_its_experts_tensors():
-    geometry = replace(
-        GEOMETRIES["qwen3-30b-a3b"], num_experts=6, top_k=2, hidden_size=128, intermediate_size=64
-    )
-    pack = bench.build_layer(
-        geometry, device=CPU, dtype=torch.bfloat16, weight_dtype="fp8"
-    ).expert_weight_pack()
-
-    part = bench.expert_slice(pack, 2, 5)
-
-    assert type(part) is type(pack) and part.swiglu == pack.swiglu
-    assert torch.equal(part.w13_E2IH.float(), pack.w13_E2IH[2:5].float())
-    assert torch.equal(part.w2_scales, pack.w2_scales[2:5])

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from megamoe_kernels.reference import expert_mlp_reference, fp8_difference, relative_l2_error
 from megamoe_runtime.dispatch import LocalDispatcher
 from megamoe_runtime.expert_batch import ExpertBatch
-from megamoe_runtime.experts import backend_status, make_backend
+from megamoe_runtime.experts import backend_status, expert_slice, make_backend
 from megamoe_runtime.geometries import Geometry
 from megamoe_runtime.measure import (
     alternating_readings,
@@ -178,16 +178,6 @@ def layer_backends(layer: MegaMoE, requested: Iterable[str]) -> tuple[list[str],
         else:
             refused[name] = reason
     return runnable, refused
-
-
-def expert_slice(pack: WeightPack, first: int, last: int) -> WeightPack:
-    """Experts first..last-1 of a weight pack (views: every tensor of a pack is per expert)."""
-    per_expert = {
-        field.name: value[first:last]
-        for field in fields(pack)
-        if isinstance(value := getattr(pack, field.name), torch.Tensor)
-    }
-    return replace(pack, **per_expert)
 
 
 def oracle_rows(pack: WeightPack, batch: ExpertBatch, offsets: list[int]) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 from megamoe_runtime.experts.base import (
     ExpertBackend,
     check_batch_matches_weights,
+    expert_slice,
     first_experts,
 )
 from megamoe_runtime.experts.cutedsl import CuteDSLExperts, cutedsl_status
@@ -131,6 +132,7 @@ __all__ = [
     "ReferenceExperts",
     "backend_status",
     "check_batch_matches_weights",
+    "expert_slice",
     "first_experts",
     "make_backend",
     "select_backend",

@@ -58,13 +58,18 @@ def check_batch_matches_weights(
         )
 
 
-def first_experts(prepared: Any, count: int) -> Any:
-    """Prepared weights (any backend's: a frozen dataclass whose tensors lead with the expert
-    dimension) for their first `count` experts, as views: a batch of the routed experts alone
-    on weights prepared with shared experts after them."""
+def expert_slice(weights: Any, first: int, last: int) -> Any:
+    """Weights (a pack, or any backend's prepared weights: a frozen dataclass whose tensors
+    lead with the expert dimension) for experts first .. last - 1, as views."""
     views = {
-        field.name: value[:count]
-        for field in fields(prepared)
-        if isinstance(value := getattr(prepared, field.name), torch.Tensor)
+        field.name: value[first:last]
+        for field in fields(weights)
+        if isinstance(value := getattr(weights, field.name), torch.Tensor)
     }
-    return replace(prepared, **views)
+    return replace(weights, **views)
+
+
+def first_experts(prepared: Any, count: int) -> Any:
+    """Prepared weights for their first `count` experts, as views (expert_slice): a batch of
+    the routed experts alone on weights prepared with shared experts after them."""
+    return expert_slice(prepared, 0, count)
