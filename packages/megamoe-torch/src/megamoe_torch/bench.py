@@ -517,8 +517,8 @@ def bench_layer_point(
         )
     baseline_eager, baseline_graph = measured.get(BASELINE, (None, None, None))[1:3]
     out = []
-    for name, (path, eager, graph, host, launched, *counted_ops) in measured.items():
-        ops, memory_ops, counted, op_names = counted_ops
+    for name, measurement in measured.items():
+        path, eager, graph, host, launched, ops, memory_ops, counted, op_names = measurement
         seconds = eager if graph is None else graph
         baseline = baseline_eager if graph is None else baseline_graph
         out.append(
