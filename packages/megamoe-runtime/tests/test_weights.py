@@ -173,3 +173,68 @@ def test_a_slice_of_an_fp8_pack_holds_its_experts_tensors_as_views():
     assert type(part) is Prequantized and part.swiglu == pack.swiglu and part.num_experts == 2
     assert part.w13_E2IH.data_ptr() == pack.w13_E2IH[1].data_ptr()
     assert torch.equal(part.w2_scales, pack.w2_scales[1:3])
+
+
+def test_fp8_dense_experts_are_the_dense_mlps_e4m3_blocks_as_they_are():
+    """An FP8 pack with an e4m3 dense MLP (as an FP8 checkpoint's shared experts: e4m3 weights
+    and one float32 scale per 128 x 128 block) appended: dequantized, it is the full-precision
+    pack with the dequantized MLP appended, bit for bit (each expert takes its rows of blocks
+    as they are); and what it cannot hold is refused."""
+    from megamoe_kernels import dequantize_weight_blocks, quantize_weight_blocks
+    from megamoe_runtime.weights import dequantize, quantize, with_dense_experts
+
+    experts, hidden, inter = 3, 200, 256  # hidden off the 128 grid, two blocks per expert
+    generator = torch.Generator().manual_seed(5)
+    pack = quantize(
+        Unquantized(
+            w13_E2IH=torch.randn(experts, 2 * inter, hidden, generator=generator),
+            w2_EHI=torch.randn(experts, hidden, inter, generator=generator),
+        )
+    )
+    dense = 2 * inter  # two experts of the MLP
+    gate, gate_scales = quantize_weight_blocks(torch.randn(1, dense, hidden, generator=generator))
+    up, up_scales = quantize_weight_blocks(torch.randn(1, dense, hidden, generator=generator))
+    down, down_scales = quantize_weight_blocks(torch.randn(1, hidden, dense, generator=generator))
+    scales = (gate_scales[0], up_scales[0], down_scales[0])
+
+    joined = with_dense_experts(pack, gate_FH=gate[0], up_FH=up[0], down_HF=down[0], scales=scales)
+
+    assert isinstance(joined, Prequantized) and joined.num_experts == experts + 2
+    expected = with_dense_experts(
+        dequantize(pack),
+        gate_FH=dequantize_weight_blocks(gate, gate_scales)[0],
+        up_FH=dequantize_weight_blocks(up, up_scales)[0],
+        down_HF=dequantize_weight_blocks(down, down_scales)[0],
+    )
+    values = dequantize(joined)
+    assert torch.equal(values.w13_E2IH, expected.w13_E2IH)
+    assert torch.equal(values.w2_EHI, expected.w2_EHI)
+
+    with pytest.raises(ValueError, match="with their block scales"):
+        with_dense_experts(pack, gate_FH=gate[0], up_FH=up[0], down_HF=down[0])
+    with pytest.raises(ValueError, match="the down scales must be float32"):
+        with_dense_experts(
+            pack, gate_FH=gate[0], up_FH=up[0], down_HF=down[0], scales=scales[:2] + scales[:1]
+        )
+    narrow = quantize(
+        Unquantized(
+            w13_E2IH=torch.randn(experts, 2 * 192, hidden, generator=generator),
+            w2_EHI=torch.randn(experts, hidden, 192, generator=generator),
+        )
+    )
+    with pytest.raises(ValueError, match="multiple of 128"):
+        with_dense_experts(
+            narrow,
+            gate_FH=gate[0][:384],
+            up_FH=up[0][:384],
+            down_HF=down[0][:, :384],
+            scales=(gate_scales[0][:3], up_scales[0][:3], down_scales[0][:, :3]),
+        )
+    with pytest.raises(ValueError, match="come with an FP8"):
+        with_dense_experts(
+            dequantize(pack),
+            gate_FH=gate[0].float(),
+            up_FH=up[0].float(),
+            down_HF=down[0].float(),
+            scales=scales,
+        )

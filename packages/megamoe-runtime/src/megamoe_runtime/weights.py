@@ -19,7 +19,8 @@ Backends transform a pack into their own layout once (ExpertBackend.prepare) and
   Unquantized pack (deterministic: each block's amax / 448); `dequantize` gives the values it
   stands for.
 - `with_dense_experts(pack, ...)`: the pack with a dense SwiGLU MLP (shared experts) appended as
-  experts of the routed size, for a batch whose last experts every token visits.
+  experts of the routed size, for a batch whose last experts every token visits (an FP8 pack
+  with an e4m3 MLP and its block scales).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 from megamoe_kernels import FP8_DTYPE, SwiGLU, weight_scales_shape
+from megamoe_kernels.shim.fp8 import WEIGHT_BLOCK
 
 FP8_WEIGHT_DTYPE = FP8_DTYPE
 # the experts' activations: "swiglu", gated, swiglu(gate x, up x); "relu2", ungated, relu(up x)^2
@@ -253,16 +255,22 @@ def dequantize(weights: Prequantized, dtype: torch.dtype = torch.float32) -> Unq
 
 
 def with_dense_experts(
-    weights: Unquantized,
+    weights: WeightPack,
     *,
     gate_FH: torch.Tensor,
     up_FH: torch.Tensor,
     down_HF: torch.Tensor,
-) -> Unquantized:
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> WeightPack:
     """`weights` and, after its E experts, a dense SwiGLU MLP down(silu(gate x) * up x) of
     intermediate size F cut into S = F / I experts of the routed experts' size I: expert E + s
     computes columns [s I, (s + 1) I) of the MLP, so the S experts' outputs sum to the MLP's.
-    A new pack (the routed weights copied once); bias-free plain-SwiGLU experts only."""
+    A new pack (the routed weights copied once); bias-free plain-SwiGLU experts only.
+
+    A Prequantized pack takes an e4m3 MLP with its float32 128 x 128 block scales, `scales` =
+    (gate [F/128, ceil(H/128)], up [F/128, ceil(H/128)], down [ceil(H/128), F/128]), as FP8
+    checkpoints hold them: each of the S experts takes its rows of blocks as they are, so I
+    must be a multiple of 128 (no block straddles two experts)."""
     _, two_intermediate, hidden = weights.w13_E2IH.shape
     intermediate = two_intermediate // 2
     dense = gate_FH.shape[0]
@@ -281,18 +289,64 @@ def with_dense_experts(
             f"the dense MLP's intermediate size {dense} is not a multiple of the experts' "
             f"{intermediate}"
         )
+    quantized = isinstance(weights, Prequantized)
+    if quantized != (scales is not None):
+        raise ValueError(
+            "an FP8 pack takes the dense MLP's e4m3 weights with their block scales (scales=)"
+            if quantized
+            else "scales= come with an FP8 (Prequantized) pack; this one is full precision"
+        )
     pieces = dense // intermediate
-    dtype = weights.w13_E2IH.dtype
     w13_S2IH = torch.cat(
         (
             gate_FH.reshape(pieces, intermediate, hidden),
             up_FH.reshape(pieces, intermediate, hidden),
         ),
         dim=1,
-    ).to(dtype)
-    w2_SHI = down_HF.reshape(hidden, pieces, intermediate).permute(1, 0, 2).to(dtype)
-    return Unquantized(
+    )
+    w2_SHI = down_HF.reshape(hidden, pieces, intermediate).permute(1, 0, 2)
+    if not quantized:
+        dtype = weights.w13_E2IH.dtype
+        return Unquantized(
+            w13_E2IH=torch.cat((weights.w13_E2IH, w13_S2IH.to(dtype))),
+            w2_EHI=torch.cat((weights.w2_EHI, w2_SHI.to(dtype))),
+            swiglu=weights.swiglu,
+        )
+    if intermediate % WEIGHT_BLOCK:
+        raise ValueError(
+            f"FP8 dense experts of intermediate size {intermediate} would split 128 x 128 scale "
+            f"blocks between experts: it must be a multiple of {WEIGHT_BLOCK}"
+        )
+    for name, tensor in (("gate", gate_FH), ("up", up_FH), ("down", down_HF)):
+        if tensor.dtype != FP8_WEIGHT_DTYPE:
+            raise TypeError(
+                f"{name} must be {FP8_WEIGHT_DTYPE} for an FP8 pack, got {tensor.dtype}"
+            )
+    blocks, hidden_blocks = intermediate // WEIGHT_BLOCK, -(-hidden // WEIGHT_BLOCK)
+    gate_scales, up_scales, down_scales = scales
+    expected = {
+        "gate": (gate_scales, (dense // WEIGHT_BLOCK, hidden_blocks)),
+        "up": (up_scales, (dense // WEIGHT_BLOCK, hidden_blocks)),
+        "down": (down_scales, (hidden_blocks, dense // WEIGHT_BLOCK)),
+    }
+    for name, (tensor, shape) in expected.items():
+        if tuple(tensor.shape) != shape or tensor.dtype != torch.float32:
+            raise ValueError(
+                f"the {name} scales must be float32 {list(shape)} (one per 128 x 128 block), "
+                f"got {tensor.dtype} {list(tensor.shape)}"
+            )
+    w13_scales_S = torch.cat(
+        (
+            gate_scales.reshape(pieces, blocks, hidden_blocks),
+            up_scales.reshape(pieces, blocks, hidden_blocks),
+        ),
+        dim=1,
+    )
+    w2_scales_S = down_scales.reshape(hidden_blocks, pieces, blocks).permute(1, 0, 2)
+    return Prequantized(
         w13_E2IH=torch.cat((weights.w13_E2IH, w13_S2IH)),
+        w13_scales=torch.cat((weights.w13_scales, w13_scales_S)),
         w2_EHI=torch.cat((weights.w2_EHI, w2_SHI)),
+        w2_scales=torch.cat((weights.w2_scales, w2_scales_S)),
         swiglu=weights.swiglu,
     )
