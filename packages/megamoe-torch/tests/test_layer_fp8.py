@@ -289,3 +289,39 @@ def test_a_cast_that_would_drop_the_block_scales_is_refused():
     assert torch.equal(layer.w13.view(torch.uint8), before.view(torch.uint8))
     layer.to("cpu")  # a move keeps the bytes
     assert layer.activation_dtype == torch.bfloat16
+
+
+def test_fp8_shared_experts_join_the_fp8_batch_as_their_e4m3_blocks():
+    """Routed and shared experts both FP8 (DeepSeek-V3's checkpoints): the shared MLP can be
+    experts of the routed batch, its e4m3 weights and block scales appended as they are; the
+    batch with them computes the layer's forward. Mixed precisions, or a routed size that would
+    split the shared MLP's scale blocks, keep it out with the reason."""
+    from megamoe_runtime.dispatch import LocalDispatcher
+    from megamoe_runtime.experts import make_backend
+    from megamoe_runtime.geometries import Geometry
+    from megamoe_torch import bench
+
+    geometry = Geometry(
+        "test-fp8-shared", EXPERTS, TOP_K, HIDDEN, INTERMEDIATE, num_shared_experts=2
+    )
+    layer = bench.build_layer(
+        geometry, device=torch.device("cpu"), dtype=torch.bfloat16, weight_dtype="fp8"
+    )
+    assert layer.config.shared_weight_dtype == "fp8"
+    assert layer.config.shared_experts_in_batch_problems == ()
+    pack = layer.shared_in_batch_weight_pack()
+    assert pack.num_experts == EXPERTS + 2
+    assert torch.equal(pack.w2_scales[:EXPERTS], layer.w2_scale_inv)
+    x_TH, batch, handle, pack = bench.shared_in_batch(layer, 6)
+    backend = make_backend("reference")
+    expert_rows = backend(batch, backend.prepare(pack))
+    combined = LocalDispatcher(EXPERTS + 2).combine(expert_rows, handle)
+    layer.use_backend("reference")
+    with torch.no_grad():
+        expected = layer(x_TH)  # the shared MLP beside the routed experts
+    assert relative_l2_error(combined.float(), expected.float()) < 1e-2
+
+    mixed = fp8_config(num_shared_experts=1)  # FP8 routed experts, bf16 shared ones
+    assert "differ (a batch holds one precision)" in mixed.shared_experts_in_batch_problems[0]
+    narrow = fp8_config(intermediate_size=192, num_shared_experts=1, shared_weight_dtype="fp8")
+    assert "multiple of 128" in narrow.shared_experts_in_batch_problems[0]

@@ -120,10 +120,17 @@ def build_layer(
     """A layer of `geometry` (its routing and expert math too: MegaMoEConfig.from_geometry) with
     random weights scaled so bf16 activations stay O(1), and the router and expert biases a
     geometry has random too (as reset_parameters draws them), so that they are computed;
-    weight_dtype="fp8": the same weights quantized per 128 x 128 block (a ValueError for a
-    geometry whose expert biases FP8 experts do not compute)."""
+    weight_dtype="fp8": the same weights quantized per 128 x 128 block, the shared experts'
+    too, as DeepSeek-V3's FP8 checkpoints hold them (a ValueError for a geometry whose expert
+    biases FP8 experts do not compute)."""
     torch.manual_seed(seed)
-    config = MegaMoEConfig.from_geometry(geometry, backend="reference", weight_dtype=weight_dtype)
+    shared_weight_dtype = weight_dtype if geometry.num_shared_experts else None
+    config = MegaMoEConfig.from_geometry(
+        geometry,
+        backend="reference",
+        weight_dtype=weight_dtype,
+        shared_weight_dtype=shared_weight_dtype,
+    )
     layer = MegaMoE(config, device=device, dtype=dtype)
     with torch.no_grad():
         for name, fan_in in (("w13", geometry.hidden_size), ("w2", geometry.intermediate_size)):
@@ -180,6 +187,15 @@ def layer_backends(layer: MegaMoE, requested: Iterable[str]) -> tuple[list[str],
     return runnable, refused
 
 
+def fp8_rows_batch(batch: ExpertBatch) -> ExpertBatch:
+    """The batch with its rows quantized to e4m3 per 128 channels, as the layer's dispatch
+    writes them for FP8 experts (the FP8 kernels take them: timed without the dispatch)."""
+    from megamoe_kernels import quantize_rows
+
+    rows, scales = quantize_rows(batch.rows_MH)
+    return replace(batch, rows_MH=rows, row_scales_GM=scales)
+
+
 def oracle_rows(pack: WeightPack, batch: ExpertBatch, offsets: list[int]) -> torch.Tensor:
     """The fp32 oracle's output for the batch's valid rows (`offsets`: its expert offsets on the
     host), from the reference backend's weights (an FP8 pack's dequantized values) taken
@@ -230,13 +246,7 @@ def bench_point(
     active = sum(1 for e in range(geometry.num_experts) if offsets[e + 1] > offsets[e])
     pack = layer.expert_weight_pack()
     oracle_MH = oracle_rows(pack, batch, offsets)
-    fp8_batch = None
-    if layer.config.weight_dtype == "fp8":
-        # the FP8 kernels take the e4m3 rows the layer's dispatch writes: time them alone
-        from megamoe_kernels import quantize_rows
-
-        fp8_rows, fp8_scales = quantize_rows(batch.rows_MH)
-        fp8_batch = replace(batch, rows_MH=fp8_rows, row_scales_GM=fp8_scales)
+    fp8_batch = fp8_rows_batch(batch) if layer.config.weight_dtype == "fp8" else None
     results: dict[tuple[str, str], tuple[float, float, tuple[float, float]]] = {}
     for name in backends:
         backend = make_backend(name)
@@ -317,6 +327,8 @@ def shared_in_batch_seconds(
     """The expert compute of shared_in_batch's batch on one backend: graph replays on a GPU,
     eager calls on a CPU."""
     _, batch, _, pack = shared_in_batch(layer, tokens)
+    if layer.config.weight_dtype == "fp8" and backend_name == "cutedsl":
+        batch = fp8_rows_batch(batch)
     backend = make_backend(backend_name)
     prepared = backend.prepare(pack)
     # the reference backend reads the offsets on the host: it cannot be captured

@@ -472,8 +472,18 @@ class MegaMoEConfig:
                 f"the shared experts' intermediate size {self.shared_size} is not a multiple "
                 f"of intermediate_size={self.intermediate_size}"
             )
-        if self.weight_dtype is not None or self.shared_weight_dtype is not None:
-            problems.append("FP8 weights (the batch takes bf16 experts)")
+        if self.weight_dtype != self.shared_weight_dtype:
+            problems.append(
+                f"the routed experts' weight_dtype={self.weight_dtype!r} and the shared experts' "
+                f"shared_weight_dtype={self.shared_weight_dtype!r} differ (a batch holds one "
+                "precision)"
+            )
+        elif self.weight_dtype == "fp8" and self.intermediate_size % 128:
+            problems.append(
+                f"FP8 shared experts cut into experts of intermediate_size="
+                f"{self.intermediate_size} would split their 128 x 128 scale blocks (a multiple "
+                "of 128 is needed)"
+            )
         if self.latent_size is not None:
             problems.append("latent_size (the batch holds the latent rows)")
         problems.extend(self.expert_math_features)

@@ -596,8 +596,8 @@ class MegaMoE(nn.Module):
             self.w2_bias,
         ]
         if shared:
-            mlp = self.shared_experts
-            weights += [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+            for projection in self._shared_projections():
+                weights += [projection.weight, getattr(projection, "weight_scale_inv", None)]
         # the backend's layout is rebuilt only when the weights change (in place or replaced);
         # the cache alone holds it, so a backend switch or a rebuild frees it first
         prepared, routed = self._prepared.get(
@@ -620,6 +620,10 @@ class MegaMoE(nn.Module):
             for field in fields(prepared)
             if isinstance(value := getattr(prepared, field.name), torch.Tensor)
         ]
+
+        def bits(t: torch.Tensor) -> torch.Tensor:  # e4m3 compares as its bytes
+            return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
         for parameter in (self.w13, self.w2):
             for tensor in candidates:
                 if (
@@ -628,7 +632,7 @@ class MegaMoE(nn.Module):
                     and tensor.shape[1:] == parameter.shape[1:]
                     and tensor.shape[0] > experts
                     and tensor.is_contiguous()
-                    and torch.equal(tensor[:experts], parameter)
+                    and torch.equal(bits(tensor[:experts]), bits(parameter))
                 ):
                     parameter.data = tensor[:experts]
                     break
@@ -712,14 +716,24 @@ class MegaMoE(nn.Module):
     def shared_in_batch_weight_pack(self) -> WeightPack:
         """The weights of a batch the shared experts join: expert_weight_pack with the shared
         MLP appended as shared_size / intermediate_size dense experts after the routed ones
-        (with_dense_experts), detached."""
-        mlp = self.shared_experts
+        (with_dense_experts; FP8 shared experts as their e4m3 weights and block scales),
+        detached."""
+        gate, up, down = self._shared_projections()
+        scales = None
+        if self.config.shared_weight_dtype == "fp8":
+            scales = (gate.weight_scale_inv, up.weight_scale_inv, down.weight_scale_inv)
         return with_dense_experts(
             self.expert_weight_pack(),
-            gate_FH=mlp.gate_proj.weight.detach(),
-            up_FH=mlp.up_proj.weight.detach(),
-            down_HF=mlp.down_proj.weight.detach(),
+            gate_FH=gate.weight.detach(),
+            up_FH=up.weight.detach(),
+            down_HF=down.weight.detach(),
+            scales=scales,
         )
+
+    def _shared_projections(self) -> tuple[nn.Module, nn.Module, nn.Module]:
+        """The shared MLP's gate, up and down projections (nn.Linear or BlockFP8Linear)."""
+        mlp = self.shared_experts
+        return mlp.gate_proj, mlp.up_proj, mlp.down_proj
 
     @torch.no_grad()
     def load_expert_weights(
