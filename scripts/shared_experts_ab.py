@@ -5,6 +5,9 @@ forwards, alternating rounds, for the geometries with shared experts, and each p
 against "side_stream" on the same tokens. Run on the GPU machine from the project root:
 
     python3 scripts/shared_experts_ab.py --geometry dsv3 --tokens 1 16 128 2048 8192
+
+`--weight-dtype fp8`: routed and shared experts FP8, as DeepSeek-V3's checkpoints hold them
+(build_layer), the batch holding the shared MLP's e4m3 blocks.
 """
 
 from __future__ import annotations
@@ -33,12 +36,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     parser.add_argument("--no-eager", action="store_true", help="graph replays only")
+    parser.add_argument("--weight-dtype", choices=("bf16", "fp8"), default="bf16")
     args = parser.parse_args()
     device = torch.device("cuda")
     print(f"geometry tokens | graph us: {' / '.join(args.paths)} | eager us | rel-L2 vs side")
     for name in args.geometry:
         geometry = GEOMETRIES[name]
-        base = build_layer(geometry, device=device, dtype=torch.bfloat16)
+        base = build_layer(
+            geometry,
+            device=device,
+            dtype=torch.bfloat16,
+            weight_dtype=None if args.weight_dtype == "bf16" else args.weight_dtype,
+        )
         for tokens in args.tokens:
             x_TH, _, _ = routed_tokens(base, tokens)
             layers = {
