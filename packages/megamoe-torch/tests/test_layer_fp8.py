@@ -325,3 +325,50 @@ def test_fp8_shared_experts_join_the_fp8_batch_as_their_e4m3_blocks():
     assert "differ (a batch holds one precision)" in mixed.shared_experts_in_batch_problems[0]
     narrow = fp8_config(intermediate_size=192, num_shared_experts=1, shared_weight_dtype="fp8")
     assert "multiple of 128" in narrow.shared_experts_in_batch_problems[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("tokens", [0, 1, 16, 300])
+@pytest.mark.parametrize("shared_intermediate", [256, 512])
+def test_fp8_shared_experts_in_the_fp8_batch_meet_the_oracle(tokens, shared_intermediate):
+    """DeepSeek-V3's FP8 layer on the fused path: its FP8 shared experts as experts of the
+    batch ("batch": their e4m3 blocks) and as their own MLP ("side_stream"), against the
+    oracle (the torch path on the reference backend), bitwise repeatable."""
+    hidden = 1024
+    config = MegaMoEConfig(
+        hidden_size=hidden,
+        intermediate_size=256,
+        num_experts=32,
+        top_k=4,
+        scoring="sigmoid",
+        num_groups=8,
+        top_groups=4,
+        use_correction_bias=True,
+        routed_scaling_factor=2.5,
+        num_shared_experts=1,
+        shared_intermediate_size=shared_intermediate,
+        weight_dtype="fp8",
+        shared_weight_dtype="fp8",
+        backend="cutedsl",
+    )
+    assert config.shared_experts_in_batch_problems == ()
+    torch.manual_seed(tokens + shared_intermediate)
+    layers = {
+        path: MegaMoE(
+            replace_config(config, shared_experts_path=path), device="cuda", dtype=torch.bfloat16
+        )
+        for path in ("batch", "side_stream")
+    }
+    layers["side_stream"].load_state_dict(layers["batch"].state_dict())
+    oracle = MegaMoE(replace_backend(config, "reference"), device="cuda", dtype=torch.bfloat16)
+    oracle.load_state_dict(layers["batch"].state_dict())
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = oracle(x)
+        for path, layer in layers.items():
+            y = layer(x)
+            assert torch.equal(y, layer(x)), f"{path}: not bitwise repeatable"
+            if tokens:
+                assert fp8_difference(y.float(), expected.float()) <= 2e-3, path
+                assert relative_l2_error(y, expected) <= 6e-2, path
