@@ -542,13 +542,14 @@ def test_rows_are_gathered_by_default_where_the_decode_tiles_run_from_two_tokens
 def test_shared_experts_join_the_batch_where_one_decode_row_tile_holds_every_token():
     from megamoe_kernels import shared_experts_in_batch_by_default
 
-    def joins(tokens, *, capacity=None, experts=256, top_k=8, shared=1):  # dsv3
+    def joins(tokens, *, capacity=None, experts=256, top_k=8, shared=1, fp8=False):  # dsv3
         rows = tokens * (top_k + shared)
         return shared_experts_in_batch_by_default(
             tokens=tokens,
             valid_rows=rows,
             capacity=rows if capacity is None else capacity,
             num_experts=experts + shared,
+            fp8=fp8,
         )
 
     assert joins(1) and joins(16)  # 16-row decode tiles hold every token
@@ -557,6 +558,11 @@ def test_shared_experts_join_the_batch_where_one_decode_row_tile_holds_every_tok
     # a capacity sized for prefill: a few valid rows run the 64-row decode tiles
     assert joins(64, capacity=8192 * 9) and not joins(65, capacity=8192 * 9)
     assert not joins(1000, capacity=8192 * 9)  # the prefill tiles run
+    # FP8: the prefill tiles take the shared rows too; several decode row tiles still do not
+    assert joins(1, fp8=True) and joins(16, fp8=True)
+    assert not joins(17, fp8=True) and not joins(128, fp8=True)
+    assert joins(2048, fp8=True) and joins(8192, fp8=True)
+    assert joins(1000, capacity=8192 * 9, fp8=True)
 
 
 def test_the_fp8_gate_up_writes_128_column_groups_where_every_launch_runs_256_column_tiles():

@@ -685,6 +685,7 @@ class MegaMoE(nn.Module):
             valid_rows=tokens * (self.config.top_k + shared),
             capacity=self._device_routed.batch_capacity(tokens, shared_experts=shared),
             num_experts=self.config.num_experts + shared,
+            fp8=self.config.weight_dtype == "fp8",
         )
         return shared if joins else 0
 
