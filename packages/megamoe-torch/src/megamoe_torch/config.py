@@ -159,7 +159,8 @@ class MegaMoEConfig:
     # "batch": in the routed experts' batch, as S = shared_size / intermediate_size more experts
     #   every token visits with weight 1 (the shared MLP cut into S experts of the routed size),
     #   or with shared_expert_gate sigmoid(x . w_gate), computed by the same two grouped GEMMs
-    #   and summed by the same combine; bf16 weights, no expert bias, the plain SwiGLU,
+    #   and summed by the same combine; routed and shared weights of one dtype (bf16, or FP8
+    #   with intermediate_size a multiple of 128), no expert bias, the plain SwiGLU,
     #   shared_size a multiple of intermediate_size. The layer then keeps the routed and shared
     #   experts' weights together, its routed weights views of them where the backend keeps
     #   their layout (no copy; the cutedsl kernels read w13 and w2 as they are);
