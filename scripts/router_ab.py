@@ -1,10 +1,11 @@
 """The router-logits kernel against the GEMM library on the fused path (one GPU), the data for
-megamoe_torch.layer.ROUTER_KERNEL_MAX_TOKENS. Per geometry and token count:
+megamoe_kernels.router_logits_faster_tokens (up to how many tokens the layer takes the kernel
+for a router of its size). Per geometry and token count (up to ROUTER_LOGITS_MAX_TOKENS):
 
 (a) the router alone, CUDA-graph replays: the layer's router_logits (the GEMM library) and the
-    kernel (both through layer.router_logits, with the bound at 0 and on);
-(b) the whole fused forward, CUDA-graph replays, with the kernel off (ROUTER_KERNEL_MAX_TOKENS =
-    0) and on;
+    kernel (both through layer.router_logits, with the layer's bound at 0 and at every size the
+    kernel takes, whatever the rule says);
+(b) the whole fused forward, CUDA-graph replays, with the kernel off and on;
 
 each in alternating rounds (--rounds readings per point: a difference smaller than their range
 is noise); and the checks: the kernel's logits within fp32 summation-order differences of the
@@ -12,7 +13,7 @@ library's (1e-5 of the sum of |products|, plus half a bf16 ulp for bf16 logits) 
 top-k experts. Run on the GPU machine from the project root:
 
     python3 scripts/router_ab.py --geometry qwen3-30b-a3b dsv3 mixtral-8x7b gpt-oss-120b \\
-        --tokens 1 4 16
+        --tokens 1 4 16 32 64
 """
 
 from __future__ import annotations
@@ -32,13 +33,16 @@ from megamoe_torch.bench import build_layer, routed_tokens, with_capacity
 
 @contextlib.contextmanager
 def router_kernel_tokens(limit: int):
-    """ROUTER_KERNEL_MAX_TOKENS = `limit` inside the block (read at each forward and capture)."""
-    before = layer_module.ROUTER_KERNEL_MAX_TOKENS
+    """The layer takes the kernel for up to `limit` tokens inside the block, whatever the
+    router's size (ROUTER_KERNEL_MAX_TOKENS and router_logits_faster_tokens, read at each
+    forward and capture)."""
+    before = layer_module.ROUTER_KERNEL_MAX_TOKENS, layer_module.router_logits_faster_tokens
     layer_module.ROUTER_KERNEL_MAX_TOKENS = limit
+    layer_module.router_logits_faster_tokens = lambda num_experts, hidden_size: limit
     try:
         yield
     finally:
-        layer_module.ROUTER_KERNEL_MAX_TOKENS = before
+        layer_module.ROUTER_KERNEL_MAX_TOKENS, layer_module.router_logits_faster_tokens = before
 
 
 def logits_check(layer, x_TH, library_TE, kernel_TE) -> str:
@@ -62,8 +66,8 @@ def logits_check(layer, x_TH, library_TE, kernel_TE) -> str:
 
 
 def graph_us(fn, *, limit: int, device: torch.device):
-    """A reader: the graph-replay seconds of fn with ROUTER_KERNEL_MAX_TOKENS = limit (set
-    while it warms up and is captured)."""
+    """A reader: the graph-replay seconds of fn with the kernel taken up to `limit` tokens
+    (router_kernel_tokens, while it warms up and is captured)."""
 
     def read() -> float:
         with router_kernel_tokens(limit):

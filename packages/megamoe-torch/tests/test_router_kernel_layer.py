@@ -1,5 +1,5 @@
 """The layer's router logits from the router-logits kernel (up to ROUTER_KERNEL_MAX_TOKENS
-tokens) against the GEMM library's (ROUTER_KERNEL_MAX_TOKENS = 0): the same logits up to fp32
+tokens, as many as the router's size lets it win) against the GEMM library's (ROUTER_KERNEL_MAX_TOKENS = 0): the same logits up to fp32
 summation order, the same experts, the same output within the routing weights' ulps; launched
 forwards and replayed graphs alike; the torch path and a compiled forward take the same kernel
 (the same bits as the fused path); the op megamoe::router_logits passes torch's opcheck."""
@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from megamoe_kernels import ROUTER_LOGITS_MAX_TOKENS
 from megamoe_torch import layer as layer_module
 from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.layer import MegaMoE
@@ -92,7 +93,7 @@ def _count_kernel_lookups(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("router", sorted(ROUTERS))
-@pytest.mark.parametrize("tokens", [1, 3, 16])
+@pytest.mark.parametrize("tokens", [1, 3, 16, 40, 48])
 @torch.no_grad()
 def test_the_kernel_gives_the_libraries_logits_and_experts(router, tokens, monkeypatch):
     layer = _layer(router)
@@ -100,7 +101,7 @@ def test_the_kernel_gives_the_libraries_logits_and_experts(router, tokens, monke
     monkeypatch.setattr(layer_module, "ROUTER_KERNEL_MAX_TOKENS", 0)
     library_y, library_TE = layer(x_TH, return_router_logits=True)
     assert torch.equal(library_TE, layer.router_logits(x_TH))
-    monkeypatch.setattr(layer_module, "ROUTER_KERNEL_MAX_TOKENS", 16)
+    monkeypatch.setattr(layer_module, "ROUTER_KERNEL_MAX_TOKENS", ROUTER_LOGITS_MAX_TOKENS)
     kernels = _count_kernel_lookups(monkeypatch)
     kernel_y, kernel_TE = layer(x_TH, return_router_logits=True)
     assert kernels == [tokens]  # the kernel computed the logits
@@ -135,6 +136,12 @@ def test_more_tokens_than_the_bound_use_the_library(monkeypatch):
     layer(_tokens(4, seed=1))
     layer(_tokens(5, seed=2))
     assert kernels == [4]
+    # the router's own bound (router_logits_faster_tokens) holds too
+    monkeypatch.setattr(layer_module, "ROUTER_KERNEL_MAX_TOKENS", ROUTER_LOGITS_MAX_TOKENS)
+    monkeypatch.setattr(layer_module, "router_logits_faster_tokens", lambda experts, hidden: 8)
+    layer(_tokens(8, seed=3))
+    layer(_tokens(9, seed=4))
+    assert kernels == [4, 8]
 
 
 @pytest.mark.parametrize("router", ["softmax_fp32", "bf16_logits"])

@@ -55,6 +55,7 @@ _SHIM_NAMES = (
     "quantize_weight_blocks",
     "resolve_knobs",
     "row_scales_buffer",
+    "router_logits_faster_tokens",
     "router_logits_launcher",
     "router_logits_problems",
     "stored_weight_dims",

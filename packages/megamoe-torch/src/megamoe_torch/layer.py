@@ -7,9 +7,9 @@ forward: logits = x W_gate^T -> route (top-k ids, weights) -> dispatch into an e
 -> expert MLP (the chosen backend) -> combine (weighted top-k sum) [+ shared experts].
 
 On one sm_90 GPU without autograd the routing, the dispatch and the combine run as two device
-kernels (DeviceRoutedDispatcher): a forward is the router GEMM (up to ROUTER_KERNEL_MAX_TOKENS
-tokens the router-logits kernel, on every path, which lets the routing kernel start before it
-ends), one routing launch, the two expert GEMMs and one combine launch (plus the shared experts'
+kernels (DeviceRoutedDispatcher): a forward is the router GEMM (at decode sizes the
+router-logits kernel, on every path, which lets the routing kernel start before it ends), one
+routing launch, the two expert GEMMs and one combine launch (plus the shared experts'
 GEMMs), within an ulp or two of the torch path's routing weights (DeviceRoutedDispatcher says where
 they differ), deterministic. `config.layer_path` chooses ("auto", "fused", "torch"). Under
 torch.compile such a forward is the router (traced: the GEMM library, or the custom op
@@ -25,10 +25,10 @@ from dataclasses import fields, replace
 
 import torch
 from megamoe_kernels import (
-    ROUTER_LOGITS_MAX_TOKENS,
     SwiGLU,
     can_gather_rows,
     gathers_rows_by_default,
+    router_logits_faster_tokens,
     shared_experts_in_batch_by_default,
     weight_scales_shape,
 )
@@ -85,18 +85,27 @@ CHECK_INPUTS_UNDER_COMPILE = (
     "run between graphs) or build the layer with check_inputs=False"
 )
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=), torch >= 2.9
-# Up to this many tokens router_logits computes the logits with the router-logits kernel
-# (megamoe_kernels.RouterLogitsLauncher: launched with programmatic dependent launch, so the
-# routing kernel is scheduled before it ends) in place of the GEMM library; 0 keeps the GEMM
-# library at every size. The bound is measured (docs/benchmarks.md, scripts/router_ab.py); a
-# module constant so one process can A/B the two. It is read by each launched forward and each
-# capture: a graph the layer captured keeps what it recorded (layer._forward_graphs.clear()).
-ROUTER_KERNEL_MAX_TOKENS = 16
+# Up to this many tokens, and as many as the router's size lets the kernel win
+# (megamoe_kernels.router_logits_faster_tokens), router_logits computes the logits with the
+# router-logits kernel (megamoe_kernels.RouterLogitsLauncher: launched with programmatic
+# dependent launch, so the routing kernel is scheduled before it ends) in place of the GEMM
+# library; 0 keeps the GEMM library at every size. Measured (docs/benchmarks.md, "Router logits
+# at decode", scripts/router_ab.py): at 64 tokens mixtral-8x7b's forward lost 3-5 us with the
+# kernel in two runs, where qwen3-30b-a3b's gained 1. A module constant so one process can A/B
+# the two. It is read by each launched forward and each capture: a graph the layer captured
+# keeps what it recorded (layer._forward_graphs.clear()).
+ROUTER_KERNEL_MAX_TOKENS = 48
 
 
 def _bf16_mm_to_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     """a @ b in one bf16 GEMM with fp32 accumulation and output, or None where torch lacks it."""
     return torch.mm(a, b, out_dtype=torch.float32) if _MM_OUT_DTYPE else None
+
+
+def _router_kernel_max_tokens(weight_EH: torch.Tensor) -> int:
+    """Up to how many tokens the router-logits kernel computes logits of this weight:
+    ROUTER_KERNEL_MAX_TOKENS, and the tokens its size lets the kernel win."""
+    return min(ROUTER_KERNEL_MAX_TOKENS, router_logits_faster_tokens(*weight_EH.shape))
 
 
 def _float32_of(parameter: torch.Tensor, cache: DerivedTensorCache) -> torch.Tensor:
@@ -820,9 +829,10 @@ class MegaMoE(nn.Module):
 
     def router_logits(self, x_TH: torch.Tensor) -> torch.Tensor:
         """logits_TE of the router: fp32 for router_dtype='float32' (the bias added in fp32),
-        x's dtype for 'input'. 1 to ROUTER_KERNEL_MAX_TOKENS bf16 tokens on an sm_90 GPU, not
-        recorded by autograd, take the router-logits kernel (eager and compiled forwards, every
-        layer path: the same bits on each); others the GEMM library."""
+        x's dtype for 'input'. 1 to ROUTER_KERNEL_MAX_TOKENS bf16 tokens, and no more than the
+        router's size lets the kernel win (megamoe_kernels.router_logits_faster_tokens), on an
+        sm_90 GPU, not recorded by autograd, take the router-logits kernel (eager and compiled
+        forwards, every layer path: the same bits on each); others the GEMM library."""
         if self._router_kernel_takes(x_TH):
             weight, bias = self.gate.weight, self.gate.bias
             logits_dtype = torch.float32 if self.config.router_dtype == "float32" else x_TH.dtype
@@ -863,7 +873,7 @@ class MegaMoE(nn.Module):
         weight, bias = self.gate.weight, self.gate.bias
         return (
             x_TH.is_cuda
-            and 0 < x_TH.shape[0] <= min(ROUTER_KERNEL_MAX_TOKENS, ROUTER_LOGITS_MAX_TOKENS)
+            and 0 < x_TH.shape[0] <= _router_kernel_max_tokens(weight)
             and x_TH.dtype == weight.dtype == torch.bfloat16
             and weight.is_contiguous()
             and (bias is None or bias.is_contiguous())
@@ -1003,13 +1013,13 @@ class MegaMoE(nn.Module):
 
     def _shared_gate_logits(self, x_TH: torch.Tensor) -> torch.Tensor:
         """float32 [T]: x . w_gate of the shared experts' sigmoid gate, for the batch's shared
-        pairs (fused path, no autograd): the router-logits kernel for 1 to
-        ROUTER_KERNEL_MAX_TOKENS bf16 tokens where it runs, else one bf16 GEMM with fp32
-        output (the products of the router's logits, accumulated in fp32)."""
+        pairs (fused path, no autograd): the router-logits kernel for as many bf16 tokens as it
+        takes for the router's logits (_router_kernel_max_tokens) where it runs, else one bf16
+        GEMM with fp32 output (the products of the router's logits, accumulated in fp32)."""
         weight = self.shared_experts.gate.weight  # [1, H]
         tokens = x_TH.shape[0]
         bf16 = x_TH.dtype == weight.dtype == torch.bfloat16
-        if bf16 and 0 < tokens <= min(ROUTER_KERNEL_MAX_TOKENS, ROUTER_LOGITS_MAX_TOKENS):
+        if bf16 and 0 < tokens <= _router_kernel_max_tokens(weight):
             launcher = router_kernel(*weight.shape, torch.float32, None, x_TH.device)
             if launcher is not None:
                 return launcher(x_TH, weight.detach()).view(tokens)

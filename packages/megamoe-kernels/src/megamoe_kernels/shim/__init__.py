@@ -47,6 +47,7 @@ from megamoe_kernels.shim.knobs import (
 from megamoe_kernels.shim.router_logits import (
     ROUTER_LOGITS_MAX_TOKENS,
     RouterLogitsLauncher,
+    router_logits_faster_tokens,
     router_logits_launcher,
     router_logits_problems,
 )
@@ -100,6 +101,7 @@ __all__ = [
     "quantize_rows",
     "quantize_weight_blocks",
     "resolve_knobs",
+    "router_logits_faster_tokens",
     "router_logits_launcher",
     "router_logits_problems",
     "row_scales_buffer",

@@ -7,7 +7,8 @@ with fp32 accumulation, for up to ROUTER_LOGITS_MAX_TOKENS tokens (decode steps)
 float32 or bfloat16 logits. x and the weight are bf16, H a multiple of 8, both contiguous. The
 bias (gpt-oss's router) is added in fp32 after the sum. The kernel is launched with programmatic
 dependent launch and lets the routing kernel after it be scheduled early (docs/kernels-design.md,
-"The router-logits kernel").
+"The router-logits kernel"). `router_logits_faster_tokens(E, H)`: up to how many tokens it beats a
+GEMM library for a router of that size (measured).
 
 Compiled once per (E, H, logits dtype, bias dtype or none, token block, device) for CuTe DSL's
 TVM-FFI launch path (torch tensors as they are, launched on torch's current stream, so CUDA graphs
@@ -18,6 +19,7 @@ that holds T, 8 from 8 tokens on, so one token computes one sum per thread, not 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import lru_cache
 
 import torch
 
@@ -29,6 +31,9 @@ TOKEN_BLOCKS = (1, 2, 4, 8)  # the kernel's compile-time tokens per CTA; the las
 # a GEMV: every block of 8 tokens reads the whole weight again, so past a few
 # blocks a GEMM library's tiles are the right tool
 ROUTER_LOGITS_MAX_TOKENS = 64
+# router_logits_faster_tokens: the weight bytes a launch may read (once per token block)
+# and still beat the GEMM library, measured (docs/benchmarks.md, "Router logits at decode")
+ROUTER_LOGITS_WEIGHT_READ_BYTES = 4 << 20
 # a thread holds ceil(H / 1024) 16-byte vectors of its weight row in registers
 ROUTER_LOGITS_MAX_HIDDEN = 16384
 
@@ -174,6 +179,20 @@ class RouterLogitsLauncher:
                 f"x, weight and bias must sit on one CUDA device, got {devices}"
             ) from failure
         raise failure
+
+
+@lru_cache(maxsize=256)
+def router_logits_faster_tokens(num_experts: int, hidden_size: int) -> int:
+    """Up to how many tokens the kernel computes a bf16 router of (E, H) faster than the GEMM
+    library: while its token blocks read at most ROUTER_LOGITS_WEIGHT_READ_BYTES of the weight
+    (each block reads all of it), and always one block (a GEMM reads the weight once too), at
+    most ROUTER_LOGITS_MAX_TOKENS. Measured through whole forwards (scripts/router_ab.py): the
+    kernel won at qwen3-30b-a3b (0.5 MB) up to 64 tokens, at gpt-oss-120b (0.7 MB) up to 32,
+    at dsv3 (3.7 MB) up to 8 (one block), and lost past them."""
+    block = TOKEN_BLOCKS[-1]
+    weight_bytes = num_experts * hidden_size * 2
+    blocks = max(1, ROUTER_LOGITS_WEIGHT_READ_BYTES // max(weight_bytes, 1))
+    return min(ROUTER_LOGITS_MAX_TOKENS, blocks * block)
 
 
 def token_block(tokens: int) -> int:
