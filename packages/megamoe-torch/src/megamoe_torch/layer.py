@@ -1013,9 +1013,9 @@ class MegaMoE(nn.Module):
 
     def _shared_gate_logits(self, x_TH: torch.Tensor) -> torch.Tensor:
         """float32 [T]: x . w_gate of the shared experts' sigmoid gate, for the batch's shared
-        pairs (fused path, no autograd): the router-logits kernel for as many bf16 tokens as it
-        takes for the router's logits (_router_kernel_max_tokens) where it runs, else one bf16
-        GEMM with fp32 output (the products of the router's logits, accumulated in fp32)."""
+        pairs (fused path, no autograd): the router-logits kernel for 1 to
+        _router_kernel_max_tokens(w_gate) bf16 tokens where it runs, else one bf16 GEMM with
+        fp32 output (the products of the router's logits, accumulated in fp32)."""
         weight = self.shared_experts.gate.weight  # [1, H]
         tokens = x_TH.shape[0]
         bf16 = x_TH.dtype == weight.dtype == torch.bfloat16
