@@ -108,7 +108,8 @@ def _check_a_callers_capture(layer: MegaMoE, x: torch.Tensor, *, expected: MegaM
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("backend", ["cutedsl", "reference"])
-@pytest.mark.parametrize("tokens", [0, 1, 77, 1500])
+# 33 tokens: the router-logits kernel's logits over five blocks of 8 tokens
+@pytest.mark.parametrize("tokens", [0, 1, 33, 77, 1500])
 @torch.no_grad()
 def test_fused_path_matches_torch_path(family, backend, tokens):
     if not torch.cuda.is_available():
@@ -232,7 +233,7 @@ BATCH_SHARED = {
 
 @pytest.mark.parametrize("family", sorted(BATCH_SHARED))
 @pytest.mark.parametrize("backend", ["cutedsl", "reference"])
-@pytest.mark.parametrize("tokens", [0, 1, 77, 1500])
+@pytest.mark.parametrize("tokens", [0, 1, 33, 77, 1500])  # 33: the gate's logits by the kernel
 @torch.no_grad()
 def test_shared_experts_in_the_batch(family, backend, tokens):
     """shared_experts_path="batch": the shared MLP as S experts of the routed batch (weight 1 or
