@@ -187,7 +187,7 @@ def router_logits_faster_tokens(num_experts: int, hidden_size: int) -> int:
     library: while its token blocks read at most ROUTER_LOGITS_WEIGHT_READ_BYTES of the weight
     (each block reads all of it), and always one block (a GEMM reads the weight once too), at
     most ROUTER_LOGITS_MAX_TOKENS. Measured through whole forwards (scripts/router_ab.py): the
-    kernel won at qwen3-30b-a3b (0.5 MB) up to 64 tokens, at gpt-oss-120b (0.7 MB) up to 32,
+    kernel won at qwen3-30b-a3b (0.5 MB) up to 64 tokens, at gpt-oss-120b (0.7 MB) up to 40,
     at dsv3 (3.7 MB) up to 8 (one block), and lost past them."""
     block = TOKEN_BLOCKS[-1]
     weight_bytes = num_experts * hidden_size * 2
