@@ -317,24 +317,19 @@ def with_dense_experts(
             f"FP8 dense experts of intermediate size {intermediate} would split 128 x 128 scale "
             f"blocks between experts: it must be a multiple of {WEIGHT_BLOCK}"
         )
-    for name, tensor in (("gate", gate_FH), ("up", up_FH), ("down", down_HF)):
+    for (name, (tensor, shape)), scale in zip(shapes.items(), scales, strict=True):
         if tensor.dtype != FP8_WEIGHT_DTYPE:
             raise TypeError(
                 f"{name} must be {FP8_WEIGHT_DTYPE} for an FP8 pack, got {tensor.dtype}"
             )
-    blocks, hidden_blocks = intermediate // WEIGHT_BLOCK, -(-hidden // WEIGHT_BLOCK)
-    gate_scales, up_scales, down_scales = scales
-    expected = {
-        "gate": (gate_scales, (dense // WEIGHT_BLOCK, hidden_blocks)),
-        "up": (up_scales, (dense // WEIGHT_BLOCK, hidden_blocks)),
-        "down": (down_scales, (hidden_blocks, dense // WEIGHT_BLOCK)),
-    }
-    for name, (tensor, shape) in expected.items():
-        if tuple(tensor.shape) != shape or tensor.dtype != torch.float32:
+        scale_shape = weight_scales_shape((1, *shape))[1:]  # a one-expert weight's blocks
+        if tuple(scale.shape) != scale_shape or scale.dtype != torch.float32:
             raise ValueError(
-                f"the {name} scales must be float32 {list(shape)} (one per 128 x 128 block), "
-                f"got {tensor.dtype} {list(tensor.shape)}"
+                f"the {name} scales must be float32 {list(scale_shape)} (one per 128 x 128 "
+                f"block), got {scale.dtype} {list(scale.shape)}"
             )
+    gate_scales, up_scales, down_scales = scales
+    blocks, hidden_blocks = intermediate // WEIGHT_BLOCK, down_scales.shape[0]
     w13_scales_S = torch.cat(
         (
             gate_scales.reshape(pieces, blocks, hidden_blocks),

@@ -13,7 +13,7 @@ from megamoe_runtime.distributed import COMBINE_ORDERS
 from megamoe_runtime.experts import BACKEND_NAMES
 from megamoe_runtime.geometries import Geometry
 from megamoe_runtime.routing import GROUP_SCORES, GroupScore, RouterConfig, Scoring
-from megamoe_runtime.weights import ACTIVATIONS, SOFTCAPPED_SWIGLU, UNGATED_RELU2
+from megamoe_runtime.weights import ACTIVATIONS, SOFTCAPPED_SWIGLU, UNGATED_RELU2, WEIGHT_BLOCK
 
 DISPATCHER_NAMES = ("auto", "torch", "nvshmem")
 KNOB_MODES = ("lookup", "auto")
@@ -479,7 +479,7 @@ class MegaMoEConfig:
                 f"shared_weight_dtype={self.shared_weight_dtype!r} differ (a batch holds one "
                 "precision)"
             )
-        elif self.weight_dtype == "fp8" and self.intermediate_size % 128:
+        elif self.weight_dtype == "fp8" and self.intermediate_size % WEIGHT_BLOCK:
             problems.append(
                 f"FP8 shared experts cut into experts of intermediate_size="
                 f"{self.intermediate_size} would split their 128 x 128 scale blocks (a multiple "
