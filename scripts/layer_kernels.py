@@ -398,7 +398,7 @@ def host_profile(layer, x_TH, rounds: int = 40) -> None:
         **({"point copy node": point_copy_node} if entry.copy_source is not None else {}),
         "graph replay": entry.graph.replay,
         "output free?": entry.output_free,
-        "run": lambda: entry.run(x_TH, False),
+        "run": lambda: entry.run(x_TH, None, False),
         "weights signature": lambda: layer._forward_graphs._weights_signature(layer),
         "stream capturing?": torch.cuda.is_current_stream_capturing,
         "empty 4 KB": lambda: torch.empty(1024, device="cuda"),
