@@ -8,9 +8,11 @@ for a router of its size). Per geometry and token count (up to ROUTER_LOGITS_MAX
 (b) the whole fused forward, CUDA-graph replays, with the kernel off and on;
 
 each in alternating rounds (--rounds readings per point: a difference smaller than their range
-is noise); and the checks: the kernel's logits within fp32 summation-order differences of the
-library's (1e-5 of the sum of |products|, plus half a bf16 ulp for bf16 logits) and the same
-top-k experts. Run on the GPU machine from the project root:
+is noise); with --expert-blocks, (c) the kernel alone with each of those experts per CTA
+(shim.router_logits.ROUTER_LOGITS_EXPERT_BLOCK; capped by what a thread's registers hold), its
+logits' bits compared with the first block's; and the checks: the kernel's logits within fp32
+summation-order differences of the library's (1e-5 of the sum of |products|, plus half a bf16
+ulp for bf16 logits) and the same top-k experts. Run on the GPU machine from the project root:
 
     python3 scripts/router_ab.py --geometry qwen3-30b-a3b dsv3 mixtral-8x7b gpt-oss-120b \\
         --tokens 1 4 16 32 64
@@ -24,6 +26,7 @@ import gc
 
 import torch
 from megamoe_kernels import ROUTER_LOGITS_MAX_TOKENS
+from megamoe_kernels.shim import router_logits as router_logits_shim
 from megamoe_runtime.geometries import GEOMETRIES
 from megamoe_runtime.measure import alternating_readings, median_graph_replay_seconds
 from megamoe_runtime.routing import route
@@ -76,6 +79,40 @@ def graph_us(fn, *, limit: int, device: torch.device):
     return read
 
 
+@contextlib.contextmanager
+def forced_expert_block(block: int | None):
+    """The kernel takes `block` experts per CTA (None: its rule), whatever the rule says."""
+    before = router_logits_shim.ROUTER_LOGITS_EXPERT_BLOCK
+    router_logits_shim.ROUTER_LOGITS_EXPERT_BLOCK = block
+    try:
+        yield
+    finally:
+        router_logits_shim.ROUTER_LOGITS_EXPERT_BLOCK = before
+
+
+def expert_block_row(layer, x_TH, blocks, *, rounds: int, device) -> tuple:
+    """(the kernel's us with each of `blocks` experts per CTA, 'same bits' or what differs)."""
+
+    def logits(block):
+        with forced_expert_block(block), router_kernel_tokens(ROUTER_LOGITS_MAX_TOKENS):
+            return layer.router_logits(x_TH)
+
+    def read(block):
+        def reading() -> float:
+            with forced_expert_block(block):
+                return graph_us(
+                    lambda: layer.router_logits(x_TH), limit=ROUTER_LOGITS_MAX_TOKENS, device=device
+                )()
+
+        return reading
+
+    first = logits(blocks[0])
+    differing = [block for block in blocks[1:] if not torch.equal(logits(block), first)]
+    readings = alternating_readings({block: read(block) for block in blocks}, rounds=rounds)
+    bits = f"bits differ at {differing}" if differing else "same bits"
+    return (*(us(r) for r in readings.values()), bits)
+
+
 def us(readings) -> str:
     return " ".join(f"{seconds * 1e6:.1f}" for seconds in readings.seconds)
 
@@ -86,10 +123,18 @@ def main() -> None:
     parser.add_argument("--geometry", nargs="+", default=["qwen3-30b-a3b"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--expert-blocks",
+        nargs="+",
+        type=int,
+        default=[],
+        help="also time the kernel alone with each of these experts per CTA",
+    )
     args = parser.parse_args()
     device = torch.device("cuda")
     on = ROUTER_LOGITS_MAX_TOKENS
     table = []
+    block_table = []
     for name in args.geometry:
         geometry = GEOMETRIES[name]
         base = build_layer(geometry, device=device, dtype=torch.bfloat16)
@@ -134,6 +179,16 @@ def main() -> None:
             row = (name, tokens, *(us(r) for r in readings.values()), check)
             print(" | ".join(str(cell) for cell in row), flush=True)
             table.append(row)
+            if args.expert_blocks:
+                blocks_row = (
+                    name,
+                    tokens,
+                    *expert_block_row(
+                        layer, x_TH, args.expert_blocks, rounds=args.rounds, device=device
+                    ),
+                )
+                print(" | ".join(str(cell) for cell in blocks_row), flush=True)
+                block_table.append(blocks_row)
             del layer
             gc.collect()
             torch.cuda.empty_cache()
@@ -146,10 +201,17 @@ def main() -> None:
         "forward kernel on us",
         "logits and top-k",
     )
+    print_table(header, table)
+    if block_table:
+        blocks = tuple(f"kernel us, {block} experts a CTA" for block in args.expert_blocks)
+        print_table(("geometry", "tokens", *blocks, "logits"), block_table)
+
+
+def print_table(header, rows) -> None:
     print()
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    for row in table:
+    for row in rows:
         print("| " + " | ".join(str(cell) for cell in row) + " |")
 
 

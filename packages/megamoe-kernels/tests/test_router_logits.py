@@ -8,7 +8,9 @@ import pytest
 import torch
 from gemm_cases import has_sm90
 from megamoe_kernels import ROUTER_LOGITS_MAX_TOKENS, RouterLogitsLauncher
+from megamoe_kernels.shim import router_logits as router_logits_shim
 from megamoe_kernels.shim.local_layer import RouteLauncher
+from megamoe_kernels.shim.router_logits import EXPERT_BLOCKS, max_expert_block
 
 pytestmark = pytest.mark.gpu
 
@@ -90,6 +92,32 @@ def test_every_logit_is_written_and_nothing_else():
         _assert_matches_oracle(logits_TE, x_TH[:tokens], weight_EH)
     empty = launcher(x_TH[:0], weight_EH)
     assert empty.shape == (0, experts)
+
+
+@pytest.mark.parametrize("router", sorted(ROUTERS))
+@pytest.mark.parametrize("tokens", [1, 13, ROUTER_LOGITS_MAX_TOKENS])
+def test_every_expert_block_gives_the_same_bits(router, tokens, monkeypatch):
+    """A CTA of several experts sums each logit in the order a CTA of one does: the same bits
+    (and the oracle's logits) whatever experts per CTA the rule or a tuner picks."""
+    experts, hidden = ROUTERS[router]
+    launcher = RouterLogitsLauncher(
+        num_experts=experts, hidden_size=hidden, bias_dtype=torch.float32, device="cuda"
+    )
+    x_TH = _random((tokens, hidden), seed=41)
+    weight_EH = _random((experts, hidden), seed=42) * 0.05
+    bias_E = _random((experts,), seed=43, dtype=torch.float32)
+    by_block = {}
+    for block in EXPERT_BLOCKS:
+        monkeypatch.setattr(router_logits_shim, "ROUTER_LOGITS_EXPERT_BLOCK", block)
+        taken = launcher.grid_shape(tokens)[1]
+        if taken not in by_block:
+            torch.full((tokens, experts), float("nan"), device="cuda")  # poison the next output
+            by_block[taken] = launcher(x_TH, weight_EH, bias_E=bias_E)
+    assert max(by_block) == max_expert_block(experts, hidden)
+    first = by_block[1]
+    _assert_matches_oracle(first, x_TH, weight_EH, bias_E)
+    for block, logits_TE in by_block.items():
+        assert torch.equal(logits_TE, first), f"{block} experts a CTA"
 
 
 def test_repeated_launches_give_the_same_bits():

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from megamoe_kernels.shim import router_logits as router_logits_shim
 from megamoe_kernels.shim.router_logits import (
+    EXPERT_BLOCKS,
     ROUTER_LOGITS_MAX_TOKENS,
     TOKEN_BLOCKS,
     RouterLogitsLauncher,
+    expert_block,
+    max_expert_block,
     router_logits_problems,
     token_block,
 )
@@ -35,8 +39,42 @@ def test_router_logits_compiles_for_each_token_block(constants, tokens):
     assert launcher.compile(tokens) is not None
 
 
+@pytest.mark.parametrize("block", EXPERT_BLOCKS)
+def test_router_logits_compiles_for_each_expert_block(block, monkeypatch):
+    monkeypatch.setattr(router_logits_shim, "ROUTER_LOGITS_EXPERT_BLOCK", block)
+    launcher = RouterLogitsLauncher(num_experts=60, hidden_size=1000, compile_only=True)
+    assert launcher.grid_shape(16) == (8, block, False)  # a 1000-wide row: a vector an expert
+    assert launcher.compile(16) is not None
+
+
+def test_the_expert_block_is_what_the_registers_hold_while_the_grid_keeps_its_ctas():
+    # a thread holds ROUTER_LOGITS_HELD_VECTORS weight vectors: ceil(H / 1024) per expert
+    assert max_expert_block(128, 2048) == 8  # qwen3-30b-a3b: 2 vectors an expert
+    assert max_expert_block(128, 2880) == 4  # gpt-oss-120b: 3
+    assert max_expert_block(256, 7168) == 2  # dsv3: 7
+    assert max_expert_block(8, 4096) == 4  # mixtral-8x7b: 4
+    assert max_expert_block(60, 1000) == 8  # the largest of EXPERT_BLOCKS
+    assert max_expert_block(2, 1024) == 2  # no more than E
+    assert max_expert_block(1, 16384) == 1  # 16 vectors, one expert
+    # as many as keep 128 CTAs (ROUTER_LOGITS_MIN_CTAS): 128 experts x 1, 2, 4, 8, 16 blocks
+    tokens = (1, 8, 9, 16, 32, 64, 128)
+    assert [expert_block(t, 128, 2048) for t in tokens] == [1, 1, 2, 2, 4, 8, 8]
+    assert [expert_block(t, 128, 2880) for t in tokens] == [1, 1, 2, 2, 4, 4, 4]  # at most 4
+    assert [expert_block(t, 256, 7168) for t in (1, 16)] == [2, 2]  # dsv3: 2 fit
+    assert expert_block(128, 8, 4096) == 1  # mixtral: 8 experts x 16 blocks
+
+
 def test_the_token_block_is_the_smallest_that_holds_the_tokens():
-    assert [token_block(tokens) for tokens in (1, 2, 3, 4, 5, 8, 9, 64)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert [token_block(tokens) for tokens in (1, 2, 3, 4, 5, 8, 9, 128)] == [
+        1,
+        2,
+        4,
+        4,
+        8,
+        8,
+        8,
+        8,
+    ]
     assert TOKEN_BLOCKS[-1] == token_block(ROUTER_LOGITS_MAX_TOKENS)
 
 

@@ -1,24 +1,42 @@
-"""Up to how many tokens the router-logits kernel computes a router's logits (CPU: the rule
-alone; the GPU tests check the kernel at those sizes)."""
+"""Up to how many tokens the router-logits kernel computes a router's logits, and with what
+grid (CPU: the rules alone; the GPU tests check the kernel at those sizes)."""
 
 from __future__ import annotations
 
 from megamoe_kernels import ROUTER_LOGITS_MAX_TOKENS, router_logits_faster_tokens
-from megamoe_kernels.shim.router_logits import ROUTER_LOGITS_WEIGHT_READ_BYTES, TOKEN_BLOCKS
+from megamoe_kernels.shim.router_logits import (
+    ROUTER_LOGITS_READ_BYTES,
+    TOKEN_BLOCKS,
+    grid_shape,
+    router_logits_read_bytes,
+)
+
+BLOCK = TOKEN_BLOCKS[-1]
 
 
-def test_the_kernel_takes_tokens_while_its_blocks_read_a_few_megabytes_of_weight():
-    assert router_logits_faster_tokens(128, 2048) == 64  # qwen3-30b-a3b: 0.5 MB, 8 blocks
-    assert router_logits_faster_tokens(128, 2880) == 40  # gpt-oss-120b: 0.7 MB, 5 blocks
+def test_the_kernel_takes_tokens_while_a_launch_reads_a_few_tens_of_megabytes():
+    assert router_logits_faster_tokens(128, 2048) == ROUTER_LOGITS_MAX_TOKENS  # qwen3-30b-a3b
+    assert router_logits_faster_tokens(128, 2880) == ROUTER_LOGITS_MAX_TOKENS  # gpt-oss-120b
     assert router_logits_faster_tokens(8, 4096) == ROUTER_LOGITS_MAX_TOKENS  # mixtral-8x7b
     assert router_logits_faster_tokens(1, 3584) == ROUTER_LOGITS_MAX_TOKENS  # a shared gate
+    assert router_logits_faster_tokens(256, 7168) == 2 * BLOCK  # dsv3: 37 MB at 16 tokens
 
 
 def test_a_router_past_the_bytes_still_takes_one_block():
-    block = TOKEN_BLOCKS[-1]
-    assert router_logits_faster_tokens(256, 7168) == block  # dsv3: 3.7 MB
-    assert router_logits_faster_tokens(1024, 16384) == block  # 32 MB: a GEMM reads it once too
-    # the bound in blocks: a weight of exactly half the bytes takes two
-    half = ROUTER_LOGITS_WEIGHT_READ_BYTES // 2 // 2  # bf16 elements
-    assert router_logits_faster_tokens(1, half) == 2 * block
-    assert router_logits_faster_tokens(1, half + 8) == block
+    assert router_logits_read_bytes(BLOCK, 1024, 16384) > ROUTER_LOGITS_READ_BYTES
+    assert router_logits_faster_tokens(1024, 16384) == BLOCK  # 32 MB: a GEMM reads it once too
+
+
+def test_a_launch_reads_the_weight_per_token_block_and_the_tokens_per_cta():
+    weight_row, token_row = 2048 * 2, 2048 * 2
+    # 8 tokens: 128 CTAs of one expert, each reading 8 token rows
+    assert router_logits_read_bytes(8, 128, 2048) == 128 * weight_row + 128 * 8 * token_row
+    # 128 tokens: 16 token blocks; 16 CTAs of 8 experts a block, each reading 8 token rows
+    assert router_logits_read_bytes(128, 128, 2048) == 16 * 128 * weight_row + 16 * 128 * token_row
+
+
+def test_decode_grids_schedule_the_routing_kernel_at_their_top():
+    for tokens, block in ((1, 1), (2, 2), (3, 4), (8, 8)):
+        assert grid_shape(tokens, 128, 2048) == (block, 1, True)
+    for tokens, experts_block in ((9, 2), (64, 8), (ROUTER_LOGITS_MAX_TOKENS, 8)):
+        assert grid_shape(tokens, 128, 2048) == (BLOCK, experts_block, False)

@@ -309,10 +309,21 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
         "local_router",
         "router_logits",
         "function",
-        parameters=("mX", "mWeight", "mBias", "mLogits", "hidden_size", "token_block", "stream"),
+        parameters=(
+            "mX",
+            "mWeight",
+            "mBias",
+            "mLogits",
+            "hidden_size",
+            "token_block",
+            "expert_block",
+            "early_dependents",
+            "stream",
+        ),
         passed_as="positional",
     ),
     DropSymbol("local_router", "ROUTER_MAX_TOKEN_BLOCK", "constant"),
+    DropSymbol("local_router", "ROUTER_MAX_EXPERT_BLOCK", "constant"),
 )
 
 

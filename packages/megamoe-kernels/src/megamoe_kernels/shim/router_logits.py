@@ -3,17 +3,20 @@
 Shape legend: T tokens, E experts, H hidden size.
 
 `RouterLogitsLauncher` (`router_logits_launcher(...)`): logits_TE = x_TH @ weight_EH^T (+ bias_E)
-with fp32 accumulation, for up to ROUTER_LOGITS_MAX_TOKENS tokens (decode steps), rounded to
-float32 or bfloat16 logits. x and the weight are bf16, H a multiple of 8, both contiguous. The
-bias (gpt-oss's router) is added in fp32 after the sum. The kernel is launched with programmatic
-dependent launch and lets the routing kernel after it be scheduled early (docs/kernels-design.md,
-"The router-logits kernel"). `router_logits_faster_tokens(E, H)`: up to how many tokens it beats a
-GEMM library for a router of that size (measured).
+with fp32 accumulation, for up to ROUTER_LOGITS_MAX_TOKENS tokens (decode steps and small
+prefills), rounded to float32 or bfloat16 logits. x and the weight are bf16, H a multiple of 8,
+both contiguous. The bias (gpt-oss's router) is added in fp32 after the sum. The kernel is
+launched with programmatic dependent launch (docs/kernels-design.md, "The router-logits
+kernel"). `router_logits_faster_tokens(E, H)`: up to how many tokens it beats a GEMM library for
+a router of that size (measured).
 
-Compiled once per (E, H, logits dtype, bias dtype or none, token block, device) for CuTe DSL's
-TVM-FFI launch path (torch tensors as they are, launched on torch's current stream, so CUDA graphs
-capture it); T is a dynamic dim. The token block (tokens per CTA: 1, 2, 4 or 8) is the smallest
-that holds T, 8 from 8 tokens on, so one token computes one sum per thread, not eight.
+The grid (`grid_shape`): a CTA per block of tokens (1, 2, 4 or 8: the smallest that holds T,
+so one token computes one sum per thread, not eight; 8 past 8 tokens) and block of experts (as
+many as a thread's registers hold while the grid keeps 128 CTAs: each token row a CTA loads
+serves them all); up to 8 tokens the routing kernel after it is scheduled at its top, past 8 as
+its CTAs exit. The logits have the same bits whatever the grid. Compiled once per (E, H, logits
+dtype, bias dtype or none, grid shape, device) for CuTe DSL's TVM-FFI launch path (torch tensors
+as they are, launched on torch's current stream, so CUDA graphs capture it); T is a dynamic dim.
 """
 
 from __future__ import annotations
@@ -28,12 +31,25 @@ from megamoe_kernels.shim.local_layer import _check_tensor, _compile, _cutlass_d
 LOGITS_DTYPES = (torch.float32, torch.bfloat16)
 BIAS_DTYPES = (torch.float32, torch.bfloat16)
 TOKEN_BLOCKS = (1, 2, 4, 8)  # the kernel's compile-time tokens per CTA; the last is its maximum
-# a GEMV: every block of 8 tokens reads the whole weight again, so past a few
-# blocks a GEMM library's tiles are the right tool
-ROUTER_LOGITS_MAX_TOKENS = 64
-# router_logits_faster_tokens: the weight bytes a launch may read (once per token block)
-# and still beat the GEMM library, measured (docs/benchmarks.md, "Router logits at decode")
-ROUTER_LOGITS_WEIGHT_READ_BYTES = 4 << 20
+# the kernel's compile-time experts per CTA (all at most the drop's ROUTER_MAX_EXPERT_BLOCK)
+EXPERT_BLOCKS = (1, 2, 4, 8)
+# weight vectors (16 bytes, 4 registers) a thread holds across the experts of its CTA
+ROUTER_LOGITS_HELD_VECTORS = 16
+# H elements one pass of a CTA covers: 128 threads, a 16-byte vector (8 bf16) each
+ROUTER_LOGITS_CTA_STEP = 1024
+# expert_block: a CTA takes several experts while the grid keeps at least this many CTAs
+# (measured: docs/benchmarks.md, "Router logits at decode")
+ROUTER_LOGITS_MIN_CTAS = 128
+# experts per CTA a launcher's grid takes in place of expert_block's (None: the rule; capped
+# by max_expert_block), for an A/B in one process (scripts/router_ab.py --expert-blocks)
+ROUTER_LOGITS_EXPERT_BLOCK: int | None = None
+# every block of 8 tokens reads the whole weight again: past the layer's own graphs (128
+# tokens, eager_graph_tokens) a GEMM library's tiles are the right tool
+ROUTER_LOGITS_MAX_TOKENS = 128
+# router_logits_faster_tokens: the bytes a launch may read (weight rows and token rows, as
+# router_logits_read_bytes counts them) and still beat the GEMM library, measured
+# (docs/benchmarks.md, "Router logits at decode")
+ROUTER_LOGITS_READ_BYTES = 40 << 20
 # a thread holds ceil(H / 1024) 16-byte vectors of its weight row in registers
 ROUTER_LOGITS_MAX_HIDDEN = 16384
 
@@ -97,19 +113,30 @@ class RouterLogitsLauncher:
             bias_dtype,
             device_index,
         )
-        self._compiled: dict[int, Callable] = {}
+        self._compiled: dict[tuple[int, int, bool], Callable] = {}
+
+    def grid_shape(self, tokens: int) -> tuple[int, int, bool]:
+        """The kernel's (tokens per CTA, experts per CTA, dependents early) for T = `tokens`:
+        grid_shape's, with ROUTER_LOGITS_EXPERT_BLOCK's experts per CTA where set."""
+        tokens_per_cta, experts_per_cta, early = grid_shape(
+            tokens, self.num_experts, self.hidden_size
+        )
+        if ROUTER_LOGITS_EXPERT_BLOCK is not None:
+            most = max_expert_block(self.num_experts, self.hidden_size)
+            experts_per_cta = min(ROUTER_LOGITS_EXPERT_BLOCK, most)
+        return tokens_per_cta, experts_per_cta, early
 
     def compile(self, tokens: int = 1) -> Callable:
-        """The kernel compiled for `tokens` tokens' block (token_block), compiling it if needed."""
-        block = token_block(tokens)
-        compiled = self._compiled.get(block)
+        """The kernel compiled for `tokens` tokens' grid shape, compiling it if needed."""
+        shape = self.grid_shape(tokens)
+        compiled = self._compiled.get(shape)
         if compiled is None:
-            compiled = self._compiled[block] = _compile(
-                (*self._key, block), lambda: self._compile(block)
+            compiled = self._compiled[shape] = _compile(
+                (*self._key, *shape), lambda: self._compile(*shape)
             )
         return compiled
 
-    def _compile(self, block: int) -> Callable:
+    def _compile(self, block: int, experts_block: int, early_dependents: bool) -> Callable:
         import cutlass
         import cutlass.cute as cute
         from cutlass.cute.runtime import make_fake_stream
@@ -117,9 +144,14 @@ class RouterLogitsLauncher:
         from megamoe_kernels.shim.ffi_launch import row_major
 
         _drop_route()  # sets the architecture without a GPU
-        from megamoe_kernels.drop.local_router import ROUTER_MAX_TOKEN_BLOCK, router_logits
+        from megamoe_kernels.drop.local_router import (
+            ROUTER_MAX_EXPERT_BLOCK,
+            ROUTER_MAX_TOKEN_BLOCK,
+            router_logits,
+        )
 
         assert block <= ROUTER_MAX_TOKEN_BLOCK, (block, ROUTER_MAX_TOKEN_BLOCK)
+        assert experts_block <= ROUTER_MAX_EXPERT_BLOCK, (experts_block, ROUTER_MAX_EXPERT_BLOCK)
 
         tokens = cute.sym_int32(symbol="tokens")
         experts, hidden = self.num_experts, self.hidden_size
@@ -133,6 +165,8 @@ class RouterLogitsLauncher:
             row_major(_cutlass_dtype(self.logits_dtype), (tokens, experts)),
             hidden,
             block,
+            experts_block,
+            early_dependents,
             make_fake_stream(use_tvm_ffi_env_stream=True),
             options="--enable-tvm-ffi",
         )
@@ -184,15 +218,62 @@ class RouterLogitsLauncher:
 @lru_cache(maxsize=256)
 def router_logits_faster_tokens(num_experts: int, hidden_size: int) -> int:
     """Up to how many tokens the kernel computes a bf16 router of (E, H) faster than the GEMM
-    library: while its token blocks read at most ROUTER_LOGITS_WEIGHT_READ_BYTES of the weight
-    (each block reads all of it), and always one block (a GEMM reads the weight once too), at
-    most ROUTER_LOGITS_MAX_TOKENS. Measured through whole forwards (scripts/router_ab.py): the
-    kernel won at qwen3-30b-a3b (0.5 MB) up to 64 tokens, at gpt-oss-120b (0.7 MB) up to 40,
-    at dsv3 (3.7 MB) up to 8 (one block), and lost past them."""
+    library: the most, in whole token blocks up to ROUTER_LOGITS_MAX_TOKENS, whose launch reads
+    at most ROUTER_LOGITS_READ_BYTES (router_logits_read_bytes), and always one block (a GEMM
+    reads the weight once too). Measured through whole forwards (scripts/router_ab.py): the
+    kernel's router beat the GEMM library's at qwen3-30b-a3b (0.5 MB), gpt-oss-120b (0.7 MB)
+    and mixtral-8x7b up to 128 tokens (9-34 MiB read at 128), and at dsv3 (3.7 MB) up to 16
+    (35 MiB; at 32 tokens, 70 MiB, it lost)."""
     block = TOKEN_BLOCKS[-1]
-    weight_bytes = num_experts * hidden_size * 2
-    blocks = max(1, ROUTER_LOGITS_WEIGHT_READ_BYTES // max(weight_bytes, 1))
-    return min(ROUTER_LOGITS_MAX_TOKENS, blocks * block)
+    for tokens in range(ROUTER_LOGITS_MAX_TOKENS, block, -block):
+        if router_logits_read_bytes(tokens, num_experts, hidden_size) <= ROUTER_LOGITS_READ_BYTES:
+            return tokens
+    return block
+
+
+def router_logits_read_bytes(tokens: int, num_experts: int, hidden_size: int) -> int:
+    """The bytes a launch for T = `tokens` reads: the whole weight once per token block, and the
+    block's token rows once per CTA (grid_shape)."""
+    tokens_per_cta, experts_per_cta, _ = grid_shape(tokens, num_experts, hidden_size)
+    token_blocks = -(-tokens // tokens_per_cta)
+    expert_blocks = -(-num_experts // experts_per_cta)
+    row_bytes = hidden_size * 2
+    return token_blocks * num_experts * row_bytes + expert_blocks * tokens * row_bytes
+
+
+def grid_shape(tokens: int, num_experts: int, hidden_size: int) -> tuple[int, int, bool]:
+    """The kernel's (tokens per CTA, experts per CTA, dependents scheduled at its top) for T =
+    `tokens` and a router of (E, H): token_block and expert_block; up to one token block
+    (decode) the routing kernel is scheduled as the kernel starts (a forward 0.5 us faster at
+    one token), past it as its CTAs exit (at 64 and 128 tokens a routing kernel scheduled early
+    made forwards up to 4 us slower: docs/benchmarks.md, "Router logits at decode")."""
+    decode = tokens <= TOKEN_BLOCKS[-1]
+    return token_block(tokens), expert_block(tokens, num_experts, hidden_size), decode
+
+
+def max_expert_block(num_experts: int, hidden_size: int) -> int:
+    """The most experts a CTA may take for a router of (E, H): the largest of EXPERT_BLOCKS whose
+    weight vectors a thread holds in ROUTER_LOGITS_HELD_VECTORS (ceil(H / 1024) per expert), and
+    no more than E."""
+    per_expert = -(-hidden_size // ROUTER_LOGITS_CTA_STEP)
+    fitting = [
+        block
+        for block in EXPERT_BLOCKS
+        if block == 1 or (block * per_expert <= ROUTER_LOGITS_HELD_VECTORS and block <= num_experts)
+    ]
+    return fitting[-1]
+
+
+def expert_block(tokens: int, num_experts: int, hidden_size: int) -> int:
+    """The kernel's experts per CTA for T = `tokens` and a router of (E, H): the most a thread's
+    registers hold (a token row a CTA loads serves them all) that still leave the grid
+    ROUTER_LOGITS_MIN_CTAS CTAs (fewer, larger CTAs were slower), one where none does."""
+    token_blocks = -(-tokens // token_block(tokens))
+    for block in reversed(EXPERT_BLOCKS):
+        fits = block <= max_expert_block(num_experts, hidden_size)
+        if fits and -(-num_experts // block) * token_blocks >= ROUTER_LOGITS_MIN_CTAS:
+            return block
+    return 1
 
 
 def token_block(tokens: int) -> int:
