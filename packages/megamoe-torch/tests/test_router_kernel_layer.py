@@ -93,7 +93,7 @@ def _count_kernel_lookups(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("router", sorted(ROUTERS))
-@pytest.mark.parametrize("tokens", [1, 3, 16, 40, 48])
+@pytest.mark.parametrize("tokens", [1, 3, 16, 40, ROUTER_LOGITS_MAX_TOKENS])
 @torch.no_grad()
 def test_the_kernel_gives_the_libraries_logits_and_experts(router, tokens, monkeypatch):
     layer = _layer(router)

@@ -25,6 +25,7 @@ from dataclasses import fields, replace
 
 import torch
 from megamoe_kernels import (
+    ROUTER_LOGITS_MAX_TOKENS,
     SwiGLU,
     can_gather_rows,
     gathers_rows_by_default,
@@ -88,13 +89,14 @@ _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=)
 # Up to this many tokens, and as many as the router's size lets the kernel win
 # (megamoe_kernels.router_logits_faster_tokens), router_logits computes the logits with the
 # router-logits kernel (megamoe_kernels.RouterLogitsLauncher: launched with programmatic
-# dependent launch, so the routing kernel is scheduled before it ends) in place of the GEMM
-# library; 0 keeps the GEMM library at every size. Measured (docs/benchmarks.md, "Router logits
-# at decode", scripts/router_ab.py): at 64 tokens mixtral-8x7b's forward lost 3-5 us with the
-# kernel in two runs, where qwen3-30b-a3b's gained 1. A module constant so one process can A/B
-# the two. It is read by each launched forward and each capture: a graph the layer captured
-# keeps what it recorded (layer._forward_graphs.clear()).
-ROUTER_KERNEL_MAX_TOKENS = 48
+# dependent launch, the routing kernel after it scheduled before it ends at decode) in place of
+# the GEMM library; 0 keeps the GEMM library at every size. The kernel's own bound (128 tokens,
+# the layer's own graphs'): under the router's size rule no forward measured up to it was
+# slower with the kernel past its readings' spread (docs/benchmarks.md, "Router logits at
+# decode", scripts/router_ab.py). A module constant so one process can A/B the two. It is read
+# by each launched forward and each capture: a graph the layer captured keeps what it recorded
+# (layer._forward_graphs.clear()).
+ROUTER_KERNEL_MAX_TOKENS = ROUTER_LOGITS_MAX_TOKENS
 
 
 def _bf16_mm_to_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
