@@ -65,16 +65,8 @@ def test_the_expert_block_is_what_the_registers_hold_while_the_grid_keeps_its_ct
 
 
 def test_the_token_block_is_the_smallest_that_holds_the_tokens():
-    assert [token_block(tokens) for tokens in (1, 2, 3, 4, 5, 8, 9, 128)] == [
-        1,
-        2,
-        4,
-        4,
-        8,
-        8,
-        8,
-        8,
-    ]
+    tokens = (1, 2, 3, 4, 5, 8, 9, 128)
+    assert [token_block(t) for t in tokens] == [1, 2, 4, 4, 8, 8, 8, 8]
     assert TOKEN_BLOCKS[-1] == token_block(ROUTER_LOGITS_MAX_TOKENS)
 
 
