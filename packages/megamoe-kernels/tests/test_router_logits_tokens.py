@@ -40,3 +40,16 @@ def test_decode_grids_schedule_the_routing_kernel_at_their_top():
         assert grid_shape(tokens, 128, 2048) == (block, 1, True)
     for tokens, experts_block in ((9, 2), (64, 8), (ROUTER_LOGITS_MAX_TOKENS, 8)):
         assert grid_shape(tokens, 128, 2048) == (BLOCK, experts_block, False)
+
+
+def test_the_bound_is_the_last_token_block_up_to_which_every_launch_reads_within_the_bytes():
+    for experts, hidden in ((256, 7168), (160, 5120), (64, 7168), (384, 7168), (128, 4096)):
+        bound = router_logits_faster_tokens(experts, hidden)
+        assert bound % BLOCK == 0 and BLOCK <= bound <= ROUTER_LOGITS_MAX_TOKENS
+        if bound > BLOCK:
+            for tokens in range(1, bound + 1):
+                read = router_logits_read_bytes(tokens, experts, hidden)
+                assert read <= ROUTER_LOGITS_READ_BYTES, (experts, hidden, tokens)
+        if bound < ROUTER_LOGITS_MAX_TOKENS:
+            beyond = bound + BLOCK
+            assert router_logits_read_bytes(beyond, experts, hidden) > ROUTER_LOGITS_READ_BYTES
