@@ -91,7 +91,11 @@ def forced_expert_block(block: int | None):
 
 
 def expert_block_row(layer, x_TH, blocks, *, rounds: int, device) -> tuple:
-    """(the kernel's us with each of `blocks` experts per CTA, 'same bits' or what differs)."""
+    """(the kernel's us with each of `blocks` experts per CTA, 'same bits' or what differs). A
+    block past what the router's registers hold (max_expert_block) is the launch of the cap: its
+    cell reads '(cap)', timed once under the cap's own column or the first block capped to it."""
+    most = router_logits_shim.max_expert_block(*layer.gate.weight.shape)
+    launched = list(dict.fromkeys(min(block, most) for block in blocks))
 
     def logits(block):
         with forced_expert_block(block), router_kernel_tokens(ROUTER_LOGITS_MAX_TOKENS):
@@ -106,11 +110,16 @@ def expert_block_row(layer, x_TH, blocks, *, rounds: int, device) -> tuple:
 
         return reading
 
-    first = logits(blocks[0])
-    differing = [block for block in blocks[1:] if not torch.equal(logits(block), first)]
-    readings = alternating_readings({block: read(block) for block in blocks}, rounds=rounds)
+    first = logits(launched[0])
+    differing = [block for block in launched[1:] if not torch.equal(logits(block), first)]
+    readings = alternating_readings({block: read(block) for block in launched}, rounds=rounds)
     bits = f"bits differ at {differing}" if differing else "same bits"
-    return (*(us(r) for r in readings.values()), bits)
+    cells, timed = [], set()
+    for block in blocks:
+        taken = min(block, most)
+        cells.append(us(readings[taken]) if taken not in timed else f"({taken})")
+        timed.add(taken)
+    return (*cells, bits)
 
 
 def us(readings) -> str:
