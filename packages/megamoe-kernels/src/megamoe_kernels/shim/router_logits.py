@@ -242,6 +242,7 @@ def router_logits_read_bytes(tokens: int, num_experts: int, hidden_size: int) ->
     return token_blocks * num_experts * row_bytes + expert_blocks * tokens * row_bytes
 
 
+@lru_cache(maxsize=1024)
 def grid_shape(tokens: int, num_experts: int, hidden_size: int) -> tuple[int, int, bool]:
     """The kernel's (tokens per CTA, experts per CTA, dependents scheduled at its top) for T =
     `tokens` and a router of (E, H): token_block and expert_block; up to one token block
@@ -270,9 +271,9 @@ def expert_block(tokens: int, num_experts: int, hidden_size: int) -> int:
     registers hold (a token row a CTA loads serves them all) that still leave the grid
     ROUTER_LOGITS_MIN_CTAS CTAs (fewer, larger CTAs were slower), one where none does."""
     token_blocks = -(-tokens // token_block(tokens))
+    most = max_expert_block(num_experts, hidden_size)
     for block in reversed(EXPERT_BLOCKS):
-        fits = block <= max_expert_block(num_experts, hidden_size)
-        if fits and -(-num_experts // block) * token_blocks >= ROUTER_LOGITS_MIN_CTAS:
+        if block <= most and -(-num_experts // block) * token_blocks >= ROUTER_LOGITS_MIN_CTAS:
             return block
     return 1
 
