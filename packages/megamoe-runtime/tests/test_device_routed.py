@@ -572,6 +572,14 @@ def test_fp8_rows_are_quantized_in_the_dispatch_as_quantizing_each_row_gives(
     x = torch.randn(tokens, hidden, device=device, generator=generator)
     x = x * torch.rand(tokens, 1, device=device, generator=generator).mul(40).sub(20).exp2()
     x = x.bfloat16()
+    if tokens:
+        # the edges of the divisions' fast path (scale_division): zeros of both signs,
+        # subnormal and tiny values beside large ones, a group of zeros, one of negative zeros
+        edges = [0.0, -0.0, 1e-39, -1e-39, 2.0**-126, -(2.0**-130), 2.0**-60, -3.0e38, 448.0]
+        x[0, : len(edges)] = torch.tensor(edges, device=device)
+    if tokens > 1:
+        x[-1, :128] = 0.0
+        x[-1, 128:256] = -0.0
     logits = torch.randn(tokens, router.num_experts, device=device, generator=generator)
     bias = torch.randn(router.num_experts, device=device, generator=generator) * 0.1
     bias = bias if router.use_correction_bias else None

@@ -21,7 +21,8 @@ import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 
 from .ep_sync import global_ptr
-from .fp8_scaling import ACTIVATION_GROUP, AMAX_FLOOR, E4M3_MAX
+from .fp8_scaling import ACTIVATION_GROUP
+from .scale_division import divided_by_scale, group_scale
 
 CHUNK = 8  # bf16 elements per 16-byte vector
 GROUP_VECTORS = ACTIVATION_GROUP // CHUNK
@@ -54,8 +55,8 @@ def store_chunk(address, total):
 @cute.jit
 def quantize_lane(values, counted):
     """The lane's 8 fp32 `values` (a register tensor) as e4m3 with their group's scale: the
-    amax over the group's counted lanes (`counted`: the lane's vector is in the row), then one
-    division. Every lane of the warp calls it (the amax crosses lanes); returns (e4m3 register
+    amax over the group's counted lanes (`counted`: the lane's vector is in the row), then the
+    divisions by the scale (scale_division). Every lane of the warp calls it (the amax crosses lanes); returns (e4m3 register
     tensor, scale)."""
     amax = cutlass.Float32(0.0)
     if counted:
@@ -63,11 +64,11 @@ def quantize_lane(values, counted):
             amax = cute.arch.fmax(amax, cute.arch.fmax(values[j], -values[j]))
     for shift in cutlass.range_constexpr(GROUP_SHUFFLE_STEPS):
         amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << shift))
-    scale = cutlass.max(amax, cutlass.Float32(AMAX_FLOOR)) / cutlass.Float32(E4M3_MAX)
+    scale = group_scale(amax)
     # held in registers: each store reads them afresh (a value staged at one store cannot be
     # reused under another branch)
     quantized = cute.make_rmem_tensor(CHUNK, cutlass.Float8E4M3FN)
-    quantized.store((values.load() / scale).to(cutlass.Float8E4M3FN))
+    quantized.store(divided_by_scale(values, scale).load().to(cutlass.Float8E4M3FN))
     return quantized, scale
 
 

@@ -26,8 +26,8 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 
-from .fp8_scaling import AMAX_FLOOR, E4M3_MAX
 from .gate_up_layout import interleaved_output_column
+from .scale_division import divided_by_scale, group_scale
 from .tiling import THREADS_PER_WARPGROUP
 
 # the producer warpgroup's warps after the TMA warp copy staged tiles out
@@ -397,9 +397,9 @@ class QuantizedCopyOut(PlainCopyOut):
             for shift in cutlass.range_constexpr(shuffle_steps):
                 amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << shift))
             if v < total and col0 + col < n_out:
-                scale = cutlass.max(amax, cutlass.Float32(AMAX_FLOOR)) / cutlass.Float32(E4M3_MAX)
+                scale = group_scale(amax)
                 quantized = cute.make_rmem_tensor((vector,), mOut.element_type)
-                quantized.store((staged.load() / scale).to(mOut.element_type))
+                quantized.store(divided_by_scale(staged, scale).load().to(mOut.element_type))
                 cute.copy(
                     store_atom,
                     quantized,
