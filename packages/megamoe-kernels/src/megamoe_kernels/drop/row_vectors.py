@@ -56,8 +56,8 @@ def store_chunk(address, total):
 def quantize_lane(values, counted):
     """The lane's 8 fp32 `values` (a register tensor) as e4m3 with their group's scale: the
     amax over the group's counted lanes (`counted`: the lane's vector is in the row), then the
-    divisions by the scale (scale_division). Every lane of the warp calls it (the amax crosses lanes); returns (e4m3 register
-    tensor, scale)."""
+    divisions by the scale (scale_division). Every lane of the warp calls it (the amax crosses
+    lanes); returns (e4m3 register tensor, scale)."""
     amax = cutlass.Float32(0.0)
     if counted:
         for j in cutlass.range_constexpr(CHUNK):

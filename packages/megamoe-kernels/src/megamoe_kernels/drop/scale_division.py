@@ -12,8 +12,9 @@ normal range. A scale is a positive normal number, at least AMAX_FLOOR / E4M3_MA
 a quotient at most E4M3_MAX in magnitude. Where x >= 2^-53 every step is normal, so the quotient
 is division's; below, both quotients are under 2^-10, which e4m3 rounds to a zero of x's sign
 (the quotient takes x's sign bit, as division's has it). So every finite x gets division's e4m3
-value, and every scale division's fp32. A group holding an inf has an inf scale and NaN
-quotients, where division gives zeros for its finite values.
+value, and every finite amax division's scale. A group holding an inf gets a NaN scale and NaN
+values, where division gives an inf scale and zeros (NaN for the inf): dequantized, both are
+NaN.
 
 The FP8 gate-up's store warps quantize each staged tile while the consumers run the next
 tile's MMAs and promotions on the same SM sub-partitions. With these divisions the FP8 gate-up
