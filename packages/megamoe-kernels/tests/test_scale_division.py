@@ -1,0 +1,88 @@
+"""drop/scale_division's arithmetic, modelled exactly on the CPU (no GPU): its instruction
+sequence, each step rounded to fp32 as the GPU rounds it, gives the e4m3 value of an IEEE
+division (and from 2^-53 on its fp32 quotient) for values of magnitudes 2^-70 to 2^120,
+subnormals and zero, over the FP8 recipe's scales of groups around them, whichever reciprocal
+within an ulp MUFU.RCP starts from (the module's docstring argues it for every finite value).
+The GPU's own bits are compared with torch's division in test_device_routed.py (the
+quantizing dispatch)."""
+
+from __future__ import annotations
+
+import random
+from fractions import Fraction
+
+import pytest
+import torch
+from megamoe_kernels.drop.fp8_scaling import AMAX_FLOOR, E4M3_MAX
+
+SMALLEST_NORMAL_EXPONENT = -126
+MANTISSA_BITS = 23
+
+
+def rounded(value: Fraction) -> Fraction:
+    """value rounded to the nearest fp32 (ties to even), subnormals included; no overflow."""
+    if value == 0:
+        return value
+    magnitude = abs(value)
+    exponent = magnitude.numerator.bit_length() - magnitude.denominator.bit_length()
+    if Fraction(2) ** exponent > magnitude:
+        exponent -= 1
+    quantum = Fraction(2) ** (max(exponent, SMALLEST_NORMAL_EXPONENT) - MANTISSA_BITS)
+    units, remainder = divmod(magnitude / quantum, 1)
+    if remainder > Fraction(1, 2) or (remainder == Fraction(1, 2) and units % 2):
+        units += 1
+    return (units * quantum) * (1 if value > 0 else -1)
+
+
+def fp32(value: float) -> Fraction:
+    return Fraction(float(torch.tensor(value, dtype=torch.float32)))
+
+
+def ulp_away(value: Fraction, steps: int) -> Fraction:
+    """The fp32 `steps` ulps from the normal positive fp32 `value`."""
+    bits = torch.tensor(float(value), dtype=torch.float32).view(torch.int32).item() + steps
+    return Fraction(torch.tensor(bits, dtype=torch.int32).view(torch.float32).item())
+
+
+def quotient(x: Fraction, divisor: Fraction, approximate_reciprocal: Fraction) -> Fraction:
+    """scale_division's sequence: the reciprocal refined by one Newton step, q0 = x r, the
+    residual by an FMA, the corrected quotient by an FMA, each rounded once. (Its last step,
+    x's sign bit or-ed in, only gives a zero quotient x's sign: fractions hold no signed zero,
+    so the GPU test checks that one.)"""
+    t = rounded(-divisor * approximate_reciprocal + 1)
+    r = rounded(approximate_reciprocal * t + approximate_reciprocal)
+    q0 = rounded(x * r)
+    residual = rounded(-q0 * divisor + x)
+    return rounded(residual * r + q0)
+
+
+def e4m3(value: Fraction) -> int:
+    return torch.tensor([float(value)]).to(torch.float8_e4m3fn).view(torch.uint8).item()
+
+
+def sampled_values(generator: random.Random, count: int) -> list[Fraction]:
+    values = [Fraction(0), fp32(2.0**-126), fp32(2.0**-130), fp32(1e-39), fp32(2.0**-60)]
+    for _ in range(count):
+        exponent = generator.uniform(-70, 120)
+        sign = generator.choice((-1, 1))
+        values.append(fp32(sign * generator.uniform(1, 2) * 2.0**exponent))
+    return values
+
+
+@pytest.mark.parametrize("reciprocal_ulps", [-1, 0, 1])
+def test_the_sequence_gives_divisions_e4m3_value_for_every_finite_value(reciprocal_ulps):
+    generator = random.Random(reciprocal_ulps + 7)
+    divisor_448 = fp32(E4M3_MAX)
+    for value in sampled_values(generator, 400):
+        # a group whose amax is this value's magnitude times up to 2^12, or the floor
+        amax = max(rounded(abs(value) * fp32(generator.uniform(1, 4096))), fp32(AMAX_FLOOR))
+        reciprocal_448 = ulp_away(rounded(1 / divisor_448), reciprocal_ulps)
+        scale = quotient(amax, divisor_448, reciprocal_448)
+        assert scale == rounded(amax / divisor_448), (amax, reciprocal_ulps)
+        for x in (value, amax, -amax, rounded(value / 3)):
+            reciprocal = ulp_away(rounded(1 / scale), reciprocal_ulps)
+            fast = quotient(x, scale, reciprocal)
+            exact = rounded(x / scale)
+            if abs(x) >= Fraction(2) ** -53:
+                assert fast == exact, (x, scale, reciprocal_ulps)
+            assert e4m3(fast) == e4m3(exact), (x, scale, reciprocal_ulps)
