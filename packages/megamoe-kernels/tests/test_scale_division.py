@@ -13,7 +13,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from megamoe_kernels.drop.fp8_scaling import AMAX_FLOOR, E4M3_MAX
+from megamoe_kernels.shim.fp8 import AMAX_FLOOR, E4M3_MAX
 
 SMALLEST_NORMAL_EXPONENT = -126
 MANTISSA_BITS = 23
