@@ -1,8 +1,9 @@
 """drop/scale_division's arithmetic, modelled exactly on the CPU (no GPU): its instruction
 sequence, each step rounded to fp32 as the GPU rounds it, gives the e4m3 value of an IEEE
-division (and from 2^-53 on its fp32 quotient) for values of magnitudes 2^-70 to 2^120,
-subnormals and zero, over the FP8 recipe's scales of groups around them, whichever reciprocal
-within an ulp MUFU.RCP starts from (the module's docstring argues it for every finite value).
+division (and, from 2^-53 on, its fp32 quotient) for values of magnitudes 2^-70 to 2^120,
+subnormals and zero, over the FP8 recipe's scales of groups whose amax is up to 2^12 times the
+value or the floor, whichever reciprocal within an ulp MUFU.RCP starts from (the module's
+docstring argues it for every finite value).
 The GPU's own bits are compared with torch's division in test_device_routed.py (the
 quantizing dispatch)."""
 
@@ -85,4 +86,20 @@ def test_the_sequence_gives_divisions_e4m3_value_for_every_finite_value(reciproc
             exact = rounded(x / scale)
             if abs(x) >= Fraction(2) ** -53:
                 assert fast == exact, (x, scale, reciprocal_ulps)
+            assert e4m3(fast) == e4m3(exact), (x, scale, reciprocal_ulps)
+
+
+@pytest.mark.parametrize("reciprocal_ulps", [-1, 0, 1])
+def test_groups_of_scales_far_above_their_values_give_divisions_e4m3_values(reciprocal_ulps):
+    # groups whose amax is far above most values (scales up to 2^120): there q0 and the
+    # residual turn subnormal or zero, where division's quotient is far below e4m3's smallest
+    # value too
+    generator = random.Random(reciprocal_ulps + 11)
+    divisor_448 = fp32(E4M3_MAX)
+    for value in sampled_values(generator, 200):
+        amax = fp32(generator.uniform(1, 2) * 2.0 ** generator.uniform(20, 127))
+        scale = quotient(amax, divisor_448, rounded(1 / divisor_448))
+        reciprocal = ulp_away(rounded(1 / scale), reciprocal_ulps)
+        for x in (value, -value) if abs(value) <= amax else ():
+            fast, exact = quotient(x, scale, reciprocal), rounded(x / scale)
             assert e4m3(fast) == e4m3(exact), (x, scale, reciprocal_ulps)

@@ -8,13 +8,13 @@ eight divisions of a 16-byte vector run one after another. Here the reciprocal i
 per scale and each quotient is the fast path alone, the same instructions: r = the reciprocal
 refined by one Newton step, q0 = x r rounded, the exact residual e = x - q0 s (one FMA), and
 q = q0 + e r rounded, which is the correctly rounded x / s wherever no step leaves fp32's
-normal range. A scale is a positive normal number, at least AMAX_FLOOR / E4M3_MAX > 2^-43, and
-a quotient at most E4M3_MAX in magnitude. Where x >= 2^-53 every step is normal, so the quotient
-is division's; below, both quotients are under 2^-10, which e4m3 rounds to a zero of x's sign
-(the quotient takes x's sign bit, as division's has it). So every finite x gets division's e4m3
-value, and every finite amax division's scale. A group holding an inf gets a NaN scale and NaN
-values, where division gives an inf scale and zeros (NaN for the inf): dequantized, both are
-NaN.
+normal range. A scale lies between AMAX_FLOOR / E4M3_MAX > 2^-43 and 2^120, so its reciprocal
+and the Newton step are normal; q0 and the residual leave the normal range only where the
+quotient is below 2^-59 (x below 2^-102, or a quotient below 2^-126), and there both quotients
+round to a zero of x's sign in e4m3 (the quotient takes x's sign bit, as division's has it).
+So every finite x gets division's e4m3 value, and every finite amax division's scale. A group
+holding an inf gets a NaN scale and NaN values, where division gives an inf scale and zeros
+(NaN for the inf): dequantized, both are NaN.
 
 The FP8 gate-up's store warps quantize each staged tile while the consumers run the next
 tile's MMAs and promotions on the same SM sub-partitions. With these divisions the FP8 gate-up
