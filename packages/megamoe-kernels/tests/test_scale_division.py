@@ -1,11 +1,10 @@
 """drop/scale_division's arithmetic, modelled exactly on the CPU (no GPU): its instruction
 sequence, each step rounded to fp32 as the GPU rounds it, gives the e4m3 value of an IEEE
-division (and, from 2^-53 on, its fp32 quotient) for values of magnitudes 2^-70 to 2^120,
+division (and, from 2^-53 on, its fp32 quotient) for values of magnitudes 2^-70 to 2^111,
 subnormals and zero, over the FP8 recipe's scales of groups whose amax is up to 2^12 times the
-value or the floor, whichever reciprocal within an ulp MUFU.RCP starts from (the module's
-docstring argues it for every finite value).
-The GPU's own bits are compared with torch's division in test_device_routed.py (the
-quantizing dispatch)."""
+value or the floor, and of groups with scales up to 2^120, whichever reciprocal within an ulp
+MUFU.RCP starts from (the module's docstring argues it for every finite value). The GPU's own
+bits are compared with torch's division in test_device_routed.py (the quantizing dispatch)."""
 
 from __future__ import annotations
 
@@ -64,14 +63,14 @@ def e4m3(value: Fraction) -> int:
 def sampled_values(generator: random.Random, count: int) -> list[Fraction]:
     values = [Fraction(0), fp32(2.0**-126), fp32(2.0**-130), fp32(1e-39), fp32(2.0**-60)]
     for _ in range(count):
-        exponent = generator.uniform(-70, 120)
+        exponent = generator.uniform(-70, 110)
         sign = generator.choice((-1, 1))
         values.append(fp32(sign * generator.uniform(1, 2) * 2.0**exponent))
     return values
 
 
 @pytest.mark.parametrize("reciprocal_ulps", [-1, 0, 1])
-def test_the_sequence_gives_divisions_e4m3_value_for_every_finite_value(reciprocal_ulps):
+def test_the_sequence_gives_divisions_e4m3_values_over_a_groups_scale(reciprocal_ulps):
     generator = random.Random(reciprocal_ulps + 7)
     divisor_448 = fp32(E4M3_MAX)
     for value in sampled_values(generator, 400):
