@@ -92,8 +92,9 @@ def forced_expert_block(block: int | None):
 
 def expert_block_row(layer, x_TH, blocks, *, rounds: int, device) -> tuple:
     """(the kernel's us with each of `blocks` experts per CTA, 'same bits' or what differs). A
-    block past what the router's registers hold (max_expert_block) is the launch of the cap: its
-    cell reads '(cap)', timed once under the cap's own column or the first block capped to it."""
+    block past what the router's registers hold (max_expert_block) launches the cap N: the
+    launch is timed once, in the first of `blocks` that launches it, and every later one reads
+    '(N)'."""
     most = router_logits_shim.max_expert_block(*layer.gate.weight.shape)
     launched = list(dict.fromkeys(min(block, most) for block in blocks))
 

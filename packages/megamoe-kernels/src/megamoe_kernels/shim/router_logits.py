@@ -220,10 +220,10 @@ def router_logits_faster_tokens(num_experts: int, hidden_size: int) -> int:
     """Up to how many tokens the kernel computes a bf16 router of (E, H) faster than the GEMM
     library: the most, in whole token blocks up to ROUTER_LOGITS_MAX_TOKENS, up to which every
     launch reads at most ROUTER_LOGITS_READ_BYTES (router_logits_read_bytes), and always one
-    block (a GEMM reads the weight once too). Measured through whole forwards (scripts/router_ab.py): the
-    kernel's router beat the GEMM library's at qwen3-30b-a3b (0.5 MB), gpt-oss-120b (0.7 MB)
-    and mixtral-8x7b up to 128 tokens (9-34 MiB read at 128), and at dsv3 (3.7 MB) up to 16
-    (35 MiB; at 32 tokens, 70 MiB, it lost)."""
+    block (a GEMM reads the weight once too). Measured through whole forwards
+    (scripts/router_ab.py): the kernel's router beat the GEMM library's at qwen3-30b-a3b
+    (0.5 MB), gpt-oss-120b (0.7 MB) and mixtral-8x7b up to 128 tokens (9-34 MiB read at 128),
+    and at dsv3 (3.7 MB) up to 16 (35 MiB; at 32 tokens, 70 MiB, it lost)."""
     block = bound = TOKEN_BLOCKS[-1]
     for tokens in range(block, ROUTER_LOGITS_MAX_TOKENS + 1, block):
         if router_logits_read_bytes(tokens, num_experts, hidden_size) > ROUTER_LOGITS_READ_BYTES:
