@@ -31,9 +31,9 @@ graph of the same forward without that node (its input read in place) and the fo
 graph of 10 (per forward), alternating rounds; --router-host
 the host time of the ways to compute fp32 router logits; --host-profile prints
 where the host time of an eager forward goes: single forwards, each issued after the GPU
-drained (as the bench's "host us" times them), under cProfile (cumulative time per function,
-which cProfile inflates), then, uninstrumented, the steps of a forward that replays the
-layer's graph.
+drained (as the bench's "host us" times them), under cProfile (each function's own and
+cumulative us per forward, which cProfile inflates, the largest own time first), then,
+uninstrumented, the steps of a forward that replays the layer's graph.
 """
 
 from __future__ import annotations
@@ -369,6 +369,22 @@ def route_ab(layer, x_TH) -> None:
     print(f"  route+dispatch us: {readings_line(readings)}")
 
 
+def profile_lines(stats: pstats.Stats, *, calls: int, most: int = 40) -> list[str]:
+    """cProfile's functions by their own time, per call of the profiled code: own us,
+    cumulative us, calls, where (most of them, the largest first)."""
+    rows = sorted(
+        (
+            (own, cumulative, count, f"{Path(file).name}:{line}({name})")
+            for (file, line, name), (_, count, own, cumulative, _) in stats.stats.items()
+        ),
+        reverse=True,
+    )
+    return ["   own us    cum us  calls  where"] + [
+        f"{own / calls * 1e6:8.2f} {cumulative / calls * 1e6:9.2f} {count / calls:6.1f}  {where}"
+        for own, cumulative, count, where in rows[:most]
+    ]
+
+
 def host_profile(layer, x_TH, rounds: int = 40) -> None:
     """Where the host time of single eager forwards goes (each after the GPU drained): cProfile's
     cumulative time per function, then the uninstrumented steps of a replayed forward."""
@@ -381,8 +397,9 @@ def host_profile(layer, x_TH, rounds: int = 40) -> None:
         layer(x_TH)
         profiler.disable()
     torch.cuda.synchronize()
-    print(f"  cProfile, {rounds} single forwards:")
-    pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+    print(f"  cProfile, {rounds} single forwards, per forward (instrumented):")
+    for line in profile_lines(pstats.Stats(profiler), calls=rounds):
+        print("  " + line)
     graphs = layer._forward_graphs._graphs
     if not graphs:
         return
