@@ -386,8 +386,9 @@ def profile_lines(stats: pstats.Stats, *, calls: int, most: int = 40) -> list[st
 
 
 def host_profile(layer, x_TH, rounds: int = 40) -> None:
-    """Where the host time of single eager forwards goes (each after the GPU drained): cProfile's
-    cumulative time per function, then the uninstrumented steps of a replayed forward."""
+    """Where the host time of single eager forwards goes (each after the GPU drained): each
+    function's own and cumulative time under cProfile, then the uninstrumented steps of a
+    replayed forward."""
     for _ in range(3):
         layer(x_TH)
     profiler = cProfile.Profile()
