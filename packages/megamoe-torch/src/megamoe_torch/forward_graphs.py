@@ -205,6 +205,8 @@ class ForwardGraphs:
         of its own)."""
         if not self._graphs or layer.config is not self._config:
             return None
+        if not 0 < x.numel() // layer.config.hidden_size <= self.max_tokens:
+            return None  # no graph holds it: asked before the key's weight versions
         device_index = x.get_device()
         if device_index < 0:
             return None

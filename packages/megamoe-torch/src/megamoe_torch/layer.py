@@ -835,8 +835,9 @@ class MegaMoE(nn.Module):
         router's size lets the kernel win (megamoe_kernels.router_logits_faster_tokens), on an
         sm_90 GPU, not recorded by autograd, take the router-logits kernel (eager and compiled
         forwards, every layer path: the same bits on each); others the GEMM library."""
-        if self._router_kernel_takes(x_TH):
-            weight, bias = self.gate.weight, self.gate.bias
+        gate = self.gate
+        weight, bias = gate.weight, gate.bias  # looked up once: nn.Module attribute lookups cost
+        if self._router_kernel_takes(x_TH, weight, bias):
             logits_dtype = torch.float32 if self.config.router_dtype == "float32" else x_TH.dtype
             kernel_key = (
                 *weight.shape,
@@ -852,7 +853,6 @@ class MegaMoE(nn.Module):
                 if launcher is not None:
                     return launcher(x_TH.contiguous(), weight, bias_E=bias)
         if self.config.router_dtype == "float32":
-            weight = self.gate.weight
             if (
                 x_TH.is_cuda
                 and x_TH.dtype == weight.dtype == torch.bfloat16
@@ -863,16 +863,18 @@ class MegaMoE(nn.Module):
                 # (at qwen3-30b-a3b 8192 tokens 180 us of cast + fp32 GEMM)
                 logits_TE = _bf16_mm_to_float32(x_TH, weight.t())
                 if logits_TE is not None:
-                    return self._add_router_bias(logits_TE)
+                    return self._add_router_bias(logits_TE, bias)
             return self._add_router_bias(
-                nn.functional.linear(x_TH.float(), self._gate_weight_float32())
+                nn.functional.linear(x_TH.float(), self._gate_weight_float32()), bias
             )
-        return self.gate(x_TH)
+        return gate(x_TH)
 
-    def _router_kernel_takes(self, x_TH: torch.Tensor) -> bool:
-        """Whether these tokens and the router's tensors are of the kind the router-logits
-        kernel takes (router_kernel says whether it runs on their device)."""
-        weight, bias = self.gate.weight, self.gate.bias
+    @staticmethod
+    def _router_kernel_takes(
+        x_TH: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> bool:
+        """Whether these tokens and the router's weight and bias are of the kind the
+        router-logits kernel takes (router_kernel says whether it runs on their device)."""
         return (
             x_TH.is_cuda
             and 0 < x_TH.shape[0] <= _router_kernel_max_tokens(weight)
@@ -890,9 +892,8 @@ class MegaMoE(nn.Module):
             )
         )
 
-    def _add_router_bias(self, logits_TE: torch.Tensor) -> torch.Tensor:
-        """fp32 logits plus the router bias (router_bias=True), added in fp32."""
-        bias = self.gate.bias
+    def _add_router_bias(self, logits_TE: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """fp32 logits plus the router's bias (router_bias=True), added in fp32."""
         if bias is None:
             return logits_TE
         return logits_TE + _float32_of(bias, self._gate_bias_float32)
@@ -1079,9 +1080,10 @@ class MegaMoE(nn.Module):
     def _replays_graphs(self, x_TH: torch.Tensor) -> bool:
         """Whether this forward may replay (or capture) a graph of itself: the fused path on
         one GPU with a backend that captures, no host-synchronising checks, not inside another
-        capture. The graphs take forwards of 1 to eager_graph_tokens tokens."""
+        capture. The graphs take forwards of 1 to eager_graph_tokens tokens (asked first: a
+        longer forward, which launches its kernels, costs no other question)."""
         return (
-            self._forward_graphs.max_tokens > 0
+            0 < x_TH.shape[0] <= self._forward_graphs.max_tokens
             # a compiled forward's fused path is the op megamoe::fused_moe, which launches
             # (inductor's CUDA graphs, mode="reduce-overhead", capture it)
             and not torch.compiler.is_compiling()
