@@ -1,9 +1,9 @@
 """Small eager forwards replayed from the layer's own CUDA graphs (forward_graphs.py): the same
 bits as launching the forward, in the caller's shape, an output a caller holds never
 overwritten, a new graph whenever a weight or the config changes, per stream, bounded in number,
-never inside an outer capture, and a replay that runs none of the layer's other work. A layer
-routing by token id replays with each forward's ids, wherever they lie, and never without
-them."""
+never inside an outer capture, a replay that runs none of the layer's other work and a larger
+forward that asks the graphs nothing. A layer routing by token id replays with each forward's
+ids, wherever they lie, and never without them."""
 
 from __future__ import annotations
 
@@ -315,6 +315,26 @@ def test_larger_forwards_and_outer_captures_launch():
         x.copy_(_tokens(4, seed=20 + seed))
         graph.replay()
         assert torch.equal(y, launching(x))
+
+
+@torch.no_grad()
+def test_a_larger_forward_asks_the_graphs_nothing(monkeypatch):
+    """A forward past eager_graph_tokens launches without a look at the graphs (no key, no
+    weights' versions, no capture), though the layer holds graphs of smaller forwards."""
+    replaying, launching = _pair("qwen3")
+    small = _tokens(2, seed=6)
+    for _ in range(3):  # launched, captured, replayed
+        replaying(small)
+    assert len(replaying._forward_graphs) == 1
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a larger forward looked at the graphs")
+
+    monkeypatch.setattr(replaying._forward_graphs, "_key", refused)
+    monkeypatch.setattr(replaying._forward_graphs, "forward", refused)
+    big = _tokens(replaying.config.eager_graph_tokens + 1, seed=7)
+    for _ in range(2):
+        assert torch.equal(replaying(big), launching(big))
 
 
 @torch.no_grad()
