@@ -507,11 +507,8 @@ def bench_layer_point(
         path = "fused" if measured_layer.fused_path_status(device)[0] else "torch"
         launched = (None, None)
         counted_forward = forward
-        # the layer's own rule for which forwards replay its graphs
-        replays = 0 < tokens <= measured_layer.config.eager_graph_tokens and (
-            measured_layer._replays_graphs(x_TH)
-        )
-        if replays:
+        # the layer's own rule for which forwards replay its graphs (token count first)
+        if measured_layer._replays_graphs(x_TH):
             launching.use_backend(name)
 
             counted_forward = calls_in_turn(launching, token_copies)
