@@ -160,6 +160,11 @@ class ForwardGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def takes(self, tokens: int) -> bool:
+        """Whether a forward of `tokens` tokens is one the graphs may hold: 1 to max_tokens.
+        Asked before anything else, so that a longer forward costs no other question."""
+        return 0 < tokens <= self.max_tokens
+
     def clear(self) -> None:
         """Drops every graph (their memory returns to the pool)."""
         self._forget()
@@ -205,7 +210,7 @@ class ForwardGraphs:
         of its own)."""
         if not self._graphs or layer.config is not self._config:
             return None
-        if not 0 < x.numel() // layer.config.hidden_size <= self.max_tokens:
+        if not self.takes(x.numel() // layer.config.hidden_size):
             return None  # no graph holds it: asked before the key's weight versions
         device_index = x.get_device()
         if device_index < 0:
@@ -228,7 +233,7 @@ class ForwardGraphs:
         input_ids): replayed, captured (the second forward of its key, or one whose caller holds
         the output of the key's only graph) or None (the first: run it eagerly; or every
         graph's output held)."""
-        if not 0 < x.numel() // layer.config.hidden_size <= self.max_tokens:
+        if not self.takes(x.numel() // layer.config.hidden_size):
             return None
         if layer.config is not self._config:
             self._forget()

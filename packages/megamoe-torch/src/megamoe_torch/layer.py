@@ -1080,10 +1080,10 @@ class MegaMoE(nn.Module):
     def _replays_graphs(self, x_TH: torch.Tensor) -> bool:
         """Whether this forward may replay (or capture) a graph of itself: the fused path on
         one GPU with a backend that captures, no host-synchronising checks, not inside another
-        capture. The graphs take forwards of 1 to eager_graph_tokens tokens (asked first: a
-        longer forward, which launches its kernels, costs no other question)."""
+        capture. The graphs take forwards of 1 to eager_graph_tokens tokens (asked first:
+        ForwardGraphs.takes)."""
         return (
-            0 < x_TH.shape[0] <= self._forward_graphs.max_tokens
+            self._forward_graphs.takes(x_TH.shape[0])
             # a compiled forward's fused path is the op megamoe::fused_moe, which launches
             # (inductor's CUDA graphs, mode="reduce-overhead", capture it)
             and not torch.compiler.is_compiling()
