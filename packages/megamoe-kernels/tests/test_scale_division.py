@@ -13,7 +13,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from megamoe_kernels.shim.fp8 import AMAX_FLOOR, E4M3_MAX
+from megamoe_kernels.shim.fp8 import AMAX_FLOOR, E4M3_MAX, E4M3_MAX_RECIPROCAL
 
 SMALLEST_NORMAL_EXPONENT = -126
 MANTISSA_BITS = 23
@@ -44,16 +44,31 @@ def ulp_away(value: Fraction, steps: int) -> Fraction:
     return Fraction(torch.tensor(bits, dtype=torch.int32).view(torch.float32).item())
 
 
+def corrected_quotient(x: Fraction, divisor: Fraction, reciprocal: Fraction) -> Fraction:
+    """scale_division.quotient: q0 = x r, the residual by an FMA, the corrected quotient by an
+    FMA, each rounded once. (Its last step, x's sign bit or-ed in, only gives a zero quotient
+    x's sign: fractions hold no signed zero, so the GPU test checks that one.)"""
+    q0 = rounded(x * reciprocal)
+    residual = rounded(-q0 * divisor + x)
+    return rounded(residual * reciprocal + q0)
+
+
 def quotient(x: Fraction, divisor: Fraction, approximate_reciprocal: Fraction) -> Fraction:
-    """scale_division's sequence: the reciprocal refined by one Newton step, q0 = x r, the
-    residual by an FMA, the corrected quotient by an FMA, each rounded once. (Its last step,
-    x's sign bit or-ed in, only gives a zero quotient x's sign: fractions hold no signed zero,
-    so the GPU test checks that one.)"""
+    """x over a value's scale as scale_division divides it: the reciprocal refined by one
+    Newton step, then the corrected quotient."""
     t = rounded(-divisor * approximate_reciprocal + 1)
     r = rounded(approximate_reciprocal * t + approximate_reciprocal)
-    q0 = rounded(x * r)
-    residual = rounded(-q0 * divisor + x)
-    return rounded(residual * r + q0)
+    return corrected_quotient(x, divisor, r)
+
+
+def group_scale(amax: Fraction) -> Fraction:
+    """scale_division.group_scale: the corrected quotient from the host's E4M3_MAX_RECIPROCAL."""
+    floored = max(amax, fp32(AMAX_FLOOR))
+    return corrected_quotient(floored, fp32(E4M3_MAX), Fraction(E4M3_MAX_RECIPROCAL))
+
+
+def test_the_host_reciprocal_of_e4m3_max_is_its_fp32_rounding():
+    assert Fraction(E4M3_MAX_RECIPROCAL) == rounded(1 / fp32(E4M3_MAX))
 
 
 def e4m3(value: Fraction) -> int:
@@ -76,9 +91,8 @@ def test_the_sequence_gives_divisions_e4m3_values_over_a_groups_scale(reciprocal
     for value in sampled_values(generator, 400):
         # a group whose amax is this value's magnitude times up to 2^12, or the floor
         amax = max(rounded(abs(value) * fp32(generator.uniform(1, 4096))), fp32(AMAX_FLOOR))
-        reciprocal_448 = ulp_away(rounded(1 / divisor_448), reciprocal_ulps)
-        scale = quotient(amax, divisor_448, reciprocal_448)
-        assert scale == rounded(amax / divisor_448), (amax, reciprocal_ulps)
+        scale = group_scale(amax)
+        assert scale == rounded(amax / divisor_448), amax
         for x in (value, amax, -amax, rounded(value / 3)):
             reciprocal = ulp_away(rounded(1 / scale), reciprocal_ulps)
             fast = quotient(x, scale, reciprocal)
@@ -97,8 +111,20 @@ def test_groups_of_scales_far_above_their_values_give_divisions_e4m3_values(reci
     divisor_448 = fp32(E4M3_MAX)
     for value in sampled_values(generator, 200):
         amax = fp32(generator.uniform(1, 2) * 2.0 ** generator.uniform(20, 126))
-        scale = quotient(amax, divisor_448, rounded(1 / divisor_448))
+        scale = group_scale(amax)
+        assert scale == rounded(amax / divisor_448), amax
         reciprocal = ulp_away(rounded(1 / scale), reciprocal_ulps)
         for x in (value, -value) if abs(value) <= amax else ():
             fast, exact = quotient(x, scale, reciprocal), rounded(x / scale)
             assert e4m3(fast) == e4m3(exact), (x, scale, reciprocal_ulps)
+
+
+def test_a_groups_scale_is_divisions_for_every_magnitude_of_amax():
+    generator = random.Random(5)
+    amaxes = [Fraction(0), fp32(AMAX_FLOOR), fp32(2.0**-126), fp32(3.4e38)]
+    amaxes += [
+        fp32(generator.uniform(1, 2) * 2.0 ** generator.uniform(-40, 127)) for _ in range(2000)
+    ]
+    for amax in amaxes:
+        floored = max(amax, fp32(AMAX_FLOOR))
+        assert group_scale(amax) == rounded(floored / fp32(E4M3_MAX)), amax

@@ -17,7 +17,12 @@ normal number), and q = round-to-nearest-even(value / s), saturated to +-E4M3_MA
 Plain Python: the kernels and the host code both read these.
 """
 
+import struct
+
 E4M3_MAX = 448.0
+# 1 / E4M3_MAX rounded to the nearest fp32 (448 = 7 x 2^6: the binary digits of 1/7 repeat 001,
+# never near a tie, so rounding Python's double to fp32 rounds the exact reciprocal)
+E4M3_MAX_RECIPROCAL = struct.unpack("<f", struct.pack("<f", 1.0 / E4M3_MAX))[0]
 AMAX_FLOOR = 1e-10
 WEIGHT_BLOCK = 128
 ACTIVATION_GROUP = 128

@@ -12,8 +12,9 @@ normal range. A scale lies between AMAX_FLOOR / E4M3_MAX > 2^-43 and 2^120, so i
 and the Newton step are normal; q0 and the residual leave the normal range only where the
 quotient is below 2^-59 (x below 2^-102, or a quotient below 2^-126), and there both quotients
 round to a zero of x's sign in e4m3 (the quotient takes x's sign bit, as division's has it).
-So every finite x gets division's e4m3 value, and every finite amax division's scale. A group
-holding an inf gets a NaN scale and NaN values, where division gives an inf scale and zeros
+So every finite x gets division's e4m3 value, and every finite amax division's scale (a
+group's scale is the same sequence from E4M3_MAX's reciprocal rounded to fp32 on the host,
+no refinement: test_scale_division.py checks both on the CPU). A group holding an inf gets a NaN scale and NaN values, where division gives an inf scale and zeros
 (NaN for the inf): dequantized, both are NaN.
 
 The FP8 gate-up's store warps quantize each staged tile while the consumers run the next
@@ -27,7 +28,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 
-from .fp8_scaling import AMAX_FLOOR, E4M3_MAX
+from .fp8_scaling import AMAX_FLOOR, E4M3_MAX, E4M3_MAX_RECIPROCAL
 
 
 def _float32_asm(text, *operands):
@@ -68,10 +69,10 @@ def quotient(dividend, divisor, divisor_reciprocal):
 
 @cute.jit
 def group_scale(amax):
-    """A quantization group's scale: max(amax, AMAX_FLOOR) / E4M3_MAX, as fp8_scaling rounds it."""
+    """A quantization group's scale: max(amax, AMAX_FLOOR) / E4M3_MAX, as fp8_scaling rounds it
+    (the quotient from E4M3_MAX_RECIPROCAL, the host's rounding of the reciprocal)."""
     floored = cutlass.max(amax, cutlass.Float32(AMAX_FLOOR))
-    divisor = cutlass.Float32(E4M3_MAX)
-    return quotient(floored, divisor, reciprocal(divisor))
+    return quotient(floored, cutlass.Float32(E4M3_MAX), cutlass.Float32(E4M3_MAX_RECIPROCAL))
 
 
 @cute.jit

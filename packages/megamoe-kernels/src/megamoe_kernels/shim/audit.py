@@ -162,6 +162,7 @@ AUDIT_TABLE: tuple[DropSymbol, ...] = (
     DropSymbol("tiling", "TILE_K_BYTES", "constant"),
     # shim/fp8.py and shim/knobs.py: the FP8 block-scaling recipe
     DropSymbol("fp8_scaling", "E4M3_MAX", "constant"),
+    DropSymbol("fp8_scaling", "E4M3_MAX_RECIPROCAL", "constant"),
     DropSymbol("fp8_scaling", "AMAX_FLOOR", "constant"),
     DropSymbol("fp8_scaling", "WEIGHT_BLOCK", "constant"),
     DropSymbol("fp8_scaling", "ACTIVATION_GROUP", "constant"),

@@ -19,6 +19,7 @@ from megamoe_kernels.drop.fp8_scaling import (
     ACTIVATION_GROUP,
     AMAX_FLOOR,
     E4M3_MAX,
+    E4M3_MAX_RECIPROCAL,
     INTERMEDIATE_GROUP,
     WEIGHT_BLOCK,
     WIDE_INTERMEDIATE_GROUP,
@@ -28,6 +29,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 
 __all__ = [
     "ACTIVATION_GROUP",
+    "E4M3_MAX_RECIPROCAL",
     "FP8_DTYPE",
     "INTERMEDIATE_GROUP",
     "WEIGHT_BLOCK",
