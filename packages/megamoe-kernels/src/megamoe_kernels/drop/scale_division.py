@@ -14,8 +14,9 @@ quotient is below 2^-59 (x below 2^-102, or a quotient below 2^-126), and there 
 round to a zero of x's sign in e4m3 (the quotient takes x's sign bit, as division's has it).
 So every finite x gets division's e4m3 value, and every finite amax division's scale (a
 group's scale is the same sequence from E4M3_MAX's reciprocal rounded to fp32 on the host,
-no refinement: test_scale_division.py checks both on the CPU). A group holding an inf gets a NaN scale and NaN values, where division gives an inf scale and zeros
-(NaN for the inf): dequantized, both are NaN.
+no refinement: test_scale_division.py checks both on the CPU). A group holding an inf gets a
+NaN scale and NaN values, where division gives an inf scale and zeros (NaN for the inf):
+dequantized, both are NaN.
 
 The FP8 gate-up's store warps quantize each staged tile while the consumers run the next
 tile's MMAs and promotions on the same SM sub-partitions. With these divisions the FP8 gate-up
