@@ -7,6 +7,8 @@
         --clusters 1 2 --rounds 3
     python3 scripts/gemm_knob_sweep.py --geometry dsv3-ep8-local --tokens 2048 --weight-dtype fp8 \
         --shapes 128x128swap 64x128 64x128pp 128x128 --rounds 2
+    python3 scripts/gemm_knob_sweep.py --geometry dsv3 --tokens 4096 --shapes 128x256 \
+        --tail-rows 0 16 --stages 3 --rounds 3
 
 Per (geometry, tokens): the layer's own router on random tokens, the tight expert-major batch,
 then each GEMM with each tile shape of SHAPES, in each cluster size and ring depth asked for
@@ -20,6 +22,9 @@ decode tiles); a shape invalid for an op (knob_problems) is left out of that op'
 difference smaller than the readings' spread is noise. --weight-dtype fp8 times the FP8 GEMMs
 (gate_up_fp8, down_fp8) on e4m3 rows and block-scaled weights, as `megamoe tune` does; their
 weight stream counts one byte per weight.
+
+--tail-rows times each shape with each of these tail rows (GemmKnobs.tail_rows; an invalid pair,
+such as a tail with pingpong or FP8, is left out).
 
 --split-k times the batch's default-profile knobs (swap-AB at decode) with each split-K instead
 of SHAPES, and also prints the weight stream's rate (the bytes of every expert with rows over the
@@ -78,6 +83,7 @@ def sweep(
     stages: list[str],
     splits: list[int] | None,
     shapes: list[tuple[int, int, bool, bool]],
+    tails: list[int],
     rounds: int,
     weight_dtype: str,
 ) -> None:
@@ -97,8 +103,8 @@ def sweep(
         if splits:
             profile = default_knobs(op, batch.capacity / geometry.num_experts)
             variants = [replace(profile, split_k=split) for split in splits]
-        for (tile_rows, tile_cols, pingpong, swap_ab), cluster in itertools.product(
-            [] if splits else shapes, clusters
+        for (tile_rows, tile_cols, pingpong, swap_ab), cluster, tail in itertools.product(
+            [] if splits else shapes, clusters, tails
         ):
             shape = GemmKnobs(
                 tile_rows=tile_rows,
@@ -106,6 +112,7 @@ def sweep(
                 pingpong=pingpong,
                 swap_ab=swap_ab,
                 cluster=(cluster, 1),
+                tail_rows=tail,
             )
             for depth in stages:
                 knobs = replace(
@@ -134,7 +141,8 @@ def sweep(
             print(
                 f"{geometry_name:16s} {tokens:6d} {op:11s} {knobs.tile_rows}x{knobs.tile_cols}"
                 f"{' swap' if knobs.swap_ab else ''}{' pingpong' if knobs.pingpong else '':9s} "
-                f"cluster={knobs.cluster[0]} split_k={knobs.split_k} stages={knobs.stages:2d} "
+                f"cluster={knobs.cluster[0]} split_k={knobs.split_k} tail={knobs.tail_rows:2d} "
+                f"stages={knobs.stages:2d} "
                 f"{seconds * 1e6:9.1f} us {tflops(flops, seconds):6.0f} TFLOP/s "
                 f"weights {gigabytes_per_second(weight_bytes, seconds) / 1e3:5.2f} TB/s "
                 f"max difference {difference:.3g}"
@@ -161,6 +169,9 @@ def main() -> None:
         help="tile shapes ROWSxCOLS, ROWSxCOLSpp for pingpong, ROWSxCOLSswap for swap-AB "
         "(default: all of SHAPES)",
     )
+    parser.add_argument(
+        "--tail-rows", nargs="+", type=int, default=[0], help="tail rows of each shape (0: none)"
+    )
     parser.add_argument("--rounds", type=int, default=1, help="alternating timings per variant")
     parser.add_argument(
         "--weight-dtype",
@@ -179,6 +190,7 @@ def main() -> None:
                 stages=args.stages,
                 splits=args.split_k,
                 shapes=args.shapes,
+                tails=args.tail_rows,
                 rounds=args.rounds,
                 weight_dtype=args.weight_dtype,
             )

@@ -119,6 +119,8 @@ def test_a_valid_row_count_outside_the_capacity_is_refused(valid_rows):
         GemmKnobs(
             tile_rows=32, tile_cols=64, stages=4, swap_ab=True, split_k=2, rows_fastest=False
         ),
+        GemmKnobs(tile_rows=128, tile_cols=256, stages=3, tail_rows=16),
+        GemmKnobs(tile_rows=64, tile_cols=192, stages=3, tail_rows=32, rows_fastest=False),
     ],
     ids=str,
 )

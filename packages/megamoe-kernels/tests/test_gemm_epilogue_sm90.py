@@ -89,6 +89,8 @@ KNOBS = [
     GemmKnobs(tile_rows=32, tile_cols=128, stages=4, swap_ab=True),
     GemmKnobs(tile_rows=16, tile_cols=64, stages=4, swap_ab=True, rows_fastest=False),
     GemmKnobs(tile_rows=16, tile_cols=128, stages=4, swap_ab=True, split_k=2),
+    GemmKnobs(tile_rows=128, tile_cols=128, stages=3, tail_rows=16),
+    GemmKnobs(tile_rows=64, tile_cols=192, stages=3, tail_rows=16, rows_fastest=False),
 ]
 
 

@@ -108,6 +108,7 @@ def test_every_down_variant_with_tails(knobs):
         GemmKnobs(tile_rows=64, tile_cols=128, stages=4, cluster=(2, 1)),
         # down's K = 192 is 3 K tiles: slices of 1 and 2
         GemmKnobs(tile_rows=16, tile_cols=128, stages=4, swap_ab=True, split_k=2),
+        GemmKnobs(tile_rows=128, tile_cols=256, stages=3, tail_rows=16),
     ],
     ids=str,
 )
@@ -118,12 +119,45 @@ def test_edge_cases(counts, capacity, knobs):
     check_down(hidden_MI, offsets, w2, valid, knobs=knobs)
 
 
+# experts whose last row tile holds 1 to 32 rows past a tile (and one past that), exactly a
+# tile and its tail, one short of them, and empty or tiny ones
+TAIL_ROW_COUNTS = [130, 144, 145, 128, 5, 0, 300, 272, 143, 1, 160, 161, 64, 79, 80, 81, 296]
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        GemmKnobs(tile_rows=128, tile_cols=256, stages=3, tail_rows=16),
+        GemmKnobs(tile_rows=128, tile_cols=128, stages=3, tail_rows=32, rows_fastest=False),
+        GemmKnobs(tile_rows=64, tile_cols=128, stages=4, tail_rows=16),
+        GemmKnobs(tile_rows=64, tile_cols=256, stages=3, tail_rows=32),
+    ],
+    ids=str,
+)
+def test_tail_rows_match_the_oracle_and_the_tiles_without_them_bitwise(knobs):
+    """An expert's last row tile with its tail rows (swap-AB MMAs beside the tile's own) against
+    the oracle, and bit for bit against the same tiles giving the tail rows a tile of their own
+    (the same products summed in the same K order)."""
+    counts = TAIL_ROW_COUNTS
+    rows_MH, offsets, w13, w2, valid = make_problem(counts, *SMALL, capacity=sum(counts) + 7)
+    hidden_MI = check_gate_up(rows_MH, offsets, w13, valid, knobs=knobs)
+    plain = replace(knobs, tail_rows=0)
+    untailed_MI = gate_up_swiglu(rows_MH, offsets, interleave_gate_up(w13), knobs=plain)
+    assert torch.equal(hidden_MI[:valid], untailed_MI[:valid])
+    hidden_MI[valid:] = float("nan")
+    scale_M = torch.rand(rows_MH.shape[0], device=DEVICE)
+    out_MH = check_down(hidden_MI, offsets, w2, valid, row_scale_M=scale_M, knobs=knobs)
+    untailed_MH = down(hidden_MI, offsets, w2, row_scale_M=scale_M, knobs=plain)
+    assert torch.equal(out_MH[:valid], untailed_MH[:valid])
+
+
 @pytest.mark.parametrize(
     "knobs",
     [
         GemmKnobs(tile_rows=64, tile_cols=128, stages=4),
         GemmKnobs(tile_rows=32, tile_cols=128, stages=4, swap_ab=True),
         GemmKnobs(tile_rows=64, tile_cols=128, stages=4, cluster=(2, 1)),
+        GemmKnobs(tile_rows=64, tile_cols=128, stages=4, tail_rows=16),
     ],
     ids=str,
 )

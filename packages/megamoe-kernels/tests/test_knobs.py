@@ -8,6 +8,7 @@ import pytest
 from megamoe_kernels import (
     GemmKnobs,
     Launch,
+    candidate_knobs,
     check_knobs,
     default_knobs,
     default_launches,
@@ -61,6 +62,13 @@ def test_default_profile_is_always_valid(op, rows_per_expert):
         ),
         (GemmKnobs(split_k=3, swap_ab=True, tile_rows=16, tile_cols=128), "split_k=3: accepted"),
         (GemmKnobs(split_k=2), "split_k=2 without swap_ab"),
+        (GemmKnobs(tail_rows=8, stages=3), "tail_rows=8: accepted"),
+        (
+            GemmKnobs(tail_rows=16, swap_ab=True, tile_rows=32, tile_cols=128),
+            "tail_rows=16: bf16 prefill tiles only",
+        ),
+        (GemmKnobs(tail_rows=16, tile_rows=64, pingpong=True), "tail_rows=16: bf16 prefill"),
+        (GemmKnobs(tail_rows=16, tile_cols=192, stages=3), "tail_rows=16 with a 128x192 tile"),
     ],
 )
 def test_invalid_combination_says_why_and_fails_closed(knobs, reason):
@@ -87,6 +95,19 @@ def test_pingpong_stages_count_both_epilogue_buffers():
     assert max_stages(pingpong, "down") < max_stages(cooperative, "down")
     assert knob_problems(replace(pingpong, stages=max_stages(pingpong, "down")), "down") == []
     assert knob_problems(replace(pingpong, stages=max_stages(cooperative, "down")), "down")
+
+
+def test_tail_rows_take_their_stage_and_staging_bytes_and_only_bf16_prefill_tiles():
+    plain = GemmKnobs(tile_rows=128, tile_cols=256, stages=3)
+    tailed = replace(plain, tail_rows=16)
+    assert stage_smem_bytes(tailed) == stage_smem_bytes(plain) + 16 * 128
+    assert epilogue_smem_bytes(tailed, "down") * 128 == epilogue_smem_bytes(plain, "down") * 144
+    assert knob_problems(tailed, "gate_up") == knob_problems(tailed, "down") == []
+    assert max_stages(tailed, "gate_up") == 3
+    assert any("bf16 prefill tiles only" in p for p in knob_problems(tailed, "gate_up_fp8"))
+    tuned = [knobs for knobs in candidate_knobs("down") if knobs.tail_rows]
+    assert tuned and all(not knobs.swap_ab and not knobs.pingpong for knobs in tuned)
+    assert not [knobs for knobs in candidate_knobs("down_fp8") if knobs.tail_rows]
 
 
 H200_SMS = 132

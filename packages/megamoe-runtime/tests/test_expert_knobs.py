@@ -51,7 +51,14 @@ def test_candidates_are_valid_and_cover_both_orientations():
 
 def test_the_max_ring_choice_is_the_deepest_ring_of_every_shape():
     def shape(knobs):
-        return (knobs.tile_rows, knobs.tile_cols, knobs.swap_ab, knobs.pingpong, knobs.cluster)
+        return (
+            knobs.tile_rows,
+            knobs.tile_cols,
+            knobs.swap_ab,
+            knobs.pingpong,
+            knobs.cluster,
+            knobs.tail_rows,
+        )
 
     for op in ("gate_up", "down"):
         every = candidate_knobs(op)

@@ -117,8 +117,8 @@ def local_memory_stores(sass: str) -> int:
 
 def variants_to_check() -> list[tuple[str, str, object, int]]:
     """(label, op, knobs, rows per expert): every default profile and the decode down tiles
-    that widen (beside the gate-up; FP8 past one wave), plus the pingpong and the 2-CTA
-    cluster and split-K decode variants, which no profile picks but a tuner may."""
+    that widen (beside the gate-up; FP8 past one wave), plus the pingpong, 2-CTA cluster,
+    tail-row and split-K decode variants, which no profile picks but a tuner may."""
     from megamoe_kernels import GemmKnobs, default_knobs, default_launches
     from megamoe_kernels.shim.expert_gemm import DEFAULT_SM_COUNT
     from megamoe_kernels.shim.knobs import PROFILE_ROWS_PER_EXPERT, max_stages
@@ -131,6 +131,7 @@ def variants_to_check() -> list[tuple[str, str, object, int]]:
     tuned = (
         GemmKnobs(tile_rows=64, tile_cols=256, pingpong=True),
         GemmKnobs(tile_rows=128, tile_cols=256, cluster=(2, 1)),
+        GemmKnobs(tile_rows=128, tile_cols=256, tail_rows=16),
     )
     variants += [
         ("tuned", op, replace(knobs, stages=max_stages(knobs, op)), 512)
@@ -253,6 +254,7 @@ def compile_profiles(dump_dir: Path) -> dict[str, list[Path]]:
         # cubin names do not carry the knobs: move each away before the next compile
         variant = "-swap" if knobs.swap_ab else "-pingpong" if knobs.pingpong else ""
         variant += "-cluster2" if knobs.cluster != (1, 1) else ""
+        variant += f"-tail{knobs.tail_rows}" if knobs.tail_rows else ""
         name = f"{op}-{label}-{knobs.tile_rows}x{knobs.tile_cols}{variant}"
         target = dump_dir / name
         target.mkdir(exist_ok=True)

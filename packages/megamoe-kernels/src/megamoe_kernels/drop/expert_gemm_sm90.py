@@ -74,6 +74,18 @@ counter when its producer is ready for them (instead of every num_ctas-th tile o
 so the row tiles that share a weight tile run, and read it, together (tile_schedule says why).
 The producer hands each tile's unit to the consumers through a small shared-memory queue.
 
+tail_rows = T (16 or 32; bf16 prefill tiles: no swap_ab, pingpong, clusters, split_k, gathered
+rows or FP8) lets an expert's last row tile hold up to T rows past its tile_rows (tile_schedule):
+rows that would otherwise take a row tile of their own, whose MMAs cost a 64-row slab each. The
+producer loads them into a T-row buffer beside each stage (their bytes added to the stage's
+barrier only for such a tile), and each consumer warpgroup runs them in the swap-AB
+orientation in the same wgmma batches as the tile's own MMAs: its share of the weight tile on
+the MMA's M side (read from the stage the tile's MMAs read) and the T rows on N, so the weight
+tile streams once for all of the expert's rows and the extra MMAs are T / 64 of a slab's. The
+epilogue stages their outputs below the tile's rows (the decode tiles' fragment walk), and the
+copy-out stores up to tile_rows + T rows. The same products in the same K order as without the
+tail: the same bits.
+
 min_valid_rows / max_valid_rows make a variant for a range of valid rows (offsets[E], read on
 the device): outside [min_valid_rows, max_valid_rows) its schedule is empty and it exits at once.
 Launching one variant per range, each with the tiles its rows want, lets a batch whose capacity
@@ -173,6 +185,10 @@ CONSUMER_REGISTERS = 232
 # and two groups' x scales may take for the promotions to overlap the MMAs (the rest of the 232
 # hold addresses, the other scales and the epilogue's values; above it the kernel spilled)
 OVERLAPPED_PROMOTION_REGISTERS = 200
+# tail_rows: the rows past tile_rows a tile may hold, whole 16-row blocks of the tail MMAs' N
+# (the epilogue's fragment walk takes two or more 8-column blocks) up to 32 (a warpgroup's tail
+# accumulators: its weight rows times the tail over its 128 threads, 32 registers at 128 x 32)
+TAIL_ROWS = (16, 32)
 
 
 class BarrierId(enum.IntEnum):
@@ -184,6 +200,18 @@ class BarrierId(enum.IntEnum):
     # where consumer w hands the tensor cores to the other: with pingpong team w between
     # tiles, in an FP8 tile of two warpgroups warpgroup w between MMA batches (mma_turns)
     MMA_TURN = 3
+
+
+class TailOperands:
+    """tail_rows: the kernel's handles on the tail rows, held together for its calls: their TMA
+    atom and tensor, their shared-memory buffer (tail_rows x K tile per stage) and the tiled
+    MMA of one warpgroup's tail (64-row atoms of weight rows by the tail)."""
+
+    def __init__(self, *, tma, mX, sX, mma):
+        self.tma = tma
+        self.mX = mX
+        self.sX = sX
+        self.mma = mma
 
 
 class ScheduleArgs:
@@ -270,6 +298,9 @@ class ExpertGroupedGemmSm90:
                weight scales of each of its K tiles (a thread a K tile): for scales that lie
                a cache line or more apart (a packed weight's, after each of its tiles), whose
                loads would otherwise each wait on HBM inside the mainloop
+    tail_rows: rows past tile_rows an expert's last row tile may hold, one of TAIL_ROWS (0:
+               none); bf16 prefill tiles without pingpong, clusters or gathered rows, whose
+               warpgroups' shares of the tile's weight rows are whole 64-row MMA atoms
     staged_scale_k_tiles: FP8 with swap_ab: 0, or at least the weight's K tiles (ceil(K /
                128)): the consumers of a tile load the x and weight scales of all its K tiles
                into shared memory at the tile's start (stage_scales; staged_scale_k_tiles x
@@ -309,6 +340,7 @@ class ExpertGroupedGemmSm90:
         swiglu_gate_cubic=0.0,
         prefetch_weight_scales=False,
         staged_scale_k_tiles=0,
+        tail_rows=0,
     ):
         swiglu_constants = dict(
             limit=swiglu_limit,
@@ -345,6 +377,24 @@ class ExpertGroupedGemmSm90:
                 "dynamic_schedule: not with cluster_rows > 1 (both CTAs of a cluster work one "
                 "unit) or split_k > 1 (a tile's slices count on slots of the static schedule)"
             )
+        tail_warpgroups = 1 if pingpong else tile_rows // 64
+        if tail_rows and (
+            swap_ab
+            or pingpong
+            or cluster_rows > 1
+            or gather_rows
+            or scale_group is not None
+            or tail_rows not in TAIL_ROWS
+            or tile_cols % (64 * tail_warpgroups)
+        ):
+            raise ValueError(
+                f"tail_rows={tail_rows}: one of {TAIL_ROWS}, for bf16 "
+                "prefill tiles (no swap_ab, pingpong, clusters, gathered rows or FP8) whose "
+                f"warpgroups share the {tile_cols} weight rows in whole 64-row MMA atoms"
+            )
+        self.tail_rows = tail_rows
+        # rows a tile stages and stores: its own and its tail
+        self.staged_rows = tile_rows + tail_rows
         self.tile_rows = tile_rows
         self.tile_cols = tile_cols
         self.stages = stages
@@ -373,6 +423,7 @@ class ExpertGroupedGemmSm90:
             dynamic_schedule=dynamic_schedule,
             min_valid_rows=min_valid_rows,
             max_valid_rows=max_valid_rows,
+            tail_rows=tail_rows,
         )
         self.mma_m, self.mma_n = (tile_cols, tile_rows) if swap_ab else (tile_rows, tile_cols)
         # FP8 prefill tiles wider than a weight block: the MMAs' column slices, each promoted as
@@ -408,6 +459,8 @@ class ExpertGroupedGemmSm90:
         self.tile_warpgroups = 1 if pingpong else self.mma_m // 64
         self.num_consumer_warpgroups = 2 if pingpong else self.tile_warpgroups
         self.tile_threads = self.tile_warpgroups * THREADS_PER_WARPGROUP
+        # the weight rows of each warpgroup's tail MMAs (the MMA's M side)
+        self.tail_cols = tile_cols // self.tile_warpgroups
         self.num_consumer_threads = self.num_consumer_warpgroups * THREADS_PER_WARPGROUP
         self.epilogue_buffers = 2 if pingpong else 1
         self.store_warps = not swap_ab
@@ -425,12 +478,21 @@ class ExpertGroupedGemmSm90:
             if swiglu
             else RowScaledOutput(swap_ab=swap_ab, row_scale=row_scale)
         )
+        # the tail's accumulators hold the weight on the MMA's M side, as a decode tile's do
+        self.tail_bias = self.tail_output = None
+        if tail_rows:
+            self.tail_bias = Bias(swap_ab=True, tile_cols=tile_cols) if bias else None
+            self.tail_output = (
+                SwiGLUOutput(swap_ab=True, **swiglu_constants)
+                if swiglu
+                else RowScaledOutput(swap_ab=True, row_scale=row_scale)
+            )
         copy_out = (
             QuantizedCopyOut(
                 tile_rows=tile_rows, out_tile_cols=self.out_tile_cols, group=out_scale_group
             )
             if self.quantize_out
-            else PlainCopyOut(tile_rows=tile_rows, out_tile_cols=self.out_tile_cols)
+            else PlainCopyOut(tile_rows=self.staged_rows, out_tile_cols=self.out_tile_cols)
         )
         self.tile_store = (
             StoreWarps(
@@ -498,6 +560,36 @@ class ExpertGroupedGemmSm90:
                 cute.slice_(x_layout, (None, None, 0)),
                 (self.tile_rows, self.tile_k),
             )
+        # tail_rows: the tail's rows, the N side of the tail MMAs (K-major, as a decode tile's
+        # rows), a buffer per stage; the tail MMAs of one warpgroup: its weight rows by the tail
+        tail_layout = tma_x_tail = tma_mX_tail = None
+        self.tail_mma = None
+        if cutlass.const_expr(self.tail_rows > 0):
+            tail_layout = sm90_utils.make_smem_layout_b(
+                cutlass.tensor_utils.LayoutEnum.ROW_MAJOR,
+                (64, self.tail_rows, self.tile_k),
+                ab_dtype,
+                self.stages,
+            )
+            self.tail_bytes = cute.size_in_bytes(
+                ab_dtype, cute.slice_(tail_layout, (None, None, 0))
+            )
+            tma_x_tail, tma_mX_tail = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(),
+                mX,
+                cute.slice_(tail_layout, (None, None, 0)),
+                (self.tail_rows, self.tile_k),
+            )
+            k_major = cute.nvgpu.OperandMajorMode.K
+            self.tail_mma = sm90_utils.make_trivial_tiled_mma(
+                ab_dtype,
+                ab_dtype,
+                k_major,
+                k_major,
+                cutlass.Float32,
+                (1, 1, 1),
+                tiler_mn=(64, self.tail_rows),
+            )
         tma_w, tma_mW = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SMulticastOp()
             if cutlass.const_expr(self.cluster_rows > 1)
@@ -527,12 +619,12 @@ class ExpertGroupedGemmSm90:
         # is staged in bf16
         staged_dtype = cutlass.BFloat16 if self.quantize_out else mOut.element_type
         out_layout = cute.make_layout(
-            (self.tile_rows, self.out_tile_cols, self.epilogue_buffers),
-            stride=(self.out_row_stride, 1, self.tile_rows * self.out_row_stride),
+            (self.staged_rows, self.out_tile_cols, self.epilogue_buffers),
+            stride=(self.out_row_stride, 1, self.staged_rows * self.out_row_stride),
         )
 
         self.shared_storage = self.shared_storage_type(
-            ab_dtype, x_layout, w_layout, staged_dtype, out_layout
+            ab_dtype, x_layout, w_layout, staged_dtype, out_layout, tail_layout
         )
         self.kernel(
             tma_x,
@@ -556,6 +648,10 @@ class ExpertGroupedGemmSm90:
             x_layout,
             w_layout,
             out_layout,
+            tma_x_tail,
+            tma_mX_tail,
+            self.tail_mma,
+            tail_layout,
         ).launch(
             grid=[self.num_ctas, 1, 1],
             block=[self.threads_per_cta, 1, 1],
@@ -644,7 +740,9 @@ class ExpertGroupedGemmSm90:
             cute.arch.fence_proxy("async.shared", space="cta")
         ring.consumer_release(release_state)
 
-    def shared_storage_type(self, ab_dtype, x_layout, w_layout, staged_dtype, out_layout):
+    def shared_storage_type(
+        self, ab_dtype, x_layout, w_layout, staged_dtype, out_layout, tail_layout
+    ):
         """The kernel's shared memory as a cute.struct (plain Python, run while tracing)."""
         fields = {
             "ring_barriers": cute.struct.MemRange[cutlass.Int64, self.stages * 2],
@@ -658,6 +756,10 @@ class ExpertGroupedGemmSm90:
             "sX": cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(x_layout)], 1024],
             "sW": cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(w_layout)], 1024],
         }
+        if tail_layout is not None:
+            fields["sXTail"] = cute.struct.Align[
+                cute.struct.MemRange[ab_dtype, cute.cosize(tail_layout)], 1024
+            ]
         fields["sOut"] = cute.struct.Align[
             cute.struct.MemRange[staged_dtype, cute.cosize(out_layout)], 128
         ]
@@ -691,6 +793,10 @@ class ExpertGroupedGemmSm90:
         x_layout: cute.ComposedLayout,
         w_layout: cute.ComposedLayout,
         out_layout: cute.Layout,
+        tma_x_tail,
+        mXTail,
+        tail_mma,
+        tail_layout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -698,6 +804,8 @@ class ExpertGroupedGemmSm90:
         if warp_idx == 0:
             if cutlass.const_expr(not self.gather_rows):
                 cpasync.prefetch_descriptor(tma_x)
+            if cutlass.const_expr(self.tail_rows > 0):
+                cpasync.prefetch_descriptor(tma_x_tail)
             cpasync.prefetch_descriptor(tma_w)
 
         storage = SmemAllocator().allocate(self.shared_storage)
@@ -724,6 +832,14 @@ class ExpertGroupedGemmSm90:
         sX = storage.sX.get_tensor(x_layout.outer, swizzle=x_layout.inner)
         sW = storage.sW.get_tensor(w_layout.outer, swizzle=w_layout.inner)
         sOut = storage.sOut.get_tensor(out_layout)
+        tail = None
+        if cutlass.const_expr(self.tail_rows > 0):
+            tail = TailOperands(
+                tma=tma_x_tail,
+                mX=mXTail,
+                sX=storage.sXTail.get_tensor(tail_layout.outer, swizzle=tail_layout.inner),
+                mma=tail_mma,
+            )
         sStepScales = None
         if cutlass.const_expr(self.staged_scale_words > 0):
             sStepScales = storage.step_scales.get_tensor(cute.make_layout(self.staged_scale_words))
@@ -771,6 +887,7 @@ class ExpertGroupedGemmSm90:
                     tWgW,
                     mRowSource,
                     mUnitCounter,
+                    tail,
                     cluster_mask=cluster_mask,
                 )
             elif cutlass.const_expr(self.store_warps):
@@ -801,6 +918,7 @@ class ExpertGroupedGemmSm90:
                     mPartials=mPartials,
                     mArrivals=mArrivals,
                 ),
+                tail,
                 tidx=tidx,
                 warpgroup_idx=warpgroup_idx,
             )
@@ -899,6 +1017,7 @@ class ExpertGroupedGemmSm90:
         tWgW,
         mRowSource,
         mUnitCounter,
+        tail,
         *,
         cluster_mask,
     ):
@@ -953,6 +1072,7 @@ class ExpertGroupedGemmSm90:
                 tWsW,
                 tWgW,
                 mRowSource,
+                tail,
                 expert=expert,
                 row0=row0,
                 expert_row0=expert_row0,
@@ -1042,6 +1162,40 @@ class ExpertGroupedGemmSm90:
                     walk, unit, expert, first
                 )
 
+    @cute.jit
+    def has_tail(self, row0, row_end):
+        """tail_rows: whether the tile from batch row row0 holds tail rows, its expert's rows
+        ending past its tile_rows but within tail_rows more (only an expert's last row tile can:
+        tile_schedule)."""
+        extra = row_end - row0 - self.tile_rows
+        tail = cutlass.Boolean(False)
+        if extra > 0:
+            if extra <= self.tail_rows:
+                tail = cutlass.Boolean(True)
+        return tail
+
+    @cute.jit
+    def tail_fragments(self, tail, sW, team_tidx):
+        """tail_rows, consumer thread: its warpgroup's tail MMAs, the weight rows [w C, (w + 1)
+        C) of each stage's weight tile (C = tail_cols, w the warpgroup in the tile) by the
+        stage's tail rows: (their accumulators, the A and B fragments of every stage, the
+        accumulators' (weight row, batch row) coordinates within the tile)."""
+        warpgroup_in_tile = team_tidx // THREADS_PER_WARPGROUP
+        thr_tail = tail.mma.get_slice(team_tidx % THREADS_PER_WARPGROUP)
+        sW_share = cute.local_tile(sW, (self.tail_cols, self.tile_k), (warpgroup_in_tile, 0, None))
+        tCcC = thr_tail.partition_C(
+            cute.domain_offset(
+                (warpgroup_in_tile * self.tail_cols, self.tile_rows),
+                cute.make_identity_tensor((self.tail_cols, self.tail_rows)),
+            )
+        )
+        return (
+            cute.make_rmem_tensor(tCcC.shape, cutlass.Float32),
+            tail.mma.make_fragment_A(thr_tail.partition_A(sW_share)),
+            tail.mma.make_fragment_B(thr_tail.partition_B(tail.sX)),
+            tCcC,
+        )
+
     def weight_cache_policy(self):
         """The L2 cache policy of the weight loads (plain Python, run while tracing):
         evict-first for decode tiles (evict_first_weights), else None (the default)."""
@@ -1061,6 +1215,7 @@ class ExpertGroupedGemmSm90:
         tWsW,
         tWgW,
         mRowSource,
+        tail,
         *,
         expert,
         row0,
@@ -1074,8 +1229,25 @@ class ExpertGroupedGemmSm90:
     ):
         """Producer warp: loads K tiles [k_begin, k_end) of a tile into the ring, the rows by
         TMA (or gathered by the warp's lanes) and the weights by TMA (multicast to the cluster;
-        the first `weights_loading` of them are loading already); returns the ring's state."""
+        the first `weights_loading` of them are loading already), and a tile with tail rows
+        those rows into the stage's tail buffer; returns the ring's state."""
         tXsX = tXgX = tile_tokens = None
+        tail_sX = tail_gX = None
+        has_tail = cutlass.Boolean(False)
+        if cutlass.const_expr(self.tail_rows > 0):
+            has_tail = self.has_tail(row0, expert_row_end)
+            gX_tail = cute.local_tile(
+                cute.domain_offset((row0 + self.tile_rows, 0), tail.mX),
+                (self.tail_rows, self.tile_k),
+                (0, None),
+            )
+            tail_sX, tail_gX = cpasync.tma_partition(
+                tail.tma,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(tail.sX, 0, 2),
+                cute.group_modes(gX_tail, 0, 2),
+            )
         if cutlass.const_expr(self.gather_rows):
             # the tile's rows of this expert (none for an empty tile)
             tile_tokens = self.tile_tokens(mRowSource, row0, expert_row_end - row0)
@@ -1102,6 +1274,18 @@ class ExpertGroupedGemmSm90:
             if not weights_loaded:
                 ring.producer_acquire(state)
             barrier = ring.producer_get_barrier(state)
+            if cutlass.const_expr(self.tail_rows > 0):
+                if has_tail:
+                    # the tail's bytes join the stage's before any of its loads is issued (the
+                    # stage's own rows are still to land, so its phase cannot end without them)
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_expect_tx(barrier, self.tail_bytes)
+                    cute.copy(
+                        tail.tma,
+                        tail_gX[(None, k_tile)],
+                        tail_sX[(None, state.index)],
+                        tma_bar_ptr=barrier,
+                    )
             if cutlass.const_expr(not self.gather_rows):
                 cute.copy(
                     tma_x,
@@ -1157,12 +1341,13 @@ class ExpertGroupedGemmSm90:
         mWScales,
         sStepScales,
         tensors,
+        tail,
         *,
         tidx,
         warpgroup_idx,
     ):
         """Consumer warpgroup: walks the schedule with its team, runs each tile's mainloop on
-        the ring and its epilogue.
+        the ring (with its tail's MMAs where it holds tail rows) and its epilogue.
 
         The mainloops return the ring's states (a helper's dynamic loop rebinds its own
         names: the caller's state objects do not advance in place). The tile loop assigns them
@@ -1191,6 +1376,13 @@ class ExpertGroupedGemmSm90:
             slice_mma.make_fragment_B(thr_slice.partition_B(sB_slice))
             for sB_slice in self.column_slices(sB)
         ]
+        # the tail's MMAs (plain locals: the tile loop carries its values by name)
+        tail_mma = tail_accumulators = tail_tCrA = tail_tCrB = tail_tCcC = None
+        if cutlass.const_expr(self.tail_rows > 0):
+            tail_mma = tail.mma
+            tail_accumulators, tail_tCrA, tail_tCrB, tail_tCcC = self.tail_fragments(
+                tail, sW, team_tidx
+            )
         promotion = None
         if cutlass.const_expr(self.block_scaled):
             promotion = self.promotion_registers(
@@ -1252,6 +1444,11 @@ class ExpertGroupedGemmSm90:
                 walk, unit, first, row_units, expert_row0
             )
             slice_tiles = k_end - k_begin
+            has_tail = cutlass.Boolean(False)
+            if cutlass.const_expr(self.tail_rows > 0):
+                has_tail = self.has_tail(row0, row_end)
+                tail_accumulators.fill(0.0)
+                tail_mma.set(warpgroup.Field.ACCUMULATE, True)
 
             accumulators.fill(0.0)
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -1293,6 +1490,33 @@ class ExpertGroupedGemmSm90:
                         warpgroup_in_tile=team_tidx // THREADS_PER_WARPGROUP,
                         team_tidx=team_tidx,
                     )
+                elif cutlass.const_expr(self.tail_rows > 0):
+                    if has_tail:
+                        read_after, release_after = self.mma_tile(
+                            ring,
+                            read_state,
+                            release_state,
+                            tiled_mma,
+                            accumulators,
+                            tCrA,
+                            tCrB_slices[0],
+                            slice_tiles=slice_tiles,
+                            tail_mma=tail_mma,
+                            tail_accumulators=tail_accumulators,
+                            tail_tCrA=tail_tCrA,
+                            tail_tCrB=tail_tCrB,
+                        )
+                    else:
+                        read_after, release_after = self.mma_tile(
+                            ring,
+                            read_state,
+                            release_state,
+                            tiled_mma,
+                            accumulators,
+                            tCrA,
+                            tCrB_slices[0],
+                            slice_tiles=slice_tiles,
+                        )
                 else:
                     read_after, release_after = self.mma_tile(
                         ring,
@@ -1319,6 +1543,8 @@ class ExpertGroupedGemmSm90:
             self.finish_tile(
                 accumulators,
                 tCcC,
+                tail_accumulators,
+                tail_tCcC,
                 sOut_team,
                 sStagedTiles[(None, team)],
                 sLastArrival,
@@ -1334,6 +1560,7 @@ class ExpertGroupedGemmSm90:
                 n_cols=walk.n_cols,
                 team_tidx=team_tidx,
                 barrier=epilogue_barrier,
+                has_tail=has_tail,
             )
             store_state.advance(teams)
             if cutlass.const_expr(self.dynamic_schedule):
@@ -1353,11 +1580,25 @@ class ExpertGroupedGemmSm90:
 
     @cute.jit
     def mma_tile(
-        self, ring, read_state, release_state, tiled_mma, accumulators, tCrA, tCrB, *, slice_tiles
+        self,
+        ring,
+        read_state,
+        release_state,
+        tiled_mma,
+        accumulators,
+        tCrA,
+        tCrB,
+        *,
+        slice_tiles,
+        tail_mma=None,
+        tail_accumulators=None,
+        tail_tCrA=None,
+        tail_tCrB=None,
     ):
         """Consumer team, bf16: accumulators += the MMAs of `slice_tiles` K tiles from the
         ring, one wgmma batch kept in flight (a stage is released once the batch after the one
-        that read it is issued); returns the ring's (read, release) states."""
+        that read it is issued), with tail_accumulators the tail's MMAs in the same batches;
+        returns the ring's (read, release) states."""
         num_k_blocks = cute.size(tCrA, mode=[2])
         warpgroup.fence()
         for k_tile in range(slice_tiles):
@@ -1368,6 +1609,16 @@ class ExpertGroupedGemmSm90:
             for k_block in cutlass.range_constexpr(num_k_blocks):
                 coord = (None, None, k_block, read_state.index)
                 cute.gemm(tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators)
+            if cutlass.const_expr(tail_accumulators is not None):
+                for k_block in cutlass.range_constexpr(num_k_blocks):
+                    coord = (None, None, k_block, read_state.index)
+                    cute.gemm(
+                        tail_mma,
+                        tail_accumulators,
+                        tail_tCrA[coord],
+                        tail_tCrB[coord],
+                        tail_accumulators,
+                    )
             warpgroup.commit_group()
             # keep one wgmma batch in flight; release the stage before it
             warpgroup.wait_group(1)
@@ -1591,6 +1842,8 @@ class ExpertGroupedGemmSm90:
         self,
         accumulators,
         tCcC,
+        tail_accumulators,
+        tail_tCcC,
         sOut,
         sStagedTile,
         sLastArrival,
@@ -1607,10 +1860,11 @@ class ExpertGroupedGemmSm90:
         n_cols,
         team_tidx,
         barrier,
+        has_tail,
     ):
-        """Consumer team: the tile's epilogue (tile_epilogue), from its accumulators to the
-        batch rows [row0, row_end) of its expert: split-K's sum, the bias, the output values
-        staged in the team's buffer once it is free, and their copy-out."""
+        """Consumer team: the tile's epilogue (tile_epilogue), from its accumulators (and a
+        tail's) to the batch rows [row0, row_end) of its expert: split-K's sum, the bias, the
+        output values staged in the team's buffer once it is free, and their copy-out."""
         # an empty tile of a cluster's last pair stores nothing; with split_k only the CTA that
         # completes the tile's sum stores it
         stores = row0 < row_end
@@ -1628,6 +1882,9 @@ class ExpertGroupedGemmSm90:
         stored_rows = cutlass.Int32(0)
         if stores:
             stored_rows = cutlass.min(row_end - row0, self.tile_rows)
+            if cutlass.const_expr(self.tail_rows > 0):
+                if has_tail:
+                    stored_rows = row_end - row0
         if cutlass.const_expr(self.bias is not None):
             if stored_rows > 0:
                 self.bias.add(
@@ -1638,9 +1895,28 @@ class ExpertGroupedGemmSm90:
                     col_tile=col_tile,
                     n_cols=n_cols,
                 )
+        if cutlass.const_expr(self.tail_bias is not None):
+            if has_tail:
+                self.tail_bias.add(
+                    tail_accumulators,
+                    tail_tCcC,
+                    tensors.mBias,
+                    expert=expert,
+                    col_tile=col_tile,
+                    n_cols=n_cols,
+                )
         self.tile_store.acquire(store_queue, store_state)
         if stored_rows > 0:
             self.output.stage(accumulators, tCcC, sOut, tensors.mRowScale, row0=row0)
+            if cutlass.const_expr(self.tail_rows > 0):
+                if has_tail:
+                    self.tail_output.stage(
+                        tail_accumulators,
+                        tail_tCcC,
+                        sOut,
+                        tensors.mRowScale,
+                        row0=row0,
+                    )
         self.tile_store.hand_over(
             sOut,
             sStagedTile,

@@ -16,6 +16,11 @@ A unit is:
   - with split_k = S > 1, one K slice of a tile: slices vary fastest, so the S slices of a tile
     run at once on neighbouring CTAs; slice s covers K tiles [s k / S, (s + 1) k / S).
 
+With tail_rows = T > 0 an expert's last row tile also holds up to T rows past its tile_rows (the
+kernel's tail MMAs compute them): an expert of r > 0 rows has ceil(max(r - T, 1) / tile_rows) row
+tiles, so the tile before the last always holds more than tile_rows + T rows (none of them a
+tail) and the last at most tile_rows + T.
+
 Static schedule: cluster c takes units c, c + num_clusters, ... (with pingpong the CTA's two
 consumer teams take its units in turn). dynamic_schedule: a CTA's first unit is its index; each
 later one is the next untaken one, taken from a global counter (unit_counter[0]) when the CTA's
@@ -57,6 +62,8 @@ class TileSchedule:
     dynamic_schedule: units after a CTA's first come from a global counter
     min_valid_rows, max_valid_rows: the range of offsets[E] the schedule is not empty for
                   (None: no upper bound)
+    tail_rows:    rows past tile_rows an expert's last row tile may hold (0: none; one CTA per
+                  cluster and no split_k)
     """
 
     def __init__(
@@ -69,7 +76,14 @@ class TileSchedule:
         dynamic_schedule,
         min_valid_rows,
         max_valid_rows,
+        tail_rows=0,
     ):
+        if tail_rows and (cluster_rows > 1 or split_k > 1):
+            raise ValueError(
+                f"tail_rows={tail_rows}: only with one CTA per cluster and no split_k (a unit is "
+                "one row tile)"
+            )
+        self.tail_rows = tail_rows
         self.tile_rows = tile_rows
         self.cluster_rows = cluster_rows
         self.split_k = split_k
@@ -126,8 +140,7 @@ class TileSchedule:
                         count = cutlass.max(mExpertCounts[lane_expert + j], cutlass.Int32(0))
                     ends[j] = cutlass.min(bounds[j] + count, bounds[j + 1])
             expert_row_units = [
-                (ends[j] - bounds[j] + self.unit_rows - 1) // self.unit_rows
-                for j in range(EXPERTS_PER_LANE)
+                self.row_units(ends[j] - bounds[j]) for j in range(EXPERTS_PER_LANE)
             ]
             lane_tiles = cutlass.Int32(0)
             for j in cutlass.range_constexpr(EXPERTS_PER_LANE):
@@ -170,6 +183,14 @@ class TileSchedule:
                 expert = expert + 32 * EXPERTS_PER_LANE
                 searching = expert < num_experts
         return expert, expert_first_tile, row_units, row_begin, row_end, found
+
+    @cute.jit
+    def row_units(self, rows):
+        """An expert's units along its `rows` rows: ceil(rows / unit_rows), or with tail_rows
+        the last tile taking up to tail_rows more (0 for no rows)."""
+        if cutlass.const_expr(self.tail_rows > 0):
+            rows = cutlass.max(rows - self.tail_rows, cutlass.min(rows, 1))
+        return (rows + self.unit_rows - 1) // self.unit_rows
 
     @cute.jit
     def tile_origin(self, local_unit, row_units, col_tiles, expert_row0, cluster_rank):

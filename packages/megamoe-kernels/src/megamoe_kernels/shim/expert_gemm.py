@@ -1112,6 +1112,7 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callabl
                 pingpong=launch.knobs.pingpong,
                 cluster_rows=launch.knobs.cluster[0],
                 split_k=launch.knobs.split_k,
+                tail_rows=launch.knobs.tail_rows,
                 min_valid_rows=launch.min_valid_rows,
                 max_valid_rows=launch.max_valid_rows,
                 # the down GEMM's offsets and weights are not written by the kernel before it

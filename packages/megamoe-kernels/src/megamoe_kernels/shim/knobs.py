@@ -45,6 +45,10 @@ CLUSTERS = ((1, 1), (2, 1))
 PINGPONG_MAX_ACCUMULATORS = 64 * 256
 # CTAs that may share one tile's K (split-K, swap_ab only)
 SPLIT_K = (1, 2, 4, 8)
+# rows past tile_rows an expert's last prefill tile may hold (bf16 prefill tiles), and the
+# tail the tuner's candidates take
+TAIL_ROWS = (0, 16, 32)
+TUNED_TAIL_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,10 @@ class GemmKnobs:
     most PINGPONG_MAX_ACCUMULATORS, each warpgroup holding a whole one); split_k: CTAs that share
     each tile's K, one of SPLIT_K (swap_ab only: decode batches have fewer weight tiles than SMs;
     the CTA that finishes a tile last adds the slices in a fixed order, so results stay
-    deterministic)."""
+    deterministic); tail_rows: rows past tile_rows an expert's last row tile may hold, one of
+    TAIL_ROWS (bf16 prefill tiles without pingpong or clusters: the tile's warpgroups run them
+    as swap-AB MMAs beside their own, on the weight tile they stream anyway, where a tile of
+    their own would cost a 64-row slab's MMAs and a second read of the weight tile)."""
 
     tile_rows: int = 128
     tile_cols: int = 256
@@ -69,6 +76,7 @@ class GemmKnobs:
     rows_fastest: bool = True
     pingpong: bool = False
     split_k: int = 1
+    tail_rows: int = 0
 
 
 def is_gate_up(op: str) -> bool:
@@ -82,14 +90,14 @@ def is_fp8(op: str) -> bool:
 def epilogue_smem_bytes(knobs: GemmKnobs, op: str) -> int:
     out_cols = knobs.tile_cols // 2 if is_gate_up(op) else knobs.tile_cols
     buffers = 2 if knobs.pingpong else 1  # one staging tile per pingpong warpgroup
-    # staged in bf16 (a quantized output is quantized on its way out)
-    return buffers * knobs.tile_rows * (out_cols + EPILOGUE_ROW_PAD) * 2
+    # staged in bf16 (a quantized output is quantized on its way out), the tail below the rows
+    return buffers * (knobs.tile_rows + knobs.tail_rows) * (out_cols + EPILOGUE_ROW_PAD) * 2
 
 
 def stage_smem_bytes(knobs: GemmKnobs) -> int:
     """A ring stage: a K tile of 128 bytes per row of x and w (64 bf16 or 128 e4m3 values; the
-    FP8 kernels' consumers load the row scales from global memory)."""
-    return (knobs.tile_rows + knobs.tile_cols) * TILE_K_BYTES
+    FP8 kernels' consumers load the row scales from global memory), and of each tail row."""
+    return (knobs.tile_rows + knobs.tail_rows + knobs.tile_cols) * TILE_K_BYTES
 
 
 def ring_smem_bytes(knobs: GemmKnobs, op: str) -> int:
@@ -233,6 +241,21 @@ def knob_problems(knobs: GemmKnobs, op: str) -> list[str]:
         problems.append(
             f"pingpong with a {knobs.tile_rows}x{knobs.tile_cols} tile: one warpgroup holds at "
             f"most {PINGPONG_MAX_ACCUMULATORS} accumulators (64x256, 128x128)"
+        )
+    if knobs.tail_rows not in TAIL_ROWS:
+        problems.append(f"tail_rows={knobs.tail_rows}: accepted {TAIL_ROWS}")
+    elif knobs.tail_rows and (
+        knobs.swap_ab or knobs.pingpong or tuple(knobs.cluster) != (1, 1) or is_fp8(op)
+    ):
+        problems.append(
+            f"tail_rows={knobs.tail_rows}: bf16 prefill tiles only (no swap_ab, pingpong, "
+            "cluster or FP8)"
+        )
+    elif knobs.tail_rows and knobs.tile_cols % (knobs.tile_rows // 64 * 64):
+        problems.append(
+            f"tail_rows={knobs.tail_rows} with a {knobs.tile_rows}x{knobs.tile_cols} tile: each "
+            f"of its {knobs.tile_rows // 64} warpgroups runs whole 64-row MMA atoms of the weight "
+            "rows"
         )
     if is_fp8(op):
         problems += _fp8_problems(knobs, op)
@@ -726,23 +749,28 @@ def _ring_depth(choice: str, knobs: GemmKnobs, op: str) -> int:
 def candidate_knobs(
     op: str, *, stage_choices: tuple[str, ...] = ("3", "4", "max", "profile")
 ) -> list[GemmKnobs]:
-    """Every valid tile shape in both orientations (the prefill ones also in 2-CTA clusters, the
-    swap-AB ones also with split-K), each with the ring depths in `stage_choices` ("max": the
+    """Every valid tile shape in both orientations (the prefill ones also in 2-CTA clusters and
+    with TUNED_TAIL_ROWS tail rows, the swap-AB ones also with split-K), each with the ring
+    depths in `stage_choices` ("max": the
     deepest that fits; "profile": the default profile's, default_stages, which is the deepest
     but for the FP8 decode tiles): what a tuner times."""
     shapes = [
-        (rows, cols, False, pingpong, cluster, 1)
+        (rows, cols, False, pingpong, cluster, 1, 0)
         for rows, cols in itertools.product(ROW_TILES, COL_TILES)
         for pingpong in (False, True)
         for cluster in CLUSTERS
     ]
     shapes += [
-        (rows, cols, True, False, (1, 1), split)
+        (rows, cols, False, False, (1, 1), 1, TUNED_TAIL_ROWS)
+        for rows, cols in itertools.product(ROW_TILES, COL_TILES)
+    ]
+    shapes += [
+        (rows, cols, True, False, (1, 1), split, 0)
         for rows, cols in itertools.product(SWAP_ROW_TILES, SWAP_COL_TILES)
         for split in SPLIT_K
     ]
     candidates = []
-    for tile_rows, tile_cols, swap_ab, pingpong, cluster, split_k in shapes:
+    for tile_rows, tile_cols, swap_ab, pingpong, cluster, split_k, tail_rows in shapes:
         base = GemmKnobs(
             tile_rows=tile_rows,
             tile_cols=tile_cols,
@@ -750,6 +778,7 @@ def candidate_knobs(
             pingpong=pingpong,
             cluster=cluster,
             split_k=split_k,
+            tail_rows=tail_rows,
         )
         depths = {_ring_depth(choice, base, op) for choice in stage_choices}
         for stages in sorted(depths):
