@@ -751,9 +751,8 @@ def candidate_knobs(
 ) -> list[GemmKnobs]:
     """Every valid tile shape in both orientations (the prefill ones also in 2-CTA clusters and
     with TUNED_TAIL_ROWS tail rows, the swap-AB ones also with split-K), each with the ring
-    depths in `stage_choices` ("max": the
-    deepest that fits; "profile": the default profile's, default_stages, which is the deepest
-    but for the FP8 decode tiles): what a tuner times."""
+    depths in `stage_choices` ("max": the deepest that fits; "profile": the default profile's,
+    default_stages, which is the deepest but for the FP8 decode tiles): what a tuner times."""
     shapes = [
         (rows, cols, False, pingpong, cluster, 1, 0)
         for rows, cols in itertools.product(ROW_TILES, COL_TILES)
