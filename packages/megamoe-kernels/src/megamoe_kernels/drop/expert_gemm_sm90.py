@@ -377,24 +377,6 @@ class ExpertGroupedGemmSm90:
                 "dynamic_schedule: not with cluster_rows > 1 (both CTAs of a cluster work one "
                 "unit) or split_k > 1 (a tile's slices count on slots of the static schedule)"
             )
-        tail_warpgroups = 1 if pingpong else tile_rows // 64
-        if tail_rows and (
-            swap_ab
-            or pingpong
-            or cluster_rows > 1
-            or gather_rows
-            or scale_group is not None
-            or tail_rows not in TAIL_ROWS
-            or tile_cols % (64 * tail_warpgroups)
-        ):
-            raise ValueError(
-                f"tail_rows={tail_rows}: one of {TAIL_ROWS}, for bf16 "
-                "prefill tiles (no swap_ab, pingpong, clusters, gathered rows or FP8) whose "
-                f"warpgroups share the {tile_cols} weight rows in whole 64-row MMA atoms"
-            )
-        self.tail_rows = tail_rows
-        # rows a tile stages and stores: its own and its tail
-        self.staged_rows = tile_rows + tail_rows
         self.tile_rows = tile_rows
         self.tile_cols = tile_cols
         self.stages = stages
@@ -461,6 +443,23 @@ class ExpertGroupedGemmSm90:
         self.tile_threads = self.tile_warpgroups * THREADS_PER_WARPGROUP
         # the weight rows of each warpgroup's tail MMAs (the MMA's M side)
         self.tail_cols = tile_cols // self.tile_warpgroups
+        if tail_rows and (
+            swap_ab
+            or pingpong
+            or cluster_rows > 1
+            or gather_rows
+            or scale_group is not None
+            or tail_rows not in TAIL_ROWS
+            or self.tail_cols % 64
+        ):
+            raise ValueError(
+                f"tail_rows={tail_rows}: one of {TAIL_ROWS}, for bf16 "
+                "prefill tiles (no swap_ab, pingpong, clusters, gathered rows or FP8) whose "
+                f"warpgroups share the {tile_cols} weight rows in whole 64-row MMA atoms"
+            )
+        self.tail_rows = tail_rows
+        # rows a tile stages and stores: its own and its tail
+        self.staged_rows = tile_rows + tail_rows
         self.num_consumer_threads = self.num_consumer_warpgroups * THREADS_PER_WARPGROUP
         self.epilogue_buffers = 2 if pingpong else 1
         self.store_warps = not swap_ab
@@ -1444,7 +1443,8 @@ class ExpertGroupedGemmSm90:
                 walk, unit, first, row_units, expert_row0
             )
             slice_tiles = k_end - k_begin
-            has_tail = cutlass.Boolean(False)
+            # a plain False without tail_rows: the tile's mainloop is then traced once
+            has_tail = False
             if cutlass.const_expr(self.tail_rows > 0):
                 has_tail = self.has_tail(row0, row_end)
                 tail_accumulators.fill(0.0)
@@ -1490,33 +1490,21 @@ class ExpertGroupedGemmSm90:
                         warpgroup_in_tile=team_tidx // THREADS_PER_WARPGROUP,
                         team_tidx=team_tidx,
                     )
-                elif cutlass.const_expr(self.tail_rows > 0):
-                    if has_tail:
-                        read_after, release_after = self.mma_tile(
-                            ring,
-                            read_state,
-                            release_state,
-                            tiled_mma,
-                            accumulators,
-                            tCrA,
-                            tCrB_slices[0],
-                            slice_tiles=slice_tiles,
-                            tail_mma=tail_mma,
-                            tail_accumulators=tail_accumulators,
-                            tail_tCrA=tail_tCrA,
-                            tail_tCrB=tail_tCrB,
-                        )
-                    else:
-                        read_after, release_after = self.mma_tile(
-                            ring,
-                            read_state,
-                            release_state,
-                            tiled_mma,
-                            accumulators,
-                            tCrA,
-                            tCrB_slices[0],
-                            slice_tiles=slice_tiles,
-                        )
+                elif has_tail:
+                    read_after, release_after = self.mma_tile(
+                        ring,
+                        read_state,
+                        release_state,
+                        tiled_mma,
+                        accumulators,
+                        tCrA,
+                        tCrB_slices[0],
+                        slice_tiles=slice_tiles,
+                        tail_mma=tail_mma,
+                        tail_accumulators=tail_accumulators,
+                        tail_tCrA=tail_tCrA,
+                        tail_tCrB=tail_tCrB,
+                    )
                 else:
                     read_after, release_after = self.mma_tile(
                         ring,
