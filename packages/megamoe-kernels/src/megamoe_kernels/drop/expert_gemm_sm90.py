@@ -1443,7 +1443,8 @@ class ExpertGroupedGemmSm90:
                 walk, unit, first, row_units, expert_row0
             )
             slice_tiles = k_end - k_begin
-            # a plain False without tail_rows: the tile's mainloop is then traced once
+            # a plain False without tail_rows: the branch that runs a tail is a constant-false
+            # one, which compiles away (the same SASS as a kernel without that branch)
             has_tail = False
             if cutlass.const_expr(self.tail_rows > 0):
                 has_tail = self.has_tail(row0, row_end)
