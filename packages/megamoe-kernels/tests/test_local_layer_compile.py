@@ -296,7 +296,42 @@ def test_offsets_are_published_for_the_calls_the_knob_names(monkeypatch):
     ],
 )
 def test_combine_compiles(constants):
-    assert CombineLauncher(**constants, compile_only=True).compiled is not None
+    launcher = CombineLauncher(**constants, compile_only=True)
+    assert launcher.compile() is not None
+    # the variant that takes a token count from the device (a graph of a bucket of tokens)
+    assert launcher.compile(counted=True) not in (None, launcher.compile())
+
+
+@pytest.mark.parametrize(
+    "constants",
+    [ROUTERS[0], ROUTERS[3], FP8_ROUTERS[1], dict(ROUTERS[0], gather_rows=True)],
+    ids=["qwen3", "dsv3", "dsv3-fp8", "qwen3-gathered"],
+)
+def test_route_and_place_taking_a_token_count_compiles(constants):
+    launcher = RouteLauncher(**constants, compile_only=True)
+    counted = launcher.compile(counted=True)
+    assert counted not in (None, launcher.compile())  # its own compiled variant
+
+
+@pytest.mark.parametrize(
+    "token_count",
+    [
+        torch.zeros(1, dtype=torch.int64),  # not int32
+        torch.zeros(2, dtype=torch.int32),  # not one word
+        torch.zeros((), dtype=torch.int32, device="meta"),  # another device
+    ],
+    ids=["int64", "two-words", "meta"],
+)
+def test_a_token_count_that_is_not_one_int32_word_of_the_device_is_refused(token_count):
+    expert_out_MH = torch.empty(8, 1024, dtype=torch.bfloat16)
+    row_of_pair_TK = torch.zeros(4, 2, dtype=torch.int32)
+    launcher = CombineLauncher(top_k=2, hidden_size=1024, compile_only=True)
+    with pytest.raises(ValueError, match="token_count: one int32 word on cpu expected"):
+        launcher(expert_out_MH, row_of_pair_TK, torch.ones(4, 2), token_count=token_count)
+    router = RouteLauncher(num_experts=8, top_k=2, hidden_size=1024, compile_only=True)
+    x_TH = torch.empty(4, 1024, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="token_count: one int32 word on cpu expected"):
+        router(torch.zeros(4, 8), x_TH, capacity=8, token_count=token_count)
 
 
 @pytest.mark.parametrize(

@@ -924,3 +924,103 @@ def test_given_experts_replay_in_a_graph_with_new_ids():
         weights_TK.copy_(torch.rand_like(weights_TK))
 
     _check_repeat_and_replay(forward, new_inputs)
+
+
+@pytest.mark.parametrize(
+    ("name", "shared_experts", "rows"),
+    [
+        ("qwen3", 0, "bf16"),
+        ("qwen3", 0, "gathered"),
+        ("qwen3", 0, "fp8"),
+        ("dsv3", 1, "bf16"),
+        ("mixtral", 0, "bf16"),
+    ],
+)
+@pytest.mark.parametrize(
+    ("bucket", "count"),
+    [
+        (16, 0),
+        (16, 1),
+        (16, 9),
+        (512, 1),
+        (512, 257),
+        (512, 511),
+        (512, 512),
+        (512, 900),
+        (4096, 2049),
+    ],
+)
+def test_a_token_count_routes_places_and_combines_the_first_tokens_alone(
+    name, shared_experts, rows, bucket, count
+):
+    """A bucket of `bucket` token rows whose device word says `count` (a graph of a bucket of
+    token counts): the ids, weights, pair rows, offsets, batch rows (or row sources) and
+    scales of the first min(count, bucket) tokens are those of a launch of those tokens alone,
+    bit for bit, whatever the rows past them hold (NaN logits and tokens here); the combine
+    writes those tokens' rows alone, the bits of the combine of the tokens alone, and leaves
+    the rest of its output as it was."""
+    router = ROUTERS[name]
+    hidden = 512
+    _needs_kernels(router, hidden)
+    device = torch.device("cuda")
+    taken = min(count, bucket)
+    generator = torch.Generator(device=device).manual_seed(bucket + 3 * count)
+    x_TH = torch.randn(bucket, hidden, device=device, generator=generator).bfloat16()
+    logits_TE = torch.randn(bucket, router.num_experts, device=device, generator=generator)
+    x_TH[taken:] = float("nan")  # stale rows: never read
+    logits_TE[taken:] = float("nan")
+    bias_E = (
+        0.1 * torch.randn(router.num_experts, device=device, generator=generator)
+        if router.use_correction_bias
+        else None
+    )
+    token_count = torch.tensor([count], dtype=torch.int32, device=device)
+    options = dict(
+        correction_bias_E=bias_E,
+        shared_experts=shared_experts,
+        gather_rows=rows == "gathered",
+        rows_dtype=torch.float8_e4m3fn if rows == "fp8" else None,
+    )
+    dispatcher = DeviceRoutedDispatcher(router, hidden_size=hidden)
+    _poison_allocator(device)
+    batch, handle, ids_TP = dispatcher.route_and_dispatch(
+        x_TH, logits_TE, token_count=token_count, **options
+    )
+    ref_batch, ref_handle, ref_ids_TP = dispatcher.route_and_dispatch(
+        x_TH[:taken].clone(), logits_TE[:taken].clone(), **options
+    )
+    valid = taken * (router.top_k + shared_experts)
+    assert torch.equal(ids_TP[:taken], ref_ids_TP)
+    assert torch.equal(handle.topk_weights_TK[:taken], ref_handle.topk_weights_TK)
+    assert torch.equal(handle.row_of_pair_TK[:taken], ref_handle.row_of_pair_TK)
+    assert torch.equal(batch.expert_offsets, ref_batch.expert_offsets)
+    if rows == "gathered":
+        assert torch.equal(batch.row_source_M[:valid], ref_batch.row_source_M[:valid])
+    else:
+        assert torch.equal(
+            batch.rows_MH[:valid].view(torch.uint8), ref_batch.rows_MH[:valid].view(torch.uint8)
+        )
+    if rows == "fp8":
+        assert torch.equal(batch.row_scales_GM[:, :valid], ref_batch.row_scales_GM[:, :valid])
+    expert_out_MH = torch.randn(
+        batch.capacity, hidden, device=device, generator=generator
+    ).bfloat16()
+    poison = torch.full((bucket, hidden), float("nan"), device=device, dtype=torch.bfloat16)
+    addend_TH = torch.randn(bucket, hidden, device=device, generator=generator).bfloat16()
+    for addend in (None, addend_TH):
+        y_TH = dispatcher.combine(expert_out_MH, handle, addend_TH=addend, out_TH=poison.clone())
+        expected_TH = dispatcher.combine(
+            expert_out_MH, ref_handle, addend_TH=None if addend is None else addend[:taken]
+        )
+        assert torch.equal(y_TH[:taken], expected_TH)
+        assert y_TH[taken:].isnan().all()  # rows past the count: as they were
+    launcher = dispatcher._route_launcher(
+        torch.float32,
+        device,
+        options["rows_dtype"] or torch.bfloat16,
+        options["gather_rows"],
+        shared_experts,
+    )
+    assert launcher.status(device) == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match="row weights of a routing with a token_count"):
+        row_weights_of(batch, handle)

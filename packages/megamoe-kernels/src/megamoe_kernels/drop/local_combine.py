@@ -15,7 +15,8 @@ applied in the down GEMM's epilogue) the rows are summed as they are. No atomics
 
 Layouts: expert_out [M, H] bf16 row-major (rows past the valid count never read), row_of_pair
 int32 [T, top_k] (each < M), weights float32 [T, top_k] (optional), addend and y [T, H] bf16;
-H a multiple of 8, rows 16-byte aligned.
+H a multiple of 8, rows 16-byte aligned; token_count int32 [1] (optional, token_count.py): only
+the first min(token_count[0], T) tokens are combined (y's rows past them are left as they are).
 """
 
 import cutlass
@@ -24,6 +25,7 @@ import cutlass.cute as cute
 from .ep_combine import add_weighted
 from .ep_sync import thread_position
 from .row_vectors import CHUNK, load_chunk, store_chunk
+from .token_count import counted_tokens
 
 COMBINE_THREADS = 256
 
@@ -42,13 +44,14 @@ def combine_pairs_kernel(
     mWeights,
     mAddend,
     mY: cute.Tensor,
+    mTokenCount,
     top_k: cutlass.Constexpr,
 ):
     tidx, bidx, grid, _, _ = thread_position()
     # launched with programmatic dependent launch: set up while the down GEMM drains, then wait
     # for it (and everything before it) before reading
     cute.arch.griddepcontrol_wait()
-    tokens = mY.shape[0]
+    tokens = counted_tokens(mY.shape[0], mTokenCount)
     hidden = mY.shape[1]
     chunks = hidden // CHUNK
     row_bytes = cutlass.Int64(hidden) * 2
@@ -91,6 +94,7 @@ def combine_pairs(
     mWeights,
     mAddend,
     mY: cute.Tensor,
+    mTokenCount,
     top_k: cutlass.Constexpr,
     sms: cutlass.Constexpr,
     stream,
@@ -102,7 +106,7 @@ def combine_pairs(
         grid = sms * ctas_per_sm
     if grid < 1:
         grid = 1
-    combine_pairs_kernel(mExpertOut, mRowOfPair, mWeights, mAddend, mY, top_k).launch(
+    combine_pairs_kernel(mExpertOut, mRowOfPair, mWeights, mAddend, mY, mTokenCount, top_k).launch(
         grid=[grid, 1, 1],
         block=[COMBINE_THREADS, 1, 1],
         stream=stream,

@@ -89,6 +89,10 @@ row_of_pair int32 [T, top_k + S]; topk_weights float32 [T, top_k + S]; expert_of
 [E + S + 1] (E + S + 2 with publish_offsets); scratch int32 [scratch_words(E + S)], zeroed once when allocated (its barrier words return to their
 start state, so launches, graph replays included, need no host work); status int64 [4]: a
 barrier wait that times out records (phase + 1, 0, 0, observed) there and carries on.
+token_count int32 [1] (optional, token_count.py): the kernel routes, places and copies the
+first min(token_count[0], T) tokens alone (their pairs alone in expert_offsets), so a graph of T
+token rows serves any count up to T; the grid stays the one T sizes, its CTAs sharing the counted
+tokens.
 Constraints: E + S <= ROUTE_MAX_EXPERTS, top_k + S <= ROUTE_MAX_TOP_K, T x (top_k + S) <= M
 (the caller checks).
 """
@@ -104,6 +108,7 @@ from .ep_dispatch import copy_row, copy_to_rows
 from .ep_place import grid_barrier, scan_cta_counts
 from .ep_sync import thread_position
 from .row_vectors import bf16_weight, quantize_to_rows, scale_to_rows
+from .token_count import counted_tokens
 from .warp import lanes_with_same_value, warp_inclusive_sum
 
 ROUTE_WARPS = 16
@@ -592,6 +597,7 @@ def route_and_place_kernel(
     mRowSource,
     mScratch: cute.Tensor,
     mStatus: cute.Tensor,
+    mTokenCount,
     rule: cutlass.Constexpr,
     unroll: cutlass.Constexpr,
     copy_by_token: cutlass.Constexpr,
@@ -624,7 +630,7 @@ def route_and_place_kernel(
     # earlier kernel: x) to finish before reading the logits. After a kernel that does not
     # signal early this returns at once
     cute.arch.griddepcontrol_wait()
-    tokens = mX.shape[0]
+    tokens = counted_tokens(mX.shape[0], mTokenCount)
     hidden = mX.shape[1]
     smem = SmemAllocator()
     # per-warp counters, then per-warp prefixes, per expert; each expert's first row; the CTA's
@@ -877,6 +883,7 @@ def route_and_place(
     mRowSource,
     mScratch: cute.Tensor,
     mStatus: cute.Tensor,
+    mTokenCount,
     rule: cutlass.Constexpr,
     unroll: cutlass.Constexpr,
     copy_by_token: cutlass.Constexpr,
@@ -926,6 +933,7 @@ def route_and_place(
         mRowSource,
         mScratch,
         mStatus,
+        mTokenCount,
         rule,
         unroll,
         copy_by_token,

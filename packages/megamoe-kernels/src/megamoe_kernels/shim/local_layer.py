@@ -414,20 +414,26 @@ class RouteLauncher:
             has_correction_bias,
             device_index,
         )
-        # each kernel compiled on its first use (or by compile())
-        self._route_and_place = self._route_only = None
+        # each kernel compiled on its first use (or by compile()): route_and_place without and
+        # with a token count
+        self._route_and_place: dict[bool, Callable] = {}
+        self._route_only = None
 
-    def compile(self, *, route_only: bool = False) -> Callable:
-        """The compiled route_and_place (or route_tokens), compiling it if needed."""
+    def compile(self, *, route_only: bool = False, counted: bool = False) -> Callable:
+        """The compiled route_and_place (or route_tokens), compiling it if needed; `counted`:
+        the variant that takes a token count (__call__'s token_count)."""
         if route_only:
             if self._route_only is None:
                 self._route_only = _compile(self._route_only_key, self._compile_route_only)
             return self._route_only
-        if self._route_and_place is None:
-            self._route_and_place = _compile(self._key, lambda: self._compile(self._constants))
-        return self._route_and_place
+        compiled = self._route_and_place.get(counted)
+        if compiled is None:
+            compiled = self._route_and_place[counted] = _compile(
+                (*self._key, counted), lambda: self._compile(self._constants, counted)
+            )
+        return compiled
 
-    def _compile(self, constants: tuple) -> Callable:
+    def _compile(self, constants: tuple, counted: bool) -> Callable:
         import cutlass
         import cutlass.cute as cute
         from cutlass.cute.runtime import make_fake_stream
@@ -465,6 +471,7 @@ class RouteLauncher:
             row_major(cutlass.Int32, (rows,)) if self.gather_rows else None,
             row_major(cutlass.Int32, (self._scratch_words,)),
             row_major(cutlass.Int64, (4,)),
+            row_major(cutlass.Int32, (1,)) if counted else None,
             *constants,
             make_fake_stream(use_tvm_ffi_env_stream=True),
             options="--enable-tvm-ffi",
@@ -545,6 +552,7 @@ class RouteLauncher:
         shared_gate_T: torch.Tensor | None = None,
         topk_ids_TK: torch.Tensor | None = None,
         topk_weights_TK: torch.Tensor | None = None,
+        token_count: torch.Tensor | None = None,
         reuse_outputs: bool = False,
     ) -> tuple[torch.Tensor, ...]:
         """(topk_ids_TK, topk_weights_TK, row_of_pair_TK, expert_offsets (with publishes_offsets
@@ -556,7 +564,10 @@ class RouteLauncher:
         shared_expert_gate=True. topk_ids_TK [T, K] (and topk_weights_TK [T, K]): the given
         experts (and weights) of a launcher built with given_ids_dtype (and
         given_weights_dtype), refused by others; router_logits_TE is then None where the weights
-        are given, and the correction bias plays no part.
+        are given, and the correction bias plays no part. `token_count`: an int32 [1] tensor on
+        x's device whose value, read by the kernel, says how many of the T tokens to take (the
+        first min(count, T): a CUDA graph of T token rows replaying fewer tokens); the outputs'
+        entries of the tokens past it and expert_offsets' pairs are left out (None: all T).
 
         `reuse_outputs`: the outputs of the last call on this stream with the same tokens and
         capacity are written again instead of allocating new ones (five allocations fewer per
@@ -592,6 +603,8 @@ class RouteLauncher:
                 f"capacity {capacity}; raise capacity or send fewer tokens per call"
             )
         device = x_TH.device
+        if token_count is not None:
+            _check_token_count(token_count, device)
         if reuse_outputs and keeps_buffers():
             key = (device, _current_stream_handle(device))
             kept = self._kept_outputs.get(key)
@@ -603,7 +616,7 @@ class RouteLauncher:
             outputs = self._new_outputs(tokens, capacity, x_TH)
         ids_TK, weights_TK, row_of_pair_TK, offsets, rows_MH, row_scales_GM, row_source_M = outputs
         scratch, status = self._scratch(device, tokens=tokens)
-        compiled = self.compile()
+        compiled = self.compile(counted=token_count is not None)
         if self.given_ids_dtype is not None:
             correction_bias_E = None  # it only chooses experts: given ones need none
         try:
@@ -623,6 +636,7 @@ class RouteLauncher:
                 row_source_M,
                 scratch,
                 status,
+                token_count,
             )
         except Exception as failure:
             self._explain(
@@ -724,9 +738,21 @@ class CombineLauncher:
         key = ("combine", top_k, hidden_size, weighted, has_addend, dtype, device_index)
         # the grid's one wave is sized by the GPU's SMs
         self._sms = _persistent_ctas(device_index, 1)
-        self.compiled = _compile(key, self._compile)
+        self._key = key
+        # without a token count compiled now, with one on its first use
+        self._compiled = {False: _compile(key, lambda: self._compile(False))}
 
-    def _compile(self) -> Callable:
+    def compile(self, *, counted: bool = False) -> Callable:
+        """The compiled combine (`counted`: the variant that takes a token count), compiling it
+        if needed."""
+        compiled = self._compiled.get(counted)
+        if compiled is None:
+            compiled = self._compiled[counted] = _compile(
+                (*self._key, counted), lambda: self._compile(counted)
+            )
+        return compiled
+
+    def _compile(self, counted: bool) -> Callable:
         import cutlass
         import cutlass.cute as cute
         from cutlass.cute.runtime import make_fake_stream
@@ -747,6 +773,7 @@ class CombineLauncher:
             row_major(cutlass.Float32, (tokens, top_k)) if self.weighted else None,
             row_major(element, (tokens, hidden)) if self.has_addend else None,
             row_major(element, (tokens, hidden)),
+            row_major(cutlass.Int32, (1,)) if counted else None,
             top_k,
             self._sms,
             make_fake_stream(use_tvm_ffi_env_stream=True),
@@ -761,9 +788,12 @@ class CombineLauncher:
         *,
         addend_TH: torch.Tensor | None = None,
         out_TH: torch.Tensor | None = None,
+        token_count: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """y [T, hidden] of the T = row_of_pair_TK.shape[0] tokens, written into `out_TH` (a
-        row-major [T, hidden] tensor of the rows' dtype) where given, else a new tensor."""
+        row-major [T, hidden] tensor of the rows' dtype) where given, else a new tensor.
+        `token_count` (int32 [1] on the device, as RouteLauncher takes it): only the first
+        min(count, T) rows of y are written."""
         shape = (row_of_pair_TK.shape[0], self.hidden_size)
         if out_TH is None:
             y_TH = expert_out_MH.new_empty(shape)
@@ -780,8 +810,11 @@ class CombineLauncher:
             )
         else:
             y_TH = out_TH
+        if token_count is not None:
+            _check_token_count(token_count, expert_out_MH.device)
+        compiled = self.compile(counted=token_count is not None)
         try:
-            self.compiled(expert_out_MH, row_of_pair_TK, topk_weights_TK, addend_TH, y_TH)
+            compiled(expert_out_MH, row_of_pair_TK, topk_weights_TK, addend_TH, y_TH, token_count)
         except Exception as failure:
             tokens = row_of_pair_TK.shape[0]
             _check_tensor(
@@ -796,6 +829,23 @@ class CombineLauncher:
                 _check_tensor("addend", addend_TH, self.dtype, (tokens, self.hidden_size), failure)
             raise failure
         return y_TH
+
+
+def _check_token_count(token_count: torch.Tensor, device: torch.device) -> None:
+    """Refuses a token count that is not one int32 word on the launch's device (a shape check:
+    its value stays on the device)."""
+    if not (
+        isinstance(token_count, torch.Tensor)
+        and token_count.dtype == torch.int32
+        and token_count.numel() == 1
+        and token_count.device == device
+    ):
+        got = (
+            f"{token_count.dtype} {list(token_count.shape)} on {token_count.device}"
+            if isinstance(token_count, torch.Tensor)
+            else type(token_count).__name__
+        )
+        raise ValueError(f"token_count: one int32 word on {device} expected, got {got}")
 
 
 def _check_tensor(name, tensor, dtype, shape, failure) -> None:

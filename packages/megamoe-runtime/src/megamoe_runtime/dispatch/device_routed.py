@@ -216,6 +216,7 @@ class DeviceRoutedDispatcher:
         shared_experts: int = 0,
         shared_gate_logits_T: torch.Tensor | None = None,
         weights_on_input: bool = False,
+        token_count: torch.Tensor | None = None,
     ) -> tuple[ExpertBatch, LocalHandle, torch.Tensor]:
         """(batch, handle for combine, topk_ids_TK int32); the routing weights are
         handle.topk_weights_TK (float32).
@@ -252,7 +253,13 @@ class DeviceRoutedDispatcher:
         `weights_on_input=True` (bf16 rows, copied): each pair's row is its token times the
         pair's weight, x * w.to(torch.bfloat16) bit for bit, for experts that compute on w x
         (Llama 4); combine the outputs with weights_applied=True. Refused with e4m3 rows and
-        with gather_rows, which copy no bf16 row."""
+        with gather_rows, which copy no bf16 row.
+
+        `token_count` (int32 [1] on x's device): only the first min(count, T) tokens are routed,
+        placed and copied, and the combine of the handle sums only theirs (its output's rows
+        past them are left as they are): a CUDA graph captured for T token rows serves any
+        count up to T. The ids', weights' and pair rows' entries past it are unspecified, the
+        batch's valid rows are expert_offsets[-1] (its valid_rows, T x pairs, an upper bound)."""
         if weights_on_input and (gather_rows or rows_dtype not in (None, torch.bfloat16)):
             raise ValueError(
                 f"weights_on_input=True writes scaled bf16 rows: it takes gather_rows=False and "
@@ -299,6 +306,7 @@ class DeviceRoutedDispatcher:
                 shared_gate_T=shared_gate_logits_T,
                 topk_ids_TK=_row_major(topk_ids_TK),
                 topk_weights_TK=_row_major(topk_weights_TK),
+                token_count=token_count,
                 reuse_outputs=self.reuse_outputs,
             )
         )
@@ -316,7 +324,10 @@ class DeviceRoutedDispatcher:
                 offsets_published=published,
             )
         handle = LocalHandle(
-            row_of_pair_TK=row_of_pair_TK, topk_weights_TK=weights_TK, output_dtype=x_TH.dtype
+            row_of_pair_TK=row_of_pair_TK,
+            topk_weights_TK=weights_TK,
+            output_dtype=x_TH.dtype,
+            token_count=token_count,
         )
         return batch, handle, ids_TK
 
@@ -377,4 +388,5 @@ class DeviceRoutedDispatcher:
             None if weights_applied else handle.topk_weights_TK,
             addend_TH=addend_TH,
             out_TH=out_TH,
+            token_count=handle.token_count,
         )

@@ -22,6 +22,9 @@ class LocalHandle:
     row_of_pair_TK: torch.Tensor
     topk_weights_TK: torch.Tensor
     output_dtype: torch.dtype
+    # DeviceRoutedDispatcher's token_count: int32 [1] on the device, the first tokens routed
+    # (and so combined) of the T rows; None: all T
+    token_count: torch.Tensor | None = None
 
 
 class LocalDispatcher:
@@ -120,7 +123,13 @@ class LocalDispatcher:
 
 def row_weights_of(batch: ExpertBatch, handle: LocalHandle) -> torch.Tensor:
     """float32 [capacity]: the routing weight of every batch row of a one-GPU dispatch, 0 past
-    the valid rows."""
+    the valid rows. Refused for a routing of counted tokens (its pair rows past the count are
+    stale: which are is known on the device alone)."""
+    if handle.token_count is not None:
+        raise ValueError(
+            "row weights of a routing with a token_count: the pairs past the count are stale, "
+            "and the count is on the device (route without token_count)"
+        )
     weights_M = torch.zeros(batch.capacity, dtype=torch.float32, device=batch.rows_MH.device)
     weights_M[handle.row_of_pair_TK.reshape(-1)] = handle.topk_weights_TK.reshape(-1).float()
     return weights_M
