@@ -426,12 +426,12 @@ class RouteLauncher:
             if self._route_only is None:
                 self._route_only = _compile(self._route_only_key, self._compile_route_only)
             return self._route_only
-        compiled = self._route_and_place.get(counted)
-        if compiled is None:
-            compiled = self._route_and_place[counted] = _compile(
-                (*self._key, counted), lambda: self._compile(self._constants, counted)
-            )
-        return compiled
+        return _compiled_variant(
+            self._route_and_place,
+            self._key,
+            counted,
+            lambda: self._compile(self._constants, counted),
+        )
 
     def _compile(self, constants: tuple, counted: bool) -> Callable:
         import cutlass
@@ -739,18 +739,15 @@ class CombineLauncher:
         # the grid's one wave is sized by the GPU's SMs
         self._sms = _persistent_ctas(device_index, 1)
         self._key = key
-        # without a token count compiled now, with one on its first use
-        self._compiled = {False: _compile(key, lambda: self._compile(False))}
+        # each variant (without and with a token count) compiled on its first use: without one
+        # now
+        self._compiled: dict[bool, Callable] = {}
+        self.compile()
 
     def compile(self, *, counted: bool = False) -> Callable:
         """The compiled combine (`counted`: the variant that takes a token count), compiling it
         if needed."""
-        compiled = self._compiled.get(counted)
-        if compiled is None:
-            compiled = self._compiled[counted] = _compile(
-                (*self._key, counted), lambda: self._compile(counted)
-            )
-        return compiled
+        return _compiled_variant(self._compiled, self._key, counted, lambda: self._compile(counted))
 
     def _compile(self, counted: bool) -> Callable:
         import cutlass
@@ -864,6 +861,17 @@ def _check_tensor(name, tensor, dtype, shape, failure) -> None:
         ) from failure
     if not tensor.is_contiguous() or tensor.data_ptr() % 16:
         raise ValueError(f"{name} must be contiguous and 16-byte aligned") from failure
+
+
+def _compiled_variant(
+    variants: dict[bool, Callable], key: tuple, counted: bool, compile_fn: Callable[[], Callable]
+) -> Callable:
+    """A launcher's compiled kernel without or with a token count (`counted`), kept in its own
+    `variants` after the first lookup in the shared cache under (*key, counted)."""
+    compiled = variants.get(counted)
+    if compiled is None:
+        compiled = variants[counted] = _compile((*key, counted), compile_fn)
+    return compiled
 
 
 def _compile(key: tuple, compile_fn: Callable[[], Callable]) -> Callable:
