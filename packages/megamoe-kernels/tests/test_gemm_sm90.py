@@ -223,6 +223,46 @@ def test_the_dynamic_schedule_repeats_bitwise_and_leaves_its_counter_zero():
         assert torch.equal(first[1][:valid], out_MH[:valid])
 
 
+def test_a_graph_replayed_before_one_captured_earlier_on_its_stream_fills_its_own_counter():
+    # two captures on one stream into one pool whose small blocks hold -1 (a poisoned pool, as
+    # memory another graph left behind); the second replays first, the first never before it:
+    # each must zero the dynamic schedule's counter it reads
+    from megamoe_kernels.shim.expert_gemm import _capture_id, _dynamic_schedule
+
+    counts = random_counts(16, 16 * 1100, seed=5)
+    rows_MH, offsets, w13, w2, valid = make_problem(counts, 512, 256)
+    w13_interleaved = interleave_gate_up(w13)
+    gate_up_knobs, down_knobs = (default_knobs(op, 1100) for op in ("gate_up", "down"))
+    assert _dynamic_schedule(gate_up_knobs) and _dynamic_schedule(down_knobs)
+
+    def layer():
+        hidden_MI = gate_up_swiglu(rows_MH, offsets, w13_interleaved, knobs=gate_up_knobs)
+        return down(hidden_MI, offsets, w2, knobs=down_knobs)
+
+    expected = expert_mlp_reference(rows_MH, offsets, w13, w2, round_intermediate_to=torch.bfloat16)
+    layer()  # compile outside the captures
+    pool = torch.cuda.graph_pool_handle()
+    poison = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(poison, pool=pool):
+        # two 1 MiB blocks: one whole 2 MiB segment of the pool's small blocks
+        dirty = [torch.full((1 << 18,), -1, dtype=torch.int32, device=DEVICE) for _ in range(2)]
+    poison.replay()
+    del dirty
+    ids = []
+    first, second = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(first, pool=pool):
+        ids.append(_capture_id(torch.cuda.current_stream().cuda_stream))
+        first_out_MH = layer()
+    with torch.cuda.graph(second, pool=pool):
+        ids.append(_capture_id(torch.cuda.current_stream().cuda_stream))
+        second_out_MH = layer()
+    assert None not in ids and ids[0] != ids[1]
+    for graph, out_MH, which in ((second, second_out_MH, "second"), (first, first_out_MH, "first")):
+        out_MH.fill_(float("nan"))
+        graph.replay()
+        assert_valid_rows_match(out_MH, expected, valid, what=f"the {which} capture's replay")
+
+
 def test_untransformed_or_malformed_weights_are_refused_before_launch():
     rows_MH, offsets, w13, w2, _ = make_problem([3, 4], 256, 128)
     with pytest.raises(ValueError, match="interleave_gate_up"):

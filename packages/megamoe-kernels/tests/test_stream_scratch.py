@@ -1,6 +1,6 @@
 """The scratch the grouped GEMMs' launches share (split-K workspaces, the dynamic schedule's
-counter): one per (device, stream, kind), made on first use and kept. Runs on any machine: the
-current stream is stood in for."""
+counter): one per (device, stream, kind), made on first use and kept; under CUDA-graph capture,
+one per capture and kind. Runs on any machine: the current stream is stood in for."""
 
 from __future__ import annotations
 
@@ -54,23 +54,35 @@ def test_inside_fresh_scratch_nothing_is_kept(monkeypatch):
     assert expert_gemm._stream_scratch(device, ("unit_counter",), object) is kept
 
 
-def test_a_capturing_stream_keeps_scratch_of_its_own(monkeypatch):
-    # made in the capture and kept past it (the graph's replays fill and read it), apart from
-    # the eager launches' scratch of the same stream; inside fresh_scratch, made per call
+def test_each_capture_has_scratch_of_its_own(monkeypatch):
+    # made in the capture (its fill recorded there) and shared by that capture's launches,
+    # apart from the eager launches' scratch and from any other capture's; inside
+    # fresh_scratch, made per call
     from megamoe_kernels import fresh_scratch
 
-    capturing = SimpleNamespace(now=False)
+    state = SimpleNamespace(capture=None)
     monkeypatch.setattr(expert_gemm, "_current_stream_handle", lambda device: 1)
     monkeypatch.setattr(expert_gemm, "_cuda_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing.now)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state.capture != 0)
+    monkeypatch.setattr(expert_gemm, "_capture_id", lambda stream: state.capture)
     monkeypatch.setattr(expert_gemm, "_STREAM_SCRATCH", {})
+    monkeypatch.setattr(expert_gemm, "_CAPTURE_SCRATCH", {})
     device = torch.device("cuda", 0)
-    eager = expert_gemm._stream_scratch(device, ("unit_counter",), object)
-    capturing.now = True
-    captured = expert_gemm._stream_scratch(device, ("unit_counter",), object)
-    assert captured is not eager
-    assert expert_gemm._stream_scratch(device, ("unit_counter",), object) is captured
+
+    def scratch():
+        return expert_gemm._stream_scratch(device, ("unit_counter",), object)
+
+    state.capture = 0
+    eager = scratch()
+    state.capture = 7
+    first_capture = scratch()
+    assert first_capture is not eager
+    assert scratch() is first_capture
     with fresh_scratch():
-        assert expert_gemm._stream_scratch(device, ("unit_counter",), object) is not captured
-    capturing.now = False
-    assert expert_gemm._stream_scratch(device, ("unit_counter",), object) is eager
+        assert scratch() is not first_capture
+    state.capture = 8
+    second_capture = scratch()
+    assert second_capture not in (eager, first_capture)
+    assert scratch() is second_capture
+    state.capture = 0
+    assert scratch() is eager

@@ -125,8 +125,11 @@ DEFAULT_SM_COUNT = 132  # H200; the SMs a kernel is compiled for without a GPU
 _ALIGN_BYTES = 16  # TMA and 16-byte vector stores: every tensor's base address
 # split-K is for decode batches: a workspace beyond this means the knobs do not fit the batch
 _SPLIT_K_MAX_WORKSPACE_BYTES = 256 << 20
-# scratch of the launches on a stream, by (device, stream, capturing, what)
+# scratch of the eager launches on a stream, by (device, stream, what)
 _STREAM_SCRATCH: dict[tuple, object] = {}
+# scratch of the capture a stream is in (or was in last), by (device, stream): (the capture's
+# id, {what: scratch})
+_CAPTURE_SCRATCH: dict[tuple, tuple[int, dict[tuple, object]]] = {}
 # per thread: how many fresh_scratch() contexts are open
 _FRESH_SCRATCH = threading.local()
 
@@ -606,20 +609,50 @@ def _stream_scratch(device: torch.device, what: tuple, make: Callable[[], object
     """Scratch that launches leave as they found it, shared by the launches on the current
     stream (they run one after another): made by `make` on first use, then kept for good.
 
-    Under CUDA-graph capture the capturing stream has scratch of its own, made in the capture
-    (from the graph's pool) and kept past it: a graph's scratch must outlive the capture, or
-    the pool hands its memory to a later tensor of the graph, and each replay's fill of the
-    scratch (torch.zeros records one) would write into that tensor. The graphs captured on one
-    stream share it, so they replay one at a time (one stream's order, as a graph-per-shape
-    cache replays them). Inside fresh_scratch() it is made anew for the call."""
+    Under CUDA-graph capture each capture has scratch of its own, made in it and shared by its
+    launches: the fill that makes it (torch.zeros records one) runs at the start of each of
+    that graph's replays, so a graph never reads what another graph left there or what a pool
+    held before a capture that was never replayed (scratch shared by a stream's graphs would be
+    zeroed by the first one's replays alone: a later graph replayed before it would read what
+    the pool held, and the dynamic schedule's counter would take its tiles from there). It
+    lives until the stream's next capture begins, past every launch of its own capture: freed
+    within the capture, it would go back to the graph's pool, a later tensor of the graph (the
+    down GEMM's output) could get its memory, and each replay's fill would overwrite rows a
+    replay must leave as they were. Freed after it, it is memory of the finished graph's pool
+    that the graph's replays fill before they read. Inside fresh_scratch() it is made anew for
+    the call."""
     if getattr(_FRESH_SCRATCH, "depth", 0):
         return make()
-    capturing = _cuda_available() and torch.cuda.is_current_stream_capturing()
-    key = (device, _current_stream_handle(device), capturing, what)
+    stream = _current_stream_handle(device)
+    if _cuda_available() and torch.cuda.is_current_stream_capturing():
+        capture = _capture_id(stream)
+        held = _CAPTURE_SCRATCH.get((device, stream))
+        if held is None or held[0] != capture:
+            held = _CAPTURE_SCRATCH[(device, stream)] = (capture, {})
+        scratch = held[1].get(what)
+        if scratch is None:
+            scratch = held[1][what] = make()
+        return scratch
+    key = (device, stream, what)
     scratch = _STREAM_SCRATCH.get(key)
     if scratch is None:
         scratch = _STREAM_SCRATCH[key] = make()
     return scratch
+
+
+def _capture_id(stream: int) -> int:
+    """The id of the capture sequence `stream` (a cudaStream_t as an int, capturing) is in,
+    unique for the process's lifetime."""
+    import cuda.bindings.driver as cuda_driver
+
+    error, status, capture, *_ = cuda_driver.cuStreamGetCaptureInfo(cuda_driver.CUstream(stream))
+    active = cuda_driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
+    if error != cuda_driver.CUresult.CUDA_SUCCESS or status != active:
+        raise RuntimeError(
+            f"stream {stream:#x} is capturing a CUDA graph, but cuStreamGetCaptureInfo answered "
+            f"{error.name}, status {status.name}: the capture has been invalidated"
+        )
+    return int(capture)
 
 
 def _gemm_dims(op: str, weight_shape: tuple[int, ...]) -> tuple[int, int, int]:
