@@ -107,3 +107,81 @@ def test_a_key_takes_a_second_graph_while_the_first_output_is_held(monkeypatch):
     assert len(graphs) == 2 and captured[-1].graph.replays == 2
     assert torch.equal(captured[-1].ids, torch.tensor([7, 1]))
     assert graphs.forward(layer, x, input_ids=ids.int()) is None  # another dtype: another key
+
+
+def test_longer_forwards_take_the_graph_of_their_bucket():
+    graphs = ForwardGraphs(max_tokens=128, max_bucket_tokens=6000)
+    assert graphs.takes(128) and graphs.takes(6000) and not graphs.takes(6001)
+    assert not graphs.takes(0)
+    assert [graphs.bucket_of(t) for t in (1, 128, 129, 256, 257, 4096, 4097, 6000)] == [
+        None,
+        None,
+        256,
+        256,
+        512,
+        4096,
+        6000,  # the next power of two, at most max_bucket_tokens
+        6000,
+    ]
+    # no buckets: the graphs of one shape alone
+    assert not ForwardGraphs(max_tokens=128).takes(129)
+    assert not ForwardGraphs(max_tokens=128, max_bucket_tokens=64).takes(129)
+
+
+def test_a_bucket_graph_replays_every_count_of_its_bucket(monkeypatch):
+    # ForwardGraphs' bucket policy with its captures stood in for (CPU tensors, stream 0, the
+    # inputs brought in by torch): one graph serves every count of a bucket and every shape of
+    # those tokens, writing their rows and count; each replay hands out the first rows of y
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    captured = []
+
+    def capture(self, layer, x, input_ids, device_index, stream):
+        bucket = self.bucket_of(x.numel() // layer.config.hidden_size)
+        graph = _Graph(
+            graph=_Replays(),
+            x=torch.zeros(bucket, x.shape[-1]),
+            y=torch.randn(bucket, x.shape[-1]),
+            router_logits_TE=torch.randn(bucket, 4),
+            ids=None if input_ids is None else input_ids.new_zeros(bucket),
+            bucket=bucket,
+            token_count=torch.empty(1, dtype=torch.int32),
+            counts=torch.arange(bucket + 1, dtype=torch.int32),
+        )
+        captured.append(graph)
+        return graph
+
+    monkeypatch.setattr(ForwardGraphs, "_capture", capture)
+    graphs, layer = ForwardGraphs(max_tokens=4, max_bucket_tokens=16), _Layer(8)
+    x = torch.randn(6, 8)
+    assert graphs.forward(layer, x) is None  # the first forward of the bucket runs eagerly
+    y, logits = graphs.forward(layer, x, router_logits=True)
+    assert len(captured) == 1 and captured[0].bucket == 8
+    assert y.shape == x.shape and y.data_ptr() == captured[0].y.data_ptr()
+    assert torch.equal(logits, captured[0].router_logits_TE[:6])
+    assert torch.equal(captured[0].x[:6], x) and captured[0].token_count.item() == 6
+    del y
+    # another count and shape of the same bucket: the same graph
+    x_batched = torch.randn(1, 7, 8)
+    y, _ = graphs.forward(layer, x_batched)
+    assert len(captured) == 1 and y.shape == (1, 7, 8)
+    assert torch.equal(captured[0].x[:7], x_batched[0]) and captured[0].token_count.item() == 7
+    # the only graph's output held: a second graph of the bucket
+    x_five = torch.randn(5, 8)
+    held, _ = graphs.forward(layer, x_five)
+    assert len(captured) == GRAPHS_PER_KEY and captured[1].token_count.item() == 5
+    del y, held
+    # the first again, for the bucket's largest count
+    x_eight = torch.randn(8, 8)
+    y, _ = graphs.forward(layer, x_eight)
+    assert torch.equal(captured[0].x, x_eight) and captured[0].token_count.item() == 8
+    assert [graph.graph.replays for graph in captured] == [3, 1]
+    del y
+    # another bucket, and rows of another width (as many values): other keys
+    assert graphs.forward(layer, torch.randn(9, 8)) is None
+    assert graphs.forward(layer, torch.randn(12, 4)) is None
+    assert len(graphs) == 1
+    # ids route a layer by token id: one a token, any shape
+    ids = torch.tensor([[3, 5, 1, 2, 0, 4]])
+    assert graphs.forward(layer, x, input_ids=ids) is None
+    graphs.forward(layer, x, input_ids=ids)
+    assert torch.equal(captured[-1].ids[:6], ids.view(-1))

@@ -227,15 +227,22 @@ def test_a_replay_reads_the_callers_tokens_wherever_they_lie():
     assert len(_entries(replaying)) == 1
 
 
-@pytest.mark.parametrize("copy_node", ["unavailable", "not found"])
-@torch.no_grad()
-def test_tokens_copied_by_torch_where_the_graph_cannot_copy_them(monkeypatch, copy_node):
+def _without_copy_nodes(monkeypatch, copy_node: str):
+    """forward_graphs, its captures copying inputs by torch: the runtime's node updates
+    "unavailable", or the copy "not found" as a node (the capture is dropped unreplayed).
+    Restored after the test, which turns the nodes off either way."""
     from megamoe_torch import forward_graphs
 
-    # restored after the test, which turns it off either way
     monkeypatch.setattr(forward_graphs, "_copies_in_graph", copy_node != "unavailable")
     if copy_node == "not found":
         monkeypatch.setattr(forward_graphs.CopySource, "find", classmethod(lambda *a, **k: None))
+    return forward_graphs
+
+
+@pytest.mark.parametrize("copy_node", ["unavailable", "not found"])
+@torch.no_grad()
+def test_tokens_copied_by_torch_where_the_graph_cannot_copy_them(monkeypatch, copy_node):
+    forward_graphs = _without_copy_nodes(monkeypatch, copy_node)
     replaying, launching = _pair("qwen3")
     for call in range(4):
         x = _tokens(4, seed=60 + call)
@@ -372,3 +379,94 @@ def test_a_new_config_drops_the_graphs():
     for _ in range(2):
         assert torch.equal(replaying(x), launching(x))
     assert len(replaying._forward_graphs) == 1
+
+
+def _bucket_pair(family: str) -> tuple[MegaMoE, MegaMoE]:
+    """_pair's layers, the replaying one with graphs of one shape up to 4 tokens and bucket
+    graphs up to 1024; the launching one puts shared experts in the batch, as a bucket's
+    forwards do."""
+    replaying, launching = _pair(family)
+    config = replace(replaying.config, eager_graph_tokens=4, bucket_graph_tokens=1024)
+    bucketed = MegaMoE(config, device="meta", dtype=torch.bfloat16)
+    bucketed.load_state_dict(replaying.state_dict(), assign=True)
+    if launching.shared_experts is not None:
+        path = replace(launching.config, shared_experts_path="batch")
+        launching = MegaMoE(path, device="meta", dtype=torch.bfloat16)
+        launching.load_state_dict(bucketed.state_dict(), assign=True)
+    return bucketed, launching
+
+
+def _agrees(y: torch.Tensor, expected: torch.Tensor) -> None:
+    """A bucket's output against the launched forward's: the same up to the router logits'
+    last bits (the GEMM library's algorithm follows the rows), so close in rel-L2, and no more
+    than a token in a hundred apart (a near tie of two experts' scores chosen the other way)."""
+    assert y.shape == expected.shape and not y.isnan().any()
+    difference = (y.float() - expected.float()).reshape(-1, y.shape[-1])
+    relative = difference.norm() / expected.float().norm()
+    assert relative <= 1e-2, relative
+    apart = difference.abs() > 2e-2 + 2e-2 * expected.float().abs().reshape(difference.shape)
+    assert apart.any(dim=1).sum() <= max(1, difference.shape[0] // 100)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@torch.no_grad()
+def test_a_bucket_graph_replays_any_count_of_its_bucket(family):
+    # counts of the buckets 8, 64 and 512 in turns, each a few times: one graph a bucket, each
+    # replay the launched forward's output (_agrees), a count's replays the same bits however
+    # many tokens the replays between them left in the bucket's rows
+    replaying, launching = _bucket_pair(family)
+    counts = [6, 50, 300, 7, 33, 257, 6, 50, 300, 5, 64, 512, 50, 300, 6]
+    replayed: dict[int, torch.Tensor] = {}  # each count's first replayed output
+    for call, tokens in enumerate(counts):
+        x, ids = _tokens(tokens, seed=tokens), _ids(tokens, seed=tokens)
+        y, logits = replaying(x, input_ids=ids, return_router_logits=True)
+        expected, expected_logits = launching(x, input_ids=ids, return_router_logits=True)
+        assert logits.shape == expected_logits.shape
+        torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
+        _agrees(y, expected)
+        if y.data_ptr() in _graph_outputs(replaying):
+            if tokens in replayed:
+                assert torch.equal(y, replayed[tokens]), f"call {call}: {tokens} tokens"
+            else:
+                replayed[tokens] = y.clone()
+        del y, logits
+    assert sorted(replayed) == [5, 6, 7, 33, 50, 64, 257, 300, 512]  # all but the first three
+    buckets = {key[0] for key in replaying._forward_graphs._graphs}
+    assert buckets == {("bucket", 8, 512), ("bucket", 64, 512), ("bucket", 512, 512)}
+    entries = _entries(replaying)
+    assert all(entry.bucket is not None for entry in entries)
+    for entry in entries:
+        if entry.copy_source is not None:  # the count comes in by a node too
+            assert entry.count_copy_source is not None
+
+
+@torch.no_grad()
+def test_a_bucket_replay_hands_out_the_first_rows_in_the_callers_shape():
+    replaying, launching = _bucket_pair("qwen3")
+    x = _tokens(40, seed=80).view(4, 10, 512)
+    for _ in range(2):  # launched, captured
+        replaying(x)
+    (entry,) = _entries(replaying)
+    for seed in range(3):
+        x = _tokens(36, seed=81 + seed).view(2, 18, 512)  # another count and shape
+        y = replaying(x)
+        assert y.shape == (2, 18, 512) and y.data_ptr() == entry.y.data_ptr()
+        _agrees(y, launching(x))
+        held = y  # held: the next forward of the bucket takes a second graph
+        other = replaying(_tokens(33, seed=90 + seed))
+        assert other.data_ptr() != held.data_ptr()
+        del y, held, other
+    assert len(_entries(replaying)) == GRAPHS_PER_KEY
+
+
+@pytest.mark.parametrize("copy_node", ["unavailable", "not found"])
+@torch.no_grad()
+def test_bucket_inputs_copied_by_torch_where_the_graph_cannot_copy_them(monkeypatch, copy_node):
+    forward_graphs = _without_copy_nodes(monkeypatch, copy_node)
+    replaying, launching = _bucket_pair("qwen3")
+    for call, tokens in enumerate([100, 70, 128, 65, 100]):
+        x = _tokens(tokens, seed=100 + call)
+        _agrees(replaying(x), launching(x))
+    assert forward_graphs._copies_in_graph is False
+    (entry,) = _entries(replaying)
+    assert entry.copy_source is None and entry.count_copy_source is None

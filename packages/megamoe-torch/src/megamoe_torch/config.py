@@ -38,6 +38,7 @@ INTEGER_FIELDS = (
     ("capacity", 0, True),
     ("max_tokens_per_rank", 1, False),
     ("eager_graph_tokens", 0, False),
+    ("bucket_graph_tokens", 0, False),
 )
 
 
@@ -241,6 +242,15 @@ class MegaMoEConfig:
     # caller has dropped it (forward_graphs.py); the graphs share one memory pool per stream.
     # 0: always launch.
     eager_graph_tokens: int = 128
+    # eager forwards of more than eager_graph_tokens and up to this many tokens, under the same
+    # conditions, replay a CUDA graph of their bucket: the next power of two of their tokens
+    # (at most this), captured at the bucket's second forward and replayed for any count of
+    # it, the routing and combine kernels reading the count from the device, so that a
+    # prefill forward of any length costs the host a replay too (forward_graphs.py says what
+    # the bucket's rows past the count cost, and how its bits can differ from a launched
+    # forward's). Each bucket's graph holds its static input and output (2 x T x H values)
+    # outside the graphs' shared pool. 0 (or no more than eager_graph_tokens): none.
+    bucket_graph_tokens: int = 0
     # the fused path with bf16 experts on the cutedsl backend (hidden size a multiple of 64):
     # True, the dispatch writes only the token of each batch row and the gate-up GEMM reads
     # the rows from the tokens (no expert-major copy of the tokens: top_k x T x H x 2 bytes

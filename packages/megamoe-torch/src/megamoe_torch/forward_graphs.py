@@ -7,6 +7,21 @@ A replay costs the host one `cudaGraphLaunch`, after pointing the graph's first 
 copies the tokens in, at the caller's tokens where they moved (graph_input.py; without the CUDA
 runtime bindings a torch copy precedes the launch). docs/benchmarks.md has the numbers.
 
+Forwards of 1 to `max_tokens` tokens replay a graph of their own shape. Longer ones, up to
+`max_bucket_tokens`, replay the graph of their bucket: T rows, T the next power of two of the
+tokens (at most max_bucket_tokens), captured for the first count of the bucket and replayed for
+any count of it. Its nodes copy the count's tokens into the first rows of its static input and
+the count into a device word, from a table of the counts 0..T (each replay points that copy at
+its count's entry); the routing and combine kernels read the word and take that many tokens
+(megamoe_kernels' token_count), so the copy, the dispatch, the GEMMs (which follow the device
+offsets) and the combine do the forward's work alone. What a bucket's rows past the count cost:
+the router GEMM and an output norm over them, and shared experts that run as their own MLP
+(the fused path puts them in the batch where it can). The output is the first rows of the
+static output, in x's shape. A bucket's results can differ from an eager forward's of the same
+tokens in the router logits' last bits (the GEMM library picks its algorithm by the rows) and
+so, where two experts' scores nearly tie, in a token's experts; a count's replays always give
+the same bits.
+
 `ForwardGraphs.forward(layer, x, input_ids=..., router_logits=...)` returns (y, router_logits_TE
 or None), y in x's shape, or None where the forward should run eagerly. `input_ids`: the token
 ids of a layer that routes by token id (its routing table looks their experts up inside the
@@ -50,6 +65,7 @@ captured before it: they are copied out right after its replay.
 
 from __future__ import annotations
 
+import functools
 import operator
 import weakref
 from collections import OrderedDict
@@ -93,6 +109,13 @@ class _Graph:
     # torch, as the tokens)
     ids: torch.Tensor | None = None
     ids_copy_source: CopySource | None = None
+    # a graph of a bucket of token counts: its rows T (x and y are [T, H]), the device word the
+    # kernels read the count from, the table of counts 0..T it is copied from, and the node
+    # that copies it (None: by torch); None for a graph of one shape
+    bucket: int | None = None
+    token_count: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+    count_copy_source: CopySource | None = None
     # y's storage, held: with y, the two references to it while no caller holds an output
     y_storage: torch.UntypedStorage = field(init=False)
 
@@ -109,6 +132,8 @@ class _Graph:
         """Replays (the output must be free) and returns (an alias of the output, a copy of the
         router logits or None); None where the tokens or ids could not be brought in (nothing
         ran)."""
+        if self.bucket is not None:
+            return self._run_bucket(x, input_ids, router_logits)
         if self.copy_source is None:
             self.x.copy_(x)
             if self.ids is not None:
@@ -126,10 +151,38 @@ class _Graph:
         # a new tensor of y's storage (what output_free counts); detach is the cheapest
         return self.y.detach(), logits_TE
 
+    def _run_bucket(
+        self, x: torch.Tensor, input_ids: torch.Tensor | None, router_logits: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """run() of a bucket's graph: its first rows take x's tokens, the count word their
+        count; the output is y's first rows in x's shape."""
+        tokens = x.numel() // self.x.shape[1]
+        if self.copy_source is None:
+            self.x[:tokens].copy_(x.reshape(tokens, -1))
+            if self.ids is not None:
+                self.ids[:tokens].copy_(input_ids.reshape(-1))
+            self.token_count.copy_(self.counts[tokens : tokens + 1])
+        else:
+            if not _points_at(self.copy_source, x, nbytes=x.numel() * x.element_size()):
+                return None
+            if self.ids is not None and not _points_at(
+                self.ids_copy_source, input_ids, nbytes=tokens * input_ids.element_size()
+            ):
+                return None
+            count_entry = self.counts.data_ptr() + tokens * self.counts.element_size()
+            if not self.count_copy_source.point_at(count_entry):
+                return None
+        self.graph.replay()
+        logits_TE = self.router_logits_TE[:tokens].clone() if router_logits else None
+        # narrow, and a view only for tokens of another shape: each op costs the host
+        y = self.y.narrow(0, 0, tokens)
+        return (y if x.dim() == 2 else y.view(x.shape)), logits_TE
+
 
 class ForwardGraphs:
-    """The captured forwards of one layer (see the module docstring), of up to `max_tokens`
-    tokens. A capture records `layer._fused_forward_from_tokens(x_TH)`, which computes
+    """The captured forwards of one layer (see the module docstring): of one shape up to
+    `max_tokens` tokens, of a bucket of counts up to `max_bucket_tokens` (0, or at most
+    max_tokens: none). A capture records `layer._fused_forward_from_tokens(x_TH)`, which computes
     (y_TH, router_logits_TE) as an eager forward does; the layer decides which forwards may be
     captured (the fused path on one GPU, no autograd, no outer capture or compile, no
     host-synchronising checks). A copy or a pickle of the layer starts with no graphs.
@@ -139,8 +192,11 @@ class ForwardGraphs:
     never by the cycle collector in the middle of another capture (destroying a graph there
     invalidates that capture)."""
 
-    def __init__(self, *, max_tokens: int):
+    def __init__(self, *, max_tokens: int, max_bucket_tokens: int = 0):
         self.max_tokens = max_tokens
+        self.max_bucket_tokens = max_bucket_tokens
+        # the most tokens any graph takes
+        self._most_tokens = max(max_tokens, max_bucket_tokens)
         self._forget()
 
     def _forget(self) -> None:
@@ -151,7 +207,7 @@ class ForwardGraphs:
         self._tensor_slots: list[tuple[dict, str]] = []
 
     def __getstate__(self) -> dict:
-        return {"max_tokens": self.max_tokens}
+        return {"max_tokens": self.max_tokens, "max_bucket_tokens": self.max_bucket_tokens}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -161,9 +217,18 @@ class ForwardGraphs:
         return len(self._graphs)
 
     def takes(self, tokens: int) -> bool:
-        """Whether a forward of `tokens` tokens is one the graphs may hold: 1 to max_tokens.
-        Asked before anything else, so that a longer forward costs no other question."""
-        return 0 < tokens <= self.max_tokens
+        """Whether a forward of `tokens` tokens is one the graphs may hold: 1 to max_tokens,
+        or to max_bucket_tokens. Asked before anything else, so that a longer forward costs no
+        other question."""
+        return 0 < tokens <= self._most_tokens
+
+    def bucket_of(self, tokens: int) -> int | None:
+        """The rows of the bucket graph a forward of `tokens` (that the graphs take) replays:
+        the next power of two, at most max_bucket_tokens; None up to max_tokens (a graph of
+        the forward's own shape)."""
+        if tokens <= self.max_tokens:
+            return None
+        return min(1 << (tokens - 1).bit_length(), self.max_bucket_tokens)
 
     def clear(self) -> None:
         """Drops every graph (their memory returns to the pool)."""
@@ -192,10 +257,16 @@ class ForwardGraphs:
         device_index: int,
     ) -> tuple:
         stream = torch._C._cuda_getCurrentRawStream(device_index)
+        tokens = x.numel() // layer.config.hidden_size
+        bucket = self.bucket_of(tokens)
+        # a bucket's graph takes tokens of any shape of its counts, rows of the hidden size,
+        # and ids of any shape, one a token (as the layer's checks admitted at the capture)
+        shape = x.shape if bucket is None else ("bucket", bucket, x.shape[-1])
         ids = None
         if input_ids is not None:
-            ids = (input_ids.shape, input_ids.dtype, input_ids.get_device())
-        return (x.shape, x.dtype, ids, device_index, stream, self._weights_signature(layer))
+            ids_shape = input_ids.shape if bucket is None else input_ids.numel() == tokens
+            ids = (ids_shape, input_ids.dtype, input_ids.get_device())
+        return (shape, x.dtype, ids, device_index, stream, self._weights_signature(layer))
 
     def replay(
         self,
@@ -272,74 +343,122 @@ class ForwardGraphs:
         device_index: int,
         stream: int,
     ) -> _Graph | None:
-        """A graph of this forward, its tokens (and ids) copied in by its first nodes
-        (graph_input.py) where those nodes can be pointed at each replay's tokens; else by
-        torch before each replay. None where a copy did not come out as such a node: the
-        forward launches, and later captures copy with torch."""
+        """A graph of this forward (of its bucket where it has one), its tokens (and ids, and a
+        bucket's count) copied in by its first nodes (graph_input.py) where those nodes can be
+        pointed at each replay's; else by torch before each replay. None where a copy did not
+        come out as such a node: the forward launches, and later captures copy with torch."""
         global _copies_in_graph
+        hidden = layer.config.hidden_size
+        tokens = x.numel() // hidden
+        bucket = self.bucket_of(tokens)
         # the static input and output, allocated before the capture: outside the shared pool.
         # Normal tensors even under inference mode: a replay outside it writes the input in
-        # place, and a caller may write the output in place
+        # place, and a caller may write the output in place. A bucket's rows past a count hold
+        # the tokens of earlier replays: zeros at first (finite, and ids in range)
         with torch.inference_mode(False):
-            static_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-            static_y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-            static_ids = None
+            if bucket is None:
+                static_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+                static_y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            else:
+                static_x = torch.zeros((bucket, hidden), dtype=x.dtype, device=x.device)
+                static_y = torch.empty((bucket, hidden), dtype=x.dtype, device=x.device)
+            static_ids = token_count = counts = None
             if input_ids is not None:
-                static_ids = torch.empty(input_ids.numel(), dtype=input_ids.dtype, device=x.device)
+                ids_rows = input_ids.numel() if bucket is None else bucket
+                static_ids = torch.zeros(ids_rows, dtype=input_ids.dtype, device=x.device)
+            if bucket is not None:
+                token_count = torch.empty(1, dtype=torch.int32, device=x.device)
+                counts = torch.arange(bucket + 1, dtype=torch.int32, device=x.device)
         copies_in_graph = _copies_in_graph
         # the tokens (and ids) the graph's copies read at the capture (later replays point them
         # elsewhere)
-        source = x.contiguous() if copies_in_graph else None
+        source = x.contiguous().view(-1, hidden) if copies_in_graph else None
         ids_source = None
         if copies_in_graph and input_ids is not None:
             ids_source = input_ids.contiguous().view(-1)
+        forward = functools.partial(
+            layer._fused_forward_from_tokens,
+            static_x.view(-1, hidden),
+            input_ids=static_ids,
+            out_TH=static_y.view(-1, hidden),
+            token_count=token_count,
+        )
+        if bucket is not None:
+            # the kernels that read the count compile at a bucket's first forward, not inside
+            # its capture: run it once (its output is discarded; the replay writes it again)
+            _bring_in(static_x, static_ids, token_count, counts, x, input_ids, tokens)
+            forward()
         graph = torch.cuda.CUDAGraph(keep_graph=True) if copies_in_graph else torch.cuda.CUDAGraph()
-        hidden = layer.config.hidden_size
         # thread_local: another thread's CUDA calls during the capture are not an error
         with torch.cuda.graph(
             graph, pool=_shared_pool(device_index, stream), capture_error_mode="thread_local"
         ):
             if copies_in_graph:
-                static_x.copy_(source)
-                if static_ids is not None:
-                    static_ids.copy_(ids_source)
-            _, router_logits_TE = layer._fused_forward_from_tokens(
-                static_x.view(-1, hidden), input_ids=static_ids, out_TH=static_y.view(-1, hidden)
-            )
-        copy_source = ids_copy_source = None
+                _bring_in(static_x, static_ids, token_count, counts, source, ids_source, tokens)
+            _, router_logits_TE = forward()
+        copy_source = ids_copy_source = count_copy_source = None
         if copies_in_graph:
             graph.instantiate()
             copy_source = _copy_node(graph, static_x, source, device_index)
-            if static_ids is not None and copy_source is not None:
+            found = copy_source is not None
+            if static_ids is not None and found:
                 ids_copy_source = _copy_node(graph, static_ids, ids_source, device_index)
-            if copy_source is None or (static_ids is not None and ids_copy_source is None):
+                found = ids_copy_source is not None
+            if bucket is not None and found:
+                count_copy_source = _copy_node(
+                    graph, token_count, counts[tokens : tokens + 1], device_index
+                )
+                found = count_copy_source is not None
+            if not found:
                 _copies_in_graph = False
                 return None
         _LIVE_GRAPHS.setdefault((device_index, stream), weakref.WeakSet()).add(graph)
         return _Graph(
-            graph, static_x, static_y, router_logits_TE, copy_source, static_ids, ids_copy_source
+            graph,
+            static_x,
+            static_y,
+            router_logits_TE,
+            copy_source,
+            static_ids,
+            ids_copy_source,
+            bucket,
+            token_count,
+            counts,
+            count_copy_source,
         )
+
+
+def _bring_in(static_x, static_ids, token_count, counts, x, input_ids, tokens: int) -> None:
+    """Copies a forward's `tokens` tokens (and ids) into the first rows of the static input (a
+    bucket's: and the count into its word, from the table of counts) with torch: the copies a
+    capture records as nodes."""
+    static_x.view(-1, x.shape[-1])[:tokens].copy_(x.reshape(tokens, -1))
+    if static_ids is not None:
+        static_ids[:tokens].copy_(input_ids.reshape(-1))
+    if token_count is not None:
+        token_count.copy_(counts[tokens : tokens + 1])
 
 
 def _copy_node(
     graph: torch.cuda.CUDAGraph, static: torch.Tensor, source: torch.Tensor, device_index: int
 ) -> CopySource | None:
-    """The node of `graph` that copies `source` into `static` (graph_input.py), or None."""
+    """The node of `graph` that copies `source` (all of it) into the start of `static`
+    (graph_input.py), or None."""
     return CopySource.find(
         graph,
         dst=static.data_ptr(),
         src=source.data_ptr(),
-        nbytes=static.numel() * static.element_size(),
+        nbytes=source.numel() * source.element_size(),
         device_index=device_index,
     )
 
 
-def _points_at(copy_source: CopySource, tensor: torch.Tensor) -> bool:
-    """Points a graph's copy node at `tensor` (made contiguous first where it is not); False
-    where the runtime refused."""
+def _points_at(copy_source: CopySource, tensor: torch.Tensor, nbytes: int | None = None) -> bool:
+    """Points a graph's copy node at `tensor` (made contiguous first where it is not; `nbytes`
+    of it, None: as many as the last launch copied); False where the runtime refused."""
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
-    return copy_source.point_at(tensor.data_ptr())
+    return copy_source.point_at(tensor.data_ptr(), nbytes)
 
 
 def _free_graph(graphs) -> _Graph | None:

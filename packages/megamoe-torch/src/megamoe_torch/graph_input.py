@@ -6,7 +6,10 @@ the copy into the graph as its first node (a 1-D device-to-device memcpy) and, b
 whose tokens lie at another address than the last, points that node's source at them with
 `cudaGraphExecMemcpyNodeSetParams1D` (about 3 us; nothing when the address is the last one's, as
 in a loop that reuses its buffers). The update affects later launches only, never one already
-enqueued (the runtime's contract), so no replay waits for the one before it.
+enqueued (the runtime's contract), so no replay waits for the one before it. A graph captured
+for a bucket of token counts (forward_graphs.py) also changes the copy's length, to the tokens
+of each replay, and points a second such node, which copies the count into the device word the
+kernels read, at that count's entry of a table of counts.
 
 `CopySource.find(graph, dst, src, nbytes, device_index)` finds the node in a graph captured
 with `keep_graph=True` and instantiated; None where the runtime bindings or the node are missing
@@ -32,7 +35,8 @@ def copy_node_updates_available() -> bool:
 
 class CopySource:
     """The memcpy node of an instantiated graph that copies `nbytes` into `dst`: `point_at(src)`
-    makes the graph's next launches copy from `src`."""
+    makes the graph's next launches copy from `src` (`point_at(src, nbytes)`: that many
+    bytes)."""
 
     def __init__(self, graph_exec, node, *, dst: int, src: int, nbytes: int, device_index: int):
         self._graph_exec = graph_exec
@@ -79,23 +83,22 @@ class CopySource:
                 )
         return None
 
-    def point_at(self, src: int) -> bool:
+    def point_at(self, src: int, nbytes: int | None = None) -> bool:
         """Makes the graph's next launches copy from `src` (`nbytes` of device memory of the same
-        device); False where the runtime refuses it (the node then still copies from the last
-        source)."""
-        if src == self.source:
+        device, at least 1; None: as many as the last launch); False where the runtime refuses
+        it (the node then still copies what it copied last)."""
+        nbytes = self._nbytes if nbytes is None else nbytes
+        if src == self.source and nbytes == self._nbytes:
             return True
         if torch._C._cuda_getDevice() == self._device_index:
-            (error,) = self._set_source(src)
+            (error,) = self._set_source(src, nbytes)
         else:
             with torch.cuda.device(self._device_index):
-                (error,) = self._set_source(src)
+                (error,) = self._set_source(src, nbytes)
         if error != _cudart.cudaError_t.cudaSuccess:
             return False
-        self.source = src
+        self.source, self._nbytes = src, nbytes
         return True
 
-    def _set_source(self, src: int) -> tuple:
-        return self._set_params(
-            self._graph_exec, self._node, self._dst, src, self._nbytes, self._kind
-        )
+    def _set_source(self, src: int, nbytes: int) -> tuple:
+        return self._set_params(self._graph_exec, self._node, self._dst, src, nbytes, self._kind)

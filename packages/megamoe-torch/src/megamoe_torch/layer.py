@@ -434,7 +434,9 @@ class MegaMoE(nn.Module):
         # they run as their own MLP)
         self._shared_in_batch: dict[tuple, int] = {}
         # small eager forwards on the fused path replay CUDA graphs of themselves
-        self._forward_graphs = ForwardGraphs(max_tokens=config.eager_graph_tokens)
+        self._forward_graphs = ForwardGraphs(
+            max_tokens=config.eager_graph_tokens, max_bucket_tokens=config.bucket_graph_tokens
+        )
         # knobs="auto": times the GEMM knobs of each new batch class once (collectively under
         # expert parallelism) and keeps the winner in the knob cache
         self._autotuner = OnlineAutotuner(process_group=process_group)
@@ -958,16 +960,23 @@ class MegaMoE(nn.Module):
         *,
         table_ids_TK: torch.Tensor | None = None,
         out_TH: torch.Tensor | None = None,
+        token_count: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Routing + dispatch (one launch), expert compute, combine (one launch); the shared
         experts as experts of the batch, or their own MLP's output added in the combine. The
         combine writes into `out_TH` where given (a captured forward's static output).
         `table_ids_TK`: the experts the routing table gives the tokens, placed in place of the
-        logits' choice and weighted by their scores."""
+        logits' choice and weighted by their scores. `token_count` (int32 [1] on the device, a
+        graph of a bucket of token counts): only the first that many of the T tokens are routed
+        and combined, and the shared experts join the batch wherever they can (as their own MLP
+        they would compute all T rows)."""
         if self.config.check_inputs:
             check_finite_logits(router_logits_TE)
         x_TH = x_TH.contiguous()  # the kernels take row-major rows (a no-op for most inputs)
-        shared_in_batch = self._shared_experts_in_batch(x_TH.shape[0])
+        if token_count is None:
+            shared_in_batch = self._shared_experts_in_batch(x_TH.shape[0])
+        else:
+            shared_in_batch = self._shared_batch_experts()
         shared_TH = side = None
         if (
             self.shared_experts is not None
@@ -1000,6 +1009,7 @@ class MegaMoE(nn.Module):
             shared_experts=shared_in_batch,
             shared_gate_logits_T=shared_gate_logits_T,
             weights_on_input=weights_on_input,
+            token_count=token_count,
         )
         expert_out_MH = self._run_expert_backend(batch, shared_in_batch=bool(shared_in_batch))
         if side is not None:
@@ -1052,10 +1062,12 @@ class MegaMoE(nn.Module):
         *,
         input_ids: torch.Tensor | None = None,
         out_TH: torch.Tensor | None = None,
+        token_count: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(y_TH, router_logits_TE) of the fused path, the output norm applied, y written into
         `out_TH` where given: what a captured forward records. `input_ids`: the checked token
-        ids of a layer routing by token id."""
+        ids of a layer routing by token id. `token_count`: _fused_forward's (a bucket's graph;
+        y's rows past the count are then unspecified)."""
         router_logits_TE = self.router_logits(x_TH)
         table_ids_TK = None if self.routing_table is None else self._table_ids(input_ids)
         y_TH = self._fused_forward(
@@ -1063,6 +1075,7 @@ class MegaMoE(nn.Module):
             router_logits_TE,
             table_ids_TK=table_ids_TK,
             out_TH=out_TH if self.output_norm is None else None,
+            token_count=token_count,
         )
         if self.output_norm is None:
             return y_TH, router_logits_TE
@@ -1080,10 +1093,12 @@ class MegaMoE(nn.Module):
     def _replays_graphs(self, x_TH: torch.Tensor) -> bool:
         """Whether this forward may replay (or capture) a graph of itself: the fused path on
         one GPU with a backend that captures, no host-synchronising checks, not inside another
-        capture. The graphs take forwards of 1 to eager_graph_tokens tokens (asked first:
-        ForwardGraphs.takes)."""
+        capture. The graphs take forwards of 1 to eager_graph_tokens tokens, or to
+        bucket_graph_tokens (asked first: ForwardGraphs.takes); a bucket's graph routes its
+        bucket's rows, so with a capacity only where the bucket's pairs fit it."""
         return (
             self._forward_graphs.takes(x_TH.shape[0])
+            and self._bucket_fits_capacity(x_TH.shape[0])
             # a compiled forward's fused path is the op megamoe::fused_moe, which launches
             # (inductor's CUDA graphs, mode="reduce-overhead", capture it)
             and not torch.compiler.is_compiling()
@@ -1094,6 +1109,14 @@ class MegaMoE(nn.Module):
             and self._expert_backend.captures_in_graphs
             and not torch.cuda.is_current_stream_capturing()
         )
+
+    def _bucket_fits_capacity(self, tokens: int) -> bool:
+        """Whether the graph a forward of `tokens` would replay routes no more pairs than the
+        layer's capacity holds: a graph of its own shape, or of a bucket of T rows with T x
+        top_k <= capacity (None: any)."""
+        bucket = self._forward_graphs.bucket_of(tokens)
+        capacity = self.config.capacity
+        return bucket is None or capacity is None or bucket * self.config.top_k <= capacity
 
     def _gathers_rows(self, x_TH: torch.Tensor, *, shared_in_batch: int = 0) -> bool:
         """Whether the fused path's gate-up GEMM reads the batch rows from the tokens (the
