@@ -61,15 +61,15 @@ compiling only, and when a launch fails; a launch that hits the cache relies on 
 signature, which refuses any tensor of another dtype, shape, layout, alignment or device.
 
 Split-K variants also take a workspace: fp32 slices and int32 arrival counters, allocated once
-per (device, stream, size), zeroed once and left zero by every launch, and never freed (a
-captured CUDA graph keeps addressing them). Launches on one stream run one after another, so
-they can share it. Prefill tiles without clusters take their tiles from a counter (the drop's
-`dynamic_schedule`: the row tiles that share a weight tile run at once, so its second read hits
-L2), kept the same way: two int32 per (device, stream). A CUDA graph keeps the scratch of the
-stream it was captured on, so two graphs captured on one stream (torch.cuda.graph's default
-capture stream included) must not replay at the same time on different streams; capture them
-on streams of their own for that. (A fresh counter per captured launch would need zeroing inside
-the graph, and a memset between the two GEMMs would cost the programmatic dependent launch.)
+per (device, stream, size), zeroed once and left zero by every launch, and never freed.
+Launches on one stream run one after another, so they can share it. Prefill tiles without
+clusters take their tiles from a counter (the drop's `dynamic_schedule`: the row tiles that
+share a weight tile run at once, so its second read hits L2), kept the same way: two int32 per
+(device, stream). Under CUDA-graph capture each capture makes its own, shared by its launches
+and zeroed by fill kernels that each replay runs before the first of them (_stream_scratch), so
+graphs replay in any order; the fill before a GEMM takes the place of the routing kernel's
+programmatic dependency on it in the graph (0.4-0.7% of a prefill forward's replay,
+docs/benchmarks.md, "Bucket graphs").
 """
 
 from __future__ import annotations
