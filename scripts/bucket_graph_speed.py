@@ -16,18 +16,17 @@ machine from the project root (docs/benchmarks.md, "Setting up a GPU machine"):
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 from megamoe_kernels.reference import relative_l2_error
 from megamoe_runtime.geometries import GEOMETRIES
-from megamoe_runtime.measure import format_columns, host_seconds_per_call, median_seconds
+from megamoe_runtime.measure import (
+    alternating_readings,
+    format_columns,
+    host_seconds_per_call,
+    median_seconds,
+)
 from megamoe_torch.bench import build_layer, calls_in_turn, with_capacity
-
-
-def spread(values: list[float]) -> str:
-    """'median (min-max)' of microsecond readings."""
-    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
 
 
 @torch.no_grad()
@@ -62,14 +61,15 @@ def main() -> None:
                 for _ in range(3):
                     forward()
             error = relative_l2_error(bucketed(x_TH), launched(x_TH))
-            wall = {label: [] for label in forwards}
-            host = {label: [] for label in forwards}
-            for _ in range(args.rounds):
-                for label, forward in forwards.items():
-                    wall[label].append(
-                        1e6 * median_seconds(forward, device=device, repeats=args.repeats)
-                    )
-                    host[label].append(1e6 * host_seconds_per_call(forward, device=device))
+            readers = {}
+            for label, forward in forwards.items():
+                readers["wall", label] = lambda forward=forward: median_seconds(
+                    forward, device=device, repeats=args.repeats
+                )
+                readers["host", label] = lambda forward=forward: host_seconds_per_call(
+                    forward, device=device
+                )
+            readings = alternating_readings(readers, rounds=args.rounds)
             bucket = bucketed._forward_graphs.bucket_of(tokens)
             captured = {key[0] for key in bucketed._forward_graphs._graphs}
             replays = ("bucket", bucket, bucketed.config.hidden_size) in captured
@@ -78,10 +78,10 @@ def main() -> None:
                     name,
                     str(tokens),
                     str(bucket) if replays else "launched",
-                    spread(host["bucket"]),
-                    spread(host["launched"]),
-                    spread(wall["bucket"]),
-                    spread(wall["launched"]),
+                    readings["host", "bucket"].median_and_range_us(),
+                    readings["host", "launched"].median_and_range_us(),
+                    readings["wall", "bucket"].median_and_range_us(),
+                    readings["wall", "launched"].median_and_range_us(),
                     f"{error:.1e}",
                 ]
             )

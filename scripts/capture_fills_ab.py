@@ -17,13 +17,12 @@ For it this script stands in for the shim's scratch lookup.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 from megamoe_kernels.reference import relative_l2_error
 from megamoe_kernels.shim import expert_gemm, local_layer
 from megamoe_runtime.geometries import GEOMETRIES
-from megamoe_runtime.measure import median_seconds
+from megamoe_runtime.measure import alternating_readings, median_seconds
 from megamoe_torch.bench import build_layer, calls_in_turn, with_capacity
 
 
@@ -50,10 +49,6 @@ class ZeroedBeforeCapture:
 
     def zero_recorded(self) -> None:
         self.zeroed = {key: make() for key, make in self.kinds.items()}
-
-
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
 
 
 @torch.no_grad()
@@ -101,11 +96,16 @@ def main() -> None:
             "no fills": calls_in_turn(no_fills, copies),
             "launched": calls_in_turn(launched, copies),
         }
-        wall = {label: [] for label in forwards}
-        for _ in range(args.rounds):
-            for label, forward in forwards.items():
-                wall[label].append(1e6 * median_seconds(forward, device=device, repeats=20))
-        times = "  ".join(f"{label} {spread(values)}" for label, values in wall.items())
+        readings = alternating_readings(
+            {
+                label: lambda forward=forward: median_seconds(forward, device=device, repeats=20)
+                for label, forward in forwards.items()
+            },
+            rounds=args.rounds,
+        )
+        times = "  ".join(
+            f"{label} {reading.median_and_range_us()}" for label, reading in readings.items()
+        )
         print(
             f"{args.geometry} {tokens}: {times}  rel-L2 {errors[0]:.1e} / {errors[1]:.1e}"
             f"  (scratch zeroed before the capture: {', '.join(sorted(lookup.served))})",

@@ -91,6 +91,7 @@ def test_alternating_rounds_interleave_the_candidates_and_keep_every_reading():
     assert readings["a"].seconds == (3.0, 1.0, 2.0)
     assert readings["a"].best == 1.0 and readings["a"].median == 2.0
     assert readings["b"].spread == (6.0 - 4.0) / 4.0
+    assert timing.Readings((3e-6, 1e-6, 2.5e-6)).median_and_range_us() == "2.5 (1.0-3.0)"
 
 
 def test_csv_has_every_column_of_every_row_in_first_seen_order(tmp_path):

@@ -197,6 +197,11 @@ class Readings:
         """(slowest - fastest) / fastest reading."""
         return (max(self.seconds) - self.best) / self.best
 
+    def median_and_range_us(self) -> str:
+        """'median (fastest-slowest)' in microseconds."""
+        worst = max(self.seconds)
+        return f"{self.median * 1e6:.1f} ({self.best * 1e6:.1f}-{worst * 1e6:.1f})"
+
     def __str__(self) -> str:
         return "/".join(f"{seconds * 1e6:.1f}" for seconds in self.seconds)
 
