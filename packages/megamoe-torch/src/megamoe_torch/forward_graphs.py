@@ -158,10 +158,7 @@ class _Graph:
         count; the output is y's first rows in x's shape."""
         tokens = x.numel() // self.x.shape[1]
         if self.copy_source is None:
-            self.x[:tokens].copy_(x.reshape(tokens, -1))
-            if self.ids is not None:
-                self.ids[:tokens].copy_(input_ids.reshape(-1))
-            self.token_count.copy_(self.counts[tokens : tokens + 1])
+            _bring_in(self.x, self.ids, self.token_count, self.counts, x, input_ids, tokens)
         else:
             if not _points_at(self.copy_source, x, nbytes=x.numel() * x.element_size()):
                 return None
@@ -431,7 +428,7 @@ class ForwardGraphs:
 def _bring_in(static_x, static_ids, token_count, counts, x, input_ids, tokens: int) -> None:
     """Copies a forward's `tokens` tokens (and ids) into the first rows of the static input (a
     bucket's: and the count into its word, from the table of counts) with torch: the copies a
-    capture records as nodes."""
+    capture records as nodes, or that precede a replay whose graph has none."""
     static_x.view(-1, x.shape[-1])[:tokens].copy_(x.reshape(tokens, -1))
     if static_ids is not None:
         static_ids[:tokens].copy_(input_ids.reshape(-1))
