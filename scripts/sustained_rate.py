@@ -18,53 +18,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import threading
 import time
 
 import torch
 from megamoe_kernels import default_knobs
 from megamoe_runtime.geometries import GEOMETRIES
-from megamoe_runtime.measure import captured_graph, tflops
+from megamoe_runtime.measure import SmiSampler, captured_graph, tflops
 from megamoe_torch.tune import gemm_runners, tuning_problem
 
-SMI_FIELDS = "clocks.sm,power.draw,clocks_event_reasons.active"
 CALLS = 10  # calls per captured graph
-
-
-class SmiSampler:
-    """nvidia-smi in the background; each line stamped with the host clock when it arrives."""
-
-    def __init__(self, period_ms: int = 50):
-        self.samples: list[tuple[float, float, float, str]] = []
-        self.process = subprocess.Popen(
-            [
-                "nvidia-smi",
-                f"--query-gpu={SMI_FIELDS}",
-                "--format=csv,noheader,nounits",
-                "-lms",
-                str(period_ms),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.reader = threading.Thread(target=self.read, daemon=True)
-        self.reader.start()
-
-    def read(self) -> None:
-        for line in self.process.stdout:
-            fields = [field.strip() for field in line.split(",")]
-            try:
-                self.samples.append((time.time(), float(fields[0]), float(fields[1]), fields[2]))
-            except (ValueError, IndexError):
-                continue  # a header or a line nvidia-smi could not fill
-
-    def between(self, start: float, end: float):
-        return [sample for sample in self.samples if start <= sample[0] <= end]
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait()
 
 
 def seconds_per_call(graph: torch.cuda.CUDAGraph, replays: int) -> float:
@@ -130,10 +92,10 @@ def main() -> None:
         sustained = statistics.median(
             [s for at, s in readings if at >= late_start] or [readings[-1][1]]
         )
+        clock = sampler.median_of("clocks.sm", late_start, ended)
+        power = sampler.median_of("power.draw", late_start, ended)
         late = sampler.between(late_start, ended)
-        clock = statistics.median(sample[1] for sample in late) if late else float("nan")
-        power = statistics.median(sample[2] for sample in late) if late else float("nan")
-        reasons = " ".join(sorted({sample[3] for sample in late})) or "-"
+        reasons = " ".join(sorted({values[2] for _, values in late})) or "-"
         print(
             f"{name:34s} {tflops(flops, burst):6.0f} {tflops(flops, sustained):9.0f}"
             f"           {clock:6.0f} {power:8.0f}  {reasons}",

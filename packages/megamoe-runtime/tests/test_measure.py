@@ -143,3 +143,50 @@ def test_the_fp8_floor_counts_a_byte_a_weight_with_its_block_scales_and_fp8_prod
         qwen3, rows=8, active_experts=8, seconds=2 * fp8_decode, weight_dtype="fp8"
     )
     assert fraction == pytest.approx(0.5)
+
+
+# stands in for nvidia-smi: checks the arguments it is given, prints two samples, a line of the
+# wrong width and a sample whose power it could not read, then waits to be stopped
+FAKE_SMI = """
+import sys, time
+assert sys.argv[1:] == ["--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                        "-lms", "20"], sys.argv
+for line in ("1980, 300.5", "1500, 700.0", "garbage", "1400, [N/A]"):
+    print(line, flush=True)
+time.sleep(60)
+"""
+
+
+def test_smi_sampler_stamps_each_sample_and_reads_the_median_of_a_field():
+    """Every well-formed line becomes a sample stamped with the host clock (a line of the wrong
+    width is dropped); a field's median skips what is not a number; a span with no samples reads
+    NaN; a field that is not sampled, or a program that is not there, is an error naming it."""
+    import math
+    import sys
+    import time
+
+    from megamoe_runtime.measure import SmiSampler
+
+    start = time.time()
+    with SmiSampler(
+        ("clocks.sm", "power.draw"), period_ms=20, command=(sys.executable, "-c", FAKE_SMI)
+    ) as sampler:
+        deadline = time.time() + 30
+        while len(sampler.samples) < 3 and time.time() < deadline:
+            time.sleep(0.01)
+    end = time.time()
+    assert [values for _, values in sampler.samples] == [
+        ("1980", "300.5"),
+        ("1500", "700.0"),
+        ("1400", "[N/A]"),
+    ]
+    assert all(start <= stamp <= end for stamp, _ in sampler.samples)
+    assert sampler.median_of("clocks.sm", start, end) == 1500.0
+    assert sampler.median_of("power.draw", start, end) == (300.5 + 700.0) / 2
+    assert math.isnan(sampler.median_of("clocks.sm", end + 1, end + 2))
+    with pytest.raises(ValueError, match="'memory.used' is not sampled; sampled: clocks.sm"):
+        sampler.median_of("memory.used", start, end)
+    with pytest.raises(ValueError, match="period_ms must be >= 1, got 0"):
+        SmiSampler(period_ms=0)
+    with pytest.raises(RuntimeError, match="runs 'no-such-smi', which is not on this machine"):
+        SmiSampler(command=("no-such-smi",))

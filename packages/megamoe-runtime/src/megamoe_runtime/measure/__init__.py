@@ -4,7 +4,8 @@
   host clock, host time per call, per-step timing of a repeated sequence, alternating rounds,
   the slowest rank;
 - `metrics`: TFLOP/s, GB/s, speedups, the fraction of the roofline floor;
-- `output`: CSV, JSON, a bar chart (PNG), a text table.
+- `output`: CSV, JSON, a bar chart (PNG), a text table;
+- `smi`: the GPU's SM clock and power draw beside a reading (nvidia-smi in the background).
 
 `megamoe bench` (every mode, expert parallel included), `megamoe tune`, the online autotuner and
 the scripts under scripts/ time with these, so a number means the same wherever it was taken.
@@ -35,10 +36,12 @@ from megamoe_runtime.measure.output import (
     write_csv,
     write_json,
 )
+from megamoe_runtime.measure.smi import SmiSampler
 
 __all__ = [
     "SETTLE_SECONDS",
     "Readings",
+    "SmiSampler",
     "alternating_readings",
     "as_records",
     "captured_graph",
