@@ -28,7 +28,11 @@ of 20 forwards in three alternating rounds, and each one's kernel timeline (as -
 --graph-copy what an eager forward replayed from the layer's graph costs the GPU beyond its
 kernels: back-to-back replays of the layer's graph (its first node copies the tokens in), of a
 graph of the same forward without that node (its input read in place) and the forward in a
-graph of 10 (per forward), alternating rounds; --router-host
+graph of 10 (per forward), alternating rounds; --graph-gap
+the whole forward eager and replayed from graphs of 10 forwards and of 1, with the layer's fixed
+capacity and without one (alternating rounds, each reading beside the SM clock and board power
+nvidia-smi sampled meanwhile), then each kernel's device time per forward, eager against
+replayed; --router-host
 the host time of the ways to compute fp32 router logits; --host-profile prints
 where the host time of an eager forward goes: single forwards, each issued after the GPU
 drained (as the bench's "host us" times them), under cProfile (each function's own and
@@ -44,6 +48,7 @@ import json
 import pstats
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -51,6 +56,7 @@ from megamoe_kernels.shim.local_layer import CombineLauncher, RouteLauncher
 from megamoe_runtime.dispatch.device_routed import route_launcher_constants
 from megamoe_runtime.geometries import GEOMETRIES
 from megamoe_runtime.measure import (
+    SmiSampler,
     alternating_readings,
     captured_graph,
     host_seconds_per_call,
@@ -91,6 +97,7 @@ def main() -> None:
         "copy_in_ab": copy_in_ab,
         "polls_ab": polls_ab,
         "graph_copy": graph_copy,
+        "graph_gap": graph_gap,
         "router_host": router_host,
     }
     for option in studies:
@@ -461,6 +468,88 @@ def graph_copy(layer, x_TH, rounds: int = 3) -> None:
         rounds=rounds,
     )
     print(f"  graph copy us (a replay back to back): {readings_line(readings)}")
+
+
+def graph_gap(layer, x_TH, rounds: int = 3, repeats: int = 20) -> None:
+    """The whole forward, launching its kernels, timed per forward eagerly (median_seconds:
+    after the clock's settle, events around each of `repeats` forwards) and replayed from a
+    CUDA graph of 10 forwards and of 1, with the layer's fixed capacity ("fixed") and without
+    one ("free"), in alternating rounds; beside each reading the median SM clock and board
+    power nvidia-smi sampled over its second half. Then each kernel's device time per forward
+    (torch profiler): 5 eager forwards against one replay of the fixed layer's graph of 10."""
+    device = x_TH.device
+    copies = (x_TH, x_TH.clone())
+    variants = {
+        "fixed": with_capacity(
+            layer, layer.config.capacity, prepared_like=layer, eager_graph_tokens=0
+        ),
+        "free": with_capacity(layer, None, prepared_like=layer, eager_graph_tokens=0),
+    }
+    # sampling from before the captures: nvidia-smi takes a moment to print its first line
+    with SmiSampler() as sampler:
+        readers, graphs = {}, {}
+        for name, variant in variants.items():
+            variant.use_backend(layer.backend)
+            forward = calls_in_turn(variant, copies)
+            readers[f"{name} eager"] = lambda forward=forward: median_seconds(
+                forward, device=device, repeats=repeats
+            )
+        for name, variant in variants.items():
+            forward = calls_in_turn(variant, copies)
+            for calls in (10, 1):
+                graph = captured_graph(forward, device=device, calls=calls)
+                graphs[name, calls] = graph
+                readers[f"{name} x{calls}"] = lambda graph=graph, calls=calls: (
+                    median_seconds(graph.replay, device=device, repeats=repeats) / calls
+                )
+        spans = {name: [] for name in readers}
+
+        def spanned(name, read):
+            def reading():
+                start = time.time()
+                seconds = read()
+                spans[name].append((start, time.time()))
+                return seconds
+
+            return reading
+
+        readings = alternating_readings(
+            {name: spanned(name, read) for name, read in readers.items()}, rounds=rounds
+        )
+    print("  graph gap, us per forward (SM MHz, board W over its second half), by round:")
+    for name, reading in readings.items():
+        cells = []
+        for seconds, (start, end) in zip(reading.seconds, spans[name], strict=True):
+            late = (start + end) / 2
+            clock = sampler.median_of("clocks.sm", late, end)
+            power = sampler.median_of("power.draw", late, end)
+            cells.append(f"{seconds * 1e6:8.1f} ({clock:4.0f}, {power:3.0f})")
+        print(f"    {name:11s} " + "  ".join(cells))
+    fixed = calls_in_turn(variants["fixed"], copies)
+    replayed = graphs["fixed", 10]
+    eager_us = kernel_device_us(lambda: [fixed() for _ in range(5)], device=device, calls=5)
+    replay_us = kernel_device_us(replayed.replay, device=device, calls=10)
+    print("  kernel us per forward: eager | replayed (fixed x10)")
+    for kernel in sorted(set(eager_us) | set(replay_us), key=lambda k: -eager_us.get(k, 0.0)):
+        print(
+            f"    {eager_us.get(kernel, 0.0):8.1f} | {replay_us.get(kernel, 0.0):8.1f}  {kernel[:70]}"
+        )
+    print(f"    {sum(eager_us.values()):8.1f} | {sum(replay_us.values()):8.1f}  (all)")
+
+
+def kernel_device_us(fn, *, device, calls: int) -> dict[str, float]:
+    """Each GPU kernel's device time in us per call, from the torch profiler's CUDA activity
+    over one `fn()` that makes `calls` calls (after one unprofiled `fn()`)."""
+    fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    return {
+        event.key: event.device_time_total / calls
+        for event in prof.key_averages()
+        if event.device_type.name == "CUDA" and event.device_time_total > 0
+    }
 
 
 def replayed_forward_readings(variants: dict, *, rounds: int) -> dict:
