@@ -31,8 +31,8 @@ graph of the same forward without that node (its input read in place) and the fo
 graph of 10 (per forward), alternating rounds; --graph-gap
 the whole forward eager and replayed from graphs of 10 forwards and of 1, with the layer's fixed
 capacity and without one (alternating rounds, each reading beside the SM clock and board power
-nvidia-smi sampled meanwhile), then each kernel's device time per forward, eager against
-replayed; --router-host
+nvidia-smi sampled meanwhile), then each kernel's device time per forward, eager and
+replayed, with the fixed capacity and without; --router-host
 the host time of the ways to compute fp32 router logits; --host-profile prints
 where the host time of an eager forward goes: single forwards, each issued after the GPU
 drained (as the bench's "host us" times them), under cProfile (each function's own and
@@ -476,7 +476,7 @@ def graph_gap(layer, x_TH, rounds: int = 3, repeats: int = 20) -> None:
     CUDA graph of 10 forwards and of 1, with the layer's fixed capacity ("fixed") and without
     one ("free"), in alternating rounds; beside each reading the median SM clock and board
     power nvidia-smi sampled over its second half. Then each kernel's device time per forward
-    (torch profiler): 5 eager forwards against one replay of the fixed layer's graph of 10."""
+    (torch profiler) in each variant: 5 eager forwards and one replay of its graph of 10."""
     device = x_TH.device
     copies = (x_TH, x_TH.clone())
     variants = {
@@ -525,16 +525,21 @@ def graph_gap(layer, x_TH, rounds: int = 3, repeats: int = 20) -> None:
             power = sampler.median_of("power.draw", late, end)
             cells.append(f"{seconds * 1e6:8.1f} ({clock:4.0f}, {power:3.0f})")
         print(f"    {name:11s} " + "  ".join(cells))
-    fixed = calls_in_turn(variants["fixed"], copies)
-    replayed = graphs["fixed", 10]
-    eager_us = kernel_device_us(lambda: [fixed() for _ in range(5)], device=device, calls=5)
-    replay_us = kernel_device_us(replayed.replay, device=device, calls=10)
-    print("  kernel us per forward: eager | replayed (fixed x10)")
-    for kernel in sorted(set(eager_us) | set(replay_us), key=lambda k: -eager_us.get(k, 0.0)):
-        print(
-            f"    {eager_us.get(kernel, 0.0):8.1f} | {replay_us.get(kernel, 0.0):8.1f}  {kernel[:70]}"
+    columns = {}
+    for name, variant in variants.items():
+        forward = calls_in_turn(variant, copies)
+        columns[f"{name} eager"] = kernel_device_us(
+            lambda forward=forward: [forward() for _ in range(5)], device=device, calls=5
         )
-    print(f"    {sum(eager_us.values()):8.1f} | {sum(replay_us.values()):8.1f}  (all)")
+        columns[f"{name} x10"] = kernel_device_us(graphs[name, 10].replay, device=device, calls=10)
+    kernels = sorted(
+        set().union(*columns.values()), key=lambda k: -columns["fixed eager"].get(k, 0.0)
+    )
+    print("  kernel us per forward: " + " | ".join(columns))
+    for kernel in kernels:
+        cells = " | ".join(f"{us.get(kernel, 0.0):10.1f}" for us in columns.values())
+        print(f"    {cells}  {kernel[:70]}")
+    print("    " + " | ".join(f"{sum(us.values()):10.1f}" for us in columns.values()) + "  (all)")
 
 
 def kernel_device_us(fn, *, device, calls: int) -> dict[str, float]:
