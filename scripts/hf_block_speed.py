@@ -182,7 +182,7 @@ def bench_point(
     )
     megamoe_graph = None
     if device.type == "cuda":
-        fixed = with_capacity(layer, tokens * layer.config.top_k)
+        fixed = with_capacity(layer, tokens * layer.config.top_k, prepared_like=layer)
         megamoe_graph = median_graph_replay_seconds(
             lambda: fixed(x), device=device, repeats=repeats
         )

@@ -328,6 +328,32 @@ def test_weights_prepared_with_the_shared_experts_hold_the_routed_ones_once(monk
 
 
 @torch.no_grad()
+def test_weights_prepared_in_another_order_leave_the_parameters_their_own(monkeypatch):
+    """A prepared copy of the routed experts that differs from w13 in one expert (its last: the
+    comparison runs an expert at a time, not on the first alone) is not taken for w13: the
+    parameter keeps its storage and values; w2, held as it is, becomes a view."""
+    from dataclasses import replace
+
+    layer = MegaMoE(MegaMoEConfig(**DSV3, shared_experts_path="batch"), dtype=torch.float32)
+    w13 = layer.w13.clone()
+    assert layer.backend == "reference"  # resolved: its prepare is the one wrapped below
+    monkeypatch.setattr(layer, "_shared_batch_experts", lambda: 1)
+    prepare = layer._expert_backend.prepare
+
+    def reordered(pack):
+        prepared = prepare(pack)
+        w13_E2IH = prepared.w13_E2IH.clone()
+        w13_E2IH[15] = w13_E2IH[15].flip(0)  # the gate and up rows of one expert in turn
+        return replace(prepared, w13_E2IH=w13_E2IH)
+
+    monkeypatch.setattr(layer._expert_backend, "prepare", reordered)
+    whole = layer._prepared_weights(shared_in_batch=True)
+    assert layer.w13.data_ptr() != whole.w13_E2IH.data_ptr()
+    assert torch.equal(layer.w13, w13)
+    assert layer.w2.data_ptr() == whole.w2_EHI.data_ptr()
+
+
+@torch.no_grad()
 def test_a_dropped_layer_is_freed_by_its_last_reference():
     """No reference cycle holds a layer (its captured graphs included): what it owns is freed
     when the last reference goes, never by the cycle collector at a random moment, such as in

@@ -637,6 +637,11 @@ class MegaMoE(nn.Module):
         def bits(t: torch.Tensor) -> torch.Tensor:  # e4m3 compares as its bytes
             return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
+        def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+            # an expert at a time: torch.equal's elementwise result takes a byte per element,
+            # 7 GiB beside DeepSeek-V3's w13 (256 x 4096 x 7168) at the memory's peak
+            return all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b, strict=True))
+
         for parameter in (self.w13, self.w2):
             for tensor in candidates:
                 if (
@@ -645,7 +650,7 @@ class MegaMoE(nn.Module):
                     and tensor.shape[1:] == parameter.shape[1:]
                     and tensor.shape[0] > experts
                     and tensor.is_contiguous()
-                    and torch.equal(bits(tensor[:experts]), bits(parameter))
+                    and same_values(tensor[:experts], parameter)
                 ):
                     parameter.data = tensor[:experts]
                     break
