@@ -60,6 +60,7 @@ from megamoe_runtime.measure import (
     alternating_readings,
     captured_graph,
     host_seconds_per_call,
+    kernel_times,
     median_graph_replay_seconds,
     median_seconds,
 )
@@ -528,10 +529,10 @@ def graph_gap(layer, x_TH, rounds: int = 3, repeats: int = 20) -> None:
     columns = {}
     for name, variant in variants.items():
         forward = calls_in_turn(variant, copies)
-        columns[f"{name} eager"] = kernel_device_us(
+        columns[f"{name} eager"] = kernel_us(
             lambda forward=forward: [forward() for _ in range(5)], device=device, calls=5
         )
-        columns[f"{name} x10"] = kernel_device_us(graphs[name, 10].replay, device=device, calls=10)
+        columns[f"{name} x10"] = kernel_us(graphs[name, 10].replay, device=device, calls=10)
     kernels = sorted(
         set().union(*columns.values()), key=lambda k: -columns["fixed eager"].get(k, 0.0)
     )
@@ -542,18 +543,10 @@ def graph_gap(layer, x_TH, rounds: int = 3, repeats: int = 20) -> None:
     print("    " + " | ".join(f"{sum(us.values()):10.1f}" for us in columns.values()) + "  (all)")
 
 
-def kernel_device_us(fn, *, device, calls: int) -> dict[str, float]:
-    """Each GPU kernel's device time in us per call, from the torch profiler's CUDA activity
-    over one `fn()` that makes `calls` calls (after one unprofiled `fn()`)."""
-    fn()
-    torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize(device)
+def kernel_us(fn, *, device, calls: int) -> dict[str, float]:
+    """Each kernel's device time in us per call (measure.kernel_times)."""
     return {
-        event.key: event.device_time_total / calls
-        for event in prof.key_averages()
-        if event.device_type.name == "CUDA" and event.device_time_total > 0
+        name: kernel.us for name, kernel in kernel_times(fn, device=device, calls=calls).items()
     }
 
 
@@ -647,16 +640,10 @@ def copy_in_ab(layer, x_TH, rounds: int = 3) -> None:
 
 def report(layer, x_TH, title: str) -> None:
     """Prints the device time of each kernel of one forward, and the host time of each step."""
-    layer(x_TH)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
-        for _ in range(5):
-            layer(x_TH)
-        torch.cuda.synchronize()
+    kernels = kernel_times(lambda: [layer(x_TH) for _ in range(5)], device=x_TH.device, calls=5)
     print(f"\n{title}, fused path: {layer.fused_path_status()}")
-    for event in profiler.key_averages():
-        if event.device_type.name == "CUDA":
-            print(f"  {event.device_time:9.1f} us  x{event.count // 5}  {event.key[:90]}")
+    for name, kernel in kernels.items():
+        print(f"  {kernel.us:9.1f} us  x{kernel.launches:g}  {name[:90]}")
     logits = layer.router_logits(x_TH)
     dispatcher = layer._device_routed
     rows_dtype = torch.float8_e4m3fn if layer._dispatches_fp8_rows() else None

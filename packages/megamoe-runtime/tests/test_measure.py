@@ -190,3 +190,35 @@ def test_smi_sampler_stamps_each_sample_and_reads_the_median_of_a_field():
         SmiSampler(period_ms=0)
     with pytest.raises(RuntimeError, match="runs 'no-such-smi', which is not on this machine"):
         SmiSampler(command=("no-such-smi",))
+
+
+def test_kernel_times_need_a_cuda_device_and_a_call():
+    from megamoe_runtime.measure import kernel_times
+
+    with pytest.raises(ValueError, match="kernels of a CUDA device, got device=cpu"):
+        kernel_times(lambda: None, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="calls must be at least 1, got 0"):
+        kernel_times(lambda: None, device="cuda", calls=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kernel_times_count_each_kernel_per_call_after_one_unprofiled_run():
+    """Three calls of two kernels each: a fill and an add, each launched once a call, the
+    longer first; the function runs twice (once unprofiled)."""
+    from megamoe_runtime.measure import kernel_times
+
+    x, y = torch.zeros(1 << 24, device="cuda"), torch.empty(1 << 10, device="cuda")
+
+    def calls():
+        for _ in range(3):
+            x.add_(1.0)
+            y.fill_(2.0)
+
+    kernels = kernel_times(calls, device="cuda", calls=3)
+    assert torch.equal(x, torch.full_like(x, 6.0))
+    assert len(kernels) == 2 and all(kernel.launches == 1.0 for kernel in kernels.values())
+    times = [kernel.us for kernel in kernels.values()]
+    assert times == sorted(times, reverse=True) and times[-1] > 0
+    add, fill = kernels
+    assert "add" in add.lower() and "fill" in fill.lower()

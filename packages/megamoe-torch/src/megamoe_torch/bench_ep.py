@@ -43,6 +43,7 @@ from megamoe_runtime.experts import backend_status
 from megamoe_runtime.geometries import Geometry
 from megamoe_runtime.measure import (
     gigabytes_per_second,
+    kernel_times,
     median_step_seconds,
     slowest_across_ranks,
     speedup,
@@ -210,23 +211,16 @@ def _time_all_to_all(geometry: Geometry, ids_TK, *, world: int, iterations: int)
 
 
 def kernel_breakdown(dispatcher, x_TH, ids_TK, weights_TK, iterations: int = 5) -> dict:
-    """Mean GPU time per kernel name (us) over eager dispatch + combine calls, from the torch
-    profiler: where a step's time goes (launch gaps excluded)."""
-    from torch.profiler import ProfilerActivity, profile
+    """Each kernel's GPU time per dispatch + combine (us; measure.kernel_times over
+    `iterations` eager pairs): where a step's time goes (launch gaps excluded)."""
 
-    batch, handle = dispatcher.dispatch(x_TH, ids_TK, weights_TK)
-    dispatcher.combine(batch.rows_MH, handle)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+    def pairs():
         for _ in range(iterations):
             batch, handle = dispatcher.dispatch(x_TH, ids_TK, weights_TK)
             dispatcher.combine(batch.rows_MH, handle)
-        torch.cuda.synchronize()
-    return {
-        event.key[:60]: event.device_time_total / iterations
-        for event in profiler.key_averages()
-        if event.device_time_total > 0
-    }
+
+    kernels = kernel_times(pairs, device=x_TH.device, calls=iterations)
+    return {name[:60]: kernel.us for name, kernel in kernels.items()}
 
 
 def _symmetric_dispatchers(geometry: Geometry, token_counts: list[int], device: torch.device):

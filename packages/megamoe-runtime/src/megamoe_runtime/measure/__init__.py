@@ -5,7 +5,8 @@
   the slowest rank;
 - `metrics`: TFLOP/s, GB/s, speedups, the fraction of the roofline floor;
 - `output`: CSV, JSON, a bar chart (PNG), a text table;
-- `smi`: the GPU's SM clock and power draw beside a reading (nvidia-smi in the background).
+- `smi`: the GPU's SM clock and power draw beside a reading (nvidia-smi in the background);
+- `kernels`: each GPU kernel's device time per call (the torch profiler).
 
 `megamoe bench` (every mode, expert parallel included), `megamoe tune`, the online autotuner and
 the scripts under scripts/ time with these, so a number means the same wherever it was taken.
@@ -23,6 +24,7 @@ from megamoe_runtime.measure.clock import (
     median_step_seconds,
     slowest_across_ranks,
 )
+from megamoe_runtime.measure.kernels import KernelTime, kernel_times
 from megamoe_runtime.measure.metrics import (
     expert_roofline_fraction,
     gigabytes_per_second,
@@ -40,6 +42,7 @@ from megamoe_runtime.measure.smi import SmiSampler
 
 __all__ = [
     "SETTLE_SECONDS",
+    "KernelTime",
     "Readings",
     "SmiSampler",
     "alternating_readings",
@@ -50,6 +53,7 @@ __all__ = [
     "gigabytes_per_second",
     "host_seconds_per_call",
     "keep_busy",
+    "kernel_times",
     "median_graph_replay_seconds",
     "median_seconds",
     "median_step_seconds",
