@@ -486,17 +486,17 @@ def graph_gap(layer, x_TH, rounds: int = 3, repeats: int = 20) -> None:
         ),
         "free": with_capacity(layer, None, prepared_like=layer, eager_graph_tokens=0),
     }
+    for variant in variants.values():
+        variant.use_backend(layer.backend)
+    forwards = {name: calls_in_turn(variant, copies) for name, variant in variants.items()}
     # sampling from before the captures: nvidia-smi takes a moment to print its first line
     with SmiSampler() as sampler:
         readers, graphs = {}, {}
-        for name, variant in variants.items():
-            variant.use_backend(layer.backend)
-            forward = calls_in_turn(variant, copies)
+        for name, forward in forwards.items():
             readers[f"{name} eager"] = lambda forward=forward: median_seconds(
                 forward, device=device, repeats=repeats
             )
-        for name, variant in variants.items():
-            forward = calls_in_turn(variant, copies)
+        for name, forward in forwards.items():
             for calls in (10, 1):
                 graph = captured_graph(forward, device=device, calls=calls)
                 graphs[name, calls] = graph
@@ -527,8 +527,7 @@ def graph_gap(layer, x_TH, rounds: int = 3, repeats: int = 20) -> None:
             cells.append(f"{seconds * 1e6:8.1f} ({clock:4.0f}, {power:3.0f})")
         print(f"    {name:11s} " + "  ".join(cells))
     columns = {}
-    for name, variant in variants.items():
-        forward = calls_in_turn(variant, copies)
+    for name, forward in forwards.items():
         columns[f"{name} eager"] = kernel_us(
             lambda forward=forward: [forward() for _ in range(5)], device=device, calls=5
         )
