@@ -95,7 +95,8 @@ def main() -> None:
         clock = sampler.median_of("clocks.sm", late_start, ended)
         power = sampler.median_of("power.draw", late_start, ended)
         late = sampler.between(late_start, ended)
-        reasons = " ".join(sorted({values[2] for _, values in late})) or "-"
+        reasons_at = sampler.fields.index("clocks_event_reasons.active")
+        reasons = " ".join(sorted({values[reasons_at] for _, values in late})) or "-"
         print(
             f"{name:34s} {tflops(flops, burst):6.0f} {tflops(flops, sustained):9.0f}"
             f"           {clock:6.0f} {power:8.0f}  {reasons}",

@@ -17,7 +17,7 @@ class KernelTime(NamedTuple):
 
 
 def kernel_times(
-    fn: Callable[[], object], *, device: torch.device, calls: int = 1
+    fn: Callable[[], object], *, device: torch.device | str, calls: int = 1
 ) -> dict[str, KernelTime]:
     """{kernel name: its KernelTime per call} over one `fn()` that makes `calls` calls (a loop of
     forwards, a graph of that many), after one unprofiled `fn()` (compiles, first-touch
