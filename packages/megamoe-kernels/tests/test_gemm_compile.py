@@ -238,3 +238,53 @@ def test_published_offsets_need_the_word_after_them():
     offsets = torch.empty(EXPERTS + 1, dtype=torch.int32, device="meta")
     with pytest.raises(ValueError, match="followed in its storage by the int32 word"):
         gate_up_swiglu(rows_MH, offsets, w13, offsets_published=True, compile_only=True)
+
+
+@pytest.mark.parametrize("rows_per_expert", [1, 16, 512])
+def test_the_down_gemms_adding_rows_into_tokens_compile(rows_per_expert):
+    """row_source_M on the down GEMMs (bf16 and FP8): the default launches of decode and
+    prefill capacities, their rows added into the tokens' rows."""
+    from megamoe_kernels import down_fp8
+
+    capacity = rows_per_expert * EXPERTS
+    meta = {"device": "meta"}
+    offsets = torch.empty(EXPERTS + 1, dtype=torch.int32, **meta)
+    y_TH = torch.empty(capacity // 2 + 1, HIDDEN, dtype=torch.bfloat16, **meta)
+    row_tokens = torch.empty(capacity, dtype=torch.int32, **meta)
+    row_scale = torch.empty(capacity, dtype=torch.float32, **meta)
+    down(
+        torch.empty(capacity, INTERMEDIATE, dtype=torch.bfloat16, **meta),
+        offsets,
+        torch.empty(EXPERTS, HIDDEN, INTERMEDIATE, dtype=torch.bfloat16, **meta),
+        row_scale_M=row_scale,
+        out_MH=y_TH,
+        row_source_M=row_tokens,
+        compile_only=True,
+    )
+    down_fp8(
+        torch.empty(capacity, INTERMEDIATE, dtype=torch.float8_e4m3fn, **meta),
+        torch.empty(INTERMEDIATE // 64, capacity, dtype=torch.float32, **meta),
+        offsets,
+        torch.empty(EXPERTS, HIDDEN, INTERMEDIATE, dtype=torch.float8_e4m3fn, **meta),
+        torch.empty(EXPERTS, -(-HIDDEN // 128), -(-INTERMEDIATE // 128), **meta),
+        row_scale_M=row_scale,
+        out_MH=y_TH,
+        row_source_M=row_tokens,
+        compile_only=True,
+    )
+
+
+def test_rows_added_into_tokens_need_int32_tokens_and_the_tokens_rows():
+    hidden_MI, offsets, w2 = meta_down_operands()
+    tokens = torch.empty(64, dtype=torch.int32, device="meta")
+    with pytest.raises(TypeError, match=r"row_source_M must be int32 \[64\]"):
+        down(hidden_MI, offsets, w2, row_source_M=tokens.long(), compile_only=True)
+    with pytest.raises(ValueError, match=r"out_MH must be torch.bfloat16 \[9, 2880\]"):
+        down(
+            hidden_MI,
+            offsets,
+            w2,
+            out_MH=torch.empty(9, 128, dtype=torch.bfloat16, device="meta"),
+            row_source_M=tokens,
+            compile_only=True,
+        )

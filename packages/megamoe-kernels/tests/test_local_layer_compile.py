@@ -507,3 +507,21 @@ def test_launch_bounds_keep_every_ctas_per_sm_resident_without_spills(tmp_path):
             threads, ctas = route_residency(experts, quantizes)
         allocated = -(-registers // 8) * 8 * threads * ctas
         assert allocated <= 65536 and stack == local == 0, (kind, constants, line)
+
+
+# row tokens for the atomic combine: copied bf16 rows, FP8 rows, gathered rows, shared experts
+ROW_TOKEN_ROUTERS = [
+    dict(ROUTERS[0], row_tokens=True),
+    dict(ROUTERS[3], row_tokens=True, rows_dtype=torch.float8_e4m3fn),
+    dict(ROUTERS[0], row_tokens=True, gather_rows=True),
+    dict(ROUTERS[3], row_tokens=True, shared_experts=1),
+]
+
+
+@pytest.mark.parametrize(
+    "constants", ROW_TOKEN_ROUTERS, ids=lambda c: f"E{c['num_experts']}-{c.get('rows_dtype')}"
+)
+def test_route_and_place_writing_row_tokens_compiles(constants):
+    launcher = RouteLauncher(**constants, compile_only=True)
+    assert launcher.row_tokens
+    assert launcher.compile() is not None

@@ -702,7 +702,7 @@ def test_rows_scaled_by_their_weights_are_the_bits_of_torchs_product(
             device=device,
         )
         capacity = dispatcher.batch_capacity(tokens, shared_experts=shared_experts)
-        ids, weights_TK, row_of_pair_TK, offsets, rows_MH, _, _ = launcher(
+        ids, weights_TK, row_of_pair_TK, offsets, rows_MH, *_ = launcher(
             logits_TE, x_TH, capacity=capacity
         )
         handle = LocalHandle(
@@ -1024,3 +1024,40 @@ def test_a_token_count_routes_places_and_combines_the_first_tokens_alone(
     assert launcher.status(device) == [0, 0, 0, 0]
     with pytest.raises(ValueError, match="row weights of a routing with a token_count"):
         row_weights_of(batch, handle)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "dsv3", "mixtral"])
+@pytest.mark.parametrize("gather_rows", [False, True])
+@pytest.mark.parametrize("shared_experts", [0, 1])
+@pytest.mark.parametrize("tokens", [0, 1, 5, 300, 4099])
+def test_row_tokens_for_the_atomic_combine(name, gather_rows, shared_experts, tokens):
+    """reduce_into_TH: the launch zeroes the output's rows and writes each valid batch row's
+    token and its pair's weight, the rest of the routing unchanged."""
+    router = ROUTERS[name]
+    _needs_kernels(router, 512)
+    generator = torch.Generator(device="cuda").manual_seed(tokens)
+    x_TH = torch.randn(tokens, 512, device="cuda", generator=generator).bfloat16()
+    logits = torch.randn(tokens, router.num_experts, device="cuda", generator=generator)
+    bias = torch.randn(router.num_experts, device="cuda", generator=generator) * 0.01
+    dispatcher = DeviceRoutedDispatcher(router, hidden_size=512)
+    routed = dict(correction_bias_E=bias, gather_rows=gather_rows, shared_experts=shared_experts)
+    plain, plain_handle, plain_ids = dispatcher.route_and_dispatch(x_TH, logits, **routed)
+    out_TH = torch.full_like(x_TH, float("nan"))
+    batch, handle, ids = dispatcher.route_and_dispatch(
+        x_TH, logits, reduce_into_TH=out_TH, **routed
+    )
+    assert torch.equal(ids, plain_ids)
+    assert torch.equal(handle.row_of_pair_TK, plain_handle.row_of_pair_TK)
+    assert torch.equal(handle.topk_weights_TK, plain_handle.topk_weights_TK)
+    assert torch.equal(batch.expert_offsets, plain.expert_offsets)
+    if gather_rows:
+        assert handle.row_tokens_M is batch.row_source_M
+    else:
+        assert torch.equal(batch.rows_MH, plain.rows_MH)
+    assert plain_handle.row_tokens_M is None and plain_handle.row_weights_M is None
+    rows = handle.row_of_pair_TK.long()
+    pairs = rows.shape[1]
+    tokens_of_pairs = torch.arange(tokens, device="cuda").unsqueeze(1).expand(tokens, pairs)
+    assert torch.equal(handle.row_tokens_M[rows].long(), tokens_of_pairs)
+    assert torch.equal(handle.row_weights_M[rows], handle.topk_weights_TK)
+    assert torch.equal(out_TH, torch.zeros_like(out_TH))

@@ -158,6 +158,13 @@ def variants_to_check() -> list[tuple[str, str, object, int]]:
     # decode gate-ups polling for the offsets the routing kernel publishes (the profile's at one
     # token: knobs.GATE_UP_POLLS_OFFSETS_MAX_TOKENS)
     variants += [("polls", op, default_knobs(op, 1), 1) for op in ("gate_up", "gate_up_fp8")]
+    # down GEMMs adding their rows into the tokens' rows (the atomic combine): a decode and a
+    # prefill profile
+    variants += [
+        ("reduces", op, default_knobs(op, rows), rows)
+        for rows in (1, 512)
+        for op in ("down", "down_fp8")
+    ]
     return variants
 
 
@@ -204,7 +211,7 @@ def compile_profiles(dump_dir: Path) -> dict[str, list[Path]]:
             offsets_published=offsets_published,
         )
 
-    def down_fp8(rows, offsets, weight, *, knobs, compile_only):
+    def down_fp8(rows, offsets, weight, *, knobs, compile_only, row_source_M=None):
         # on the scale groups the default gate-up of the same batch writes
         _, hidden, intermediate = stored_shape_dims(weight.shape)
         gate_up = default_launches(
@@ -221,6 +228,7 @@ def compile_profiles(dump_dir: Path) -> dict[str, list[Path]]:
             knobs=knobs,
             compile_only=compile_only,
             x_group=intermediate_group(gate_up, intermediate),
+            row_source_M=row_source_M,
         )
 
     gemms = {
@@ -233,23 +241,27 @@ def compile_profiles(dump_dir: Path) -> dict[str, list[Path]]:
     seen = set()
     for label, op, knobs, rows_per_expert in variants_to_check():
         capacity = rows_per_expert * EXPERTS
-        # compiled already (capacity is dynamic)? Packed and polling variants are kernels of
-        # their own
-        kind = (op, knobs, label if label in ("packed", "polls") else None)
+        # compiled already (capacity is dynamic)? Packed, polling and reducing variants are
+        # kernels of their own
+        kind = (op, knobs, label if label in ("packed", "polls", "reduces") else None)
         if kind in seen:
             continue
         seen.add(kind)
         gemm, width, weight, rows_meta = gemms[op]
         if label == "packed":
             width, weight = packed_rows[op], packed_fp8[op]
-        polls = {"offsets_published": True} if label == "polls" else {}
+        options = {"offsets_published": True} if label == "polls" else {}
+        if label == "reduces":
+            options["row_source_M"] = torch.empty(capacity, dtype=torch.int32, device="meta")
+            if op == "down":  # the call, not only its launcher: it takes the tokens' rows
+                options["out_MH"] = torch.empty(capacity, HIDDEN, **meta)
         gemm(
             torch.empty(capacity, width, **rows_meta),
-            published_offsets if polls else offsets,
+            published_offsets if label == "polls" else offsets,
             weight,
             knobs=knobs,
             compile_only=True,
-            **polls,
+            **options,
         )
         # cubin names do not carry the knobs: move each away before the next compile
         variant = "-swap" if knobs.swap_ab else "-pingpong" if knobs.pingpong else ""

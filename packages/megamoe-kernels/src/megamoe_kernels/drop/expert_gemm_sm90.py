@@ -142,6 +142,13 @@ and BF16 tiles of the same shape hold the same stages. out_scale_group: the gate
 e4m3 with one scale per row and out_scale_group columns (out_scales [N_out / out_scale_group,
 rows]; 64, or 128 where the tile holds 128 output columns): the tile is staged in bf16 and
 each group quantized as it is copied out (8 or 16 lanes share a group's amax by shuffles).
+
+reduce_out (the down GEMM: no SwiGLU, a bf16 out): out is the tokens' output [T, N] and
+row_source [capacity] int32 the token of each batch row; each output row, times its row scale
+(the pair's routing weight), is added into out[token] by reductions at the L2
+(tile_epilogue.ReducedCopyOut): the combine done by the down GEMM, in no fixed order (not
+deterministic), each add rounded to bf16. out holds zeros (or what the rows add to) before the
+launch.
 """
 
 import enum
@@ -160,6 +167,7 @@ from .tile_epilogue import (
     InlineStore,
     PlainCopyOut,
     QuantizedCopyOut,
+    ReducedCopyOut,
     RowScaledOutput,
     SplitKSum,
     StoreWarps,
@@ -294,6 +302,8 @@ class ExpertGroupedGemmSm90:
                columns (fp8_scaling: INTERMEDIATE_GROUP, or WIDE_INTERMEDIATE_GROUP with
                256-column prefill tiles); None: bf16 out
     gather_rows: x holds the tokens and row_source the token of each batch row (bf16 only)
+    reduce_out: out holds the tokens' rows and row_source the token of each batch row, into
+               whose row the batch row's output is added (the down GEMM; module docstring)
     prefetch_weight_scales: FP8: before a tile's mainloop its consumers prefetch into L2 the
                weight scales of each of its K tiles (a thread a K tile): for scales that lie
                a cache line or more apart (a packed weight's, after each of its tiles), whose
@@ -331,6 +341,7 @@ class ExpertGroupedGemmSm90:
         scale_group=None,
         out_scale_group=None,
         gather_rows=False,
+        reduce_out=False,
         bias=False,
         swiglu_limit=None,
         swiglu_alpha=1.0,
@@ -361,6 +372,11 @@ class ExpertGroupedGemmSm90:
         if gather_rows and scale_group is not None:
             raise ValueError(
                 "gather_rows: bf16 only (FP8 rows carry scales the consumers would have to gather)"
+            )
+        if reduce_out and (swiglu or out_scale_group is not None or gather_rows):
+            raise ValueError(
+                "reduce_out: the down GEMM's bf16 output (no SwiGLU, no quantized output, no "
+                "gathered rows: row_source names the tokens the rows are added into)"
             )
         if staged_scale_k_tiles and (scale_group is None or not swap_ab):
             raise ValueError(
@@ -395,6 +411,7 @@ class ExpertGroupedGemmSm90:
         self.scale_group = scale_group
         self.quantize_out = out_scale_group is not None
         self.gather_rows = gather_rows
+        self.reduce_out = reduce_out
         self.prefetch_weight_scales = prefetch_weight_scales and self.block_scaled
         self.staged_scale_k_tiles = staged_scale_k_tiles
         self.schedule = TileSchedule(
@@ -491,7 +508,9 @@ class ExpertGroupedGemmSm90:
                 tile_rows=tile_rows, out_tile_cols=self.out_tile_cols, group=out_scale_group
             )
             if self.quantize_out
-            else PlainCopyOut(tile_rows=self.staged_rows, out_tile_cols=self.out_tile_cols)
+            else (ReducedCopyOut if reduce_out else PlainCopyOut)(
+                tile_rows=self.staged_rows, out_tile_cols=self.out_tile_cols
+            )
         )
         self.tile_store = (
             StoreWarps(
@@ -606,6 +625,9 @@ class ExpertGroupedGemmSm90:
         # every K tile, then the two weight scales of every K tile
         self.staged_x_words = self.groups_per_tile * self.tile_rows
         self.staged_scale_words = self.staged_scale_k_tiles * (self.staged_x_words + 2)
+        if cutlass.const_expr(self.reduce_out):
+            # the copy-out's tensor beside the output: the token of each batch row
+            mOutScales = mRowSource
         if cutlass.const_expr(self.quantize_out):
             mOutScales = cute.make_tensor(
                 mOutScales.iterator,
@@ -956,7 +978,8 @@ class ExpertGroupedGemmSm90:
         col_tiles = (n_cols + self.tile_cols - 1) // self.tile_cols
         k_tiles = (cute.size(mX, mode=[1]) + self.tile_k - 1) // self.tile_k
         col_units = col_tiles * self.split_k
-        capacity = cute.size(mOut, mode=[0])
+        # the batch's rows (reduce_out: out holds the tokens' rows, x the batch)
+        capacity = cute.size(mX if self.reduce_out else mOut, mode=[0])
         # the cluster walks the schedule's units; this CTA takes row tile `cluster_rank` of each
         cluster_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster_idx = block_idx // self.cluster_rows

@@ -47,6 +47,12 @@ split between a CTA's warps: the tokens whose slices its warps take in one pass)
    Gathered rows (row_source given, rows None): no row is copied; each pair's lane writes
    row_source[row] = its token instead, and the gate-up GEMM reads the batch rows from the
    tokens (expert_gemm_sm90's gather_rows).
+   Row tokens (row_source given beside the rows, and row_weights): each pair's lane also
+   writes its row's token and row_weights[row] = its weight, for a down GEMM that adds each
+   row, weighted, into its token's output row (expert_gemm_sm90's reduce_out) in place of the
+   combine; zero_rows (the output [T, H] bf16, optional): the warp that routed a token zeroes
+   its row there, for those adds (no fill launched between this kernel and the GEMMs, which
+   would break their programmatic chain).
 
 Given experts (mGivenIds [T, top_k], int32 or int64, in place of the choice of step 1: a model
 that routes its tokens itself, or DeepSeek-V4's hash layers, whose token ids choose): lane k takes
@@ -84,7 +90,8 @@ Layouts: logits [T, E] float32 or bfloat16 (None with given weights); correction
 float32 (optional); shared_gate [T] float32 (optional, with S > 0); given ids and weights
 [T, top_k] (optional); x [T, H] bfloat16 and rows [M, H] bfloat16 (or e4m3 with row_scales float32 [ceil(H / 128), M],
 group-major) row-major, H a multiple of 8, rows 16-byte aligned (or row_source int32 [M] in
-their place); topk_ids and
+their place, or beside them); row_weights float32 [M] and zero_rows bf16 [T, H] row-major
+(optional); topk_ids and
 row_of_pair int32 [T, top_k + S]; topk_weights float32 [T, top_k + S]; expert_offsets int32
 [E + S + 1] (E + S + 2 with publish_offsets); scratch int32 [scratch_words(E + S)], zeroed once when allocated (its barrier words return to their
 start state, so launches, graph replays included, need no host work); status int64 [4]: a
@@ -107,7 +114,7 @@ from cutlass.memory import SmemAllocator
 from .ep_dispatch import copy_row, copy_to_rows
 from .ep_place import grid_barrier, scan_cta_counts
 from .ep_sync import thread_position
-from .row_vectors import bf16_weight, quantize_to_rows, scale_to_rows
+from .row_vectors import bf16_weight, quantize_to_rows, scale_to_rows, store_chunk
 from .token_count import counted_tokens
 from .warp import lanes_with_same_value, warp_inclusive_sum
 
@@ -595,6 +602,8 @@ def route_and_place_kernel(
     mRows,
     mRowScales,
     mRowSource,
+    mRowWeights,
+    mZeroRows,
     mScratch: cute.Tensor,
     mStatus: cute.Tensor,
     mTokenCount,
@@ -786,6 +795,14 @@ def route_and_place_kernel(
                 weight = bf16_weight(mTopkWeights[token, lane])
             if cutlass.const_expr(mRowSource is not None):
                 mRowSource[row] = token
+            if cutlass.const_expr(mRowWeights is not None):
+                mRowWeights[row] = mTopkWeights[token, lane]
+        if cutlass.const_expr(mZeroRows is not None):
+            zeros = cute.make_rmem_tensor(8, cutlass.Float32)
+            zeros.fill(0.0)
+            zero_row = mZeroRows.iterator.toint() + cutlass.Int64(token) * row_bytes
+            for vector in range(lane, row_vectors, 32):
+                store_chunk(zero_row + cutlass.Int64(vector) * 16, zeros)
         if cutlass.const_expr(copy_by_token and mRows is not None):
             if not split_rows:
                 # 5. the warp copies the token's row into its batch rows: each 16-byte vector
@@ -881,6 +898,8 @@ def route_and_place(
     mRows,
     mRowScales,
     mRowSource,
+    mRowWeights,
+    mZeroRows,
     mScratch: cute.Tensor,
     mStatus: cute.Tensor,
     mTokenCount,
@@ -931,6 +950,8 @@ def route_and_place(
         mRows,
         mRowScales,
         mRowSource,
+        mRowWeights,
+        mZeroRows,
         mScratch,
         mStatus,
         mTokenCount,

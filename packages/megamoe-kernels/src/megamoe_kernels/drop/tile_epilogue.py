@@ -4,7 +4,8 @@ after its mainloop, as parts the kernel composes.
   accumulators -> SplitKSum (split_k > 1: the CTA that completes the tile's sum goes on)
                -> Bias (bias[expert, weight row], before the activation)
                -> SwiGLUOutput | RowScaledOutput: the values, into the team's staging buffer
-               -> StoreWarps | InlineStore: a PlainCopyOut | QuantizedCopyOut to the rows
+               -> StoreWarps | InlineStore: a PlainCopyOut | QuantizedCopyOut to the rows,
+                  or a ReducedCopyOut into the rows' tokens
 
 The staging buffer is a padded tile in shared memory (row pitch + EPILOGUE_ROW_PAD elements: no
 bank conflicts, 16-byte aligned rows), and the copy-out writes it to global memory in 16-byte
@@ -25,6 +26,7 @@ values and return new ones, and the objects hold only compile-time constants.
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
+from cutlass._mlir.dialects import llvm
 
 from .gate_up_layout import interleaved_output_column
 from .scale_division import divided_by_scale, group_scale
@@ -352,6 +354,76 @@ class PlainCopyOut:
                     sOut_vectors[(None, (row, col // vector))],
                     mOut_vectors[(None, (row0 + row, (col0 + col) // vector))],
                 )
+
+
+class ReducedCopyOut(PlainCopyOut):
+    """The down GEMM's tile added into its tokens' output rows (the atomic combine): each staged
+    row (weighted by RowScaledOutput's row scale) is added, in 16-byte vectors, into
+    out[token], token = row_token[row] (mRowToken [capacity] int32, each valid row's token),
+    by reductions at the L2 (red.global.add.noftz.v4.bf16x2): the expert-major output rows are
+    never written, and no combine kernel reads them back. Each add rounds to bf16, and the adds
+    of a token's pairs land in the order the tiles reach them: the sum is not deterministic.
+    out [T, N_out] bf16 row-major holds what the rows add to (zeros) before the launch."""
+
+    @cute.jit
+    def copy(self, sOut, mOut, mRowToken, *, row0, rows, col_tile, tidx, threads):
+        """Adds the staged tile's rows [row0, row0 + rows) (batch rows), the columns below
+        N_out, into their tokens' rows of mOut; `threads` threads share it, this one is
+        `tidx`."""
+        vector = OUT_VECTOR
+        vectors_per_row = self.out_tile_cols // vector
+        n_out = cute.size(mOut, mode=[1])
+        col0 = col_tile * self.out_tile_cols
+        sOut_vectors = cute.zipped_divide(sOut, (1, vector))
+        out_address = mOut.iterator.toint()
+        row_bytes = cutlass.Int64(n_out) * (mOut.element_type.width // 8)
+        column_bytes = mOut.element_type.width // 8
+        for v in cutlass.range(tidx, rows * vectors_per_row, threads):
+            row = v // vectors_per_row
+            col = (v % vectors_per_row) * vector
+            if col0 + col < n_out:
+                staged = cute.make_rmem_tensor((vector,), mOut.element_type)
+                staged.store(sOut_vectors[(None, (row, col // vector))].load())
+                token = mRowToken[row0 + row]
+                reduce_add_bf16x8(
+                    out_address
+                    + cutlass.Int64(token) * row_bytes
+                    + cutlass.Int64(col0 + col) * column_bytes,
+                    cute.recast_tensor(staged, cutlass.Int32),
+                )
+
+
+@cute.jit
+def reduce_add_bf16x8(address, words):
+    """Adds 8 bf16 (`words`: 4 Int32 of two bf16 each, a register tensor) into the 16-byte
+    aligned global vector at `address`, at the L2 (red.global.add.noftz.v4.bf16x2: relaxed, GPU
+    scope; each value's sum rounded to bf16), the line kept in the L2 before others
+    (evict_last)."""
+    policy = llvm.inline_asm(
+        cutlass.Int64.mlir_type,
+        [],
+        "createpolicy.fractional.L2::evict_last.b64 $0, 1.0;",
+        "=l",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    llvm.inline_asm(
+        None,
+        [
+            cutlass.Int64(address).ir_value(),
+            cutlass.Int32(words[0]).ir_value(),
+            cutlass.Int32(words[1]).ir_value(),
+            cutlass.Int32(words[2]).ir_value(),
+            cutlass.Int32(words[3]).ir_value(),
+            policy,
+        ],
+        "red.global.add.L2::cache_hint.noftz.v4.bf16x2 [$0], {$1, $2, $3, $4}, $5;",
+        "l,r,r,r,r,l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
 
 
 class QuantizedCopyOut(PlainCopyOut):

@@ -427,7 +427,15 @@ def _check_gate_up(
 
 
 def _check_down(
-    hidden_MI, expert_offsets, w2_EHI, row_scale_M, out_MH, *, fp8=False, bias=None
+    hidden_MI,
+    expert_offsets,
+    w2_EHI,
+    row_scale_M,
+    out_MH,
+    *,
+    fp8=False,
+    bias=None,
+    row_source_M=None,
 ) -> None:
     """Every rule of down's arguments, with an error that names the argument."""
     if not isinstance(hidden_MI, torch.Tensor):
@@ -460,7 +468,10 @@ def _check_down(
             f"FP8 w2: I={intermediate} must be a multiple of {INTERMEDIATE_GROUP} (the "
             "intermediate's quantization group)"
         )
-    _check_out("out_MH", out_MH, hidden_MI, hidden, torch.bfloat16)
+    if row_source_M is None:
+        _check_out("out_MH", out_MH, hidden_MI, hidden, torch.bfloat16)
+    else:
+        _check_row_tokens(row_source_M, out_MH, hidden_MI, hidden=hidden)
     if bias is not None:
         _check_bias(
             "w2_bias_EH",
@@ -469,6 +480,30 @@ def _check_down(
             device=hidden_MI.device,
             made_by="one bias per expert and output column; .float() of a bf16 one",
         )
+
+
+def _check_row_tokens(row_source_M, out_TH, hidden_MI: torch.Tensor, *, hidden: int) -> None:
+    """The down GEMM adding its rows into their tokens' rows: row_source_M int32 [M] (the
+    batch's rows) and out_TH (None while a launcher is bound; a call gives it) bf16 [T, hidden],
+    contiguous, beside the rows."""
+    capacity = hidden_MI.shape[0]
+    if (
+        not isinstance(row_source_M, torch.Tensor)
+        or row_source_M.dtype != torch.int32
+        or tuple(row_source_M.shape) != (capacity,)
+    ):
+        got = _described(row_source_M)
+        raise TypeError(
+            f"row_source_M must be int32 [{capacity}] (the token of each batch row), got {got}"
+        )
+    _check_common("row_source_M", row_source_M, dim=1, device=hidden_MI.device)
+    if out_TH is None:
+        return
+    if not isinstance(out_TH, torch.Tensor) or out_TH.dim() != 2:
+        raise ValueError(
+            f"out_MH must be the tokens' rows, bf16 [T, {hidden}], got {_described(out_TH)}"
+        )
+    _check_out("out_MH", out_TH, hidden_MI, hidden, torch.bfloat16, capacity=out_TH.shape[0])
 
 
 def published_offsets_buffer(entries: int, *, device: torch.device | str) -> torch.Tensor:
@@ -747,6 +782,7 @@ class GemmLauncher:
         "masked",
         "op",
         "out_group",
+        "reduces",
         "swiglu",
         "takes_unit_counter",
         "weight_rows",
@@ -762,6 +798,7 @@ class GemmLauncher:
         weight_rows: int,
         entry: tuple[Callable, bool] | None,
         gathers: bool = False,
+        reduces: bool = False,
         masked: bool = False,
         has_bias: bool = False,
         swiglu: SwiGLU = PLAIN_SWIGLU,
@@ -772,6 +809,8 @@ class GemmLauncher:
         # FP8: columns per scale of the rows and (gate-up) of the e4m3 output; None in bf16
         self.x_group, self.out_group = x_group, out_group
         self.gathers = gathers  # the rows come from tokens by row_source_M
+        # the down GEMM's rows are added into their tokens' rows (row_source_M) of the output
+        self.reduces = reduces
         self.masked = masked  # each expert's rows are counted by expert_counts
         self.has_bias = has_bias  # a bias is added before the epilogue (a call passes it)
         self.swiglu = swiglu  # compiled into the gate-up kernel
@@ -797,9 +836,10 @@ class GemmLauncher:
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The output; with "gate_up_fp8" (the output, its scales). A gathering launcher takes
-        the tokens as x_MK and row_source_M (the token of each batch row); a masked one the
-        counts (expert_counts); a launcher bound with a bias takes one (the op's layout) on
-        every call."""
+        the tokens as x_MK and row_source_M (the token of each batch row); a reducing one (the
+        down GEMM bound with a row source) row_source_M and `out`, the tokens' rows its rows are
+        added into; a masked one the counts (expert_counts); a launcher bound with a bias takes
+        one (the op's layout) on every call."""
         scales = (x_scales, w_scales, out_scales)
 
         def check() -> None:
@@ -820,10 +860,16 @@ class GemmLauncher:
             )
 
         try:
-            if (row_source_M is not None) != self.gathers:
+            by_token = self.gathers or self.reduces
+            if (row_source_M is not None) != by_token:
                 raise ValueError(
                     "row_source_M is required by a launcher bound with one, and refused by "
-                    f"others (this one {'gathers' if self.gathers else 'does not gather'})"
+                    f"others (this one was bound {'with' if by_token else 'without'} one)"
+                )
+            if self.reduces and out is None:
+                raise ValueError(
+                    "out is required where the rows are added into their tokens' rows "
+                    "(row_source_M): bf16 [T, H], holding what they add to (zeros)"
                 )
             if (expert_counts is not None) != self.masked:
                 raise ValueError(
@@ -835,7 +881,7 @@ class GemmLauncher:
                     "bias is required by a launcher bound with one, and refused by others "
                     f"(this one was bound {'with' if self.has_bias else 'without'} a bias)"
                 )
-            rows = x_MK.shape[0] if row_source_M is None else row_source_M.shape[0]
+            rows = row_source_M.shape[0] if self.gathers else x_MK.shape[0]
             quantized = self.op == "gate_up_fp8"
             if out is None:
                 out = torch.empty(
@@ -913,9 +959,9 @@ def _check_op(
             raise ValueError("row_scale_M is the down GEMM's; the gate-up GEMM takes none")
         _check_gate_up(x_MK, expert_offsets, w, out, fp8=fp8, row_source_M=row_source_M, bias=bias)
     else:
-        if row_source_M is not None:
-            raise ValueError("row_source_M is the gate-up GEMM's; the down GEMM takes none")
-        _check_down(x_MK, expert_offsets, w, row_scale_M, out, fp8=fp8, bias=bias)
+        _check_down(
+            x_MK, expert_offsets, w, row_scale_M, out, fp8=fp8, bias=bias, row_source_M=row_source_M
+        )
     if scales is None:
         return
     x_scales, w_scales, out_scales = scales
@@ -1021,7 +1067,10 @@ def _launcher(
 
     try:
         device_index = -1 if compile_only else x_MK.get_device()
-        gathers = row_source_M is not None
+        # a row source: the gate-up GEMM gathers its rows from the tokens, the down GEMM adds
+        # its rows into the tokens' rows
+        by_token = row_source_M is not None
+        gathers = by_token and is_gate_up(op)
         masked = expert_counts is not None
         # the batch's (rows, K): with gathered rows, the row source's rows and the tokens' K
         batch_shape = (row_source_M.shape[0], x_MK.shape[1]) if gathers else tuple(x_MK.shape)
@@ -1031,7 +1080,7 @@ def _launcher(
             knobs,
             tuned_knobs,
             batch_shape,
-            gathers,
+            by_token,
             masked,
             w.shape,
             valid_rows,
@@ -1081,7 +1130,7 @@ def _launcher(
                     launches,
                     w.shape,
                     has_row_scale,
-                    gathers,
+                    by_token,
                     masked,
                     has_bias,
                     swiglu,
@@ -1096,6 +1145,7 @@ def _launcher(
             weight_rows=weight_rows,
             entry=entry if device_index >= 0 else None,
             gathers=gathers,
+            reduces=by_token and not gathers,
             masked=masked,
             has_bias=has_bias,
             swiglu=swiglu,
@@ -1115,13 +1165,16 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callabl
         _,
         weight_shape,
         has_row_scale,
-        gathers,
+        by_token,
         masked,
         has_bias,
         swiglu,
         (x_group, out_group),
         device_index,
     ) = key
+    # a row source: the gate-up gathers its rows from the tokens, the down GEMM adds its rows
+    # into theirs
+    gathers, reduces = by_token and is_gate_up(op), by_token and not is_gate_up(op)
     with _COMPILE_LOCK:
         entry = _COMPILED.get(key)
         if entry is not None:
@@ -1159,6 +1212,7 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callabl
                 scale_group=x_group,
                 out_scale_group=out_group,
                 gather_rows=gathers,
+                reduce_out=reduces,
                 bias=has_bias,
                 # a packed weight's scales lie a packet apart: one line per K tile
                 prefetch_weight_scales=is_packed_shape(weight_shape),
@@ -1184,6 +1238,7 @@ def _compile(op: str, launches: tuple[Launch, ...], key: tuple) -> tuple[Callabl
             scale_group=x_group,
             out_scale_group=out_group,
             gather_rows=gathers,
+            reduce_out=reduces,
             masked=masked,
             has_bias=has_bias,
         )
@@ -1265,10 +1320,18 @@ def down(
     compile_only: bool = False,
     expert_counts: torch.Tensor | None = None,
     w2_bias_EH: torch.Tensor | None = None,
+    row_source_M: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x W2^T per expert, plus w2_bias_EH[expert] (float32 [E, H], optional), each row then
     optionally multiplied by row_scale_M (float32, [M]); knobs, tuned_knobs and valid_rows as
     for gate_up_swiglu.
+
+    row_source_M: int32 [M], the token of each batch row: the combine done by the GEMM. out_MH
+    (required) is then the tokens' output [T, H] bf16, and each valid row's output (times its
+    row_scale_M: the pair's routing weight) is added into out_MH[token] by atomic reductions at
+    the L2 (red.add.bf16x2): each add rounds to bf16, and a token's adds land in no fixed
+    order, so the result is not deterministic. out_MH holds what the rows add to (zeros, or a
+    shared expert's output) before the call.
 
     With decode tiles the kernel starts loading w2_EHI (it reads expert_offsets to know which
     experts) while the kernel before it on the stream still runs, when that kernel lets it start
@@ -1286,6 +1349,7 @@ def down(
         compile_only=compile_only,
         expert_counts=expert_counts,
         w2_bias_EH=w2_bias_EH,
+        row_source_M=row_source_M,
     )
     return launcher(
         hidden_MI,
@@ -1293,6 +1357,7 @@ def down(
         w2_EHI,
         row_scale_M=row_scale_M,
         out=out_MH,
+        row_source_M=row_source_M,
         expert_counts=expert_counts,
         bias=w2_bias_EH,
     )
@@ -1347,10 +1412,11 @@ def down_launcher(
     compile_only: bool = False,
     expert_counts: torch.Tensor | None = None,
     w2_bias_EH: torch.Tensor | None = None,
+    row_source_M: torch.Tensor | None = None,
 ) -> GemmLauncher:
     """down's launcher for calls like this one (with a row scale or without, a bias or
-    without, as here): called as launcher(hidden_MI, expert_offsets, w2_EHI, row_scale_M=None,
-    out=None, bias=None)."""
+    without, a row source or without, as here): called as launcher(hidden_MI, expert_offsets,
+    w2_EHI, row_scale_M=None, out=None, bias=None, row_source_M=None)."""
     return _launcher(
         "down",
         hidden_MI,
@@ -1363,6 +1429,7 @@ def down_launcher(
         compile_only=compile_only,
         expert_counts=expert_counts,
         bias=w2_bias_EH,
+        row_source_M=row_source_M,
     )
 
 
@@ -1427,10 +1494,12 @@ def down_fp8(
     valid_rows: int | None = None,
     compile_only: bool = False,
     expert_counts: torch.Tensor | None = None,
+    row_source_M: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """down on e4m3 rows (scales [I / 64, M] or [I / 128, M], as gate_up_swiglu_fp8 leaves
     them: the group is told from their shape) and an e4m3 w2 (scales [E, H / 128, I / 128]):
-    bf16 [M, H]. Arguments as for down."""
+    bf16 [M, H] (with row_source_M, the tokens' [T, H] it adds into). Arguments as for
+    down."""
     launcher = down_fp8_launcher(
         hidden_MI,
         expert_offsets,
@@ -1442,6 +1511,7 @@ def down_fp8(
         valid_rows=valid_rows,
         compile_only=compile_only,
         expert_counts=expert_counts,
+        row_source_M=row_source_M,
     )
     return launcher(
         hidden_MI,
@@ -1451,6 +1521,7 @@ def down_fp8(
         out=out_MH,
         x_scales=hidden_scales,
         w_scales=w2_scales,
+        row_source_M=row_source_M,
         expert_counts=expert_counts,
     )
 
@@ -1500,10 +1571,11 @@ def down_fp8_launcher(
     compile_only: bool = False,
     expert_counts: torch.Tensor | None = None,
     x_group: int = INTERMEDIATE_GROUP,
+    row_source_M: torch.Tensor | None = None,
 ) -> GemmLauncher:
     """down_fp8's launcher: called as launcher(hidden_MI, expert_offsets, w2_EHI,
-    x_scales=..., w_scales=..., row_scale_M=None, out=None). `x_group`: columns per scale of
-    hidden_MI, 64 or 128 (the gate-up launcher's out_group)."""
+    x_scales=..., w_scales=..., row_scale_M=None, out=None, row_source_M=None). `x_group`:
+    columns per scale of hidden_MI, 64 or 128 (the gate-up launcher's out_group)."""
     return _launcher(
         "down_fp8",
         hidden_MI,
@@ -1516,6 +1588,7 @@ def down_fp8_launcher(
         compile_only=compile_only,
         expert_counts=expert_counts,
         x_group=x_group,
+        row_source_M=row_source_M,
     )
 
 

@@ -202,6 +202,7 @@ def compile_stored_weight_launch(
     scale_group: int | None = None,
     out_scale_group: int | None = None,
     gather_rows: bool = False,
+    reduce_out: bool = False,
     masked: bool = False,
     has_bias: bool = False,
 ):
@@ -212,14 +213,16 @@ def compile_stored_weight_launch(
     tensors (the workspace when split_k > 1: at most one of the kernels splits K; the counter
     when one has a dynamic schedule; the scales for FP8 kernels, scale_group set: e4m3 x and w,
     and an e4m3 out with out_scale_group (its scales' columns per group); row_source with
-    gather_rows, x then being the tokens; expert_counts for a masked batch; the bias with
+    gather_rows, x then being the tokens, or with reduce_out, out then being the tokens' rows;
+    expert_counts for a masked batch; the bias with
     has_bias, float32 in the kernel's order of N: [E, I/8, 16] or [E, H])."""
     experts = weight_shape[0]
     rows = cute.sym_int32(symbol="rows")
     ab_dtype = cutlass.BFloat16 if scale_group is None else cutlass.Float8E4M3FN
     out_dtype = cutlass.Float8E4M3FN if out_scale_group is not None else cutlass.BFloat16
-    x = row_major(ab_dtype, (cute.sym_int32(symbol="tokens") if gather_rows else rows, k))
-    row_source = row_major(cutlass.Int32, (rows,)) if gather_rows else None
+    tokens = cute.sym_int32(symbol="tokens")
+    x = row_major(ab_dtype, (tokens if gather_rows else rows, k))
+    row_source = row_major(cutlass.Int32, (rows,)) if gather_rows or reduce_out else None
     expert_counts = row_major(cutlass.Int32, (experts,)) if masked else None
     packet = None
     if is_packed_shape(weight_shape):
@@ -232,7 +235,7 @@ def compile_stored_weight_launch(
         packet = (strides[2], weight_shape[3], weight_shape[4])
     else:
         w = row_major(ab_dtype, tuple(weight_shape))
-    out = row_major(out_dtype, (rows, n_out))
+    out = row_major(out_dtype, (tokens if reduce_out else rows, n_out))
     x_scales = w_scales = out_scales = None
     if scale_group is not None:
         x_scales = rows_contiguous(cutlass.Float32, -(-k // scale_group), rows)

@@ -19,6 +19,10 @@ Shape legend: T tokens, E experts, K experts per token (top-k), H hidden size, M
   gate-up GEMM that reads the rows from the tokens (gate_up_swiglu's row_source_M); or with
   weights_on_input=True (bf16, copied) each pair's row scaled by its routing weight, the bits of
   `x * w.to(torch.bfloat16)`, for experts that compute on w x (Llama 4), combined unweighted.
+  With row_tokens=True the launch also writes row_source [M] int32 (each batch row's token;
+  also where the rows are copied) and row_weights [M] float32 (its pair's weight), and zeroes
+  the rows of the call's out_TH [T, H] bf16, for a down GEMM that adds its rows into them in
+  place of the combine (down's row_source_M and row_scale_M).
   Every routing of megamoe's RouterConfig: softmax, sigmoid or sqrt(softplus) scoring, a
   correction bias on the scores or the logits for the choice, grouped top-k (groups scored by
   their two best experts or their best), PhiMoE's sparsemixer, renormalisation, routed scaling.
@@ -223,6 +227,7 @@ class RouteLauncher:
         shared_experts: int = 0,
         shared_expert_gate: bool = False,
         weights_on_input: bool = False,
+        row_tokens: bool = False,
         copy_by_token: bool = True,
         one_cta_tokens: int | None = None,
         unroll: int | None = None,
@@ -315,6 +320,7 @@ class RouteLauncher:
         self.logits_dtype, self.rows_dtype = logits_dtype, rows_dtype
         self.gather_rows = bool(gather_rows)
         self.weights_on_input = bool(weights_on_input)
+        self.row_tokens = bool(row_tokens)
         self.scale_groups = None
         if rows_dtype == torch.float8_e4m3fn:
             from megamoe_kernels.drop.fp8_scaling import ACTIVATION_GROUP
@@ -400,6 +406,7 @@ class RouteLauncher:
             logits_dtype,
             rows_dtype,
             self.gather_rows,
+            self.row_tokens,
             has_correction_bias,
             self.shared_expert_gate,
             given_ids_dtype,
@@ -468,7 +475,9 @@ class RouteLauncher:
             None
             if self.scale_groups is None
             else row_major(cutlass.Float32, (self.scale_groups, rows)),
-            row_major(cutlass.Int32, (rows,)) if self.gather_rows else None,
+            row_major(cutlass.Int32, (rows,)) if self.gather_rows or self.row_tokens else None,
+            row_major(cutlass.Float32, (rows,)) if self.row_tokens else None,
+            row_major(cutlass.BFloat16, (tokens, hidden)) if self.row_tokens else None,
             row_major(cutlass.Int32, (self._scratch_words,)),
             row_major(cutlass.Int64, (4,)),
             row_major(cutlass.Int32, (1,)) if counted else None,
@@ -554,10 +563,12 @@ class RouteLauncher:
         topk_weights_TK: torch.Tensor | None = None,
         token_count: torch.Tensor | None = None,
         reuse_outputs: bool = False,
+        out_TH: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """(topk_ids_TK, topk_weights_TK, row_of_pair_TK, expert_offsets (with publishes_offsets
         the first E + S + 1 of E + S + 2 words), rows_MH or None when gathering, row_scales_GM or
-        None for bf16 rows, row_source_M or None unless gathering);
+        None for bf16 rows, row_source_M or None unless gathering or row_tokens, row_weights_M
+        or None unless row_tokens);
         capacity >= T x pairs rows (checked here: the kernel writes rows up to T x pairs - 1;
         pairs = K + shared_experts, the columns of the [T, pairs] outputs). shared_gate_T: the
         shared experts' gate logits, float32 [T], given exactly when built with
@@ -568,6 +579,8 @@ class RouteLauncher:
         x's device whose value, read by the kernel, says how many of the T tokens to take (the
         first min(count, T): a CUDA graph of T token rows replaying fewer tokens); the outputs'
         entries of the tokens past it and expert_offsets' pairs are left out (None: all T).
+        `out_TH` (bf16 [T, H], given exactly to a launcher built with row_tokens=True): the
+        output a down GEMM adds the rows into; the launch zeroes its (counted) tokens' rows.
 
         `reuse_outputs`: the outputs of the last call on this stream with the same tokens and
         capacity are written again instead of allocating new ones (five allocations fewer per
@@ -587,6 +600,11 @@ class RouteLauncher:
                     f"with given_ids_dtype={self.given_ids_dtype}, given_weights_dtype="
                     f"{self.given_weights_dtype})"
                 )
+        if (out_TH is not None) != self.row_tokens:
+            raise ValueError(
+                "out_TH is required by a launcher built with row_tokens=True and refused by "
+                f"others (this one: row_tokens={self.row_tokens})"
+            )
         if (shared_gate_T is not None) != self.shared_expert_gate:
             raise ValueError(
                 "shared_gate_T is required by a launcher built with shared_expert_gate=True and "
@@ -614,7 +632,16 @@ class RouteLauncher:
             outputs = kept[1]
         else:
             outputs = self._new_outputs(tokens, capacity, x_TH)
-        ids_TK, weights_TK, row_of_pair_TK, offsets, rows_MH, row_scales_GM, row_source_M = outputs
+        (
+            ids_TK,
+            weights_TK,
+            row_of_pair_TK,
+            offsets,
+            rows_MH,
+            row_scales_GM,
+            row_source_M,
+            row_weights_M,
+        ) = outputs
         scratch, status = self._scratch(device, tokens=tokens)
         compiled = self.compile(counted=token_count is not None)
         if self.given_ids_dtype is not None:
@@ -634,6 +661,8 @@ class RouteLauncher:
                 rows_MH,
                 row_scales_GM,
                 row_source_M,
+                row_weights_M,
+                out_TH,
                 scratch,
                 status,
                 token_count,
@@ -647,6 +676,7 @@ class RouteLauncher:
                 shared_gate_T,
                 topk_ids_TK,
                 topk_weights_TK,
+                out_TH,
             )
         return outputs
 
@@ -666,7 +696,10 @@ class RouteLauncher:
             None
             if self.scale_groups is None
             else torch.empty((self.scale_groups, capacity), dtype=torch.float32, device=device),
-            torch.empty(capacity, dtype=torch.int32, device=device) if self.gather_rows else None,
+            torch.empty(capacity, dtype=torch.int32, device=device)
+            if self.gather_rows or self.row_tokens
+            else None,
+            torch.empty(capacity, dtype=torch.float32, device=device) if self.row_tokens else None,
         )
 
     def _explain(
@@ -678,6 +711,7 @@ class RouteLauncher:
         shared_gate_T=None,
         topk_ids_TK=None,
         topk_weights_TK=None,
+        out_TH=None,
     ) -> None:
         """Re-raises a refused launch as an error that names the argument at fault."""
         tokens = None if x_TH is None else x_TH.shape[0]
@@ -690,6 +724,8 @@ class RouteLauncher:
             checks.append(("x", x_TH, torch.bfloat16, (tokens, self.hidden_size)))
             if self.shared_expert_gate:
                 checks.append(("shared_gate", shared_gate_T, torch.float32, (tokens,)))
+            if self.row_tokens:
+                checks.append(("out_TH", out_TH, torch.bfloat16, (tokens, self.hidden_size)))
             given = (
                 ("topk_ids", topk_ids_TK, self.given_ids_dtype),
                 ("topk_weights", topk_weights_TK, self.given_weights_dtype),

@@ -157,6 +157,7 @@ class DeviceRoutedDispatcher:
         publish_offsets: bool = False,
         given_ids_dtype: torch.dtype | None = None,
         given_weights_dtype: torch.dtype | None = None,
+        row_tokens: bool = False,
     ):
         key = (
             logits_dtype,
@@ -169,6 +170,7 @@ class DeviceRoutedDispatcher:
             publish_offsets,
             given_ids_dtype,
             given_weights_dtype,
+            row_tokens,
         )
         launcher = self._route_launchers.get(key)
         if launcher is None:
@@ -186,6 +188,7 @@ class DeviceRoutedDispatcher:
                 publish_offsets=publish_offsets,
                 given_ids_dtype=given_ids_dtype,
                 given_weights_dtype=given_weights_dtype,
+                row_tokens=row_tokens,
                 device=device,
             )
         return launcher
@@ -217,6 +220,7 @@ class DeviceRoutedDispatcher:
         shared_gate_logits_T: torch.Tensor | None = None,
         weights_on_input: bool = False,
         token_count: torch.Tensor | None = None,
+        reduce_into_TH: torch.Tensor | None = None,
     ) -> tuple[ExpertBatch, LocalHandle, torch.Tensor]:
         """(batch, handle for combine, topk_ids_TK int32); the routing weights are
         handle.topk_weights_TK (float32).
@@ -259,7 +263,12 @@ class DeviceRoutedDispatcher:
         placed and copied, and the combine of the handle sums only theirs (its output's rows
         past them are left as they are): a CUDA graph captured for T token rows serves any
         count up to T. The ids', weights' and pair rows' entries past it are unspecified, the
-        batch's valid rows are expert_offsets[-1] (its valid_rows, T x pairs, an upper bound)."""
+        batch's valid rows are expert_offsets[-1] (its valid_rows, T x pairs, an upper bound).
+
+        `reduce_into_TH` (bf16 [T, H], contiguous): the output a down GEMM adds the batch rows
+        into in place of `combine` (the cutedsl backend's row_tokens_M): the launch zeroes its
+        (counted) tokens' rows and writes each batch row's token and its pair's weight
+        (handle.row_tokens_M, row_weights_M)."""
         if weights_on_input and (gather_rows or rows_dtype not in (None, torch.bfloat16)):
             raise ValueError(
                 f"weights_on_input=True writes scaled bf16 rows: it takes gather_rows=False and "
@@ -293,22 +302,31 @@ class DeviceRoutedDispatcher:
             knobs.routing_publishes_offsets(tokens),
             None if topk_ids_TK is None else topk_ids_TK.dtype,
             None if topk_weights_TK is None else topk_weights_TK.dtype,
+            reduce_into_TH is not None,
         )
-        ids_TK, weights_TK, row_of_pair_TK, offsets, rows_MH, row_scales_GM, row_source_M = (
-            launcher(
-                router_logits_TE,
-                x_TH,
-                capacity=capacity,
-                # the bias only chooses experts: given ones take none
-                correction_bias_E=None
-                if topk_ids_TK is not None
-                else self._correction_bias(correction_bias_E),
-                shared_gate_T=shared_gate_logits_T,
-                topk_ids_TK=_row_major(topk_ids_TK),
-                topk_weights_TK=_row_major(topk_weights_TK),
-                token_count=token_count,
-                reuse_outputs=self.reuse_outputs,
-            )
+        (
+            ids_TK,
+            weights_TK,
+            row_of_pair_TK,
+            offsets,
+            rows_MH,
+            row_scales_GM,
+            row_source_M,
+            row_weights_M,
+        ) = launcher(
+            router_logits_TE,
+            x_TH,
+            capacity=capacity,
+            # the bias only chooses experts: given ones take none
+            correction_bias_E=None
+            if topk_ids_TK is not None
+            else self._correction_bias(correction_bias_E),
+            shared_gate_T=shared_gate_logits_T,
+            topk_ids_TK=_row_major(topk_ids_TK),
+            topk_weights_TK=_row_major(topk_weights_TK),
+            token_count=token_count,
+            reuse_outputs=self.reuse_outputs,
+            out_TH=reduce_into_TH,
         )
         published = launcher.publishes_offsets
         if gather_rows:
@@ -328,6 +346,8 @@ class DeviceRoutedDispatcher:
             topk_weights_TK=weights_TK,
             output_dtype=x_TH.dtype,
             token_count=token_count,
+            row_tokens_M=None if reduce_into_TH is None else row_source_M,
+            row_weights_M=row_weights_M,
         )
         return batch, handle, ids_TK
 

@@ -25,6 +25,11 @@ class LocalHandle:
     # DeviceRoutedDispatcher's token_count: int32 [1] on the device, the first tokens routed
     # (and so combined) of the T rows; None: all T
     token_count: torch.Tensor | None = None
+    # DeviceRoutedDispatcher's row_tokens: each batch row's token (int32 [capacity]) and its
+    # pair's weight (float32 [capacity]), for a down GEMM that adds its rows into their tokens'
+    # rows in place of the combine; None: not written
+    row_tokens_M: torch.Tensor | None = None
+    row_weights_M: torch.Tensor | None = None
 
 
 class LocalDispatcher:

@@ -20,6 +20,10 @@ the counted rows only. A gathered batch (the tokens and the token of each batch 
 the gathering gate-up GEMM; the FP8 path copies its rows out first. A batch whose offsets the
 routing kernel publishes before it ends (`offsets_published`) lets the decode gate-up GEMM
 start loading its weights then.
+
+The down GEMM can also do the combine (`row_tokens_M`, `out_TH`; `combines_rows`): it adds
+each batch row's output, times its routing weight (row_scale_M), into its token's row of
+out_TH by atomic bf16 reductions at the L2, in no fixed order (not deterministic).
 """
 
 from __future__ import annotations
@@ -124,6 +128,8 @@ class CuteDSLExperts:
     name = "cutedsl"
     supports_autograd = False
     captures_in_graphs = True
+    # the down GEMM can add its rows into their tokens' rows (__call__'s row_tokens_M)
+    combines_rows = True
 
     def __init__(
         self,
@@ -298,9 +304,11 @@ class CuteDSLExperts:
         row_scale_M: torch.Tensor | None,
         *,
         tuned: Mapping[str, GemmKnobs] | None = None,
+        row_tokens_M: torch.Tensor | None = None,
     ) -> tuple[GemmLauncher, GemmLauncher]:
         """The gate-up and the down GEMM's launchers for the batch's class (compiled here on
-        first use); `tuned`: knobs for some ops in place of the looked-up ones."""
+        first use); `tuned`: knobs for some ops in place of the looked-up ones; `row_tokens_M`:
+        a down GEMM that adds its rows into their tokens' rows."""
         gate_up_knobs, down_knobs = self._knob_arguments(batch, prepared, tuned)
         rows_MH, offsets = batch.rows_MH, batch.expert_offsets
         gate_up = gate_up_launcher(
@@ -324,6 +332,7 @@ class CuteDSLExperts:
             valid_rows=batch.valid_rows,
             expert_counts=batch.expert_counts,
             w2_bias_EH=prepared.w2_bias_EH,
+            row_source_M=row_tokens_M,
             **down_knobs,
         )
         return gate_up, down
@@ -437,9 +446,21 @@ class CuteDSLExperts:
         prepared: CuteDSLWeights,
         *,
         row_scale_M: torch.Tensor | None = None,
+        row_tokens_M: torch.Tensor | None = None,
+        out_TH: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """expert_out_MH (the rows' outputs, times row_scale_M where given); with row_tokens_M
+        (int32 [capacity], each batch row's token) the combine instead: each valid row's output,
+        times its row_scale_M, added into out_TH[token] (bf16 [T, H], holding what the rows add
+        to: zeros) by atomic reductions, in no fixed order; returns out_TH."""
+        if (row_tokens_M is None) != (out_TH is None):
+            raise ValueError(
+                "row_tokens_M and out_TH come together (the rows are added into the tokens' "
+                f"rows of out_TH), got row_tokens_M {'None' if row_tokens_M is None else 'given'}"
+                f" and out_TH {'None' if out_TH is None else 'given'}"
+            )
         if isinstance(prepared, CuteDSLFP8Weights):
-            return self._fp8_expert_mlp(batch, prepared, row_scale_M)
+            return self._fp8_expert_mlp(batch, prepared, row_scale_M, row_tokens_M, out_TH)
         batch = batch.dequantized()  # FP8 rows (an FP8 dispatch) for bf16 experts
         if not isinstance(prepared, CuteDSLWeights):
             raise TypeError(
@@ -462,13 +483,16 @@ class CuteDSLExperts:
                 rows_MH.dtype,
                 prepared.w2_EHI.shape,
                 row_scale_M is None,
+                row_tokens_M is None,
                 prepared.w13_bias_EB2G is None,
                 prepared.w2_bias_EH is None,
                 prepared.swiglu,
             )
             launchers = self._launchers.get(memo)
             if launchers is None:
-                launchers = self._launchers[memo] = self._bind(batch, prepared, row_scale_M)
+                launchers = self._launchers[memo] = self._bind(
+                    batch, prepared, row_scale_M, row_tokens_M=row_tokens_M
+                )
             gate_up, down = launchers
             hidden_MI = gate_up(
                 rows_MH,
@@ -484,6 +508,8 @@ class CuteDSLExperts:
                 offsets,
                 prepared.w2_EHI,
                 row_scale_M=row_scale_M,
+                out=out_TH,
+                row_source_M=row_tokens_M,
                 expert_counts=batch.expert_counts,
                 bias=prepared.w2_bias_EH,
             )
@@ -499,10 +525,12 @@ class CuteDSLExperts:
         batch: ExpertBatch,
         prepared: CuteDSLFP8Weights,
         row_scale_M: torch.Tensor | None,
+        row_tokens_M: torch.Tensor | None = None,
+        out_TH: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The FP8 expert MLP: the rows quantized per 128 columns (unless the batch holds FP8
         rows already), gate-up (its output quantized per 64 columns in its epilogue), down to
-        bf16."""
+        bf16 (added into out_TH's token rows with row_tokens_M, as __call__ says)."""
         batch = batch.materialized()  # the FP8 kernels quantize batch rows
         rows_MH = batch.rows_MH
         check_batch_matches_weights(batch, prepared, same_dtype=False)
@@ -518,15 +546,18 @@ class CuteDSLExperts:
             rows_MH.get_device(),
             prepared.w2_EHI.shape,
             row_scale_M is None,
+            row_tokens_M is None,
             prepared.swiglu,
         )
         rows = self._fp8_rows(batch)
         launchers = self._launchers.get(memo)
         if launchers is None:
             launchers = self._launchers[memo] = self._bind_fp8(
-                batch, rows[0], prepared, row_scale_M
+                batch, rows[0], prepared, row_scale_M, row_tokens_M=row_tokens_M
             )
-        return self._launch_fp8(launchers, rows, batch, prepared, row_scale_M)
+        return self._launch_fp8(
+            launchers, rows, batch, prepared, row_scale_M, row_tokens_M=row_tokens_M, out_TH=out_TH
+        )
 
     @staticmethod
     def _fp8_rows(batch: ExpertBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -546,10 +577,12 @@ class CuteDSLExperts:
         row_scale_M: torch.Tensor | None,
         *,
         tuned: Mapping[str, GemmKnobs] | None = None,
+        row_tokens_M: torch.Tensor | None = None,
     ) -> tuple[GemmLauncher, GemmLauncher]:
         """The FP8 gate-up and down GEMM's launchers for the batch's class, on its e4m3 rows
         `rows_q` (compiled here on first use); `tuned`: knobs for some ops in place of the
-        looked-up ones."""
+        looked-up ones; `row_tokens_M`: a down GEMM that adds its rows into their tokens'
+        rows."""
         gate_up_knobs, down_knobs = self._knob_arguments(batch, prepared, tuned)
         gate_up = gate_up_fp8_launcher(
             rows_q,
@@ -572,6 +605,7 @@ class CuteDSLExperts:
             row_scale_M=row_scale_M,
             valid_rows=batch.valid_rows,
             expert_counts=batch.expert_counts,
+            row_source_M=row_tokens_M,
             **down_knobs,
         )
         return gate_up, down
@@ -583,6 +617,9 @@ class CuteDSLExperts:
         batch: ExpertBatch,
         prepared: CuteDSLFP8Weights,
         row_scale_M: torch.Tensor | None,
+        *,
+        row_tokens_M: torch.Tensor | None = None,
+        out_TH: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The two FP8 GEMMs on the batch's e4m3 rows and scales (`rows`)."""
         gate_up, down = launchers
@@ -601,7 +638,9 @@ class CuteDSLExperts:
             offsets,
             prepared.w2_EHI,
             row_scale_M=row_scale_M,
+            out=out_TH,
             x_scales=hidden_scales,
             w_scales=prepared.w2_scales,
+            row_source_M=row_tokens_M,
             expert_counts=counts,
         )
