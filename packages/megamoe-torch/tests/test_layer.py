@@ -1,5 +1,7 @@
 """The whole layer against an independent per-token float64 loop."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from megamoe_torch import MegaMoE, MegaMoEConfig
@@ -373,3 +375,17 @@ def test_a_dropped_layer_is_freed_by_its_last_reference():
     finally:
         if enabled:
             gc.enable()
+
+
+@torch.no_grad()
+def test_atomic_combine_where_it_cannot_run_is_the_ordered_combine():
+    """atomic_combine is the cutedsl down GEMM's: on a CPU (the torch path, the reference
+    backend) the layer combines in its fixed order, the bits of atomic_combine=False."""
+    with pytest.raises(TypeError, match="atomic_combine must be a bool, got 1"):
+        MegaMoEConfig(**QWEN3, atomic_combine=1)
+    atomic = make_layer(QWEN3, atomic_combine=True)
+    ordered = MegaMoE(replace(atomic.config, atomic_combine=False))
+    ordered.load_state_dict(atomic.state_dict())
+    x = torch.randn(5, 32)
+    assert torch.equal(atomic(x), ordered(x))
+    assert not atomic._combines_atomically()

@@ -260,6 +260,18 @@ class MegaMoEConfig:
     # rows"). The same bits either way. routing_weights_on_input=True copies (each row is
     # scaled as it is copied): None or False.
     gather_rows: bool | None = None
+    # the fused path on one GPU with the cutedsl backend: the down GEMM adds each expert output
+    # row, times its routing weight, into its token's output row by atomic bf16 reductions at
+    # the L2, in place of the combine kernel (the expert-major output rows are never written
+    # and read back). Not deterministic: a token's adds land in the order the GEMM's tiles reach
+    # them, and each add rounds to bf16 (about twice the ordered combine's error against the
+    # fp32 oracle). Opt-in: the whole layer measured 1-8% faster at qwen3-30b-a3b's top-8 (but
+    # at 16 tokens, and FP8 at 8192: within 0.3%), 1-2% at one token of mixtral-8x7b and
+    # dsv3-ep8-local, and up to 1.5% slower at their 2048 (docs/benchmarks.md, "The combine by
+    # atomic adds").
+    # Elsewhere (the torch path, expert parallelism, the other backends) the combine is the
+    # ordered one.
+    atomic_combine: bool = False
 
     def __post_init__(self) -> None:
         for name, least, optional in INTEGER_FIELDS:
@@ -319,8 +331,9 @@ class MegaMoEConfig:
             )
         if self.shared_swiglu == "routed" and self.num_shared_experts == 0:
             raise ValueError("shared_swiglu='routed' needs num_shared_experts >= 1")
-        if not isinstance(self.tile_pack, bool):
-            raise TypeError(f"tile_pack must be a bool, got {self.tile_pack!r}")
+        for name in ("tile_pack", "atomic_combine"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.router_dtype not in ("float32", "input"):
             raise ValueError(
                 f"router_dtype must be 'float32' or 'input', got {self.router_dtype!r}"

@@ -811,13 +811,14 @@ class MegaMoE(nn.Module):
         # autograd backends take the live parameters as they are (their prepare is the identity)
         return backend(batch, backend.prepare(self.expert_weight_pack(detach=False)))
 
-    def _run_expert_backend(self, batch, *, shared_in_batch: bool = False):
+    def _run_expert_backend(self, batch, *, shared_in_batch: bool = False, **combine):
         """The chosen backend on its prepared weights (tuned first when knobs='auto'); with
-        `shared_in_batch` the batch holds the shared experts after the routed ones."""
+        `shared_in_batch` the batch holds the shared experts after the routed ones; `combine`:
+        the cutedsl backend's row_scale_M, row_tokens_M and out_TH (the atomic combine)."""
         prepared = self._prepared_weights(shared_in_batch=shared_in_batch)
         if self.config.knobs == "auto":  # FP8 experts too: their GEMMs have knobs of their own
             self._autotuner.ensure_tuned(self._expert_backend, batch, prepared)
-        return self._expert_backend(batch, prepared)
+        return self._expert_backend(batch, prepared, **combine)
 
     def _autograd_backend(self):
         """The backend for a forward that autograd records: the chosen one if it has a backward;
@@ -967,9 +968,10 @@ class MegaMoE(nn.Module):
         out_TH: torch.Tensor | None = None,
         token_count: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Routing + dispatch (one launch), expert compute, combine (one launch); the shared
-        experts as experts of the batch, or their own MLP's output added in the combine. The
-        combine writes into `out_TH` where given (a captured forward's static output).
+        """Routing + dispatch (one launch), expert compute, combine (one launch, or the down
+        GEMM's atomic adds: config.atomic_combine); the shared experts as experts of the batch,
+        or their own MLP's output added in the combine. The combine writes into `out_TH` where
+        given (a captured forward's static output).
         `table_ids_TK`: the experts the routing table gives the tokens, placed in place of the
         logits' choice and weighted by their scores. `token_count` (int32 [1] on the device, a
         graph of a bucket of token counts): only the first that many of the T tokens are routed
@@ -1004,6 +1006,11 @@ class MegaMoE(nn.Module):
         if shared_in_batch and self.shared_experts.gate is not None:
             # Qwen2-MoE: the shared pairs weigh sigmoid(x . w_gate) in the combine
             shared_gate_logits_T = self._shared_gate_logits(x_TH)
+        # the atomic combine: the routing launch zeroes the output's rows, the down GEMM adds
+        # the rows into them
+        reduced_TH = None
+        if self._combines_atomically():
+            reduced_TH = x_TH.new_empty(x_TH.shape) if out_TH is None else out_TH
         batch, handle, _ = self._device_routed.route_and_dispatch(
             x_TH,
             router_logits_TE,
@@ -1015,12 +1022,25 @@ class MegaMoE(nn.Module):
             shared_gate_logits_T=shared_gate_logits_T,
             weights_on_input=weights_on_input,
             token_count=token_count,
+            reduce_into_TH=reduced_TH,
         )
-        expert_out_MH = self._run_expert_backend(batch, shared_in_batch=bool(shared_in_batch))
+        combine = {}
+        if reduced_TH is not None:
+            combine = dict(
+                # rows the dispatch scaled by their weights are added as they are
+                row_scale_M=None if weights_on_input else handle.row_weights_M,
+                row_tokens_M=handle.row_tokens_M,
+                out_TH=reduced_TH,
+            )
+        expert_out_MH = self._run_expert_backend(
+            batch, shared_in_batch=bool(shared_in_batch), **combine
+        )
         if side is not None:
             main.wait_stream(side)
         elif self.shared_experts is not None and not shared_in_batch:
             shared_TH = self.shared_experts(x_TH)
+        if reduced_TH is not None:
+            return reduced_TH if shared_TH is None else reduced_TH.add_(shared_TH)
         return self._device_routed.combine(
             expert_out_MH,
             handle,
@@ -1147,6 +1167,12 @@ class MegaMoE(nn.Module):
             capacity=self._device_routed.batch_capacity(tokens, shared_experts=shared_in_batch),
             num_experts=config.num_experts + shared_in_batch,
         )
+
+    def _combines_atomically(self) -> bool:
+        """Whether the fused path's down GEMM adds the rows into their tokens' rows in place of
+        the combine kernel: config.atomic_combine, on a backend whose down GEMM can
+        (cutedsl)."""
+        return self.config.atomic_combine and getattr(self._expert_backend, "combines_rows", False)
 
     def _dispatches_fp8_rows(self) -> bool:
         """Whether the fused path's dispatch writes e4m3 rows (quantized as it copies the
