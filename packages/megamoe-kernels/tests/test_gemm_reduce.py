@@ -159,6 +159,23 @@ def test_a_graph_replays_the_adds_with_new_rows():
     assert relative_l2_error(out.float(), expected) <= TOLERANCE
 
 
+def test_rows_naming_a_token_outside_the_output_add_nothing():
+    counts = random_counts(8, 300, seed=6)
+    hidden_MI, offsets, w2, row_tokens, row_scale, tokens = routed_problem(
+        counts, 512, 256, capacity=300, seed=6
+    )
+    w2 = w2.bfloat16()
+    row_tokens[::7] = -1
+    row_tokens[3::7] = tokens + 5
+    out = torch.zeros(tokens, 512, device=DEVICE, dtype=torch.bfloat16)
+    down(hidden_MI, offsets, w2, row_scale_M=row_scale, out_MH=out, row_source_M=row_tokens)
+    kept = (row_tokens >= 0) & (row_tokens < tokens)
+    rows = down_reference(hidden_MI, offsets, w2, row_scale)
+    expected = torch.zeros(tokens, 512, device=DEVICE)
+    expected.index_add_(0, row_tokens[kept].long(), rows[kept])
+    assert relative_l2_error(out.float(), expected) <= TOLERANCE
+
+
 def test_the_output_is_required_and_checked():
     counts = [3, 5]
     hidden_MI, offsets, w2, row_tokens, row_scale, tokens = routed_problem(

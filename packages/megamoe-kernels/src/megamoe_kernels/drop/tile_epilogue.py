@@ -363,7 +363,8 @@ class ReducedCopyOut(PlainCopyOut):
     by reductions at the L2 (red.global.add.noftz.v4.bf16x2): the expert-major output rows are
     never written, and no combine kernel reads them back. Each add rounds to bf16, and the adds
     of a token's pairs land in the order the tiles reach them: the sum is not deterministic.
-    out [T, N_out] bf16 row-major holds what the rows add to (zeros) before the launch."""
+    out [T, N_out] bf16 row-major holds what the rows add to (zeros) before the launch; a row
+    whose token lies outside [0, T) adds nothing (nothing is written outside out)."""
 
     @cute.jit
     def copy(self, sOut, mOut, mRowToken, *, row0, rows, col_tile, tidx, threads):
@@ -372,7 +373,7 @@ class ReducedCopyOut(PlainCopyOut):
         `tidx`."""
         vector = OUT_VECTOR
         vectors_per_row = self.out_tile_cols // vector
-        n_out = cute.size(mOut, mode=[1])
+        tokens, n_out = cute.size(mOut, mode=[0]), cute.size(mOut, mode=[1])
         col0 = col_tile * self.out_tile_cols
         sOut_vectors = cute.zipped_divide(sOut, (1, vector))
         out_address = mOut.iterator.toint()
@@ -381,10 +382,10 @@ class ReducedCopyOut(PlainCopyOut):
         for v in cutlass.range(tidx, rows * vectors_per_row, threads):
             row = v // vectors_per_row
             col = (v % vectors_per_row) * vector
-            if col0 + col < n_out:
+            token = mRowToken[row0 + row]
+            if col0 + col < n_out and token >= 0 and token < tokens:
                 staged = cute.make_rmem_tensor((vector,), mOut.element_type)
                 staged.store(sOut_vectors[(None, (row, col // vector))].load())
-                token = mRowToken[row0 + row]
                 reduce_add_bf16x8(
                     out_address
                     + cutlass.Int64(token) * row_bytes

@@ -1331,7 +1331,8 @@ def down(
     row_scale_M: the pair's routing weight) is added into out_MH[token] by atomic reductions at
     the L2 (red.add.bf16x2): each add rounds to bf16, and a token's adds land in no fixed
     order, so the result is not deterministic. out_MH holds what the rows add to (zeros, or a
-    shared expert's output) before the call.
+    shared expert's output) before the call; a row whose token lies outside [0, T) adds
+    nothing.
 
     With decode tiles the kernel starts loading w2_EHI (it reads expert_offsets to know which
     experts) while the kernel before it on the stream still runs, when that kernel lets it start
