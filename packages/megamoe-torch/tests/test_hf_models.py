@@ -373,11 +373,20 @@ def test_routing_megamoe_cannot_express_is_refused_but_bad_run_options_raise():
 
 def test_run_options_reach_the_layer():
     model = tiny_model("qwen3_moe")
-    swap_moe_blocks(model, backend="reference", layer_path="torch", capacity=64, tile_pack=True)
+    swap_moe_blocks(
+        model,
+        backend="reference",
+        layer_path="torch",
+        capacity=64,
+        tile_pack=True,
+        atomic_combine=True,
+    )
     _, block = moe_blocks(model)[0]
-    assert (block.config.layer_path, block.config.capacity, block.config.tile_pack) == (
+    config = block.config
+    assert (config.layer_path, config.capacity, config.tile_pack, config.atomic_combine) == (
         "torch",
         64,
+        True,
         True,
     )
     with pytest.raises(ValueError, match="layer_path"):

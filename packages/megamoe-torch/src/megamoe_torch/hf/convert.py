@@ -63,6 +63,7 @@ from megamoe_torch.layer import MegaMoE
 # MegaMoEConfig fields that change how a layer runs, not what it computes ("dispatcher" also
 # takes a dispatcher object the caller built, e.g. a DeepEPDispatcher: see MegaMoE)
 RUN_OPTIONS = (
+    "atomic_combine",
     "backend",
     "capacity",
     "check_inputs",
