@@ -632,16 +632,6 @@ class RouteLauncher:
             outputs = kept[1]
         else:
             outputs = self._new_outputs(tokens, capacity, x_TH)
-        (
-            ids_TK,
-            weights_TK,
-            row_of_pair_TK,
-            offsets,
-            rows_MH,
-            row_scales_GM,
-            row_source_M,
-            row_weights_M,
-        ) = outputs
         scratch, status = self._scratch(device, tokens=tokens)
         compiled = self.compile(counted=token_count is not None)
         if self.given_ids_dtype is not None:
@@ -654,14 +644,7 @@ class RouteLauncher:
                 topk_ids_TK,
                 topk_weights_TK,
                 x_TH,
-                ids_TK,
-                weights_TK,
-                row_of_pair_TK,
-                offsets,
-                rows_MH,
-                row_scales_GM,
-                row_source_M,
-                row_weights_M,
+                *outputs,  # the kernel's output arguments, in their order (_new_outputs)
                 out_TH,
                 scratch,
                 status,
@@ -681,6 +664,8 @@ class RouteLauncher:
         return outputs
 
     def _new_outputs(self, tokens: int, capacity: int, x_TH: torch.Tensor) -> tuple:
+        """__call__'s outputs, in the order the kernel takes them after x: topk ids, weights,
+        pair rows, offsets, rows, row scales, row sources, row weights (None where not built)."""
         device = x_TH.device
         return (
             torch.empty((tokens, self.pairs), dtype=torch.int32, device=device),
