@@ -14,6 +14,7 @@ from megamoe_kernels.reference import relative_l2_error
 from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.layer import MegaMoE
 from test_fused_layer import FAMILIES as FUSED_FAMILIES
+from test_fused_layer import check_a_callers_capture
 
 pytestmark = pytest.mark.gpu
 
@@ -93,15 +94,10 @@ def test_a_callers_capture_replays_new_tokens(tokens):
     if not ok or atomic.backend != "cutedsl":
         pytest.skip(why)
     x = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        atomic(x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = atomic(x)
-    for _ in range(2):
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        assert relative_l2_error(y.float(), ordered(x).float()) < AGAINST_ORDERED
+    check_a_callers_capture(
+        atomic,
+        x,
+        expected=ordered,
+        matches=lambda y, e: relative_l2_error(y.float(), e.float()) < AGAINST_ORDERED,
+        replays=2,
+    )
