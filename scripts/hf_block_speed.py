@@ -209,7 +209,8 @@ def bench_point(
 
 def bench_family(family: str, args: argparse.Namespace, device: torch.device) -> list[list[str]]:
     block = build_block(family, tiny=args.tiny, device=device)
-    layer = from_hf(block)  # shares the block's expert tensors
+    # shares the block's expert tensors
+    layer = from_hf(block, atomic_combine=args.atomic_combine)
     reference = None
     if args.fp32_reference:
         reference = copy.deepcopy(block).float()
@@ -249,6 +250,12 @@ def main() -> None:
         action="store_true",
         help="rel-L2 of the transformers and the megamoe block against the block in fp32",
     )
+    parser.add_argument(
+        "--atomic-combine",
+        action="store_true",
+        help="megamoe's down GEMM adds its rows into the output (MegaMoEConfig.atomic_combine: "
+        "not deterministic) in place of the combine kernel",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -258,6 +265,7 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, "
         f"{device.type}: {device_name}{', tiny sizes' if args.tiny else ''}"
+        f"{', atomic combine' if args.atomic_combine else ''}"
     )
     timed = ["hf eager us", "megamoe eager us", "megamoe graph us", "hf graph us"]
     header = ["family", "tokens", "hf experts", *timed, "x eager", "x graph", "rel-L2"]

@@ -169,9 +169,9 @@ def phases(layer, x_TH) -> None:
     capacity = tokens * top_k
     copying = route_launcher(layer, x_TH)
     gathering = route_launcher(layer, x_TH, gather_rows=True)
-    _, weights_TK, row_of_pair_TK, _, rows_MH, _, _ = copying(
-        logits, x_TH, capacity=capacity, correction_bias_E=bias
-    )
+    routed = copying(logits, x_TH, capacity=capacity, correction_bias_E=bias)
+    weights_TK, row_of_pair_TK = routed.topk_weights_TK, routed.row_of_pair_TK
+    rows_MH = routed.rows_MH
     combine = CombineLauncher(top_k=top_k, hidden_size=hidden, device=x_TH.device)
     expert_out_MH = torch.randn_like(rows_MH)
     spread_TKH = torch.empty((tokens, top_k, hidden), dtype=x_TH.dtype, device=x_TH.device)

@@ -636,18 +636,13 @@ def test_rows_split_between_warps_give_the_bits_of_rows_copied_by_token(hidden, 
         )
         _poison_allocator(device)
         outputs[split] = launcher(logits, x, capacity=valid + 3)
-    for name, kept, split in zip(
-        ("ids", "weights", "row_of_pair", "offsets", "rows", "scales"),
-        outputs[0][:6],
-        outputs[16][:6],
-        strict=True,
-    ):
+    for name, kept, split in zip(outputs[0]._fields, outputs[0], outputs[16], strict=True):
         if kept is None:
             assert split is None
             continue
-        if name == "rows":
+        if name == "rows_MH":
             kept, split = kept[:valid].view(torch.uint8), split[:valid].view(torch.uint8)
-        if name == "scales":
+        if name == "row_scales_GM":
             kept, split = kept[:, :valid], split[:, :valid]
         assert torch.equal(kept, split), name
 
@@ -702,11 +697,12 @@ def test_rows_scaled_by_their_weights_are_the_bits_of_torchs_product(
             device=device,
         )
         capacity = dispatcher.batch_capacity(tokens, shared_experts=shared_experts)
-        ids, weights_TK, row_of_pair_TK, offsets, rows_MH, *_ = launcher(
-            logits_TE, x_TH, capacity=capacity
-        )
+        routed = launcher(logits_TE, x_TH, capacity=capacity)
+        ids, offsets, rows_MH = routed.topk_ids_TK, routed.expert_offsets, routed.rows_MH
         handle = LocalHandle(
-            row_of_pair_TK=row_of_pair_TK, topk_weights_TK=weights_TK, output_dtype=x_TH.dtype
+            row_of_pair_TK=routed.row_of_pair_TK,
+            topk_weights_TK=routed.topk_weights_TK,
+            output_dtype=x_TH.dtype,
         )
     assert torch.equal(ids, plain_ids)
     assert torch.equal(offsets, plain.expert_offsets)

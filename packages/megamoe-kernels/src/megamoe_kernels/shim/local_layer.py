@@ -52,6 +52,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -80,6 +81,29 @@ _BARRIER_TIMEOUT_NS = 10_000_000_000
 _ONE_CTA_COPY_BYTES = 256 << 10
 # e4m3 rows: the default unroll leaves a row at least this many slices of 32 x unroll vectors
 QUANTIZED_ROW_SLICES = 4
+
+
+class RouteOutputs(NamedTuple):
+    """What a routing launch writes (RouteLauncher.__call__), in the order the kernel takes
+    them after x. A field the launcher was not built for is None."""
+
+    topk_ids_TK: torch.Tensor
+    """int32 [T, pairs]: each pair's expert (pairs = K + the shared experts in the batch)."""
+    topk_weights_TK: torch.Tensor
+    """float32 [T, pairs]: each pair's weight."""
+    row_of_pair_TK: torch.Tensor
+    """int32 [T, pairs]: each pair's row of the expert-major batch."""
+    expert_offsets: torch.Tensor
+    """int32: the batch's E + S + 1 expert offsets (with publishes_offsets, the word they are
+    published in follows them)."""
+    rows_MH: torch.Tensor | None
+    """[capacity, H] the copied rows (bf16 or e4m3); None when the GEMM gathers them."""
+    row_scales_GM: torch.Tensor | None
+    """float32 [H / 128, capacity] the e4m3 rows' scales; None for bf16 rows."""
+    row_source_M: torch.Tensor | None
+    """int32 [capacity] each row's token; None unless gathering or row_tokens."""
+    row_weights_M: torch.Tensor | None
+    """float32 [capacity] each row's pair weight; None unless row_tokens."""
 
 
 def _drop_route():
@@ -564,15 +588,11 @@ class RouteLauncher:
         token_count: torch.Tensor | None = None,
         reuse_outputs: bool = False,
         out_TH: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, ...]:
-        """(topk_ids_TK, topk_weights_TK, row_of_pair_TK, expert_offsets (with publishes_offsets
-        the first E + S + 1 of E + S + 2 words), rows_MH or None when gathering, row_scales_GM or
-        None for bf16 rows, row_source_M or None unless gathering or row_tokens, row_weights_M
-        or None unless row_tokens);
-        capacity >= T x pairs rows (checked here: the kernel writes rows up to T x pairs - 1;
-        pairs = K + shared_experts, the columns of the [T, pairs] outputs). shared_gate_T: the
-        shared experts' gate logits, float32 [T], given exactly when built with
-        shared_expert_gate=True. topk_ids_TK [T, K] (and topk_weights_TK [T, K]): the given
+    ) -> RouteOutputs:
+        """The routing's outputs (RouteOutputs). capacity >= T x pairs rows (checked here: the
+        kernel writes rows up to T x pairs - 1; pairs = K + shared_experts, the columns of the
+        [T, pairs] outputs). shared_gate_T: the shared experts' gate logits, float32 [T], given
+        exactly when built with shared_expert_gate=True. topk_ids_TK [T, K] (and topk_weights_TK [T, K]): the given
         experts (and weights) of a launcher built with given_ids_dtype (and
         given_weights_dtype), refused by others; router_logits_TE is then None where the weights
         are given, and the correction bias plays no part. `token_count`: an int32 [1] tensor on
@@ -644,7 +664,7 @@ class RouteLauncher:
                 topk_ids_TK,
                 topk_weights_TK,
                 x_TH,
-                *outputs,  # the kernel's output arguments, in their order (_new_outputs)
+                *outputs,  # the kernel's output arguments, in their order (RouteOutputs)
                 out_TH,
                 scratch,
                 status,
@@ -663,11 +683,10 @@ class RouteLauncher:
             )
         return outputs
 
-    def _new_outputs(self, tokens: int, capacity: int, x_TH: torch.Tensor) -> tuple:
-        """__call__'s outputs, in the order the kernel takes them after x: topk ids, weights,
-        pair rows, offsets, rows, row scales, row sources, row weights (None where not built)."""
+    def _new_outputs(self, tokens: int, capacity: int, x_TH: torch.Tensor) -> RouteOutputs:
+        """__call__'s outputs, new (None where not built)."""
         device = x_TH.device
-        return (
+        return RouteOutputs(
             torch.empty((tokens, self.pairs), dtype=torch.int32, device=device),
             torch.empty((tokens, self.pairs), dtype=torch.float32, device=device),
             torch.empty((tokens, self.pairs), dtype=torch.int32, device=device),

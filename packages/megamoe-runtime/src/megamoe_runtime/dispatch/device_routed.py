@@ -304,16 +304,7 @@ class DeviceRoutedDispatcher:
             None if topk_weights_TK is None else topk_weights_TK.dtype,
             reduce_into_TH is not None,
         )
-        (
-            ids_TK,
-            weights_TK,
-            row_of_pair_TK,
-            offsets,
-            rows_MH,
-            row_scales_GM,
-            row_source_M,
-            row_weights_M,
-        ) = launcher(
+        routed = launcher(
             router_logits_TE,
             x_TH,
             capacity=capacity,
@@ -331,25 +322,29 @@ class DeviceRoutedDispatcher:
         published = launcher.publishes_offsets
         if gather_rows:
             batch = ExpertBatch.gathered(
-                x_TH, row_source_M, offsets, valid_rows=num_pairs, offsets_published=published
+                x_TH,
+                routed.row_source_M,
+                routed.expert_offsets,
+                valid_rows=num_pairs,
+                offsets_published=published,
             )
         else:
             batch = ExpertBatch(
-                rows_MH=rows_MH,
-                expert_offsets=offsets,
+                rows_MH=routed.rows_MH,
+                expert_offsets=routed.expert_offsets,
                 valid_rows=num_pairs,
-                row_scales_GM=row_scales_GM,
+                row_scales_GM=routed.row_scales_GM,
                 offsets_published=published,
             )
         handle = LocalHandle(
-            row_of_pair_TK=row_of_pair_TK,
-            topk_weights_TK=weights_TK,
+            row_of_pair_TK=routed.row_of_pair_TK,
+            topk_weights_TK=routed.topk_weights_TK,
             output_dtype=x_TH.dtype,
             token_count=token_count,
-            row_tokens_M=None if reduce_into_TH is None else row_source_M,
-            row_weights_M=row_weights_M,
+            row_tokens_M=None if reduce_into_TH is None else routed.row_source_M,
+            row_weights_M=routed.row_weights_M,
         )
-        return batch, handle, ids_TK
+        return batch, handle, routed.topk_ids_TK
 
     def batch_capacity(self, tokens: int, *, shared_experts: int = 0) -> int:
         """Rows of the batch of a call of `tokens`: tokens x (K + S) without a capacity, else
