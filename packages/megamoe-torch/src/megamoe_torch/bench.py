@@ -22,6 +22,7 @@ from megamoe_runtime.expert_batch import ExpertBatch
 from megamoe_runtime.experts import backend_status, expert_slice, make_backend
 from megamoe_runtime.geometries import Geometry
 from megamoe_runtime.measure import (
+    Readings,
     alternating_readings,
     expert_roofline_fraction,
     host_seconds_per_call,
@@ -337,6 +338,26 @@ def shared_in_batch_seconds(
     return timer(lambda: backend(batch, prepared), device=batch.rows_MH.device, repeats=repeats)
 
 
+def _gemms_take_shared_experts(layer: MegaMoE) -> bool:
+    """Whether the layer's expert GEMMs can compute its shared experts too (in the batch)."""
+    return layer.shared_experts is not None and not layer.config.shared_experts_in_batch_problems
+
+
+def expert_compute_seconds(
+    layer: MegaMoE, geometry: Geometry, tokens: int, *, backend_name: str, repeats: int = 30
+) -> float:
+    """The expert compute alone of a forward of `layer` on `tokens` routed tokens
+    (routed_tokens), one backend: the layer bench's GEMMs, against which a forward's time is
+    read. With shared experts that can join the batch it is that batch with them in it
+    (shared_in_batch_seconds), else the "kernels" mode of bench_point."""
+    if _gemms_take_shared_experts(layer):
+        return shared_in_batch_seconds(layer, tokens, backend_name=backend_name, repeats=repeats)
+    (row,) = bench_point(
+        layer, geometry, tokens, backends=[backend_name], modes=("kernels",), repeats=repeats
+    )
+    return row.microseconds / 1e6
+
+
 def with_capacity(
     layer: MegaMoE, capacity: int, *, prepared_like: MegaMoE | None = None, **overrides
 ) -> MegaMoE:
@@ -365,17 +386,16 @@ def calls_in_turn(fn: Callable[[object], object], inputs: Iterable) -> Callable[
     return lambda: fn(next(turns))
 
 
-def alternating_forward_times(
+def alternating_forward_readings(
     forwards: Mapping[object, Callable[[], object]],
     *,
     device: torch.device,
     rounds: int,
     eager: bool = True,
-) -> dict[str, str]:
+) -> dict[tuple[str, object], Readings]:
     """An A/B of forwards (variants of one layer on the same tokens): each timed by CUDA-graph
     replay and, with `eager`, eagerly, in alternating rounds (the first's graph, its eager, the
-    second's, ...). For "graph" and "eager": each forward's times in us, the forwards apart by
-    " / " ("-" where not timed)."""
+    second's, ...). The readings by ("graph" or "eager", variant)."""
     readers = {}
     for variant, forward in forwards.items():
         readers["graph", variant] = lambda forward=forward: median_graph_replay_seconds(
@@ -385,16 +405,36 @@ def alternating_forward_times(
             readers["eager", variant] = lambda forward=forward: median_seconds(
                 forward, device=device
             )
-    readings = alternating_readings(readers, rounds=rounds)
-    return {
-        kind: " / ".join(
-            " ".join(f"{t * 1e6:.1f}" for t in readings[kind, variant].seconds)
-            for variant in forwards
+    return alternating_readings(readers, rounds=rounds)
+
+
+def alternating_forward_times(
+    forwards: Mapping[object, Callable[[], object]],
+    *,
+    device: torch.device,
+    rounds: int,
+    eager: bool = True,
+) -> dict[str, str]:
+    """alternating_forward_readings, listed (listed_forward_times)."""
+    return listed_forward_times(
+        alternating_forward_readings(forwards, device=device, rounds=rounds, eager=eager)
+    )
+
+
+def listed_forward_times(readings: Mapping[tuple[str, object], Readings]) -> dict[str, str]:
+    """For "graph" and "eager": each forward's times in us (alternating_forward_readings), the
+    forwards apart by " / " ("-" where not timed)."""
+    listed = {}
+    for kind in ("graph", "eager"):
+        variants = [variant for timed, variant in readings if timed == kind]
+        listed[kind] = (
+            " / ".join(
+                " ".join(f"{t * 1e6:.1f}" for t in readings[kind, variant].seconds)
+                for variant in variants
+            )
+            or "-"
         )
-        if kind == "graph" or eager
-        else "-"
-        for kind in ("graph", "eager")
-    }
+    return listed
 
 
 def ops_per_call(
@@ -470,26 +510,18 @@ def bench_layer_point(
     # activations at another address (a replayed forward points its graph's input copy at
     # them, graph_input.py)
     token_copies = (x_TH, x_TH.clone())
-    if layer.shared_experts is not None and not layer.config.shared_experts_in_batch_problems:
-        # the layer's GEMMs compute the shared experts too: time them with the routed ones
-        gemm_seconds = {
-            backend_label(layer, name): shared_in_batch_seconds(
-                layer, tokens, backend_name=name, repeats=repeats
-            )
-            for name in backends
-        }
-    else:
+    gemm_seconds = {}
+    if not _gemms_take_shared_experts(layer):
         gemm_seconds = {
             row.backend: row.microseconds / 1e6
             for row in kernel_rows
             if (row.geometry, row.tokens, row.mode) == (geometry.name, tokens, "kernels")
         }
-    missing = [name for name in backends if backend_label(layer, name) not in gemm_seconds]
-    if missing:
-        for row in bench_point(
-            layer, geometry, tokens, backends=missing, modes=("kernels",), repeats=repeats
-        ):
-            gemm_seconds[row.backend] = row.microseconds / 1e6
+    for name in backends:
+        if backend_label(layer, name) not in gemm_seconds:
+            gemm_seconds[backend_label(layer, name)] = expert_compute_seconds(
+                layer, geometry, tokens, backend_name=name, repeats=repeats
+            )
     measured = {}
     for name in backends:
         measured_layer = all_torch if name == BASELINE else fixed
