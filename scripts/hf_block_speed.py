@@ -19,6 +19,9 @@ weights). Needs transformers >= 5. Run on the GPU machine from the project root 
 weights (its eager experts loop; bf16 inputs cast up): transformers' own bf16 error beside
 megamoe's (the block in fp32 takes 2x its bf16 memory: one family at a time).
 
+--atomic-combine converts each block with `atomic_combine=True` (the down GEMM adds its rows
+into the output in place of the combine kernel; MegaMoEConfig.atomic_combine).
+
 --tiny shrinks every size so the script runs on a CPU in seconds (no CUDA graphs there):
 
     python3 scripts/hf_block_speed.py --tiny --device cpu --repeats 3
