@@ -14,7 +14,7 @@ from megamoe_kernels.reference import relative_l2_error
 from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.layer import MegaMoE
 from test_fused_layer import FAMILIES as FUSED_FAMILIES
-from test_fused_layer import check_a_callers_capture
+from test_fused_layer import check_a_callers_capture, fp32_oracle
 
 pytestmark = pytest.mark.gpu
 
@@ -75,12 +75,7 @@ def test_atomic_combine_matches_the_ordered_one(family, weight_dtype, tokens):
             assert relative_l2_error(y.float(), expected.float()) < AGAINST_ORDERED
     if not tokens or weight_dtype == "fp8":
         return  # the FP8 layer against its oracle: test_layer_fp8.py
-    oracle = MegaMoE(
-        replace(ordered.config, backend="reference", layer_path="torch"),
-        device="cuda",
-        dtype=torch.float32,
-    )
-    oracle.load_state_dict({k: v.float() for k, v in ordered.state_dict().items()})
+    oracle = fp32_oracle(ordered)
     assert relative_l2_error(y.float(), oracle(x.float())) < 2e-2
 
 
