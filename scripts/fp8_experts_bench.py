@@ -12,7 +12,7 @@ Also the accuracy of the fp8 MLP against the fp32 oracle on the bf16 rows and th
 weights: rel-L2 and DeepGEMM's 1 - 2xy/(x^2+y^2). Run on the GPU machine from the project root:
 
     python3 scripts/fp8_experts_bench.py [--geometry ...] [--tokens ...] [--weight-copies N]
-        [--csv out.csv]
+        [--smi] [--csv out.csv]
 
 --weight-copies N: the three MLPs take N copies of their weights in turn, one per call, as a
 model's layers do: with N times a call's weights well past the L2's 50 MB, no call finds its
@@ -20,11 +20,17 @@ weights in the L2 (with 1, the default, the MLP replays on one set of weights, o
 L2 keeps a part between calls where they nearly fit in it). Each copy holds the geometry's
 bf16 and FP8 weights again: about 2.2 GB at qwen3-30b-a3b, 5.2 GB at dsv3-ep8-local and
 mixtral-8x7b, 41 GB at dsv3.
+
+--smi: nvidia-smi sampled beside the timings (every 50 ms), each MLP's median SM clock (MHz) and
+board power (W) over the spans of its readings: under the board's power limit a reading runs on
+the clock the limit allows it (docs/benchmarks.md, "The power limit"), so two MLPs that draw
+different power compare on different clocks.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 from megamoe_kernels import (
@@ -40,6 +46,7 @@ from megamoe_kernels import (
 from megamoe_kernels.reference import expert_mlp_reference, fp8_difference, relative_l2_error
 from megamoe_runtime.geometries import GEOMETRIES, H200_HBM_BYTES_PER_S
 from megamoe_runtime.measure import (
+    SmiSampler,
     alternating_readings,
     median_graph_replay_seconds,
     tflops,
@@ -111,9 +118,10 @@ def scaled_grouped_mm_mlp(rows, row_scales, ends, weights, intermediate):
     )
 
 
-def bench_point(geometry, weight_sets, tokens: int) -> dict:
+def bench_point(geometry, weight_sets, tokens: int, sampler: SmiSampler | None = None) -> dict:
     """One point of the table; the MLPs take the weights of `weight_sets` in turn (the first
-    is a Weights, the others CopiedWeights of it)."""
+    is a Weights, the others CopiedWeights of it). With `sampler`, each MLP's median SM clock
+    and board power over its readings' spans."""
     weights = weight_sets[0]
     counts = routed_counts(geometry.num_experts, geometry.top_k, tokens, seed=tokens)
     rows = tokens * geometry.top_k
@@ -191,17 +199,25 @@ def bench_point(geometry, weight_sets, tokens: int) -> dict:
         )
     except (RuntimeError, TypeError) as failure:
         row["scaled_mm_error"] = str(failure).split("\n")[0][:80]
+    spans = {name: [] for name in candidates}
+
+    def timed(name, fn):
+        start = time.time()
+        seconds = median_graph_replay_seconds(fn, device=DEVICE, repeats=20)
+        spans[name].append((start, time.time()))
+        return seconds
+
     # alternate rounds, keep each candidate's best median (the board's clock drifts under load)
     readings = alternating_readings(
-        {
-            name: lambda fn=fn: median_graph_replay_seconds(fn, device=DEVICE, repeats=20)
-            for name, fn in candidates.items()
-        },
+        {name: lambda name=name, fn=fn: timed(name, fn) for name, fn in candidates.items()},
         rounds=3,
     )
     for name, reading in readings.items():
         row[f"{name}_us"] = reading.best * 1e6
         row[f"{name}_spread"] = reading.spread
+        if sampler is not None:
+            row[f"{name}_sm_mhz"] = sampler.median_over("clocks.sm", spans[name])
+            row[f"{name}_watts"] = sampler.median_over("power.draw", spans[name])
     row["fp8_speedup_vs_bf16"] = row["bf16_us"] / row["fp8_us"]
     if "scaled_mm_us" in row:
         row["fp8_speedup_vs_scaled_mm"] = row["scaled_mm_us"] / row["fp8_us"]
@@ -222,21 +238,27 @@ def main() -> None:
         default=1,
         help="copies of the weights the MLPs take in turn (cold weights)",
     )
+    parser.add_argument(
+        "--smi", action="store_true", help="each MLP's median SM clock and power beside it"
+    )
     parser.add_argument("--csv", help="write every row to this CSV file")
     args = parser.parse_args()
     if args.weight_copies < 1:
         parser.error(f"--weight-copies must be at least 1, got {args.weight_copies}")
+    sampler = SmiSampler() if args.smi else None
     rows = []
     for name in args.geometry:
         geometry = GEOMETRIES[name]
         weights = Weights(geometry)
         weight_sets = [weights] + [CopiedWeights(weights) for _ in range(args.weight_copies - 1)]
         for tokens in args.tokens:
-            row = bench_point(geometry, weight_sets, tokens)
+            row = bench_point(geometry, weight_sets, tokens, sampler)
             rows.append(row)
             print(row, flush=True)
         del weights, weight_sets
         torch.cuda.empty_cache()
+    if sampler is not None:
+        sampler.stop()
     if args.csv:
         write_csv(rows, args.csv)
     print(
@@ -251,6 +273,15 @@ def main() -> None:
             f"{row['fp8_floor_fraction']:>7.2f}{row.get('fp8_diff', float('nan')):>9.1e}"
             f"{row.get('fp8_rel_l2', float('nan')):>8.3f}"
         )
+    if sampler is not None:
+        print(
+            f"{'geometry':<16}{'tokens':>7}{'bf16 MHz':>10}{'fp8 MHz':>9}{'bf16 W':>8}{'fp8 W':>7}"
+        )
+        for row in rows:
+            print(
+                f"{row['geometry']:<16}{row['tokens']:>7}{row['bf16_sm_mhz']:>10.0f}"
+                f"{row['fp8_sm_mhz']:>9.0f}{row['bf16_watts']:>8.0f}{row['fp8_watts']:>7.0f}"
+            )
 
 
 if __name__ == "__main__":

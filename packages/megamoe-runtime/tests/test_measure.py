@@ -184,6 +184,17 @@ def test_smi_sampler_stamps_each_sample_and_reads_the_median_of_a_field():
     assert sampler.median_of("clocks.sm", start, end) == 1500.0
     assert sampler.median_of("power.draw", start, end) == (300.5 + 700.0) / 2
     assert math.isnan(sampler.median_of("clocks.sm", end + 1, end + 2))
+    # several spans (one candidate's readings among another's): the samples inside any of
+    # them, each once
+    sampler.samples = [
+        (10.0, ("1980", "300.5")),
+        (20.0, ("1500", "700.0")),
+        (30.0, ("1400", "[N/A]")),
+    ]
+    around = [(9.0, 11.0), (29.0, 31.0), (10.0, 10.0)]
+    assert sampler.median_over("clocks.sm", around) == (1980 + 1400) / 2
+    assert sampler.median_over("power.draw", around) == 300.5
+    assert math.isnan(sampler.median_over("clocks.sm", []))
     with pytest.raises(ValueError, match="'memory.used' is not sampled; sampled: clocks.sm"):
         sampler.median_of("memory.used", start, end)
     with pytest.raises(ValueError, match="period_ms must be >= 1, got 0"):

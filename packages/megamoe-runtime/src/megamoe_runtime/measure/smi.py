@@ -71,15 +71,22 @@ class SmiSampler:
     def median_of(self, field: str, start: float, end: float) -> float:
         """The median of numeric field `field` over the samples from `start` to `end`; NaN where
         none arrived then or nvidia-smi printed no number ("[N/A]")."""
+        return self.median_over(field, [(start, end)])
+
+    def median_over(self, field: str, spans: Sequence[tuple[float, float]]) -> float:
+        """The median of numeric field `field` over the samples inside any of `spans` ((start,
+        end) host times: the readings of one candidate among others'; a sample in two spans
+        counts once); NaN where none arrived then or nvidia-smi printed no number."""
         if field not in self.fields:
             raise ValueError(f"field {field!r} is not sampled; sampled: {', '.join(self.fields)}")
         index = self.fields.index(field)
         numbers = []
-        for _, values in self.between(start, end):
-            try:
-                numbers.append(float(values[index]))
-            except ValueError:
-                continue
+        for stamp, values in list(self.samples):
+            if any(start <= stamp <= end for start, end in spans):
+                try:
+                    numbers.append(float(values[index]))
+                except ValueError:
+                    continue
         return statistics.median(numbers) if numbers else float("nan")
 
     def stop(self) -> None:
