@@ -5,7 +5,8 @@
 # (no argument: all of them). A short summary is printed last. With pytest-xdist importable the
 # tests run in ${GPU_WORKERS:-6} worker processes sharing the GPU, which compile their kernels in
 # parallel (the kernels' 807 GPU tests took 246 s in 8 workers on an H100), and the real-size
-# layers of tests/test_gpu_layer.py alone after them (DeepSeek-V3's takes half an 80 GB GPU).
+# layers of tests/test_gpu_layer.py alone after them (DeepSeek-V3's and its fp32 oracle take
+# most of an 80 GB GPU; where workers run them, the module's lock takes them one at a time).
 set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"

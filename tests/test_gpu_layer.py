@@ -1,5 +1,10 @@
 """The layer on a Hopper GPU: every backend that runs here against the fp32 oracle."""
 
+import fcntl
+import gc
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 from megamoe_kernels.reference import relative_l2_error
@@ -10,6 +15,28 @@ from megamoe_torch.cli import fp32_oracle_of, main
 
 pytestmark = pytest.mark.gpu
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# every pytest-xdist worker of this machine opens this file
+REAL_SIZE_LOCK = Path(tempfile.gettempdir()) / "megamoe-real-size-layer.lock"
+
+
+@pytest.fixture(autouse=True)
+def one_real_size_layer_at_a_time():
+    """A real-size layer takes much of an 80 GB GPU (DeepSeek-V3's: 21 GiB of bf16 weights,
+    then 42 GiB for its fp32 oracle's experts): three at once in parallel workers ran out of
+    memory on an H100. So the workers take this module's tests one at a time, each under an
+    exclusive lock on a file that they all open, and give their cached memory back to the GPU
+    before they release it; the other modules' tests run beside them (1-2.5 GiB each: where
+    that is too much, scripts/gpu-check.sh runs this module alone)."""
+    with open(REAL_SIZE_LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @requires_gpu
