@@ -594,11 +594,12 @@ class RouteLauncher:
         [T, pairs] outputs). shared_gate_T: the shared experts' gate logits, float32 [T], given
         exactly when built with shared_expert_gate=True. topk_ids_TK [T, K] (and
         topk_weights_TK [T, K]): the given experts (and weights) of a launcher built with
-        given_ids_dtype (and given_weights_dtype), refused by others; router_logits_TE is then None where the weights
-        are given, and the correction bias plays no part. `token_count`: an int32 [1] tensor on
-        x's device whose value, read by the kernel, says how many of the T tokens to take (the
-        first min(count, T): a CUDA graph of T token rows replaying fewer tokens); the outputs'
-        entries of the tokens past it and expert_offsets' pairs are left out (None: all T).
+        given_ids_dtype (and given_weights_dtype), refused by others; router_logits_TE is then
+        None where the weights are given, and the correction bias plays no part. `token_count`:
+        an int32 [1] tensor on x's device whose value, read by the kernel, says how many of the
+        T tokens to take (the first min(count, T): a CUDA graph of T token rows replaying fewer
+        tokens); the outputs' entries of the tokens past it and expert_offsets' pairs are left
+        out (None: all T).
         `out_TH` (bf16 [T, H], given exactly to a launcher built with row_tokens=True): the
         output a down GEMM adds the rows into; the launch zeroes its (counted) tokens' rows.
 
