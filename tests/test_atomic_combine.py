@@ -11,10 +11,11 @@ from dataclasses import replace
 import pytest
 import torch
 from megamoe_kernels.reference import relative_l2_error
+from megamoe_torch.cli import fp32_oracle_of
 from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.layer import MegaMoE
 from test_fused_layer import FAMILIES as FUSED_FAMILIES
-from test_fused_layer import check_a_callers_capture, fp32_oracle
+from test_fused_layer import check_a_callers_capture
 
 pytestmark = pytest.mark.gpu
 
@@ -75,7 +76,7 @@ def test_atomic_combine_matches_the_ordered_one(family, weight_dtype, tokens):
             assert relative_l2_error(y.float(), expected.float()) < AGAINST_ORDERED
     if not tokens or weight_dtype == "fp8":
         return  # the FP8 layer against its oracle: test_layer_fp8.py
-    oracle = fp32_oracle(ordered)
+    oracle = fp32_oracle_of(ordered)
     assert relative_l2_error(y.float(), oracle(x.float())) < 2e-2
 
 

@@ -14,6 +14,7 @@ import torch
 from megamoe_kernels.reference import relative_l2_error
 from megamoe_runtime.dispatch import LocalDispatcher
 from megamoe_runtime.routing import route
+from megamoe_torch.cli import fp32_oracle_of
 from megamoe_torch.config import MegaMoEConfig
 from megamoe_torch.layer import MegaMoE
 
@@ -90,18 +91,6 @@ def _pair(family: str, backend: str, tokens: int, **overrides) -> tuple[MegaMoE,
     return fused, plain
 
 
-def fp32_oracle(layer: MegaMoE) -> MegaMoE:
-    """The layer's fp32 oracle on the GPU: the same config and weights in float32, on the
-    reference backend's torch path."""
-    oracle = MegaMoE(
-        replace(layer.config, backend="reference", layer_path="torch"),
-        device="cuda",
-        dtype=torch.float32,
-    )
-    oracle.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
-    return oracle
-
-
 def check_a_callers_capture(
     layer: MegaMoE, x: torch.Tensor, *, expected: MegaMoE, matches=torch.equal, replays: int = 1
 ) -> None:
@@ -151,7 +140,7 @@ def test_fused_path_matches_torch_path(family, backend, tokens):
         assert relative_l2_error(y.float(), expected.float()) < 2e-2
         return  # and bf16 routing flips against the fp32 oracle's (4% at 8 experts, top-2)
     assert relative_l2_error(y.float(), expected.float()) < 2e-3
-    oracle = fp32_oracle(fused)
+    oracle = fp32_oracle_of(fused)
     assert relative_l2_error(y.float(), oracle(x.float())) < 2e-2
 
 
@@ -273,7 +262,7 @@ def test_shared_experts_in_the_batch(family, backend, tokens):
     in_batch.load_state_dict(beside.state_dict(), assign=True)
     shared = in_batch._shared_experts_in_batch(tokens)
     assert shared == beside.config.shared_size // beside.config.intermediate_size
-    oracle = fp32_oracle(beside)
+    oracle = fp32_oracle_of(beside)
     for seed in range(3):  # launched, then (up to 128 tokens) captured and replayed
         generator = torch.Generator(device="cuda").manual_seed(seed)
         x = torch.randn(tokens, 512, device="cuda", generator=generator).bfloat16()

@@ -177,9 +177,15 @@ def add_weight_dtype_argument(
 
 
 def fp32_oracle_of(layer: MegaMoE) -> MegaMoE:
-    """The same layer in fp32 on the reference backend, FP8 weights dequantized (the values they
-    stand for): the oracle the demo checks against."""
-    config = replace(layer.config, backend="reference", weight_dtype=None, shared_weight_dtype=None)
+    """The same layer in fp32 on the reference backend's torch path, FP8 weights dequantized
+    (the values they stand for): the oracle the demo and the GPU tests check against."""
+    config = replace(
+        layer.config,
+        backend="reference",
+        layer_path="torch",
+        weight_dtype=None,
+        shared_weight_dtype=None,
+    )
     fp8_linear = {
         f"{name}.weight": module
         for name, module in layer.named_modules()
